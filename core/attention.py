@@ -1,0 +1,104 @@
+"""The attention backend interface and the RadixAttention layer models use."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from treadle.core.model_runner import ModelRunner
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV cache for one ForwardBatch.
+
+    A backend is built by its registered factory as ``factory(model_runner)``
+    and may read: ``model_runner.device``, ``.dtype``, ``.num_heads``,
+    ``.num_kv_heads``, ``.head_dim``, ``.page_size``, ``.req_to_token_pool``,
+    ``.kv_cache``, ``.sliding_window`` and ``.context_len``.
+
+    q is ``[num_tokens, num_heads * head_dim]``; k, v are
+    ``[num_tokens, num_kv_heads * head_dim]``; the result has q's shape.
+    With ``save_kv_cache`` the backend writes k, v at ``out_cache_loc`` first.
+    """
+
+    supports_cuda_graph: bool = False
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Prepare per-step metadata before the layers run (no host-device sync)."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
+    ) -> None:
+        raise NotImplementedError
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        mode: ForwardMode,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+
+class RadixAttention(nn.Module):
+    """An attention layer whose math is done by the batch's attention backend.
+
+    ``sliding_window_size``: a query at position i sees keys at positions
+    ``i - sliding_window_size < j <= i`` (HF's definition); None means full causal.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+        sliding_window_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.num_kv_heads = num_kv_heads
+        self.layer_id = layer_id
+        self.sliding_window_size = sliding_window_size if sliding_window_size and sliding_window_size > 0 else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

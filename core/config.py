@@ -1,0 +1,217 @@
+"""The config tree ``ServerConfig``: YAML file < environment (``TREADLE_…``) < CLI overrides.
+
+Unknown keys are errors naming the key's path. Plugin choices are checked
+against the registries once plugins are loaded (:func:`validate_plugin_choices`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "TREADLE_"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="HF folder or .gguf file; empty means the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = Field(None, description="defaults to the model folder")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    context_length: int | None = Field(None, gt=0, description="defaults to the model's max_position_embeddings")
+    served_model_name: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(0, description="seed for dummy weights")
+
+
+class CacheConfig(Section):
+    kv_allocator: str = "token"
+    page_size: int = Field(1, ge=1)
+    disable_radix_cache: bool = False
+    max_total_tokens: int | None = Field(None, gt=0, description="KV slots; default sized from memory")
+    mem_fraction: float = Field(0.85, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _page_size_matches_allocator(self) -> "CacheConfig":
+        if self.kv_allocator == "token" and self.page_size != 1:
+            raise ValueError("kv_allocator 'token' has page size 1; use kv_allocator: paged for page_size > 1")
+        return self
+
+
+class SchedulerConfig(Section):
+    policy: str = "fcfs"
+    max_running_requests: int = Field(64, ge=1)
+    chunked_prefill_size: int | None = Field(2048, gt=0, description="tokens per prefill chunk; null disables")
+    max_prefill_tokens: int = Field(8192, gt=0)
+    enable_mixed_chunk: bool = Field(False, description="run prefill chunks in the same batch as decodes")
+    seed: int = 0
+    new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
+
+
+class AttentionConfig(Section):
+    backend: str = "torch_native"
+
+
+class RuntimeConfig(Section):
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = Field(32, ge=1)
+
+
+class HttpServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)
+    api_key: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_request_tokens: int | None = Field(None, gt=0)
+
+
+class ParallelConfig(Section):
+    tp_size: int = Field(1, ge=1, le=1, description="tensor parallelism is not implemented yet")
+
+
+class ServerConfig(BaseSettings):
+    """The whole treadle configuration; YAML files mirror this tree."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    server: HttpServerConfig = Field(default_factory=HttpServerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    plugins: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, *_sources):  # type: ignore[override]
+        # load_config merges file, environment and CLI itself, in that order.
+        return (init_settings,)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | list[str] | None = None,
+    base: Mapping[str, Any] | None = None,
+    use_env: bool = True,
+) -> ServerConfig:
+    """Resolve a ServerConfig from ``base`` < YAML ``path`` < environment < ``overrides``.
+
+    ``overrides`` is ``{"scheduler.policy": "lpm"}`` or ``["scheduler.policy=lpm"]``;
+    values given as strings are parsed as YAML scalars (``64`` → int, ``true`` → bool).
+    """
+    merged: dict[str, Any] = _deep_copy(base or {})
+    if path is not None:
+        _deep_merge(merged, read_yaml(path))
+    if use_env:
+        _deep_merge(merged, _env_values())
+    _deep_merge(merged, _nest_overrides(overrides or {}))
+    return validate_config(merged, source=str(path) if path else None)
+
+
+def validate_config(values: Mapping[str, Any], source: str | None = None) -> ServerConfig:
+    try:
+        return ServerConfig(**values)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file not found: {file}")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: invalid YAML: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping of sections, got {type(values).__name__}")
+    return values
+
+
+def format_validation_error(exc: ValidationError, source: str | None = None) -> str:
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"  {key}: {message}")
+    where = f" in {source}" if source else ""
+    return f"invalid treadle config{where}:\n" + "\n".join(lines)
+
+
+def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
+    """Check every plugin name the config picks against the loaded registries."""
+    from treadle.core.registry import PluginError
+
+    choices = [
+        ("attention", config.attention.backend, "attention.backend"),
+        ("schedule_policies", config.scheduler.policy, "scheduler.policy"),
+        ("kv_allocators", config.cache.kv_allocator, "cache.kv_allocator"),
+    ]
+    for kind, name, key in choices:
+        try:
+            registry.get(kind, name)
+        except PluginError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+
+def _env_values() -> dict[str, Any]:
+    source = EnvSettingsSource(
+        ServerConfig, env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False
+    )
+    return dict(source())
+
+
+def _nest_overrides(overrides: Mapping[str, Any] | list[str]) -> dict[str, Any]:
+    if isinstance(overrides, list):
+        pairs = {}
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override '{item}' must look like section.key=value")
+            key, value = item.split("=", 1)
+            pairs[key.strip()] = value
+        overrides = pairs
+    nested: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value != "" else None
+            except yaml.YAMLError:
+                pass
+        node = nested
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = _deep_copy(value) if isinstance(value, Mapping) else value
+
+
+def _deep_copy(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in values.items()}

@@ -1,0 +1,50 @@
+"""The plugin contract: four hooks, each handed a ``register(name, factory)`` callback."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT_NAME = "treadle"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[[str, Any], None]
+
+
+class Spec:
+    """Hook specifications every treadle plugin implements a subset of."""
+
+    @hookspec
+    def treadle_register_attention_backends(self, register: Register) -> None:
+        """Register AttentionBackend factories: ``register("name", factory(model_runner))``."""
+
+    @hookspec
+    def treadle_register_models(self, register: Register) -> None:
+        """Register model classes by HF architecture name (``"LlamaForCausalLM"``)."""
+
+    @hookspec
+    def treadle_register_schedule_policies(self, register: Register) -> None:
+        """Register SchedulePolicy factories: ``register("name", factory(tree_cache, seed))``."""
+
+    @hookspec
+    def treadle_register_kv_allocators(self, register: Register) -> None:
+        """Register KVAllocator factories: ``register("name", factory(size, page_size, device))``."""
+
+
+# kind -> hook name; the kinds are the keys of `treadle plugins --json`.
+HOOKS_BY_KIND: dict[str, str] = {
+    "attention": "treadle_register_attention_backends",
+    "models": "treadle_register_models",
+    "schedule_policies": "treadle_register_schedule_policies",
+    "kv_allocators": "treadle_register_kv_allocators",
+}
+
+KIND_LABELS: dict[str, str] = {
+    "attention": "attention backend",
+    "models": "model architecture",
+    "schedule_policies": "schedule policy",
+    "kv_allocators": "KV allocator",
+}

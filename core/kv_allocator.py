@@ -1,0 +1,63 @@
+"""The KVAllocator interface: hands out KV slots at token or page granularity."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVAllocator(ABC):
+    """Owns the free KV slots ``[page_size, page_size + size)``; slots below are padding.
+
+    Built by its registered factory as ``factory(size, page_size, device)``.
+    Slots are host-side int64 tensors; the scheduler moves them to the device.
+    A request's positions map to slots so that, with page size P, positions
+    ``kP .. kP+P-1`` of one request share one page: ``alloc_extend`` continues a
+    partly filled last page (given its last slot) before taking fresh pages.
+    """
+
+    def __init__(self, size: int, page_size: int, device: torch.device | str = "cpu") -> None:
+        if size < page_size:
+            raise ValueError(f"KV pool of {size} slots is smaller than one page of {page_size}")
+        self.size = size - size % page_size
+        self.page_size = page_size
+        self.device = torch.device(device)
+
+    @property
+    def total_slots(self) -> int:
+        return self.size
+
+    @property
+    @abstractmethod
+    def free_slots(self) -> int:
+        """Slots that can be handed out now (whole free pages × page size)."""
+
+    @abstractmethod
+    def alloc_extend(
+        self, prefix_lens: list[int], extend_lens: list[int], last_slots: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for positions ``[prefix_lens[i], prefix_lens[i] + extend_lens[i])`` of each request,
+        concatenated in request order; ``last_slots[i]`` is the slot of position
+        ``prefix_lens[i] - 1`` (-1 when the prefix is empty). None, allocating
+        nothing, when memory is short."""
+
+    @abstractmethod
+    def free(self, slots: torch.Tensor) -> None:
+        """Give back slots (paged: the pages containing them, which the caller owns whole)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Make every slot free again."""
+
+    def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor | None:
+        """One slot per request for position ``seq_lens[i]`` (the token being decoded)."""
+        return self.alloc_extend(seq_lens, [1] * len(seq_lens), last_slots)
+
+    def slots_needed(self, prefix_len: int, extend_len: int) -> int:
+        """Worst-case free slots consumed by extending one request (page-rounded)."""
+        if self.page_size == 1:
+            return extend_len
+        first_page_room = (-prefix_len) % self.page_size
+        rest = max(0, extend_len - first_page_room)
+        return -(-rest // self.page_size) * self.page_size

@@ -1,0 +1,80 @@
+"""Device memory for requests and KV: ReqToTokenPool and KVCache."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps (request slot, position) to the KV slot holding that token's K/V.
+
+    ``req_to_token`` lives on the device for attention backends; the scheduler
+    keeps each request's slots on the host too (``Req.kv_slots``), so it never
+    reads this table back.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self._free = list(range(size))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop(0) if self._free else None
+
+    def free(self, index: int) -> None:
+        self._free.append(index)
+
+    def clear(self) -> None:
+        self._free = list(range(self.size))
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``.
+
+    The first ``page_size`` slots are padding that no request owns: CUDA-graph
+    padding and dummy writes go there.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffers[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffers[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (``[n, num_kv_heads, head_dim]`` or flattened) at slots ``loc``."""
+        k = k.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
+        v = v.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
+        self.k_buffers[layer_id][loc] = k
+        self.v_buffers[layer_id][loc] = v
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,177 @@
+"""Requests as the scheduler sees them: sampling parameters, state, finish reasons."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request's parameters are out of range or inconsistent; servers map this to HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. ``temperature == 0`` is greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def verify(self) -> None:
+        """Raise InvalidRequestError naming the first out-of-range field."""
+        checks = [
+            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @classmethod
+    def from_any(cls, value: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+        if value is None:
+            return cls()
+        if isinstance(value, SamplingParams):
+            return value
+        return cls(**value)
+
+
+class FinishReason:
+    """Why a request stopped, in the OpenAI vocabulary: 'stop', 'length' or 'abort'."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_seed_counter = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request and everything the scheduler tracks for it.
+
+    Token layout: ``origin_input_ids + output_ids`` is the sequence; the KV of
+    the first ``kv_len`` of those tokens is computed and lives at ``kv_slots``
+    (a CPU int64 tensor). ``prefix_len`` of them are shared with the radix
+    cache (locked via ``last_node``).
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: only output logprobs; k: input logprobs from position k
+    top_logprobs_num: int = 0
+    arrival: int = field(default_factory=lambda: next(_seed_counter))
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: str | None = None
+    finished_detail: str | None = None  # the matched stop string or token, or an error message
+    error: str | None = None
+
+    # Memory state owned by the scheduler.
+    req_pool_idx: int | None = None
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    prefix_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0  # tokens served from the radix cache on first admission
+
+    # Sampling state.
+    sample_seed: int = 0
+
+    # Log-probabilities (filled when return_logprob).
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    # Bookkeeping.
+    retractions: int = 0
+    is_chunked: bool = False  # a prefill chunk is in flight; more of the prompt remains
+
+    def __post_init__(self) -> None:
+        seed = self.sampling_params.seed
+        self.sample_seed = seed if seed is not None else (uuid.uuid4().int & 0x7FFFFFFF)
+
+    @staticmethod
+    def new_rid() -> str:
+        return uuid.uuid4().hex
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.kv_slots.numel())
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def finish(self, reason: str, detail: str | None = None) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = reason
+            self.finished_detail = detail
+
+
+@dataclass
+class ReqOutput:
+    """What one scheduler step produced for one request (crosses the scheduler process boundary)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: str | None
+    finished_detail: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_output_logprobs: list[float] = field(default_factory=list)
+    new_output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_token_logprobs: list[float | None] | None = None  # sent once, with the first output
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
