@@ -96,7 +96,7 @@ class ServerConfig(BaseSettings):
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, *_sources):  # type: ignore[override]
+    def settings_customise_sources(cls, settings_cls, init_settings, **_sources):  # type: ignore[override]
         # load_config merges file, environment and CLI itself, in that order.
         return (init_settings,)
 

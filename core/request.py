@@ -128,7 +128,7 @@ class Req:
 
     # Bookkeeping.
     retractions: int = 0
-    is_chunked: bool = False  # a prefill chunk is in flight; more of the prompt remains
+    input_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         seed = self.sampling_params.seed

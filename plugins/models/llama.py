@@ -1,1 +1,75 @@
-"""(being written: registers nothing yet)"""
+"""Llama (and Llama-shaped models such as SmolLM2), registered as ``LlamaForCausalLM``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from treadle.core.forward_batch import ForwardBatch
+from treadle.core.hookspecs import Register, hookimpl
+from treadle.plugins.models.layers import (
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    check_activation,
+    head_dim,
+    load_checkpoint,
+    rope_parameters,
+)
+
+# Older checkpoints store the rotary table; it is recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; returns hidden states for every token."""
+
+    def __init__(self, config: Any, sliding_window_size: int | None = None) -> None:
+        super().__init__()
+        check_activation(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer_id, sliding_window_size) for layer_id in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin, forward_batch)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM: logits (float32) for the rows ``forward_batch.logits_indices``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self._sliding_window(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _sliding_window(self, config: Any) -> int | None:
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        # Norm and lm_head are row-wise: select the wanted rows first.
+        selected = self.model.norm(hidden_states[forward_batch.logits_indices])
+        return self.lm_head(selected).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        load_checkpoint(self, weights, ignored_suffixes=ignored)
+
+
+@hookimpl
+def treadle_register_models(register: Register) -> None:
+    register("LlamaForCausalLM", LlamaForCausalLM)

@@ -1,0 +1,184 @@
+"""Engine: the in-process offline API over the same Scheduler the server runs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from treadle.core.config import ServerConfig, load_config, validate_config
+from treadle.core.registry import Registry
+from treadle.core.request import InvalidRequestError, Req, ReqOutput, SamplingParams
+
+ConfigLike = ServerConfig | Mapping[str, Any] | str | os.PathLike | None
+
+
+@dataclass
+class GenerateOutput:
+    """One finished generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[Any] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+
+
+def resolve_config(config: ConfigLike) -> ServerConfig:
+    """A ServerConfig from a ServerConfig, a dict shaped like the YAML, a YAML path, or None (defaults)."""
+    if config is None:
+        return load_config()
+    if isinstance(config, ServerConfig):
+        return config
+    if isinstance(config, Mapping):
+        return validate_config(config)
+    return load_config(Path(config))
+
+
+class Engine:
+    """Runs generation in this process: ``Engine(config).generate(prompts, sampling_params)``.
+
+    Not thread-safe: one caller at a time.
+    """
+
+    def __init__(self, config: ConfigLike = None, registry: Registry | None = None) -> None:
+        from treadle.core.scheduler import Scheduler
+
+        self.config = resolve_config(config)
+        self.scheduler = Scheduler(self.config, registry)
+        self.tokenizer = self.scheduler.tokenizer
+
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[Any] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        priority: int | Sequence[int] | None = None,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """Generate for one prompt (returns one output) or a list of prompts (returns a list, in order)."""
+        single, token_lists = self._token_lists(prompt, input_ids)
+        count = len(token_lists)
+        params = _per_request(sampling_params, count, SamplingParams.from_any, "sampling_params")
+        priorities = _per_request(priority, count, lambda p: int(p or 0), "priority")
+        reqs = [
+            Req(
+                rid=Req.new_rid(),
+                origin_input_ids=ids,
+                sampling_params=_copy_params(p),
+                priority=prio,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+            )
+            for ids, p, prio in zip(token_lists, params, priorities)
+        ]
+        scheduler = self.scheduler
+        added: list[Req] = []
+        try:
+            for req in reqs:
+                scheduler.add_request(req)
+                added.append(req)
+            finished: dict[str, ReqOutput] = {}
+            while len(finished) < len(reqs):
+                for output in scheduler.step():
+                    if output.finished_reason is not None:
+                        finished[output.rid] = output
+        except BaseException:
+            for req in added:
+                scheduler.abort_request(req.rid)
+            raise
+        outputs = [self._to_output(req, finished[req.rid]) for req in reqs]
+        return outputs[0] if single else outputs
+
+    def kv_stats(self) -> dict[str, int]:
+        """``total_slots``, ``free_slots``, ``cached_slots`` (held by the radix cache), and more."""
+        return self.scheduler.kv_stats()
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return self.scheduler.model_info
+
+    def shutdown(self) -> None:
+        """Release the model and the KV memory."""
+        self.scheduler = None  # type: ignore[assignment]
+        import gc
+
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequestError("give exactly one of prompt or input_ids", param="prompt")
+        if input_ids is not None:
+            if len(input_ids) and isinstance(input_ids[0], int):
+                return True, [list(input_ids)]
+            return False, [list(ids) for ids in input_ids]
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; pass input_ids", param="prompt")
+        single = isinstance(prompt, str)
+        texts = [prompt] if single else list(prompt)
+        return single, [self.tokenizer.encode(text) for text in texts]
+
+    def _to_output(self, req: Req, final: ReqOutput) -> GenerateOutput:
+        from treadle.core.incremental_decode import trim_at_stop
+
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(
+                req.output_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
+            )
+            if final.finished_reason == "stop" and isinstance(final.finished_detail, str):
+                text = trim_at_stop(text, req.sampling_params.stop)
+        matched: str | int | None = final.finished_detail
+        if final.finished_reason == "stop" and matched is not None and matched not in req.sampling_params.stop:
+            matched = int(matched)
+        return GenerateOutput(
+            text=text,
+            token_ids=list(req.output_ids),
+            finish_reason=final.finished_reason or "abort",
+            matched_stop=matched if final.finished_reason == "stop" else None,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            input_token_logprobs=list(req.input_token_logprobs),
+            output_token_logprobs=list(req.output_token_logprobs),
+            input_top_logprobs=list(req.input_top_logprobs),
+            output_top_logprobs=list(req.output_top_logprobs),
+        )
+
+
+def _per_request(value: Any, count: int, convert, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)) and not isinstance(value, str):
+        if len(value) != count:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {count} prompts", param=name)
+        return [convert(v) for v in value]
+    return [convert(value)] * count
+
+
+def _copy_params(params: SamplingParams) -> SamplingParams:
+    # Each request may clamp max_new_tokens; never let that leak into a shared object.
+    from dataclasses import replace
+
+    return replace(params)

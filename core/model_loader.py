@@ -1,0 +1,228 @@
+"""Build the model named by a ModelConfig and fill its weights: safetensors, GGUF (converted), or dummy.
+
+The model class comes from the ``models`` registry by ``config.architectures[0]``.
+It is built directly on the target device in the target dtype, then weights are
+streamed in tensor by tensor (``model.load_weights``) so peak memory stays near
+the model's own size.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from treadle.core.config import ModelConfig
+from treadle.core.registry import PluginError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DUMMY_WEIGHT_RANGE = 1e-3  # uniform(-r, r): small enough that activations stay finite at 8B shapes
+
+
+class ModelLoadError(RuntimeError):
+    """The model folder, its config or its weights could not be used; the message says which and why."""
+
+
+def load_model(
+    model_config: ModelConfig,
+    registry: Any,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[nn.Module, Any, str]:
+    """Build and load the model; returns ``(model in eval mode, HF config, model folder)``.
+
+    ``device``/``dtype`` default to ``model_config.device``/``.dtype`` and may be
+    ``"auto"`` (see :func:`resolve_device`, :func:`resolve_dtype`).
+    """
+    model_dir = resolve_model_path(model_config)
+    hf_config = read_hf_config(model_dir)
+    model_cls = model_class(hf_config, registry, model_dir)
+    target_device = resolve_device(device if device is not None else model_config.device)
+    target_dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target_device)
+
+    with _building_on(target_device, target_dtype):
+        model = model_cls(hf_config)
+    _cast_parameters(model, target_dtype)
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model, model_config.seed)
+    else:
+        files = safetensors_files(model_dir)
+        model.load_weights(iter_safetensors(files))
+    model.requires_grad_(False)
+    return model.eval(), hf_config, model_dir
+
+
+def resolve_model_path(model_config: ModelConfig) -> str:
+    """The HF folder to load: the embedded default, a converted GGUF file, or the folder given."""
+    from treadle.core import default_model as embedded
+
+    if model_config.path is None:
+        return embedded.default_model()
+    path = Path(model_config.path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model.path '{model_config.path}' does not exist; give an HF model folder or a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model.path '{path}' is a file but not a .gguf; give an HF model folder or a .gguf file")
+        if model_config.load_format not in ("auto", "gguf", "dummy"):
+            raise ModelLoadError(f"model.path '{path}' is a GGUF file but load_format is '{model_config.load_format}'")
+        return embedded.convert_gguf(path)
+    if model_config.load_format == "gguf":
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(f"load_format gguf needs exactly one .gguf file in {path}, found {len(ggufs)}")
+        return embedded.convert_gguf(ggufs[0])
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder '{path}' has no config.json; is it a Hugging Face model folder?")
+    return str(path)
+
+
+def read_hf_config(model_dir: str) -> Any:
+    """config.json as a transformers config (``AutoConfig``; a plain PretrainedConfig for unknown model types)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError):
+        # A model type transformers does not know may still be served by a plugin.
+        with open(Path(model_dir) / "config.json") as handle:
+            return PretrainedConfig(**json.load(handle))
+
+
+def model_class(hf_config: Any, registry: Any, model_dir: str = "") -> Any:
+    """The registered class for ``hf_config.architectures[0]``."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ModelLoadError(f"{model_dir}/config.json names no architectures; cannot pick a model class")
+    name = architectures[0]
+    try:
+        return registry.get("models", name)
+    except PluginError:
+        raise ModelLoadError(
+            f"model architecture '{name}' (from {model_dir}/config.json) is not supported; "
+            f"available: {registry.describe('models')}"
+        ) from None
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``"auto"`` → cuda when available, else cpu."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"model.device is '{device}' but no CUDA GPU is available; use cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str, hf_config: Any, device: torch.device | str) -> torch.dtype:
+    """``"auto"`` → the checkpoint's dtype on cuda (bfloat16 when it names none), float32 on cpu."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"unknown dtype '{dtype}'; use one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    if isinstance(declared, str) and declared.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[declared.removeprefix("torch.")]
+    return torch.bfloat16
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    """The folder's safetensors files: the shards of model.safetensors.index.json, model.safetensors, or all *.safetensors."""
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as handle:
+            weight_map = json.load(handle).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        hint = " (*.bin checkpoints are not supported; convert them to safetensors)" if any(folder.glob("*.bin")) else ""
+        raise ModelLoadError(f"no *.safetensors weights in {folder}{hint}; or use load_format: dummy")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one tensor at a time, on the CPU, with a "Loading weights" progress bar."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            total += len(list(reader.keys()))
+    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+                    bar.update(1)
+
+
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter with uniform(-1e-3, 1e-3) noise, reproducibly from ``seed``, in place on its device."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            generator = generators.get(param.device)
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+                generators[param.device] = generator
+            param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
+
+
+_INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+    "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+)
+
+
+@contextmanager
+def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters on the device in the final dtype, without random init.
+
+    No float32 CPU copy of an 8B model is ever made, and the (slow) default
+    initializers are skipped because every parameter is overwritten by the
+    checkpoint or the dummy fill right after. Buffers computed in ``__init__``
+    stay correct (unlike building on the meta device).
+    """
+    previous_dtype = torch.get_default_dtype()
+    originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    torch.set_default_dtype(dtype)
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, _keep)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        for name, function in originals.items():
+            setattr(nn.init, name, function)
+        torch.set_default_dtype(previous_dtype)
+
+
+def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    # Only parameters: a model may keep float32 buffers (e.g. rotary tables) on purpose.
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)

@@ -1,0 +1,110 @@
+"""ModelRunner: loads the model, sizes and owns the KV memory, builds the attention backend, runs forwards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from treadle.core.config import ServerConfig
+from treadle.core.forward_batch import ForwardBatch
+from treadle.core.kv_allocator import KVAllocator
+from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+# Without a GPU there is no device memory to size from: cap the default KV pool.
+_CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+_CPU_DEFAULT_MAX_TOKENS = 65536
+
+
+class ModelRunner:
+    """Owns the model, the KV pools, the KV allocator and the attention backend of one GPU (or the CPU).
+
+    Attention backends read these attributes: ``device``, ``dtype``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``page_size``, ``req_to_token_pool``,
+    ``kv_cache``, ``sliding_window``, ``context_len``.
+    """
+
+    def __init__(self, config: ServerConfig, registry: Registry) -> None:
+        from treadle.core.model_loader import load_model
+
+        self.config = config
+        self.model, self.hf_config, self.model_dir = load_model(config.model, registry)
+        first_param = next(self.model.parameters())
+        self.device: torch.device = first_param.device
+        self.dtype: torch.dtype = first_param.dtype
+
+        hf = self.hf_config
+        self.num_layers: int = hf.num_hidden_layers
+        self.num_heads: int = hf.num_attention_heads
+        self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.head_dim: int = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.vocab_size: int = hf.vocab_size
+        self.sliding_window: int | None = getattr(hf, "sliding_window", None) or None
+        max_positions = getattr(hf, "max_position_embeddings", 4096)
+        self.context_len: int = config.model.context_length or max_positions
+        self.page_size: int = config.cache.page_size
+
+        self.max_total_tokens = self._kv_pool_size()
+        self.kv_cache = KVCache(
+            self.max_total_tokens, self.page_size, self.num_layers, self.num_kv_heads,
+            self.head_dim, self.dtype, self.device,
+        )
+        self.max_running_requests = config.scheduler.max_running_requests
+        # One spare row so a retracted request can be re-admitted while others still hold theirs.
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, self.context_len + self.page_size, self.device
+        )
+        allocator_factory = registry.get("kv_allocators", config.cache.kv_allocator)
+        self.allocator: KVAllocator = allocator_factory(self.max_total_tokens, self.page_size, "cpu")
+        backend_factory = registry.get("attention", config.attention.backend)
+        self.attn_backend = backend_factory(self)
+        self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
+        logger.info(
+            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s",
+            self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
+        )
+
+    def _kv_pool_size(self) -> int:
+        requested = self.config.cache.max_total_tokens
+        per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        if requested is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                budget = total * self.config.cache.mem_fraction - used
+                if budget <= per_token * 64:
+                    raise RuntimeError(
+                        f"not enough GPU memory for the KV cache: cache.mem_fraction={self.config.cache.mem_fraction} "
+                        f"of {total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights"
+                    )
+                requested = int(budget // per_token)
+            else:
+                requested = min(int(_CPU_DEFAULT_KV_BYTES * self.config.cache.mem_fraction // per_token),
+                                _CPU_DEFAULT_MAX_TOKENS)
+        size = requested - requested % self.page_size
+        if size < self.page_size:
+            raise ValueError(f"cache.max_total_tokens={requested} is smaller than one page ({self.page_size})")
+        return size
+
+    def _maybe_cuda_graphs(self, registry: Registry) -> Any:
+        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph:
+            return None
+        if not getattr(self.attn_backend, "supports_cuda_graph", False):
+            logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
+                        self.config.attention.backend)
+            return None
+        from treadle.core.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self)
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits for ``forward_batch.logits_indices``."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

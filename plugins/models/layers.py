@@ -1,0 +1,302 @@
+"""Building blocks shared by the Llama-family models: norms, rotary embedding, MLP, decoder layer, weight loading.
+
+The math follows HF transformers' Llama exactly (float32 RMSNorm statistics,
+float32 rotary angles, ``rotate_half`` convention) so greedy output matches it
+token for token. Projections that read the same input are stacked into one
+matmul (``qkv_proj``, ``gate_up_proj``); :func:`load_checkpoint` maps the HF
+checkpoint's separate tensors into their slices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treadle.core.attention import RadixAttention
+from treadle.core.forward_batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm; statistics in float32, result in the input's dtype (as HF Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rotary settings of an HF config as one dict with ``rope_theta`` and ``rope_type``.
+
+    Reads transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        merged = dict(params)
+    else:
+        merged = dict(getattr(config, "rope_scaling", None) or {})
+        merged["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
+    return merged
+
+
+def rope_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies (float32, on the CPU) for rope types ``default`` and ``llama3``."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(f"unsupported rope type '{rope_type}' in the model config; supported: default, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`,
+    # short ones kept, the band between interpolated smoothly.
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in HF's ``rotate_half`` layout.
+
+    ``inv_freq`` is a plain float32 attribute rather than a buffer so that
+    casting the model to bf16/fp16 never rounds it; it follows the positions' device.
+    """
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.inv_freq = rope_inv_freq(head_dim, params)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, computed in float32 then cast to ``dtype``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[num_tokens, num_heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class StackedLinear(nn.Linear):
+    """A linear layer whose output rows are several HF projections stacked: ``shards`` maps
+    each shard id (the HF projection name) to its ``(row offset, rows)``."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, rows in shard_sizes.items():
+            self.shards[shard_id] = (offset, rows)
+            offset += rows
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = StackedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SelfAttention(nn.Module):
+    """QKV projection, rotary embedding, RadixAttention over the KV cache, output projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_id: int,
+        bias: bool = False,
+        sliding_window_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = StackedLinear(
+            hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias)
+        self.attn = RadixAttention(
+            num_heads, head_dim, head_dim**-0.5, num_kv_heads, layer_id, sliding_window_size=sliding_window_size
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: Any, layer_id: int, sliding_window_size: int | None = None) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=num_kv_heads(config),
+            head_dim=head_dim(config),
+            layer_id=layer_id,
+            bias=bool(getattr(config, "attention_bias", False)),
+            sliding_window_size=sliding_window_size,
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, forward_batch)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def check_activation(config: Any) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act '{act}' in the model config; this model supports 'silu'")
+
+
+class CheckpointError(ValueError):
+    """Checkpoint tensors do not match the model: unexpected names, missing ones, or wrong shapes."""
+
+
+# HF projection name -> the stacked parameter holding it.
+STACKED_PROJECTIONS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def load_checkpoint(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], ignored_suffixes: tuple[str, ...] = ()
+) -> None:
+    """Copy HF-named tensors into ``model`` (casting to each parameter's dtype and device).
+
+    Separate HF projections go into their slice of a :class:`StackedLinear`.
+    Raises :class:`CheckpointError` naming unexpected tensors, missing ones, or a shape mismatch.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    pending = _expected_checkpoint_names(model)
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(ignored_suffixes):
+            continue
+        target = _checkpoint_target(name, params, modules)
+        if target is None:
+            unexpected.append(name)
+            continue
+        param, rows = target
+        destination = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
+        if tuple(destination.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)} but the model expects "
+                f"{tuple(destination.shape)}; does config.json match the weights?"
+            )
+        with torch.no_grad():
+            destination.copy_(tensor)
+        pending.discard(name)
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+        raise CheckpointError(f"unexpected tensors in the checkpoint for {type(model).__name__}: {shown}")
+    if pending:
+        missing = sorted(pending)
+        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise CheckpointError(f"tensors missing from the checkpoint for {type(model).__name__}: {shown}")
+
+
+def _checkpoint_target(
+    name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
+) -> tuple[nn.Parameter, tuple[int, int] | None] | None:
+    if name in params:
+        return params[name], None
+    module_name, _, param_name = name.rpartition(".")
+    parent, _, projection = module_name.rpartition(".")
+    stacked_name = STACKED_PROJECTIONS.get(projection)
+    if stacked_name is None:
+        return None
+    stacked = modules.get(f"{parent}.{stacked_name}")
+    if not isinstance(stacked, StackedLinear) or projection not in stacked.shards:
+        return None
+    param = getattr(stacked, param_name, None)
+    if not isinstance(param, nn.Parameter):
+        return None
+    return param, stacked.shards[projection]
+
+
+def _expected_checkpoint_names(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            if isinstance(module, StackedLinear):
+                parent = module_name.rpartition(".")[0]
+                names.update(f"{parent}.{shard}.{param_name}" for shard in module.shards)
+            else:
+                names.add(f"{module_name}.{param_name}" if module_name else param_name)
+    # Shared (tied) parameters appear once in named_parameters; keep only those names.
+    shared_ok = set(dict(model.named_parameters()))
+    return {n for n in names if n in shared_ok or _is_stacked_name(n)}
+
+
+def _is_stacked_name(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in STACKED_PROJECTIONS

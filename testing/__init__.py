@@ -1,0 +1,28 @@
+"""treadle's plugin conformance kit: pytest-callable checks a plugin package runs in its own tests.
+
+    from treadle.testing import check_kv_allocator, check_schedule_policy
+
+    def test_my_policy_conforms():
+        check_schedule_policy(MyPolicy)
+
+Each check raises AssertionError naming the broken rule. The kit depends on
+treadle's core only (built-in plugins are reached through the registry).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treadle.testing.allocators import check_kv_allocator
+from treadle.testing.policies import check_schedule_policy
+
+__all__ = ["check_kv_allocator", "check_schedule_policy"]
+
+
+def __getattr__(name: str) -> Any:
+    # The attention check lives in its own module, imported on first use.
+    if name == "check_attention_backend":
+        from treadle.testing.attention import check_attention_backend
+
+        return check_attention_backend
+    raise AttributeError(f"module 'treadle.testing' has no attribute {name!r}")

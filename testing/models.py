@@ -1,0 +1,64 @@
+"""Tiny random HF checkpoints (Llama, Mistral) for parity tests and plugin authors.
+
+Each helper builds the model with transformers from a fixed seed, saves it as
+safetensors plus config.json into ``path`` and returns ``path``. They are small
+enough (about 0.1-0.5 M parameters) to run in milliseconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def make_tiny_llama(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``LlamaForCausalLM`` to ``path``; ``overrides`` replace config fields
+    (e.g. ``tie_word_embeddings=True``, ``attention_bias=True``, ``head_dim=32``,
+    ``rope_scaling={"rope_type": "llama3", ...}``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY_LLAMA_CONFIG, **overrides})
+    return _save_random(LlamaForCausalLM, config, path, seed)
+
+
+def make_tiny_mistral(path: str | os.PathLike, sliding_window: int | None = 8, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``MistralForCausalLM`` whose layers see at most ``sliding_window`` keys."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**{**TINY_LLAMA_CONFIG, "sliding_window": sliding_window, **overrides})
+    return _save_random(MistralForCausalLM, config, path, seed)
+
+
+def _save_random(model_cls: Any, config: Any, path: str | os.PathLike, seed: int) -> str:
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    # HF initializes with std 0.02, which makes logits nearly flat; a wider spread gives
+    # clear greedy choices so parity tests compare real decisions, not near-ties.
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08, generator=generator)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)

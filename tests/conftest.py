@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random models built by the tests, the embedded SmolLM2, leak checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from treadle.testing.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> str:
+    from treadle.testing.models import make_tiny_mistral
+
+    return make_tiny_mistral(tmp_path_factory.mktemp("tiny-mistral"), sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from treadle.core.default_model import default_model
+
+    return default_model()

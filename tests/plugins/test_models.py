@@ -1,0 +1,250 @@
+"""Llama / Mistral models on the torch_native backend agree with HF transformers (float32, CPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from treadle.core.config import ModelConfig
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.model_loader import load_model
+from treadle.core.registry import build_registry
+from treadle.testing.models import make_tiny_llama, make_tiny_mistral
+
+PLUGINS = [
+    "treadle.plugins.attention.torch_native",
+    "treadle.plugins.models.llama",
+    "treadle.plugins.models.mistral",
+]
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry(plugin_modules=PLUGINS, load_entry_points=False)
+
+
+class Harness:
+    """A hand-built model runner: ReqToTokenPool, KVCache, scattered slots, torch_native backend."""
+
+    def __init__(self, model, hf_config, registry, page_size: int = 1, kv_size: int = 1024) -> None:
+        self.model = model
+        num_kv_heads = hf_config.num_key_value_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.pool = ReqToTokenPool(8, 256, "cpu")
+        self.kv_cache = KVCache(
+            kv_size, page_size, hf_config.num_hidden_layers, num_kv_heads, head_dim, torch.float32, "cpu"
+        )
+        runner = SimpleNamespace(
+            device=torch.device("cpu"), dtype=torch.float32, num_heads=hf_config.num_attention_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, req_to_token_pool=self.pool,
+            kv_cache=self.kv_cache, sliding_window=getattr(hf_config, "sliding_window", None), context_len=256,
+        )
+        self.backend = registry.get("attention", "torch_native")(runner)
+        # Slots in a shuffled order so attention must follow req_to_token, never assume contiguity.
+        order = torch.randperm(kv_size, generator=torch.Generator().manual_seed(1)) + page_size
+        self.free_slots = order.tolist()
+        self.seq_lens: dict[int, int] = {}
+
+    def extend(self, requests: list[tuple[int, list[int]]], all_logits: bool = False) -> torch.Tensor:
+        """Run new tokens for ``(req_pool_idx, token_ids)`` after whatever each request has cached."""
+        prefix_lens = [self.seq_lens.get(idx, 0) for idx, _ in requests]
+        new_lens = [len(ids) for _, ids in requests]
+        positions, out_cache_loc, logits_rows, start = [], [], [], 0
+        for (idx, ids), prefix in zip(requests, prefix_lens):
+            slots = [self.free_slots.pop() for _ in ids]
+            self.pool.req_to_token[idx, prefix : prefix + len(ids)] = torch.tensor(slots, dtype=torch.int32)
+            positions += range(prefix, prefix + len(ids))
+            out_cache_loc += slots
+            logits_rows += range(start, start + len(ids)) if all_logits else [start + len(ids) - 1]
+            start += len(ids)
+            self.seq_lens[idx] = prefix + len(ids)
+        seq_lens = torch.tensor([self.seq_lens[idx] for idx, _ in requests])
+        batch = self._batch(
+            ForwardMode.EXTEND, [idx for idx, _ in requests], [t for _, ids in requests for t in ids],
+            positions, out_cache_loc, seq_lens, logits_rows,
+            extend_seq_lens=torch.tensor(new_lens), extend_prefix_lens=torch.tensor(prefix_lens),
+            extend_start_loc=torch.tensor([sum(new_lens[:i]) for i in range(len(new_lens))]),
+            extend_seq_lens_cpu=new_lens, extend_prefix_lens_cpu=prefix_lens,
+        )
+        return self._run(batch)
+
+    def decode(self, requests: list[tuple[int, int]]) -> torch.Tensor:
+        """One new token per ``(req_pool_idx, token_id)``."""
+        positions, out_cache_loc = [], []
+        for idx, _ in requests:
+            slot = self.free_slots.pop()
+            position = self.seq_lens[idx]
+            self.pool.req_to_token[idx, position] = slot
+            positions.append(position)
+            out_cache_loc.append(slot)
+            self.seq_lens[idx] = position + 1
+        seq_lens = torch.tensor([self.seq_lens[idx] for idx, _ in requests])
+        batch = self._batch(
+            ForwardMode.DECODE, [idx for idx, _ in requests], [t for _, t in requests],
+            positions, out_cache_loc, seq_lens, list(range(len(requests))),
+        )
+        return self._run(batch)
+
+    def _batch(self, mode, req_indices, input_ids, positions, out_cache_loc, seq_lens, logits_rows, **extend):
+        return ForwardBatch(
+            forward_mode=mode, batch_size=len(req_indices), input_ids=torch.tensor(input_ids),
+            positions=torch.tensor(positions), req_pool_indices=torch.tensor(req_indices),
+            seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(), out_cache_loc=torch.tensor(out_cache_loc),
+            seq_lens_sum=int(seq_lens.sum()), logits_indices=torch.tensor(logits_rows),
+            req_to_token_pool=self.pool, kv_cache=self.kv_cache, attn_backend=self.backend, **extend,
+        )
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        self.backend.init_forward_metadata(batch)
+        with torch.no_grad():
+            return self.model(batch.input_ids, batch.positions, batch)
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Prefill all prompts in one batch, then decode them together."""
+        logits = self.extend(list(enumerate(prompts)))
+        outputs = [[int(t)] for t in logits.argmax(-1)]
+        for _ in range(max_new_tokens - 1):
+            logits = self.decode([(i, out[-1]) for i, out in enumerate(outputs)])
+            for out, token in zip(outputs, logits.argmax(-1).tolist()):
+                out.append(token)
+        return outputs
+
+
+def _load(path: str, registry) -> tuple:
+    model, hf_config, _ = load_model(ModelConfig(path=path, device="cpu", dtype="float32"), registry)
+    return model, hf_config
+
+
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0]
+
+
+def _hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    hf_model.generation_config.eos_token_id = None  # always generate exactly max_new_tokens
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+LLAMA_VARIANTS = {
+    "plain": {},
+    "tied-bias-headdim": {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, "head_dim": 32},
+    "llama3-rope": {
+        "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("variant", list(LLAMA_VARIANTS))
+def test_llama_prefill_logits_match_hf(tmp_path, registry, variant):
+    path = make_tiny_llama(tmp_path / variant, **LLAMA_VARIANTS[variant])
+    model, hf_config = _load(path, registry)
+    hf_model = _hf(path)
+    prompts = _prompts(hf_config.vocab_size, [23, 9])
+    logits = Harness(model, hf_config, registry).extend(list(enumerate(prompts)), all_logits=True)
+    expected = torch.cat([_hf_logits(hf_model, p) for p in prompts])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_mistral_sliding_window_prefill_matches_hf(tmp_path, registry):
+    path = make_tiny_mistral(tmp_path / "mistral", sliding_window=6)
+    model, hf_config = _load(path, registry)
+    hf_model = _hf(path)
+    prompt = _prompts(hf_config.vocab_size, [25])[0]
+    logits = Harness(model, hf_config, registry).extend([(0, prompt)], all_logits=True)
+    torch.testing.assert_close(logits, _hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+    # The window must matter here, otherwise this test would pass for full attention too.
+    full = _hf(make_tiny_mistral(tmp_path / "mistral-full", sliding_window=None))
+    assert not torch.allclose(_hf_logits(full, prompt)[-1], logits[-1], atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("family", "page_size"), [("llama", 1), ("mistral", 4)], ids=["llama-page1", "mistral-window5-page4"]
+)
+def test_greedy_decode_matches_hf_generate(tmp_path, registry, family, page_size):
+    if family == "llama":
+        path = make_tiny_llama(tmp_path / family)
+    else:
+        path = make_tiny_mistral(tmp_path / family, sliding_window=5)
+    model, hf_config = _load(path, registry)
+    hf_model = _hf(path)
+    prompts = _prompts(hf_config.vocab_size, [7, 12], seed=3)
+    ours = Harness(model, hf_config, registry, page_size=page_size).greedy(prompts, max_new_tokens=16)
+    assert ours == [_hf_greedy(hf_model, p, 16) for p in prompts]
+
+
+def test_extend_and_decode_after_cached_prefix_equal_full_prefill(tmp_path, registry):
+    path = make_tiny_mistral(tmp_path / "mistral", sliding_window=7)
+    model, hf_config = _load(path, registry)
+    prompt = _prompts(hf_config.vocab_size, [20], seed=5)[0]
+    harness = Harness(model, hf_config, registry)
+
+    full = harness.extend([(0, prompt)], all_logits=True)
+    harness.extend([(1, prompt[:11])])  # the cached prefix
+    rest = harness.extend([(1, prompt[11:-1])], all_logits=True)
+    last = harness.decode([(1, prompt[-1])])
+
+    torch.testing.assert_close(rest, full[11:-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last, full[-1:], atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_of_prefix_extend_and_fresh_prefill_matches_separate_runs(tmp_path, registry):
+    path = make_tiny_llama(tmp_path / "llama")
+    model, hf_config = _load(path, registry)
+    long_prompt, short_prompt = _prompts(hf_config.vocab_size, [15, 6], seed=7)
+    harness = Harness(model, hf_config, registry)
+    alone = [harness.extend([(0, long_prompt)])[0], harness.extend([(1, short_prompt)])[0]]
+
+    harness.extend([(2, long_prompt[:10])])
+    together = harness.extend([(2, long_prompt[10:]), (3, short_prompt)])
+
+    torch.testing.assert_close(together, torch.stack(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_unexpected_checkpoint_tensor_is_named(tmp_path, registry):
+    model, _ = _load(make_tiny_llama(tmp_path / "llama"), registry)
+    with pytest.raises(ValueError, match="unexpected tensors .*model.layers.0.extra.weight"):
+        model.load_weights([("model.layers.0.extra.weight", torch.zeros(2))])
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> str:
+    from treadle.core.default_model import default_model
+
+    return default_model()  # converted once into the cache (~30 s the first time)
+
+
+def test_smollm2_answers_capital_of_france(smollm2_dir, registry):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    model, hf_config = _load(smollm2_dir, registry)
+    tokens = Harness(model, hf_config, registry).greedy([prompt], max_new_tokens=9)[0]
+    eos = hf_config.eos_token_id
+    assert eos in tokens, tokenizer.decode(tokens)
+    assert tokenizer.decode(tokens[: tokens.index(eos)]) == "The capital of France is Paris."
