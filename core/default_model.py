@@ -110,7 +110,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike | None
 
 def _convert_into(gguf_file: Path, folder: Path) -> None:
     """Dequantize with transformers' GGUF reader and save as an HF folder."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -27,7 +27,7 @@ class Spec:
 
     @hookspec
     def treadle_register_schedule_policies(self, register: Register) -> None:
-        """Register SchedulePolicy factories: ``register("name", factory(tree_cache, seed))``."""
+        """Register SchedulePolicy factories: ``register("name", factory(seed))``."""
 
     @hookspec
     def treadle_register_kv_allocators(self, register: Register) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
-from treadle.core.config import ModelConfig
 from treadle.core.registry import PluginError
+
+if TYPE_CHECKING:
+    from treadle.core.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DUMMY_WEIGHT_RANGE = 1e-3  # uniform(-r, r): small enough that activations stay finite at 8B shapes
@@ -28,7 +30,7 @@ class ModelLoadError(RuntimeError):
 
 
 def load_model(
-    model_config: ModelConfig,
+    model_config: "ModelConfig",
     registry: Any,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
@@ -56,7 +58,7 @@ def load_model(
     return model.eval(), hf_config, model_dir
 
 
-def resolve_model_path(model_config: ModelConfig) -> str:
+def resolve_model_path(model_config: "ModelConfig") -> str:
     """The HF folder to load: the embedded default, a converted GGUF file, or the folder given."""
     from treadle.core import default_model as embedded
 

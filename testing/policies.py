@@ -37,7 +37,7 @@ def check_schedule_policy(factory: PolicyFactory, *, seeds: tuple[int, ...] = (0
 
 
 def _check_with_cache(factory: PolicyFactory, name: str, seed: int, cache_kind: str) -> None:
-    cache = _build_cache(cache_kind)
+    cache, allocator = _build_cache(cache_kind)
     queue = _crafted_queue()
     first, second = factory(seed), factory(seed)
     where = f"{name}(seed={seed}) with {type(cache).__name__}"
@@ -47,7 +47,7 @@ def _check_with_cache(factory: PolicyFactory, name: str, seed: int, cache_kind: 
         second.order(list(waiting), cache)
         _expect_permutation(ordered, waiting, where)
 
-    cache_before = _cache_state(cache)
+    cache_before = _cache_state(cache, allocator)
     reqs_before = [_req_state(req) for req in queue]
     for call in range(3):
         ordered = first.order(list(queue), cache)
@@ -58,7 +58,7 @@ def _check_with_cache(factory: PolicyFactory, name: str, seed: int, cache_kind: 
             f"{where}: two policies built with the same seed ordered the same queue differently on call "
             f"{call + 1}: {[r.rid for r in ordered]} vs {[r.rid for r in again]}",
         )
-    _expect(_cache_state(cache) == cache_before, f"{where}: order() changed the prefix cache's contents or locks")
+    _expect(_cache_state(cache, allocator) == cache_before, f"{where}: order() changed the prefix cache's contents or locks")
     _expect(
         [_req_state(req) for req in queue] == reqs_before,
         f"{where}: order() changed the requests' fields (it must only reorder them)",
@@ -104,19 +104,18 @@ def _crafted_queue() -> list[Req]:
     ]
 
 
-def _build_cache(kind: str) -> PrefixCache:
+def _build_cache(kind: str) -> tuple[PrefixCache, KVAllocator]:
     allocator = _builtin_token_allocator(256)
     if kind == "none":
-        return NoPrefixCache(allocator)
+        return NoPrefixCache(allocator), allocator
     cache = RadixCache(allocator, page_size=1)
     for tokens in _CACHED:
         slots = allocator.alloc_extend([0], [len(tokens)], [-1])
-        assert slots is not None
         already = cache.insert(tokens, slots)
         allocator.free(slots[:already])
     # A running request holds the system prompt.
     cache.inc_lock_ref(cache.match_prefix(_SYSTEM)[1])
-    return cache
+    return cache, allocator
 
 
 def _builtin_token_allocator(size: int) -> KVAllocator:
@@ -125,9 +124,9 @@ def _builtin_token_allocator(size: int) -> KVAllocator:
     return build_registry().get("kv_allocators", "token")(size, 1, "cpu")
 
 
-def _cache_state(cache: PrefixCache) -> tuple:
+def _cache_state(cache: PrefixCache, allocator: KVAllocator) -> tuple:
     """What a cache holds, independent of how its nodes happen to be split."""
-    sizes = (cache.evictable_size(), cache.protected_size(), getattr(cache, "allocator").free_slots)
+    sizes = (cache.evictable_size(), cache.protected_size(), allocator.free_slots)
     root = getattr(cache, "root", None)
     if root is None:
         return sizes, ()

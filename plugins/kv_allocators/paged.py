@@ -35,6 +35,8 @@ class PagedKVAllocator(KVAllocator):
                 f"alloc_extend needs one prefix_len, extend_len and last_slot per request, got "
                 f"{len(prefix_lens)}, {len(extend_lens)} and {len(last_slots)}"
             )
+        if extend_lens and min(extend_lens) < 0:
+            raise ValueError(f"extend_lens must be >= 0, got {list(extend_lens)}")
         page = self.page_size
         prefix = torch.tensor(prefix_lens, dtype=torch.int64)
         extend = torch.tensor(extend_lens, dtype=torch.int64)
@@ -53,9 +55,10 @@ class PagedKVAllocator(KVAllocator):
 
         # Per token: its request and its offset within that request's new tokens.
         num_tokens = int(extend.sum())
-        # repeat_interleave(repeats) is the fast form; repeat_interleave(values, repeats) costs ~10 ms on CPU.
-        req_of_token = torch.repeat_interleave(extend)
-        token_start = torch.cumsum(extend, 0) - extend
+        token_end = torch.cumsum(extend, 0)
+        token_start = token_end - extend
+        # searchsorted, not repeat_interleave: the latter forks OpenMP threads for any size (ms when CPUs are busy).
+        req_of_token = torch.searchsorted(token_end, torch.arange(num_tokens), right=True)
         offset = torch.arange(num_tokens, dtype=torch.int64) - token_start[req_of_token]
         continued_of_token = continued[req_of_token]
 

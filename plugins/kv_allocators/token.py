@@ -36,6 +36,8 @@ class TokenKVAllocator(KVAllocator):
                 f"alloc_extend needs one prefix_len, extend_len and last_slot per request, got "
                 f"{len(prefix_lens)}, {len(extend_lens)} and {len(last_slots)}"
             )
+        if extend_lens and min(extend_lens) < 0:
+            raise ValueError(f"extend_lens must be >= 0, got {list(extend_lens)}")
         need = sum(extend_lens)
         if need > self._free.numel():
             return None

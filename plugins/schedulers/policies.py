@@ -104,8 +104,10 @@ class DFSWeightPolicy(SchedulePolicy):
                 children[id(parent)][key] = node
                 node = parent
 
+        def by_weight(node: Any) -> tuple[int, int]:
+            return -weight[id(node)], first_arrival[id(node)]
+
         ordered: list[Req] = []
-        by_weight = lambda node: (-weight[id(node)], first_arrival[id(node)])  # noqa: E731
         # Iterative post-order: a node's requests follow all of its children's.
         stack: list[tuple[Any, bool]] = [(root, False) for root in sorted(roots.values(), key=by_weight, reverse=True)]
         while stack:

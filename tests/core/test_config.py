@@ -58,3 +58,17 @@ def test_plugin_choices_are_checked_against_the_registry():
     config = ServerConfig(attention={"backend": "flashinfr"})
     with pytest.raises(ConfigError, match=r"attention\.backend: unknown attention backend 'flashinfr'; available: .*torch_native"):
         validate_plugin_choices(config, build_registry())
+
+
+def test_every_config_key_is_documented():
+    from pathlib import Path
+
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    config = ServerConfig()
+    for section_name in ServerConfig.model_fields:
+        section = getattr(config, section_name)
+        if section_name == "plugins":
+            assert "## `plugins`" in reference
+            continue
+        for key in type(section).model_fields:
+            assert f"`{section_name}.{key}`" in reference, f"{section_name}.{key} is missing from docs/config.md"

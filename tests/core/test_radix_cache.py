@@ -16,13 +16,13 @@ def make_cache(page_size: int = 1, size: int = 128) -> tuple[RadixCache, TokenKV
     return RadixCache(allocator, page_size), allocator
 
 
-def admit(cache, allocator, prompt: list[int], output: list[int] = (), computed: int | None = None) -> Req:
+def admit(cache, allocator, prompt: list[int], output: tuple[int, ...] = (), computed: int | None = None) -> Req:
     """What the scheduler does at admission: match, lock, allocate the rest of the computed tokens."""
     req = Req(rid=f"r{len(prompt)}", origin_input_ids=list(prompt), sampling_params=SamplingParams(seed=0))
     req.output_ids = list(output)
     prefix_slots, node = cache.match_prefix(req.all_ids)
     cache.inc_lock_ref(node)
-    computed = req.seq_len if computed is None else computed
+    computed = req.seq_len if computed is None else max(computed, prefix_slots.numel())
     last = int(prefix_slots[-1]) if prefix_slots.numel() else -1
     new = allocator.alloc_extend([prefix_slots.numel()], [computed - prefix_slots.numel()], [last])
     assert new is not None
@@ -197,3 +197,38 @@ def test_no_prefix_cache_caches_nothing_and_frees_everything():
     cache.cache_finished_req(req)
     assert allocator.free_slots == 32
     assert cache.evictable_size() == cache.protected_size() == cache.evict(10) == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_workload_never_loses_or_double_frees_a_slot(page_size):
+    import random
+
+    rng = random.Random(page_size)
+    cache, allocator = make_cache(page_size=page_size, size=128)
+    prefixes = [[rng.randint(0, 4) for _ in range(rng.randint(0, 12))] for _ in range(3)]
+    running: list[Req] = []
+
+    def own_slots(req: Req) -> int:
+        return -(-(req.kv_len - req.prefix_len) // page_size) * page_size
+
+    for _ in range(150):
+        if not running or rng.random() < 0.35:
+            prompt = rng.choice(prefixes) + [rng.randint(0, 4) for _ in range(rng.randint(1, 16))]
+            cache.evict(allocator.slots_needed(0, len(prompt)))
+            running.append(admit(cache, allocator, prompt, computed=rng.randint(1, len(prompt))))
+        elif rng.random() < 0.5:
+            req = rng.choice(running)
+            req.output_ids.append(rng.randint(0, 4))
+            cache.evict(allocator.slots_needed(req.kv_len, req.seq_len - req.kv_len))
+            more = allocator.alloc_extend([req.kv_len], [req.seq_len - req.kv_len], [int(req.kv_slots[-1])])
+            req.kv_slots = torch.cat([req.kv_slots, more])
+            cache.cache_unfinished_req(req)
+        else:
+            cache.cache_finished_req(running.pop(rng.randrange(len(running))))
+        owned = sum(own_slots(req) for req in running)
+        assert allocator.free_slots + cached(cache) + owned == allocator.total_slots
+    for req in running:
+        cache.cache_finished_req(req)
+    assert cache.protected_size() == 0
+    cache.reset()
+    assert allocator.free_slots == allocator.total_slots
