@@ -121,9 +121,13 @@ def _cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
-    from treadle.server.launch import serve
+    from treadle.server.launch import ServerStartupError, serve
 
-    serve(_resolve(args, overrides))
+    try:
+        serve(_resolve(args, overrides))
+    except ServerStartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

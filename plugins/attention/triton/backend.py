@@ -1,1 +1,241 @@
-"""(being written: registers nothing yet)"""
+"""The `triton` attention backend: treadle's own Triton kernels for decode and extend.
+
+Registered even where Triton is missing (so ``treadle plugins`` lists it);
+building it there fails with the install hint. Triton is imported only when
+the backend is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from treadle.core.attention import AttentionBackend
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.hookspecs import Register, hookimpl
+
+if TYPE_CHECKING:
+    from treadle.core.attention import RadixAttention
+
+_SUPPORTED_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class DecodeMetadata:
+    """Float32 scratch for the split-KV partial results of one decode step, shared by all layers."""
+
+    mid_o: torch.Tensor  # [bs, num_heads, max_kv_splits, head_dim]
+    mid_lse: torch.Tensor  # [bs, num_heads, max_kv_splits], log2 of each chunk's softmax sum
+
+
+@dataclass
+class ExtendMetadata:
+    """What the extend kernel's grid needs from the host."""
+
+    max_extend_len: int
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Attention through treadle's Triton kernels (split-KV decode, prefix-aware extend).
+
+    Supports GQA, per-layer sliding windows, any page size (keys are read
+    through ``req_to_token``) and float32/float16/bfloat16 KV caches. MIXED
+    batches run the extend kernel. CUDA graphs are supported for decode: the
+    grid is ``(bs, num_kv_heads, max_kv_splits)`` whatever the lengths, and
+    each request's split count is derived on the device from ``seq_lens``.
+
+    Tunables (plain attributes, read at each launch): ``max_kv_splits``,
+    ``min_split_tokens`` (a request uses ``min(max_kv_splits,
+    ceil(visible_keys / min_split_tokens))`` chunks), ``decode_block_n``,
+    ``extend_block_m`` / ``extend_block_n`` (None: chosen per head size and dtype).
+    ``max_kv_splits`` must not change after ``init_cuda_graph_state``.
+    """
+
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner: Any) -> None:
+        self._decode, self._extend = _import_kernels()
+        self.device = torch.device(model_runner.device)
+        if self.device.type != "cuda" and not _interpreting():
+            raise RuntimeError(
+                f"the triton attention backend runs on a CUDA device, not '{self.device}'; use "
+                "attention_backend: torch_native there (or set TRITON_INTERPRET=1 to run the kernels "
+                "slowly on the CPU for testing)"
+            )
+        self.num_heads = int(model_runner.num_heads)
+        self.num_kv_heads = int(model_runner.num_kv_heads)
+        self.head_dim = int(model_runner.head_dim)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"triton attention needs num_heads ({self.num_heads}) to be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        kv_cache = getattr(model_runner, "kv_cache", None)
+        kv_dtype = kv_cache.dtype if kv_cache is not None else model_runner.dtype
+        if kv_dtype not in _SUPPORTED_KV_DTYPES:
+            raise ValueError(
+                f"triton attention supports KV caches of float32, float16 or bfloat16, not {kv_dtype}"
+            )
+        self.max_kv_splits = 16
+        self.min_split_tokens = 128
+        self.decode_block_n = 64
+        self.extend_block_m: int | None = None
+        self.extend_block_n: int | None = None
+        self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
+        self._graph_mid_o: torch.Tensor | None = None
+        self._graph_mid_lse: torch.Tensor | None = None
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            metadata: DecodeMetadata | ExtendMetadata | None = self._decode_scratch(forward_batch.batch_size)
+        elif mode.is_extend():
+            lens = forward_batch.extend_seq_lens_cpu
+            # Without host lengths, the token count bounds every request's extend length.
+            metadata = ExtendMetadata(max(lens, default=0) if lens is not None else forward_batch.num_tokens)
+        else:
+            metadata = None
+        self.forward_metadata = metadata
+        forward_batch.attn_metadata = metadata
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        shape = (max_bs, self.num_heads, self.max_kv_splits, self.head_dim)
+        self._graph_mid_o = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self._graph_mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
+    ) -> None:
+        self.forward_metadata = self._graph_decode_metadata(bs, mode)
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        mode: ForwardMode,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        # The captured kernels read req_pool_indices and seq_lens from the runner's static buffers
+        # and derive split counts from them on the device, so only the scratch needs re-pointing.
+        self.forward_metadata = self._graph_decode_metadata(bs, mode)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # -- attention ------------------------------------------------------------------------------
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        metadata = self.forward_metadata
+        if not isinstance(metadata, DecodeMetadata):
+            raise RuntimeError("forward_decode ran without decode metadata; call init_forward_metadata first")
+        kv_cache = forward_batch.kv_cache
+        if save_kv_cache:
+            kv_cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        q = _heads_view(q, layer.num_heads, layer.head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._decode.decode_attention(
+            q,
+            kv_cache.get_key_buffer(layer.layer_id),
+            kv_cache.get_value_buffer(layer.layer_id),
+            out,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            metadata.mid_o,
+            metadata.mid_lse,
+            layer.scaling,
+            layer.sliding_window_size,
+            self.max_kv_splits,
+            self.min_split_tokens,
+            self.decode_block_n,
+        )
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        metadata = self.forward_metadata
+        if not isinstance(metadata, ExtendMetadata):
+            raise RuntimeError("forward_extend ran without extend metadata; call init_forward_metadata first")
+        kv_cache = forward_batch.kv_cache
+        if save_kv_cache:
+            kv_cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        q = _heads_view(q, layer.num_heads, layer.head_dim)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._extend.extend_attention(
+            q,
+            _heads_view(k, layer.num_kv_heads, layer.head_dim),
+            _heads_view(v, layer.num_kv_heads, layer.head_dim),
+            out,
+            kv_cache.get_key_buffer(layer.layer_id),
+            kv_cache.get_value_buffer(layer.layer_id),
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.extend_start_loc,
+            forward_batch.extend_seq_lens,
+            forward_batch.extend_prefix_lens,
+            metadata.max_extend_len,
+            layer.scaling,
+            layer.sliding_window_size,
+            self.extend_block_m,
+            self.extend_block_n,
+        )
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _decode_scratch(self, bs: int) -> DecodeMetadata:
+        shape = (bs, self.num_heads, self.max_kv_splits, self.head_dim)
+        return DecodeMetadata(
+            mid_o=torch.empty(shape, dtype=torch.float32, device=self.device),
+            mid_lse=torch.empty(shape[:3], dtype=torch.float32, device=self.device),
+        )
+
+    def _graph_decode_metadata(self, bs: int, mode: ForwardMode) -> DecodeMetadata:
+        if not mode.is_decode():
+            raise NotImplementedError(f"the triton backend captures CUDA graphs for DECODE only, not {mode.name}")
+        if self._graph_mid_o is None or self._graph_mid_lse is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
+        if bs > self._graph_mid_o.shape[0] or self._graph_mid_o.shape[2] != self.max_kv_splits:
+            raise ValueError(
+                f"CUDA-graph state was built for max_bs={self._graph_mid_o.shape[0]} and "
+                f"max_kv_splits={self._graph_mid_o.shape[2]}; got bs={bs}, max_kv_splits={self.max_kv_splits}"
+            )
+        return DecodeMetadata(mid_o=self._graph_mid_o[:bs], mid_lse=self._graph_mid_lse[:bs])
+
+
+def _heads_view(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """``[tokens, heads * head_dim]`` as ``[tokens, heads, head_dim]`` with unit stride on the last dim."""
+    x = x.reshape(x.shape[0], num_heads, head_dim)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _import_kernels() -> tuple[Any, Any]:
+    try:
+        from treadle.plugins.attention.triton import decode, extend
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the triton attention backend needs Triton, which could not be imported ({exc}); "
+            "pip install triton  (or: pip install 'treadle[triton]')"
+        ) from exc
+    return decode, extend
+
+
+@hookimpl
+def treadle_register_attention_backends(register: Register) -> None:
+    register("triton", TritonAttnBackend)

@@ -1,0 +1,238 @@
+"""Online serving benchmark: an async load generator against a running server.
+
+``treadle bench serving --base-url http://127.0.0.1:30000 [--num-prompts 200] [--request-rate 8]
+[--max-concurrency 32] [--workload random|shared-prefix] [--api openai|native]``
+
+Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``:
+all at once), at most ``--max-concurrency`` in flight. Every request streams
+and generates exactly its workload output length (``ignore_eos``). Reports
+request and token throughput, time to first token (TTFT), inter-token latency
+(ITL: gaps between streamed tokens) and end-to-end latency percentiles; prints
+a table and writes JSON (``bench/results/serving_<workload>_<date>.json``
+unless ``--output``).
+
+``--api native`` streams ``/generate`` (one event per scheduler step, so ITL is
+exact); ``--api openai`` streams ``/v1/completions`` and works against any
+OpenAI-compatible server (a chunk may then carry more than one token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+
+from treadle.bench.workloads import WORKLOAD_NAMES, BenchRequest, build_workload, parse_len_range, usable_token_ids
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request measured."""
+
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def run_benchmark(base_url: str, requests: Sequence[BenchRequest], request_rate: float,
+                        max_concurrency: int | None, api: str = "native", api_key: str | None = None,
+                        model: str | None = None, seed: int = 0) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` with Poisson arrivals; returns the per-request results and the wall time."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    rng = random.Random(seed)
+    timeout = httpx.Timeout(None, connect=30)
+    pool = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=pool) as client:
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if limit is None:
+                return await _send(client, req, api, model)
+            async with limit:
+                return await _send(client, req, api, model)
+
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(one(req)))
+            if math.isfinite(request_rate) and request_rate > 0:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def _send(client: httpx.AsyncClient, req: BenchRequest, api: str, model: str | None) -> RequestResult:
+    if api == "native":
+        path, body = "/generate", {"input_ids": req.input_ids, "stream": True, "sampling_params": {
+            "max_new_tokens": req.output_len, "temperature": 0, "ignore_eos": True}}
+    else:
+        path, body = "/v1/completions", {"prompt": req.input_ids, "max_tokens": req.output_len, "temperature": 0,
+                                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        if model:
+            body["model"] = model
+    result = RequestResult(ok=False, prompt_tokens=len(req.input_ids))
+    start = last = time.perf_counter()
+    tokens = 0
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                now = time.perf_counter()
+                if api == "native":
+                    new = len(chunk["output_ids"]) - tokens
+                elif chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                    continue
+                else:
+                    new = 1 if chunk.get("choices") and chunk["choices"][0].get("text") else 0
+                if new <= 0:
+                    continue
+                if tokens == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.extend([(now - last) / new] * new)
+                tokens += new
+                last = now
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.ok = True
+    result.output_tokens = tokens
+    result.latency_s = time.perf_counter() - start
+    return result
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
+    """Throughput and latency percentiles (milliseconds) over the successful requests."""
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    itl = [x for r in done for x in r.itl_s]
+    summary: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": wall_s,
+        "request_throughput": len(done) / wall_s if wall_s else 0.0,
+        "input_token_throughput": prompt_tokens / wall_s if wall_s else 0.0,
+        "output_token_throughput": output_tokens / wall_s if wall_s else 0.0,
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+    }
+    for name, values in (("ttft_ms", [r.ttft_s for r in done]), ("itl_ms", itl),
+                         ("e2e_latency_ms", [r.latency_s for r in done])):
+        ms = sorted(v * 1000 for v in values)
+        summary[name] = {"mean": sum(ms) / len(ms) if ms else 0.0,
+                         **{f"p{q}": _percentile(ms, q) for q in (50, 90, 99)}}
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        summary["first_errors"] = errors[:5]
+    return summary
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    rank = (len(sorted_values) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    rows = [
+        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
+        ("duration (s)", f"{summary['duration_s']:.2f}"),
+        ("request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
+        ("input throughput (tok/s)", f"{summary['input_token_throughput']:.1f}"),
+        ("output throughput (tok/s)", f"{summary['output_token_throughput']:.1f}"),
+    ]
+    for name, label in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_latency_ms", "E2E latency (ms)")):
+        s = summary[name]
+        rows.append((label, f"mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p90 {s['p90']:.1f}  p99 {s['p99']:.1f}"))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treadle bench serving", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api", choices=["native", "openai"], default="native")
+    parser.add_argument("--model", default=None, help="model name for --api openai (default: the server's)")
+    parser.add_argument("--workload", choices=WORKLOAD_NAMES, default="random")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", default="32:256", help="MIN:MAX prompt tokens (random workload)")
+    parser.add_argument("--output-len", default="16:128", help="MIN:MAX output tokens")
+    parser.add_argument("--prefix-len", type=int, default=400, help="shared-prefix workload: system prompt tokens")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workload>_<date>.json)")
+    args = parser.parse_args(argv)
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        info = httpx.get(f"{args.base_url}/get_model_info", headers=headers, timeout=30).json()
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach a server at {args.base_url}: {exc}", file=sys.stderr)
+        return 1
+    token_ids = usable_token_ids(int(info["vocab_size"]))
+    params: dict[str, Any] = {"output_len": parse_len_range(args.output_len), "seed": args.seed}
+    if args.workload == "random":
+        params["input_len"] = parse_len_range(args.input_len)
+    else:
+        params["prefix_len"] = args.prefix_len
+    workload = build_workload(args.workload, args.num_prompts, token_ids, **params)
+
+    results, wall = asyncio.run(run_benchmark(args.base_url, workload.requests, args.request_rate,
+                                              args.max_concurrency, args.api, args.api_key, args.model, args.seed))
+    summary = summarize(results, wall)
+    print(f"serving benchmark: {workload.num_requests} requests ({args.workload}), rate {args.request_rate}/s, "
+          f"max concurrency {args.max_concurrency or 'unlimited'}, api {args.api}, {args.base_url}")
+    print(format_table(summary))
+    record = {
+        "benchmark": "serving",
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "base_url": args.base_url,
+        "api": args.api,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+        "model": {k: info.get(k) for k in ("model_path", "served_model_name", "context_len", "device", "dtype")},
+        "workload": workload.summary(),
+        "summary": summary,
+        "requests": [asdict(r) | {"itl_s": None} for r in results],
+    }
+    out = Path(args.output) if args.output else RESULTS_DIR / (
+        f"serving_{args.workload}_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,381 @@
+"""The FastAPI app: error handling, API-key check, native and admin routes.
+
+The OpenAI routes live in ``server/openai_routes.py``; both share the helpers
+here for streaming (:func:`sse_response`) and waiting (:func:`collect`).
+Every error leaves as an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from treadle import __version__
+from treadle.core.request import SamplingParams
+from treadle.server.ipc import StrOutput, TokenizedGenerateReq
+from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
+from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
+
+# Routes reachable without the API key: load balancers and orchestrators probe it.
+OPEN_PATHS = frozenset({"/health"})
+_DISCONNECT_POLL_S = 0.25
+
+
+def build_app(manager: TokenizerManager, server_info: dict[str, Any] | None = None) -> FastAPI:
+    """The HTTP app around a started TokenizerManager; ``server_info`` is merged into /get_server_info."""
+    from treadle.server.openai_routes import add_openai_routes
+
+    app = FastAPI(title="treadle", version=__version__)
+    app.state.manager = manager
+    _add_error_handlers(app)
+    if manager.config.server.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=manager.config.server.api_key)
+    add_openai_routes(app, manager)
+    _add_native_routes(app, manager, server_info or {})
+    return app
+
+
+# ---------------------------------------------------------------- errors and auth
+
+
+def error_response(exc: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status_code)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, exc.status_code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)
+
+
+def validation_error(exc: RequestValidationError) -> RequestError:
+    """A 400 naming the first bad field (``messages.0.role``) and what was wrong with it."""
+    errors = exc.errors()
+    if not errors:
+        return RequestError("invalid request body")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return RequestError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    got = first.get("input")
+    detail = f" (got {json.dumps(got)[:100]})" if got is not None and not isinstance(got, dict) else ""
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return RequestError(f"{where}{first['msg']}{detail}{more}", param=param)
+
+
+class ApiKeyMiddleware:
+    """Answers 401 unless the request carries ``Authorization: Bearer <server.api_key>`` (except OPEN_PATHS)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    error_body("missing or wrong API key; send the header `Authorization: Bearer <key>`",
+                               "invalid_request_error", None, "invalid_api_key"),
+                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------- waiting and streaming
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was running."""
+
+
+async def collect(request: Request, stream: GenerationStream,
+                  on_event: Callable[[StreamEvent], None]) -> None:
+    """Feed every event of ``stream`` to ``on_event`` until all sub-requests finish.
+
+    Raises the first sub-request error (after aborting the siblings) and
+    aborts everything if the client disconnects.
+    """
+    watcher = asyncio.get_running_loop().create_task(_watch_disconnect(request, stream))
+    try:
+        while not stream.finished:
+            event = await stream.next_event()
+            if event.error is not None:
+                stream.abort()
+                raise event.error
+            on_event(event)
+    finally:
+        watcher.cancel()
+        if not stream.finished:
+            stream.abort()
+
+
+async def _watch_disconnect(request: Request, stream: GenerationStream) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    stream.abort()
+    stream.queue.put_nowait(StreamEvent(-1, error=RequestError("client disconnected", status_code=499)))
+
+
+async def first_event(stream: GenerationStream) -> StreamEvent:
+    """The first event, raising its error: lets a streaming route answer 4xx before the 200 goes out."""
+    event = await stream.next_event()
+    if event.error is not None:
+        stream.abort()
+        raise event.error
+    return event
+
+
+def sse_response(stream: GenerationStream, first: StreamEvent,
+                 render: Callable[[StreamEvent], list[dict[str, Any]]],
+                 closing: Callable[[], list[dict[str, Any]]] | None = None) -> StreamingResponse:
+    """Server-sent events: ``render(event)`` chunks for every event, ``closing()`` chunks, then ``[DONE]``.
+
+    If the client goes away, the body iterator is cancelled and the ``finally``
+    aborts the sub-requests still running, which frees their KV slots.
+    """
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            event: StreamEvent | None = first
+            while event is not None:
+                if event.error is not None:
+                    stream.abort()
+                    err = event.error
+                    yield _sse(error_body(err.message, err.type, err.param, err.code))
+                    break
+                for chunk in render(event):
+                    yield _sse(chunk)
+                event = await stream.next_event() if not stream.finished else None
+            else:
+                for chunk in closing() if closing else []:
+                    yield _sse(chunk)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not stream.finished:
+                stream.abort()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+# ---------------------------------------------------------------- native and admin routes
+
+
+class _NativeResult:
+    """Accumulates one prompt's outputs into the /generate response shape."""
+
+    def __init__(self, rid: str, input_ids: list[int], body: GenerateRequest) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.body = body
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[list[tuple[int, float]]] = []
+        self.input_logprobs: list[float | None] = []
+        self.input_top: list[Any] = []
+        self.last: StrOutput | None = None
+
+    def add(self, out: StrOutput) -> None:
+        self.text += out.text_delta
+        self.output_ids += out.new_token_ids
+        self.output_logprobs += out.new_output_logprobs
+        self.output_top += out.new_output_top_logprobs
+        if out.input_token_logprobs is not None:
+            self.input_logprobs = list(out.input_token_logprobs)
+            self.input_top = list(out.input_top_logprobs or [])
+        self.last = out
+
+    def to_json(self, stop: list[str]) -> dict[str, Any]:
+        out = self.last
+        reason = None
+        if out is not None and out.finished_reason is not None:
+            reason = {"type": out.finished_reason, "matched": finish_detail(out, stop)}
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": reason,
+            "prompt_tokens": out.prompt_tokens if out else len(self.input_ids),
+            "completion_tokens": out.completion_tokens if out else 0,
+            "cached_tokens": out.cached_tokens if out else 0,
+        }
+        if self.body.return_logprob:
+            start = max(self.body.logprob_start_len, 0)
+            meta["input_token_logprobs"] = [
+                [lp, tid] for lp, tid in zip(self.input_logprobs, self.input_ids[start:])]
+            meta["output_token_logprobs"] = [[lp, tid] for lp, tid in zip(self.output_logprobs, self.output_ids)]
+            meta["input_top_logprobs"] = [_top_pairs(top) for top in self.input_top]
+            meta["output_top_logprobs"] = [_top_pairs(top) for top in self.output_top]
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def _top_pairs(top: list[tuple[int, float]] | None) -> list[list[Any]] | None:
+    return None if top is None else [[lp, tid] for tid, lp in top]
+
+
+def finish_detail(out: StrOutput, stop: list[str]) -> str | int | None:
+    """The matched stop string, or the stop token id as an int."""
+    detail = out.finished_detail
+    if isinstance(detail, str) and detail not in stop and detail.lstrip("-").isdigit():
+        return int(detail)
+    return detail
+
+
+def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("send exactly one of `text` and `input_ids`", param="text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if not texts:
+            raise RequestError("`text` is an empty list", param="text")
+        return [manager.tokenize(t) for t in texts], isinstance(body.text, list)
+    ids = body.input_ids
+    if ids and isinstance(ids[0], list):
+        return [list(x) for x in ids], True  # type: ignore[arg-type]
+    if not ids:
+        raise RequestError("`input_ids` is empty", param="input_ids")
+    return [list(ids)], False  # type: ignore[arg-type]
+
+
+def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        prompts, is_batch = _native_prompts(manager, body)
+        param = "text" if body.text is not None else "input_ids"
+        params = SamplingParams(**body.sampling_params.model_dump())
+        if isinstance(body.rid, list):
+            if len(body.rid) != len(prompts):
+                raise RequestError(f"{len(body.rid)} rids for {len(prompts)} prompts", param="rid")
+            rids = list(body.rid)
+        elif body.rid is not None:
+            rids = [body.rid] if len(prompts) == 1 else [f"{body.rid}-{i}" for i in range(len(prompts))]
+        else:
+            rids = [manager.new_rid() for _ in prompts]
+        reqs = []
+        for rid, ids in zip(rids, prompts):
+            manager.check_request(ids, params, param)
+            reqs.append(TokenizedGenerateReq(rid, ids, params, body.return_logprob, body.logprob_start_len,
+                                             body.top_logprobs_num, body.priority))
+        results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]
+        stop = list(params.stop or [])
+        stream = manager.submit(reqs)
+
+        def add(event: StreamEvent) -> None:
+            results[event.index].add(event.output)  # type: ignore[arg-type]
+
+        if body.stream:
+            first = await first_event(stream)
+
+            def render(event: StreamEvent) -> list[dict[str, Any]]:
+                add(event)
+                chunk = results[event.index].to_json(stop)
+                if is_batch:
+                    chunk["index"] = event.index
+                return [chunk]
+
+            return sse_response(stream, first, render)
+        await collect(request, stream, add)
+        payload = [r.to_json(stop) for r in results]
+        return JSONResponse(payload if is_batch else payload[0])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if manager.dead_reason is not None:
+            return JSONResponse(error_body(manager.dead_reason, "server_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> JSONResponse:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        token = int(manager.model_info.get("bos_token_id") or 0)
+        stream = manager.submit([TokenizedGenerateReq(manager.new_rid(), [token], params)])
+        try:
+            await asyncio.wait_for(collect(request, stream, lambda event: None), timeout=60)
+        except asyncio.TimeoutError:
+            stream.abort()
+            raise RequestError("the model did not produce a token within 60 s", status_code=503,
+                               type_="server_error") from None
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        info = _jsonable(manager.model_info)
+        info.setdefault("served_model_name", manager.served_model_name)
+        info["is_generation"] = True
+        info["has_tokenizer"] = manager.tokenizer is not None
+        return JSONResponse(info)
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        stats = await manager.control("stats")
+        config = manager.config.model_dump(mode="json")
+        if config["server"].get("api_key"):
+            config["server"]["api_key"] = "***"
+        return JSONResponse({
+            "version": __version__,
+            "config": config,
+            "kv": stats["kv"],
+            "cached_tokens_total": manager.cached_tokens_total,
+            "running_requests": len(manager.states),
+            "model_info": _jsonable(manager.model_info),
+            **server_info,
+        })
+
+    async def flush_cache() -> JSONResponse:
+        result = await manager.control("flush_cache")
+        if not result.get("success"):
+            body = error_body("cannot flush the cache while requests are running; retry when idle",
+                              "invalid_request_error", None, "requests_in_flight")
+            return JSONResponse({"success": False, **body}, status_code=409)
+        return JSONResponse({"success": True})
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["POST", "GET"])
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> JSONResponse:
+        targets = [rid for rid in list(manager.states) if rid == body.rid or rid.startswith(body.rid + "-")]
+        for rid in targets:
+            manager.abort(rid, keep_waiting=True)
+        return JSONResponse({"success": bool(targets), "aborted": targets})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            manager.metrics.set_scheduler_stats((await manager.control("stats", timeout=2.0))["kv"])
+        except RequestError:
+            pass  # still serve the counters when the scheduler is busy or gone
+        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(values, default=str))
+
+

@@ -1,0 +1,175 @@
+"""Messages between the server's processes, and the ZMQ sockets that carry them.
+
+Traffic flows one way around a ring (see docs/server.md)::
+
+    TokenizerManager ──► Scheduler ──► Detokenizer ──► TokenizerManager
+           ▲                 │
+           └── control replies (errors, flush/stats answers)
+
+Every socket is PUSH/PULL over ``ipc://`` files in a private temporary folder;
+the receiving side binds, so start order does not matter. Messages are
+dataclasses pickled with ``send_pyobj``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from treadle.core.request import ReqOutput, SamplingParams
+
+# ---------------------------------------------------------------- TokenizerManager → Scheduler
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """A tokenized generation request, ready for ``Scheduler.add_request``."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    priority: int = 0
+
+
+@dataclass
+class AbortReq:
+    """Abort a request (client gone, ``/abort_request``); frees its KV slots."""
+
+    rid: str
+
+
+@dataclass
+class ControlReq:
+    """A request the scheduler answers with a :class:`ControlReply` carrying the same ``request_id``.
+
+    ``kind`` is ``"flush_cache"`` or ``"stats"``.
+    """
+
+    request_id: str
+    kind: str
+
+
+@dataclass
+class ShutdownReq:
+    """Ask the scheduler process to leave its loop and exit."""
+
+
+# ---------------------------------------------------------------- Scheduler → TokenizerManager
+
+
+@dataclass
+class ControlReply:
+    """The answer to a :class:`ControlReq`."""
+
+    request_id: str
+    payload: dict[str, Any]
+
+
+@dataclass
+class AddRequestFailed:
+    """``Scheduler.add_request`` refused a request; the HTTP handler turns this into an error response."""
+
+    rid: str
+    message: str
+    param: str | None = None
+    status_code: int = 400
+
+
+# ---------------------------------------------------------------- Scheduler → Detokenizer
+
+
+@dataclass
+class DetokenizerInit:
+    """First message to the detokenizer: the tokenizer to decode with (None for a model without one)."""
+
+    tokenizer: Any
+
+
+@dataclass
+class RegisterDecode:
+    """Sent when a request is admitted, before any of its outputs: how to turn its tokens into text."""
+
+    rid: str
+    skip_special_tokens: bool
+    stop: list[str]
+
+
+@dataclass
+class BatchTokenIDOut:
+    """What one scheduler step produced (new token ids, finish reasons, log-probs)."""
+
+    outputs: list[ReqOutput]
+
+
+# ---------------------------------------------------------------- Detokenizer → TokenizerManager
+
+
+@dataclass
+class StrOutput:
+    """One request's new text and tokens from one scheduler step."""
+
+    rid: str
+    text_delta: str
+    new_token_ids: list[int]
+    finished_reason: str | None
+    finished_detail: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_output_logprobs: list[float] = field(default_factory=list)
+    new_output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class BatchStrOut:
+    """A batch of :class:`StrOutput`, one per request that advanced."""
+
+    outputs: list[StrOutput]
+
+
+# ---------------------------------------------------------------- addresses and sockets
+
+
+@dataclass(frozen=True)
+class IpcAddresses:
+    """The ZMQ endpoint each process binds to receive on."""
+
+    scheduler_input: str
+    detokenizer_input: str
+    tokenizer_input: str
+    folder: str
+
+    @classmethod
+    def new(cls) -> "IpcAddresses":
+        folder = tempfile.mkdtemp(prefix="treadle-ipc-")
+        return cls(
+            scheduler_input=f"ipc://{os.path.join(folder, 'scheduler')}",
+            detokenizer_input=f"ipc://{os.path.join(folder, 'detokenizer')}",
+            tokenizer_input=f"ipc://{os.path.join(folder, 'tokenizer')}",
+            folder=folder,
+        )
+
+
+def bind_pull(context: zmq.Context, address: str) -> zmq.Socket:
+    """A PULL socket bound to ``address`` (the receiving end of one direction)."""
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    return sock
+
+
+def connect_push(context: zmq.Context, address: str) -> zmq.Socket:
+    """A PUSH socket connected to ``address`` (the sending end of one direction)."""
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock

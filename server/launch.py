@@ -1,0 +1,312 @@
+"""Start and stop the server: ``serve(config)`` (blocking) and ``launch_server(config)`` (a handle, for tests).
+
+``serve`` binds the port first (so a busy port fails before the model loads),
+starts the scheduler and detokenizer processes, waits for the model, then runs
+uvicorn in this process. SIGINT/SIGTERM stop uvicorn, then the children;
+a child that dies on its own takes the server down with an error log line
+and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treadle.core.config import ServerConfig, load_config
+from treadle.server.ipc import IpcAddresses
+from treadle.server.process_utils import configure_logging
+
+logger = logging.getLogger("treadle.server")
+
+_CHILD_STOP_TIMEOUT_S = 10.0
+
+
+class ServerStartupError(RuntimeError):
+    """The server could not start (port in use, model failed to load, a child died)."""
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if a child process crashes."""
+    configure_logging(config.server.log_level)
+    stop_signals: list[int] = []
+
+    def _note_signal(signum: int, frame: object) -> None:
+        stop_signals.append(signum)
+
+    listen_socket = _bind(config.server.host, config.server.port)
+    # Our handlers stay in place around uvicorn's, which re-raises the signal it caught on exit.
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    addresses = IpcAddresses.new()
+    children = _Children(config, addresses)
+    exit_code = 0
+    try:
+        ready = children.start(should_stop=lambda: bool(stop_signals), while_waiting=_preload_http_stack)
+        if ready is None:
+            logger.info("stopped before the model finished loading")
+            return
+        model_info, tokenizer = ready
+        exit_code = asyncio.run(_run_http(config, addresses, model_info, tokenizer, listen_socket, children))
+    finally:
+        children.stop()
+        listen_socket.close()
+        shutil.rmtree(addresses.folder, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        logger.info("server stopped")
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: dict[str, Any], tokenizer: Any,
+                    listen_socket: socket.socket, children: "_Children") -> int:
+    import uvicorn
+
+    from treadle.server.http import build_app
+    from treadle.server.metrics import ServerMetrics
+    from treadle.server.tokenizer_manager import TokenizerManager
+
+    manager = TokenizerManager(config, model_info, tokenizer, addresses, ServerMetrics())
+    manager.start()
+    app = build_app(manager, {"pids": children.pids()})
+    uv_config = uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=3,
+                               access_log=config.server.log_level == "debug")
+    server = uvicorn.Server(uv_config)
+    crashed: list[str] = []
+
+    def on_child_exit(name: str, code: int | None) -> None:
+        if server.should_exit:
+            return
+        reason = f"the {name} process exited unexpectedly (exit code {code}); shutting the server down"
+        logger.error(reason)
+        crashed.append(reason)
+        manager.fail_all(reason)
+        server.should_exit = True
+
+    children.watch(asyncio.get_running_loop(), on_child_exit)
+    host, port = listen_socket.getsockname()[:2]
+    logger.info("treadle serves %s at http://%s:%d", manager.served_model_name, host, port)
+    try:
+        await server.serve(sockets=[listen_socket])
+    finally:
+        children.unwatch(asyncio.get_running_loop())
+        manager.close()
+    return 1 if crashed else 0
+
+
+class _Children:
+    """The scheduler and detokenizer processes."""
+
+    def __init__(self, config: ServerConfig, addresses: IpcAddresses) -> None:
+        from treadle.server.detokenizer import run_detokenizer_process
+        from treadle.server.scheduler_process import run_scheduler_process
+
+        self.context = mp.get_context("spawn")  # CUDA and threads do not survive fork
+        self.ready_recv, ready_send = self.context.Pipe(duplex=False)
+        self.processes = {
+            "scheduler": self.context.Process(
+                target=run_scheduler_process, args=(config, addresses, ready_send), name="scheduler"),
+            "detokenizer": self.context.Process(
+                target=run_detokenizer_process, args=(addresses, config.server.log_level), name="detokenizer"),
+        }
+        self._ready_send = ready_send
+        self._stopping = False
+
+    def pids(self) -> dict[str, int | None]:
+        return {name: p.pid for name, p in self.processes.items()}
+
+    def start(self, should_stop: Any, while_waiting: Any = None) -> tuple[dict[str, Any], Any] | None:
+        """Start both; wait until the scheduler has loaded the model. None if a stop signal came first."""
+        for process in self.processes.values():
+            process.start()
+        self._ready_send.close()
+        if while_waiting is not None:
+            while_waiting()
+        scheduler = self.processes["scheduler"]
+        while not self.ready_recv.poll(0.2):
+            if should_stop():
+                return None
+            for name, process in self.processes.items():
+                if not process.is_alive():
+                    raise ServerStartupError(f"the {name} process exited during startup (exit code "
+                                             f"{process.exitcode}); see its log above")
+        try:
+            message = self.ready_recv.recv()
+        except EOFError:
+            raise ServerStartupError(
+                f"the scheduler process exited during startup (exit code {scheduler.exitcode})") from None
+        if message[0] != "ready":
+            raise ServerStartupError(f"the scheduler failed to start: {message[1]}")
+        return message[1], message[2]
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_exit: Any) -> None:
+        for name, process in self.processes.items():
+            loop.add_reader(process.sentinel, self._exited, loop, name, process, on_exit)
+
+    def _exited(self, loop: asyncio.AbstractEventLoop, name: str, process: Any, on_exit: Any) -> None:
+        loop.remove_reader(process.sentinel)
+        process.join(timeout=1)
+        if not self._stopping:
+            on_exit(name, process.exitcode)
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._stopping = True
+        for process in self.processes.values():
+            if process.sentinel is not None:
+                try:
+                    loop.remove_reader(process.sentinel)
+                except (ValueError, OSError):
+                    pass
+
+    def stop(self) -> None:
+        """SIGTERM both, wait, SIGKILL what is left."""
+        self._stopping = True
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + _CHILD_STOP_TIMEOUT_S
+        for name, process in self.processes.items():
+            if process.pid is None:
+                continue
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                logger.warning("the %s process did not stop within %.0f s; killing it", name, _CHILD_STOP_TIMEOUT_S)
+                process.kill()
+                process.join(timeout=5)
+        self.ready_recv.close()
+
+
+def _preload_http_stack() -> None:
+    """Import what the HTTP side needs (and what unpickling the tokenizer needs) while the model loads."""
+    import transformers  # noqa: F401
+    import uvicorn  # noqa: F401
+
+    import treadle.server.http  # noqa: F401
+    import treadle.server.openai_routes  # noqa: F401
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServerStartupError(f"cannot listen on {host}:{port}: {exc.strerror}; "
+                                 "set server.port to a free port (or stop what is using it)") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+# ---------------------------------------------------------------- a server in a subprocess (tests, scripts)
+
+
+@dataclass
+class ServerHandle:
+    """A server running in a child process (from :func:`launch_server`)."""
+
+    process: subprocess.Popen
+    base_url: str
+    port: int
+    api_key: str | None
+    log_path: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def shutdown(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` and wait for the server to exit; returns its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise RuntimeError(f"the server did not exit within {timeout:.0f} s of signal {sig}:\n{self.log()[-3000:]}")
+        return self.process.returncode
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def launch_server(config: ServerConfig, timeout: float = 300.0, env: dict[str, str] | None = None) -> ServerHandle:
+    """Start ``serve(config)`` in a subprocess (port 0 → a free port) and wait until /health answers."""
+    if config.server.port == 0:
+        config = config.model_copy(deep=True)
+        config.server.port = _free_port(config.server.host)
+    log_file = tempfile.NamedTemporaryFile(prefix="treadle-server-", suffix=".log", delete=False)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "treadle.server.launch", "--config-json", config.model_dump_json()],
+        stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )
+    log_file.close()
+    host = config.server.host
+    handle = ServerHandle(process, f"http://{host}:{config.server.port}", config.server.port,
+                          config.server.api_key, Path(log_file.name))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerStartupError(f"the server exited with status {process.returncode} during startup:\n"
+                                     f"{handle.log()[-5000:]}")
+        try:
+            with urllib.request.urlopen(f"{handle.base_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return handle
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    handle.shutdown(signal.SIGKILL)
+    raise ServerStartupError(f"the server did not become healthy within {timeout:.0f} s:\n{handle.log()[-5000:]}")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m treadle.server.launch [--config FILE] [--set key=value ...]``."""
+    parser = argparse.ArgumentParser(prog="treadle serve", description="Start the treadle HTTP server.")
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--config-json", help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set server.port=8000 (repeatable)")
+    args = parser.parse_args(argv)
+    if args.config_json:
+        config = ServerConfig(**json.loads(args.config_json))
+    else:
+        config = load_config(args.config, overrides=args.set)
+    try:
+        serve(config)
+    except ServerStartupError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

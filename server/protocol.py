@@ -1,0 +1,125 @@
+"""Request bodies of the HTTP API (OpenAI-compatible and native), as pydantic models.
+
+Validation failures become OpenAI-shaped 400 errors in ``server/http.py``.
+Unknown fields are ignored, as OpenAI's own API does for fields it does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Body):
+    """Sampling fields shared by both OpenAI routes, plus treadle's extras."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=128)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # treadle / SGLang extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: StrictBool = True
+    priority: int = 0
+    rid: str | None = None
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt`` may be text, a list of texts, token ids or a list of those."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: str | None = None
+
+
+class NativeSamplingParams(_Body):
+    """``sampling_params`` of POST /generate (fields of core.request.SamplingParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: StrictBool = False
+    seed: int | None = None
+    skip_special_tokens: StrictBool = True
+
+
+class GenerateRequest(_Body):
+    """POST /generate (native API): ``text`` or ``input_ids``, one prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    return_logprob: StrictBool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    stream: StrictBool = False
+    rid: str | list[str] | None = None
+    priority: int = 0
+
+
+class AbortRequest(_Body):
+    """POST /abort_request."""
+
+    rid: str
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

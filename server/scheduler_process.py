@@ -1,0 +1,147 @@
+"""The scheduler process: runs ``core.scheduler.Scheduler`` in a loop behind ZMQ.
+
+Loop: take every message waiting (new requests, aborts, control requests),
+run one ``step()`` when there is work, push the outputs to the detokenizer.
+With nothing to do it blocks on the socket instead of spinning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from treadle.core.config import ServerConfig
+from treadle.server.ipc import (
+    AbortReq,
+    AddRequestFailed,
+    BatchTokenIDOut,
+    ControlReply,
+    ControlReq,
+    DetokenizerInit,
+    IpcAddresses,
+    RegisterDecode,
+    ShutdownReq,
+    TokenizedGenerateReq,
+    bind_pull,
+    connect_push,
+)
+from treadle.server.process_utils import configure_child_process
+
+logger = logging.getLogger("treadle.scheduler_process")
+
+_IDLE_POLL_MS = 500
+
+
+def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: Connection) -> None:
+    """Process entry point: build the Scheduler, report readiness on ``ready``, then serve until told to stop."""
+    parent_pid = configure_child_process(config.server.log_level)
+    try:
+        from treadle.core.scheduler import Scheduler
+
+        scheduler = Scheduler(config)
+    except BaseException as exc:
+        logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
+        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1)
+    tokenizer = getattr(scheduler, "tokenizer", None)
+    loop = SchedulerLoop(scheduler, addresses, parent_pid)
+    loop.detokenizer.send_pyobj(DetokenizerInit(tokenizer))
+    ready.send(("ready", dict(scheduler.model_info), tokenizer))
+    ready.close()
+    try:
+        loop.run()
+    except Exception:
+        logger.error("the scheduler crashed:\n%s", traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        loop.close()
+
+
+class SchedulerLoop:
+    """Feeds a Scheduler from the request socket and pushes its outputs to the detokenizer."""
+
+    def __init__(self, scheduler: Any, addresses: IpcAddresses, parent_pid: int) -> None:
+        self.scheduler = scheduler
+        self.parent_pid = parent_pid
+        self.context = zmq.Context()
+        self.requests = bind_pull(self.context, addresses.scheduler_input)
+        self.detokenizer = connect_push(self.context, addresses.detokenizer_input)
+        self.replies = connect_push(self.context, addresses.tokenizer_input)
+        self.running = True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.requests, zmq.POLLIN)
+        while self.running:
+            busy = self.scheduler.has_work()
+            if poller.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain_requests()
+            if not busy and os.getppid() != self.parent_pid:
+                logger.error("the server process is gone; the scheduler exits")
+                return
+            if self.running and self.scheduler.has_work():
+                outputs = self.scheduler.step()
+                if outputs:
+                    self.detokenizer.send_pyobj(BatchTokenIDOut(outputs))
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                message = self.requests.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(message)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, TokenizedGenerateReq):
+            self._add_request(message)
+        elif isinstance(message, AbortReq):
+            output = self.scheduler.abort_request(message.rid)
+            if output is not None:
+                self.detokenizer.send_pyobj(BatchTokenIDOut([output]))
+        elif isinstance(message, ControlReq):
+            self.replies.send_pyobj(ControlReply(message.request_id, self._control(message.kind)))
+        elif isinstance(message, ShutdownReq):
+            self.running = False
+        else:
+            logger.warning("ignoring unexpected message %r", type(message).__name__)
+
+    def _add_request(self, message: TokenizedGenerateReq) -> None:
+        from treadle.core.request import Req
+
+        try:
+            req = Req(
+                rid=message.rid,
+                origin_input_ids=list(message.input_ids),
+                sampling_params=message.sampling_params,
+                priority=message.priority,
+                return_logprob=message.return_logprob,
+                logprob_start_len=message.logprob_start_len,
+                top_logprobs_num=message.top_logprobs_num,
+            )
+            self.scheduler.add_request(req)
+        except ValueError as exc:  # InvalidRequestError and friends: the client's fault
+            self.replies.send_pyobj(AddRequestFailed(message.rid, str(exc), getattr(exc, "param", None), 400))
+            return
+        except Exception as exc:
+            logger.error("add_request failed for %s:\n%s", message.rid, traceback.format_exc())
+            self.replies.send_pyobj(AddRequestFailed(message.rid, f"internal error: {exc}", None, 500))
+            return
+        # add_request produces no output, so this still reaches the detokenizer before the first one.
+        self.detokenizer.send_pyobj(RegisterDecode(
+            message.rid, message.sampling_params.skip_special_tokens, list(message.sampling_params.stop or [])))
+
+    def _control(self, kind: str) -> dict[str, Any]:
+        if kind == "flush_cache":
+            return {"success": bool(self.scheduler.flush_cache())}
+        if kind == "stats":
+            return {"kv": dict(self.scheduler.kv_stats())}
+        return {"error": f"unknown control request '{kind}'"}

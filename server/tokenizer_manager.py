@@ -1,0 +1,287 @@
+"""TokenizerManager: the main process's side of the request flow (asyncio).
+
+It tokenizes prompts, sends them to the scheduler process, and routes what
+the detokenizer sends back to the HTTP handler waiting for each request.
+Requests that share a handler (the ``n`` choices of one OpenAI request, or a
+batch of prompts) share one :class:`GenerationStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from treadle.core.config import ServerConfig
+from treadle.core.request import InvalidRequestError, SamplingParams
+from treadle.server.ipc import (
+    AbortReq,
+    AddRequestFailed,
+    BatchStrOut,
+    ControlReply,
+    ControlReq,
+    IpcAddresses,
+    StrOutput,
+    TokenizedGenerateReq,
+    bind_pull,
+    connect_push,
+)
+from treadle.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """An error to return to the client as an OpenAI-shaped body with ``status_code``."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.type = type_
+        self.code = code
+
+
+@dataclass
+class StreamEvent:
+    """One step of one sub-request: new text/tokens (``output``) or a failure (``error``)."""
+
+    index: int
+    output: StrOutput | None = None
+    error: RequestError | None = None
+
+
+@dataclass
+class _ReqState:
+    stream: "GenerationStream"
+    index: int
+    prompt_tokens: int
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class GenerationStream:
+    """Events of one or more sub-requests submitted together, in arrival order."""
+
+    def __init__(self, manager: "TokenizerManager", rids: list[str]) -> None:
+        self.manager = manager
+        self.rids = rids
+        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self.unfinished = set(range(len(rids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    async def next_event(self) -> StreamEvent:
+        event = await self.queue.get()
+        if event.error is not None or (event.output is not None and event.output.finished_reason is not None):
+            self.unfinished.discard(event.index)
+        return event
+
+    def abort(self) -> None:
+        """Abort every sub-request still running (client gone, or a sibling failed)."""
+        for index in list(self.unfinished):
+            self.manager.abort(self.rids[index])
+        self.unfinished.clear()
+
+
+class TokenizerManager:
+    """Tokenizes, submits to the scheduler, and routes outputs back to waiting handlers."""
+
+    def __init__(self, config: ServerConfig, model_info: dict[str, Any], tokenizer: Any,
+                 addresses: IpcAddresses, metrics: ServerMetrics) -> None:
+        self.config = config
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.addresses = addresses
+        self.metrics = metrics
+        self.context_len = int(model_info.get("context_len") or 0)
+        self.vocab_size = int(model_info.get("vocab_size") or 0)
+        self.served_model_name = str(
+            config.model.served_model_name or model_info.get("served_model_name") or model_info.get("model_path")
+            or "default"
+        )
+        self.cached_tokens_total = 0
+        self.states: dict[str, _ReqState] = {}
+        self._control_waiters: dict[str, asyncio.Future] = {}
+        self._sync_context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._to_scheduler = connect_push(self._sync_context, addresses.scheduler_input)
+        self._from_workers = bind_pull(self._async_context, addresses.tokenizer_input)
+        self._recv_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self._to_scheduler.close(linger=0)
+        self._from_workers.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
+
+    def fail_all(self, reason: str) -> None:
+        """A worker process died: fail every waiting request so no handler hangs."""
+        self.dead_reason = reason
+        for rid, state in list(self.states.items()):
+            state.stream.queue.put_nowait(StreamEvent(state.index, error=RequestError(
+                reason, status_code=503, type_="server_error", code="service_unavailable")))
+            self.states.pop(rid, None)
+        for waiter in self._control_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(RequestError(reason, status_code=503, type_="server_error"))
+
+    # ------------------------------------------------------------ tokenization
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer; send token ids (`input_ids` on /generate)")
+        return self.tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.require_tokenizer().encode(text))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.require_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("the model's tokenizer has no chat template; use /v1/completions", param="messages")
+        try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # templates raise for conversations they do not support (e.g. role order)
+            raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+        # The template already contains BOS and friends; don't add them twice.
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+    def decode_token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ requests
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def check_request(self, input_ids: list[int], params: SamplingParams, param: str) -> None:
+        """Raise RequestError (400) for anything the scheduler would reject or choke on."""
+        if not input_ids:
+            raise RequestError("the prompt is empty", param=param)
+        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in input_ids):
+            raise RequestError(f"token ids must be in [0, {self.vocab_size})", param=param)
+        if self.context_len and len(input_ids) >= self.context_len:
+            raise RequestError(
+                f"the prompt has {len(input_ids)} tokens but this model's context length is {self.context_len}; "
+                "shorten the prompt", param=param, code="context_length_exceeded")
+        limit = self.config.server.max_request_tokens
+        if limit is not None and len(input_ids) + params.max_new_tokens > limit:
+            raise RequestError(
+                f"prompt ({len(input_ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds "
+                f"server.max_request_tokens = {limit}", param="max_tokens")
+        try:
+            params.verify()
+        except InvalidRequestError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+
+    def submit(self, reqs: list[TokenizedGenerateReq]) -> GenerationStream:
+        """Send requests to the scheduler; their outputs arrive on the returned stream."""
+        if self.dead_reason is not None:
+            raise RequestError(self.dead_reason, status_code=503, type_="server_error")
+        for req in reqs:
+            if req.rid in self.states:
+                raise RequestError(f"a request with rid '{req.rid}' is already running", param="rid")
+        if len({req.rid for req in reqs}) != len(reqs):
+            raise RequestError("rids must be unique", param="rid")
+        stream = GenerationStream(self, [req.rid for req in reqs])
+        for index, req in enumerate(reqs):
+            self.states[req.rid] = _ReqState(stream, index, len(req.input_ids))
+            self._to_scheduler.send_pyobj(req)
+        self.metrics.requests_received.inc(len(reqs))
+        return stream
+
+    def abort(self, rid: str, keep_waiting: bool = False) -> bool:
+        """Abort ``rid`` in the scheduler, which frees its KV slots.
+
+        By default its handler is forgotten at once (the client is gone); with
+        ``keep_waiting`` the handler still receives the final 'abort' output.
+        """
+        state = self.states.get(rid) if keep_waiting else self.states.pop(rid, None)
+        self._to_scheduler.send_pyobj(AbortReq(rid))
+        if state is not None:
+            self.metrics.requests_aborted.inc()
+        return state is not None
+
+    async def control(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Ask the scheduler process something (``flush_cache``, ``stats``) and wait for the answer."""
+        if self.dead_reason is not None:
+            raise RequestError(self.dead_reason, status_code=503, type_="server_error")
+        request_id = uuid.uuid4().hex
+        waiter = asyncio.get_running_loop().create_future()
+        self._control_waiters[request_id] = waiter
+        try:
+            self._to_scheduler.send_pyobj(ControlReq(request_id, kind))
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the scheduler did not answer '{kind}' within {timeout:.0f} s",
+                               status_code=503, type_="server_error") from None
+        finally:
+            self._control_waiters.pop(request_id, None)
+
+    # ------------------------------------------------------------ receiving
+
+    async def _recv_loop(self) -> None:
+        while True:
+            message = await self._from_workers.recv_pyobj()
+            try:
+                self._dispatch(message)
+            except Exception:  # one bad message must not stop every other request's outputs
+                logger.exception("failed to route a message from the scheduler/detokenizer")
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, BatchStrOut):
+            now = time.perf_counter()
+            for output in message.outputs:
+                self._on_output(output, now)
+        elif isinstance(message, AddRequestFailed):
+            state = self.states.pop(message.rid, None)
+            if state is not None:
+                error = RequestError(message.message, param=message.param, status_code=message.status_code,
+                                     type_="invalid_request_error" if message.status_code < 500 else "server_error")
+                state.stream.queue.put_nowait(StreamEvent(state.index, error=error))
+        elif isinstance(message, ControlReply):
+            waiter = self._control_waiters.get(message.request_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message.payload)
+        else:
+            logger.warning("ignoring unexpected message %r", type(message).__name__)
+
+    def _on_output(self, output: StrOutput, now: float) -> None:
+        state = self.states.get(output.rid)
+        if state is None:
+            return  # aborted: the handler is gone
+        tokens = len(output.new_token_ids)
+        if tokens:
+            if state.first_token_at is None:
+                state.first_token_at = now
+                self.metrics.time_to_first_token.observe(now - state.created)
+            elif state.last_token_at is not None:
+                self.metrics.inter_token_latency.observe((now - state.last_token_at) / tokens)
+            state.last_token_at = now
+        if output.finished_reason is not None:
+            self.states.pop(output.rid, None)
+            self.cached_tokens_total += output.cached_tokens
+            self.metrics.on_finished(output, now - state.created)
+        state.stream.queue.put_nowait(StreamEvent(state.index, output=output))

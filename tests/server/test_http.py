@@ -1,0 +1,369 @@
+"""The HTTP server end to end: real processes, real HTTP on 127.0.0.1, the official openai client.
+
+One server (with an API key) serves the whole module; the last test shuts it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from treadle.server.launch import ServerHandle, launch_server
+
+API_KEY = "test-key"
+MODEL = "tiny"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, make_config) -> ServerHandle:
+    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY), timeout=180)
+    yield handle
+    handle.shutdown(signal.SIGKILL if handle.process.poll() is None else signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture()
+def http(server: ServerHandle) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+        yield c
+
+
+def async_client(server: ServerHandle) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def kv_stats(http: httpx.Client) -> dict:
+    return http.get("/get_server_info").json()["kv"]
+
+
+def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = kv_stats(http)
+        if kv["running"] == 0 and kv["waiting"] == 0 or time.monotonic() > deadline:
+            return kv
+
+
+# ------------------------------------------------------------------ generation
+
+
+def test_chat_streaming_text_equals_non_streaming_under_greedy(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 12
+    assert usage.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_async_completions_streaming_equals_non_streaming(server: ServerHandle) -> None:
+    async def run() -> tuple[str, str, list]:
+        client = async_client(server)
+        full = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+        stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                                 temperature=0, stream=True)
+        pieces = [c async for c in stream]
+        await client.close()
+        return full.choices[0].text, "".join(c.choices[0].text for c in pieces), pieces
+
+    full, streamed, pieces = asyncio.run(run())
+    assert streamed == full and full
+    assert all(c.usage is None for c in pieces)  # no include_usage: no usage chunk
+
+
+def test_n_choices_share_the_prompt(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, n=3)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert len({c.message.content for c in result.choices}) == 1  # greedy: identical
+    assert result.usage.completion_tokens == 15
+    sampled = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0, n=2, seed=7)
+    again = client.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=1.0, n=2, seed=7)
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]  # seeded: reproducible
+
+
+def test_streaming_n_choices_and_chat_logprobs(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 6
+    assert all(entry.logprob <= 0 and entry.top_logprobs[0].token == entry.token for entry in content)
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, n=2,
+                                                stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: full.choices[0].message.content, 1: full.choices[0].message.content}
+
+
+def test_stop_string_is_trimmed_in_both_modes(client: openai.OpenAI) -> None:
+    base = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=16, temperature=0).choices[0]
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    expected = text[: text.find(stop)]
+    full = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=16, temperature=0, stop=[stop])
+    assert full.choices[0].text == expected
+    assert full.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=16, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_32_concurrent_streams_all_finish(server: ServerHandle, http: httpx.Client) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"request number {i}"}], max_tokens=8,
+            temperature=0, stream=True)
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def run() -> list:
+        client = async_client(server)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 32 and all(reason in ("length", "stop") for _, reason in results)
+    kv = wait_idle(http)
+    assert kv["free_slots"] + kv["cached_slots"] == kv["total_slots"]
+
+
+def test_20_mid_stream_disconnects_free_their_kv(server: ServerHandle, http: httpx.Client) -> None:
+    aborted_before = _metric(http, "treadle_requests_aborted_total")
+
+    async def disconnect_after_first_chunk(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"disconnect {i}", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # leaving the block closes the connection mid-stream
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=60) as client:
+            await asyncio.gather(*(disconnect_after_first_chunk(client, i) for i in range(20)))
+
+    asyncio.run(run())
+    kv = wait_idle(http)
+    assert kv["running"] == 0 and kv["waiting"] == 0
+    assert kv["free_slots"] + kv["cached_slots"] == kv["total_slots"]
+    assert _metric(http, "treadle_requests_aborted_total") - aborted_before == 20
+    assert http.get("/health").status_code == 200
+    assert http.post("/v1/completions", json={"prompt": "still alive", "max_tokens": 2}).status_code == 200
+
+
+def test_native_generate_text_ids_batch_and_stream(http: httpx.Client) -> None:
+    one = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert one.status_code == 200
+    body = one.json()
+    assert len(body["output_ids"]) == 6 and body["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
+    by_ids = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3,
+                                                                                      "temperature": 0}}).json()
+    assert by_ids["meta_info"]["prompt_tokens"] == 3 and len(by_ids["output_ids"]) == 3
+    batch = http.post("/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    with http.stream("POST", "/generate", json={"text": "Hello", "stream": True,
+                                                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["text"] == body["text"]  # cumulative text, same as non-streaming
+    assert all(body["text"].startswith(c["text"]) for c in chunks)
+
+
+def test_native_generate_logprobs(http: httpx.Client) -> None:
+    result = http.post("/generate", json={
+        "input_ids": [1, 10, 11, 12], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+    meta = result["meta_info"]
+    assert [pair[1] for pair in meta["input_token_logprobs"]] == [1, 10, 11, 12]
+    assert meta["input_token_logprobs"][0][0] is None and all(p[0] <= 0 for p in meta["input_token_logprobs"][1:])
+    assert [pair[1] for pair in meta["output_token_logprobs"]] == result["output_ids"]
+    # greedy: the chosen token is the top-1 alternative
+    assert [top[0][1] for top in meta["output_top_logprobs"]] == result["output_ids"]
+
+
+def test_info_routes_and_metrics(http: httpx.Client, tiny_model_dir: str) -> None:
+    models = http.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    info = http.get("/get_model_info").json()
+    assert info["context_len"] == 512 and info["vocab_size"] == 512
+    server_info = http.get("/get_server_info").json()
+    assert server_info["config"]["model"]["path"] == tiny_model_dir
+    assert server_info["config"]["server"]["api_key"] == "***"
+    assert {"total_slots", "free_slots", "cached_slots"} <= set(server_info["kv"])
+    assert server_info["cached_tokens_total"] > 0  # earlier tests repeated prompts
+    assert http.get("/health_generate").status_code == 200
+    metrics = http.get("/metrics").text
+    for name in ("treadle_requests_finished_total", "treadle_prompt_tokens_total", "treadle_generation_tokens_total",
+                 "treadle_time_to_first_token_seconds_bucket", "treadle_inter_token_latency_seconds_bucket",
+                 "treadle_num_queued_requests", "treadle_kv_usage_ratio", "treadle_kv_total_slots"):
+        assert name in metrics
+    assert _metric(http, "treadle_generation_tokens_total") > 0
+    assert _metric(http, "treadle_kv_total_slots") == 8192
+
+
+def test_flush_cache_empties_the_prefix_cache(http: httpx.Client) -> None:
+    wait_idle(http)
+    assert http.post("/flush_cache").json() == {"success": True}
+    kv = kv_stats(http)
+    assert kv["cached_slots"] == 0 and kv["free_slots"] == kv["total_slots"]
+
+
+def test_abort_request_ends_a_running_request(server: ServerHandle, http: httpx.Client) -> None:
+    async def run() -> dict:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=60) as client:
+            pending = asyncio.create_task(client.post("/generate", json={
+                "text": "abort me", "rid": "abort-me",
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if (await client.post("/abort_request", json={"rid": "abort-me"})).json()["success"]:
+                    break
+            return (await pending).json()
+
+    result = asyncio.run(run())
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(result["output_ids"]) < 400
+
+
+# ------------------------------------------------------------------ errors
+
+BAD_REQUESTS = [
+    ("invalid json", "/v1/chat/completions", b"{not json", 400, None),
+    ("body is a list", "/v1/chat/completions", [1, 2], 400, None),
+    ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("max_tokens wrong type", "/v1/chat/completions", {"messages": CHAT, "max_tokens": "many"}, 400, "max_tokens"),
+    ("stream wrong type", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("negative temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("penalty out of range", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("n zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-17", "messages": CHAT}, 404, "model"),
+    ("prompt longer than context", "/v1/completions", {"prompt": [7] * 600}, 400, "prompt"),
+    ("chat longer than context", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "word " * 700}]}, 400, "messages"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("token id out of vocab", "/generate", {"input_ids": [1, 99999]}, 400, "input_ids"),
+    ("text and input_ids", "/generate", {"text": "x", "input_ids": [1]}, 400, "text"),
+    ("unknown sampling param", "/generate", {"text": "x", "sampling_params": {"temprature": 0}}, 400,
+     "sampling_params.temprature"),
+    ("streaming with bad value", "/v1/completions", {"prompt": "x", "stream": True, "top_k": 0}, 400, "top_k"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_openai_shaped_4xx(http: httpx.Client, name: str, path: str, body, status: int,
+                                          param: str | None) -> None:
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+
+
+def test_api_key_is_required(server: ServerHandle) -> None:
+    assert httpx.get(f"{server.base_url}/health").status_code == 200  # open for probes
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 401
+    wrong = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+# ------------------------------------------------------------------ bench serving (needs this server)
+
+
+@pytest.mark.parametrize("api", ["native", "openai"])
+def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_path, capsys, api: str) -> None:
+    from treadle.bench.serving import main
+
+    out = tmp_path / "serving.json"
+    rc = main(["--base-url", server.base_url, "--api-key", API_KEY, "--api", api, "--num-prompts", "6",
+               "--input-len", "4:12", "--output-len", "4:6", "--request-rate", "50", "--max-concurrency", "4",
+               "--output", str(out)])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    summary = record["summary"]
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == record["workload"]["output_tokens"]
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+    assert summary["itl_ms"]["p90"] > 0
+    assert "ITL (ms)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ shutdown (keep last)
+
+
+def test_sigterm_stops_children_and_frees_the_port(server: ServerHandle, http: httpx.Client) -> None:
+    pids = http.get("/get_server_info").json()["pids"]
+    assert server.shutdown(signal.SIGTERM, timeout=30) == 0
+    for pid in pids.values():
+        assert not _alive(pid), f"child {pid} survived the shutdown"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    with socket.socket() as sock:  # a restarted server can listen on it again
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", server.port))
+        sock.listen()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for init to reap it is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _metric(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
