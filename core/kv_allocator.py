@@ -50,6 +50,17 @@ class KVAllocator(ABC):
     def clear(self) -> None:
         """Make every slot free again."""
 
+    @staticmethod
+    def check_alloc_args(prefix_lens: list[int], extend_lens: list[int], last_slots: list[int]) -> None:
+        """Raise ValueError unless the three lists are one entry per request with extend_lens >= 0."""
+        if not (len(prefix_lens) == len(extend_lens) == len(last_slots)):
+            raise ValueError(
+                f"alloc_extend needs one prefix_len, extend_len and last_slot per request, got "
+                f"{len(prefix_lens)}, {len(extend_lens)} and {len(last_slots)}"
+            )
+        if extend_lens and min(extend_lens) < 0:
+            raise ValueError(f"extend_lens must be >= 0, got {list(extend_lens)}")
+
     def alloc_decode(self, seq_lens: list[int], last_slots: list[int]) -> torch.Tensor | None:
         """One slot per request for position ``seq_lens[i]`` (the token being decoded)."""
         return self.alloc_extend(seq_lens, [1] * len(seq_lens), last_slots)

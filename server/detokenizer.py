@@ -92,20 +92,7 @@ class Detokenizer:
         if output.finished_reason is not None:
             self.decoders.pop(output.rid, None)
             self.stop_strings.pop(output.rid, None)
-        return StrOutput(
-            rid=output.rid,
-            text_delta=text,
-            new_token_ids=list(output.new_token_ids),
-            finished_reason=output.finished_reason,
-            finished_detail=output.finished_detail,
-            prompt_tokens=output.prompt_tokens,
-            completion_tokens=output.completion_tokens,
-            cached_tokens=output.cached_tokens,
-            new_output_logprobs=list(output.new_output_logprobs or []),
-            new_output_top_logprobs=list(output.new_output_top_logprobs or []),
-            input_token_logprobs=output.input_token_logprobs,
-            input_top_logprobs=output.input_top_logprobs,
-        )
+        return StrOutput(**{**vars(output), "text_delta": text})
 
 
 def _stopped_by_token(output: ReqOutput, stop_strings: list[str]) -> bool:

@@ -112,21 +112,10 @@ class BatchTokenIDOut:
 
 
 @dataclass
-class StrOutput:
-    """One request's new text and tokens from one scheduler step."""
+class StrOutput(ReqOutput):
+    """One request's new text (plus everything the scheduler reported) from one scheduler step."""
 
-    rid: str
-    text_delta: str
-    new_token_ids: list[int]
-    finished_reason: str | None
-    finished_detail: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_output_logprobs: list[float] = field(default_factory=list)
-    new_output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    input_token_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    text_delta: str = ""
 
 
 @dataclass

@@ -31,13 +31,7 @@ class TokenKVAllocator(KVAllocator):
     def alloc_extend(
         self, prefix_lens: list[int], extend_lens: list[int], last_slots: list[int]
     ) -> torch.Tensor | None:
-        if not (len(prefix_lens) == len(extend_lens) == len(last_slots)):
-            raise ValueError(
-                f"alloc_extend needs one prefix_len, extend_len and last_slot per request, got "
-                f"{len(prefix_lens)}, {len(extend_lens)} and {len(last_slots)}"
-            )
-        if extend_lens and min(extend_lens) < 0:
-            raise ValueError(f"extend_lens must be >= 0, got {list(extend_lens)}")
+        self.check_alloc_args(prefix_lens, extend_lens, last_slots)
         need = sum(extend_lens)
         if need > self._free.numel():
             return None
