@@ -19,6 +19,10 @@ from treadle.core.radix_cache import PrefixCache
 from treadle.core.request import Req
 from treadle.core.schedule_policy import SchedulePolicy
 
+# Matching every waiting request against the tree costs a walk each; past this
+# many waiting requests the prefix-aware policies fall back to arrival order.
+MAX_PREFIX_MATCHED_QUEUE = 128
+
 
 class FCFSPolicy(SchedulePolicy):
     """First come, first served: by ``Req.arrival``."""
@@ -33,7 +37,8 @@ class FCFSPolicy(SchedulePolicy):
 class LongestPrefixMatchPolicy(SchedulePolicy):
     """Longest cached prefix first (ties by arrival): reuses the radix cache before it is evicted.
 
-    With a cache that matches nothing (NoPrefixCache) every length is 0, so it is fcfs.
+    With a cache that matches nothing (NoPrefixCache) every length is 0, so it is fcfs;
+    so it is with more than MAX_PREFIX_MATCHED_QUEUE requests waiting.
     """
 
     uses_prefix_cache = True
@@ -42,6 +47,8 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
         self.seed = seed
 
     def order(self, waiting: list[Req], tree_cache: PrefixCache) -> list[Req]:
+        if len(waiting) > MAX_PREFIX_MATCHED_QUEUE:
+            return sorted(waiting, key=_arrival)
         prefix_lens = {id(req): int(tree_cache.match_prefix(req.all_ids)[0].numel()) for req in waiting}
         return sorted(waiting, key=lambda req: (-prefix_lens[id(req)], req.arrival))
 
@@ -76,6 +83,8 @@ class DFSWeightPolicy(SchedulePolicy):
         self.seed = seed
 
     def order(self, waiting: list[Req], tree_cache: PrefixCache) -> list[Req]:
+        if len(waiting) > MAX_PREFIX_MATCHED_QUEUE:
+            return sorted(waiting, key=_arrival)
         reqs_at: dict[int, list[Req]] = defaultdict(list)
         nodes: dict[int, Any] = {}
         for req in sorted(waiting, key=_arrival):

@@ -132,3 +132,20 @@ def test_prefix_aware_policies_do_not_lock_or_insert():
 def test_every_policy_is_registered_and_takes_a_seed(name):
     policy = build_registry().get("schedule_policies", name)(3)
     assert sorted(rids(policy, make_queue(), radix_cache())) == sorted(QUEUE)
+
+
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
+def test_prefix_policies_fall_back_to_arrival_order_on_long_queues(name):
+    from treadle.plugins.schedulers.policies import MAX_PREFIX_MATCHED_QUEUE
+
+    registry = build_registry()
+    allocator = registry.get("kv_allocators", "token")(64, 1, "cpu")
+    cache = RadixCache(allocator, 1)
+    slots = allocator.alloc_extend([0], [4], [-1])
+    cache.insert([9, 9, 9, 9], slots)
+    reqs = [Req(rid=str(i), origin_input_ids=[1, 2], sampling_params=SamplingParams())
+            for i in range(MAX_PREFIX_MATCHED_QUEUE)]
+    reqs.append(Req(rid="hit", origin_input_ids=[9, 9, 9, 9, 1], sampling_params=SamplingParams()))
+    policy = registry.get("schedule_policies", name)(0)
+    assert policy.order(reqs, cache)[-1].rid == "hit"  # too many to match: arrival order
+    assert policy.order(reqs[-5:], cache)[0].rid == "hit"  # few enough: the cached prefix goes first
