@@ -27,6 +27,9 @@ from treadle.core.schedule_batch import BatchEntry, ScheduleBatch
 logger = logging.getLogger(__name__)
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+# A waiting request whose next this-many uncached tokens equal those of a request
+# admitted in the same batch waits one step and then reuses them from the cache.
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 class Scheduler:
@@ -215,6 +218,8 @@ class Scheduler:
                 break
             prefix_slots, node = self.tree_cache.match_prefix(req.all_ids)
             prefix_len = self._usable_prefix(req, len(prefix_slots))
+            if self._shares_uncached_prefix(req, prefix_len, entries):
+                continue  # computed once by the request already admitted, then reused from the cache
             remaining = req.seq_len - prefix_len
             extend = min(remaining, budget)
             if cfg.chunked_prefill_size is None and extend < remaining:
@@ -245,6 +250,19 @@ class Scheduler:
                 break
         admitted = {id(e.req) for e in entries}
         self.waiting = [req for req in self.waiting if id(req) not in admitted]
+
+    def _shares_uncached_prefix(self, req: Req, prefix_len: int, entries: list[BatchEntry]) -> bool:
+        """Whether ``req``'s next uncached tokens are being computed by another request in this batch."""
+        if isinstance(self.tree_cache, NoPrefixCache):
+            return False
+        window = req.all_ids[prefix_len:prefix_len + IN_BATCH_PREFIX_TOKENS]
+        if len(window) < IN_BATCH_PREFIX_TOKENS:
+            return False
+        return any(
+            entry.req.all_ids[prefix_len:prefix_len + IN_BATCH_PREFIX_TOKENS] == window
+            and entry.kv_start <= prefix_len
+            for entry in entries
+        )
 
     def _undo_admission(self, entries: list[BatchEntry]) -> None:
         for entry in entries:
@@ -344,6 +362,7 @@ class Scheduler:
                     self.running.remove(req)
                 self._finish(req)
             elif req not in self.running:
+                self._share_prompt(req)
                 self.running.append(req)
             outputs.append(self._output(req, new_ids, include_input_logprobs=first_output))
         return outputs
@@ -399,6 +418,16 @@ class Scheduler:
         return None
 
     # ------------------------------------------------------------------ memory
+
+    def _share_prompt(self, req: Req) -> None:
+        """Put a just-prefilled prompt in the prefix cache so requests admitted later reuse it."""
+        before = req.kv_slots
+        self.tree_cache.cache_unfinished_req(req)
+        if req.kv_slots is before or torch.equal(req.kv_slots, before):
+            return
+        # Some pages were already cached by another request: point the table at the cached copies.
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[: req.kv_len] = req.kv_slots.to(device=row.device, dtype=row.dtype)
 
     def _alloc(self, allocate, need: int) -> torch.Tensor | None:
         shortfall = need - self.allocator.free_slots

@@ -186,3 +186,15 @@ def test_every_policy_serves_the_same_greedy_outputs(tiny_llama_dir, llama_refer
     outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, priority=[0, 3, 1, 2])
     assert [o.token_ids for o in outputs] == llama_reference
     assert_kv_accounted(engine)
+
+
+@pytest.mark.parametrize("memory", ["token", "paged4"])
+def test_a_cold_batch_sharing_a_prefix_computes_it_once(tiny_llama_dir, memory):
+    system = list(range(10, 74))  # 64 shared tokens
+    prompts = [system + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    engine = make_engine(tiny_llama_dir, **MEMORY_CONFIGS[memory])
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    # The first request computes the prefix; the other three wait one step and reuse it.
+    assert [o.cached_tokens for o in outputs] == [0, 64, 64, 64]
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_llama_dir, prompts, NEW_TOKENS)
+    assert_kv_accounted(engine)
