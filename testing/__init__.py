@@ -1,9 +1,12 @@
 """treadle's plugin conformance kit: pytest-callable checks a plugin package runs in its own tests.
 
-    from treadle.testing import check_kv_allocator, check_schedule_policy
+    from treadle.testing import check_attention_backend, check_kv_allocator, check_schedule_policy
 
     def test_my_policy_conforms():
         check_schedule_policy(MyPolicy)
+
+    def test_my_attention_backend_conforms():
+        check_attention_backend(MyAttnBackend, "cuda", torch.bfloat16)
 
 Each check raises AssertionError naming the broken rule. The kit depends on
 treadle's core only (built-in plugins are reached through the registry).
@@ -16,7 +19,7 @@ from typing import Any
 from treadle.testing.allocators import check_kv_allocator
 from treadle.testing.policies import check_schedule_policy
 
-__all__ = ["check_kv_allocator", "check_schedule_policy"]
+__all__ = ["check_attention_backend", "check_kv_allocator", "check_schedule_policy"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,1 +1,334 @@
-"""(being written: registers nothing yet)"""
+"""The `flashinfer` attention backend: FlashInfer's paged prefill and decode wrappers.
+
+Registered everywhere (so ``treadle plugins`` lists it); building it without
+FlashInfer installed fails with the install hint. FlashInfer and Triton are
+imported only when the backend is built.
+
+treadle's KV buffers are ``[num_slots, num_kv_heads, head_dim]`` per layer with
+slots ``[0, page_size)`` as padding, so with page size ``P`` they are viewed as
+``[num_slots // P, P, num_kv_heads, head_dim]`` pages (FlashInfer's NHD layout)
+and page ``0`` is the padding page. Each step's page table (``kv_indptr``,
+``kv_indices``, ``last_page_len``) is derived from ``req_to_token``: the page
+counts on the host from the host copy of the sequence lengths, the page ids
+on the device by a small Triton kernel, so building it never waits on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from treadle.core.attention import AttentionBackend
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.hookspecs import Register, hookimpl
+
+if TYPE_CHECKING:
+    from treadle.core.attention import RadixAttention
+
+_SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer's tensor-core decode (its prefill kernel with one query row) beats the
+# CUDA-core decode kernel once each KV head serves this many query heads.
+_TENSOR_CORE_MIN_GROUP = 4
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    """Attention through FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (extend, mixed) and
+    ``BatchDecodeWithPagedKVCacheWrapper`` (decode, also inside CUDA graphs).
+
+    Supports GQA, a sliding window (``model_runner.sliding_window``, the same for every
+    layer), any page size, and float16/bfloat16 KV caches. Tunables, plain attributes
+    read when a wrapper is first built (the first step, or CUDA-graph capture):
+    ``prefill_backend`` (FlashInfer's ``backend`` argument; ``"fa2"`` by default so
+    prefill and tensor-core decode share one JIT module) and ``use_tensor_cores``
+    (decode through FlashInfer's prefill kernel; default when a KV head serves 4 or
+    more query heads).
+    """
+
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner: Any) -> None:
+        self._flashinfer = _import_flashinfer()
+        self.device = torch.device(model_runner.device)
+        if self.device.type != "cuda":
+            raise RuntimeError(
+                f"the flashinfer attention backend runs on a CUDA device, not '{self.device}'; "
+                "use attention.backend: torch_native there"
+            )
+        self.num_heads = int(model_runner.num_heads)
+        self.num_kv_heads = int(model_runner.num_kv_heads)
+        self.head_dim = int(model_runner.head_dim)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"flashinfer attention needs num_heads ({self.num_heads}) to be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        kv_cache = model_runner.kv_cache
+        self.kv_dtype: torch.dtype = kv_cache.dtype
+        if self.kv_dtype not in _SUPPORTED_KV_DTYPES:
+            raise ValueError(
+                f"flashinfer attention supports float16 or bfloat16 KV caches, not {self.kv_dtype}; "
+                "set model.dtype to bfloat16 or float16, or use attention.backend: triton"
+            )
+        self.page_size = int(model_runner.page_size)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.context_len = int(model_runner.context_len)
+        window = getattr(model_runner, "sliding_window", None)
+        self.sliding_window: int | None = int(window) if window else None
+        # HF's window W shows keys i - W < j <= i; FlashInfer's window_left counts keys left of i.
+        self.window_left = self.sliding_window - 1 if self.sliding_window else -1
+        self.default_scale = 1.0 / math.sqrt(self.head_dim)
+        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= _TENSOR_CORE_MIN_GROUP
+        self.prefill_backend = "fa2"
+
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._prefill_wrapper: Any = None  # built on first use, from the tunables as they are then
+        self._decode_wrapper: Any = None
+        self._page_table_kernel = _page_table_kernel()
+        self._forward_wrapper: Any = None  # the wrapper planned for the current step
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_kv_indptr: torch.Tensor | None = None
+        self._graph_kv_indices: torch.Tensor | None = None
+        self._graph_last_page_len: torch.Tensor | None = None
+
+    @property
+    def prefill_wrapper(self) -> Any:
+        if self._prefill_wrapper is None:
+            self._prefill_wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=self.prefill_backend
+            )
+        return self._prefill_wrapper
+
+    @property
+    def decode_wrapper(self) -> Any:
+        if self._decode_wrapper is None:
+            self._decode_wrapper = self._new_decode_wrapper()
+        return self._decode_wrapper
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            seq_lens_cpu = forward_batch.seq_lens_cpu
+            self._plan_decode(self.decode_wrapper, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                              seq_lens_cpu, self._page_indices_scratch(seq_lens_cpu))
+        elif mode.is_extend():
+            extend_lens = _host_lens(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
+            prefix_lens = _host_lens(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
+            seq_lens_cpu = torch.tensor(extend_lens, dtype=torch.int64) + torch.tensor(prefix_lens, dtype=torch.int64)
+            self._plan_extend(forward_batch, torch.tensor(extend_lens, dtype=torch.int64), seq_lens_cpu)
+        else:
+            self._forward_wrapper = None
+        forward_batch.attn_metadata = self._forward_wrapper
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        pages_per_request = -(-(self.context_len + self.page_size) // self.page_size)
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self._graph_kv_indices = torch.zeros(max_bs * pages_per_request, dtype=torch.int32, device=self.device)
+        self._graph_wrappers = {}
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
+    ) -> None:
+        if not mode.is_decode():
+            raise NotImplementedError(f"the flashinfer backend captures CUDA graphs for DECODE only, not {mode.name}")
+        if self._graph_kv_indptr is None or self._graph_last_page_len is None or self._graph_kv_indices is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
+        wrapper = self._new_decode_wrapper(
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._graph_kv_indices,
+            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+        )
+        self._graph_wrappers[bs] = wrapper
+        seq_lens_cpu = seq_lens.to("cpu")  # capture time: a sync here is harmless
+        self._plan_decode(wrapper, req_pool_indices, seq_lens, seq_lens_cpu, self._page_indices_scratch(seq_lens_cpu))
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_sum: int,
+        mode: ForwardMode,
+        seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        if not mode.is_decode():
+            raise NotImplementedError(f"the flashinfer backend replays CUDA graphs for DECODE only, not {mode.name}")
+        if seq_lens_cpu is None:
+            raise ValueError("the flashinfer backend needs seq_lens_cpu to plan a CUDA-graph replay without a sync")
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            raise ValueError(f"no CUDA graph was captured for batch size {bs}; captured: {sorted(self._graph_wrappers)}")
+        self._plan_decode(wrapper, req_pool_indices, seq_lens, seq_lens_cpu, self._page_indices_scratch(seq_lens_cpu))
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # -- attention ------------------------------------------------------------------------------
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, expect_decode=True)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if not save_kv_cache:
+            raise NotImplementedError(
+                "the flashinfer backend reads the new tokens' K/V from the paged cache; save_kv_cache=False "
+                "is not supported"
+            )
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, expect_decode=False)
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+        forward_batch: ForwardBatch, save_kv_cache: bool, expect_decode: bool,
+    ) -> torch.Tensor:
+        wrapper = self._forward_wrapper
+        if wrapper is None or (wrapper is self._prefill_wrapper) == expect_decode:
+            kind = "decode" if expect_decode else "extend"
+            raise RuntimeError(f"forward_{kind} ran without {kind} metadata; call init_forward_metadata first")
+        if (layer.sliding_window_size or None) != self.sliding_window:
+            raise ValueError(
+                f"layer {layer.layer_id} has sliding window {layer.sliding_window_size} but the flashinfer backend "
+                f"was planned for {self.sliding_window} (model_runner.sliding_window); per-layer windows are "
+                "not supported"
+            )
+        kv_cache = forward_batch.kv_cache
+        if save_kv_cache:
+            kv_cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        pages = (self._paged(kv_cache.get_key_buffer(layer.layer_id)),
+                 self._paged(kv_cache.get_value_buffer(layer.layer_id)))
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        if q.dtype != self.kv_dtype:
+            q = q.to(self.kv_dtype)
+        ratio = layer.scaling / self.default_scale
+        q_scale = None if abs(ratio - 1.0) < 1e-6 else ratio
+        out = wrapper.run(q, pages, q_scale=q_scale)
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def _plan_decode(
+        self, wrapper: Any, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor, kv_indices: torch.Tensor,
+    ) -> None:
+        kv_indptr_cpu, last_page_len_cpu = self._page_counts(seq_lens_cpu)
+        self._fill_page_indices(kv_indices, req_pool_indices, seq_lens)
+        wrapper.plan(
+            kv_indptr_cpu, kv_indices, last_page_len_cpu,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            window_left=self.window_left, q_data_type=self.kv_dtype, kv_data_type=self.kv_dtype,
+        )
+        self._forward_wrapper = wrapper
+
+    def _plan_extend(self, forward_batch: ForwardBatch, extend_lens_cpu: torch.Tensor,
+                     seq_lens_cpu: torch.Tensor) -> None:
+        qo_indptr_cpu = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
+        torch.cumsum(extend_lens_cpu, 0, out=qo_indptr_cpu[1:])
+        qo_indptr_cpu = qo_indptr_cpu.pin_memory()
+        kv_indptr_cpu, last_page_len_cpu = self._page_counts(seq_lens_cpu)
+        kv_indices = self._page_indices_scratch(seq_lens_cpu)
+        self._fill_page_indices(kv_indices, forward_batch.req_pool_indices, forward_batch.seq_lens)
+        self.prefill_wrapper.plan(
+            qo_indptr_cpu, kv_indptr_cpu, kv_indices, last_page_len_cpu,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            causal=True, window_left=self.window_left, q_data_type=self.kv_dtype, kv_data_type=self.kv_dtype,
+        )
+        self._forward_wrapper = self.prefill_wrapper
+
+    def _page_counts(self, seq_lens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host ``kv_indptr`` [bs + 1] and ``last_page_len`` [bs] (int32) from host sequence lengths."""
+        seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+        pages = (seq_lens_cpu + self.page_size - 1) // self.page_size
+        kv_indptr = torch.zeros(len(seq_lens_cpu) + 1, dtype=torch.int32)
+        torch.cumsum(pages, 0, out=kv_indptr[1:])
+        last_page_len = (seq_lens_cpu - (pages - 1) * self.page_size).to(torch.int32)
+        # Pinned, so plan()'s host-to-device copies are truly asynchronous (pageable ones may sync).
+        return kv_indptr.pin_memory(), last_page_len.pin_memory()
+
+    def _page_indices_scratch(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
+        total_pages = int(((seq_lens_cpu + self.page_size - 1) // self.page_size).sum())
+        return torch.empty(max(total_pages, 1), dtype=torch.int32, device=self.device)
+
+    def _fill_page_indices(self, kv_indices: torch.Tensor, req_pool_indices: torch.Tensor,
+                           seq_lens: torch.Tensor) -> None:
+        """Write each request's page ids (read from ``req_to_token``) into ``kv_indices``, on the device."""
+        bs = int(req_pool_indices.shape[0])
+        pages = (seq_lens + self.page_size - 1) // self.page_size
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(pages, 0, out=kv_indptr[1:])
+        req_to_token = self.req_to_token_pool.req_to_token
+        self._page_table_kernel[(bs,)](
+            req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, kv_indptr, kv_indices,
+            PAGE_SIZE=self.page_size, BLOCK=256,
+        )
+
+    def _paged(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.view(-1, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def _new_decode_wrapper(self, **graph_buffers: Any) -> Any:
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, **graph_buffers
+        )
+
+
+def _host_lens(host: list[int] | None, device_values: torch.Tensor | None) -> list[int]:
+    if host is not None:
+        return [int(n) for n in host]
+    if device_values is None:
+        raise ValueError("an extend ForwardBatch needs extend_seq_lens and extend_prefix_lens")
+    return [int(n) for n in device_values.tolist()]
+
+
+def _import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the flashinfer attention backend needs FlashInfer, which could not be imported ({exc}); "
+            "pip install 'treadle[flashinfer]'  (FlashInfer 0.6.18.post1 is the tested version), "
+            "or use attention.backend: triton"
+        ) from exc
+    return flashinfer
+
+
+_KERNEL: Any = None
+
+
+def _page_table_kernel() -> Any:
+    """The Triton kernel writing ``kv_indices[kv_indptr[i] + j] = req_to_token[row_i, j * P] // P``."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def page_table_kernel(req_to_token, row_stride, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+                          PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        row = tl.load(req_pool_indices + i).to(tl.int64)
+        num_pages = (tl.load(seq_lens + i) + PAGE_SIZE - 1) // PAGE_SIZE
+        start = tl.load(kv_indptr + i)
+        for first in range(0, num_pages, BLOCK):
+            page = first + tl.arange(0, BLOCK)
+            mask = page < num_pages
+            slot = tl.load(req_to_token + row * row_stride + page * PAGE_SIZE, mask=mask, other=0)
+            tl.store(kv_indices + start + page, (slot // PAGE_SIZE).to(tl.int32), mask=mask)
+
+    _KERNEL = page_table_kernel
+    return _KERNEL
+
+
+@hookimpl
+def treadle_register_attention_backends(register: Register) -> None:
+    register("flashinfer", FlashInferAttnBackend)

@@ -1,0 +1,174 @@
+"""CudaGraphRunner: captures the decode forward once per batch size and replays it.
+
+A decode step of a small batch is dominated by kernel launches, not by work:
+replaying a captured CUDA graph launches the whole forward at once. Graphs are
+captured for a ladder of batch sizes (1, 2, 4, 8, then every 8 up to
+``runtime.cuda_graph_max_bs``); a batch of ``n`` requests replays the graph of
+the smallest captured size ``>= n``, its extra rows padded: token 0, KV written
+to padding slot 0, request row 0, sequence length
+``attn_backend.get_cuda_graph_seq_len_fill_value()``. Larger batches and every
+extend batch run eagerly. All graphs share one memory pool, captured largest
+first so the smaller ones reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from treadle.core.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """The batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to and including ``max_bs``."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
+    sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8))
+    return sorted(set(sizes + [max_bs]))
+
+
+class CudaGraphRunner:
+    """Decode through captured CUDA graphs: static padded inputs, one graph per batch size.
+
+    ``can_run(forward_batch)`` says whether a batch can replay; ``replay(forward_batch)``
+    copies its inputs into the static buffers (device-to-device, no host sync), lets
+    the attention backend update its metadata, replays, and returns the logits
+    rows of the real requests. The returned tensor is a view into the graph's
+    output and is overwritten by the next replay.
+    """
+
+    def __init__(self, model_runner: "ModelRunner") -> None:
+        self.model_runner = model_runner
+        self.model = model_runner.model
+        self.attn_backend = model_runner.attn_backend
+        self.device = model_runner.device
+        requested = int(model_runner.config.runtime.cuda_graph_max_bs)
+        # Decode never holds more requests than the scheduler runs at once.
+        max_bs = min(requested, int(model_runner.max_running_requests))
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.seq_len_fill_value = int(self.attn_backend.get_cuda_graph_seq_len_fill_value())
+
+        device, max_bs = self.device, self.max_bs
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.seq_lens = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64, device=device)
+            self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=device)
+        self.seq_lens_cpu = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64)
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.memory_pool = None
+        self.attn_backend.init_cuda_graph_state(max_bs, max_bs)
+        self.capture()
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self) -> None:
+        """Capture one decode graph per batch size, largest first, sharing one memory pool."""
+        from tqdm.auto import tqdm
+
+        stream = torch.cuda.Stream(device=self.device)
+        sizes = sorted(self.batch_sizes, reverse=True)
+        with torch.inference_mode(), torch.cuda.device(self.device):
+            for bs in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", leave=False):
+                self.graphs[bs], self.outputs[bs] = self._capture_one(bs, stream)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        forward_batch = self._static_forward_batch(bs)
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(
+            bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE
+        )
+
+        def run() -> torch.Tensor:
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+        # Warm-up outside the capture: lazy initialisation (cuBLAS handles, Triton
+        # compilation, rotary tables moving to the device) must not be recorded.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
+            output = run()
+        if self.memory_pool is None:
+            self.memory_pool = graph.pool()
+        return graph, output
+
+    def _static_forward_batch(self, bs: int) -> ForwardBatch:
+        runner = self.model_runner
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            seq_lens_sum=bs * self.seq_len_fill_value,
+            logits_indices=self.logits_indices[:bs],
+            req_to_token_pool=runner.req_to_token_pool,
+            kv_cache=runner.kv_cache,
+            attn_backend=self.attn_backend,
+        )
+
+    # ------------------------------------------------------------------- replay
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool:
+        return (
+            forward_batch.forward_mode.is_decode()
+            and 0 < forward_batch.batch_size <= self.max_bs
+            and forward_batch.num_tokens == forward_batch.batch_size
+            and int(forward_batch.logits_indices.shape[0]) == forward_batch.batch_size
+        )
+
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits ``[batch_size, vocab]`` of a decode batch, through the captured graph."""
+        raw_bs = forward_batch.batch_size
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw_bs)]
+        padding = bs - raw_bs
+        if padding:
+            # Padding rows write their K/V to padding slot 0 and attend over fill-length sequences.
+            self.seq_lens[raw_bs:bs].fill_(self.seq_len_fill_value)
+            self.out_cache_loc[raw_bs:bs].zero_()
+            self.req_pool_indices[raw_bs:bs].zero_()
+            self.input_ids[raw_bs:bs].zero_()
+            self.positions[raw_bs:bs].zero_()
+        self.input_ids[:raw_bs].copy_(forward_batch.input_ids)
+        self.positions[:raw_bs].copy_(forward_batch.positions)
+        self.req_pool_indices[:raw_bs].copy_(forward_batch.req_pool_indices)
+        self.seq_lens[:raw_bs].copy_(forward_batch.seq_lens)
+        self.out_cache_loc[:raw_bs].copy_(forward_batch.out_cache_loc)
+        self.logits_indices[:raw_bs].copy_(forward_batch.logits_indices)
+
+        seq_lens_cpu = self.seq_lens_cpu[:bs]
+        seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+        seq_lens_cpu[raw_bs:].fill_(self.seq_len_fill_value)
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bs,
+            self.req_pool_indices[:bs],
+            self.seq_lens[:bs],
+            forward_batch.seq_lens_sum + padding * self.seq_len_fill_value,
+            ForwardMode.DECODE,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        self.graphs[bs].replay()
+        return self.outputs[bs][:raw_bs]

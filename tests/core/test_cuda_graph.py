@@ -1,0 +1,31 @@
+"""CudaGraphRunner's batch-size ladder, and that the CPU never builds one."""
+
+from __future__ import annotations
+
+import pytest
+
+from treadle.core.cuda_graph import capture_batch_sizes
+
+
+@pytest.mark.parametrize(
+    ("max_bs", "expected"),
+    [(1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (32, [1, 2, 4, 8, 16, 24, 32]), (20, [1, 2, 4, 8, 16, 20])],
+)
+def test_capture_sizes_cover_every_batch_up_to_the_maximum(max_bs: int, expected: list[int]) -> None:
+    assert capture_batch_sizes(max_bs) == expected
+
+
+def test_a_zero_maximum_is_refused() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        capture_batch_sizes(0)
+
+
+def test_cpu_runner_has_no_graph_runner(tiny_llama_dir) -> None:
+    from treadle.core.config import load_config
+    from treadle.core.model_runner import ModelRunner
+    from treadle.core.registry import build_registry
+
+    config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
+                                    "cache.max_total_tokens": 256}, use_env=False)
+    runner = ModelRunner(config, build_registry())
+    assert runner.cuda_graph_runner is None

@@ -1,0 +1,35 @@
+"""The conformance kit on the GPU backends at real sizes: 32 query heads over 8 KV heads of 128 dims,
+requests up to 3000 tokens, a 1024-token sliding window, page sizes 1 and 16, CUDA-graph decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.testing import check_attention_backend
+
+pytestmark = pytest.mark.gpu
+
+REAL = dict(num_heads=32, num_kv_heads=8, head_dim=128, max_seq_len=3000, batch_size=6, sliding_window=1024)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_conforms(dtype: torch.dtype) -> None:
+    from treadle.plugins.attention.triton.backend import TritonAttnBackend
+
+    check_attention_backend(TritonAttnBackend, "cuda", dtype, **REAL)
+
+
+def test_flashinfer_conforms() -> None:
+    pytest.importorskip("flashinfer")
+    from treadle.plugins.attention.flashinfer import FlashInferAttnBackend
+
+    check_attention_backend(FlashInferAttnBackend, "cuda", torch.bfloat16, **REAL)
+
+
+def test_flashinfer_refuses_float32_with_the_alternatives() -> None:
+    pytest.importorskip("flashinfer")
+    from treadle.plugins.attention.flashinfer import FlashInferAttnBackend
+
+    with pytest.raises(ValueError, match="float16 or bfloat16.*triton"):
+        check_attention_backend(FlashInferAttnBackend, "cuda", torch.float32, page_sizes=(1,))

@@ -1,0 +1,89 @@
+"""``treadle.testing.check_attention_backend``: torch_native and triton (interpreted) pass it, broken backends fail it.
+
+The triton run happens in a fresh subprocess with TRITON_INTERPRET=1 set before
+anything imports triton (see tests/plugins/test_triton_backend.py for why).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from treadle.core.forward_batch import ForwardBatch
+from treadle.plugins.attention.torch_native import TorchNativeAttnBackend
+from treadle.testing import check_attention_backend
+
+SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16, max_seq_len=40, batch_size=3, sliding_window=12)
+
+_TRITON_SCRIPT = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+from treadle.plugins.attention.triton.backend import TritonAttnBackend
+from treadle.testing import check_attention_backend
+
+def small_blocks(backend):
+    # Short requests must still cross block and split boundaries.
+    backend.max_kv_splits, backend.min_split_tokens, backend.decode_block_n = 4, 8, 16
+    backend.extend_block_m = backend.extend_block_n = 16
+
+check_attention_backend(TritonAttnBackend, configure=small_blocks, **{small})
+print("TRITON_CONFORMS")
+"""
+
+
+def test_torch_native_conforms() -> None:
+    check_attention_backend(TorchNativeAttnBackend, **SMALL)
+
+
+def test_triton_conforms_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    script = _TRITON_SCRIPT.replace("{small}", repr(SMALL))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "TRITON_CONFORMS" in proc.stdout, proc.stdout + proc.stderr
+
+
+class _IgnoresWindow(TorchNativeAttnBackend):
+    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        window, layer.sliding_window_size = layer.sliding_window_size, None
+        try:
+            return super().forward(q, k, v, layer, forward_batch, save_kv_cache)
+        finally:
+            layer.sliding_window_size = window
+
+
+class _WrongScale(TorchNativeAttnBackend):
+    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        return super().forward(q * 1.1, k, v, layer, forward_batch, save_kv_cache)
+
+
+class _ForgetsToSaveKV(TorchNativeAttnBackend):
+    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        out = super().forward(q, k, v, layer, forward_batch, save_kv_cache)
+        forward_batch.kv_cache.k_buffers[layer.layer_id][forward_batch.out_cache_loc] = 0
+        return out
+
+
+class _ReadsWrongLayer(TorchNativeAttnBackend):
+    def forward(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        other = type(layer)(layer.num_heads, layer.head_dim, layer.scaling, layer.num_kv_heads, 0,
+                            layer.sliding_window_size)
+        return super().forward(q, k, v, other, forward_batch, save_kv_cache)
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        (_IgnoresWindow, "sliding_window=12"),
+        (_WrongScale, "differs from torch_native"),
+        (_ForgetsToSaveKV, "did not write"),
+        (_ReadsWrongLayer, "did not write"),
+    ],
+)
+def test_broken_backends_fail_with_the_scenario_named(backend, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_attention_backend(backend, **SMALL)
+
