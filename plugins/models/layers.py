@@ -13,26 +13,28 @@ import math
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch
+from treadle.plugins.models.fused_ops import add_rmsnorm, rotary_qkv, silu_mul
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm; statistics in float32, result in the input's dtype (as HF Llama)."""
+    """Root-mean-square layer norm; statistics in float32, result in the input's dtype (as HF Llama).
+
+    Given a ``residual`` it first adds it (``x + residual``) and returns ``(normed, sum)``,
+    one fused kernel on the GPU.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        normed, summed = add_rmsnorm(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, summed)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -100,13 +102,6 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[num_tokens, num_heads, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class StackedLinear(nn.Linear):
     """A linear layer whose output rows are several HF projections stacked: ``shards`` maps
     each shard id (the HF projection name) to its ``(row offset, rows)``."""
@@ -132,8 +127,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class SelfAttention(nn.Module):
@@ -166,11 +160,8 @@ class SelfAttention(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), forward_batch)
-        return self.o_proj(out)
+        q, k, v = rotary_qkv(self.qkv_proj(hidden_states), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
 class DecoderLayer(nn.Module):
@@ -192,10 +183,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, forward_batch)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream)``; the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 def head_dim(config: Any) -> int:

@@ -24,7 +24,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm; returns hidden states for every token."""
+    """Embedding and decoder layers (the final norm is applied by the causal LM to the rows it needs)."""
 
     def __init__(self, config: Any, sliding_window_size: int | None = None) -> None:
         super().__init__()
@@ -36,12 +36,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(last layer's output, residual stream)``; their sum is the final hidden state."""
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin, forward_batch)
-        return hidden_states
+            hidden_states, residual = layer(hidden_states, residual, cos, sin, forward_batch)
+        return hidden_states, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -60,9 +64,10 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        # Norm and lm_head are row-wise: select the wanted rows first.
-        selected = self.model.norm(hidden_states[forward_batch.logits_indices])
+        hidden_states, residual = self.model(input_ids, positions, forward_batch)
+        # The last residual add, the norm and lm_head are row-wise: select the wanted rows first.
+        rows = forward_batch.logits_indices
+        selected, _ = self.model.norm(hidden_states[rows], residual[rows])
         return self.lm_head(selected).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
