@@ -1,0 +1,98 @@
+"""The offline benchmark end to end on a tiny random model: the table, the JSON, the A/B variants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treadle.bench.offline_throughput import main, parse_variants
+from treadle.bench.workloads import parse_len_range, random_workload, shared_prefix_workload
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from treadle.testing.models import make_tiny_llama
+    from treadle.testing.tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("bench-tiny-llama")
+    make_tiny_llama(path)
+    make_tiny_tokenizer(path)
+    return str(path)
+
+
+def run_bench(tmp_path, model_dir: str, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    code = main([
+        "--num-prompts", "6", "--prefix-len", "48", "--question-len", "4:8", "--input-len", "8:40",
+        "--output-len", "3:6", "--warmup-prompts", "2", "--no-progress",
+        "--set", f"model.path={model_dir}", "--set", "cache.max_total_tokens=2048",
+        "--output", str(out), *args,
+    ])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_compare_hf_reports_both_systems_and_their_ratio(tmp_path, tiny_model_dir, capsys):
+    report = run_bench(tmp_path, tiny_model_dir, "--workload", "random", "--compare", "hf", "--hf-batch-size", "4")
+
+    assert report["command"].startswith("treadle bench offline ")
+    assert report["machine"]["cpu_count"] >= 1 and report["date"]
+    workload = report["workload"]
+    assert workload["name"] == "random" and workload["num_requests"] == 6
+    treadle, hf = report["systems"]
+    assert (treadle["kind"], hf["kind"]) == ("treadle", "hf")
+    for system in (treadle, hf):
+        assert system["output_tokens"] == workload["output_tokens"]
+        assert system["total_time_s"] > 0
+        assert system["output_throughput_tok_s"] == pytest.approx(system["output_tokens"] / system["total_time_s"])
+        assert system["request_throughput_req_s"] == pytest.approx(6 / system["total_time_s"])
+    assert treadle["config"]["model"]["path"] == tiny_model_dir
+    assert hf["generated_tokens"] >= hf["output_tokens"]
+    assert treadle["ratio_vs_hf"] == pytest.approx(
+        treadle["output_throughput_tok_s"] / hf["output_throughput_tok_s"])
+    assert report["ratios"]["vs_hf"]["treadle"] == treadle["ratio_vs_hf"]
+    table = capsys.readouterr().out
+    assert "out tok/s" in table and "vs hf" in table
+
+
+def test_radix_ab_variants_run_in_order_and_only_radix_reuses_the_prefix(tmp_path, tiny_model_dir, capsys):
+    # Two at a time, so later requests are admitted after earlier ones finished and cached the prefix.
+    report = run_bench(tmp_path, tiny_model_dir, "--workload", "shared-prefix",
+                       "--set", "scheduler.max_running_requests=2",
+                       "--compare", "cache.disable_radix_cache=false,cache.disable_radix_cache=true")
+
+    radix, no_radix = report["systems"]
+    assert radix["config"]["cache"]["disable_radix_cache"] is False
+    assert no_radix["config"]["cache"]["disable_radix_cache"] is True
+    # The first two miss (the warm-up's cache was flushed); the four admitted later find the 48-token prefix.
+    assert radix["extra"]["cached_prompt_tokens"] >= 4 * 48
+    assert no_radix["extra"]["cached_prompt_tokens"] == 0
+    assert radix["ratio_vs_first"] == 1.0
+    assert report["ratios"]["vs_hf"] is None
+    assert "cache.disable_radix_cache=true" in capsys.readouterr().out
+
+
+def test_parse_variants_accepts_override_sets_hf_and_backend_shorthand():
+    variants, with_hf = parse_variants("hf,scheduler.policy=lpm;cache.page_size=1", None)
+    assert with_hf and [v.overrides for v in variants] == [["scheduler.policy=lpm", "cache.page_size=1"]]
+    variants, with_hf = parse_variants("hf", "torch_native,triton")
+    assert with_hf and [v.overrides for v in variants] == [["attention.backend=torch_native"],
+                                                           ["attention.backend=triton"]]
+    assert parse_variants(None, None)[0][0].overrides == []
+    with pytest.raises(ValueError, match="section.key=value"):
+        parse_variants("lpm", None)
+
+
+def test_workloads_are_reproducible_and_shaped_as_asked():
+    ids = list(range(10, 100))
+    first = random_workload(20, ids, input_len=(5, 9), output_len=(2, 4), seed=3)
+    assert first.requests == random_workload(20, ids, input_len=(5, 9), output_len=(2, 4), seed=3).requests
+    assert all(5 <= len(r.input_ids) <= 9 and 2 <= r.output_len <= 4 for r in first.requests)
+    shared = shared_prefix_workload(8, ids, prefix_len=30, question_len=(3, 5), num_prefixes=2)
+    prefixes = {tuple(r.input_ids[:30]) for r in shared.requests}
+    assert len(prefixes) == 2
+    assert all(33 <= len(r.input_ids) <= 35 for r in shared.requests)
+    assert parse_len_range("16:64") == (16, 64) and parse_len_range("7") == (7, 7)
+    with pytest.raises(ValueError, match="MIN:MAX"):
+        parse_len_range("a:b")
