@@ -27,8 +27,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/treadle serve $(if $(CONFIG),--config $(CONFIG),)
 
+# One intra-op thread: the suite runs several torch processes at once (server
+# tests), and on two cores competing thread pools make every small op wait.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu

@@ -48,12 +48,6 @@ from typing import Any, Sequence
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-BUILTIN_PLUGINS = [
-    "treadle.plugins.attention.torch_native", "treadle.plugins.attention.triton.backend",
-    "treadle.plugins.attention.flashinfer", "treadle.plugins.models.llama", "treadle.plugins.models.mistral",
-    "treadle.plugins.schedulers.policies", "treadle.plugins.kv_allocators.token",
-    "treadle.plugins.kv_allocators.paged",
-]
 
 LLAMA_3_1_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -207,7 +201,7 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
         "scheduler.max_running_requests": max_bs,
         "runtime.disable_cuda_graph": True, "runtime.cuda_graph_max_bs": max_bs,
     }, use_env=False)
-    runner = ModelRunner(config, build_registry(BUILTIN_PLUGINS))
+    runner = ModelRunner(config, build_registry())
     for attr, value in options.items():
         if not hasattr(runner.attn_backend, attr):
             raise ValueError(f"attention backend '{backend}' has no tunable '{attr}'")

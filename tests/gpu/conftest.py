@@ -13,16 +13,6 @@ REAL_SHAPE_LLAMA = dict(
     rms_norm_eps=1e-5,
 )
 
-# The entry points of an installed treadle find these too; listing them keeps the tests
-# independent of how treadle was put on the path.
-BUILTIN_PLUGINS = [
-    "treadle.plugins.attention.torch_native", "treadle.plugins.attention.triton.backend",
-    "treadle.plugins.attention.flashinfer", "treadle.plugins.models.llama",
-    "treadle.plugins.kv_allocators.token", "treadle.plugins.kv_allocators.paged",
-    "treadle.plugins.schedulers.policies",
-]
-
-
 @pytest.fixture(scope="session")
 def real_shape_llama_dir(tmp_path_factory) -> str:
     from treadle.testing.models import make_tiny_llama
@@ -44,5 +34,4 @@ def _engine_config(model_dir: str, backend: str, dtype: str, *, graphs: bool = T
                   "max_total_tokens": 16384},
         "scheduler": {"max_running_requests": 16},
         "runtime": {"disable_cuda_graph": not graphs, "cuda_graph_max_bs": 16},
-        "plugins": BUILTIN_PLUGINS,
     }
