@@ -142,6 +142,11 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    def token_at(self, position: int) -> int:
+        """The sequence's token at ``position`` (without building ``all_ids``)."""
+        prompt_len = len(self.origin_input_ids)
+        return self.origin_input_ids[position] if position < prompt_len else self.output_ids[position - prompt_len]
+
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)

@@ -48,16 +48,19 @@ class ScheduleBatch:
 
     def write_req_to_token(self, req_to_token: torch.Tensor) -> None:
         """Record the slots of every (re)written position in the device table, in one scatter."""
-        rows, cols, slots = [], [], []
-        for entry in self.entries:
-            end = entry.kv_start + entry.extend_len
-            rows.append(torch.full((end - entry.write_from,), entry.req.req_pool_idx, dtype=torch.int64))
-            cols.append(torch.arange(entry.write_from, end, dtype=torch.int64))
-            slots.append(entry.req.kv_slots[entry.write_from:end])
+        entries = self.entries
+        if all(e.write_from == e.kv_start and e.extend_len == 1 for e in entries):  # decode: one slot each
+            rows = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)
+            cols = torch.tensor([e.kv_start for e in entries], dtype=torch.int64)
+            slots = torch.cat([e.new_slots for e in entries])
+        else:
+            spans = [(e, e.kv_start + e.extend_len) for e in entries]
+            rows = torch.cat([torch.full((end - e.write_from,), e.req.req_pool_idx, dtype=torch.int64)
+                              for e, end in spans])
+            cols = torch.cat([torch.arange(e.write_from, end, dtype=torch.int64) for e, end in spans])
+            slots = torch.cat([e.req.kv_slots[e.write_from:end] for e, end in spans])
         device = req_to_token.device
-        req_to_token[torch.cat(rows).to(device), torch.cat(cols).to(device)] = (
-            torch.cat(slots).to(device=device, dtype=req_to_token.dtype)
-        )
+        req_to_token[rows.to(device), cols.to(device)] = slots.to(device=device, dtype=req_to_token.dtype)
 
     def to_forward_batch(self, runner) -> ForwardBatch:
         device = runner.device
@@ -66,7 +69,7 @@ class ScheduleBatch:
         req_pool_indices = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)
         out_cache_loc = torch.cat([e.new_slots for e in entries])
         if self.forward_mode.is_decode():
-            input_ids = torch.tensor([e.req.all_ids[e.kv_start] for e in entries], dtype=torch.int64)
+            input_ids = torch.tensor([e.req.token_at(e.kv_start) for e in entries], dtype=torch.int64)
             positions = seq_lens - 1
             logits_indices = torch.arange(len(entries), dtype=torch.int64)
             extend = {}
