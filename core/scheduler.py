@@ -23,6 +23,7 @@ from treadle.core.registry import Registry, build_registry
 from treadle.core.request import FinishReason, InvalidRequestError, Req, ReqOutput
 from treadle.core.sampler import Sampler, SamplingBatch
 from treadle.core.schedule_batch import BatchEntry, ScheduleBatch
+from treadle.core.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Scheduler:
         self.policy = self.registry.get("schedule_policies", config.scheduler.policy)(config.scheduler.seed)
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or self.runner.model_dir)
-        self.eos_token_ids = _eos_token_ids(self.runner.hf_config, self.runner.model_dir, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.runner.model_dir, self.tokenizer)
         self.context_len = self.runner.context_len
 
         self.waiting: list[Req] = []
@@ -520,35 +521,3 @@ def _row_starts(batch: ScheduleBatch) -> list[int]:
         starts.append(offset)
         offset += len(entry.logit_positions)
     return starts
-
-
-def load_tokenizer(path: str | None) -> Any:
-    """The HF tokenizer in ``path``, or None when the folder has none (ids-only serving)."""
-    if path is None:
-        return None
-    folder = Path(path)
-    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def _eos_token_ids(hf_config: Any, model_dir: str, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-
-    def add(value: Any) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(getattr(hf_config, "eos_token_id", None))
-    generation_config = Path(model_dir) / "generation_config.json"
-    if generation_config.exists():
-        import json
-
-        add(json.loads(generation_config.read_text()).get("eos_token_id"))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return ids
