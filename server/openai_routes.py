@@ -232,6 +232,12 @@ def _sampling_params(manager: TokenizerManager, body: _SamplingFields, prompt_le
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens if default_max_tokens is not None else max(manager.context_len - prompt_len, 0)
+    elif manager.context_len and prompt_len + max_tokens > manager.context_len:
+        # As OpenAI does: an explicit budget that cannot fit is an error, not silently shortened.
+        raise RequestError(
+            f"this model's context length is {manager.context_len} tokens, but the prompt has {prompt_len} and "
+            f"max_tokens asks for {max_tokens} more; lower max_tokens to at most {manager.context_len - prompt_len}",
+            param="max_tokens", code="context_length_exceeded")
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,

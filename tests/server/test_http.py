@@ -271,6 +271,7 @@ BAD_REQUESTS = [
     ("prompt longer than context", "/v1/completions", {"prompt": [7] * 600}, 400, "prompt"),
     ("chat longer than context", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "word " * 700}]}, 400, "messages"),
+    ("max_tokens past the context", "/v1/completions", {"prompt": [7] * 500, "max_tokens": 100}, 400, "max_tokens"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("token id out of vocab", "/generate", {"input_ids": [1, 99999]}, 400, "input_ids"),
     ("text and input_ids", "/generate", {"text": "x", "input_ids": [1]}, 400, "text"),
