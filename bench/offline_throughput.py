@@ -73,6 +73,7 @@ class SystemResult:
     extra: dict[str, Any] = field(default_factory=dict)
     ratio_vs_first: float | None = None
     ratio_vs_hf: float | None = None
+    ratio_vs_baseline: float | None = None  # vs the same-named system of an earlier run (--baseline)
 
     @property
     def output_throughput(self) -> float:
@@ -128,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _free_memory()
 
     _fill_ratios(results)
+    if args.baseline:
+        _fill_baseline_ratios(results, workload, Path(args.baseline))
     print(format_table(results))
     report = _report(args, argv, workload, results)
     path = Path(args.output) if args.output else RESULTS_DIR / _default_name(workload.name)
@@ -252,15 +255,20 @@ def run_hf(
 def format_table(results: Sequence[SystemResult]) -> str:
     """A plain-text table, one row per system."""
     with_hf = any(r.kind == "hf" for r in results)
+    with_baseline = any(r.ratio_vs_baseline is not None for r in results)
     header = ["system", "reqs", "in tok", "out tok", "time s", "out tok/s", "req/s", "vs first"]
     if with_hf:
         header.append("vs hf")
+    if with_baseline:
+        header.append("vs baseline")
     rows = [header]
     for r in results:
         row = [r.name, str(r.num_requests), str(r.input_tokens), str(r.output_tokens), f"{r.total_time_s:.2f}",
                f"{r.output_throughput:.1f}", f"{r.request_throughput:.3f}", _ratio(r.ratio_vs_first)]
         if with_hf:
             row.append(_ratio(r.ratio_vs_hf))
+        if with_baseline:
+            row.append(_ratio(r.ratio_vs_baseline))
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -303,6 +311,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="torch.set_num_threads for every system (default: torch's choice); on a shared CPU "
                              "1 avoids threads waiting on each other at every small op")
     parser.add_argument("--output", help="JSON path (default bench/results/offline_<workload>_<date>.json)")
+    parser.add_argument("--baseline", help="an earlier run's JSON: adds each system's ratio to its same-named "
+                                           "system there (regression tracking)")
     parser.add_argument("--no-progress", action="store_true", help="hide the tqdm bars")
     return parser
 
@@ -418,6 +428,21 @@ def _fill_ratios(results: list[SystemResult]) -> None:
     for r in results:
         r.ratio_vs_first = r.output_throughput / first
         r.ratio_vs_hf = r.output_throughput / hf if hf else None
+
+
+def _fill_baseline_ratios(results: list[SystemResult], workload: Workload, path: Path) -> None:
+    """Ratio of each system's throughput to the same-named system in an earlier run's JSON."""
+    earlier = json.loads(path.read_text())
+    same = {k: earlier["workload"].get(k) for k in ("name", "num_requests", "input_tokens", "output_tokens")}
+    now = {"name": workload.name, "num_requests": workload.num_requests,
+           "input_tokens": workload.input_tokens, "output_tokens": workload.output_tokens}
+    if same != now:
+        print(f"warning: the baseline {path} ran a different workload ({same} vs {now}); ratios are not "
+              "like for like", file=sys.stderr)
+    throughput = {system["name"]: system["output_throughput_tok_s"] for system in earlier["systems"]}
+    for r in results:
+        if r.name in throughput:
+            r.ratio_vs_baseline = r.output_throughput / throughput[r.name]
 
 
 def _ratio(value: float | None) -> str:

@@ -96,6 +96,7 @@ class Measurement:
     roofline_ms: float
     roofline_fraction: float
     first_tokens: list[int] = field(default_factory=list)
+    ratio_vs_baseline: float | None = None  # tok/s vs the same system and batch size of an earlier run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         results.append(run_hf(runner, prompts[bs], args, bandwidth))
                         print(_row(results[-1]))
                 runner = _release(runner)
+    if args.baseline:
+        fill_baseline_ratios(results, json.loads(Path(args.baseline).read_text()))
     print()
     print(format_table(results))
     for profile in profiles.values():
@@ -483,17 +486,28 @@ def _kernel_category(name: str) -> str:
     return "elementwise/norm/rotary/other"
 
 
+def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]) -> None:
+    """Each result's tok/s over the same system at the same batch size in an earlier run's JSON."""
+    before = {(r["system"], r["batch_size"]): r["decode_tokens_per_s"] for r in earlier["results"]}
+    for r in results:
+        if (r.system, r.batch_size) in before:
+            r.ratio_vs_baseline = r.decode_tokens_per_s / before[(r.system, r.batch_size)]
+
+
 def format_table(results: Sequence[Measurement]) -> str:
     hf = {r.batch_size: r for r in results if r.backend is None}
+    with_baseline = any(r.ratio_vs_baseline is not None for r in results)
     header = (f"{'system':<34}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'tok/s':>10}"
-              f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}")
+              f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}" + (f"{'x baseline':>12}" if with_baseline else ""))
     lines = [header, "-" * len(header)]
     for r in results:
         ref = hf.get(r.batch_size)
         vs_hf = f"{r.decode_tokens_per_s / ref.decode_tokens_per_s:.2f}" if ref else "-"
-        lines.append(f"{r.system:<34}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}"
-                     f"{r.decode_tokens_per_s:>10.1f}{r.roofline_ms:>13.2f}{100 * r.roofline_fraction:>11.1f}%"
-                     f"{vs_hf:>8}")
+        line = (f"{r.system:<34}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}"
+                f"{r.decode_tokens_per_s:>10.1f}{r.roofline_ms:>13.2f}{100 * r.roofline_fraction:>11.1f}%{vs_hf:>8}")
+        if with_baseline:
+            line += f"{r.ratio_vs_baseline:>12.2f}" if r.ratio_vs_baseline is not None else f"{'-':>12}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -595,6 +609,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summary")
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/one_batch_<gpu>_<date>.json)")
+    parser.add_argument("--baseline", help="an earlier run's JSON: adds each row's tok/s ratio to the same system "
+                                           "and batch size there (regression tracking)")
     return parser
 
 

@@ -96,3 +96,13 @@ def test_workloads_are_reproducible_and_shaped_as_asked():
     assert parse_len_range("16:64") == (16, 64) and parse_len_range("7") == (7, 7)
     with pytest.raises(ValueError, match="MIN:MAX"):
         parse_len_range("a:b")
+
+
+def test_baseline_adds_the_ratio_to_an_earlier_run(tmp_path, tiny_model_dir, capsys):
+    earlier = run_bench(tmp_path / "earlier", tiny_model_dir, "--workload", "random")
+    report = run_bench(tmp_path, tiny_model_dir, "--workload", "random",
+                       "--baseline", str(tmp_path / "earlier" / "result.json"))
+    system = report["systems"][0]
+    assert system["ratio_vs_baseline"] == pytest.approx(
+        system["output_throughput_tok_s"] / earlier["systems"][0]["output_throughput_tok_s"])
+    assert "vs baseline" in capsys.readouterr().out

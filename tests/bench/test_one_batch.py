@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from treadle.bench.one_batch import main
 
 
@@ -16,3 +18,14 @@ def test_one_batch_smoke_writes_results(tmp_path):
     assert {row["batch_size"] for row in rows} == {1, 2}
     assert all(row["decode_step_ms"] > 0 and row["decode_tokens_per_s"] > 0 for row in rows)
     assert result["command"].startswith("treadle bench one-batch")
+
+
+def test_one_batch_baseline_ratio(tmp_path, capsys):
+    args = ["--tiny", "--device", "cpu", "--batch-sizes", "1", "--decode-steps", "3", "--input-len", "8",
+            "--backends", "torch_native", "--no-hf", "--no-profile"]
+    assert main(args + ["--output", str(tmp_path / "earlier.json")]) == 0
+    assert main(args + ["--output", str(tmp_path / "now.json"), "--baseline", str(tmp_path / "earlier.json")]) == 0
+    earlier = json.loads((tmp_path / "earlier.json").read_text())["results"][0]
+    now = json.loads((tmp_path / "now.json").read_text())["results"][0]
+    assert now["ratio_vs_baseline"] == pytest.approx(now["decode_tokens_per_s"] / earlier["decode_tokens_per_s"])
+    assert "x baseline" in capsys.readouterr().out
