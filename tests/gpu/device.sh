@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and benchmarks on the device machine (Python 3.12, torch + CUDA, triton,
+# transformers; no network). Set-up here, once per session:
+#
+#   echo /.whl/ >> .git/info/exclude        # .gitignore already ignores .whl/
+#   ../shared/device/wheels.sh .whl          # FlashInfer, pydantic, fastapi, pyzmq, gguf, ... (~45 MB)
+#
+# then, through the device tool with carry [".whl"]:
+#
+#   bash tests/gpu/device.sh setup tests bench         # BENCH_ARGS="--backends triton,flashinfer --graphs on"
+#
+# `setup` installs the wheels into /tmp/site and treadle itself (editable, so its entry points
+# register the built-in plugins), restoring .whl/fi_cache.tgz (FlashInfer's JIT cache) when present.
+# Logs and results go to $OUT.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+setup() {
+  t0=$(date +%s)
+  [ -f .whl/fi_cache.tgz ] && mkdir -p ~/.cache && tar xzf .whl/fi_cache.tgz -C ~ && echo "SETUP: restored the FlashInfer JIT cache"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  if python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip_editable.log" 2>&1; then
+    echo "SETUP: editable install OK"
+  else
+    echo "SETUP: editable install FAILED (see pip_editable.log); using a hand-made dist-info"
+    mkdir -p /tmp/pkg/treadle-0.1.0.dist-info && ln -sfn "$PWD" /tmp/pkg/treadle
+    printf 'Metadata-Version: 2.1\nName: treadle\nVersion: 0.1.0\n' > /tmp/pkg/treadle-0.1.0.dist-info/METADATA
+    python3 -c "import tomllib;d=tomllib.load(open('pyproject.toml','rb'));print('[treadle]');[print(f'{k} = {v}') for k,v in d['project']['entry-points']['treadle'].items()]" > /tmp/pkg/treadle-0.1.0.dist-info/entry_points.txt
+    export PYTHONPATH=/tmp/site:/tmp/pkg
+  fi
+  cd /tmp && python3 -c "from treadle.core.registry import build_registry; t=build_registry().table(); print('SETUP registry:', {k: sorted(v) for k, v in t.items()})"; cd - >/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers, flashinfer; print('versions', torch.__version__, triton.__version__, transformers.__version__, flashinfer.__version__)"
+  echo "SETUP took $(( $(date +%s) - t0 )) s"
+}
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    setup) setup ;;
+    conformance) timeout 200 python3 -m pytest -q -x -p no:randomly tests/gpu/test_attention_conformance_gpu.py 2>&1 | tee "$OUT/conformance.log" | tail -30 ;;
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs tests/gpu/ 2>&1 | tee "$OUT/tests_gpu.log" | tail -40 ;;
+    bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "STAGE $stage took $(( $(date +%s) - t0 )) s"
+done
+du -sh ~/.cache/flashinfer 2>/dev/null
