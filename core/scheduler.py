@@ -169,13 +169,10 @@ class Scheduler:
         cfg = self.config.scheduler
         budget = cfg.chunked_prefill_size or cfg.max_prefill_tokens
         entries: list[BatchEntry] = []
-        sizes: list[tuple[int, int, int]] = []  # (kv_start, extend_len, last_slot)
-
         if self.chunked_req is not None:
             req = self.chunked_req
             extend = min(req.seq_len - req.kv_len, budget)
             entries.append(BatchEntry(req, req.kv_len, extend, _EMPTY_SLOTS, write_from=req.kv_len))
-            budget -= extend
         elif self.waiting:
             self._admit(entries, budget)
         if not entries:
@@ -293,6 +290,7 @@ class Scheduler:
                 # Nothing left to retract: the pool cannot hold this one sequence any longer.
                 req = reqs[0]
                 req.finish(FinishReason.LENGTH, "the KV cache is full")
+                self.running.remove(req)
                 self._finish(req)
                 self._pending.append(self._output(req, []))
                 return []

@@ -198,3 +198,14 @@ def test_a_cold_batch_sharing_a_prefix_computes_it_once(tiny_llama_dir, memory):
     assert [o.cached_tokens for o in outputs] == [0, 64, 64, 64]
     assert [o.token_ids for o in outputs] == hf_greedy(tiny_llama_dir, prompts, NEW_TOKENS)
     assert_kv_accounted(engine)
+
+
+def test_a_sequence_that_outgrows_the_pool_finishes_with_length(tiny_llama_dir, llama_reference):
+    engine = make_engine(tiny_llama_dir, cache={"max_total_tokens": 20})
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=SamplingParams(
+        max_new_tokens=40, temperature=0, ignore_eos=True))
+    # 17 prompt tokens + the tokens whose KV fits in 20 slots; the request ends instead of hanging.
+    assert out.finish_reason == "length"
+    assert 1 <= len(out.token_ids) <= 4
+    assert out.token_ids == llama_reference[0][: len(out.token_ids)]
+    assert_kv_accounted(engine)
