@@ -332,8 +332,6 @@ class Scheduler:
         outputs = []
         for i, entry in enumerate(batch.entries):
             req = entry.req
-            if req.finished:  # aborted while the batch ran
-                continue
             pending_input_lp = input_logprobs.get(id(req))
             if pending_input_lp is not None:
                 req.input_token_logprobs.extend(pending_input_lp[0])
