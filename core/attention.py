@@ -14,6 +14,16 @@ if TYPE_CHECKING:
     from treadle.core.model_runner import ModelRunner
 
 
+def head_layout(model_runner: "ModelRunner", backend_name: str) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)`` of the model; raises unless query heads group evenly over KV heads."""
+    num_heads, num_kv_heads = int(model_runner.num_heads), int(model_runner.num_kv_heads)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{backend_name} attention needs num_heads ({num_heads}) to be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    return num_heads, num_kv_heads, int(model_runner.head_dim)
+
+
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache for one ForwardBatch.
 

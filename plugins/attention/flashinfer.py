@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.attention import AttentionBackend
+from treadle.core.attention import AttentionBackend, head_layout
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 
@@ -57,14 +57,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"the flashinfer attention backend runs on a CUDA device, not '{self.device}'; "
                 "use attention.backend: torch_native there"
             )
-        self.num_heads = int(model_runner.num_heads)
-        self.num_kv_heads = int(model_runner.num_kv_heads)
-        self.head_dim = int(model_runner.head_dim)
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"flashinfer attention needs num_heads ({self.num_heads}) to be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "flashinfer")
         kv_cache = model_runner.kv_cache
         self.kv_dtype: torch.dtype = kv_cache.dtype
         if self.kv_dtype not in _SUPPORTED_KV_DTYPES:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from treadle.core.attention import AttentionBackend, RadixAttention
+from treadle.core.attention import AttentionBackend, RadixAttention, head_layout
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.hookspecs import Register, hookimpl
 
@@ -42,15 +42,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     supports_cuda_graph = False
 
     def __init__(self, model_runner: Any) -> None:
-        num_heads, num_kv_heads = int(model_runner.num_heads), int(model_runner.num_kv_heads)
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"torch_native attention needs num_heads ({num_heads}) to be a multiple of num_kv_heads ({num_kv_heads})"
-            )
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "torch_native")
         self.device = torch.device(model_runner.device)
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = int(model_runner.head_dim)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         forward_batch.attn_metadata = _step_index(forward_batch)

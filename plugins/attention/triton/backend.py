@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.attention import AttentionBackend
+from treadle.core.attention import AttentionBackend, head_layout
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 
@@ -65,14 +65,7 @@ class TritonAttnBackend(AttentionBackend):
                 "attention_backend: torch_native there (or set TRITON_INTERPRET=1 to run the kernels "
                 "slowly on the CPU for testing)"
             )
-        self.num_heads = int(model_runner.num_heads)
-        self.num_kv_heads = int(model_runner.num_kv_heads)
-        self.head_dim = int(model_runner.head_dim)
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"triton attention needs num_heads ({self.num_heads}) to be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "triton")
         kv_cache = getattr(model_runner, "kv_cache", None)
         kv_dtype = kv_cache.dtype if kv_cache is not None else model_runner.dtype
         if kv_dtype not in _SUPPORTED_KV_DTYPES:
