@@ -1,4 +1,4 @@
-"""Build the model named by a ModelConfig and fill its weights: safetensors, GGUF (converted), or dummy.
+"""Build the model named by a ModelConfig and fill its weights: safetensors (a folder or a hub id), GGUF, or dummy.
 
 The model class comes from the ``models`` registry by ``config.architectures[0]``.
 It is built directly on the target device in the target dtype, then weights are
@@ -59,14 +59,27 @@ def load_model(
 
 
 def resolve_model_path(model_config: "ModelConfig") -> str:
-    """The HF folder to load: the embedded default, a converted GGUF file, or the folder given."""
+    """The HF folder to load: the embedded default, a converted GGUF file, the folder given, or a hub
+    id's snapshot in the Hugging Face cache (a path that exists locally wins over a hub id)."""
     from treadle.core import default_model as embedded
+    from treadle.core import hub
 
     if model_config.path is None:
         return embedded.default_model()
     path = Path(model_config.path).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model.path '{model_config.path}' does not exist; give an HF model folder or a .gguf file")
+        hub_id = hub.parse_hub_id(model_config.path)
+        if hub_id is None:
+            raise ModelLoadError(
+                f"model.path '{model_config.path}' does not exist; give an HF model folder, a .gguf file "
+                "or a Hugging Face hub id (org/name[@revision])"
+            )
+        if model_config.load_format == "gguf":
+            raise ModelLoadError(f"model.path '{hub_id}' is a hub id; load_format gguf needs a local .gguf file")
+        try:
+            return hub.download(hub_id)
+        except hub.HubError as exc:
+            raise ModelLoadError(str(exc)) from None
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model.path '{path}' is a file but not a .gguf; give an HF model folder or a .gguf file")
@@ -162,20 +175,14 @@ def safetensors_files(model_dir: str) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one tensor at a time, on the CPU, with a "Loading weights" progress bar."""
+    """Yield ``(name, tensor)`` one tensor at a time, on the CPU, with a progress bar over the files (shards)."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
-    total = 0
-    for file in files:
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard"):
         with safe_open(str(file), framework="pt", device="cpu") as reader:
-            total += len(list(reader.keys()))
-    with tqdm(total=total, desc="Loading weights", unit="tensor") as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as reader:
-                for name in reader.keys():
-                    yield name, reader.get_tensor(name)
-                    bar.update(1)
+            for name in reader.keys():
+                yield name, reader.get_tensor(name)
 
 
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -10,13 +10,13 @@ computed tokens stay in the prefix cache and are recomputed only if evicted.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from treadle.core.config import ServerConfig, validate_plugin_choices
 from treadle.core.forward_batch import ForwardMode
+from treadle.core.hub import default_served_name
 from treadle.core.model_runner import ModelRunner
 from treadle.core.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.registry import Registry, build_registry
@@ -69,7 +69,8 @@ class Scheduler:
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.runner.model_dir,
-            "served_model_name": self.config.model.served_model_name or Path(self.runner.model_dir).name,
+            "served_model_name": (self.config.model.served_model_name
+                                  or default_served_name(self.config.model.path, self.runner.model_dir)),
             "architecture": self.runner.hf_config.architectures[0],
             "context_len": self.context_len,
             "vocab_size": self.runner.vocab_size,
