@@ -79,6 +79,9 @@ class HttpServerConfig(Section):
 
 class ParallelConfig(Section):
     tp_size: int = Field(1, ge=1, le=1, description="tensor parallelism is not implemented yet")
+    dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
+    dp_policy: Literal["round_robin", "shortest_queue", "prefix_aware"] = Field(
+        "prefix_aware", description="how the data-parallel controller picks a replica")
 
 
 class ServerConfig(BaseSettings):

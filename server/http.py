@@ -343,6 +343,7 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
             "version": __version__,
             "config": config,
             "kv": stats["kv"],
+            **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
             "cached_tokens_total": manager.cached_tokens_total,
             "running_requests": len(manager.states),
             "model_info": _jsonable(manager.model_info),
@@ -369,7 +370,8 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
-            manager.metrics.set_scheduler_stats((await manager.control("stats", timeout=2.0))["kv"])
+            stats = await manager.control("stats", timeout=2.0)
+            manager.metrics.set_scheduler_stats(stats["kv"], stats.get("replicas"))
         except RequestError:
             pass  # still serve the counters when the scheduler is busy or gone
         return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

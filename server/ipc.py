@@ -82,6 +82,14 @@ class AddRequestFailed:
     status_code: int = 400
 
 
+@dataclass
+class ReplicaFinished:
+    """A data-parallel replica's requests that finished (or were aborted) this step; only sent to the
+    data-parallel controller, which keeps per-replica load counts from them."""
+
+    rids: list[str]
+
+
 # ---------------------------------------------------------------- Scheduler → Detokenizer
 
 

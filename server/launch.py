@@ -114,13 +114,16 @@ class _Children:
 
     def __init__(self, config: ServerConfig, addresses: IpcAddresses) -> None:
         from treadle.server.detokenizer import run_detokenizer_process
+        from treadle.server.dp_controller import run_dp_controller_process
         from treadle.server.scheduler_process import run_scheduler_process
 
         self.context = mp.get_context("spawn")  # CUDA and threads do not survive fork
         self.ready_recv, ready_send = self.context.Pipe(duplex=False)
+        # With data parallelism the "scheduler" is the controller in front of the replicas.
+        scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
         self.processes = {
             "scheduler": self.context.Process(
-                target=run_scheduler_process, args=(config, addresses, ready_send), name="scheduler"),
+                target=scheduler_target, args=(config, addresses, ready_send), name="scheduler"),
             "detokenizer": self.context.Process(
                 target=run_detokenizer_process, args=(addresses, config.server.log_level), name="detokenizer"),
         }

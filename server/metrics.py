@@ -45,6 +45,16 @@ class ServerMetrics:
         self.kv_used_slots = Gauge("treadle_kv_used_slots", "KV slots held by running requests", registry=r)
         self.kv_cached_slots = Gauge("treadle_kv_cached_slots", "KV slots held by the prefix cache", registry=r)
         self.kv_usage = Gauge("treadle_kv_usage_ratio", "Share of KV slots in use (running + cached)", registry=r)
+        labels = ["replica"]
+        self.replica_running = Gauge(
+            "treadle_replica_num_running_requests", "Running requests per data-parallel replica", labels, registry=r)
+        self.replica_queued = Gauge(
+            "treadle_replica_num_queued_requests", "Waiting requests per data-parallel replica", labels, registry=r)
+        self.replica_kv_usage = Gauge(
+            "treadle_replica_kv_usage_ratio", "Share of KV slots in use per data-parallel replica", labels, registry=r)
+        self.replica_cached_tokens = Gauge(
+            "treadle_replica_cached_tokens_total", "Prompt tokens served from each replica's prefix cache",
+            labels, registry=r)
 
     def on_finished(self, output: StrOutput, latency_s: float) -> None:
         self.requests_finished.labels(finish_reason=output.finished_reason or "unknown").inc()
@@ -53,7 +63,17 @@ class ServerMetrics:
         self.cached_tokens.inc(output.cached_tokens)
         self.e2e_latency.observe(latency_s)
 
-    def set_scheduler_stats(self, kv: dict[str, Any]) -> None:
+    def set_scheduler_stats(self, kv: dict[str, Any], replicas: list[dict[str, Any]] | None = None) -> None:
+        """Refresh the gauges from the scheduler's ``kv_stats()`` (summed over replicas) and, with data
+        parallelism, each replica's own."""
+        for index, replica_kv in enumerate(replicas or []):
+            label = str(index)
+            total = int(replica_kv.get("total_slots", 0))
+            self.replica_running.labels(replica=label).set(replica_kv.get("running", 0))
+            self.replica_queued.labels(replica=label).set(replica_kv.get("waiting", 0))
+            self.replica_kv_usage.labels(replica=label).set(
+                (total - int(replica_kv.get("free_slots", 0))) / total if total else 0.0)
+            self.replica_cached_tokens.labels(replica=label).set(replica_kv.get("cached_tokens_total", 0))
         total = int(kv.get("total_slots", 0))
         free = int(kv.get("free_slots", 0))
         self.running_requests.set(kv.get("running", 0))

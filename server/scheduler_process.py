@@ -25,6 +25,7 @@ from treadle.server.ipc import (
     DetokenizerInit,
     IpcAddresses,
     RegisterDecode,
+    ReplicaFinished,
     ShutdownReq,
     TokenizedGenerateReq,
     bind_pull,
@@ -37,8 +38,13 @@ logger = logging.getLogger("treadle.scheduler_process")
 _IDLE_POLL_MS = 500
 
 
-def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: Connection) -> None:
-    """Process entry point: build the Scheduler, report readiness on ``ready``, then serve until told to stop."""
+def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: Connection,
+                          report_finished: bool = False) -> None:
+    """Process entry point: build the Scheduler, report readiness on ``ready``, then serve until told to stop.
+
+    ``report_finished`` (data-parallel replicas): also tell ``addresses.tokenizer_input`` (the controller)
+    which requests finished each step.
+    """
     parent_pid = configure_child_process(config.server.log_level)
     try:
         from treadle.core.scheduler import Scheduler
@@ -49,7 +55,7 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1)
     tokenizer = getattr(scheduler, "tokenizer", None)
-    loop = SchedulerLoop(scheduler, addresses, parent_pid)
+    loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
     loop.detokenizer.send_pyobj(DetokenizerInit(tokenizer))
     ready.send(("ready", dict(scheduler.model_info), tokenizer))
     ready.close()
@@ -65,8 +71,10 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
 class SchedulerLoop:
     """Feeds a Scheduler from the request socket and pushes its outputs to the detokenizer."""
 
-    def __init__(self, scheduler: Any, addresses: IpcAddresses, parent_pid: int) -> None:
+    def __init__(self, scheduler: Any, addresses: IpcAddresses, parent_pid: int,
+                 report_finished: bool = False) -> None:
         self.scheduler = scheduler
+        self.report_finished = report_finished
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.requests = bind_pull(self.context, addresses.scheduler_input)
@@ -87,10 +95,17 @@ class SchedulerLoop:
             if self.running and self.scheduler.has_work():
                 outputs = self.scheduler.step()
                 if outputs:
-                    self.detokenizer.send_pyobj(BatchTokenIDOut(outputs))
+                    self._send_outputs(outputs)
 
     def close(self) -> None:
         self.context.destroy(linger=0)
+
+    def _send_outputs(self, outputs: list[Any]) -> None:
+        self.detokenizer.send_pyobj(BatchTokenIDOut(outputs))
+        if self.report_finished:
+            finished = [output.rid for output in outputs if output.finished_reason is not None]
+            if finished:
+                self.replies.send_pyobj(ReplicaFinished(finished))
 
     def _drain_requests(self) -> None:
         while True:
@@ -106,7 +121,7 @@ class SchedulerLoop:
         elif isinstance(message, AbortReq):
             output = self.scheduler.abort_request(message.rid)
             if output is not None:
-                self.detokenizer.send_pyobj(BatchTokenIDOut([output]))
+                self._send_outputs([output])
         elif isinstance(message, ControlReq):
             self.replies.send_pyobj(ControlReply(message.request_id, self._control(message.kind)))
         elif isinstance(message, ShutdownReq):
@@ -145,3 +160,7 @@ class SchedulerLoop:
         if kind == "stats":
             return {"kv": dict(self.scheduler.kv_stats())}
         return {"error": f"unknown control request '{kind}'"}
+
+
+# The process one data-parallel replica runs (the data-parallel controller starts one per replica).
+run_replica_process = run_scheduler_process
