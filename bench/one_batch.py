@@ -377,12 +377,10 @@ def _hf_model_with_weights_of(runner: Any) -> Any:
 
 def hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """treadle's parameters under HF checkpoint names (stacked projections split back into their shards)."""
-    from treadle.plugins.models.layers import StackedLinear
-
     named = []
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, StackedLinear):
+            if getattr(module, "shard_ids", None):
                 parent = module_name.rpartition(".")[0]
                 for shard, (offset, rows) in module.shards.items():
                     named.append((f"{parent}.{shard}.{param_name}", param.narrow(0, offset, rows)))

@@ -52,8 +52,12 @@ def load_model(
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
     else:
+        from treadle.core.parallel import get_tp_size
+
         files = safetensors_files(model_dir)
-        model.load_weights(iter_safetensors(files))
+        # Under tensor parallelism each rank reads only its slices of the file.
+        model.load_weights(iter_safetensors(files, lazy=get_tp_size() > 1))
+    _finish_weights(model)
     model.requires_grad_(False)
     return model.eval(), hf_config, model_dir
 
@@ -174,19 +178,31 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one tensor at a time, on the CPU, with a progress bar over the files (shards)."""
+def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` one tensor at a time, on the CPU, with a progress bar over the files (shards).
+
+    With ``lazy`` the values are safetensors slices (``get_shape()``, ``slice[rows]``) that read
+    only the part indexed; they are valid until the next item is requested.
+    """
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
     for file in tqdm(files, desc="Loading safetensors shards", unit="shard"):
         with safe_open(str(file), framework="pt", device="cpu") as reader:
             for name in reader.keys():
-                yield name, reader.get_tensor(name)
+                yield name, reader.get_slice(name) if lazy else reader.get_tensor(name)
 
 
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Fill every parameter with uniform(-1e-3, 1e-3) noise, reproducibly from ``seed``, in place on its device."""
+    """Fill every parameter with uniform(-1e-3, 1e-3) noise, reproducibly from ``seed``, in place on its device.
+
+    Under tensor parallelism a sharded parameter draws its whole tp-1 tensor (its
+    ``full_shards``) from the same generator stream and keeps its slice through its
+    ``weight_loader``, so every tp size computes with the same weights.
+    """
+    from treadle.core.parallel import get_tp_size
+
+    sharded = get_tp_size() > 1
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
@@ -194,7 +210,31 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             if generator is None:
                 generator = torch.Generator(device=param.device).manual_seed(seed)
                 generators[param.device] = generator
-            param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
+            loader = getattr(param, "weight_loader", None)
+            if not sharded or loader is None:
+                param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
+                continue
+            _fill_full_then_shard(param, loader, generator)
+
+
+def _fill_full_then_shard(param: nn.Parameter, loader: Any, generator: torch.Generator) -> None:
+    shards = getattr(param, "full_shards", None) or [(None, tuple(param.shape))]
+    rows = [shape[0] for _, shape in shards]
+    full = torch.empty((sum(rows),) + tuple(shards[0][1][1:]), dtype=param.dtype, device=param.device)
+    full.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
+    for (shard_id, _), piece in zip(shards, full.split(rows, dim=0)):
+        if shard_id is None:
+            loader(param, piece)
+        else:
+            loader(param, piece, shard_id)
+
+
+def _finish_weights(model: nn.Module) -> None:
+    # Quantization methods (plugins/models/linear.py) repack or quantize once every weight is in place.
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
 
 
 _INIT_FUNCTIONS = (

@@ -11,6 +11,7 @@ from treadle.core.config import ServerConfig
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.kv_allocator import KVAllocator
 from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
 from treadle.core.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,8 @@ class ModelRunner:
 
     Attention backends read these attributes: ``device``, ``dtype``, ``num_heads``,
     ``num_kv_heads``, ``head_dim``, ``page_size``, ``req_to_token_pool``,
-    ``kv_cache``, ``sliding_window``, ``context_len``.
+    ``kv_cache``, ``sliding_window``, ``context_len``. Under tensor parallelism the head
+    counts and the KV cache are this rank's share (``tp_rank`` of ``tp_size``).
     """
 
     def __init__(self, config: ServerConfig, registry: Registry) -> None:
@@ -39,8 +41,11 @@ class ModelRunner:
 
         hf = self.hf_config
         self.num_layers: int = hf.num_hidden_layers
-        self.num_heads: int = hf.num_attention_heads
-        self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        # This rank's share of the heads (all of them at tp 1); KV heads replicate past their count.
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_heads, self.num_kv_heads = tp_head_counts(
+            hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, self.tp_size
+        )
         self.head_dim: int = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size: int = hf.vocab_size
         self.sliding_window: int | None = getattr(hf, "sliding_window", None) or None
@@ -64,8 +69,9 @@ class ModelRunner:
         self.attn_backend = backend_factory(self)
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
         logger.info(
-            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s",
+            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s",
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
+            f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
         )
 
     def _kv_pool_size(self) -> int:
@@ -85,6 +91,8 @@ class ModelRunner:
             else:
                 requested = min(int(_CPU_DEFAULT_KV_BYTES * self.config.cache.mem_fraction // per_token),
                                 _CPU_DEFAULT_MAX_TOKENS)
+        # Every rank must make the same scheduling decisions, so all use the smallest pool.
+        requested = tp_min_int(requested)
         size = requested - requested % self.page_size
         if size < self.page_size:
             raise ValueError(f"cache.max_total_tokens={requested} is smaller than one page ({self.page_size})")

@@ -3,8 +3,9 @@
 The math follows HF transformers' Llama exactly (float32 RMSNorm statistics,
 float32 rotary angles, ``rotate_half`` convention) so greedy output matches it
 token for token. Projections that read the same input are stacked into one
-matmul (``qkv_proj``, ``gate_up_proj``); :func:`load_checkpoint` maps the HF
-checkpoint's separate tensors into their slices.
+matmul (``qkv_proj``, ``gate_up_proj``) built from the tensor-parallel blocks of
+:mod:`.linear`; :func:`load_checkpoint` maps the HF checkpoint's separate tensors
+into their slices through each parameter's ``weight_loader``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from torch import nn
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch
 from treadle.plugins.models.fused_ops import add_rmsnorm, rotary_qkv, silu_mul
+from treadle.plugins.models.linear import (  # noqa: F401  (CheckpointError is re-exported)
+    CheckpointError,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 
 
 class RMSNorm(nn.Module):
@@ -102,36 +110,32 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-class StackedLinear(nn.Linear):
-    """A linear layer whose output rows are several HF projections stacked: ``shards`` maps
-    each shard id (the HF projection name) to its ``(row offset, rows)``."""
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shards: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for shard_id, rows in shard_sizes.items():
-            self.shards[shard_id] = (offset, rows)
-            offset += rows
-
-
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up in one matmul; tensor-parallel over the intermediate dim."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, quant_config: Any = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = StackedLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class SelfAttention(nn.Module):
-    """QKV projection, rotary embedding, RadixAttention over the KV cache, output projection."""
+    """QKV projection, rotary embedding, RadixAttention over the KV cache, output projection.
+
+    ``num_heads``/``num_kv_heads`` are the model's totals; under tensor parallelism each
+    rank runs its share of the heads (``self.num_heads``/``self.num_kv_heads`` per rank).
+    """
 
     def __init__(
         self,
@@ -140,21 +144,26 @@ class SelfAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         layer_id: int,
-        bias: bool = False,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
         sliding_window_size: int | None = None,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        self.qkv_proj = StackedLinear(
-            hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim, hidden_size, o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
         self.attn = RadixAttention(
-            num_heads, head_dim, head_dim**-0.5, num_kv_heads, layer_id, sliding_window_size=sliding_window_size
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id,
+            sliding_window_size=sliding_window_size,
         )
 
     def forward(
@@ -167,18 +176,28 @@ class SelfAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: Any, layer_id: int, sliding_window_size: int | None = None) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, sliding_window_size: int | None = None,
+        quant_config: Any = None, prefix: str = "",
+    ) -> None:
         super().__init__()
+        attention_bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = SelfAttention(
             hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads,
             num_kv_heads=num_kv_heads(config),
             head_dim=head_dim(config),
             layer_id=layer_id,
-            bias=bool(getattr(config, "attention_bias", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
             sliding_window_size=sliding_window_size,
+            quant_config=quant_config,
+            prefix=f"{prefix}.self_attn",
         )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
+            quant_config=quant_config, prefix=f"{prefix}.mlp",
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -215,48 +234,37 @@ def check_activation(config: Any) -> None:
         raise ValueError(f"unsupported hidden_act '{act}' in the model config; this model supports 'silu'")
 
 
-class CheckpointError(ValueError):
-    """Checkpoint tensors do not match the model: unexpected names, missing ones, or wrong shapes."""
-
-
-# HF projection name -> the stacked parameter holding it.
-STACKED_PROJECTIONS = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
-
-
 def load_checkpoint(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], ignored_suffixes: tuple[str, ...] = ()
+    model: nn.Module, weights: Iterable[tuple[str, Any]], ignored_suffixes: tuple[str, ...] = ()
 ) -> None:
-    """Copy HF-named tensors into ``model`` (casting to each parameter's dtype and device).
+    """Copy HF-named tensors into ``model`` through each parameter's ``weight_loader``.
 
-    Separate HF projections go into their slice of a :class:`StackedLinear`.
+    A tensor may be a full ``torch.Tensor`` or a safetensors lazy slice (then a tensor-parallel
+    rank reads only its part). Separate HF projections (``q_proj``...) go into their shard of a
+    stacked layer (one with ``shard_ids``). Values are cast to each parameter's dtype and device.
     Raises :class:`CheckpointError` naming unexpected tensors, missing ones, or a shape mismatch.
     """
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    pending = _expected_checkpoint_names(model)
+    targets = checkpoint_targets(model)
+    pending = set(targets)
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(ignored_suffixes):
             continue
-        target = _checkpoint_target(name, params, modules)
+        target = targets.get(name)
         if target is None:
             unexpected.append(name)
             continue
-        param, rows = target
-        destination = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
-        if tuple(destination.shape) != tuple(tensor.shape):
+        param, shard_id = target
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except CheckpointError as exc:
             raise CheckpointError(
-                f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)} but the model expects "
-                f"{tuple(destination.shape)}; does config.json match the weights?"
-            )
-        with torch.no_grad():
-            destination.copy_(tensor)
+                f"checkpoint tensor '{name}' {exc}; does config.json match the weights?"
+            ) from None
         pending.discard(name)
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
@@ -267,39 +275,22 @@ def load_checkpoint(
         raise CheckpointError(f"tensors missing from the checkpoint for {type(model).__name__}: {shown}")
 
 
-def _checkpoint_target(
-    name: str, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]
-) -> tuple[nn.Parameter, tuple[int, int] | None] | None:
-    if name in params:
-        return params[name], None
-    module_name, _, param_name = name.rpartition(".")
-    parent, _, projection = module_name.rpartition(".")
-    stacked_name = STACKED_PROJECTIONS.get(projection)
-    if stacked_name is None:
-        return None
-    stacked = modules.get(f"{parent}.{stacked_name}")
-    if not isinstance(stacked, StackedLinear) or projection not in stacked.shards:
-        return None
-    param = getattr(stacked, param_name, None)
-    if not isinstance(param, nn.Parameter):
-        return None
-    return param, stacked.shards[projection]
-
-
-def _expected_checkpoint_names(model: nn.Module) -> set[str]:
-    names: set[str] = set()
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, str | None]]:
+    """HF checkpoint name → ``(parameter, shard id)``; a stacked layer's parameter appears once per shard
+    (``...self_attn.q_proj.weight`` → ``(qkv_proj.weight, "q_proj")``); a tied parameter under its first name."""
+    targets: dict[str, tuple[nn.Parameter, str | None]] = {}
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
-        for param_name, _ in module.named_parameters(recurse=False):
-            if isinstance(module, StackedLinear):
-                parent = module_name.rpartition(".")[0]
-                names.update(f"{parent}.{shard}.{param_name}" for shard in module.shards)
+        prefix = f"{module_name}." if module_name else ""
+        parent = module_name.rpartition(".")[0]
+        shard_ids = getattr(module, "shard_ids", None)
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if shard_ids:
+                for shard_id in shard_ids:
+                    targets[f"{parent + '.' if parent else ''}{shard_id}.{param_name}"] = (param, shard_id)
             else:
-                names.add(f"{module_name}.{param_name}" if module_name else param_name)
-    # Shared (tied) parameters appear once in named_parameters; keep only those names.
-    shared_ok = set(dict(model.named_parameters()))
-    return {n for n in names if n in shared_ok or _is_stacked_name(n)}
-
-
-def _is_stacked_name(name: str) -> bool:
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in STACKED_PROJECTIONS
+                targets[f"{prefix}{param_name}"] = (param, None)
+    return targets

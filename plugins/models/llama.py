@@ -18,6 +18,7 @@ from treadle.plugins.models.layers import (
     load_checkpoint,
     rope_parameters,
 )
+from treadle.plugins.models.linear import ParallelLMHead, VocabParallelEmbedding
 
 # Older checkpoints store the rotary table; it is recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -26,12 +27,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaModel(nn.Module):
     """Embedding and decoder layers (the final norm is applied by the causal LM to the rows it needs)."""
 
-    def __init__(self, config: Any, sliding_window_size: int | None = None) -> None:
+    def __init__(self, config: Any, sliding_window_size: int | None = None, quant_config: Any = None) -> None:
         super().__init__()
         check_activation(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer_id, sliding_window_size) for layer_id in range(config.num_hidden_layers)
+            DecoderLayer(config, layer_id, sliding_window_size, quant_config, prefix=f"model.layers.{layer_id}")
+            for layer_id in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config))
@@ -49,14 +51,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama causal LM: logits (float32) for the rows ``forward_batch.logits_indices``."""
+    """Llama causal LM: logits (float32) for the rows ``forward_batch.logits_indices``.
 
-    def __init__(self, config: Any) -> None:
+    Built from the tensor-parallel blocks, so it runs at any ``parallel.tp_size`` that
+    divides its heads; every rank returns the full logits.
+    """
+
+    def __init__(self, config: Any, quant_config: Any = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self._sliding_window(config))
+        self.model = LlamaModel(config, self._sliding_window(config), quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
