@@ -58,6 +58,7 @@ class SchedulerConfig(Section):
     enable_mixed_chunk: bool = Field(False, description="run prefill chunks in the same batch as decodes")
     seed: int = 0
     new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
+    disable_overlap: bool = Field(False, description="build and finish each step only after the device ran it")
 
 
 class AttentionConfig(Section):

@@ -116,6 +116,9 @@ class Req:
     prefix_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0  # tokens served from the radix cache on first admission
+    # Tokens sampled on the device but not yet appended to output_ids (overlap scheduling reads
+    # each step's tokens one step late); the sequence is really ``seq_len + pending_tokens`` long.
+    pending_tokens: int = 0
 
     # Sampling state.
     sample_seed: int = 0

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.overlap import to_device
 from treadle.core.request import Req
+
+if TYPE_CHECKING:
+    from treadle.core.overlap import NextInputIds
 
 
 @dataclass
@@ -20,11 +25,10 @@ class BatchEntry:
     new_slots: torch.Tensor  # host int64, extend_len slots
     write_from: int  # req_to_token positions rewritten from here (0 when the prefix is new to the row)
     logit_positions: range = field(default_factory=lambda: range(0))  # sequence positions needing logits
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True unless this is a middle chunk of a chunked prefill."""
-        return self.kv_start + self.extend_len == self.req.seq_len
+    completes_sequence: bool = True  # False for a middle chunk of a chunked prefill: nothing is sampled
+    # Decode: the input token is the request's last sampled one, read from the device (it may not
+    # have reached the host yet under overlap scheduling).
+    input_on_device: bool = False
 
 
 @dataclass
@@ -60,24 +64,24 @@ class ScheduleBatch:
             cols = torch.cat([torch.arange(e.write_from, end, dtype=torch.int64) for e, end in spans])
             slots = torch.cat([e.req.kv_slots[e.write_from:end] for e, end in spans])
         device = req_to_token.device
-        req_to_token[rows.to(device), cols.to(device)] = slots.to(device=device, dtype=req_to_token.dtype)
+        req_to_token[to_device(rows, device), to_device(cols, device)] = to_device(
+            slots.to(req_to_token.dtype), device)
 
-    def to_forward_batch(self, runner) -> ForwardBatch:
+    def to_forward_batch(self, runner, next_input_ids: "NextInputIds") -> ForwardBatch:
+        """The device inputs of this step; decode rows take their input token from ``next_input_ids``."""
         device = runner.device
         entries = self.entries
         seq_lens = torch.tensor([e.kv_start + e.extend_len for e in entries], dtype=torch.int64)
         req_pool_indices = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)
+        req_pool_indices_dev = to_device(req_pool_indices, device)
         out_cache_loc = torch.cat([e.new_slots for e in entries])
         if self.forward_mode.is_decode():
-            input_ids = torch.tensor([e.req.token_at(e.kv_start) for e in entries], dtype=torch.int64)
+            input_ids_dev = next_input_ids.gather(req_pool_indices_dev)
             positions = seq_lens - 1
             logits_indices = torch.arange(len(entries), dtype=torch.int64)
             extend = {}
         else:
-            input_ids = torch.tensor(
-                [tok for e in entries for tok in e.req.all_ids[e.kv_start:e.kv_start + e.extend_len]],
-                dtype=torch.int64,
-            )
+            input_ids_dev = self._extend_input_ids(entries, next_input_ids, device)
             extend_lens = [e.extend_len for e in entries]
             prefix_lens = [e.kv_start for e in entries]
             starts = torch.tensor([0] + extend_lens[:-1], dtype=torch.int64).cumsum(0)
@@ -87,25 +91,46 @@ class ScheduleBatch:
                 for e, p, start in zip(entries, (e.logit_positions for e in entries), starts.tolist())
             ])
             extend = dict(
-                extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64).to(device, non_blocking=True),
-                extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64).to(device, non_blocking=True),
-                extend_start_loc=starts.to(device, non_blocking=True),
+                extend_seq_lens=to_device(torch.tensor(extend_lens, dtype=torch.int64), device),
+                extend_prefix_lens=to_device(torch.tensor(prefix_lens, dtype=torch.int64), device),
+                extend_start_loc=to_device(starts, device),
                 extend_seq_lens_cpu=extend_lens,
                 extend_prefix_lens_cpu=prefix_lens,
             )
         return ForwardBatch(
             forward_mode=self.forward_mode,
             batch_size=len(entries),
-            input_ids=input_ids.to(device, non_blocking=True),
-            positions=positions.to(device, non_blocking=True),
-            req_pool_indices=req_pool_indices.to(device, non_blocking=True),
-            seq_lens=seq_lens.to(device, non_blocking=True),
+            input_ids=input_ids_dev,
+            positions=to_device(positions, device),
+            req_pool_indices=req_pool_indices_dev,
+            seq_lens=to_device(seq_lens, device),
             seq_lens_cpu=seq_lens,
-            out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+            out_cache_loc=to_device(out_cache_loc, device),
             seq_lens_sum=int(seq_lens.sum()),
-            logits_indices=logits_indices.to(device, non_blocking=True),
+            logits_indices=to_device(logits_indices, device),
             req_to_token_pool=runner.req_to_token_pool,
             kv_cache=runner.kv_cache,
             attn_backend=runner.attn_backend,
             **extend,
         )
+
+    @staticmethod
+    def _extend_input_ids(entries: list[BatchEntry], next_input_ids: "NextInputIds",
+                          device: torch.device) -> torch.Tensor:
+        """Prompt tokens from the host; the decode rows of a mixed batch from the device buffer."""
+        ids: list[int] = []
+        fed_at: list[int] = []
+        fed_rows: list[int] = []
+        for e in entries:
+            if e.input_on_device:
+                fed_at.append(len(ids))
+                fed_rows.append(e.req.req_pool_idx)
+                ids.append(0)
+            else:
+                ids.extend(e.req.all_ids[e.kv_start:e.kv_start + e.extend_len])
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), device)
+        if fed_at:
+            rows = to_device(torch.tensor(fed_rows, dtype=torch.int64), device)
+            input_ids.index_copy_(0, to_device(torch.tensor(fed_at, dtype=torch.int64), device),
+                                  next_input_ids.gather(rows))
+        return input_ids

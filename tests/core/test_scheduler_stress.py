@@ -1,5 +1,5 @@
 """Randomized scheduler workloads: arrivals over time, shared prefixes, chunked/mixed prefill, retraction
-under a tiny pool, and aborts. Every request that is not aborted must produce exactly the greedy tokens it
+under a tiny pool, and aborts — with the overlapped loop (the default) and the synchronous one. Every request that is not aborted must produce exactly the greedy tokens it
 produces alone, and no KV slot may leak."""
 
 from __future__ import annotations
@@ -49,10 +49,14 @@ def solo_outputs(tiny_llama_dir):
     return solo
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_random_workload_matches_solo_runs_and_leaks_nothing(tiny_llama_dir, solo_outputs, config, seed):
-    engine = Engine({"model": {"path": tiny_llama_dir}, **CONFIGS[config]})
+def test_random_workload_matches_solo_runs_and_leaks_nothing(tiny_llama_dir, solo_outputs, config, seed, overlap):
+    sections = {name: dict(values) for name, values in CONFIGS[config].items()}
+    sections["scheduler"]["disable_overlap"] = not overlap
+    engine = Engine({"model": {"path": tiny_llama_dir}, **sections})
+    assert engine.scheduler.overlap is overlap
     scheduler = engine.scheduler
     workload = _workload(seed)
     rng = random.Random(seed + 100)

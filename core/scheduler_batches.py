@@ -1,0 +1,286 @@
+"""Building the scheduler's next batch: admission into prefill, decode, retraction, and the KV memory
+behind them.
+
+Everything here works from what the host knows when the batch is built. Under overlap scheduling a
+running request may have one token still in flight (``Req.pending_tokens``): its remaining budget and
+its next KV position count that token, and its decode input is read from the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from treadle.core.forward_batch import ForwardMode
+from treadle.core.overlap import to_device
+from treadle.core.radix_cache import NoPrefixCache
+from treadle.core.request import FinishReason, Req
+from treadle.core.schedule_batch import BatchEntry, ScheduleBatch
+
+logger = logging.getLogger("treadle.core.scheduler")
+
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+# A waiting request whose next this-many uncached tokens equal those of a request
+# admitted in the same batch waits one step and then reuses them from the cache.
+IN_BATCH_PREFIX_TOKENS = 32
+
+
+class BatchBuilding:
+    """The Scheduler's batch-building half (a mixin: it reads and updates the Scheduler's state)."""
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        cfg = self.config.scheduler
+        budget = cfg.chunked_prefill_size or cfg.max_prefill_tokens
+        entries: list[BatchEntry] = []
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            extend = min(req.seq_len - req.kv_len, budget)
+            entries.append(BatchEntry(req, req.kv_len, extend, EMPTY_SLOTS, write_from=req.kv_len))
+        elif self.waiting:
+            self._admit(entries, budget)
+        if not entries:
+            return None
+
+        need = sum(self.allocator.slots_needed(e.kv_start, e.extend_len) for e in entries)
+        slots = self._alloc(
+            lambda: self.allocator.alloc_extend(
+                [e.kv_start for e in entries], [e.extend_len for e in entries],
+                [self._last_slot(e.req) for e in entries]),
+            need,
+        )
+        if slots is None:  # admission checked memory, so this is rare: undo and wait for memory
+            self._undo_admission(entries)
+            return None
+        self._assign_slots(entries, slots)
+        for entry in entries:
+            req = entry.req
+            end = entry.kv_start + entry.extend_len
+            entry.completes_sequence = end == req.seq_len
+            if self._wants_input_logprobs(req):
+                low = max(entry.kv_start, req.logprob_start_len - 1, 0)
+                entry.logit_positions = range(low, end)
+            else:
+                entry.logit_positions = range(end - 1, end)
+        mode = ForwardMode.EXTEND
+        if cfg.enable_mixed_chunk and self.running:
+            decode = self._decode_entries(allow_retract=False)
+            if decode:
+                entries.extend(decode)
+                mode = ForwardMode.MIXED
+        return ScheduleBatch(mode, entries)
+
+    def _admit(self, entries: list[BatchEntry], budget: int) -> None:
+        cfg = self.config.scheduler
+        reserve = self._decode_reserve()
+        admitted_need = 0
+        for req in self.policy.order(self.waiting, self.tree_cache):
+            if len(self.running) + len(entries) >= cfg.max_running_requests or budget <= 0:
+                break
+            if self.req_to_token_pool.free_count <= len(entries):
+                break
+            if req.pending_tokens:
+                continue  # retracted with a token in flight: admitted once that token is known
+            prefix_slots, node = self.tree_cache.match_prefix(req.all_ids)
+            prefix_len = self._usable_prefix(req, len(prefix_slots))
+            if self._shares_uncached_prefix(req, prefix_len, entries):
+                continue  # computed once by the request already admitted, then reused from the cache
+            remaining = req.seq_len - prefix_len
+            extend = min(remaining, budget)
+            if cfg.chunked_prefill_size is None and extend < remaining:
+                if entries:
+                    break
+                extend = remaining  # a prompt longer than max_prefill_tokens still runs, alone
+            need = self.allocator.slots_needed(prefix_len, extend)
+            future = int(self._remaining_new_tokens(req) * self.new_token_ratio) if extend == remaining else 0
+            # Lock first: the matched prefix stops counting as evictable memory.
+            self.tree_cache.inc_lock_ref(node)
+            available = self.allocator.free_slots + self.tree_cache.evictable_size() - reserve - admitted_need
+            alone = not entries and not self.running
+            if need > available or (need + future > available and not alone):
+                self.tree_cache.dec_lock_ref(node)
+                break
+            req.last_node = node
+            req.prefix_len = prefix_len
+            req.kv_slots = prefix_slots[:prefix_len].clone()
+            if req.retractions == 0 and not req.output_ids:
+                req.cached_tokens = prefix_len
+                self.cached_tokens_total += prefix_len
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            entries.append(BatchEntry(req, prefix_len, extend, EMPTY_SLOTS, write_from=0))
+            admitted_need += need + future
+            budget -= extend
+            if extend < remaining:
+                self.chunked_req = req
+                break
+        admitted = {id(e.req) for e in entries}
+        self.waiting = [req for req in self.waiting if id(req) not in admitted]
+
+    def _shares_uncached_prefix(self, req: Req, prefix_len: int, entries: list[BatchEntry]) -> bool:
+        """Whether ``req``'s next uncached tokens are being computed by another request in this batch."""
+        if isinstance(self.tree_cache, NoPrefixCache):
+            return False
+        window = req.all_ids[prefix_len:prefix_len + IN_BATCH_PREFIX_TOKENS]
+        if len(window) < IN_BATCH_PREFIX_TOKENS:
+            return False
+        return any(
+            entry.req.all_ids[prefix_len:prefix_len + IN_BATCH_PREFIX_TOKENS] == window
+            and entry.kv_start <= prefix_len
+            for entry in entries
+        )
+
+    def _undo_admission(self, entries: list[BatchEntry]) -> None:
+        for entry in entries:
+            req = entry.req
+            if req is self.chunked_req and entry.write_from > 0:
+                continue  # a continuing chunk keeps what it has
+            self.tree_cache.dec_lock_ref(req.last_node)
+            self.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx, req.last_node, req.prefix_len, req.kv_slots = None, None, 0, EMPTY_SLOTS
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self.waiting.insert(0, req)
+
+    # ------------------------------------------------------------------- decode
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        entries = self._decode_entries(allow_retract=True)
+        return ScheduleBatch(ForwardMode.DECODE, entries) if entries else None
+
+    def _decode_entries(self, allow_retract: bool) -> list[BatchEntry]:
+        while True:
+            # A request whose in-flight token is surely its last (length limits) is not stepped again.
+            reqs = [req for req in self.running if not self._ends_with_pending_token(req)]
+            if not reqs:
+                return []
+            need = sum(self.allocator.slots_needed(req.kv_len, 1) for req in reqs)
+            if need <= self.allocator.free_slots + self.tree_cache.evictable_size():
+                break
+            if not allow_retract:
+                return []
+            if self._inflight is not None:
+                # Read the step in flight first: requests it finishes free their memory, and the
+                # ones left have no unknown token, so retraction acts on exact state.
+                self._settle()
+                continue
+            if len(reqs) == 1:
+                # Nothing left to retract: the pool cannot hold this one sequence any longer.
+                req = reqs[0]
+                req.finish(FinishReason.LENGTH, "the KV cache is full")
+                self.running.remove(req)
+                self._finish(req)
+                self._pending.append(self._output(req, []))
+                return []
+            self._retract(max(reqs, key=lambda r: r.arrival))
+        slots = self._alloc(
+            lambda: self.allocator.alloc_decode([r.kv_len for r in reqs], [self._last_slot(r) for r in reqs]), need
+        )
+        assert slots is not None, "decode allocation failed after eviction"
+        entries = [BatchEntry(req, req.kv_len, 1, EMPTY_SLOTS, write_from=req.kv_len, input_on_device=True)
+                   for req in reqs]
+        self._assign_slots(entries, slots)
+        for entry in entries:
+            entry.logit_positions = range(entry.kv_start, entry.kv_start + 1)
+        self.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.new_token_ratio - 0.002)
+        return entries
+
+    def _ends_with_pending_token(self, req: Req) -> bool:
+        if not req.pending_tokens:
+            return False
+        return self._remaining_new_tokens(req) <= 0 or req.seq_len + req.pending_tokens >= self.context_len
+
+    # --------------------------------------------------------- batch admitted
+
+    def _commit(self, batch: ScheduleBatch) -> None:
+        """The batch is on the device: count its in-flight tokens; completed prompts start decoding."""
+        for entry in batch.entries:
+            if not entry.completes_sequence:
+                continue
+            req = entry.req
+            req.pending_tokens += 1
+            if req is self.chunked_req:
+                self.chunked_req = None
+            if req not in self.running:
+                self._share_prompt(req)
+                self.running.append(req)
+
+    # ------------------------------------------------------------------ memory
+
+    def _share_prompt(self, req: Req) -> None:
+        """Put a just-prefilled prompt in the prefix cache so requests admitted later reuse it.
+
+        Called after the prefill is queued: the device computes the KV before any later step reads it.
+        """
+        before = req.kv_slots
+        self.tree_cache.cache_unfinished_req(req)
+        if req.kv_slots is before or torch.equal(req.kv_slots, before):
+            return
+        # Some pages were already cached by another request: point the table at the cached copies.
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[: req.kv_len] = to_device(req.kv_slots.to(row.dtype), row.device)
+
+    def _alloc(self, allocate, need: int) -> torch.Tensor | None:
+        shortfall = need - self.allocator.free_slots
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+        return allocate()
+
+    def _assign_slots(self, entries: list[BatchEntry], slots: torch.Tensor) -> None:
+        offset = 0
+        for entry in entries:
+            entry.new_slots = slots[offset:offset + entry.extend_len]
+            offset += entry.extend_len
+            entry.req.kv_slots = torch.cat([entry.req.kv_slots, entry.new_slots])
+
+    def _last_slot(self, req: Req) -> int:
+        return int(req.kv_slots[-1]) if req.kv_len else -1
+
+    def _release(self, req: Req) -> None:
+        """Hand a request's KV to the prefix cache (or free it) and its table row back."""
+        known = req.seq_len
+        if req.kv_len > known:
+            # KV of a token the host has not read yet (a step in flight): nothing to cache it under.
+            self.allocator.free(req.kv_slots[known:])
+            req.kv_slots = req.kv_slots[:known]
+        self.tree_cache.cache_finished_req(req)
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_slots = EMPTY_SLOTS
+        req.prefix_len = 0
+        req.last_node = None
+
+    def _finish(self, req: Req) -> None:
+        self._release(req)
+        self.num_finished += 1
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.retractions += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+        # Admit more cautiously for a while, so the same requests are not retracted again at once.
+        self.new_token_ratio = 1.0
+        logger.info("retracted request %s (%d tokens) to free KV memory", req.rid, req.seq_len)
+
+    def _decode_reserve(self) -> int:
+        return int(sum(self._remaining_new_tokens(req) for req in self.running) * self.new_token_ratio)
+
+    def _remaining_new_tokens(self, req: Req) -> int:
+        return max(0, req.sampling_params.max_new_tokens - len(req.output_ids) - req.pending_tokens)
+
+    def _usable_prefix(self, req: Req, matched: int) -> int:
+        limit = req.seq_len - 1  # at least one token is computed, to produce logits
+        if self._wants_input_logprobs(req):
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        usable = min(matched, limit)
+        return usable - usable % self.page_size
+
+    def _wants_input_logprobs(self, req: Req) -> bool:
+        return (req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs_sent
+                and not req.output_ids and req.logprob_start_len < len(req.origin_input_ids))
