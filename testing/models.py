@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Llama, Mistral) for parity tests and plugin authors.
+"""Tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3, Mixtral) for parity tests and plugin authors.
 
 Each helper builds the model with transformers from a fixed seed, saves it as
 safetensors plus config.json into ``path`` and returns ``path``. They are small
@@ -48,7 +48,35 @@ def make_tiny_mistral(path: str | os.PathLike, sliding_window: int | None = 8, s
     return _save_random(MistralForCausalLM, config, path, seed)
 
 
-def _save_random(model_cls: Any, config: Any, path: str | os.PathLike, seed: int) -> str:
+def make_tiny_qwen2(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``Qwen2ForCausalLM`` (biased q/k/v); e.g. ``use_sliding_window=True,
+    sliding_window=6, max_window_layers=1`` makes layer 1 a sliding-window layer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{**TINY_LLAMA_CONFIG, **overrides})
+    return _save_random(Qwen2ForCausalLM, config, path, seed, spread_vectors=True)
+
+
+def make_tiny_qwen3(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``Qwen3ForCausalLM`` (q/k norms; ``head_dim`` 32, so q_proj is wider than hidden)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**TINY_LLAMA_CONFIG, "head_dim": 32, **overrides})
+    return _save_random(Qwen3ForCausalLM, config, path, seed, spread_vectors=True)
+
+
+def make_tiny_mixtral(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``MixtralForCausalLM``: 4 experts, top-2 routing, no sliding window by default."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        **{**TINY_LLAMA_CONFIG, "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "sliding_window": None, **overrides}
+    )
+    return _save_random(MixtralForCausalLM, config, path, seed, spread_vectors=True)
+
+
+def _save_random(model_cls: Any, config: Any, path: str | os.PathLike, seed: int, spread_vectors: bool = False) -> str:
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     # HF initializes with std 0.02, which makes logits nearly flat; a wider spread gives
@@ -58,6 +86,9 @@ def _save_random(model_cls: Any, config: Any, path: str | os.PathLike, seed: int
         for name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
                 param.normal_(0.0, 0.08, generator=generator)
+            elif spread_vectors and (name.endswith("bias") or name.endswith("norm.weight")):
+                # Biases start at zero and norms at one; random ones make the parity tests check them.
+                param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1, generator=generator)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -62,6 +62,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the fused ops run Triton kernels for ``x``: on CUDA, with Triton installed and not disabled
+    by ``TREADLE_DISABLE_FUSED_OPS=1``."""
+    return _use_triton(x)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and _triton_available()
 

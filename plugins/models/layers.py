@@ -11,7 +11,7 @@ into their slices through each parameter's ``weight_loader``.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -131,10 +131,13 @@ class GatedMLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """QKV projection, rotary embedding, RadixAttention over the KV cache, output projection.
+    """QKV projection, optional per-head q/k RMSNorm, rotary embedding, RadixAttention, output projection.
 
     ``num_heads``/``num_kv_heads`` are the model's totals; under tensor parallelism each
     rank runs its share of the heads (``self.num_heads``/``self.num_kv_heads`` per rank).
+    ``qkv_bias`` and ``o_bias`` are separate because families differ (Qwen2: biased q/k/v, plain o_proj).
+    ``qk_norm_eps`` (None: off) adds Qwen3's ``q_norm``/``k_norm``: an RMSNorm over each head's
+    ``head_dim`` features, applied to q and k before the rotary embedding.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class SelfAttention(nn.Module):
         sliding_window_size: int | None = None,
         quant_config: Any = None,
         prefix: str = "",
+        qk_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -161,6 +165,8 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             num_heads * head_dim, hidden_size, o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
         )
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.attn = RadixAttention(
             self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id,
             sliding_window_size=sliding_window_size,
@@ -169,18 +175,38 @@ class SelfAttention(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        q, k, v = rotary_qkv(self.qkv_proj(hidden_states), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden_states)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
+        q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, forward_batch))
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, q_size)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, kv_size)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Built from the HF config like Llama's; the keyword options swap in what other families differ by:
+    ``qkv_bias``/``o_bias`` (default: ``config.attention_bias`` for both), ``qk_norm`` (Qwen3),
+    and ``mlp`` (any module mapping ``[tokens, hidden]`` to the same shape, e.g.
+    :class:`~treadle.plugins.models.moe.SparseMoE`; default a :class:`GatedMLP` of
+    ``config.intermediate_size``). ``prefix`` (default ``model.layers.{layer_id}``) names the
+    layer for ``quant_config``.
+    """
 
     def __init__(
         self, config: Any, layer_id: int, sliding_window_size: int | None = None,
-        quant_config: Any = None, prefix: str = "",
+        quant_config: Any = None, prefix: str = "", *,
+        qkv_bias: bool | None = None, o_bias: bool | None = None, qk_norm: bool = False, mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        prefix = prefix or f"model.layers.{layer_id}"
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = SelfAttention(
             hidden_size=config.hidden_size,
@@ -188,16 +214,19 @@ class DecoderLayer(nn.Module):
             num_kv_heads=num_kv_heads(config),
             head_dim=head_dim(config),
             layer_id=layer_id,
-            qkv_bias=attention_bias,
-            o_bias=attention_bias,
+            qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+            o_bias=attention_bias if o_bias is None else o_bias,
             sliding_window_size=sliding_window_size,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
+            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
         )
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
-            quant_config=quant_config, prefix=f"{prefix}.mlp",
-        )
+        if mlp is None:
+            mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)),
+                quant_config=quant_config, prefix=f"{prefix}.mlp",
+            )
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -228,6 +257,26 @@ def num_kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def layer_sliding_window(config: Any, layer_id: int) -> int | None:
+    """Layer ``layer_id``'s attention window: per ``config.layer_types`` (HF's ``"sliding_attention"`` /
+    ``"full_attention"``) when the config has it, else ``config.sliding_window`` (None: full) for every layer."""
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return int(window) if window else None
+    kind = layer_types[layer_id]
+    if kind == "full_attention":
+        return None
+    if kind == "sliding_attention":
+        if window is None:
+            raise ValueError(f"config.layer_types marks layer {layer_id} 'sliding_attention' but sliding_window is unset")
+        return int(window)
+    raise ValueError(
+        f"unsupported layer type '{kind}' (layer {layer_id}) in the model config; "
+        "supported: full_attention, sliding_attention"
+    )
+
+
 def check_activation(config: Any) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -241,22 +290,31 @@ def load_checkpoint(
 
     A tensor may be a full ``torch.Tensor`` or a safetensors lazy slice (then a tensor-parallel
     rank reads only its part). Separate HF projections (``q_proj``...) go into their shard of a
-    stacked layer (one with ``shard_ids``). Values are cast to each parameter's dtype and device.
+    stacked layer (one with ``shard_ids``); tensors under a :class:`LoadsOwnCheckpoint` module
+    are handed to it. Values are cast to each parameter's dtype and device.
     Raises :class:`CheckpointError` naming unexpected tensors, missing ones, or a shape mismatch.
     """
     targets = checkpoint_targets(model)
-    pending = set(targets)
+    owners = {prefix: module for prefix, module in model.named_modules() if prefix and isinstance(module, LoadsOwnCheckpoint)}
+    owned = tuple(f"{prefix}." for prefix in owners)
+    pending = {name for name in targets if not name.startswith(owned)}
+    for prefix, owner in owners.items():
+        pending.update(f"{prefix}.{name}" for name in owner.checkpoint_names())
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(ignored_suffixes):
             continue
-        target = targets.get(name)
-        if target is None:
-            unexpected.append(name)
-            continue
-        param, shard_id = target
-        loader = getattr(param, "weight_loader", default_weight_loader)
         try:
+            covered = _load_owned(name, tensor, owners) if name.startswith(owned) else None
+            if covered is not None:
+                pending.difference_update(covered)
+                continue
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            param, shard_id = target
+            loader = getattr(param, "weight_loader", default_weight_loader)
             if shard_id is None:
                 loader(param, tensor)
             else:
@@ -273,6 +331,33 @@ def load_checkpoint(
         missing = sorted(pending)
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise CheckpointError(f"tensors missing from the checkpoint for {type(model).__name__}: {shown}")
+
+
+@runtime_checkable
+class LoadsOwnCheckpoint(Protocol):
+    """A module that maps checkpoint tensors onto its parameters itself (e.g. fused MoE experts, whose
+    checkpoints may store one tensor per expert). Names are relative to the module."""
+
+    def checkpoint_names(self) -> set[str]:
+        """Every name a complete checkpoint provides for this module."""
+        ...
+
+    def load_checkpoint_tensor(self, name: str, loaded: Any) -> set[str] | None:
+        """Copy ``loaded`` (a tensor or a safetensors lazy slice) in; returns the names of
+        :meth:`checkpoint_names` it covered, or None if ``name`` is not this module's.
+        Raises :class:`CheckpointError` (``"has shape ... but the model expects ..."``) on a mismatch."""
+        ...
+
+
+def _load_owned(name: str, loaded: Any, owners: dict[str, Any]) -> set[str] | None:
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:cut])
+        owner = owners.get(prefix)
+        if owner is not None:
+            covered = owner.load_checkpoint_tensor(".".join(parts[cut:]), loaded)
+            return None if covered is None else {f"{prefix}.{n}" for n in covered}
+    return None
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, str | None]]:

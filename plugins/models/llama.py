@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -25,16 +25,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaModel(nn.Module):
-    """Embedding and decoder layers (the final norm is applied by the causal LM to the rows it needs)."""
+    """Embedding and decoder layers (the final norm is applied by the causal LM to the rows it needs).
 
-    def __init__(self, config: Any, sliding_window_size: int | None = None, quant_config: Any = None) -> None:
+    ``make_layer(config, layer_id)`` builds each decoder layer (default: Llama's :class:`DecoderLayer`).
+    """
+
+    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module] | None = None) -> None:
         super().__init__()
         check_activation(config)
+        make_layer = make_layer or DecoderLayer
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, layer_id, sliding_window_size, quant_config, prefix=f"model.layers.{layer_id}")
-            for layer_id in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(make_layer(config, layer_id) for layer_id in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config))
 
@@ -54,20 +55,24 @@ class LlamaForCausalLM(nn.Module):
     """Llama causal LM: logits (float32) for the rows ``forward_batch.logits_indices``.
 
     Built from the tensor-parallel blocks, so it runs at any ``parallel.tp_size`` that
-    divides its heads; every rank returns the full logits.
+    divides its heads; every rank returns the full logits. Other families subclass it and
+    override :meth:`make_layer` (and :meth:`load_weights` to rename checkpoint tensors); the
+    embedding, final norm, lm_head and weight tying stay shared.
     """
 
     def __init__(self, config: Any, quant_config: Any = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self._sliding_window(config), quant_config)
+        self.quant_config = quant_config
+        self.model = LlamaModel(config, self.make_layer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _sliding_window(self, config: Any) -> int | None:
-        return None
+    def make_layer(self, config: Any, layer_id: int) -> nn.Module:
+        """Decoder layer ``layer_id``; Llama's has no attention window."""
+        return DecoderLayer(config, layer_id, quant_config=self.quant_config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states, residual = self.model(input_ids, positions, forward_batch)

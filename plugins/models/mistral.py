@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from treadle.core.hookspecs import Register, hookimpl
+from treadle.plugins.models.layers import DecoderLayer
 from treadle.plugins.models.llama import LlamaForCausalLM
 
 
@@ -12,9 +15,9 @@ class MistralForCausalLM(LlamaForCausalLM):
     """Mistral causal LM; ``config.sliding_window`` (None for full attention) limits every layer's view:
     a query at position i sees keys i - W < j <= i."""
 
-    def _sliding_window(self, config: Any) -> int | None:
+    def make_layer(self, config: Any, layer_id: int) -> nn.Module:
         window = getattr(config, "sliding_window", None)
-        return int(window) if window else None
+        return DecoderLayer(config, layer_id, int(window) if window else None, quant_config=self.quant_config)
 
 
 @hookimpl

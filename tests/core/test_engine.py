@@ -83,6 +83,33 @@ def test_mistral_sliding_window_matches_hf(tiny_mistral_dir, mistral_reference, 
     assert_kv_accounted(engine)
 
 
+FAMILIES = {
+    "qwen2-sliding-layer1": ("make_tiny_qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3": ("make_tiny_qwen3", {}),
+    "mixtral": ("make_tiny_mixtral", {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory):
+    """A tiny checkpoint of each newer family and HF's greedy outputs for PROMPTS."""
+    from treadle.testing import models
+
+    make, overrides = FAMILIES[request.param]
+    path = getattr(models, make)(tmp_path_factory.mktemp(request.param), **overrides)
+    return path, hf_greedy(path, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("memory", list(MEMORY_CONFIGS))
+def test_family_greedy_matches_hf_cold_and_warm(family_model, memory):
+    model_dir, reference = family_model
+    engine = make_engine(model_dir, **MEMORY_CONFIGS[memory])
+    for _ in ("cold", "warm"):
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o.token_ids for o in outputs] == reference
+    assert_kv_accounted(engine)
+
+
 @pytest.mark.parametrize("allocator", [{}, {"kv_allocator": "paged", "page_size": 4}])
 def test_retraction_under_a_tiny_pool_completes_every_request(tiny_llama_dir, llama_reference, allocator):
     engine = make_engine(tiny_llama_dir, cache={"max_total_tokens": 48, **allocator},

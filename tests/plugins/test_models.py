@@ -1,7 +1,8 @@
-"""Llama / Mistral models on the torch_native backend agree with HF transformers (float32, CPU)."""
+"""Every built-in model family on the torch_native backend agrees with HF transformers (float32, CPU)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -12,12 +13,21 @@ from treadle.core.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.memory_pool import KVCache, ReqToTokenPool
 from treadle.core.model_loader import load_model
 from treadle.core.registry import build_registry
-from treadle.testing.models import make_tiny_llama, make_tiny_mistral
+from treadle.testing.models import (
+    make_tiny_llama,
+    make_tiny_mistral,
+    make_tiny_mixtral,
+    make_tiny_qwen2,
+    make_tiny_qwen3,
+)
 
 PLUGINS = [
     "treadle.plugins.attention.torch_native",
     "treadle.plugins.models.llama",
     "treadle.plugins.models.mistral",
+    "treadle.plugins.models.qwen2",
+    "treadle.plugins.models.qwen3",
+    "treadle.plugins.models.mixtral",
 ]
 
 
@@ -226,6 +236,102 @@ def test_unexpected_checkpoint_tensor_is_named(tmp_path, registry):
     model, _ = _load(make_tiny_llama(tmp_path / "llama"), registry)
     with pytest.raises(ValueError, match="unexpected tensors .*model.layers.0.extra.weight"):
         model.load_weights([("model.layers.0.extra.weight", torch.zeros(2))])
+
+
+FAMILIES = {
+    "qwen2": (make_tiny_qwen2, {}),
+    "qwen2-sliding-layer1": (make_tiny_qwen2, {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "qwen3": (make_tiny_qwen3, {}),
+    "qwen3-bias-sliding": (make_tiny_qwen3, {"attention_bias": True, "use_sliding_window": True, "sliding_window": 6,
+                                             "max_window_layers": 0}),
+    "mixtral": (make_tiny_mixtral, {}),
+    "mixtral-top1-window": (make_tiny_mixtral, {"num_experts_per_tok": 1, "sliding_window": 6}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_prefill_logits_match_hf(tmp_path, registry, family):
+    make, overrides = FAMILIES[family]
+    path = make(tmp_path / family, **overrides)
+    model, hf_config = _load(path, registry)
+    assert type(model).__name__ == hf_config.architectures[0]
+    prompts = _prompts(hf_config.vocab_size, [23, 9])
+    logits = Harness(model, hf_config, registry).extend(list(enumerate(prompts)), all_logits=True)
+    expected = torch.cat([_hf_logits(_hf(path), p) for p in prompts])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "page_size"), [(f, 4 if i % 2 else 1) for i, f in enumerate(FAMILIES)])
+def test_family_greedy_decode_matches_hf_generate(tmp_path, registry, family, page_size):
+    make, overrides = FAMILIES[family]
+    path = make(tmp_path / family, **overrides)
+    model, hf_config = _load(path, registry)
+    hf_model = _hf(path)
+    prompts = _prompts(hf_config.vocab_size, [7, 12], seed=3)
+    ours = Harness(model, hf_config, registry, page_size=page_size).greedy(prompts, max_new_tokens=12)
+    assert ours == [_hf_greedy(hf_model, p, 12) for p in prompts]
+
+
+def test_qwen2_sliding_window_layers_change_the_output(tmp_path):
+    prompt = _prompts(512, [20])[0]
+    windowed = _hf(make_tiny_qwen2(tmp_path / "w", **FAMILIES["qwen2-sliding-layer1"][1]))
+    full = _hf(make_tiny_qwen2(tmp_path / "full"))
+    assert windowed.config.layer_types == ["full_attention", "sliding_attention"]
+    assert not torch.allclose(_hf_logits(windowed, prompt)[-1], _hf_logits(full, prompt)[-1], atol=1e-3)
+
+
+def _mixtral_state(path: str) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in _hf(path).state_dict().items()}
+
+
+def test_mixtral_loads_fused_and_per_expert_checkpoint_names_alike(tmp_path, registry):
+    path = make_tiny_mixtral(tmp_path / "mixtral")
+    reference, _ = _load(path, registry)
+    state = _mixtral_state(path)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers 5's in-memory layout
+    fused, _ = _load(path, registry)
+    fused.load_weights(iter(state.items()))
+    qwen_moe_names = {"gate_proj": slice(0, 96), "up_proj": slice(96, 192)}
+    per_expert = {n: t for n, t in state.items() if ".experts." not in n}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for expert in range(4):
+            for shard, rows in qwen_moe_names.items():
+                per_expert[f"{prefix}.{expert}.{shard}.weight"] = state[f"{prefix}.gate_up_proj"][expert, rows]
+            per_expert[f"{prefix}.{expert}.down_proj.weight"] = state[f"{prefix}.down_proj"][expert]
+    renamed, _ = _load(path, registry)
+    renamed.load_weights(iter(per_expert.items()))
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(dict(fused.named_parameters())[name], param, atol=0, rtol=0)
+        torch.testing.assert_close(dict(renamed.named_parameters())[name], param, atol=0, rtol=0)
+
+
+def test_mixtral_missing_expert_tensor_is_named(tmp_path, registry):
+    path = make_tiny_mixtral(tmp_path / "mixtral")
+    model, _ = _load(path, registry)
+    state = {n: t for n, t in _mixtral_state(path).items() if "layers.1.mlp.experts.down_proj" not in n}
+    with pytest.raises(ValueError, match=r"missing .*model\.layers\.1\.mlp\.experts\.0\.w2\.weight"):
+        model.load_weights(iter(state.items()))
+
+
+@pytest.mark.parametrize(
+    ("make", "overrides", "message"),
+    [
+        (make_tiny_qwen2, {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        (make_tiny_qwen2, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 64}}, "unsupported rope type 'yarn'"),
+        (make_tiny_mixtral, {"shared_expert_intermediate_size": 32}, "shared_expert_intermediate_size"),
+    ],
+    ids=["activation", "rope-type", "shared-experts"],
+)
+def test_unsupported_config_feature_fails_at_load_naming_it(tmp_path, registry, make, overrides, message):
+    path = make(tmp_path / "model")
+    config_file = tmp_path / "model" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(overrides)
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        _load(path, registry)
 
 
 @pytest.fixture(scope="module")

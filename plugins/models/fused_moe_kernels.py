@@ -1,0 +1,133 @@
+"""Triton fused-MoE kernels behind :func:`treadle.plugins.models.fused_moe.fused_experts`.
+
+The ``T * k`` (token, expert) assignments are sorted by expert and each expert's run is padded to
+a multiple of ``BLOCK_M`` (:func:`align_by_expert`), so every block of ``BLOCK_M`` sorted rows
+belongs to one expert. One grouped-GEMM kernel then multiplies each block by its expert's weight:
+first ``x @ w13[e].T`` (the gate and up projections), then, after ``silu(gate) * up``,
+``act @ w2[e].T`` scaled by the routing weight. Everything stays on the device: no host sync,
+so the layer can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.plugins.models.fused_ops import silu_mul
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as :func:`treadle.plugins.models.fused_moe.fused_experts`."""
+    x = x.contiguous()
+    num_tokens, hidden_size = x.shape
+    num_experts, two_inter, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    num_rows = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    block_m = 16 if num_rows <= 512 else 64
+    sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, block_m)
+    gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_rows, block_experts, block_m, a_row_divisor=top_k, row_weights=None)
+    activated = silu_mul(gate_up)
+    down = torch.empty((num_rows, hidden_size), dtype=x.dtype, device=x.device)
+    _grouped_gemm(activated, w2, down, sorted_rows, block_experts, block_m, a_row_divisor=1,
+                  row_weights=topk_weights.reshape(-1).to(torch.float32))
+    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the flattened assignments by expert, padding each expert's run to a multiple of ``block_m``.
+
+    Returns ``sorted_rows`` (assignment index ``t * k + j`` per sorted slot; ``T * k`` marks padding) and
+    ``block_experts`` (the expert of each block of ``block_m`` slots; -1 for blocks past the end).
+    Sizes are upper bounds known without reading the routing on the host.
+    """
+    flat_ids = topk_ids.reshape(-1)
+    num_rows = flat_ids.numel()
+    device = flat_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    first_in_run = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_experts = flat_ids[order]
+    rank_in_run = torch.arange(num_rows, device=device) - first_in_run[sorted_experts]
+    slots = padded_ends[sorted_experts] - padded[sorted_experts] + rank_in_run
+    max_blocks = triton.cdiv(num_rows, block_m) + min(num_experts, num_rows)
+    sorted_rows = torch.full((max_blocks * block_m,), num_rows, dtype=torch.int64, device=device)
+    sorted_rows[slots] = order
+    block_starts = torch.arange(max_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
+    return sorted_rows, block_experts
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    block_experts: torch.Tensor,
+    block_m: int,
+    a_row_divisor: int,
+    row_weights: torch.Tensor | None,
+) -> None:
+    """``out[r] = a[r // a_row_divisor] @ weights[expert(r)].T`` (times ``row_weights[r]``) for each sorted row ``r``."""
+    _, n, k = weights.shape
+    block_n = 64 if out.shape[0] <= 512 else 128
+    block_k = 32 if a.dtype == torch.float32 else 64
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, weights, out, row_weights if row_weights is not None else out, sorted_rows, block_experts,
+        n, k, out.shape[0], a_row_divisor,
+        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
+        MUL_ROW_WEIGHT=row_weights is not None,
+        # float32 models get true float32 products (no TF32), so the GPU path matches the reference.
+        IEEE_FP32=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=8 if block_m * block_n >= 64 * 128 else 4, num_stages=3,
+    )
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr,
+    N, K, num_rows, a_row_divisor,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    MUL_ROW_WEIGHT: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = rows < num_rows
+    a_rows = tl.where(row_mask, rows // a_row_divisor, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k_start
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_ROW_WEIGHT:
+        row_weight = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)
+        acc = acc * row_weight[:, None]
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])

@@ -1,0 +1,137 @@
+"""Sparse mixture-of-experts blocks a model family reuses: the router, the fused expert weights,
+and :class:`SparseMoE` (a drop-in ``mlp`` for :class:`~treadle.plugins.models.layers.DecoderLayer`).
+
+Expert weights live in two fused tensors, ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``
+``[E, H, I]`` (HF transformers 5's in-memory layout). Checkpoints in that layout load as they are;
+the classic one-tensor-per-expert names (Mixtral's ``experts.{e}.w1/w2/w3``, Qwen-MoE's
+``experts.{e}.gate_proj/up_proj/down_proj``) go into their slices. With tensor parallelism each
+rank holds a slice of every expert's intermediate dimension and the block all-reduces its output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from treadle.core.parallel import get_tp_rank, get_tp_size, tp_all_reduce
+from treadle.plugins.models.fused_moe import fused_experts, route_top_k
+from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded
+
+# Config keys of MoE variants this block does not implement; a config that sets one is refused.
+_UNSUPPORTED_MOE_KEYS = {
+    "shared_expert_intermediate_size": "shared experts (Qwen2-MoE)",
+    "n_shared_experts": "shared experts (DeepSeek)",
+    "num_shared_experts": "shared experts",
+    "moe_layer_freq": "dense layers between MoE layers",
+    "mlp_only_layers": "dense layers between MoE layers",
+}
+
+_EXPERT_SHARDS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_CANONICAL_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts: ``gate`` (the router, ``[E, H]``) scores the experts per token, the ``top_k``
+    best run their gated MLPs, and their outputs are summed weighted by the (renormalised) softmax scores."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({num_experts})")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        # The router is small and every rank needs all its scores: replicated, never quantized.
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route_top_k(self.gate(hidden_states), self.top_k, self.renormalize)
+        out = fused_experts(hidden_states, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
+
+
+def sparse_moe_from_config(config: Any) -> SparseMoE:
+    """A :class:`SparseMoE` from an HF config: ``num_local_experts`` (or ``num_experts``), ``num_experts_per_tok``,
+    ``moe_intermediate_size`` (or ``intermediate_size``), ``norm_topk_prob`` (default true).
+    Refuses configs asking for MoE features this block lacks (e.g. shared experts), naming them."""
+    for key, feature in _UNSUPPORTED_MOE_KEYS.items():
+        if getattr(config, key, None):
+            raise ValueError(
+                f"unsupported MoE feature in the model config: {key}={getattr(config, key)!r} ({feature}); "
+                "treadle's SparseMoE supports routed experts only"
+            )
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not num_experts:
+        raise ValueError("the model config names no expert count (num_local_experts or num_experts)")
+    return SparseMoE(
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+        num_experts=int(num_experts),
+        top_k=int(config.num_experts_per_tok),
+        renormalize=bool(getattr(config, "norm_topk_prob", True)),
+    )
+
+
+class FusedExperts(nn.Module):
+    """All experts' weights as two tensors: ``gate_up_proj`` ``[E, 2I/tp, H]`` (each expert's gate rows, then
+    its up rows) and ``down_proj`` ``[E, H, I/tp]``. Loads fused or per-expert checkpoint tensors itself."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if intermediate_size % tp_size:
+            raise ValueError(
+                f"the experts' intermediate size {intermediate_size} is not divisible by parallel.tp_size={tp_size}"
+            )
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.local_size = intermediate_size // tp_size
+        self.local_start = tp_rank * self.local_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size))
+
+    def checkpoint_names(self) -> set[str]:
+        return {f"{e}.{name}.weight" for e in range(self.num_experts) for name in ("w1", "w2", "w3")}
+
+    def load_checkpoint_tensor(self, name: str, loaded: Any) -> set[str] | None:
+        experts = range(self.num_experts)
+        inter, hidden, start, local = self.intermediate_size, self.hidden_size, self.local_start, self.local_size
+        if name == "gate_up_proj":
+            _check_shape(loaded, (self.num_experts, 2 * inter, hidden))
+            self._copy(self.gate_up_proj.data[:, :local], narrow_loaded(loaded, 1, start, local))
+            self._copy(self.gate_up_proj.data[:, local:], narrow_loaded(loaded, 1, inter + start, local))
+            return {f"{e}.{w}.weight" for e in experts for w in ("w1", "w3")}
+        if name == "down_proj":
+            _check_shape(loaded, (self.num_experts, hidden, inter))
+            self._copy(self.down_proj.data, narrow_loaded(loaded, 2, start, local))
+            return {f"{e}.w2.weight" for e in experts}
+        parts = name.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[2] != "weight" or parts[1] not in _EXPERT_SHARDS:
+            return None
+        expert, shard = int(parts[0]), _EXPERT_SHARDS[parts[1]]
+        if expert >= self.num_experts:
+            return None
+        if shard == "down":
+            _check_shape(loaded, (hidden, inter))
+            self._copy(self.down_proj.data[expert], narrow_loaded(loaded, 1, start, local))
+        else:
+            _check_shape(loaded, (inter, hidden))
+            rows = 0 if shard == "gate" else local
+            self._copy(self.gate_up_proj.data[expert, rows : rows + local], narrow_loaded(loaded, 0, start, local))
+        return {f"{expert}.{_CANONICAL_NAMES[shard]}.weight"}
+
+    @staticmethod
+    def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+        with torch.no_grad():
+            destination.copy_(source)
+
+
+def _check_shape(loaded: Any, expected: tuple[int, ...]) -> None:
+    shape = loaded_shape(loaded)
+    if shape != expected:
+        raise CheckpointError(f"has shape {shape} but the model expects {expected}")

@@ -1,0 +1,118 @@
+"""The Triton fused-MoE kernel equals the PyTorch expert loop (the reference HF parity is tested on).
+
+Triton runs on the CPU only through its interpreter, which must be switched on before triton is
+first imported; the kernel checks run in a fresh subprocess and report one result per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from treadle.plugins.models.fused_moe import fused_experts_reference, route_top_k
+from treadle.plugins.models.moe import SparseMoE, sparse_moe_from_config
+
+CHECKS = r'''
+import json, torch
+from treadle.plugins.models import fused_moe as R
+from treadle.plugins.models import fused_moe_kernels as K
+
+def case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
+    weights, ids = R.route_top_k(torch.randn(tokens, experts, generator=g), top_k)
+    got = K.fused_experts(x, w13, w2, weights, ids)
+    want = R.fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    return (got.float() - want).abs().max().item() / want.abs().max().item()
+
+def alignment(tokens, experts, top_k, block_m, seed=0):
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(seed))
+    rows, block_experts = K.align_by_expert(ids, experts, block_m)
+    flat = ids.flatten()
+    real = rows[rows < flat.numel()]
+    ok = sorted(real.tolist()) == list(range(flat.numel()))  # every assignment exactly once
+    slot_expert = block_experts.repeat_interleave(block_m)
+    ok &= bool((slot_expert[rows < flat.numel()] == flat[real]).all())  # each in a block of its own expert
+    return ok
+
+results = {
+    "fp32_decode_one_token": case(1, 4, 2, 64, 96, torch.float32),
+    "fp32_prefill_odd_sizes": case(37, 8, 2, 48, 40, torch.float32, seed=1),
+    "fp32_top1_some_experts_idle": case(5, 8, 1, 64, 64, torch.float32, seed=2),
+    "fp32_top3_many_blocks": case(70, 3, 3, 32, 24, torch.float32, seed=3),
+    "fp16_prefill": case(29, 4, 2, 64, 96, torch.float16, seed=4),
+    "alignment_small": alignment(3, 8, 2, 16),
+    "alignment_many": alignment(200, 5, 2, 16, seed=5),
+}
+print("RESULTS " + json.dumps(results))
+'''
+
+TOLERANCE = {"fp32": 1e-5, "fp16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernel_results() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHECKS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["fp32_decode_one_token", "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
+     "fp16_prefill"],
+)
+def test_triton_kernel_matches_torch_experts(kernel_results, name):
+    assert kernel_results[name] <= TOLERANCE[name.split("_")[0]], f"{name}: relative error {kernel_results[name]}"
+
+
+@pytest.mark.parametrize("name", ["alignment_small", "alignment_many"])
+def test_sorting_puts_every_assignment_once_in_a_block_of_its_expert(kernel_results, name):
+    assert kernel_results[name]
+
+
+def test_router_renormalises_the_top_k_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = route_top_k(logits, 2)
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, torch.tensor([[1 / (1 + torch.e**-1), 1 - 1 / (1 + torch.e**-1)]]))
+    raw, _ = route_top_k(logits, 2, renormalize=False)
+    torch.testing.assert_close(raw, torch.softmax(logits, -1)[:, :2])
+
+
+def test_reference_equals_a_dense_loop_over_tokens():
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(6, 16)
+    weights, ids = route_top_k(moe.gate(x), 2)
+    expected = torch.zeros_like(x)
+    for t in range(6):
+        for j in range(2):
+            gate_up = moe.experts.gate_up_proj[ids[t, j]] @ x[t]
+            hidden = torch.nn.functional.silu(gate_up[:8]) * gate_up[8:]
+            expected[t] += weights[t, j] * (moe.experts.down_proj[ids[t, j]] @ hidden)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            fused_experts_reference(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids), expected,
+            atol=1e-5, rtol=1e-5,
+        )
+
+
+def test_too_many_experts_per_token_is_refused():
+    config = type("Config", (), {"hidden_size": 8, "intermediate_size": 8, "num_local_experts": 2,
+                                 "num_experts_per_tok": 3})()
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(3\) must be between 1 and the number of experts \(2\)"):
+        sparse_moe_from_config(config)
