@@ -17,7 +17,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 causal LM."""
 
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
-        return DecoderLayer(config, layer_id, layer_sliding_window(config, layer_id), qkv_bias=True, o_bias=False)
+        return DecoderLayer(config, layer_id, layer_sliding_window(config, layer_id), quant_config=self.quant_config,
+                            qkv_bias=True, o_bias=False)
 
 
 @hookimpl

@@ -16,7 +16,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 causal LM."""
 
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
-        return DecoderLayer(config, layer_id, layer_sliding_window(config, layer_id), qk_norm=True)
+        return DecoderLayer(config, layer_id, layer_sliding_window(config, layer_id), quant_config=self.quant_config,
+                            qk_norm=True)
 
 
 @hookimpl

@@ -116,3 +116,62 @@ def test_too_many_experts_per_token_is_refused():
                                  "num_experts_per_tok": 3})()
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(3\) must be between 1 and the number of experts \(2\)"):
         sparse_moe_from_config(config)
+
+
+TP_WORKER = r'''
+import sys, torch
+from safetensors import safe_open
+from treadle.core.parallel import destroy_tensor_parallel, init_tensor_parallel
+from treadle.plugins.models.moe import SparseMoE
+
+rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
+x, expected = torch.load(f"{folder}/io.pt")
+for layout in ("per_expert", "fused"):
+    moe = SparseMoE(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2)
+    assert moe.experts.gate_up_proj.shape == (4, 8, 16), moe.experts.gate_up_proj.shape  # half of 2 * 8 rows
+    with safe_open(f"{folder}/{layout}.safetensors", framework="pt") as reader:
+        for name in reader.keys():
+            if name == "gate.weight":
+                moe.gate.weight.data.copy_(reader.get_tensor(name))
+            else:  # lazy slices, as the loader passes them under tensor parallelism
+                assert moe.experts.load_checkpoint_tensor(name.removeprefix("experts."), reader.get_slice(name))
+    with torch.no_grad():
+        error = (moe(x) - expected).abs().max().item()
+    print(f"{layout} {error}", flush=True)
+destroy_tensor_parallel()
+'''
+
+
+def test_tensor_parallel_experts_split_the_intermediate_dim_and_sum_to_tp1(tmp_path):
+    import socket
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden_size=16, intermediate_size=8, num_experts=4, top_k=2)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.save((x, moe(x)), tmp_path / "io.pt")
+    w13, w2 = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    per_expert = {"gate.weight": moe.gate.weight.detach().clone()}
+    for e in range(4):
+        per_expert[f"experts.{e}.w1.weight"] = w13[e, :8].clone()
+        per_expert[f"experts.{e}.w3.weight"] = w13[e, 8:].clone()
+        per_expert[f"experts.{e}.w2.weight"] = w2[e].clone()
+    save_file(per_expert, tmp_path / "per_expert.safetensors")
+    save_file({"gate.weight": per_expert["gate.weight"], "experts.gate_up_proj": w13.clone(),
+               "experts.down_proj": w2.clone()}, tmp_path / "fused.safetensors")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", TP_WORKER, str(rank), str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        errors = dict(line.split() for line in out.splitlines())
+        assert set(errors) == {"per_expert", "fused"} and max(map(float, errors.values())) < 1e-5, out
