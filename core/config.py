@@ -78,6 +78,15 @@ class HttpServerConfig(Section):
     max_request_tokens: int | None = Field(None, gt=0)
 
 
+class ToolsConfig(Section):
+    parser: str = Field("auto", description="tool-call parser (tool_parsers plugin); auto: from the model family; "
+                                              "none: no parsing of free-text calls")
+
+
+class ReasoningConfig(Section):
+    parser: str = Field("none", description="reasoning parser (reasoning_parsers plugin), e.g. think_tags; none: off")
+
+
 class ParallelConfig(Section):
     tp_size: int = Field(1, ge=1, le=1, description="tensor parallelism is not implemented yet")
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
@@ -97,6 +106,8 @@ class ServerConfig(BaseSettings):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     server: HttpServerConfig = Field(default_factory=HttpServerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod
@@ -169,6 +180,10 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
         ("schedule_policies", config.scheduler.policy, "scheduler.policy"),
         ("kv_allocators", config.cache.kv_allocator, "cache.kv_allocator"),
     ]
+    if config.tools.parser not in ("auto", "none"):
+        choices.append(("tool_parsers", config.tools.parser, "tools.parser"))
+    if config.reasoning.parser != "none":
+        choices.append(("reasoning_parsers", config.reasoning.parser, "reasoning.parser"))
     for kind, name, key in choices:
         try:
             registry.get(kind, name)

@@ -1,4 +1,4 @@
-"""The plugin contract: four hooks, each handed a ``register(name, factory)`` callback."""
+"""The plugin contract: hooks, one per plugin kind, each handed a ``register(name, factory)`` callback."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ class Spec:
     def treadle_register_kv_allocators(self, register: Register) -> None:
         """Register KVAllocator factories: ``register("name", factory(size, page_size, device))``."""
 
+    @hookspec
+    def treadle_register_tool_parsers(self, register: Register) -> None:
+        """Register ToolParser factories (``treadle.core.tool_parser``): ``register("name", factory())``."""
+
+    @hookspec
+    def treadle_register_reasoning_parsers(self, register: Register) -> None:
+        """Register ReasoningParser factories (``treadle.core.reasoning_parser``): ``register("name", factory())``."""
+
 
 # kind -> hook name; the kinds are the keys of `treadle plugins --json`.
 HOOKS_BY_KIND: dict[str, str] = {
@@ -40,6 +48,8 @@ HOOKS_BY_KIND: dict[str, str] = {
     "models": "treadle_register_models",
     "schedule_policies": "treadle_register_schedule_policies",
     "kv_allocators": "treadle_register_kv_allocators",
+    "tool_parsers": "treadle_register_tool_parsers",
+    "reasoning_parsers": "treadle_register_reasoning_parsers",
 }
 
 KIND_LABELS: dict[str, str] = {
@@ -47,4 +57,6 @@ KIND_LABELS: dict[str, str] = {
     "models": "model architecture",
     "schedule_policies": "schedule policy",
     "kv_allocators": "KV allocator",
+    "tool_parsers": "tool parser",
+    "reasoning_parsers": "reasoning parser",
 }

@@ -6,6 +6,7 @@ cache makes the copies cheap); choice ``j`` of prompt ``i`` has index ``i * n + 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from treadle.core.request import SamplingParams
+from treadle.server.chat_tools import (
+    ChatParsers,
+    ChatPlan,
+    ChoiceReader,
+    chat_message,
+    constraint_fields,
+    plan_chat,
+    template_messages,
+)
 from treadle.server.http import collect, finish_detail, first_event, sse_response
 from treadle.server.ipc import StrOutput, TokenizedGenerateReq
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -34,6 +44,7 @@ class _Choice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     last: StrOutput | None = None
     started: bool = False
+    reader: ChoiceReader | None = None
 
     def add(self, out: StrOutput) -> None:
         self.text += out.text_delta
@@ -84,6 +95,8 @@ class _Run:
 
 
 def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
+    parsers = ChatParsers(manager.config, manager.model_info.get("architecture"))
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [_model_card(manager)]})
@@ -98,25 +111,34 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         _check_model(manager, body.model)
         if not body.messages:
             raise RequestError("`messages` must contain at least one message", param="messages")
-        prompt = manager.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        plan = plan_chat(body, parsers)
+        knows_tools = bool(plan.tools) and manager.template_knows_tools()
+        prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools),
+                                          plan.tools if knows_tools else None)
+        prompt = manager.encode_rendered(prompt_text)
         params = _sampling_params(manager, body, len(prompt), default_max_tokens=None)
+        params = _chat_params(params, plan)
         manager.check_request(prompt, params, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         run = _Run(manager, body, [prompt], [params], top)
         if body.stream:
+            for choice in run.choices:
+                choice.reader = ChoiceReader(plan, prompt_text)
             return await _stream_chat(run)
         await collect(request, run.stream, run.add)
+        choices = []
+        for i, c in enumerate(run.choices):
+            message = chat_message(plan, prompt_text, c.text)
+            choices.append({
+                "index": i,
+                "message": message,
+                "logprobs": _chat_logprobs(manager, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
+                "finish_reason": _chat_finish(c, bool(message.get("tool_calls"))),
+                "matched_stop": finish_detail(c.last, run.stop) if c.last else None,
+            })
         return JSONResponse({
             "id": f"chatcmpl-{run.id_prefix}", "object": "chat.completion", "created": run.created,
-            "model": manager.served_model_name,
-            "choices": [{
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(manager, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
-                "finish_reason": c.last.finished_reason if c.last else None,
-                "matched_stop": finish_detail(c.last, run.stop) if c.last else None,
-            } for i, c in enumerate(run.choices)],
-            "usage": run.usage(),
+            "model": manager.served_model_name, "choices": choices, "usage": run.usage(),
         })
 
     @app.post("/v1/completions")
@@ -126,6 +148,10 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             raise RequestError("`suffix` is not supported", param="suffix")
         prompts = _completion_prompts(manager, body.prompt)
         params = [_sampling_params(manager, body, len(p), _COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts]
+        constraint = constraint_fields(body)
+        if constraint:
+            _check_constraint_support(constraint)
+            params = [dataclasses.replace(p, **constraint) for p in params]
         for p, sp in zip(prompts, params):
             manager.check_request(p, sp, "prompt")
         run = _Run(manager, body, prompts, params, body.logprobs)
@@ -167,15 +193,23 @@ async def _stream_chat(run: _Run) -> Response:
         out = event.output
         assert out is not None
         chunks = []
+        reader = choice.reader
+        assert reader is not None
         if not choice.started:
             choice.started = True
             chunks.append(chunk(event.index, {"role": "assistant", "content": ""}))
-        if out.text_delta or (body.logprobs and out.new_token_ids):
+        delta = reader.feed(out.text_delta)
+        if out.finished_reason is not None:
+            for key, value in reader.finish().items():
+                delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+        if body.logprobs and out.new_token_ids and not delta:
+            delta = {"content": ""}
+        if delta:
             logprobs = _chat_logprobs(run.manager, out.new_token_ids, out.new_output_logprobs,
                                       out.new_output_top_logprobs) if body.logprobs else None
-            chunks.append(chunk(event.index, {"content": out.text_delta}, logprobs=logprobs))
+            chunks.append(chunk(event.index, delta, logprobs=logprobs))
         if out.finished_reason is not None:
-            chunks.append(chunk(event.index, {}, out.finished_reason))
+            chunks.append(chunk(event.index, {}, _chat_finish(choice, reader.calls_made > 0)))
         return chunks
 
     def closing() -> list[dict[str, Any]]:
@@ -213,6 +247,29 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
         return [{**base, "choices": [], "usage": run.usage()}] if run.include_usage() else []
 
     return sse_response(run.stream, first, render, closing)
+
+
+def _chat_finish(choice: _Choice, made_calls: bool) -> str | None:
+    """OpenAI says ``tool_calls`` when the model stopped after making calls."""
+    reason = choice.last.finished_reason if choice.last else None
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _chat_params(params: SamplingParams, plan: ChatPlan) -> SamplingParams:
+    """Add the plan's grammar constraint; keep special tokens when the call format is made of them."""
+    changes: dict[str, object] = dict(plan.constraint)
+    _check_constraint_support(changes)
+    if plan.call_format is not None and plan.call_format.needs_special_tokens:
+        changes["skip_special_tokens"] = False
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def _check_constraint_support(constraint: dict[str, object]) -> None:
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    for key in constraint:
+        if key not in known:
+            raise RequestError(f"this treadle build has no constrained decoding ({key}); it needs a grammar backend",
+                               param=key)
 
 
 def _check_model(manager: TokenizerManager, model: str | None) -> None:

@@ -19,6 +19,22 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema sits under ``schema`` (an alias; pydantic owns that name)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Sampling fields shared by both OpenAI routes, plus treadle's extras."""
 
@@ -44,6 +60,10 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     priority: int = 0
     rid: str | None = None
+    # Constrained decoding: at most one of response_format (json_object / json_schema), regex, ebnf.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class TextContentPart(_Body):
@@ -51,15 +71,51 @@ class TextContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class MessageToolCall(_Body):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -68,6 +124,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
 
 class CompletionRequest(_SamplingFields):

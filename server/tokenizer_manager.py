@@ -120,6 +120,7 @@ class TokenizerManager:
         self._from_workers = bind_pull(self._async_context, addresses.tokenizer_input)
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
+        self._template_knows_tools: bool | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -155,16 +156,34 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return list(self.require_tokenizer().encode(text))
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, tools))
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of a conversation (``tools`` go to templates that take them)."""
         tokenizer = self.require_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template; use /v1/completions", param="messages")
         try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                 tokenize=False)
         except Exception as exc:  # templates raise for conversations they do not support (e.g. role order)
             raise RequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+
+    def encode_rendered(self, prompt: str) -> list[int]:
         # The template already contains BOS and friends; don't add them twice.
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
+        return list(self.require_tokenizer().encode(prompt, add_special_tokens=False))
+
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders a ``tools=`` argument (checked once with a probe tool)."""
+        if self._template_knows_tools is None:
+            probe = [{"type": "function", "function": {"name": "treadle_probe_tool", "parameters": {}}}]
+            try:
+                text = self.render_chat([{"role": "user", "content": "hi"}], probe)
+            except RequestError:
+                text = ""
+            self._template_knows_tools = "treadle_probe_tool" in text
+        return self._template_knows_tools
 
     def decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:

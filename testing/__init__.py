@@ -5,6 +5,9 @@
     def test_my_policy_conforms():
         check_schedule_policy(MyPolicy)
 
+    def test_my_tool_parser_conforms():
+        check_tool_parser(MyToolParser)
+
     def test_my_attention_backend_conforms():
         check_attention_backend(MyAttnBackend, "cuda", torch.bfloat16)
 
@@ -17,9 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from treadle.testing.allocators import check_kv_allocator
+from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
-__all__ = ["check_attention_backend", "check_kv_allocator", "check_schedule_policy"]
+__all__ = ["check_attention_backend", "check_kv_allocator", "check_reasoning_parser", "check_schedule_policy",
+           "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:
