@@ -1,0 +1,79 @@
+"""Overlap scheduling on CUDA: the same tokens as the synchronous loop (CUDA graphs, mixed prefill,
+seeded sampling, penalties), no KV leak, and decode steps that never synchronize the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle import Engine, SamplingParams
+from treadle.core.request import Req
+from treadle.testing.engine import assert_kv_accounted
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 300, (count,), generator=generator).tolist()
+    return [torch.randint(10, 8000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _params(count: int) -> list[SamplingParams]:
+    params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(count)]
+    params[1] = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
+    params[2] = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.5, presence_penalty=0.5)
+    return params
+
+
+@pytest.mark.parametrize(("backend", "page_size"), [("triton", 1), ("flashinfer", 16)])
+def test_overlap_on_and_off_give_identical_tokens(real_shape_llama_dir, engine_config, backend, page_size):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    prompts, params = _prompts(12, seed=3), _params(12)
+    results = []
+    for overlap in (False, True):
+        config = engine_config(real_shape_llama_dir, backend, "bfloat16", page_size=page_size)
+        config["scheduler"].update(disable_overlap=not overlap, chunked_prefill_size=128, enable_mixed_chunk=True,
+                                   max_running_requests=8)
+        engine = Engine(config)
+        try:
+            outputs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            results.append([(o.token_ids, o.finish_reason) for o in outputs])
+            logprobs = [o.output_token_logprobs for o in outputs]
+            results[-1].append([len(lp) for lp in logprobs])
+            assert_kv_accounted(engine)
+        finally:
+            engine.shutdown()
+    sync, overlapped = results
+    assert overlapped == sync
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_decode_steps_do_not_synchronize(real_shape_llama_dir, engine_config, backend):
+    """Once every request decodes, a step queues work and waits only on the previous step's event."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    engine = Engine(engine_config(real_shape_llama_dir, backend, "bfloat16"))
+    scheduler = engine.scheduler
+    assert scheduler.overlap
+    try:
+        for i, prompt in enumerate(_prompts(8, seed=5)):
+            scheduler.add_request(Req(rid=f"r{i}", origin_input_ids=prompt, sampling_params=SamplingParams(
+                max_new_tokens=40, temperature=0.0, ignore_eos=True)))
+        for _ in range(6):  # prefills, then a few decode steps
+            scheduler.step()
+        assert not scheduler.waiting and scheduler.chunked_req is None and len(scheduler.running) == 8
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(10):
+                scheduler.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        while scheduler.has_work():
+            scheduler.step()
+        assert_kv_accounted(engine)
+    finally:
+        engine.shutdown()
