@@ -90,12 +90,14 @@ def test_sampling_state_stops_and_logprobs_match(tiny_llama_dir):
                                 sampling_params=params, return_logprob=True, logprob_start_len=2,
                                 top_logprobs_num=2)
     assert overlapped == sync
-    # A stop token hit mid-batch finishes the request one step before the loop notices it.
-    stop_at = sync[3][0][4]
-    params[3] = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_at])
+    # Stop tokens hit mid-batch finish requests one step before the overlapped loop notices; the
+    # finished rows (one with penalties) still sit in the step in flight and are discarded.
+    params[3] = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[sync[3][0][4]])
+    params[1].stop_token_ids = [sync[1][0][5]]
     sync, overlapped = run_both(tiny_llama_dir, {}, input_ids=PROMPTS, sampling_params=params)
     assert overlapped == sync
-    assert sync[3][1] == "stop" and sync[3][0][-1] == stop_at
+    for i in (1, 3):
+        assert sync[i][1] == "stop" and sync[i][0][-1] in params[i].stop_token_ids
 
 
 def test_tokens_arrive_one_step_late_with_overlap(tiny_llama_dir):
@@ -150,3 +152,30 @@ def test_abort_with_a_step_in_flight(tiny_llama_dir, config, when):
     for rid in ("r0", "r3"):
         shorter, longer = sorted((overlapped[rid], sync[rid]), key=len)
         assert longer[:len(shorter)] == shorter and len(longer) - len(shorter) <= 1
+
+
+def test_a_request_that_stops_in_flight_pays_one_discarded_step(tiny_llama_dir):
+    reference = make_engine(tiny_llama_dir, False, {}).generate(input_ids=PROMPTS[0], sampling_params=GREEDY[0])
+    stop_at = reference.token_ids[3]
+    expected = reference.token_ids[: reference.token_ids.index(stop_at) + 1]
+    engine = make_engine(tiny_llama_dir, True, {})
+    scheduler = engine.scheduler
+    req = Req(rid="a", origin_input_ids=PROMPTS[0], sampling_params=SamplingParams(
+        max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]))
+    scheduler.add_request(req)
+    scheduler.add_request(Req(rid="b", origin_input_ids=PROMPTS[1], sampling_params=GREEDY[0]))
+    produced: list[int] = []
+    while True:
+        outputs = {out.rid: out for out in scheduler.step()}
+        if "a" in outputs:
+            produced.extend(outputs["a"].new_token_ids)
+            if outputs["a"].finished_reason:
+                break
+    assert produced == expected and req.finished_reason == "stop"
+    # The step in flight still computes a row for the finished request; its memory is already released.
+    assert any(entry.req is req for entry in scheduler._inflight.batch.entries)
+    assert req.req_pool_idx is None and req.kv_len == 0
+    while scheduler.has_work():
+        scheduler.step()
+    assert req.output_ids == expected
+    assert_kv_accounted(engine)
