@@ -1,13 +1,14 @@
 """Fused-MoE kernel timing at Mixtral-8x7B's expert shapes, against the PyTorch expert loop.
 
-``python -m treadle.bench.fused_moe [--tokens 1,8,64,512,4096] [--output PATH] [--engine]``
+``python -m treadle.bench.fused_moe [--tokens 1,8,64,512,4096] [--output PATH] [--engine] [--sweep]``
 
 For each token count: random bf16 activations routed top-2 over 8 experts (hidden 4096,
 intermediate 14336), the Triton grouped-GEMM path and the reference loop, each timed with CUDA
 events (median of 20 runs after warm-up), plus the bandwidth the kernel reaches on the expert
 weights it must read (the experts that received at least one token). ``--engine`` also serves a
 one-layer Mixtral-8x7B-shaped model (``load_format: dummy``) through the Engine with CUDA graphs
-and reports decode tokens/s. Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json`` unless ``--output``).
+and reports decode tokens/s. ``--sweep`` also times a grid of tile configs per token count and
+reports the fastest (input for ``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json`` unless ``--output``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", default="1,8,64,512,4096")
     parser.add_argument("--output")
     parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the fused-MoE benchmark needs a CUDA GPU")
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
             "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
             "max_rel_diff": float((got - want).abs().max() / want.abs().max()),
         }
+        if args.sweep:
+            row["sweep"] = _sweep(lambda config: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, config),
+                                  tokens * TOP_K)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {
@@ -73,6 +78,25 @@ def main(argv: list[str] | None = None) -> dict:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _sweep(run, num_rows: int) -> list[dict]:
+    """The five fastest tile configs for ``num_rows`` (token, expert) rows (configs that fail to compile are skipped)."""
+    from treadle.plugins.models.fused_moe_kernels import BlockConfig
+
+    block_ms = (16,) if num_rows <= 64 else (16, 64) if num_rows <= 1024 else (64, 128)
+    timings = []
+    for block_m in block_ms:
+        for block_n in (64, 128):
+            for block_k in (64, 128, 256):
+                for num_warps, num_stages in ((4, 4), (8, 3)):
+                    config = BlockConfig(block_m, block_n, block_k, num_warps, num_stages)
+                    try:
+                        ms = _time(lambda: run(config), repeats=5)
+                    except Exception:  # e.g. shared memory exceeded for the largest tiles
+                        continue
+                    timings.append({**config.__dict__, "ms": round(ms, 4)})
+    return sorted(timings, key=lambda t: t["ms"])[:5]
 
 
 def _time(run, repeats: int = 20) -> float:

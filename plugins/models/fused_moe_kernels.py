@@ -10,6 +10,8 @@ so the layer can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -17,10 +19,34 @@ import triton.language as tl
 from treadle.plugins.models.fused_ops import silu_mul
 
 
+@dataclass(frozen=True)
+class BlockConfig:
+    """Tile sizes and launch settings of the grouped GEMM (``block_m`` also pads each expert's run)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_rows: int, dtype: torch.dtype) -> BlockConfig:
+    """Untuned defaults by the number of (token, expert) rows; ``bench/fused_moe.py --sweep`` compares others."""
+    block_k = 32 if dtype == torch.float32 else 64
+    if num_rows <= 512:
+        return BlockConfig(16, 64, block_k)
+    return BlockConfig(64, 128, block_k, num_warps=8)
+
+
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: BlockConfig | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`treadle.plugins.models.fused_moe.fused_experts`."""
+    """Same contract as :func:`treadle.plugins.models.fused_moe.fused_experts`; ``config`` overrides the tiles."""
     x = x.contiguous()
     num_tokens, hidden_size = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -28,13 +54,13 @@ def fused_experts(
     num_rows = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
-    block_m = 16 if num_rows <= 512 else 64
-    sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, block_m)
+    config = config or default_config(num_rows, x.dtype)
+    sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
     gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_rows, block_experts, block_m, a_row_divisor=top_k, row_weights=None)
+    _grouped_gemm(x, w13, gate_up, sorted_rows, block_experts, config, a_row_divisor=top_k, row_weights=None)
     activated = silu_mul(gate_up)
     down = torch.empty((num_rows, hidden_size), dtype=x.dtype, device=x.device)
-    _grouped_gemm(activated, w2, down, sorted_rows, block_experts, block_m, a_row_divisor=1,
+    _grouped_gemm(activated, w2, down, sorted_rows, block_experts, config, a_row_divisor=1,
                   row_weights=topk_weights.reshape(-1).to(torch.float32))
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
@@ -73,15 +99,13 @@ def _grouped_gemm(
     out: torch.Tensor,
     sorted_rows: torch.Tensor,
     block_experts: torch.Tensor,
-    block_m: int,
+    config: BlockConfig,
     a_row_divisor: int,
     row_weights: torch.Tensor | None,
 ) -> None:
     """``out[r] = a[r // a_row_divisor] @ weights[expert(r)].T`` (times ``row_weights[r]``) for each sorted row ``r``."""
     _, n, k = weights.shape
-    block_n = 64 if out.shape[0] <= 512 else 128
-    block_k = 32 if a.dtype == torch.float32 else 64
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    grid = (block_experts.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, row_weights if row_weights is not None else out, sorted_rows, block_experts,
         n, k, out.shape[0], a_row_divisor,
@@ -89,8 +113,8 @@ def _grouped_gemm(
         MUL_ROW_WEIGHT=row_weights is not None,
         # float32 models get true float32 products (no TF32), so the GPU path matches the reference.
         IEEE_FP32=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=8 if block_m * block_n >= 64 * 128 else 4, num_stages=3,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
