@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3, Mixtral) for parity tests and plugin authors.
+"""Tiny random HF checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) for parity tests
+and plugin authors.
 
 Each helper builds the model with transformers from a fixed seed, saves it as
 safetensors plus config.json into ``path`` and returns ``path``. They are small
@@ -74,6 +75,18 @@ def make_tiny_mixtral(path: str | os.PathLike, seed: int = 0, **overrides: Any) 
            "sliding_window": None, **overrides}
     )
     return _save_random(MixtralForCausalLM, config, path, seed, spread_vectors=True)
+
+
+def make_tiny_qwen3_moe(path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``Qwen3MoeForCausalLM``: 4 experts, top-2 (not renormalised, as Qwen3-MoE's default),
+    layer 1 dense (``mlp_only_layers=[1]``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **{**TINY_LLAMA_CONFIG, "head_dim": 32, "moe_intermediate_size": 48, "num_experts": 4,
+           "num_experts_per_tok": 2, "mlp_only_layers": [1], **overrides}
+    )
+    return _save_random(Qwen3MoeForCausalLM, config, path, seed, spread_vectors=True)
 
 
 def _save_random(model_cls: Any, config: Any, path: str | os.PathLike, seed: int, spread_vectors: bool = False) -> str:

@@ -20,7 +20,7 @@ def test_plugins_json_lists_every_kind_with_providers():
     assert {"fcfs", "lpm", "random", "dfs-weight", "lof", "priority"} <= set(table["schedule_policies"])
     assert {"token", "paged"} <= set(table["kv_allocators"])
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-            "MixtralForCausalLM"} <= set(table["models"])
+            "MixtralForCausalLM", "Qwen3MoeForCausalLM"} <= set(table["models"])
 
 
 def test_config_show_prints_resolved_yaml(tmp_path, capsys):

@@ -20,12 +20,11 @@ from treadle.plugins.models.fused_moe import fused_experts, route_top_k
 from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded
 
 # Config keys of MoE variants this block does not implement; a config that sets one is refused.
+# (Which layers are sparse is the family's choice, e.g. Qwen3-MoE's mlp_only_layers.)
 _UNSUPPORTED_MOE_KEYS = {
     "shared_expert_intermediate_size": "shared experts (Qwen2-MoE)",
     "n_shared_experts": "shared experts (DeepSeek)",
     "num_shared_experts": "shared experts",
-    "moe_layer_freq": "dense layers between MoE layers",
-    "mlp_only_layers": "dense layers between MoE layers",
 }
 
 _EXPERT_SHARDS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}

@@ -87,6 +87,7 @@ FAMILIES = {
     "qwen2-sliding-layer1": ("make_tiny_qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "qwen3": ("make_tiny_qwen3", {}),
     "mixtral": ("make_tiny_mixtral", {}),
+    "qwen3-moe": ("make_tiny_qwen3_moe", {}),
 }
 
 

@@ -19,6 +19,7 @@ from treadle.testing.models import (
     make_tiny_mixtral,
     make_tiny_qwen2,
     make_tiny_qwen3,
+    make_tiny_qwen3_moe,
 )
 
 PLUGINS = [
@@ -28,6 +29,7 @@ PLUGINS = [
     "treadle.plugins.models.qwen2",
     "treadle.plugins.models.qwen3",
     "treadle.plugins.models.mixtral",
+    "treadle.plugins.models.qwen3_moe",
 ]
 
 
@@ -246,6 +248,9 @@ FAMILIES = {
                                              "max_window_layers": 0}),
     "mixtral": (make_tiny_mixtral, {}),
     "mixtral-top1-window": (make_tiny_mixtral, {"num_experts_per_tok": 1, "sliding_window": 6}),
+    "qwen3-moe": (make_tiny_qwen3_moe, {}),
+    "qwen3-moe-renorm-every-2nd": (make_tiny_qwen3_moe, {"norm_topk_prob": True, "decoder_sparse_step": 2,
+                                                         "mlp_only_layers": []}),
 }
 
 

@@ -1,0 +1,28 @@
+"""Qwen3-MoE, registered as ``Qwen3MoeForCausalLM``: Qwen3's attention (per-head q/k norm) with a sparse
+mixture of experts on every ``decoder_sparse_step``-th layer outside ``mlp_only_layers`` (dense MLPs there)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from treadle.core.hookspecs import Register, hookimpl
+from treadle.plugins.models.layers import DecoderLayer, layer_sliding_window
+from treadle.plugins.models.llama import LlamaForCausalLM
+from treadle.plugins.models.moe import sparse_moe_from_config
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE causal LM (e.g. Qwen3-30B-A3B); the router's top-k weights are renormalised per ``norm_topk_prob``."""
+
+    def make_layer(self, config: Any, layer_id: int) -> nn.Module:
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        sparse = layer_id not in (getattr(config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0
+        return DecoderLayer(config, layer_id, layer_sliding_window(config, layer_id), quant_config=self.quant_config,
+                            qk_norm=True, mlp=sparse_moe_from_config(config) if sparse else None)
+
+
+@hookimpl
+def treadle_register_models(register: Register) -> None:
+    register("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
