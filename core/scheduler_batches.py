@@ -202,11 +202,12 @@ class BatchBuilding:
                 continue
             req = entry.req
             req.pending_tokens += 1
+            if entry.input_on_device:
+                continue  # a decode row: already running
             if req is self.chunked_req:
                 self.chunked_req = None
-            if req not in self.running:
-                self._share_prompt(req)
-                self.running.append(req)
+            self._share_prompt(req)
+            self.running.append(req)
 
     # ------------------------------------------------------------------ memory
 

@@ -14,6 +14,10 @@ from treadle.core.request import FinishReason, Req, ReqOutput
 from treadle.core.schedule_batch import ScheduleBatch
 
 
+# What every step copies home; prompt log-probs add keys ``in{entry}`` (see _input_logprob_tensors).
+_SAMPLED_KEYS = ("next_ids", "logprobs", "top_values", "top_ids")
+
+
 class OutputProcessing:
     """The Scheduler's output half (a mixin: it reads and updates the Scheduler's state)."""
 
@@ -25,6 +29,7 @@ class OutputProcessing:
         top = None
         if host["top_values"] is not None:
             top = (host["top_values"].tolist(), host["top_ids"].tolist())
+        any_input_logprobs = len(host) > len(_SAMPLED_KEYS)
 
         for i, entry in enumerate(step.batch.entries):
             req = entry.req
@@ -33,7 +38,7 @@ class OutputProcessing:
             if req.finished:
                 continue  # aborted, or finished by the step before: this row's token is discarded
             first_output = not req.output_ids and not req.input_logprobs_sent
-            if f"in{i}" in host:
+            if any_input_logprobs and f"in{i}" in host:
                 values, tops = self._input_logprob_lists(entry, host, i)
                 req.input_token_logprobs.extend(values)
                 req.input_top_logprobs.extend(tops)

@@ -2,6 +2,8 @@
 
 Loop: take every message waiting (new requests, aborts, control requests),
 run one ``step()`` when there is work, push the outputs to the detokenizer.
+With overlap scheduling a step's outputs are those of the batch before it, pushed
+while the device runs the new one (docs/scheduling.md).
 With nothing to do it blocks on the socket instead of spinning.
 """
 
