@@ -81,6 +81,8 @@ class HttpServerConfig(Section):
 class ToolsConfig(Section):
     parser: str = Field("auto", description="tool-call parser (tool_parsers plugin); auto: from the model family; "
                                               "none: no parsing of free-text calls")
+    max_forced_calls: int = Field(4, ge=1, description="most calls in one reply under tool_choice 'required' with "
+                                                       "parallel_tool_calls (the grammar's array bound)")
 
 
 class ReasoningConfig(Section):

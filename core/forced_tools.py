@@ -14,13 +14,15 @@ from typing import Any
 from treadle.core.tool_parser import Snapshot, ToolCall, ToolParser, describe_tools, scan_call_list
 
 
-def forced_call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> dict[str, Any]:
-    """The JSON schema of the call(s): one of ``tools`` (or exactly ``name``); an array of calls when ``parallel``."""
+def forced_call_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                       max_calls: int = 4) -> dict[str, Any]:
+    """The JSON schema of the call(s): one of ``tools`` (or exactly ``name``); an array of 1 to ``max_calls``
+    calls when ``parallel`` (the bound keeps a model that repeats itself from filling ``max_tokens``)."""
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     options = [_call_schema(t["function"]) for t in chosen]
     one = options[0] if len(options) == 1 else {"anyOf": options}
     if parallel and name is None:
-        return {"type": "array", "items": one, "minItems": 1}
+        return {"type": "array", "items": one, "minItems": 1, "maxItems": max_calls}
     return one
 
 

@@ -36,6 +36,7 @@ class ChatParsers:
         elif name == "none":
             name = None
         self.tool_parser_name = name
+        self.max_forced_calls = config.tools.max_forced_calls
         self.tool_parser: ToolParser | None = registry.get("tool_parsers", name)() if name else None
         reasoning = config.reasoning.parser
         self.reasoning_parser: ReasoningParser | None = (
@@ -92,7 +93,7 @@ def plan_chat(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
         raise RequestError(f"tool_choice {_choice_label(choice)} constrains the output to a tool call; "
                            f"it cannot be combined with {', '.join(sorted(plan.constraint))}", param="tool_choice")
     parallel = body.parallel_tool_calls and name is None
-    plan.constraint["json_schema"] = json.dumps(forced_call_schema(tools, name, parallel))
+    plan.constraint["json_schema"] = json.dumps(forced_call_schema(tools, name, parallel, parsers.max_forced_calls))
     plan.call_format = ForcedCallFormat()
     plan.forced = True
     return plan

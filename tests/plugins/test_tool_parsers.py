@@ -127,6 +127,8 @@ def test_forced_schema_accepts_exactly_calls_of_the_given_tools():
     jsonschema.validate([{"name": "ping", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}], many)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], many)
+    with pytest.raises(jsonschema.ValidationError):  # tools.max_forced_calls bounds the array
+        jsonschema.validate([{"name": "ping", "arguments": {}}] * 5, many)
     parsed = ForcedCallFormat().parse('[{"name": "ping", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}]')
     assert [c.name for c in parsed.calls] == ["ping", "add"]
 

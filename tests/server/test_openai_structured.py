@@ -144,18 +144,30 @@ def test_streaming_a_bad_request_is_a_400_before_any_event(server: ServerHandle)
 
 @needs_grammar
 def test_json_schema_suite_every_reply_validates(server: ServerHandle) -> None:
-    from tests_structured_schemas import SCHEMAS
+    from structured_schemas import SCHEMAS  # tests/structured_schemas.py, shared with the Engine tests
 
-    requests = [dict(messages=[{"role": "user", "content": f"Give an example {name.replace('_', ' ')} as JSON."}],
+    assert len(SCHEMAS) >= 20
+    requests = [dict(messages=[{"role": "user", "content": prompt + " Answer in JSON."}],
                      response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema,
                                                                             "strict": True}},
                      max_tokens=160, temperature=0)
-                for name, schema in SCHEMAS]
+                for name, prompt, schema in SCHEMAS]
     replies = _gather(server, requests)
-    for (name, schema), reply in zip(SCHEMAS, replies):
+    for (name, _, schema), reply in zip(SCHEMAS, replies):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", f"{name}: cut off: {choice.message.content!r}"
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+@needs_grammar
+def test_regex_suite_fullmatches(server: ServerHandle) -> None:
+    from structured_schemas import REGEXES
+
+    requests = [dict(messages=[{"role": "user", "content": prompt}], max_tokens=40, temperature=0,
+                     extra_body={"regex": pattern}) for _, prompt, pattern in REGEXES]
+    for (name, _, pattern), reply in zip(REGEXES, _gather(server, requests)):
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.message.content), (name, choice)
 
 
 @needs_grammar
@@ -168,16 +180,18 @@ def test_json_object_reply_is_an_object(client: openai.OpenAI) -> None:
 
 @needs_grammar
 def test_required_always_yields_valid_calls(server: ServerHandle) -> None:
-    prompts = ["What is the weather in Paris?", "Add 2 and 3.", "Hello!", "Is it raining in Tokyo, in fahrenheit?"]
+    prompts = ["What is the weather in Paris?", "Add 2 and 3.", "Hello!"]
+    cases = [(p, parallel, 0.0) for p in prompts for parallel in (True, False)]
+    cases += [("Is it raining in Tokyo, in fahrenheit?", True, 1.0), ("Add 40 and 2.", False, 1.0)]
     requests = [dict(messages=[{"role": "user", "content": p}], tools=TOOLS, tool_choice="required",
-                     parallel_tool_calls=parallel, max_tokens=80, temperature=temperature, seed=1)
-                for p in prompts for parallel in (True, False) for temperature in (0, 1.0)]
+                     parallel_tool_calls=parallel, max_tokens=120, temperature=temperature, seed=1)
+                for p, parallel, temperature in cases]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for request, reply in zip(requests, _gather(server, requests)):
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls", (request, choice)
         calls = choice.message.tool_calls
-        assert calls and (request["parallel_tool_calls"] or len(calls) == 1)
+        assert 1 <= len(calls) <= (4 if request["parallel_tool_calls"] else 1)  # tools.max_forced_calls
         for call in calls:
             assert call.type == "function" and call.id.startswith("call_")
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
@@ -219,7 +233,7 @@ def test_auto_parses_a_call_the_model_writes_in_the_parser_format(client: openai
 @needs_grammar
 def test_response_format_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "population": {"type": "integer", "minimum": 0}},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
               "required": ["city", "population"], "additionalProperties": False}
     request = dict(messages=[{"role": "user", "content": "The largest city of France, as JSON."}], max_tokens=60,
                    temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
