@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "TREADLE_"
@@ -52,13 +52,20 @@ class CacheConfig(Section):
 
 class SchedulerConfig(Section):
     policy: str = "fcfs"
-    max_running_requests: int = Field(64, ge=1)
+    max_running_requests: int | Literal["auto"] = Field(
+        "auto", description="most requests running at once; auto: 64 on the CPU, sized from the KV pool on CUDA")
     chunked_prefill_size: int | None = Field(2048, gt=0, description="tokens per prefill chunk; null disables")
     max_prefill_tokens: int = Field(8192, gt=0)
-    enable_mixed_chunk: bool = Field(False, description="run prefill chunks in the same batch as decodes")
+    enable_mixed_chunk: bool | Literal["auto"] = Field(
+        "auto", description="run prefill chunks in the same batch as decodes; auto: per device (core/auto_size.py)")
     seed: int = 0
     new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
     disable_overlap: bool = Field(False, description="build and finish each step only after the device ran it")
+
+    @field_validator("max_running_requests")
+    @classmethod
+    def _positive_running(cls, value: int | str) -> int | str:
+        return _positive_or_auto(value, "max_running_requests")
 
 
 class AttentionConfig(Section):
@@ -67,7 +74,13 @@ class AttentionConfig(Section):
 
 class RuntimeConfig(Section):
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = Field(32, ge=1)
+    cuda_graph_max_bs: int | Literal["auto"] = Field(
+        "auto", description="largest decode batch captured in a CUDA graph; auto: the running-request limit")
+
+    @field_validator("cuda_graph_max_bs")
+    @classmethod
+    def _positive_graph_bs(cls, value: int | str) -> int | str:
+        return _positive_or_auto(value, "cuda_graph_max_bs")
 
 
 class HttpServerConfig(Section):
@@ -94,6 +107,12 @@ class ParallelConfig(Section):
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
     dp_policy: Literal["round_robin", "shortest_queue", "prefix_aware"] = Field(
         "prefix_aware", description="how the data-parallel controller picks a replica")
+
+
+def _positive_or_auto(value: int | str, key: str) -> int | str:
+    if value != "auto" and value < 1:
+        raise ValueError(f"{key} must be a positive integer or 'auto', got {value}")
+    return value
 
 
 class ServerConfig(BaseSettings):

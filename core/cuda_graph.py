@@ -2,8 +2,10 @@
 
 A decode step of a small batch is dominated by kernel launches, not by work:
 replaying a captured CUDA graph launches the whole forward at once. Graphs are
-captured for a ladder of batch sizes (1, 2, 4, 8, then every 8 up to
-``runtime.cuda_graph_max_bs``); a batch of ``n`` requests replays the graph of
+captured for a ladder of batch sizes (:func:`treadle.core.auto_size.graph_batch_sizes`:
+1, 2, 4, 8, every 8 to 64, every 16 to 256, every 32 beyond, up to
+``runtime.cuda_graph_max_bs``, which by default is the running-request limit, so
+every decode batch has a graph); a batch of ``n`` requests replays the graph of
 the smallest captured size ``>= n``, its extra rows padded: token 0, KV written
 to padding slot 0, request row 0, sequence length
 ``attn_backend.get_cuda_graph_seq_len_fill_value()``. Larger batches and every
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from treadle.core.auto_size import graph_batch_sizes
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -28,11 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
-    """The batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to and including ``max_bs``."""
-    if max_bs < 1:
-        raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
-    sizes = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8))
-    return sorted(set(sizes + [max_bs]))
+    """The batch sizes to capture, up to and including ``max_bs`` (see ``graph_batch_sizes``)."""
+    return graph_batch_sizes(max_bs)
 
 
 class CudaGraphRunner:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from treadle.core.auto_size import BatchSizes, request_table_bytes, resolve_batch_sizes
 from treadle.core.config import ServerConfig
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.kv_allocator import KVAllocator
@@ -53,12 +54,19 @@ class ModelRunner:
         self.context_len: int = config.model.context_length or max_positions
         self.page_size: int = config.cache.page_size
 
-        self.max_total_tokens = self._kv_pool_size()
+        self._requested = (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs,
+                           config.scheduler.enable_mixed_chunk)
+        self.max_total_tokens, sizes = self._kv_pool_and_batch_sizes()
         self.kv_cache = KVCache(
             self.max_total_tokens, self.page_size, self.num_layers, self.num_kv_heads,
             self.head_dim, self.dtype, self.device,
         )
-        self.max_running_requests = config.scheduler.max_running_requests
+        # "auto" is replaced by the chosen value in the live config, so the scheduler,
+        # the CUDA-graph runner and /get_server_info all read one number.
+        config.scheduler.max_running_requests = sizes.max_running_requests
+        config.runtime.cuda_graph_max_bs = sizes.cuda_graph_max_bs
+        config.scheduler.enable_mixed_chunk = sizes.enable_mixed_chunk
+        self.max_running_requests = sizes.max_running_requests
         # One spare row so a retracted request can be re-admitted while others still hold theirs.
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + 1, self.context_len + self.page_size, self.device
@@ -69,34 +77,51 @@ class ModelRunner:
         self.attn_backend = backend_factory(self)
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
         logger.info(
-            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s",
+            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
+            "max_running_requests %d%s, cuda_graph_max_bs %s%s, enable_mixed_chunk %s%s",
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
             f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
+            sizes.max_running_requests, _auto(self._requested[0]),
+            sizes.cuda_graph_max_bs if self.cuda_graph_runner is not None else "- (no CUDA graphs)",
+            _auto(self._requested[1]), sizes.enable_mixed_chunk, _auto(self._requested[2]),
         )
 
-    def _kv_pool_size(self) -> int:
-        requested = self.config.cache.max_total_tokens
+    def _kv_pool_and_batch_sizes(self) -> tuple[int, BatchSizes]:
+        """KV pool size in tokens, and the batch sizes with every ``auto`` resolved for this device."""
+        cfg = self.config
+        requested = cfg.cache.max_total_tokens
         per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        if requested is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                budget = total * self.config.cache.mem_fraction - used
-                if budget <= per_token * 64:
-                    raise RuntimeError(
-                        f"not enough GPU memory for the KV cache: cache.mem_fraction={self.config.cache.mem_fraction} "
-                        f"of {total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights"
-                    )
-                requested = int(budget // per_token)
-            else:
-                requested = min(int(_CPU_DEFAULT_KV_BYTES * self.config.cache.mem_fraction // per_token),
-                                _CPU_DEFAULT_MAX_TOKENS)
+        on_cuda = self.device.type == "cuda"
+        total = torch.cuda.mem_get_info(self.device)[1] if on_cuda else 0
+
+        def resolve(kv_tokens: int) -> BatchSizes:
+            return resolve_batch_sizes(*self._requested, on_cuda=on_cuda, kv_tokens=kv_tokens,
+                                       gpu_memory_bytes=total)
+
+        if requested is None and on_cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.cache.mem_fraction - (total - free)
+            # The per-request tables grow with the running limit, which grows with the pool: size the
+            # limit from the whole budget, then give the pool what the tables leave.
+            sizes = resolve(max(int(budget // per_token), 1))
+            budget -= request_table_bytes(sizes.max_running_requests, self.context_len, self.page_size)
+            if budget <= per_token * 64:
+                raise RuntimeError(
+                    f"not enough GPU memory for the KV cache: cache.mem_fraction={cfg.cache.mem_fraction} "
+                    f"of {total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
+                    f"{sizes.max_running_requests} request rows; lower scheduler.max_running_requests or "
+                    "model.context_length, or raise cache.mem_fraction"
+                )
+            requested = int(budget // per_token)
+        elif requested is None:
+            requested = min(int(_CPU_DEFAULT_KV_BYTES * cfg.cache.mem_fraction // per_token),
+                            _CPU_DEFAULT_MAX_TOKENS)
         # Every rank must make the same scheduling decisions, so all use the smallest pool.
         requested = tp_min_int(requested)
         size = requested - requested % self.page_size
         if size < self.page_size:
             raise ValueError(f"cache.max_total_tokens={requested} is smaller than one page ({self.page_size})")
-        return size
+        return size, resolve(size)
 
     def _maybe_cuda_graphs(self, registry: Registry) -> Any:
         if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph:
@@ -116,3 +141,7 @@ class ModelRunner:
             return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+
+def _auto(requested: object) -> str:
+    return " (auto)" if requested == "auto" else ""

@@ -29,3 +29,7 @@ def test_cpu_runner_has_no_graph_runner(tiny_llama_dir) -> None:
                                     "cache.max_total_tokens": 256}, use_env=False)
     runner = ModelRunner(config, build_registry())
     assert runner.cuda_graph_runner is None
+
+
+def test_large_maxima_use_coarser_buckets() -> None:
+    assert capture_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]

@@ -1,0 +1,104 @@
+"""Memory-sized defaults: the running-request limit, the CUDA-graph batch sizes and mixed chunks.
+
+``scheduler.max_running_requests``, ``runtime.cuda_graph_max_bs`` and
+``scheduler.enable_mixed_chunk`` default to ``auto``. On the CPU that keeps
+the old fixed values. On CUDA the running limit is sized from the KV pool
+(every running request needs KV slots; a decode batch only amortizes the
+weight reads when it is large) and capped by the GPU's memory class, and
+CUDA graphs cover every decode batch that can occur. Explicit values win.
+The functions here are pure (numbers in, numbers out) so they are tested on
+the CPU; ModelRunner feeds them the measured memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1024**3
+CPU_MAX_RUNNING_REQUESTS = 64
+CPU_CUDA_GRAPH_MAX_BS = 32
+# The pool must hold at least this many tokens per running request on average
+# (a prompt of a few hundred tokens plus its output) for the limit to be usable.
+TOKENS_PER_RUNNING_REQUEST = 256
+# Past these batch sizes a decode step is bound by KV reads, not weights, and the
+# host's per-request work grows: larger limits stop paying (measured on an H100).
+_GPU_RUNNING_CAPS = ((24 * GiB, 128), (48 * GiB, 256))
+_LARGE_GPU_RUNNING_CAP = 512
+# Mixed prefill+decode batches on CUDA: see docs/benchmarks.md for the A/B.
+MIXED_CHUNK_ON_CUDA = False
+# Device memory per running request outside the KV pool: a req_to_token row (int32 per
+# position) and an attention backend's per-graph page-index row of the same size.
+REQUEST_TABLE_COPIES = 2
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """The resolved sizes of one ModelRunner."""
+
+    max_running_requests: int
+    cuda_graph_max_bs: int
+    enable_mixed_chunk: bool
+
+
+def gpu_running_cap(gpu_memory_bytes: int) -> int:
+    """Most running requests worth having on a GPU of this much memory."""
+    for limit, cap in _GPU_RUNNING_CAPS:
+        if gpu_memory_bytes <= limit:
+            return cap
+    return _LARGE_GPU_RUNNING_CAP
+
+
+def auto_max_running_requests(kv_tokens: int, gpu_memory_bytes: int) -> int:
+    """Running-request limit for a KV pool of ``kv_tokens`` slots on a GPU of ``gpu_memory_bytes``.
+
+    ``kv_tokens // TOKENS_PER_RUNNING_REQUEST``, at most the GPU's cap, at least 1,
+    rounded down to a multiple of 8 from 8 up (a CUDA-graph bucket).
+    """
+    if kv_tokens < 1:
+        raise ValueError(f"the KV pool must hold at least one token, got {kv_tokens}")
+    size = min(kv_tokens // TOKENS_PER_RUNNING_REQUEST, gpu_running_cap(gpu_memory_bytes))
+    size = max(size, 1)
+    return size - size % 8 if size >= 8 else size
+
+
+def request_table_bytes(max_running_requests: int, context_len: int, page_size: int) -> int:
+    """Device bytes that grow with the running limit: ``REQUEST_TABLE_COPIES`` int32 rows per request."""
+    return REQUEST_TABLE_COPIES * (max_running_requests + 1) * (context_len + page_size) * 4
+
+
+def resolve_batch_sizes(
+    max_running_requests: int | str,
+    cuda_graph_max_bs: int | str,
+    enable_mixed_chunk: bool | str,
+    *,
+    on_cuda: bool,
+    kv_tokens: int,
+    gpu_memory_bytes: int = 0,
+) -> BatchSizes:
+    """Replace each ``"auto"`` by its value for this device; explicit values are kept.
+
+    The graph limit never exceeds the running limit (a decode batch is at most
+    every running request), so an ``auto`` graph limit covers every decode batch.
+    """
+    if max_running_requests == "auto":
+        running = auto_max_running_requests(kv_tokens, gpu_memory_bytes) if on_cuda else CPU_MAX_RUNNING_REQUESTS
+    else:
+        running = int(max_running_requests)
+    if cuda_graph_max_bs == "auto":
+        graph_bs = running if on_cuda else min(CPU_CUDA_GRAPH_MAX_BS, running)
+    else:
+        graph_bs = int(cuda_graph_max_bs)
+    if enable_mixed_chunk == "auto":
+        mixed = MIXED_CHUNK_ON_CUDA if on_cuda else False
+    else:
+        mixed = bool(enable_mixed_chunk)
+    return BatchSizes(running, min(graph_bs, running), mixed)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """The decode batch sizes to capture up to ``max_bs``: 1, 2, 4, 8, then every 8 to 64,
+    every 16 to 256, every 32 beyond, and ``max_bs`` itself. A batch pads to the next one."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be at least 1, got {max_bs}")
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, max_bs, 32))
+    return sorted({bs for bs in sizes if bs < max_bs} | {max_bs})

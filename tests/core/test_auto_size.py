@@ -1,0 +1,99 @@
+"""The memory-sized defaults: running-request limit, CUDA-graph sizes and mixed chunks from memory numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from treadle.core.auto_size import (
+    CPU_MAX_RUNNING_REQUESTS,
+    GiB,
+    auto_max_running_requests,
+    graph_batch_sizes,
+    request_table_bytes,
+    resolve_batch_sizes,
+)
+from treadle.core.config import ConfigError, load_config
+
+H100 = 80 * GiB
+
+
+def test_the_running_limit_follows_the_kv_pool_up_to_the_gpu_cap() -> None:
+    # Llama-3.1-8B on an H100: ~400k KV tokens -> the large-GPU cap.
+    assert auto_max_running_requests(400_000, H100) == 512
+    # A small pool: 256 tokens per request, rounded down to a multiple of 8.
+    assert auto_max_running_requests(20_000, H100) == 72
+    assert auto_max_running_requests(1_000, H100) == 3
+    assert auto_max_running_requests(100, H100) == 1
+    # Smaller GPUs get smaller caps whatever the pool.
+    assert auto_max_running_requests(10**7, 24 * GiB) == 128
+    assert auto_max_running_requests(10**7, 40 * GiB) == 256
+
+
+def test_a_pool_without_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        auto_max_running_requests(0, H100)
+
+
+def test_cuda_resolves_auto_from_memory_and_graphs_cover_every_running_batch() -> None:
+    sizes = resolve_batch_sizes("auto", "auto", "auto", on_cuda=True, kv_tokens=400_000, gpu_memory_bytes=H100)
+    assert (sizes.max_running_requests, sizes.cuda_graph_max_bs) == (512, 512)
+    assert graph_batch_sizes(sizes.cuda_graph_max_bs)[-1] == sizes.max_running_requests
+
+
+def test_explicit_values_win_and_graphs_never_exceed_the_running_limit() -> None:
+    sizes = resolve_batch_sizes(100, "auto", True, on_cuda=True, kv_tokens=400_000, gpu_memory_bytes=H100)
+    assert (sizes.max_running_requests, sizes.cuda_graph_max_bs, sizes.enable_mixed_chunk) == (100, 100, True)
+    sizes = resolve_batch_sizes("auto", 48, False, on_cuda=True, kv_tokens=400_000, gpu_memory_bytes=H100)
+    assert (sizes.max_running_requests, sizes.cuda_graph_max_bs, sizes.enable_mixed_chunk) == (512, 48, False)
+    assert resolve_batch_sizes(16, 64, "auto", on_cuda=True, kv_tokens=10**6).cuda_graph_max_bs == 16
+
+
+def test_cpu_keeps_the_fixed_defaults() -> None:
+    sizes = resolve_batch_sizes("auto", "auto", "auto", on_cuda=False, kv_tokens=10**6)
+    assert sizes.max_running_requests == CPU_MAX_RUNNING_REQUESTS == 64
+    assert sizes.cuda_graph_max_bs == 32
+    assert sizes.enable_mixed_chunk is False
+
+
+def test_graph_buckets_step_by_8_then_16_then_32() -> None:
+    sizes = graph_batch_sizes(512)
+    assert sizes[:12] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80]
+    assert {b - a for a, b in zip(sizes, sizes[1:]) if a >= 256} == {32}
+    assert sizes[-1] == 512 and len(sizes) == 31
+    assert graph_batch_sizes(300)[-3:] == [256, 288, 300]
+    # A batch pads to the next bucket: fewer than 8 rows of padding to 64, 16 to 256, 32 beyond.
+    for bs in range(1, 513):
+        padding = next(s for s in sizes if s >= bs) - bs
+        assert padding < (8 if bs <= 64 else 16 if bs <= 256 else 32)
+
+
+def test_request_tables_scale_with_rows_and_context() -> None:
+    assert request_table_bytes(511, 131072, 1) == 2 * 512 * 131073 * 4
+
+
+def test_config_accepts_ints_or_auto() -> None:
+    config = load_config(use_env=False)
+    assert config.scheduler.max_running_requests == "auto"
+    assert config.runtime.cuda_graph_max_bs == "auto"
+    assert config.scheduler.enable_mixed_chunk == "auto"
+    config = load_config(overrides=["scheduler.max_running_requests=8", "runtime.cuda_graph_max_bs=auto",
+                                    "scheduler.enable_mixed_chunk=true"], use_env=False)
+    assert (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs) == (8, "auto")
+    assert config.scheduler.enable_mixed_chunk is True
+    for bad, key in [("scheduler.max_running_requests=0", "max_running_requests"),
+                     ("runtime.cuda_graph_max_bs=lots", "cuda_graph_max_bs"),
+                     ("scheduler.enable_mixed_chunk=maybe", "enable_mixed_chunk")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(overrides=[bad], use_env=False)
+
+
+def test_the_cpu_runner_resolves_auto_into_the_live_config(tiny_llama_dir) -> None:
+    from treadle.core.model_runner import ModelRunner
+    from treadle.core.registry import build_registry
+
+    config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
+                                    "cache.max_total_tokens": 256}, use_env=False)
+    runner = ModelRunner(config, build_registry())
+    assert runner.max_running_requests == config.scheduler.max_running_requests == 64
+    assert runner.req_to_token_pool.size == 65
+    assert config.scheduler.enable_mixed_chunk is False
