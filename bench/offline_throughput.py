@@ -119,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "load_format": config.model.load_format,
                 "pad_token_id": _pad_token_id(engine),
             }
-        results.append(run_treadle(engine, workload, variant, config, args.warmup_prompts, progress))
+        results.append(run_treadle(engine, workload, variant, config, args.warmup_prompts, progress,
+                                   args.profile_steps))
         engine.shutdown()
         del engine
         _free_memory()
@@ -163,10 +164,17 @@ def parse_variants(compare: str | None, backends: str | None) -> tuple[list[Vari
 
 
 def run_treadle(
-    engine: Any, workload: Workload, variant: Variant, config: ServerConfig, warmup_prompts: int, progress: bool
+    engine: Any, workload: Workload, variant: Variant, config: ServerConfig, warmup_prompts: int, progress: bool,
+    profile_steps: int = 0,
 ) -> SystemResult:
-    """Warm up, flush the prefix cache, then time the whole workload through the engine's scheduler."""
+    """Warm up, flush the prefix cache, then time the whole workload through the engine's scheduler.
+
+    A StepMeter records the GPU busy fraction and the peak batch sizes of the timed run
+    (and, with ``profile_steps``, profiles one saturated stretch of it).
+    """
     from tqdm import tqdm
+
+    from treadle.bench.step_meter import StepMeter
 
     device = torch.device(engine.model_info["device"])
     if warmup_prompts > 0:
@@ -175,16 +183,23 @@ def run_treadle(
     if not engine.flush_cache():
         raise RuntimeError("flush_cache refused after the warm-up: requests are still in flight")
     before = engine.kv_stats()
+    meter = StepMeter(engine.scheduler, profile_steps=profile_steps)
+    meter.install()
     bar = tqdm(total=workload.num_requests, desc=variant.label, unit="req", disable=not progress, file=sys.stderr)
-    with bar:
-        _synchronize(device)
-        start = time.perf_counter()
-        completions = _drive_scheduler(
-            engine.scheduler, [r.input_ids for r in workload.requests], [r.output_len for r in workload.requests],
-            on_finish=lambda: bar.update(1),
-        )
-        _synchronize(device)
-        elapsed = time.perf_counter() - start
+    try:
+        with bar:
+            _synchronize(device)
+            start = time.perf_counter()
+            meter.begin()
+            completions = _drive_scheduler(
+                engine.scheduler, [r.input_ids for r in workload.requests], [r.output_len for r in workload.requests],
+                on_finish=lambda: bar.update(1),
+            )
+            meter.end()
+            _synchronize(device)
+            elapsed = time.perf_counter() - start
+    finally:
+        meter.uninstall()
     short = [(i, got, r.output_len) for i, (got, r) in enumerate(zip(completions, workload.requests))
              if got != r.output_len]
     if short:
@@ -206,6 +221,10 @@ def run_treadle(
             "cached_prompt_tokens": after["cached_tokens_total"] - before["cached_tokens_total"],
             "retractions": after["retractions"] - before["retractions"],
             "kv_total_slots": after["total_slots"],
+            "max_running_requests": config_value(engine, "scheduler", "max_running_requests"),
+            "cuda_graph_max_bs": config_value(engine, "runtime", "cuda_graph_max_bs"),
+            "enable_mixed_chunk": config_value(engine, "scheduler", "enable_mixed_chunk"),
+            **meter.summary(),
             "model": engine.model_info,
         },
     )
@@ -252,11 +271,19 @@ def run_hf(
     )
 
 
+def config_value(engine: Any, section: str, key: str) -> Any:
+    """A key of the engine's live config (``auto`` values are resolved there once the engine is built)."""
+    return getattr(getattr(engine.scheduler.config, section), key)
+
+
 def format_table(results: Sequence[SystemResult]) -> str:
     """A plain-text table, one row per system."""
     with_hf = any(r.kind == "hf" for r in results)
     with_baseline = any(r.ratio_vs_baseline is not None for r in results)
-    header = ["system", "reqs", "in tok", "out tok", "time s", "out tok/s", "req/s", "vs first"]
+    with_busy = any("gpu_busy_fraction" in r.extra for r in results)
+    header = ["system", "reqs", "in tok", "out tok", "time s", "out tok/s", "req/s", "peak bs", "vs first"]
+    if with_busy:
+        header[-1:-1] = ["GPU busy", "busy (decode)"]
     if with_hf:
         header.append("vs hf")
     if with_baseline:
@@ -264,7 +291,10 @@ def format_table(results: Sequence[SystemResult]) -> str:
     rows = [header]
     for r in results:
         row = [r.name, str(r.num_requests), str(r.input_tokens), str(r.output_tokens), f"{r.total_time_s:.2f}",
-               f"{r.output_throughput:.1f}", f"{r.request_throughput:.3f}", _ratio(r.ratio_vs_first)]
+               f"{r.output_throughput:.1f}", f"{r.request_throughput:.3f}",
+               str(r.extra.get("peak_decode_batch_size", "-")), _ratio(r.ratio_vs_first)]
+        if with_busy:
+            row[-1:-1] = [_percent(r.extra.get("gpu_busy_fraction")), _percent(r.extra.get("gpu_busy_fraction_decode"))]
         if with_hf:
             row.append(_ratio(r.ratio_vs_hf))
         if with_baseline:
@@ -313,6 +343,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", help="JSON path (default bench/results/offline_<workload>_<date>.json)")
     parser.add_argument("--baseline", help="an earlier run's JSON: adds each system's ratio to its same-named "
                                            "system there (regression tracking)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many steps of a saturated stretch per treadle system (torch.profiler, "
+                             "then cProfile); the summary goes into the JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the tqdm bars")
     return parser
 
@@ -443,6 +476,10 @@ def _fill_baseline_ratios(results: list[SystemResult], workload: Workload, path:
     for r in results:
         if r.name in throughput:
             r.ratio_vs_baseline = r.output_throughput / throughput[r.name]
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _ratio(value: float | None) -> str:

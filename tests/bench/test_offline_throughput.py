@@ -53,7 +53,11 @@ def test_compare_hf_reports_both_systems_and_their_ratio(tmp_path, tiny_model_di
         treadle["output_throughput_tok_s"] / hf["output_throughput_tok_s"])
     assert report["ratios"]["vs_hf"]["treadle"] == treadle["ratio_vs_hf"]
     table = capsys.readouterr().out
-    assert "out tok/s" in table and "vs hf" in table
+    assert "out tok/s" in table and "vs hf" in table and "peak bs" in table
+    # The StepMeter saw every step; the batch never exceeds the resolved running limit (64 on the CPU).
+    extra = treadle["extra"]
+    assert extra["max_running_requests"] == 64 and extra["enable_mixed_chunk"] is False
+    assert 1 <= extra["peak_decode_batch_size"] <= 6 and extra["steps"] > extra["decode_steps"] > 0
 
 
 def test_radix_ab_variants_run_in_order_and_only_radix_reuses_the_prefix(tmp_path, tiny_model_dir, capsys):
@@ -71,6 +75,14 @@ def test_radix_ab_variants_run_in_order_and_only_radix_reuses_the_prefix(tmp_pat
     assert radix["ratio_vs_first"] == 1.0
     assert report["ratios"]["vs_hf"] is None
     assert "cache.disable_radix_cache=true" in capsys.readouterr().out
+
+
+def test_profile_steps_profile_a_saturated_stretch(tmp_path, tiny_model_dir):
+    report = run_bench(tmp_path, tiny_model_dir, "--profile-steps", "2")
+    profile = report["systems"][0]["extra"]["profile"]
+    assert profile["torch"]["steps"] == 2 and profile["cprofile"]["steps"] == 2
+    assert all(mode == "DECODE" for mode, _ in profile["torch"]["batches"])
+    assert profile["cprofile"]["top_cumulative"][0]["cum_us_per_step"] > 0
 
 
 def test_parse_variants_accepts_override_sets_hf_and_backend_shorthand():

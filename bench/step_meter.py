@@ -1,0 +1,256 @@
+"""StepMeter: how busy the GPU is while a scheduler runs, the batch sizes it reached, and a profile window.
+
+It wraps one scheduler's ``runner.forward`` and ``sampler`` (instance attributes,
+removed again by ``uninstall``), so it measures whatever step loop the scheduler
+runs. Per step it records a CUDA event just before the forward is launched and
+one after its sampling is launched. On the GPU's clock, the stream is idle
+between the end of one step's work and the start of the next one's; the busy
+fraction is ``1 - idle / wall`` over the timed window (gaps inside a step, such as
+kernel-launch gaps of an eager prefill, count as busy; the few copies before a
+forward count as idle). Events cost a few microseconds each and never synchronize.
+
+With ``profile_steps > 0`` it also profiles one saturated stretch: the first
+decode step whose batch holds at least ``profile_fill`` of the running limit
+(or of every request the scheduler holds, if fewer) starts a torch.profiler window of ``profile_steps`` steps (GPU kernels by kind,
+host time per step), followed by a cProfile window of as many steps (the host
+functions that take the time).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+from typing import Any
+
+import torch
+
+from treadle.core.forward_batch import ForwardMode
+
+
+class StepMeter:
+    """GPU busy fraction, peak batch sizes and an optional profile of one scheduler's timed run."""
+
+    def __init__(self, scheduler: Any, profile_steps: int = 0, profile_fill: float = 0.75) -> None:
+        self.scheduler = scheduler
+        self.runner = scheduler.runner
+        self.on_cuda = self.runner.device.type == "cuda"
+        self.profile_steps = profile_steps
+        self.profile_fill = profile_fill
+        self.steps: list[dict[str, Any]] = []  # mode, batch_size, num_tokens, start/end events
+        self.peak_decode_batch = 0
+        self.peak_running = 0
+        self._window: list[Any] = []
+        self._torch_profiler: Any = None
+        self._cprofile: cProfile.Profile | None = None
+        self._phase = "wait"  # wait -> torch -> cprofile -> done
+        self._phase_steps = 0
+        self._phase_start = 0.0
+        self.profile: dict[str, Any] = {}
+
+    # -------------------------------------------------------------------- wrapping
+
+    def install(self) -> None:
+        forward, sampler = self.runner.forward, self.scheduler.sampler
+
+        def metered_forward(forward_batch: Any) -> torch.Tensor:
+            self._before_forward(forward_batch)
+            return forward(forward_batch)
+
+        def metered_sampler(*args: Any, **kwargs: Any) -> Any:
+            result = sampler(*args, **kwargs)
+            self._after_sampling()
+            return result
+
+        self._original_sampler = sampler
+        self.runner.forward = metered_forward
+        self.scheduler.sampler = metered_sampler
+
+    def uninstall(self) -> None:
+        if "forward" in vars(self.runner):
+            del self.runner.forward
+        self.scheduler.sampler = self._original_sampler
+        if self._phase == "torch":
+            self._torch_profiler.stop()
+        elif self._phase == "cprofile" and self._cprofile is not None:
+            self._cprofile.disable()
+        self._phase = "done"
+
+    def begin(self) -> None:
+        """Mark the start of the timed window (after a device synchronize)."""
+        self._t0 = self._event()
+
+    def end(self) -> None:
+        """Mark the end of the timed window (before the final device synchronize)."""
+        self._t1 = self._event()
+
+    # -------------------------------------------------------------------- per step
+
+    def _event(self) -> Any:
+        if not self.on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _before_forward(self, forward_batch: Any) -> None:
+        mode = forward_batch.forward_mode
+        bs = int(forward_batch.batch_size)
+        if mode == ForwardMode.DECODE:
+            self.peak_decode_batch = max(self.peak_decode_batch, bs)
+        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        self._advance_profile(mode, bs)
+        self.steps.append({"mode": mode.name, "bs": bs, "tokens": forward_batch.num_tokens,
+                           "start": self._event(), "end": None})
+
+    def _after_sampling(self) -> None:
+        if self.steps and self.steps[-1]["end"] is None:
+            self.steps[-1]["end"] = self._event()
+
+    # -------------------------------------------------------------------- profile
+
+    def _advance_profile(self, mode: ForwardMode, bs: int) -> None:
+        if self.profile_steps <= 0 or self._phase == "done":
+            return
+        if self._phase == "wait":
+            limit = int(self.scheduler.config.scheduler.max_running_requests)
+            live = len(self.scheduler.running) + len(self.scheduler.waiting)
+            if mode == ForwardMode.DECODE and bs >= self.profile_fill * min(limit, live):
+                self._start_torch_profile(bs)
+            return
+        self._phase_steps += 1
+        self._window.append((mode.name, bs))
+        if self._phase_steps < self.profile_steps:
+            return
+        if self._phase == "torch":
+            self._finish_torch_profile()
+            self._phase, self._phase_steps, self._window = "cprofile", 0, []
+            self._cprofile = cProfile.Profile()
+            self._phase_start = time.perf_counter()
+            self._cprofile.enable()
+        else:
+            assert self._cprofile is not None
+            self._cprofile.disable()
+            self._finish_cprofile()
+            self._phase = "done"
+
+    def _start_torch_profile(self, bs: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
+        self._torch_profiler = profile(activities=activities)
+        self._torch_profiler.start()
+        self._phase, self._phase_steps, self._window = "torch", 0, []
+        self._phase_start = time.perf_counter()
+        self.profile["trigger_batch_size"] = bs
+
+    def _finish_torch_profile(self) -> None:
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._phase_start
+        self._torch_profiler.stop()
+        steps = max(self._phase_steps, 1)
+        kernels: dict[str, dict[str, float]] = {}
+        host_ops: dict[str, float] = {}
+        for event in self._torch_profiler.key_averages():
+            device_us = getattr(event, "self_device_time_total", 0) or 0
+            if device_us and event.device_type == torch.autograd.DeviceType.CUDA:
+                entry = kernels.setdefault(event.key[:90], {"us_per_step": 0.0, "calls_per_step": 0.0})
+                entry["us_per_step"] += device_us / steps
+                entry["calls_per_step"] += event.count / steps
+            elif event.self_cpu_time_total:
+                host_ops[event.key[:60]] = host_ops.get(event.key[:60], 0.0) + event.self_cpu_time_total / steps
+        categories: dict[str, float] = {}
+        for name, entry in kernels.items():
+            category = kernel_category(name)
+            categories[category] = categories.get(category, 0.0) + entry["us_per_step"]
+        top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_step"])[:15]
+        self.profile["torch"] = {
+            "steps": self._phase_steps,
+            "batches": self._window,
+            "wall_us_per_step_profiled": wall / steps * 1e6,
+            "gpu_kernel_us_per_step": sum(categories.values()),
+            "gpu_by_category_us_per_step": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": name, **entry} for name, entry in top],
+            "top_host_ops_self_us_per_step": dict(sorted(host_ops.items(), key=lambda kv: -kv[1])[:15]),
+        }
+
+    def _finish_cprofile(self) -> None:
+        wall = time.perf_counter() - self._phase_start
+        steps = max(self._phase_steps, 1)
+        assert self._cprofile is not None
+        stats = pstats.Stats(self._cprofile, stream=io.StringIO())
+        rows = []
+        for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+            short = filename.rsplit("treadle/", 1)[-1] if "treadle/" in filename else filename.rsplit("/", 1)[-1]
+            rows.append({"function": f"{short}:{line}({name})", "calls_per_step": calls / steps,
+                         "self_us_per_step": tottime / steps * 1e6, "cum_us_per_step": cumtime / steps * 1e6})
+        self.profile["cprofile"] = {
+            "steps": self._phase_steps,
+            "batches": self._window,
+            "wall_us_per_step_profiled": wall / steps * 1e6,
+            "top_cumulative": sorted(rows, key=lambda r: -r["cum_us_per_step"])[:30],
+            "top_self": sorted(rows, key=lambda r: -r["self_us_per_step"])[:25],
+        }
+
+    # -------------------------------------------------------------------- results
+
+    def summary(self) -> dict[str, Any]:
+        """Busy fractions (whole run and decode steps), peak sizes, step counts, and the profile."""
+        result: dict[str, Any] = {
+            "steps": len(self.steps),
+            "decode_steps": sum(1 for s in self.steps if s["mode"] == "DECODE"),
+            "peak_decode_batch_size": self.peak_decode_batch,
+            "peak_running_requests": self.peak_running,
+            "mean_decode_batch_size": _mean([s["bs"] for s in self.steps if s["mode"] == "DECODE"]),
+        }
+        if self.on_cuda and self.steps and hasattr(self, "_t0") and hasattr(self, "_t1"):
+            torch.cuda.synchronize()
+            result.update(self._busy())
+        if self.profile:
+            result["profile"] = self.profile
+        return result
+
+    def _busy(self) -> dict[str, float]:
+        wall_ms = self._t0.elapsed_time(self._t1)
+        idle_ms = max(0.0, self._t0.elapsed_time(self.steps[0]["start"]))
+        decode_idle = decode_span = 0.0
+        previous_end = self._t0
+        for step in self.steps:
+            end = step["end"] or step["start"]
+            gap = max(0.0, previous_end.elapsed_time(step["start"]))
+            span = max(0.0, previous_end.elapsed_time(end))
+            idle_ms += gap
+            if step["mode"] == "DECODE":
+                decode_idle += gap
+                decode_span += span
+            previous_end = end
+        idle_ms += max(0.0, previous_end.elapsed_time(self._t1))
+        return {
+            "gpu_wall_ms": wall_ms,
+            "gpu_idle_ms": idle_ms,
+            "gpu_busy_fraction": 1.0 - idle_ms / wall_ms if wall_ms > 0 else 0.0,
+            "gpu_busy_fraction_decode": 1.0 - decode_idle / decode_span if decode_span > 0 else 0.0,
+        }
+
+
+def kernel_category(name: str) -> str:
+    """A coarse kind for a GPU kernel name: matmul, attention, copies, or elementwise/other."""
+    lowered = name.lower()
+    if any(key in lowered for key in ("gemv", "gemm", "nvjet", "xmma", "cutlass", "splitk", "matmul")):
+        return "matmul (weights)"
+    if any(key in lowered for key in ("flashinfer", "batchprefill", "batchdecode", "attention", "attn",
+                                      "_fwd_kernel", "decode_", "mergestate", "merge_state")):
+        return "attention"
+    if "memcpy" in lowered or "memset" in lowered:
+        return "memcpy/memset"
+    if any(key in lowered for key in ("sort", "softmax", "argmax", "reduce", "topk", "cumsum")):
+        return "sampling/reductions"
+    if "index" in lowered or "scatter" in lowered or "gather" in lowered:
+        return "index/scatter/gather"
+    return "elementwise/norm/rotary/other"
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0
