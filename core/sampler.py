@@ -18,15 +18,21 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass
 class SamplingBatch:
-    """Per-request sampling parameters as device tensors for one step."""
+    """Per-request sampling parameters as device tensors for one step.
 
-    temperatures: torch.Tensor  # [bs, 1] float32 (greedy rows hold 1.0)
-    greedy: torch.Tensor  # [bs] bool
-    top_ps: torch.Tensor  # [bs]
-    top_ks: torch.Tensor  # [bs] int64 (vocab size when off)
-    min_ps: torch.Tensor  # [bs]
-    seeds: torch.Tensor  # [bs] int64
-    steps: torch.Tensor  # [bs] int64: how many tokens the request has produced
+    An all-greedy batch carries no tensors at all (argmax needs none). Otherwise the
+    parameters travel in two host-to-device copies (one float, one int64 table).
+    Penalties are built by the Sampler from its :class:`PenaltyPool` (token counts
+    kept on the device across steps) for ``penalty_reqs``.
+    """
+
+    temperatures: torch.Tensor | None  # [bs, 1] float32 (greedy rows hold 1.0)
+    greedy: torch.Tensor | None  # [bs] bool
+    top_ps: torch.Tensor | None  # [bs]
+    top_ks: torch.Tensor | None  # [bs] int64 (vocab size when off)
+    min_ps: torch.Tensor | None  # [bs]
+    seeds: torch.Tensor | None  # [bs] int64
+    steps: torch.Tensor | None  # [bs] int64: how many tokens the request has produced
     all_greedy: bool
     need_top_p: bool
     need_top_k: bool
@@ -34,37 +40,53 @@ class SamplingBatch:
     penalties: "PenaltyBatch | None"
     return_logprob: bool
     top_logprobs_num: int
+    penalty_reqs: list[Req] | None = None  # the batch's requests, when any of them uses penalties
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
         params = [req.sampling_params for req in reqs]
-        greedy = [p.is_greedy for p in params]
-        top_ks = [vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k for p in params]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        all_greedy = all(p.is_greedy for p in params)
+        penalty_reqs = reqs if any(p.has_penalties for p in params) else None
+        return_logprob = any(req.return_logprob for req in reqs)
+        top_logprobs_num = max((req.top_logprobs_num for req in reqs), default=0)
+        if all_greedy:
+            return cls(None, None, None, None, None, None, None, True, False, False, False, None,
+                       return_logprob, top_logprobs_num, penalty_reqs)
+        floats, ints = [], []
+        need_top_p = need_top_k = need_min_p = False
+        for req, p in zip(reqs, params):
+            greedy = p.is_greedy
+            top_k = vocab_size if (p.top_k < 1 or p.top_k > vocab_size) else p.top_k
+            floats.append((1.0 if greedy else p.temperature, p.top_p, p.min_p))
+            ints.append((top_k, req.sample_seed, len(req.output_ids), greedy))
+            if not greedy:
+                need_top_p |= p.top_p < 1.0
+                need_top_k |= top_k < vocab_size
+                need_min_p |= p.min_p > 0
+        float_table = _to_device(torch.tensor(floats, dtype=torch.float32), device)
+        int_table = _to_device(torch.tensor(ints, dtype=torch.int64), device)
         return cls(
-            temperatures=tensor([[1.0 if g else p.temperature] for p, g in zip(params, greedy)], torch.float32),
-            greedy=tensor(greedy, torch.bool),
-            top_ps=tensor([p.top_p for p in params], torch.float32),
-            top_ks=tensor(top_ks, torch.int64),
-            min_ps=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([req.sample_seed for req in reqs], torch.int64),
-            steps=tensor([len(req.output_ids) for req in reqs], torch.int64),
-            all_greedy=all(greedy),
-            need_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-            need_top_k=any(k < vocab_size and not g for k, g in zip(top_ks, greedy)),
-            need_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy)),
-            penalties=PenaltyBatch.from_reqs(reqs, vocab_size, device),
-            return_logprob=any(req.return_logprob for req in reqs),
-            top_logprobs_num=max((req.top_logprobs_num for req in reqs), default=0),
+            temperatures=float_table[:, 0:1],
+            greedy=int_table[:, 3].bool(),
+            top_ps=float_table[:, 1],
+            top_ks=int_table[:, 0],
+            min_ps=float_table[:, 2],
+            seeds=int_table[:, 1],
+            steps=int_table[:, 2],
+            all_greedy=False,
+            need_top_p=need_top_p,
+            need_top_k=need_top_k,
+            need_min_p=need_min_p,
+            penalties=None,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            penalty_reqs=penalty_reqs,
         )
 
 
 @dataclass
 class PenaltyBatch:
-    """Token counts and penalty strengths; None when no request in the batch uses penalties."""
+    """Token counts and penalty strengths of one step's rows."""
 
     output_counts: torch.Tensor  # [bs, vocab] float32
     seen_in_sequence: torch.Tensor  # [bs, vocab] bool (prompt + output), for the repetition penalty
@@ -72,39 +94,92 @@ class PenaltyBatch:
     frequency: torch.Tensor  # [bs, 1]
     presence: torch.Tensor  # [bs, 1]
 
-    @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "PenaltyBatch | None":
-        if not any(req.sampling_params.has_penalties for req in reqs):
-            return None
-        bs = len(reqs)
-        output_counts = torch.zeros((bs, vocab_size), dtype=torch.float32, device=device)
-        seen = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
-        out_ids, out_rows = _flatten([req.output_ids for req in reqs])
-        if out_ids:
-            rows = torch.tensor(out_rows, device=device)
-            ids = torch.tensor(out_ids, device=device)
-            output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-        rep_ids, rep_rows = _flatten(
-            [req.all_ids if req.sampling_params.repetition_penalty != 1.0 else [] for req in reqs]
-        )
-        if rep_ids:
-            seen[torch.tensor(rep_rows, device=device), torch.tensor(rep_ids, device=device)] = True
-        params = [req.sampling_params for req in reqs]
-        column = lambda values: torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # noqa: E731
-        return cls(
-            output_counts=output_counts,
-            seen_in_sequence=seen,
-            repetition=column([p.repetition_penalty for p in params]),
-            frequency=column([p.frequency_penalty for p in params]),
-            presence=column([p.presence_penalty for p in params]),
-        )
-
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         # Repetition penalty (CTRL): shrink positive logits, grow negative ones, of seen tokens.
         penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
         logits = torch.where(self.seen_in_sequence, penalized, logits)
         logits = logits - self.frequency * self.output_counts
         return logits - self.presence * (self.output_counts > 0).float()
+
+
+class PenaltyPool:
+    """Per-request output-token counts and seen-token flags kept on the device between steps.
+
+    Row ``req.req_pool_idx`` belongs to the request while it runs; a step adds only the
+    tokens produced since the last one (one scatter for the whole batch). A row is
+    rebuilt from the request's host token lists when it changed owner (a new request,
+    or a retracted one that came back on another row). Allocated on first use.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=self.device)
+        self.seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
+        self._owners: dict[int, tuple[str, int]] = {}  # row -> (rid, output tokens counted)
+
+    def batch(self, reqs: list[Req]) -> PenaltyBatch:
+        rows = [int(req.req_pool_idx) if req.req_pool_idx is not None else -1 for req in reqs]
+        if min(rows) < 0:
+            raise ValueError("penalties need every request to hold a req_to_token row (req_pool_idx)")
+        self._grow(max(rows) + 1)
+        reset_rows: list[int] = []
+        count_rows: list[int] = []
+        count_ids: list[int] = []
+        seen_rows: list[int] = []
+        seen_ids: list[int] = []
+        for row, req in zip(rows, reqs):
+            owner = self._owners.get(row)
+            counted = owner[1] if owner is not None and owner[0] == req.rid else -1
+            if counted < 0 or counted > len(req.output_ids):
+                reset_rows.append(row)
+                counted = 0
+                if req.sampling_params.repetition_penalty != 1.0:
+                    seen_rows.extend([row] * len(req.origin_input_ids))
+                    seen_ids.extend(req.origin_input_ids)
+            new = req.output_ids[counted:]
+            if new:
+                count_rows.extend([row] * len(new))
+                count_ids.extend(new)
+                if req.sampling_params.repetition_penalty != 1.0:
+                    seen_rows.extend([row] * len(new))
+                    seen_ids.extend(new)
+            self._owners[row] = (req.rid, len(req.output_ids))
+        if reset_rows:
+            index = self._ids(reset_rows)
+            self.counts.index_fill_(0, index, 0.0)
+            self.seen.index_fill_(0, index, False)
+        if count_ids:
+            r, i = self._ids(count_rows), self._ids(count_ids)
+            self.counts.index_put_((r, i), torch.ones_like(i, dtype=torch.float32), accumulate=True)
+        if seen_ids:
+            r, i = self._ids(seen_rows), self._ids(seen_ids)
+            self.seen.index_put_((r, i), torch.ones_like(i, dtype=torch.bool))
+        index = self._ids(rows)
+        strengths = torch.tensor(
+            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+             for p in (req.sampling_params for req in reqs)], dtype=torch.float32)
+        strengths = _to_device(strengths, self.device)
+        return PenaltyBatch(
+            output_counts=self.counts.index_select(0, index),
+            seen_in_sequence=self.seen.index_select(0, index),
+            repetition=strengths[:, 0:1],
+            frequency=strengths[:, 1:2],
+            presence=strengths[:, 2:3],
+        )
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return _to_device(torch.tensor(values, dtype=torch.int64), self.device)
+
+    def _grow(self, rows: int) -> None:
+        if rows <= self.counts.shape[0]:
+            return
+        rows = max(rows, 2 * self.counts.shape[0])
+        counts = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        seen = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts[: self.counts.shape[0]] = self.counts
+        seen[: self.seen.shape[0]] = self.seen
+        self.counts, self.seen = counts, seen
 
 
 @dataclass
@@ -115,12 +190,23 @@ class SampleResult:
 
 
 class Sampler:
-    """Turns last-token logits into next tokens for a batch, with no per-token Python work."""
+    """Turns last-token logits into next tokens for a batch, with no per-token Python work.
+
+    Holds the PenaltyPool (device-resident token counts) of the scheduler that owns it.
+    """
+
+    def __init__(self) -> None:
+        self.penalty_pool: PenaltyPool | None = None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         raw_logits = logits
-        if batch.penalties is not None:
-            logits = batch.penalties.apply(logits)
+        penalties = batch.penalties
+        if penalties is None and batch.penalty_reqs:
+            if self.penalty_pool is None or self.penalty_pool.device != logits.device:
+                self.penalty_pool = PenaltyPool(logits.shape[-1], logits.device)
+            penalties = self.penalty_pool.batch(batch.penalty_reqs)
+        if penalties is not None:
+            logits = penalties.apply(logits)
         if batch.all_greedy:
             next_ids = torch.argmax(logits, dim=-1)
         else:
@@ -169,10 +255,8 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     return (-torch.log(uniform)).to(torch.float32)
 
 
-def _flatten(lists: list[list[int]]) -> tuple[list[int], list[int]]:
-    ids: list[int] = []
-    rows: list[int] = []
-    for row, values in enumerate(lists):
-        ids.extend(values)
-        rows.extend([row] * len(values))
-    return ids, rows
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One asynchronous host-to-device copy (from pinned memory on CUDA)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

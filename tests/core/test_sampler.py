@@ -1,0 +1,79 @@
+"""The sampler's tables: greedy batches carry no tensors, penalties match a from-scratch count."""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.core.request import Req, SamplingParams
+from treadle.core.sampler import PenaltyBatch, PenaltyPool, Sampler, SamplingBatch
+
+VOCAB = 50
+
+
+def _req(rid: str, prompt: list[int], outputs: list[int], row: int, **params) -> Req:
+    req = Req(rid=rid, origin_input_ids=prompt, sampling_params=SamplingParams(**params))
+    req.output_ids = list(outputs)
+    req.req_pool_idx = row
+    return req
+
+
+def _reference(reqs: list[Req]) -> PenaltyBatch:
+    """Counts rebuilt from the whole history, as the sampler did before the pool."""
+    bs = len(reqs)
+    counts = torch.zeros((bs, VOCAB))
+    seen = torch.zeros((bs, VOCAB), dtype=torch.bool)
+    for row, req in enumerate(reqs):
+        for token in req.output_ids:
+            counts[row, token] += 1
+        if req.sampling_params.repetition_penalty != 1.0:
+            seen[row, req.all_ids] = True
+    column = lambda name: torch.tensor([[getattr(r.sampling_params, name)] for r in reqs])  # noqa: E731
+    return PenaltyBatch(counts, seen, column("repetition_penalty"), column("frequency_penalty"),
+                        column("presence_penalty"))
+
+
+def test_greedy_batches_build_no_tensors() -> None:
+    reqs = [_req("a", [1, 2], [], 0, temperature=0.0), _req("b", [3], [4], 1, top_k=1, temperature=1.0)]
+    batch = SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))
+    assert batch.all_greedy and batch.temperatures is None and batch.penalty_reqs is None
+    logits = torch.randn(2, VOCAB)
+    assert torch.equal(Sampler()(logits, batch).next_token_ids, logits.argmax(-1))
+
+
+def test_mixed_batches_pack_parameters_per_row() -> None:
+    reqs = [_req("a", [1], [5, 6], 0, temperature=0.0),
+            _req("b", [2], [7], 1, temperature=0.5, top_p=0.8, top_k=10, min_p=0.1, seed=9)]
+    batch = SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))
+    assert batch.temperatures.flatten().tolist() == [1.0, 0.5]
+    assert batch.greedy.tolist() == [True, False]
+    assert batch.top_ks.tolist() == [VOCAB, 10] and batch.seeds.tolist()[1] == 9
+    assert batch.steps.tolist() == [2, 1]
+    assert (batch.need_top_p, batch.need_top_k, batch.need_min_p) == (True, True, True)
+
+
+def test_penalty_pool_counts_incrementally_and_rebuilds_rows_that_change_owner() -> None:
+    pool = PenaltyPool(VOCAB, "cpu")
+    a = _req("a", [1, 2, 3], [4, 4], 2, repetition_penalty=1.3, frequency_penalty=0.5)
+    b = _req("b", [9], [], 0, presence_penalty=0.7)
+    for step in range(4):
+        got = pool.batch([a, b])
+        want = _reference([a, b])
+        for field in ("output_counts", "seen_in_sequence", "repetition", "frequency", "presence"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (step, field)
+        a.output_ids.append(4 + step)
+        b.output_ids.extend([7, 7] if step == 1 else [8])
+    # Row 2 goes to a new request: it starts from zero, not from a's counts.
+    c = _req("c", [5], [6], 2, frequency_penalty=1.0)
+    assert torch.equal(pool.batch([c]).output_counts, _reference([c]).output_counts)
+    # a comes back (after a retraction) on another row: rebuilt from its host lists.
+    a.req_pool_idx = 5
+    assert torch.equal(pool.batch([b, a]).output_counts, _reference([b, a]).output_counts)
+
+
+def test_sampler_applies_pooled_penalties_like_the_reference() -> None:
+    reqs = [_req("a", [1, 2], [3, 3, 3], 0, temperature=0.0, frequency_penalty=5.0),
+            _req("b", [4], [], 1, temperature=0.0)]
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 3] = 10.0  # the favourite, until a's frequency penalty (3 x 5) pushes it below 0
+    ids = Sampler()(logits, SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))).next_token_ids
+    assert ids[0].item() != 3 and ids[1].item() == 3
