@@ -19,6 +19,10 @@ In the same run:
 - HF transformers ``generate`` on the same weights (treadle's copied into
   ``LlamaForCausalLM``), bf16, default dynamic cache, eager: decode per step
   = (time for ``decode-steps`` tokens - time for 1 token) / (steps - 1);
+- ``hf-compiled``: the same with a ``StaticCache`` (``cache_implementation="static"``),
+  on which ``generate`` compiles the decode forward with ``torch.compile``
+  (mode ``reduce-overhead``: CUDA graphs); its compilation happens in an untimed
+  warm-up (skip it with ``--no-hf-compiled``);
 - with a GPU, a torch.profiler summary of bs=1 graph decode per backend (top
   kernels, time by kind, and how much of the step the GPU is busy).
 
@@ -135,9 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     profiles[label] = profile_decode(runner, label, prompts[1])
                 if not hf_done:
                     hf_done = True
-                    for bs in batch_sizes:
-                        results.append(run_hf(runner, prompts[bs], args, bandwidth))
-                        print(_row(results[-1]))
+                    for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
+                        for bs in batch_sizes:
+                            try:
+                                results.append(run_hf(runner, prompts[bs], args, bandwidth, compiled=compiled))
+                            except Exception as exc:  # a compile failure is reported, not fatal
+                                skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
+                                print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
+                                continue
+                            print(_row(results[-1]))
                 runner = _release(runner)
     if args.baseline:
         fill_baseline_ratios(results, json.loads(Path(args.baseline).read_text()))
@@ -322,28 +332,46 @@ def roofline_seconds(model: torch.nn.Module, runner: Any, bs: int, input_len: in
 # ------------------------------------------------------------------------------------------------
 
 
-def run_hf(runner: Any, prompts: torch.Tensor, args: argparse.Namespace, bandwidth: float) -> Measurement:
+HF_COMPILED = "hf-compiled"
+
+
+def run_hf(runner: Any, prompts: torch.Tensor, args: argparse.Namespace, bandwidth: float,
+           compiled: bool = False) -> Measurement:
+    """HF ``generate`` eager with its dynamic cache, or (``compiled``) with a static cache and torch.compile."""
     model = _hf_model_with_weights_of(runner)
     device = runner.device
     ids = prompts.to(device)
     mask = torch.ones_like(ids)
+    bs, input_len = prompts.shape
+    cache = None
+    if compiled:
+        from transformers import StaticCache
+
+        # One cache length for every call, so the compiled decode step is built (and graph-captured) once.
+        cache = StaticCache(config=model.config, max_cache_len=input_len + args.decode_steps + 8)
 
     def generate(new_tokens: int) -> tuple[float, torch.Tensor]:
+        kwargs: dict[str, Any] = {}
+        if cache is not None:
+            cache.reset()
+            kwargs["past_key_values"] = cache
         _sync(device)
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
         _sync(device)
         return time.perf_counter() - start, out
 
     with torch.inference_mode():
-        generate(4)  # warm-up
+        generate(4)  # warm-up (compiles the decode step)
+        if compiled:
+            generate(8)
         one, _ = generate(1)
         full, out = generate(args.decode_steps)
     step = (full - one) / max(args.decode_steps - 1, 1)
-    bs, input_len = prompts.shape
     first_tokens = out[0, input_len:input_len + 16].tolist()
-    result = _measurement("HF transformers generate", None, None, bs, one, [step], first_tokens,
+    name = "HF generate, static cache + torch.compile" if compiled else "HF transformers generate"
+    result = _measurement(name, HF_COMPILED if compiled else None, None, bs, one, [step], first_tokens,
                           roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
     del model
     _free()
@@ -494,15 +522,20 @@ def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]
 
 def format_table(results: Sequence[Measurement]) -> str:
     hf = {r.batch_size: r for r in results if r.backend is None}
+    compiled = {r.batch_size: r for r in results if r.backend == HF_COMPILED}
     with_baseline = any(r.ratio_vs_baseline is not None for r in results)
-    header = (f"{'system':<34}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'tok/s':>10}"
-              f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}" + (f"{'x baseline':>12}" if with_baseline else ""))
+    header = (f"{'system':<42}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'tok/s':>10}"
+              f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}"
+              + (f"{'x hf-compiled':>15}" if compiled else "") + (f"{'x baseline':>12}" if with_baseline else ""))
     lines = [header, "-" * len(header)]
     for r in results:
         ref = hf.get(r.batch_size)
         vs_hf = f"{r.decode_tokens_per_s / ref.decode_tokens_per_s:.2f}" if ref else "-"
-        line = (f"{r.system:<34}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}"
+        line = (f"{r.system:<42}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}"
                 f"{r.decode_tokens_per_s:>10.1f}{r.roofline_ms:>13.2f}{100 * r.roofline_fraction:>11.1f}%{vs_hf:>8}")
+        if compiled:
+            peer = compiled.get(r.batch_size)
+            line += f"{r.decode_tokens_per_s / peer.decode_tokens_per_s:>15.2f}" if peer else f"{'-':>15}"
         if with_baseline:
             line += f"{r.ratio_vs_baseline:>12.2f}" if r.ratio_vs_baseline is not None else f"{'-':>12}"
         lines.append(line)
@@ -605,6 +638,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
+    parser.add_argument("--no-hf-compiled", action="store_true",
+                        help="skip the hf-compiled peer (static cache + torch.compile; GPU only)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summary")
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/one_batch_<gpu>_<date>.json)")
     parser.add_argument("--baseline", help="an earlier run's JSON: adds each row's tok/s ratio to the same system "

@@ -29,3 +29,20 @@ def test_one_batch_baseline_ratio(tmp_path, capsys):
     now = json.loads((tmp_path / "now.json").read_text())["results"][0]
     assert now["ratio_vs_baseline"] == pytest.approx(now["decode_tokens_per_s"] / earlier["decode_tokens_per_s"])
     assert "x baseline" in capsys.readouterr().out
+
+
+def test_hf_compiled_peer_uses_a_static_cache_and_matches_hf(tmp_path):
+    """On the CPU generate does not compile, but the static-cache path and its row are the GPU run's."""
+    import torch
+
+    from treadle.bench import one_batch
+
+    args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "4", "--input-len", "8"])
+    model_dir = one_batch._write_config(tmp_path, one_batch.TINY)
+    runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu"))
+    prompts = torch.randint(100, 1000, (2, 8))
+    eager = one_batch.run_hf(runner, prompts, args, 1e9)
+    compiled = one_batch.run_hf(runner, prompts, args, 1e9, compiled=True)
+    assert compiled.backend == one_batch.HF_COMPILED and eager.backend is None
+    assert compiled.first_tokens == eager.first_tokens
+    assert "x hf-compiled" in one_batch.format_table([eager, compiled])
