@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from treadle.bench.step_meter import format_profile
 from treadle.bench.workloads import WORKLOAD_NAMES, Workload, build_workload, parse_len_range, usable_token_ids
 from treadle.core.config import ConfigError, ServerConfig, load_config
 
@@ -133,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline:
         _fill_baseline_ratios(results, workload, Path(args.baseline))
     print(format_table(results))
+    for r in results:
+        if "profile" in r.extra:
+            print(format_profile(r.name, r.extra["profile"]))
     report = _report(args, argv, workload, results)
     path = Path(args.output) if args.output else RESULTS_DIR / _default_name(workload.name)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -254,3 +254,24 @@ def kernel_category(name: str) -> str:
 
 def _mean(values: list[int]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+def format_profile(name: str, profile: dict[str, Any]) -> str:
+    """A few lines per profile window: GPU time by kind, host ops, and the host functions that cost most."""
+    lines = [f"profile of {name} (triggered at decode batch {profile.get('trigger_batch_size')}):"]
+    torch_window = profile.get("torch")
+    if torch_window:
+        lines.append(f"  torch.profiler, {torch_window['steps']} steps: wall {torch_window['wall_us_per_step_profiled']:.0f}"
+                     f" us/step, GPU kernels {torch_window['gpu_kernel_us_per_step']:.0f} us/step")
+        for category, us in torch_window["gpu_by_category_us_per_step"].items():
+            lines.append(f"    {category:<36}{us:>9.0f} us/step")
+        lines.append("    host ops (self CPU us/step): " + ", ".join(
+            f"{name} {us:.0f}" for name, us in list(torch_window["top_host_ops_self_us_per_step"].items())[:8]))
+    window = profile.get("cprofile")
+    if window:
+        lines.append(f"  cProfile, {window['steps']} steps: wall {window['wall_us_per_step_profiled']:.0f} us/step; "
+                     "top cumulative (us/step):")
+        for row in window["top_cumulative"][:18]:
+            lines.append(f"    {row['cum_us_per_step']:>9.0f} {row['self_us_per_step']:>8.0f} "
+                         f"{row['calls_per_step']:>7.1f}  {row['function']}")
+    return "\n".join(lines)

@@ -8,6 +8,12 @@
 # then, through the device tool with carry [".whl"]:
 #
 #   bash tests/gpu/device.sh setup tests bench         # BENCH_ARGS="--backends triton,flashinfer --graphs on"
+#   bash tests/gpu/device.sh setup offline             # OFFLINE_ARGS="--backends triton,flashinfer"
+#
+# `offline` runs `treadle bench offline` on Llama-3.1-8B shapes (dummy weights, bf16, the folder /tmp/l8b
+# holding only its config.json) with the 1000-request `random` workload of docs/benchmarks.md and the
+# default config; OFFLINE_ARGS adds variants (--compare / --backends) and options (--profile-steps 20).
+# `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
 #
 # `setup` installs the wheels into /tmp/site and treadle itself (editable, so its entry points
 # register the built-in plugins), restoring .whl/fi_cache.tgz (FlashInfer's JIT cache) when present.
@@ -33,12 +39,24 @@ setup() {
   python3 -c "import torch, triton, transformers, flashinfer; print('versions', torch.__version__, triton.__version__, transformers.__version__, flashinfer.__version__)"
   echo "SETUP took $(( $(date +%s) - t0 )) s"
 }
+l8b() {
+  mkdir -p /tmp/l8b && python3 -c "import json; from treadle.bench.one_batch import LLAMA_3_1_8B as c; \
+json.dump(c, open('/tmp/l8b/config.json', 'w'))"
+}
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     setup) setup ;;
     conformance) timeout 200 python3 -m pytest -q -x -p no:randomly tests/gpu/test_attention_conformance_gpu.py 2>&1 | tee "$OUT/conformance.log" | tail -30 ;;
     tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs tests/gpu/ 2>&1 | tee "$OUT/tests_gpu.log" | tail -40 ;;
+    gputests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -x ${GPU_TESTS:-tests/gpu/} 2>&1 | tee "$OUT/gputests.log" | tail -25 ;;
+    offline)
+      l8b
+      timeout ${OFFLINE_TIMEOUT:-400} python3 -m treadle.bench.offline_throughput --workload random \
+        --num-prompts ${OFFLINE_PROMPTS:-1000} --input-len 16:600 --output-len 16:400 \
+        --set model.path=/tmp/l8b --set model.load_format=dummy --dtype bfloat16 --device cuda \
+        --no-progress --output "$OUT/${OFFLINE_NAME:-offline}.json" ${OFFLINE_ARGS:-} 2>&1 \
+        | grep -v "Warning\|warn(" | tee "$OUT/${OFFLINE_NAME:-offline}.log" | tail -20 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
