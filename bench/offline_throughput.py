@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
         results.append(run_treadle(engine, workload, variant, config, args.warmup_prompts, progress,
                                    args.profile_steps))
+        print(_progress_line(results[-1]), flush=True)
+        if "profile" in results[-1].extra:
+            print(format_profile(variant.label, results[-1].extra["profile"]), flush=True)
         engine.shutdown()
         del engine
         _free_memory()
@@ -134,9 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline:
         _fill_baseline_ratios(results, workload, Path(args.baseline))
     print(format_table(results))
-    for r in results:
-        if "profile" in r.extra:
-            print(format_profile(r.name, r.extra["profile"]))
     report = _report(args, argv, workload, results)
     path = Path(args.output) if args.output else RESULTS_DIR / _default_name(workload.name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -480,6 +480,16 @@ def _fill_baseline_ratios(results: list[SystemResult], workload: Workload, path:
     for r in results:
         if r.name in throughput:
             r.ratio_vs_baseline = r.output_throughput / throughput[r.name]
+
+
+def _progress_line(r: SystemResult) -> str:
+    """One system's figures as soon as it finishes (a later crash keeps them in the log)."""
+    extra = r.extra
+    return (f"{r.name}: {r.output_throughput:.1f} out tok/s, {r.total_time_s:.2f} s, peak decode batch "
+            f"{extra.get('peak_decode_batch_size')}, GPU busy {_percent(extra.get('gpu_busy_fraction'))} "
+            f"(decode {_percent(extra.get('gpu_busy_fraction_decode'))}), steps {extra.get('steps')} "
+            f"({extra.get('decode_steps')} decode), max_running_requests {extra.get('max_running_requests')}, "
+            f"retractions {extra.get('retractions')}")
 
 
 def _percent(value: float | None) -> str:

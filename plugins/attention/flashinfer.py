@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from treadle.core.attention import RadixAttention
 
 _SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
-_WORKSPACE_BYTES = 128 * 1024 * 1024
+# Split-KV decode keeps partial outputs here: 128 MiB overflowed at 512 running requests (168 MB needed).
+_WORKSPACE_BYTES = 512 * 1024 * 1024
 # FlashInfer's tensor-core decode (its prefill kernel with one query row) beats the
 # CUDA-core decode kernel once each KV head serves this many query heads.
 _TENSOR_CORE_MIN_GROUP = 4
