@@ -105,7 +105,7 @@ class PenaltyBatch:
 class PenaltyPool:
     """Per-request output-token counts and seen-token flags kept on the device between steps.
 
-    Row ``req.req_pool_idx`` belongs to the request while it runs; a step adds only the
+    Row ``req.req_pool_idx + 1`` belongs to the request while it runs; a step adds only the
     tokens produced since the last one (one scatter for the whole batch). A row is
     rebuilt from the request's host token lists when it changed owner (a new request,
     or a retracted one that came back on another row). Allocated on first use.
@@ -119,9 +119,9 @@ class PenaltyPool:
         self._owners: dict[int, tuple[str, int]] = {}  # row -> (rid, output tokens counted)
 
     def batch(self, reqs: list[Req]) -> PenaltyBatch:
-        rows = [int(req.req_pool_idx) if req.req_pool_idx is not None else -1 for req in reqs]
-        if min(rows) < 0:
-            raise ValueError("penalties need every request to hold a req_to_token row (req_pool_idx)")
+        # Pool row = req_pool_idx + 1. Row 0 stays zero: it serves a request already finished while
+        # its last step was in flight (overlap scheduling), whose token is discarded anyway.
+        rows = [req.req_pool_idx + 1 if req.req_pool_idx is not None else 0 for req in reqs]
         self._grow(max(rows) + 1)
         reset_rows: list[int] = []
         count_rows: list[int] = []
@@ -129,6 +129,8 @@ class PenaltyPool:
         seen_rows: list[int] = []
         seen_ids: list[int] = []
         for row, req in zip(rows, reqs):
+            if row == 0:
+                continue
             owner = self._owners.get(row)
             counted = owner[1] if owner is not None and owner[0] == req.rid else -1
             if counted < 0 or counted > len(req.output_ids):

@@ -68,6 +68,9 @@ def test_penalty_pool_counts_incrementally_and_rebuilds_rows_that_change_owner()
     # a comes back (after a retraction) on another row: rebuilt from its host lists.
     a.req_pool_idx = 5
     assert torch.equal(pool.batch([b, a]).output_counts, _reference([b, a]).output_counts)
+    # A request released while its last step was in flight reads a zero row (its token is discarded).
+    a.req_pool_idx = None
+    assert pool.batch([a, b]).output_counts[0].abs().sum() == 0
 
 
 def test_sampler_applies_pooled_penalties_like_the_reference() -> None:
