@@ -249,6 +249,10 @@ SCENARIOS = {
     "extend_prefix_page4": (_scenario(EXTEND, [5, 12, 13], [9, 1, 20], page_size=4), FP32_TOL),
     "extend_sliding_window_page4": (_scenario(EXTEND, [4, 16, 0], [10, 21, 17], page_size=4, window=6), FP32_TOL),
     "mixed_prefill_and_decodes": (_scenario(MIXED, [9, 0, 30], [1, 18, 1], page_size=2), FP32_TOL),
+    # The trailing one-token requests go through the decode kernel (split_mixed_decodes).
+    "mixed_decode_tail": (_scenario(MIXED, [4, 0, 12, 30, 5], [6, 17, 1, 1, 1]), FP32_TOL),
+    "mixed_decode_tail_window_page4": (_scenario(MIXED, [0, 12, 30], [21, 1, 1], page_size=4, window=7), FP32_TOL),
+    "mixed_only_one_token_requests": (_scenario(MIXED, [3, 8], [1, 1]), FP32_TOL),
     # No bfloat16 here: the interpreter runs tl.dot on bfloat16's raw uint16 bits (a documented
     # interpreter limitation, triton-lang/triton#11584); tests/gpu/test_triton_gpu.py covers it.
     "decode_fp16": (_decode([5, 38], page_size=4, dtype=torch.float16), HALF_TOL),

@@ -33,9 +33,17 @@ class DecodeMetadata:
 
 @dataclass
 class ExtendMetadata:
-    """What the extend kernel's grid needs from the host."""
+    """What the extend kernel's grid needs from the host.
+
+    A MIXED batch's trailing one-token requests (the running decodes) form a decode tail:
+    requests ``[decode_from, bs)``, tokens ``[decode_tokens_from, num_tokens)``, attended by
+    the decode kernel with ``decode`` as its scratch (a one-token extend is exactly a decode).
+    """
 
     max_extend_len: int
+    decode_from: int | None = None
+    decode_tokens_from: int = 0
+    decode: DecodeMetadata | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -43,15 +51,17 @@ class TritonAttnBackend(AttentionBackend):
 
     Supports GQA, per-layer sliding windows, any page size (keys are read
     through ``req_to_token``) and float32/float16/bfloat16 KV caches. MIXED
-    batches run the extend kernel. CUDA graphs are supported for decode: the
+    batches run the extend kernel for their prompt chunks and the decode kernel
+    for their trailing one-token requests (``split_mixed_decodes``). CUDA graphs are supported for decode: the
     grid is ``(bs, num_kv_heads, max_kv_splits)`` whatever the lengths, and
     each request's split count is derived on the device from ``seq_lens``.
 
     Tunables (plain attributes, read at each launch): ``max_kv_splits``,
     ``min_split_tokens`` (a request uses ``min(max_kv_splits,
     ceil(visible_keys / min_split_tokens))`` chunks), ``decode_block_n``,
-    ``extend_block_m`` / ``extend_block_n`` (None: chosen per head size and dtype).
-    ``max_kv_splits`` must not change after ``init_cuda_graph_state``.
+    ``extend_block_m`` / ``extend_block_n`` (None: chosen per head size and dtype),
+    ``split_mixed_decodes`` / ``min_mixed_decode_tail`` (the fewest trailing one-token
+    requests worth a decode-kernel launch). ``max_kv_splits`` must not change after ``init_cuda_graph_state``.
     """
 
     supports_cuda_graph = True
@@ -77,6 +87,8 @@ class TritonAttnBackend(AttentionBackend):
         self.decode_block_n = 64
         self.extend_block_m: int | None = None
         self.extend_block_n: int | None = None
+        self.split_mixed_decodes = True
+        self.min_mixed_decode_tail = 1
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
@@ -91,6 +103,8 @@ class TritonAttnBackend(AttentionBackend):
             lens = forward_batch.extend_seq_lens_cpu
             # Without host lengths, the token count bounds every request's extend length.
             metadata = ExtendMetadata(max(lens, default=0) if lens is not None else forward_batch.num_tokens)
+            if lens is not None and self.split_mixed_decodes:
+                self._split_decode_tail(metadata, lens)
         else:
             metadata = None
         self.forward_metadata = metadata
@@ -166,27 +180,56 @@ class TritonAttnBackend(AttentionBackend):
             kv_cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         q = _heads_view(q, layer.num_heads, layer.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._extend.extend_attention(
-            q,
-            _heads_view(k, layer.num_kv_heads, layer.head_dim),
-            _heads_view(v, layer.num_kv_heads, layer.head_dim),
-            out,
-            kv_cache.get_key_buffer(layer.layer_id),
-            kv_cache.get_value_buffer(layer.layer_id),
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.extend_start_loc,
-            forward_batch.extend_seq_lens,
-            forward_batch.extend_prefix_lens,
-            metadata.max_extend_len,
-            layer.scaling,
-            layer.sliding_window_size,
-            self.extend_block_m,
-            self.extend_block_n,
-        )
+        split = metadata.decode_from
+        requests = slice(0, split)  # the whole batch when there is no decode tail
+        tokens = slice(0, metadata.decode_tokens_from if split is not None else q.shape[0])
+        if split is None or split > 0:
+            self._extend.extend_attention(
+                q[tokens],
+                _heads_view(k[tokens], layer.num_kv_heads, layer.head_dim),
+                _heads_view(v[tokens], layer.num_kv_heads, layer.head_dim),
+                out[tokens],
+                kv_cache.get_key_buffer(layer.layer_id),
+                kv_cache.get_value_buffer(layer.layer_id),
+                forward_batch.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices[requests],
+                forward_batch.extend_start_loc[requests],
+                forward_batch.extend_seq_lens[requests],
+                forward_batch.extend_prefix_lens[requests],
+                metadata.max_extend_len,
+                layer.scaling,
+                layer.sliding_window_size,
+                self.extend_block_m,
+                self.extend_block_n,
+            )
+        if split is not None:
+            assert metadata.decode is not None
+            tail = slice(metadata.decode_tokens_from, q.shape[0])
+            # The tail's new K/V were saved above, so the decode kernel reads them from the cache.
+            self._decode.decode_attention(
+                q[tail], kv_cache.get_key_buffer(layer.layer_id), kv_cache.get_value_buffer(layer.layer_id),
+                out[tail], forward_batch.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices[split:], forward_batch.seq_lens[split:],
+                metadata.decode.mid_o, metadata.decode.mid_lse, layer.scaling, layer.sliding_window_size,
+                self.max_kv_splits, self.min_split_tokens, self.decode_block_n,
+            )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _split_decode_tail(self, metadata: ExtendMetadata, lens: list[int]) -> None:
+        """Send the trailing one-token requests to the decode kernel: the extend kernel tiles queries
+        by ``extend_block_m`` rows, so a one-token request wastes most of its tile and reads its whole
+        prefix per query head (a 512-decode MIXED batch took 40 ms of extend kernel per step on an H100)."""
+        first = len(lens)
+        while first > 0 and lens[first - 1] == 1:
+            first -= 1
+        if len(lens) - first < self.min_mixed_decode_tail:
+            return
+        metadata.decode_from = first
+        metadata.decode_tokens_from = sum(lens[:first])
+        metadata.max_extend_len = max(lens[:first], default=0)
+        metadata.decode = self._decode_scratch(len(lens) - first)
 
     def _decode_scratch(self, bs: int) -> DecodeMetadata:
         shape = (bs, self.num_heads, self.max_kv_splits, self.head_dim)
