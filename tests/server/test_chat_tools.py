@@ -107,3 +107,27 @@ def test_reader_splits_reasoning_content_and_calls_streamed_and_whole():
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
     assert reader.calls_made == 1
+
+
+def test_templates_that_render_tools_get_them_and_others_get_the_fallback(tmp_path):
+    from transformers import AutoTokenizer
+
+    from treadle.server.tokenizer_manager import TokenizerManager
+    from treadle.testing.tokenizer import CHAT_TEMPLATE, make_tiny_tokenizer
+
+    make_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    manager = TokenizerManager.__new__(TokenizerManager)  # only the template side, no sockets
+    manager.tokenizer, manager._template_knows_tools = tokenizer, None
+    assert not manager.template_knows_tools()
+    plan = _plan(tools=[WEATHER])
+    body = ChatCompletionRequest(messages=USER)
+    fallback = manager.render_chat(template_messages(body.messages, plan, knows_tools=False))
+    assert "get_weather" in fallback and fallback.startswith("<s><|system|>You can call these functions")
+
+    tokenizer.chat_template = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}" + CHAT_TEMPLATE
+    manager._template_knows_tools = None
+    assert manager.template_knows_tools()
+    native = manager.render_chat(template_messages(body.messages, plan, knows_tools=True), plan.tools)
+    assert native.startswith('<tools>[{"type": "function", "function": {"name": "get_weather"')
+    assert "You can call" not in native

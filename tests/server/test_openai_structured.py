@@ -43,7 +43,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir: str) -> ServerHandle:
-    config = ServerConfig(model={"path": smollm2_dir, "served_model_name": MODEL},
+    # think_tags is on for every test: replies without <think> must pass through it untouched.
+    config = ServerConfig(model={"path": smollm2_dir, "served_model_name": MODEL}, reasoning={"parser": "think_tags"},
                           cache={"max_total_tokens": 16384}, server={"port": 0, "log_level": "warning"})
     handle = launch_server(config, timeout=300)
     yield handle
@@ -66,11 +67,12 @@ def _gather(server: ServerHandle, requests: list[dict]) -> list:
 
 def _streamed(client: openai.OpenAI, **request) -> tuple[dict, str | None]:
     """The message a stream adds up to (content, reasoning, tool calls by index) and its finish_reason."""
-    content, calls, finish = "", {}, None
+    content, reasoning, calls, finish = "", "", {}, None
     for chunk in client.chat.completions.create(model=MODEL, stream=True, **request):
         choice = chunk.choices[0]
         delta = choice.delta
         content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
         for call in delta.tool_calls or []:
             if call.id is not None:
                 assert call.index not in calls and call.type == "function" and call.function.name
@@ -79,7 +81,10 @@ def _streamed(client: openai.OpenAI, **request) -> tuple[dict, str | None]:
                 assert call.function.name is None
                 calls[call.index]["arguments"] += call.function.arguments
         finish = choice.finish_reason or finish
-    return {"content": content, "tool_calls": [calls[i] for i in sorted(calls)]}, finish
+    message = {"content": content, "tool_calls": [calls[i] for i in sorted(calls)]}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message, finish
 
 
 # ------------------------------------------------------------------ no grammar needed
@@ -90,6 +95,7 @@ def test_auto_without_a_call_is_plain_content_streamed_or_not(client: openai.Ope
     full = client.chat.completions.create(model=MODEL, **request)
     choice = full.choices[0]
     assert choice.message.tool_calls is None and choice.message.content
+    assert choice.message.reasoning_content is None
     assert choice.finish_reason == "length"
     streamed, finish = _streamed(client, **request)
     assert streamed == {"content": choice.message.content, "tool_calls": []} and finish == "length"
@@ -258,3 +264,17 @@ def test_completions_regex_extra_fullmatches(client: openai.OpenAI) -> None:
                                       extra_body={"regex": pattern})
     assert reply.choices[0].finish_reason == "stop"
     assert re.fullmatch(pattern, reply.choices[0].text)
+
+
+@needs_grammar
+def test_reasoning_is_split_from_content_streamed_and_not(client: openai.OpenAI) -> None:
+    # The regex makes SmolLM2 think in <think> tags; think_tags must move that text to reasoning_content.
+    request = dict(messages=[{"role": "user", "content": "Is Paris in France? Think first."}], max_tokens=40,
+                   temperature=0, extra_body={"regex": r"<think>[a-z][a-z ]{4,40}</think>(Yes|No)\."})
+    full = client.chat.completions.create(model=MODEL, **request)
+    message = full.choices[0].message
+    assert full.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"[a-z][a-z ]{4,40}", message.reasoning_content) and message.content in ("Yes.", "No.")
+    streamed, finish = _streamed(client, **request)
+    assert finish == "stop"
+    assert streamed == {"content": message.content, "reasoning_content": message.reasoning_content, "tool_calls": []}
