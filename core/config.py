@@ -34,6 +34,8 @@ class ModelConfig(Section):
     served_model_name: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = Field(0, description="seed for dummy weights")
+    quantization: Literal["fp8"] | None = Field(
+        None, description="fp8: quantize linear weights to FP8 at load; FP8 checkpoints are detected without it")
 
 
 class CacheConfig(Section):
@@ -42,6 +44,7 @@ class CacheConfig(Section):
     disable_radix_cache: bool = False
     max_total_tokens: int | None = Field(None, gt=0, description="KV slots; default sized from memory")
     mem_fraction: float = Field(0.85, gt=0, le=1)
+    kv_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description="KV cache storage; auto = the model dtype")
 
     @model_validator(mode="after")
     def _page_size_matches_allocator(self) -> "CacheConfig":

@@ -39,6 +39,11 @@ class KVCache:
 
     The first ``page_size`` slots are padding that no request owns: CUDA-graph
     padding and dummy writes go there.
+
+    With an FP8 ``dtype`` (``cache.kv_dtype: fp8_e4m3``) the buffers hold
+    ``k / k_scale`` and ``v / v_scale`` saturated to the FP8 range, one scale per
+    layer (``k_scales[layer]``, ``v_scales[layer]``, 1.0 unless set); attention
+    backends multiply the scales back in. Other dtypes store values as they are.
     """
 
     def __init__(
@@ -58,6 +63,9 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.is_fp8 = dtype in FP8_KV_DTYPES
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
         shape = (size + page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -70,11 +78,27 @@ class KVCache:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (``[n, num_kv_heads, head_dim]`` or flattened) at slots ``loc``."""
-        k = k.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
-        v = v.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
-        self.k_buffers[layer_id][loc] = k
-        self.v_buffers[layer_id][loc] = v
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.is_fp8:
+            k = _to_fp8(k, self.k_scales[layer_id], self.dtype)
+            v = _to_fp8(v, self.v_scales[layer_id], self.dtype)
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+# cache.kv_dtype -> storage dtype; "auto" stores the model dtype.
+KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _to_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    # A cast to FP8 turns out-of-range values into NaN; saturate first.
+    limit = torch.finfo(dtype).max
+    if scale != 1.0:
+        x = x / scale
+    return x.clamp(-limit, limit).to(dtype)

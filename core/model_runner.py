@@ -11,7 +11,7 @@ from treadle.core.auto_size import BatchSizes, request_table_bytes, resolve_batc
 from treadle.core.config import ServerConfig
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.kv_allocator import KVAllocator
-from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.memory_pool import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
 from treadle.core.registry import Registry
 
@@ -38,7 +38,10 @@ class ModelRunner:
         self.model, self.hf_config, self.model_dir = load_model(config.model, registry)
         first_param = next(self.model.parameters())
         self.device: torch.device = first_param.device
-        self.dtype: torch.dtype = first_param.dtype
+        # FP8 weights and their float32 scales keep their dtype; the model dtype is that of the rest.
+        self.dtype: torch.dtype = next(
+            (p.dtype for p in self.model.parameters() if not getattr(p, "keep_dtype", False)), first_param.dtype
+        )
 
         hf = self.hf_config
         self.num_layers: int = hf.num_hidden_layers
@@ -53,13 +56,14 @@ class ModelRunner:
         max_positions = getattr(hf, "max_position_embeddings", 4096)
         self.context_len: int = config.model.context_length or max_positions
         self.page_size: int = config.cache.page_size
+        self.kv_dtype: torch.dtype = KV_DTYPES.get(config.cache.kv_dtype, self.dtype)
 
         self._requested = (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs,
                            config.scheduler.enable_mixed_chunk)
         self.max_total_tokens, sizes = self._kv_pool_and_batch_sizes()
         self.kv_cache = KVCache(
             self.max_total_tokens, self.page_size, self.num_layers, self.num_kv_heads,
-            self.head_dim, self.dtype, self.device,
+            self.head_dim, self.kv_dtype, self.device,
         )
         # "auto" is replaced by the chosen value in the live config, so the scheduler,
         # the CUDA-graph runner and /get_server_info all read one number.
@@ -90,7 +94,7 @@ class ModelRunner:
         """KV pool size in tokens, and the batch sizes with every ``auto`` resolved for this device."""
         cfg = self.config
         requested = cfg.cache.max_total_tokens
-        per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
         on_cuda = self.device.type == "cuda"
         total = torch.cuda.mem_get_info(self.device)[1] if on_cuda else 0
 

@@ -27,7 +27,7 @@ from treadle.core.hookspecs import Register, hookimpl
 if TYPE_CHECKING:
     from treadle.core.attention import RadixAttention
 
-_SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16)
+_SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 # Split-KV decode keeps partial outputs here: 128 MiB overflowed at 512 running requests (168 MB needed).
 _WORKSPACE_BYTES = 512 * 1024 * 1024
 # FlashInfer's tensor-core decode (its prefill kernel with one query row) beats the
@@ -40,7 +40,8 @@ class FlashInferAttnBackend(AttentionBackend):
     ``BatchDecodeWithPagedKVCacheWrapper`` (decode, also inside CUDA graphs).
 
     Supports GQA, a sliding window (``model_runner.sliding_window``, the same for every
-    layer), any page size, and float16/bfloat16 KV caches. Tunables, plain attributes
+    layer), any page size, and float16/bfloat16 KV caches, or FP8 (e4m3) caches with per-layer
+    scales under a float16/bfloat16 model (``cache.kv_dtype: fp8_e4m3``). Tunables, plain attributes
     read when a wrapper is first built (the first step, or CUDA-graph capture):
     ``prefill_backend`` (FlashInfer's ``backend`` argument; ``"fa2"`` by default so
     prefill and tensor-core decode share one JIT module) and ``use_tensor_cores``
@@ -63,9 +64,17 @@ class FlashInferAttnBackend(AttentionBackend):
         self.kv_dtype: torch.dtype = kv_cache.dtype
         if self.kv_dtype not in _SUPPORTED_KV_DTYPES:
             raise ValueError(
-                f"flashinfer attention supports float16 or bfloat16 KV caches, not {self.kv_dtype}; "
+                f"flashinfer attention supports float16, bfloat16 or float8_e4m3fn KV caches, not {self.kv_dtype}; "
                 "set model.dtype to bfloat16 or float16, or use attention.backend: triton"
             )
+        # Queries stay in the model dtype over an FP8 cache; otherwise they match the cache.
+        self.q_dtype: torch.dtype = self.kv_dtype
+        if getattr(kv_cache, "is_fp8", False):
+            self.q_dtype = model_runner.dtype
+            if self.q_dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(
+                    f"flashinfer attention over an FP8 KV cache needs a float16 or bfloat16 model, not {self.q_dtype}"
+                )
         self.page_size = int(model_runner.page_size)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.context_len = int(model_runner.context_len)
@@ -202,11 +211,12 @@ class FlashInferAttnBackend(AttentionBackend):
         pages = (self._paged(kv_cache.get_key_buffer(layer.layer_id)),
                  self._paged(kv_cache.get_value_buffer(layer.layer_id)))
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
-        if q.dtype != self.kv_dtype:
-            q = q.to(self.kv_dtype)
+        if q.dtype != self.q_dtype:
+            q = q.to(self.q_dtype)
         ratio = layer.scaling / self.default_scale
         q_scale = None if abs(ratio - 1.0) < 1e-6 else ratio
-        out = wrapper.run(q, pages, q_scale=q_scale)
+        k_scale, v_scale = _kv_scales(kv_cache, layer.layer_id)
+        out = wrapper.run(q, pages, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     # -- planning -------------------------------------------------------------------------------
@@ -220,7 +230,7 @@ class FlashInferAttnBackend(AttentionBackend):
         wrapper.plan(
             kv_indptr_cpu, kv_indices, last_page_len_cpu,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            window_left=self.window_left, q_data_type=self.kv_dtype, kv_data_type=self.kv_dtype,
+            window_left=self.window_left, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
         )
         self._forward_wrapper = wrapper
 
@@ -235,7 +245,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_wrapper.plan(
             qo_indptr_cpu, kv_indptr_cpu, kv_indices, last_page_len_cpu,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, window_left=self.window_left, q_data_type=self.kv_dtype, kv_data_type=self.kv_dtype,
+            causal=True, window_left=self.window_left, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
         )
         self._forward_wrapper = self.prefill_wrapper
 
@@ -273,6 +283,14 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, **graph_buffers
         )
+
+
+def _kv_scales(kv_cache: Any, layer_id: int) -> tuple[float | None, float | None]:
+    """An FP8 cache's per-layer ``(k_scale, v_scale)``; None where the scale is 1 (FlashInfer then skips it)."""
+    if not getattr(kv_cache, "is_fp8", False):
+        return None, None
+    k_scale, v_scale = float(kv_cache.k_scales[layer_id]), float(kv_cache.v_scales[layer_id])
+    return (None if k_scale == 1.0 else k_scale), (None if v_scale == 1.0 else v_scale)
 
 
 def _host_lens(host: list[int] | None, device_values: torch.Tensor | None) -> list[int]:

@@ -43,6 +43,12 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "torch_native")
+        kv_cache = getattr(model_runner, "kv_cache", None)
+        if kv_cache is not None and getattr(kv_cache, "is_fp8", False):
+            raise ValueError(
+                "torch_native attention does not read FP8 KV caches; use attention.backend: triton or "
+                "flashinfer with cache.kv_dtype: fp8_e4m3, or cache.kv_dtype: auto"
+            )
         self.device = torch.device(model_runner.device)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

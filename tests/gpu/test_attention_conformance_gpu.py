@@ -31,5 +31,5 @@ def test_flashinfer_refuses_float32_with_the_alternatives() -> None:
     pytest.importorskip("flashinfer")
     from treadle.plugins.attention.flashinfer import FlashInferAttnBackend
 
-    with pytest.raises(ValueError, match="float16 or bfloat16.*triton"):
+    with pytest.raises(ValueError, match="bfloat16 or float8_e4m3fn KV caches.*triton"):
         check_attention_backend(FlashInferAttnBackend, "cuda", torch.float32, page_sizes=(1,))

@@ -79,10 +79,13 @@ def make_batch(
     mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], *, page_size: int = 1,
     heads: int = 8, kv_heads: int = 2, head_dim: int = 16, window: int | None = None,
     dtype: torch.dtype = torch.float32, backend_factory=make_backend, seed: int = 0,
+    kv_dtype: torch.dtype | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[Batch, object]:
     """Requests with cached prefixes and new tokens, on shuffled pages of a NaN-filled cache.
 
     Every slot no request owns holds NaN, so a kernel reading a wrong slot poisons its output.
+    With an FP8 ``kv_dtype`` the reference sees what the kernels can: the cached tokens (and,
+    in a decode, the new token, which is read back from the cache) as stored in FP8.
     """
     gen = torch.Generator().manual_seed(seed)
     bs = len(prefix_lens)
@@ -91,7 +94,8 @@ def make_batch(
     num_pages = sum(pages_per_req) + 3
     pool = ReqToTokenPool(size=bs + 2, max_context_len=64, device="cpu")
     cache = KVCache(num_pages * page_size, page_size, num_layers=2, num_kv_heads=kv_heads,
-                    head_dim=head_dim, dtype=dtype, device="cpu")
+                    head_dim=head_dim, dtype=kv_dtype or dtype, device="cpu")
+    cache.k_scales[LAYER_ID], cache.v_scales[LAYER_ID] = kv_scales
     for buffers in (cache.k_buffers, cache.v_buffers):
         for buffer in buffers:
             buffer.fill_(float("nan"))
@@ -107,8 +111,12 @@ def make_batch(
         k = torch.randn(seq_lens[i], kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(seq_lens[i], kv_heads, head_dim, generator=gen).to(dtype)
         prefix = slots[: prefix_lens[i]]
-        cache.k_buffers[LAYER_ID][prefix] = k[: prefix_lens[i]]
-        cache.v_buffers[LAYER_ID][prefix] = v[: prefix_lens[i]]
+        cache.set_kv_buffer(LAYER_ID, prefix, k[: prefix_lens[i]], v[: prefix_lens[i]])
+        if cache.is_fp8:
+            read_back = seq_lens[i] if mode.is_decode() else prefix_lens[i]
+            k, v = k.clone(), v.clone()
+            k[:read_back] = _fp8_round_trip(k[:read_back], kv_scales[0], cache.dtype)
+            v[:read_back] = _fp8_round_trip(v[:read_back], kv_scales[1], cache.dtype)
         full_k.append(k)
         full_v.append(v)
         new_k.append(k[prefix_lens[i]:])
@@ -145,6 +153,10 @@ def make_batch(
     batch = Batch(forward_batch, layer, q, torch.cat(new_k).flatten(1), torch.cat(new_v).flatten(1),
                   full_k, full_v, list(prefix_lens))
     return batch, backend
+
+
+def _fp8_round_trip(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype) -> torch.Tensor:
+    return ((x / scale).to(fp8_dtype).to(x.dtype)) * scale
 
 
 def reference_attention(batch: Batch) -> torch.Tensor:
@@ -257,6 +269,14 @@ SCENARIOS = {
     # interpreter limitation, triton-lang/triton#11584); tests/gpu/test_triton_gpu.py covers it.
     "decode_fp16": (_decode([5, 38], page_size=4, dtype=torch.float16), HALF_TOL),
     "extend_fp16": (_scenario(EXTEND, [6, 0], [11, 20], dtype=torch.float16), HALF_TOL),
+    # FP8 KV cache with per-layer scales (powers of two, so dequantizing is exact): the kernels must
+    # read FP8, apply k_scale to the scores and v_scale to the values.
+    "decode_fp8_kv_scaled": (_decode([5, 38, 17], page_size=4, kv_dtype=torch.float8_e4m3fn,
+                                     kv_scales=(0.5, 2.0)), FP32_TOL),
+    "extend_fp8_kv_scaled": (_scenario(EXTEND, [6, 13, 0], [11, 1, 20], kv_dtype=torch.float8_e4m3fn,
+                                       kv_scales=(0.25, 4.0)), FP32_TOL),
+    "mixed_fp8_kv": (_scenario(MIXED, [9, 0, 30], [1, 18, 1], page_size=2, kv_dtype=torch.float8_e4m3fn),
+                     FP32_TOL),
     "cuda_graph_hooks": (_cuda_graph_hooks, FP32_TOL),
     "same_as_torch_native": (_vs_torch_native, FP32_TOL),
 }
@@ -348,7 +368,7 @@ def test_unsupported_kv_dtype_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     from treadle.plugins.attention.triton.backend import TritonAttnBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, float16, bfloat16 or float8_e4m3fn"):
         TritonAttnBackend(_tiny_runner(torch.float64))
 
 

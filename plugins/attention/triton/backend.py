@@ -20,7 +20,7 @@ from treadle.core.hookspecs import Register, hookimpl
 if TYPE_CHECKING:
     from treadle.core.attention import RadixAttention
 
-_SUPPORTED_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SUPPORTED_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 @dataclass
@@ -50,7 +50,8 @@ class TritonAttnBackend(AttentionBackend):
     """Attention through treadle's Triton kernels (split-KV decode, prefix-aware extend).
 
     Supports GQA, per-layer sliding windows, any page size (keys are read
-    through ``req_to_token``) and float32/float16/bfloat16 KV caches. MIXED
+    through ``req_to_token``) and float32/float16/bfloat16 KV caches, or FP8 (e4m3) caches with
+    per-layer scales (``cache.kv_dtype: fp8_e4m3``). MIXED
     batches run the extend kernel for their prompt chunks and the decode kernel
     for their trailing one-token requests (``split_mixed_decodes``). CUDA graphs are supported for decode: the
     grid is ``(bs, num_kv_heads, max_kv_splits)`` whatever the lengths, and
@@ -80,7 +81,7 @@ class TritonAttnBackend(AttentionBackend):
         kv_dtype = kv_cache.dtype if kv_cache is not None else model_runner.dtype
         if kv_dtype not in _SUPPORTED_KV_DTYPES:
             raise ValueError(
-                f"triton attention supports KV caches of float32, float16 or bfloat16, not {kv_dtype}"
+                f"triton attention supports KV caches of float32, float16, bfloat16 or float8_e4m3fn, not {kv_dtype}"
             )
         self.max_kv_splits = 16
         self.min_split_tokens = 128
@@ -165,6 +166,7 @@ class TritonAttnBackend(AttentionBackend):
             self.max_kv_splits,
             self.min_split_tokens,
             self.decode_block_n,
+            *kv_scales(kv_cache, layer.layer_id),
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
@@ -201,6 +203,7 @@ class TritonAttnBackend(AttentionBackend):
                 layer.sliding_window_size,
                 self.extend_block_m,
                 self.extend_block_n,
+                *kv_scales(kv_cache, layer.layer_id),
             )
         if split is not None:
             assert metadata.decode is not None
@@ -212,6 +215,7 @@ class TritonAttnBackend(AttentionBackend):
                 forward_batch.req_pool_indices[split:], forward_batch.seq_lens[split:],
                 metadata.decode.mid_o, metadata.decode.mid_lse, layer.scaling, layer.sliding_window_size,
                 self.max_kv_splits, self.min_split_tokens, self.decode_block_n,
+                *kv_scales(kv_cache, layer.layer_id),
             )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
@@ -255,6 +259,13 @@ def _heads_view(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """``[tokens, heads * head_dim]`` as ``[tokens, heads, head_dim]`` with unit stride on the last dim."""
     x = x.reshape(x.shape[0], num_heads, head_dim)
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def kv_scales(kv_cache: Any, layer_id: int) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` of a layer: the FP8 cache's per-layer scales, 1.0 for other caches."""
+    if not getattr(kv_cache, "is_fp8", False):
+        return 1.0, 1.0
+    return float(kv_cache.k_scales[layer_id]), float(kv_cache.v_scales[layer_id])
 
 
 def _interpreting() -> bool:

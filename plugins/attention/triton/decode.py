@@ -24,7 +24,7 @@ _LOG2E = 1.4426950408889634
 def _decode_partial_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens,
     Mid_o, Mid_lse,
-    qk_scale, window,
+    qk_scale, v_scale, window,
     stride_q_tok, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
@@ -34,7 +34,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,12 +79,14 @@ def _decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_cache + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # An empty chunk (start >= end) stores zeros with lse -inf: weight 0 in stage 2.
     has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     tl.store(
         Mid_o + req * stride_mo_req + heads[:, None] * stride_mo_head + split * stride_mo_split + offs_d[None, :],
@@ -139,6 +141,8 @@ def decode_attention(
     max_kv_splits: int,
     min_split_tokens: int,
     block_n: int = 64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of one query token per request over its cached keys, written into ``out``.
 
@@ -148,6 +152,7 @@ def decode_attention(
     ``[>=bs, num_heads, max_kv_splits]``. A query at position i sees keys j with
     ``i - sliding_window < j <= i`` (None: all ``j <= i``). ``block_n`` keys are read per
     iteration; a request uses ``min(max_kv_splits, ceil(visible / min_split_tokens))`` chunks.
+    An FP8 cache holds ``k / k_scale`` and ``v / v_scale`` (one scale per layer).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -158,7 +163,7 @@ def decode_attention(
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
-        scaling * _LOG2E, sliding_window or 0,
+        scaling * _LOG2E * k_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -169,6 +174,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bs, num_heads)](

@@ -33,7 +33,7 @@ def _online_softmax_step(scores, mask, m_i, l_i, acc, v, PRECISION: tl.constexpr
 def _extend_kernel(
     Q, K_new, V_new, O, K_cache, V_cache, Req_to_token,
     Req_pool_indices, Extend_start_loc, Extend_seq_lens, Extend_prefix_lens,
-    qk_scale, window,
+    qk_scale, k_scale, v_scale, window,
     stride_q_tok, stride_q_head,
     stride_kn_tok, stride_kn_head,
     stride_vn_tok, stride_vn_head,
@@ -44,7 +44,7 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -85,7 +85,11 @@ def _extend_kernel(
                         mask=kv_mask, other=0.0)
             v = tl.load(V_cache + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                         mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            if KV_FP8:  # the cache holds k / k_scale, v / v_scale
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (qk_scale * k_scale)
+            else:
+                scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
             visible = pos_mask[None, :] & (pos[None, :] > key_floor[:, None])
             m_i, l_i, acc = _online_softmax_step(scores, visible, m_i, l_i, acc, v, PRECISION)
 
@@ -130,6 +134,8 @@ def extend_attention(
     sliding_window: int | None,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of every new token over its request's prefix and earlier new tokens, into ``out``.
 
@@ -138,7 +144,8 @@ def extend_attention(
     head_dim]`` holding each request's first ``extend_prefix_lens[i]`` tokens at
     ``req_to_token[req_pool_indices[i], :prefix]``. ``max_extend_len`` (a host int, at least
     every ``extend_seq_lens[i]``) sizes the grid. A query at position i sees keys j with
-    ``i - sliding_window < j <= i`` (None: all ``j <= i``).
+    ``i - sliding_window < j <= i`` (None: all ``j <= i``). An FP8 cache holds ``k / k_scale`` and
+    ``v / v_scale``; this step's k, v are used as given.
     """
     bs = int(req_pool_indices.shape[0])
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -152,7 +159,7 @@ def extend_attention(
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, req_to_token,
         req_pool_indices, extend_start_loc, extend_seq_lens, extend_prefix_lens,
-        scaling * _LOG2E, sliding_window or 0,
+        scaling * _LOG2E, k_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -164,6 +171,7 @@ def extend_attention(
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, num_stages=num_stages,
     )
 

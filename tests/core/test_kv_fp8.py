@@ -1,0 +1,37 @@
+"""cache.kv_dtype: fp8_e4m3 — FP8 KV storage with per-layer scales, and the backend that refuses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.core.config import load_config
+from treadle.core.memory_pool import KVCache
+from treadle.core.model_runner import ModelRunner
+from treadle.core.registry import build_registry
+from treadle.testing.models import make_tiny_llama
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_cache_stores_scaled_saturated_values_and_takes_half_the_bytes():
+    cache = KVCache(4, 1, num_layers=2, num_kv_heads=1, head_dim=4, dtype=FP8, device="cpu")
+    assert cache.is_fp8 and cache.k_buffers[0].dtype == FP8
+    cache.k_scales[1], cache.v_scales[1] = 2.0, 0.5
+    k = torch.tensor([[1.0, -3.0, 1000.0, 0.0]])
+    v = torch.tensor([[1.0, -3.0, 96.0, -1000.0]])
+    cache.set_kv_buffer(1, torch.tensor([2]), k, v)
+    assert cache.get_key_buffer(1)[2, 0].float().tolist() == [0.5, -1.5, 448.0, 0.0]  # k / 2, saturated
+    assert cache.get_value_buffer(1)[2, 0].float().tolist() == [2.0, -6.0, 192.0, -448.0]  # v / 0.5
+    assert cache.get_key_buffer(0).float().abs().sum() == 0  # other layers untouched
+    assert KVCache.bytes_per_token(2, 1, 4, FP8) * 2 == KVCache.bytes_per_token(2, 1, 4, torch.bfloat16)
+
+
+def test_torch_native_refuses_an_fp8_cache_and_names_the_backends_that_read_it(tmp_path):
+    model = make_tiny_llama(tmp_path / "llama")
+    config = load_config(overrides={"model.path": model, "model.device": "cpu", "cache.kv_dtype": "fp8_e4m3",
+                                    "cache.max_total_tokens": 256}, use_env=False)
+    registry = build_registry(["treadle.plugins.models.llama", "treadle.plugins.attention.torch_native",
+                               "treadle.plugins.kv_allocators.token"], load_entry_points=False)
+    with pytest.raises(ValueError, match="torch_native attention does not read FP8 KV caches; use .*triton or flashinfer"):
+        ModelRunner(config, registry)
