@@ -8,6 +8,7 @@ the model's own size.
 
 from __future__ import annotations
 
+import inspect
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,8 +47,9 @@ def load_model(
     target_device = resolve_device(device if device is not None else model_config.device)
     target_dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target_device)
 
+    quant_config = _quantization(model_config, hf_config, model_cls, target_device)
     with _building_on(target_device, target_dtype):
-        model = model_cls(hf_config)
+        model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config=quant_config)
     _cast_parameters(model, target_dtype)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
@@ -110,6 +112,22 @@ def read_hf_config(model_dir: str) -> Any:
         # A model type transformers does not know may still be served by a plugin.
         with open(Path(model_dir) / "config.json") as handle:
             return PretrainedConfig(**json.load(handle))
+
+
+def _quantization(model_config: "ModelConfig", hf_config: Any, model_cls: Any, device: torch.device) -> Any:
+    """The QuantizationConfig the model is built with (None: plain weights); see core/quantization.py."""
+    from treadle.core.quantization import QuantizationError, resolve_quantization
+
+    try:
+        quant_config = resolve_quantization(model_config.quantization, hf_config, device)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if quant_config is not None and "quant_config" not in inspect.signature(model_cls).parameters:
+        raise ModelLoadError(
+            f"{model_cls.__name__} ({model_cls.__module__}) takes no quant_config, so it cannot load FP8 weights; "
+            "build it from treadle.plugins.models.linear's layers, or leave model.quantization empty"
+        )
+    return quant_config
 
 
 def model_class(hf_config: Any, registry: Any, model_dir: str = "") -> Any:
@@ -211,6 +229,10 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
                 generator = torch.Generator(device=param.device).manual_seed(seed)
                 generators[param.device] = generator
             loader = getattr(param, "weight_loader", None)
+            if param.dtype not in _DTYPES.values():  # e.g. FP8 weights, which have no uniform_
+                noise = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                param.copy_(noise.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator))
+                continue
             if not sharded or loader is None:
                 param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
                 continue
@@ -271,7 +293,8 @@ def _keep(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    # Only parameters: a model may keep float32 buffers (e.g. rotary tables) on purpose.
+    # Only parameters: a model may keep float32 buffers (e.g. rotary tables) on purpose. FP8 weights
+    # and their float32 scales are marked ``keep_dtype``.
     for param in model.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
+        if param.is_floating_point() and param.dtype != dtype and not getattr(param, "keep_dtype", False):
             param.data = param.data.to(dtype)

@@ -106,3 +106,42 @@ def _save_random(model_cls: Any, config: Any, path: str | os.PathLike, seed: int
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return str(out)
+
+
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_tiny_fp8_llama(
+    path: str | os.PathLike, *, per_tensor: bool = False, input_scale: float | None = None, seed: int = 0,
+    **overrides: Any,
+) -> str:
+    """Save a tiny random Llama as an FP8 checkpoint in the HF ``quantization_config`` format
+    (``quant_method: fp8``): every decoder projection as ``float8_e4m3fn`` ``weight`` plus a float32
+    ``weight_scale`` — one per output row (``[out, 1]``), or with ``per_tensor`` one per tensor (``[]``) —
+    and, when ``input_scale`` is given, a static activation scale per projection. The embeddings and
+    lm_head stay float32."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(make_tiny_llama(path, seed=seed, **overrides))
+    tensors = load_file(str(out / "model.safetensors"))
+    fp8 = torch.float8_e4m3fn
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in FP8_PROJECTIONS]:
+        weight = tensors[name].float()
+        amax = weight.abs().amax() if per_tensor else weight.abs().amax(dim=1, keepdim=True)
+        scale = (amax / torch.finfo(fp8).max).clamp(min=1e-12)
+        tensors[name] = (weight / scale).clamp(-448, 448).to(fp8)
+        stem = name.removesuffix(".weight")
+        tensors[f"{stem}.weight_scale"] = scale.to(torch.float32).contiguous()
+        if input_scale is not None:
+            tensors[f"{stem}.input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "static" if input_scale is not None else "dynamic",
+        "ignored_layers": ["lm_head"],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return str(out)

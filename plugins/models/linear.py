@@ -42,6 +42,7 @@ from treadle.core.parallel import (
     tp_head_counts,
     tp_kv_head_start,
 )
+from treadle.core.quantization import QuantizationConfig
 
 
 class CheckpointError(ValueError):
@@ -87,10 +88,16 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 def quant_method_for(layer: nn.Module, quant_config: Any, prefix: str) -> LinearMethod:
-    """``quant_config.get_quant_method(layer, prefix)``, or the unquantized method (also when it returns None)."""
+    """The layer's method under ``quant_config``: core's QuantizationConfig picks a built-in method (FP8);
+    any other object is asked ``quant_config.get_quant_method(layer, prefix)``; None means unquantized."""
     if quant_config is None:
         return UnquantizedLinearMethod()
-    method = quant_config.get_quant_method(layer, prefix)
+    if isinstance(quant_config, QuantizationConfig):
+        from treadle.plugins.models.fp8 import linear_method
+
+        method = linear_method(quant_config, layer, prefix)
+    else:
+        method = quant_config.get_quant_method(layer, prefix)
     return method if method is not None else UnquantizedLinearMethod()
 
 

@@ -1,0 +1,142 @@
+"""FP8 models on the CPU: quantize at load, FP8 checkpoints (per-tensor, per-channel, static), dequantize-on-load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treadle.core import quantization
+from treadle.core.config import ModelConfig
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.model_loader import ModelLoadError, load_model
+from treadle.core.quantization import FP8_DTYPE
+from treadle.core.registry import build_registry
+from treadle.plugins.models.fp8_ops import dequantize
+from treadle.testing.models import make_tiny_fp8_llama, make_tiny_llama
+
+TOKENS = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9]
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry(plugin_modules=["treadle.plugins.models.llama", "treadle.plugins.attention.torch_native"],
+                          load_entry_points=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("fp8") / "bf")
+
+
+def _load(registry, path: str, **fields):
+    model, _, _ = load_model(ModelConfig(path=path, device="cpu", dtype="float32", **fields), registry)
+    return model
+
+
+class _NoCache:
+    """Prefill-only attention without a KV pool: causal SDPA over the one sequence."""
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        n = q.shape[0]
+        q = q.view(n, layer.num_heads, layer.head_dim).transpose(0, 1)
+        k = k.view(n, layer.num_kv_heads, layer.head_dim).transpose(0, 1)
+        v = v.view(n, layer.num_kv_heads, layer.head_dim).transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True)
+        return out.transpose(0, 1).reshape(n, -1)
+
+
+def _logits(model) -> torch.Tensor:
+    n = len(TOKENS)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.tensor(TOKENS),
+        positions=torch.arange(n), req_pool_indices=torch.zeros(1, dtype=torch.int64),
+        seq_lens=torch.tensor([n]), seq_lens_cpu=torch.tensor([n]), out_cache_loc=torch.arange(n),
+        seq_lens_sum=n, logits_indices=torch.arange(n), req_to_token_pool=None, kv_cache=None,
+        attn_backend=_NoCache(),
+    )
+    with torch.inference_mode():
+        return model(batch.input_ids, batch.positions, batch)
+
+
+def _fp8_params(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
+
+
+def test_quantize_at_load_makes_every_decoder_projection_fp8_and_stays_close(tiny, registry):
+    reference = _logits(_load(registry, tiny))
+    model = _load(registry, tiny, quantization="fp8")
+    fp8 = _fp8_params(model)
+    assert len(fp8) == 2 * 4  # qkv, o, gate_up, down in each of the 2 layers
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    logits = _logits(model)
+    assert 0 < _relative_rms_error(logits, reference) < 0.15  # about 0.09: two FP8 roundings per matmul
+
+
+def _relative_rms_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    # A wrong scale or a transposed weight gives errors of the order of 1 or more.
+    return ((logits - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()).item()
+
+
+def test_per_channel_fp8_checkpoint_loads_to_the_same_model_as_quantizing_at_load(tiny, tmp_path, registry):
+    checkpoint = make_tiny_fp8_llama(tmp_path / "fp8")  # same seed, so the same float weights
+    loaded = _load(registry, checkpoint)
+    quantized = _load(registry, tiny, quantization="fp8")
+    for name, param in quantized.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name].float(), param.float()), name
+    assert torch.equal(_logits(loaded), _logits(quantized))
+
+
+def test_per_tensor_scales_of_merged_projections_land_on_their_rows(tmp_path, registry):
+    checkpoint = make_tiny_fp8_llama(tmp_path / "fp8t", per_tensor=True)
+    stored = load_file(str(Path(checkpoint, "model.safetensors")))
+    model = _load(registry, checkpoint)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    for shard, (offset, rows) in qkv.shards.items():
+        scale = stored[f"model.layers.1.self_attn.{shard}.weight_scale"]
+        assert scale.shape == ()
+        assert torch.equal(qkv.weight_scale[offset:offset + rows], scale.expand(rows, 1))
+        assert torch.equal(qkv.weight[offset:offset + rows].float(),
+                           stored[f"model.layers.1.self_attn.{shard}.weight"].float())
+    reference = _logits(_load(registry, make_tiny_llama(tmp_path / "bf")))
+    assert _relative_rms_error(_logits(model), reference) < 0.15
+
+
+def test_static_activation_scale_is_shared_by_merged_projections(tmp_path, registry):
+    checkpoint = make_tiny_fp8_llama(tmp_path / "fp8s", input_scale=10 / 448)
+    model = _load(registry, checkpoint)
+    assert model.model.layers[0].mlp.gate_up_proj.input_scale.item() == pytest.approx(10 / 448)
+    reference = _logits(_load(registry, make_tiny_llama(tmp_path / "bf")))
+    assert _relative_rms_error(_logits(model), reference) < 0.15
+
+
+def test_without_fp8_matmuls_a_checkpoint_is_dequantized_at_load(tmp_path, registry, monkeypatch):
+    monkeypatch.setattr(quantization, "fp8_matmul_unsupported", lambda device: "has no FP8 here")
+    checkpoint = make_tiny_fp8_llama(tmp_path / "fp8d")
+    stored = load_file(str(Path(checkpoint, "model.safetensors")))
+    model = _load(registry, checkpoint)
+    assert not _fp8_params(model)
+    down = model.model.layers[0].mlp.down_proj
+    assert not hasattr(down, "weight_scale") and down.weight.dtype == torch.float32
+    expected = dequantize(stored["model.layers.0.mlp.down_proj.weight"],
+                          stored["model.layers.0.mlp.down_proj.weight_scale"], torch.float32)
+    assert torch.equal(down.weight, expected)
+    with pytest.raises(ModelLoadError, match="model.quantization: fp8 has no FP8 here"):
+        _load(registry, make_tiny_llama(tmp_path / "bf"), quantization="fp8")
+
+
+def test_an_engine_serves_an_fp8_model_on_the_cpu(tiny):
+    from treadle.core.engine import Engine
+
+    engine = Engine({"model": {"path": tiny, "device": "cpu", "quantization": "fp8"},
+                     "cache": {"max_total_tokens": 512}})
+    try:
+        out = engine.generate(input_ids=[TOKENS], sampling_params={"max_new_tokens": 6, "temperature": 0,
+                                                                     "ignore_eos": True})
+        assert len(out[0].token_ids) == 6 and out[0].completion_tokens == 6
+        assert engine.model_info["dtype"] == "float32"
+    finally:
+        engine.shutdown()
