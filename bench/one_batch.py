@@ -1,7 +1,7 @@
 """One-batch latency: prefill one static batch, then time each decode step, per attention backend.
 
 ``treadle bench one-batch [--batch-sizes 1,32] [--input-len 512] [--decode-steps 128]
-[--backends torch_native,triton,flashinfer] [--graphs on,off] [--no-hf] [--no-profile]``
+[--backends torch_native,triton,flashinfer] [--graphs on,off] [--compare SPEC] [--no-hf] [--no-profile]``
 
 The model is Llama-3.1-8B's shape (its config.json written to a temp folder;
 ``--model`` takes another HF folder) with ``load_format: dummy`` weights in
@@ -27,6 +27,11 @@ In the same run:
   kernels, time by kind, and how much of the step the GPU is busy).
 
 A backend may be given tunables: ``--backends flashinfer:use_tensor_cores=false``.
+``--compare`` runs every backend once per config variant, as in ``treadle bench offline``: a
+comma-separated list of ``;``-separated ``KEY=VALUE`` overrides, e.g.
+``--compare "model.quantization=null,model.quantization=fp8"`` (bf16 vs FP8 weights; the roofline
+counts each parameter's real bytes, so FP8 weights halve it); ``fp8_small_batch_kernel=scaled_mm``
+forces the FP8 kernel for decode-sized batches (see plugins/models/fp8.py).
 
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
@@ -118,37 +123,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped: dict[str, str] = {}
         profiles: dict[str, Any] = {}
         hf_done = args.no_hf
-        for spec in args.backends.split(","):
+        variants = [v.strip() for v in args.compare.split(",")] if args.compare else [""]
+        for variant, spec, use_graph in [(v, s, g) for v in variants for s in args.backends.split(",") for g in graphs]:
             backend, options = parse_backend_spec(spec)
-            for use_graph in graphs:
-                label = f"{spec} graphs={'on' if use_graph else 'off'}"
-                try:
-                    runner = _build_runner(model_dir, backend, options, use_graph, max(batch_sizes), args, device)
-                except Exception as exc:  # a backend missing on this machine is reported, not fatal
-                    skipped[label] = f"{type(exc).__name__}: {exc}"
-                    print(f"skipped {label}: {skipped[label]}")
-                    continue
-                if use_graph and runner.cuda_graph_runner is None:
-                    skipped[label] = "no CUDA graphs here (CPU, or the backend does not support them)"
-                    runner = _release(runner)
-                    continue
-                for bs in batch_sizes:
-                    results.append(run_treadle(runner, label, backend, use_graph, prompts[bs], args, bandwidth))
-                    print(_row(results[-1]))
-                if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
-                    profiles[label] = profile_decode(runner, label, prompts[1])
-                if not hf_done:
-                    hf_done = True
-                    for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
-                        for bs in batch_sizes:
-                            try:
-                                results.append(run_hf(runner, prompts[bs], args, bandwidth, compiled=compiled))
-                            except Exception as exc:  # a compile failure is reported, not fatal
-                                skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
-                                print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
-                                continue
-                            print(_row(results[-1]))
+            label = f"{spec} graphs={'on' if use_graph else 'off'}" + (f" [{variant}]" if variant else "")
+            try:
+                runner = _build_runner(model_dir, backend, options, use_graph, max(batch_sizes), args, device,
+                                       variant)
+            except Exception as exc:  # a backend missing on this machine is reported, not fatal
+                skipped[label] = f"{type(exc).__name__}: {exc}"
+                print(f"skipped {label}: {skipped[label]}")
+                continue
+            if use_graph and runner.cuda_graph_runner is None:
+                skipped[label] = "no CUDA graphs here (CPU, or the backend does not support them)"
                 runner = _release(runner)
+                continue
+            for bs in batch_sizes:
+                results.append(run_treadle(runner, label, backend, use_graph, prompts[bs], args, bandwidth))
+                print(_row(results[-1]))
+            if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
+                profiles[label] = profile_decode(runner, label, prompts[1])
+            if not hf_done:
+                hf_done = True
+                for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
+                    for bs in batch_sizes:
+                        try:
+                            results.append(run_hf(runner, prompts[bs], args, bandwidth, compiled=compiled))
+                        except Exception as exc:  # a compile failure is reported, not fatal
+                            skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
+                            print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
+                            continue
+                        print(_row(results[-1]))
+            runner = _release(runner)
     if args.baseline:
         fill_baseline_ratios(results, json.loads(Path(args.baseline).read_text()))
     print()
@@ -169,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": [asdict(r) for r in results],
         "skipped": skipped,
         "profiles_bs1": profiles,
+        "fp8_small_batch_kernels": _fp8_choices(),
     }
     output = Path(args.output) if args.output else RESULTS_DIR / _default_name(report["machine"]["gpu"])
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -197,8 +204,9 @@ def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_graph: bool, max_bs: int,
-                  args: argparse.Namespace, device: torch.device) -> Any:
-    """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured."""
+                  args: argparse.Namespace, device: torch.device, variant: str = "") -> Any:
+    """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
+    is ``KEY=VALUE;...`` config overrides (plus ``fp8_small_batch_kernel``)."""
     from treadle.core.config import load_config
     from treadle.core.cuda_graph import CudaGraphRunner
     from treadle.core.model_runner import ModelRunner
@@ -213,6 +221,7 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
         "cache.max_total_tokens": max_bs * slots_per_request,
         "scheduler.max_running_requests": max_bs,
         "runtime.disable_cuda_graph": True, "runtime.cuda_graph_max_bs": max_bs,
+        **_variant_overrides(variant),
     }, use_env=False)
     runner = ModelRunner(config, build_registry())
     for attr, value in options.items():
@@ -603,6 +612,28 @@ def _release(runner: Any) -> None:
     return None
 
 
+def _variant_overrides(variant: str) -> dict[str, Any]:
+    import yaml
+
+    from treadle.plugins.models.fp8 import Fp8LinearMethod
+
+    overrides: dict[str, Any] = {}
+    Fp8LinearMethod.small_batch_kernel = "auto"
+    for item in filter(None, (part.strip() for part in variant.split(";"))):
+        key, _, value = item.partition("=")
+        if key == "fp8_small_batch_kernel":
+            Fp8LinearMethod.small_batch_kernel = value
+        else:
+            overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def _fp8_choices() -> dict[str, str]:
+    from treadle.plugins.models.fp8 import small_batch_choices
+
+    return small_batch_choices()
+
+
 def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -630,6 +661,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps", type=int, default=128, help="timed decode steps (default 128)")
     parser.add_argument("--backends", default="torch_native,triton,flashinfer")
     parser.add_argument("--graphs", default="off,on", help="CUDA graphs: off,on (default both)")
+    parser.add_argument("--compare", default=None,
+                        help="config variants: comma-separated items of ';'-separated KEY=VALUE overrides")
     parser.add_argument("--model", default=None, help="HF model folder (default: Llama-3.1-8B shapes)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same kind (smoke test)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

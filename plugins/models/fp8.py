@@ -7,11 +7,19 @@ token on the fly (``dynamic``) or with the checkpoint's ``input_scale``
 (``static``), and ``torch._scaled_mm`` multiplies them with row-wise scales:
 ``y[m, n] = (sum_k xq[m, k] wq[n, k]) * x_scale[m] * w_scale[n]``.
 See ``core/quantization.py`` for when which path is used.
+
+Decode-sized batches are bound by reading the weights, not by arithmetic, so on a
+GPU a batch of at most ``SMALL_BATCH_ROWS`` tokens may instead run a Triton W8A16
+kernel (FP8 weights widened in registers, 16-bit activations, no activation
+quantization): at load, each weight shape times both at one row and keeps the
+faster (``Fp8LinearMethod.small_batch_kernel`` = ``"auto"``; ``"scaled_mm"`` or
+``"w8a16"`` force one).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +35,12 @@ from treadle.plugins.models.fp8_ops import (
 )
 from treadle.plugins.models.linear import LinearBase, LinearMethod, RowParallelLinear, set_weight_attrs
 
+logger = logging.getLogger(__name__)
+
+SMALL_BATCH_ROWS = 16
+# (N, K, dtype, device) -> the W8A16 launch config that won at one row, or None when _scaled_mm did.
+_small_batch_choice: dict[tuple[int, int, torch.dtype, str], tuple[int, int, int, int] | None] = {}
+
 
 class Fp8LinearMethod(LinearMethod):
     """FP8 weights and ``torch._scaled_mm`` for one linear layer (see the module docstring).
@@ -37,6 +51,8 @@ class Fp8LinearMethod(LinearMethod):
     ``config.dequantize`` (no FP8 matmul on this device) the FP8 weights are widened once loaded and
     the layer runs ``F.linear``.
     """
+
+    small_batch_kernel: str = "auto"  # "auto", "scaled_mm" or "w8a16" (GPU, batches of <= SMALL_BATCH_ROWS tokens)
 
     def __init__(self, config: QuantizationConfig) -> None:
         self.config = config
@@ -81,12 +97,24 @@ class Fp8LinearMethod(LinearMethod):
                 f"FP8 matmuls on the GPU need in/out features that are multiples of 16; a layer has "
                 f"{cols} in and {rows} out; list it in the checkpoint's ignored_layers or drop model.quantization"
             )
+        layer.fp8_small_batch_config = None
+        if layer.weight.is_cuda and layer.fp8_out_dtype in (torch.float16, torch.bfloat16):
+            layer.fp8_small_batch_config = self._small_batch_config(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.dequantize:
             return F.linear(x, layer.weight, bias)
         leading = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        small_config = getattr(layer, "fp8_small_batch_config", None)
+        if small_config is not None and x2.shape[0] <= SMALL_BATCH_ROWS:
+            from treadle.plugins.models.fp8_kernels import w8a16_matmul
+
+            y = w8a16_matmul(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight, layer.weight_scale,
+                             small_config)
+            if bias is not None:
+                y = y + bias
+            return y.reshape(*leading, y.shape[-1])
         if self.static_input:
             xq, x_scale = quantize_static(x2, layer.input_scale)
         else:
@@ -95,6 +123,69 @@ class Fp8LinearMethod(LinearMethod):
         if bias is not None:
             y = y + bias
         return y.reshape(*leading, y.shape[-1])
+
+    def _small_batch_config(self, layer: LinearBase) -> tuple[int, int, int, int] | None:
+        if self.small_batch_kernel == "scaled_mm":
+            return None
+        from treadle.plugins.models.fp8_kernels import W8A16_CONFIGS
+
+        if self.small_batch_kernel == "w8a16":
+            return W8A16_CONFIGS[0]
+        weight, scale = layer.weight.data, layer.weight_scale.data
+        key = (weight.shape[0], weight.shape[1], layer.fp8_out_dtype, str(weight.device))
+        if key not in _small_batch_choice:
+            _small_batch_choice[key] = _time_small_batch_kernels(weight, scale, layer.fp8_out_dtype)
+            logger.info("FP8 %s x %s at 1 row: %s", key[0], key[1],
+                        "_scaled_mm" if _small_batch_choice[key] is None else f"W8A16 {_small_batch_choice[key]}")
+        return _small_batch_choice[key]
+
+
+def small_batch_choices() -> dict[str, str]:
+    """Which kernel each FP8 weight shape (``"N x K"``) runs at decode batch sizes on this GPU (for reports)."""
+    return {f"{n} x {k}": ("scaled_mm" if c is None else "w8a16 " + "/".join(map(str, c)))
+            for (n, k, _, _), c in _small_batch_choice.items()}
+
+
+def _time_small_batch_kernels(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                              ) -> tuple[int, int, int, int] | None:
+    """The fastest of ``_scaled_mm`` (None) and each W8A16 config for one row of activations."""
+    from treadle.plugins.models.fp8_kernels import W8A16_CONFIGS, w8a16_matmul
+
+    x = torch.randn(1, weight.shape[1], dtype=dtype, device=weight.device)
+    candidates: dict[Any, Callable[[], torch.Tensor]] = {
+        None: lambda: fp8_matmul(*quantize_per_token(x), weight, scale, dtype),
+    }
+    for config in W8A16_CONFIGS:
+        candidates[config] = lambda config=config: w8a16_matmul(x, weight, scale, config)
+    timings = {}
+    for config, run in candidates.items():
+        try:
+            timings[config] = _graph_seconds(run)
+        except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
+            logger.info("FP8 W8A16 config %s skipped: %s", config, exc)
+    return min(timings, key=timings.get)
+
+
+def _graph_seconds(run: Callable[[], torch.Tensor], per_graph: int = 10, replays: int = 5) -> float:
+    """Device time of one ``run``, replayed from a CUDA graph as decode runs it (no launch gaps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles, and warms up outside the capture
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / (per_graph * replays)
 
 
 def linear_method(config: QuantizationConfig, layer: nn.Module, prefix: str) -> LinearMethod | None:

@@ -46,3 +46,15 @@ def test_hf_compiled_peer_uses_a_static_cache_and_matches_hf(tmp_path):
     assert compiled.backend == one_batch.HF_COMPILED and eager.backend is None
     assert compiled.first_tokens == eager.first_tokens
     assert "x hf-compiled" in one_batch.format_table([eager, compiled])
+
+
+def test_one_batch_compares_bf16_and_fp8_weights(tmp_path):
+    output = tmp_path / "fp8.json"
+    assert main(["--tiny", "--device", "cpu", "--batch-sizes", "1", "--decode-steps", "2", "--input-len", "8",
+                 "--backends", "torch_native", "--no-hf", "--no-profile", "--output", str(output),
+                 "--compare", "model.quantization=null,model.quantization=fp8"]) == 0
+    rows = {row["system"]: row for row in json.loads(output.read_text())["results"]}
+    plain = rows["treadle torch_native graphs=off [model.quantization=null]"]
+    fp8 = rows["treadle torch_native graphs=off [model.quantization=fp8]"]
+    # The roofline counts FP8 weights at one byte: the decoder's linear layers halve, the embeddings do not.
+    assert 0.5 * plain["roofline_ms"] < fp8["roofline_ms"] < 0.8 * plain["roofline_ms"]

