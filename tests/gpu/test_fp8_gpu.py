@@ -47,8 +47,12 @@ def test_per_token_quant_kernel_matches_torch_rounding():
         q, scale = per_token_quant(x, FP8_DTYPE, FP8_MAX, 1e-12)
         expected_scale = x.float().abs().amax(1, keepdim=True) / FP8_MAX
         assert torch.allclose(scale, expected_scale, rtol=1e-6)
-        expected = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        assert (q.float() != expected.float()).float().mean() < 1e-3  # division rounding may differ in a few ulps
+        expected = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+        # Triton's float32 division and FP8 conversion may round differently from torch's near a halfway
+        # point (0.24% of values on an H100): never by more than one FP8 step.
+        one_step = expected.abs() * 2.0**-3 + 2.0**-9
+        assert ((q.float() - expected).abs() <= one_step).all()
+        assert (q.float() != expected).float().mean() < 0.01
 
 
 def _greedy(model_dir: str, engine_config, backend: str, graphs: bool, **sections) -> list[list[int]]:
