@@ -104,6 +104,11 @@ def make_batch(
     pool_rows = (torch.randperm(bs + 2, generator=gen)[:bs]).tolist()
 
     full_k, full_v, new_k, new_v, out_cache_loc, positions = [], [], [], [], [], []
+    # A MIXED batch's trailing one-token requests go to the decode kernel, which reads their new K/V
+    # back from the cache (so, in FP8, as stored); the others attend to their new tokens as given.
+    decode_tail_from = bs
+    while mode == ForwardMode.MIXED and decode_tail_from > 0 and extend_lens[decode_tail_from - 1] == 1:
+        decode_tail_from -= 1
     for i in range(bs):
         req_pages = [pages.pop() for _ in range(pages_per_req[i])]
         slots = torch.tensor([req_pages[p // page_size] * page_size + p % page_size for p in range(seq_lens[i])])
@@ -113,7 +118,7 @@ def make_batch(
         prefix = slots[: prefix_lens[i]]
         cache.set_kv_buffer(LAYER_ID, prefix, k[: prefix_lens[i]], v[: prefix_lens[i]])
         if cache.is_fp8:
-            read_back = seq_lens[i] if mode.is_decode() else prefix_lens[i]
+            read_back = seq_lens[i] if mode.is_decode() or i >= decode_tail_from else prefix_lens[i]
             k, v = k.clone(), v.clone()
             k[:read_back] = _fp8_round_trip(k[:read_back], kv_scales[0], cache.dtype)
             v[:read_back] = _fp8_round_trip(v[:read_back], kv_scales[1], cache.dtype)
