@@ -105,6 +105,12 @@ class ReasoningConfig(Section):
     parser: str = Field("none", description="reasoning parser (reasoning_parsers plugin), e.g. think_tags; none: off")
 
 
+class GrammarConfig(Section):
+    backend: str = Field("xgrammar", description="grammar_backends plugin for json_schema / regex / ebnf constraints")
+    cache_size: int = Field(256, ge=0, description="compiled constraints kept per scheduler (LRU); 0 disables")
+    any_whitespace: bool = Field(False, description="allow free whitespace between JSON tokens (else compact JSON)")
+
+
 class ParallelConfig(Section):
     tp_size: int = Field(1, ge=1, le=1, description="tensor parallelism is not implemented yet")
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
@@ -132,6 +138,7 @@ class ServerConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
+    grammar: GrammarConfig = Field(default_factory=GrammarConfig)
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod
@@ -203,6 +210,7 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
         ("attention", config.attention.backend, "attention.backend"),
         ("schedule_policies", config.scheduler.policy, "scheduler.policy"),
         ("kv_allocators", config.cache.kv_allocator, "cache.kv_allocator"),
+        ("grammar_backends", config.grammar.backend, "grammar.backend"),
     ]
     if config.tools.parser not in ("auto", "none"):
         choices.append(("tool_parsers", config.tools.parser, "tools.parser"))

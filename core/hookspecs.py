@@ -41,6 +41,10 @@ class Spec:
     def treadle_register_reasoning_parsers(self, register: Register) -> None:
         """Register ReasoningParser factories (``treadle.core.reasoning_parser``): ``register("name", factory())``."""
 
+    @hookspec
+    def treadle_register_grammar_backends(self, register: Register) -> None:
+        """Register GrammarBackend factories: ``register("name", factory(tokenizer=, vocab_size=, ...))``."""
+
 
 # kind -> hook name; the kinds are the keys of `treadle plugins --json`.
 HOOKS_BY_KIND: dict[str, str] = {
@@ -50,6 +54,7 @@ HOOKS_BY_KIND: dict[str, str] = {
     "kv_allocators": "treadle_register_kv_allocators",
     "tool_parsers": "treadle_register_tool_parsers",
     "reasoning_parsers": "treadle_register_reasoning_parsers",
+    "grammar_backends": "treadle_register_grammar_backends",
 }
 
 KIND_LABELS: dict[str, str] = {
@@ -59,4 +64,5 @@ KIND_LABELS: dict[str, str] = {
     "kv_allocators": "KV allocator",
     "tool_parsers": "tool parser",
     "reasoning_parsers": "reasoning parser",
+    "grammar_backends": "grammar backend",
 }

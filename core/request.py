@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,15 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # Constrained decoding (at most one): the output must match this JSON schema (as JSON text),
+    # regular expression, or EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, (dict, bool)):
+            self.json_schema = json.dumps(self.json_schema)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -57,6 +65,13 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
+        from treadle.core.grammar import validate_constraint_fields
+
+        validate_constraint_fields(self)
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def is_greedy(self) -> bool:
@@ -122,6 +137,7 @@ class Req:
 
     # Sampling state.
     sample_seed: int = 0
+    grammar: Any = None  # the GrammarMatcher of a constrained request (core.grammar)
 
     # Log-probabilities (filled when return_logprob).
     input_token_logprobs: list[float | None] = field(default_factory=list)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.core.grammar import apply_vocab_mask
 from treadle.core.request import Req
 
 _MASK32 = 0xFFFFFFFF
@@ -200,8 +201,12 @@ class Sampler:
     def __init__(self) -> None:
         self.penalty_pool: PenaltyPool | None = None
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 vocab_mask: torch.Tensor | None = None) -> SampleResult:
+        """``vocab_mask``: an int32 bitmask ``[bs, ceil(vocab / 32)]`` of allowed tokens (constrained decoding)."""
         raw_logits = logits
+        if vocab_mask is not None:
+            logits = apply_vocab_mask(logits, vocab_mask)
         penalties = batch.penalties
         if penalties is None and batch.penalty_reqs:
             if self.penalty_pool is None or self.penalty_pool.device != logits.device:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from treadle.core.config import ServerConfig, validate_plugin_choices
+from treadle.core.grammar import GrammarManager
 from treadle.core.hub import default_served_name
 from treadle.core.model_runner import ModelRunner
 from treadle.core.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
@@ -59,6 +60,8 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or self.runner.model_dir)
         self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.runner.model_dir, self.tokenizer)
         self.context_len = self.runner.context_len
+        self.grammar = GrammarManager.from_config(config, self.registry, self.tokenizer, self.runner.vocab_size,
+                                                  self.eos_token_ids, self.runner.device)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -111,6 +114,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         room = self.context_len - prompt_len
         if req.sampling_params.max_new_tokens > room:
             req.sampling_params.max_new_tokens = room
+        self.grammar.attach(req)
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> ReqOutput | None:
@@ -120,6 +124,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
                 break
         else:
             return None
+        self.grammar.release(req)
         if req in self.waiting:
             self.waiting.remove(req)
         else:
@@ -204,9 +209,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         with torch.inference_mode():
             rows = to_device(torch.tensor(batch.last_logit_rows(), dtype=torch.int64), logits.device)
             sampling = SamplingBatch.from_reqs(batch.reqs, self.runner.vocab_size, self.runner.device)
-            # Contract A: constrained decoding passes this mask on as Sampler(..., vocab_mask=...).
-            self._vocab_mask(batch)
-            result = self.sampler(logits.index_select(0, rows), sampling)
+            result = self.sampler(logits.index_select(0, rows), sampling, vocab_mask=self._vocab_mask(batch))
             self.next_input_ids.record(step.forward_batch.req_pool_indices, result.next_token_ids)
             tensors = {"next_ids": result.next_token_ids, "logprobs": result.logprobs,
                        "top_values": None, "top_ids": None}
@@ -219,9 +222,10 @@ class Scheduler(BatchBuilding, OutputProcessing):
     def _vocab_mask(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Hook right before sampling: the allowed-token mask of constrained rows (None: no constraints).
 
-        By now the previous step's tokens have been processed, so per-request constraint state is current.
+        By now the previous step's tokens have been processed, so per-request constraint state is current;
+        the mask is built on the host while the device still runs this step's forward.
         """
-        return None
+        return self.grammar.vocab_mask(batch.reqs)
 
     def _settle(self) -> None:
         """Read the step in flight (waiting for its tokens) and queue its outputs."""

@@ -257,6 +257,7 @@ class BatchBuilding:
 
     def _finish(self, req: Req) -> None:
         self._release(req)
+        self.grammar.release(req)
         self.num_finished += 1
 
     def _retract(self, req: Req) -> None:

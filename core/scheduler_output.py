@@ -109,7 +109,9 @@ class OutputProcessing:
 
     def _check_finished(self, req: Req, token: int) -> None:
         params = req.sampling_params
-        if token in params.stop_token_ids:
+        if self.grammar.accept(req, token):
+            req.finish(FinishReason.STOP, str(token) if token in self.eos_token_ids else None)
+        elif token in params.stop_token_ids:
             req.finish(FinishReason.STOP, str(token))
         elif not params.ignore_eos and token in self.eos_token_ids:
             req.finish(FinishReason.STOP, str(token))

@@ -1,6 +1,7 @@
 """treadle's plugin conformance kit: pytest-callable checks a plugin package runs in its own tests.
 
     from treadle.testing import check_attention_backend, check_kv_allocator, check_schedule_policy
+    from treadle.testing import check_grammar_backend
 
     def test_my_policy_conforms():
         check_schedule_policy(MyPolicy)
@@ -10,6 +11,9 @@
 
     def test_my_attention_backend_conforms():
         check_attention_backend(MyAttnBackend, "cuda", torch.bfloat16)
+
+    def test_my_grammar_backend_conforms():
+        check_grammar_backend(MyGrammarBackend)
 
 Each check raises AssertionError naming the broken rule. The kit depends on
 treadle's core only (built-in plugins are reached through the registry).
@@ -23,14 +27,18 @@ from treadle.testing.allocators import check_kv_allocator
 from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
-__all__ = ["check_attention_backend", "check_kv_allocator", "check_reasoning_parser", "check_schedule_policy",
-           "check_tool_parser"]
+__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_reasoning_parser",
+           "check_schedule_policy", "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:
-    # The attention check lives in its own module, imported on first use.
+    # The attention and grammar checks live in their own modules, imported on first use.
     if name == "check_attention_backend":
         from treadle.testing.attention import check_attention_backend
 
         return check_attention_backend
+    if name == "check_grammar_backend":
+        from treadle.testing.grammar import check_grammar_backend
+
+        return check_grammar_backend
     raise AttributeError(f"module 'treadle.testing' has no attribute {name!r}")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+# Shared test data modules (e.g. structured_schemas) import by name under --import-mode=importlib.
+sys.path.insert(0, os.path.dirname(__file__))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -13,9 +13,11 @@ def test_plugins_json_lists_every_kind_with_providers():
     result = _run("plugins", "--json")
     assert result.returncode == 0, result.stderr
     table = json.loads(result.stdout)
-    assert {"attention", "models", "schedule_policies", "kv_allocators", "tool_parsers", "reasoning_parsers"} <= set(table)
+    assert {"attention", "models", "schedule_policies", "kv_allocators", "tool_parsers", "reasoning_parsers",
+            "grammar_backends"} <= set(table)
     assert {"llama3_json", "mistral", "hermes"} <= set(table["tool_parsers"])
     assert table["reasoning_parsers"]["think_tags"] == "treadle"
+    assert table["grammar_backends"] == {"llguidance": "treadle", "xgrammar": "treadle"}
     assert table["schedule_policies"]["shortest-prompt-first"] == "treadle-plugin-example"
     assert {"fcfs", "lpm", "random", "dfs-weight", "lof", "priority"} <= set(table["schedule_policies"])
     assert {"token", "paged"} <= set(table["kv_allocators"])

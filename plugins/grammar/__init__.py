@@ -1,0 +1,1 @@
+"""Built-in grammar backends (``grammar_backends`` plugins): xgrammar and llguidance."""

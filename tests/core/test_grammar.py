@@ -1,0 +1,139 @@
+"""Constrained decoding through the Engine on a tiny random model with a tokenizer: masks, finishing,
+neighbours, retraction, errors. A random model's output is only valid because the mask makes it so."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from treadle import Engine, SamplingParams
+from treadle.core.request import InvalidRequestError, Req
+from treadle.testing.engine import assert_kv_accounted
+
+PROMPTS = [
+    [5, 17, 42, 8, 99, 3, 250, 11, 7, 64, 31],
+    [300, 301, 9, 14],
+    [5, 17, 42, 8, 99, 3, 250, 11, 200, 12],
+    [120, 121, 122, 123, 124, 44],
+]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from treadle.testing.models import make_tiny_llama
+    from treadle.testing.tokenizer import make_tiny_tokenizer
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"))
+    return make_tiny_tokenizer(path)
+
+
+def make_engine(model_dir, backend="xgrammar", **sections):
+    return Engine({"model": {"path": model_dir}, "grammar": {"backend": backend}, **sections})
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return make_engine(model_dir)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_every_kind_of_constraint_is_obeyed(model_dir, backend):
+    engine = make_engine(model_dir, backend)
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0, json_schema=json.dumps(SCHEMA)),
+        SamplingParams(max_new_tokens=40, temperature=0, regex=r"(yes|no), [0-9]{3}"),
+        SamplingParams(max_new_tokens=40, temperature=0, ebnf='root ::= "The " ("cat" | "dog") " is " [a-z]{2,4} "."'),
+        SamplingParams(max_new_tokens=40, temperature=0.9, seed=7, regex=r"[A-Z][a-z]{3}"),
+    ]
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    value = json.loads(outputs[0].text)
+    assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99 and isinstance(value["ok"], bool)
+    assert re.fullmatch(r"(yes|no), [0-9]{3}", outputs[1].text)
+    assert re.fullmatch(r"The (cat|dog) is [a-z]{2,4}\.", outputs[2].text)
+    assert re.fullmatch(r"[A-Z][a-z]{3}", outputs[3].text)
+    assert all(o.finish_reason == "stop" for o in outputs)
+    assert_kv_accounted(engine)
+
+
+def test_a_constraint_cut_by_max_tokens_says_length(engine):
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=SamplingParams(
+        max_new_tokens=3, temperature=0, regex=r"[a-z]{10,20}"))
+    assert out.finish_reason == "length" and out.completion_tokens == 3
+    assert re.fullmatch(r"[a-z]+", out.text)
+
+
+def test_unconstrained_neighbours_decode_exactly_as_alone(engine):
+    free = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    alone = engine.generate(input_ids=PROMPTS[:2], sampling_params=free)
+    constrained = SamplingParams(max_new_tokens=16, temperature=0, regex=r"[0-9]{4,12}")
+    mixed = engine.generate(input_ids=PROMPTS, sampling_params=[free, free, constrained, constrained])
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+    assert all(re.fullmatch(r"[0-9]{4,12}", o.text) for o in mixed[2:])
+
+
+def test_retraction_keeps_the_matcher_in_step(model_dir, engine):
+    pattern = r"[a-z]{5}( [a-z]{5}){9}"
+    params = SamplingParams(max_new_tokens=60, temperature=0, regex=pattern)
+    reference = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    tight = make_engine(model_dir, cache={"max_total_tokens": 48}, scheduler={"new_token_ratio": 0.0})
+    outputs = tight.generate(input_ids=PROMPTS, sampling_params=params)
+    assert tight.kv_stats()["retractions"] > 0
+    assert [o.text for o in outputs] == [o.text for o in reference]
+    assert all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in outputs)
+    assert_kv_accounted(tight)
+
+
+def test_matchers_are_freed_on_finish_and_abort(engine):
+    scheduler = engine.scheduler
+    req = Req(rid="g1", origin_input_ids=PROMPTS[0],
+              sampling_params=SamplingParams(max_new_tokens=8, regex=r"[a-z]+"))
+    scheduler.add_request(req)
+    assert req.grammar is not None
+    scheduler.step()
+    scheduler.abort_request("g1")
+    assert req.grammar is None
+    done = Req(rid="g2", origin_input_ids=PROMPTS[1], sampling_params=SamplingParams(max_new_tokens=4, regex="ab"))
+    scheduler.add_request(done)
+    while scheduler.has_work():
+        scheduler.step()
+    assert done.finished_reason == "stop" and done.grammar is None
+
+
+def test_compiled_constraints_are_cached(engine):
+    grammar = engine.scheduler.grammar
+    params = SamplingParams(max_new_tokens=2, regex=r"[xyz]{2}q")
+    engine.generate(input_ids=PROMPTS[:1], sampling_params=params)
+    misses = grammar.cache_misses
+    engine.generate(input_ids=PROMPTS[1:3], sampling_params=params)
+    assert grammar.cache_misses == misses and grammar.cache_hits >= 2
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"regex": "(ab"}, "invalid regex"),
+    ({"json_schema": "{not json"}, "not valid JSON"),
+    ({"json_schema": '{"type": "no-such-type"}'}, "invalid json_schema"),
+    ({"json_schema": '[1, 2]'}, "must be a JSON object"),
+    ({"ebnf": "root ::= missing_rule"}, "invalid ebnf"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+])
+def test_invalid_constraints_are_request_errors(engine, params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert_kv_accounted(engine, flush=False)
+
+
+def test_json_schema_may_be_given_as_a_dict(engine):
+    out = engine.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 40, "temperature": 0,
+                                                                 "json_schema": SCHEMA})
+    assert set(json.loads(out.text)) == {"n", "ok"}
+
+
+def test_unknown_grammar_backend_is_a_config_error(model_dir):
+    from treadle.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grammar.backend: unknown grammar backend 'outlines'"):
+        make_engine(model_dir, backend="outlines")
