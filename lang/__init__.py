@@ -17,7 +17,7 @@ See docs/lang.md for the whole language.
 
 from treadle.lang.backend import Backend, Completion
 from treadle.lang.engine_backend import EngineBackend
-from treadle.lang.ir import RegexMismatchError, assistant, gen, select, system, user
+from treadle.lang.ir import assistant, gen, select, system, user
 from treadle.lang.program import Program, function, get_default_backend, set_default_backend
 from treadle.lang.runtime_endpoint import RuntimeEndpoint, RuntimeEndpointError
 from treadle.lang.state import ForkGroup, ProgramState
@@ -29,7 +29,6 @@ __all__ = [
     "ForkGroup",
     "Program",
     "ProgramState",
-    "RegexMismatchError",
     "RuntimeEndpoint",
     "RuntimeEndpointError",
     "assistant",

@@ -7,6 +7,7 @@ strings) into one :class:`Concat`, so ``"Answer: " + gen("a")`` is one expressio
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Union
@@ -64,6 +65,7 @@ class Gen(Expr):
     ignore_eos: bool | None = None
     seed: int | None = None
     regex: str | None = None
+    json_schema: str | None = None
 
     def sampling_overrides(self) -> dict:
         """The sampling fields this call sets explicitly, in /generate's vocabulary."""
@@ -79,6 +81,8 @@ class Gen(Expr):
             "presence_penalty": self.presence_penalty,
             "ignore_eos": self.ignore_eos,
             "seed": self.seed,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
         }
         return {key: value for key, value in values.items() if value is not None}
 
@@ -125,21 +129,25 @@ def gen(
     presence_penalty: float | None = None,
     ignore_eos: bool | None = None,
     seed: int | None = None,
+    json_schema: str | dict | None = None,
 ) -> Gen:
     """Generate text and store it as ``s[name]``.
 
-    ``regex`` is not constrained decoding: the text is generated freely and then
-    cut to the longest prefix that fully matches ``regex`` (or, failing that, the
-    first match anywhere in it); when nothing matches, :class:`RegexMismatchError`
-    is raised.
+    ``regex`` or ``json_schema`` (a dict or JSON text) constrain decoding with
+    the backend's grammar engine: the text matches them unless ``max_tokens``
+    cuts it short. The backend checks them; an invalid one fails the program.
     """
     if max_tokens is not None and max_tokens < 0:
         raise ValueError(f"gen({name!r}): max_tokens must be >= 0, got {max_tokens}")
+    if regex is not None and json_schema is not None:
+        raise ValueError(f"gen({name!r}): give regex or json_schema, not both")
     if regex is not None:
         try:
             re.compile(regex)
         except re.error as exc:
             raise ValueError(f"gen({name!r}): invalid regex {regex!r}: {exc}") from None
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
     return Gen(
         name=name,
         max_tokens=max_tokens,
@@ -154,6 +162,7 @@ def gen(
         ignore_eos=ignore_eos,
         seed=seed,
         regex=regex,
+        json_schema=json_schema,
     )
 
 
@@ -185,22 +194,3 @@ def user(*content: ExprLike) -> Role:
 def assistant(*content: ExprLike) -> Role:
     """An assistant message, usually holding a ``gen``; the chat template wraps it."""
     return _role("assistant", content)
-
-
-class RegexMismatchError(ValueError):
-    """``gen(regex=...)`` produced text in which the pattern matches nowhere."""
-
-
-def trim_to_regex(text: str, pattern: str) -> str:
-    """The longest prefix of ``text`` fully matching ``pattern``, else its first match anywhere."""
-    compiled = re.compile(pattern)
-    for end in range(len(text), -1, -1):
-        if compiled.fullmatch(text, 0, end):
-            return text[:end]
-    found = compiled.search(text)
-    if found is None:
-        raise RegexMismatchError(
-            f"generated text {text!r} does not match regex {pattern!r} anywhere "
-            f"(treadle generates first and then trims; it does not constrain decoding)"
-        )
-    return found.group(0)

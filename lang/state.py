@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from treadle.lang.backend import Backend, Completion
-from treadle.lang.ir import Concat, Expr, ExprLike, Gen, Role, Select, Text, as_expr, trim_to_regex
+from treadle.lang.ir import Concat, Expr, ExprLike, Gen, Role, Select, Text, as_expr
 
 
 class ProgramState:
@@ -188,7 +188,7 @@ class ProgramState:
         merged = {**self.default_sampling, **expr.sampling_overrides()}
         params = {key: value for key, value in merged.items() if value is not None}
         input_ids = self._prompt_ids("gen", expr.name)
-        streaming = self._chunks is not None and expr.regex is None
+        streaming = self._chunks is not None
         if streaming:
             completion = self._stream_gen(input_ids, params, expr.name)
         else:
@@ -198,7 +198,6 @@ class ProgramState:
             raise RuntimeError(f"gen({expr.name!r}) was aborted by the backend{detail}")
         value = completion.text
         if not streaming:
-            value = trim_to_regex(value, expr.regex) if expr.regex else value
             self._append(value, expr.name)
         if expr.name is not None:
             self._vars[expr.name] = value

@@ -156,6 +156,9 @@ class NativeSamplingParams(_Body):
     ignore_eos: StrictBool = False
     seed: int | None = None
     skip_special_tokens: StrictBool = True
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Body):

@@ -1,4 +1,4 @@
-"""Programs on the in-process Engine: multi-turn chat, run_batch ordering, streaming, regex."""
+"""Programs on the in-process Engine: multi-turn chat, run_batch ordering, streaming, constrained gen."""
 
 from __future__ import annotations
 
@@ -63,15 +63,16 @@ def test_streaming_yields_the_text_while_the_program_runs(engine_backend):
 def capital(s):
     s += system("Answer briefly.")
     s += user("What is the capital of France?")
-    s += assistant("The capital of France is" + gen("city", max_tokens=6, regex=r" [A-Z][a-z]+"))
+    s += assistant("The capital of France is" + gen("city", max_tokens=6, regex=r" [A-Z][a-z]+\."))
 
 
-def test_gen_regex_keeps_the_matching_prefix_of_the_generated_text(engine_backend):
+def test_gen_regex_constrains_decoding(engine_backend):
     state = capital.run(backend=engine_backend, temperature=0)
 
-    assert re.fullmatch(r" [A-Z][a-z]+", state["city"])
-    assert state["city"] == " Paris"
-    assert state.text().endswith("The capital of France is Paris<|im_end|>\n")
+    assert re.fullmatch(r" [A-Z][a-z]+\.", state["city"])
+    assert state["city"] == " Paris."
+    assert state.get_meta_info("city")["finish_reason"] == "stop"
+    assert state.text().endswith("The capital of France is Paris.<|im_end|>\n")
 
 
 def test_with_role_blocks_write_the_same_text_as_role_calls(engine_backend):

@@ -36,3 +36,33 @@ def test_server_errors_name_the_bad_parameter(endpoint_backend):
 
     with pytest.raises(RuntimeEndpointError, match="temperature"):
         bad.run(backend=endpoint_backend)
+
+
+@function
+def birthday(s):
+    s += user("When was Albert Einstein born, and describe him as JSON.")
+    s += assistant("Born on " + gen("date", max_tokens=16, regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+                   + ". " + gen("person", max_tokens=48, json_schema={
+                       "type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
+                       "required": ["name", "born"]}))
+
+
+def test_constrained_gen_is_the_same_on_both_backends(engine_backend, endpoint_backend):
+    import json
+    import re
+
+    local = birthday.run(backend=engine_backend, temperature=0)
+    remote = birthday.run(backend=endpoint_backend, temperature=0, stream=True)
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", local["date"])
+    assert set(json.loads(local["person"])) == {"name", "born"}
+    assert remote["date"] == local["date"] and remote["person"] == local["person"]
+    assert local.get_meta_info("person")["finish_reason"] == "stop"
+
+
+def test_an_invalid_constraint_is_a_server_error_naming_it(endpoint_backend):
+    @function
+    def bad(s):
+        s += "Hello" + gen("x", max_tokens=2, json_schema={"type": "no-such-type"})
+
+    with pytest.raises(RuntimeEndpointError, match="json_schema"):
+        bad.run(backend=endpoint_backend)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -196,6 +197,18 @@ def test_native_generate_text_ids_batch_and_stream(http: httpx.Client) -> None:
     assert all(body["text"].startswith(c["text"]) for c in chunks)
 
 
+def test_native_generate_follows_regex_and_json_schema(http: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    results = http.post("/generate", json={"text": ["Hello", "Goodbye"], "sampling_params": {
+        "max_new_tokens": 32, "temperature": 0, "regex": "[a-c]{3}-[0-9]{2}"}}).json()
+    results.append(http.post("/generate", json={"text": "Hello", "sampling_params": {
+        "max_new_tokens": 32, "temperature": 0, "json_schema": schema}}).json())
+    assert all(re.fullmatch("[a-c]{3}-[0-9]{2}", r["text"]) for r in results[:2])
+    assert results[0]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert list(json.loads(results[2]["text"])) == ["n"]
+
+
 def test_native_generate_logprobs(http: httpx.Client) -> None:
     result = http.post("/generate", json={
         "input_ids": [1, 10, 11, 12], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
@@ -278,6 +291,12 @@ BAD_REQUESTS = [
     ("unknown sampling param", "/generate", {"text": "x", "sampling_params": {"temprature": 0}}, 400,
      "sampling_params.temprature"),
     ("streaming with bad value", "/v1/completions", {"prompt": "x", "stream": True, "top_k": 0}, 400, "top_k"),
+    ("invalid regex", "/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, 400, "regex"),
+    ("unsupported schema type", "/generate", {"text": "x", "sampling_params": {"json_schema": {"type": "nope"}}},
+     400, "json_schema"),
+    ("schema not json", "/generate", {"text": "x", "sampling_params": {"json_schema": "{"}}, 400, "json_schema"),
+    ("two constraints", "/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+     400, "ebnf"),
 ]
 
 
