@@ -137,3 +137,16 @@ def test_unknown_grammar_backend_is_a_config_error(model_dir):
 
     with pytest.raises(ConfigError, match="grammar.backend: unknown grammar backend 'outlines'"):
         make_engine(model_dir, backend="outlines")
+
+
+def test_constrained_output_is_the_same_with_and_without_overlap(model_dir, engine):
+    params = [SamplingParams(max_new_tokens=40, temperature=0, json_schema=json.dumps(SCHEMA)),
+              SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, temperature=0, regex=r"([a-z]{2,6} ){3}[0-9]+"),
+              SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, regex=r"[a-z]{3}\.[a-z]{2,8}")]
+    serial = make_engine(model_dir, scheduler={"disable_overlap": True})
+    expected = serial.generate(input_ids=PROMPTS, sampling_params=params)
+    assert engine.config.scheduler.disable_overlap is False
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected]
