@@ -96,7 +96,11 @@ class Detokenizer:
 
 
 def _stopped_by_token(output: ReqOutput, stop_strings: list[str]) -> bool:
-    """Whether the request ended on a stop token (EOS or stop_token_ids) rather than a stop string."""
+    """Whether the request ended on a stop token (EOS or stop_token_ids) rather than a stop string.
+
+    A stop token always records its id as the detail; a STOP without a detail (a grammar
+    that completed on an ordinary token) keeps its last token.
+    """
     if output.finished_reason != FinishReason.STOP:
         return False
-    return output.finished_detail is None or output.finished_detail not in stop_strings
+    return output.finished_detail is not None and output.finished_detail not in stop_strings
