@@ -37,7 +37,16 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 
 class ForcedCallFormat(ToolParser):
-    """Reads the JSON that :func:`forced_call_schema` enforces (one call object, or an array of them)."""
+    """Reads the JSON that :func:`forced_call_schema` enforces (one call object, or an array of them).
+
+    Call ids come from ``ids_from`` (the model family's parser) when given, so they suit its chat template.
+    """
+
+    def __init__(self, ids_from: ToolParser | None = None) -> None:
+        self.ids_from = ids_from
+
+    def new_call_id(self) -> str:
+        return self.ids_from.new_call_id() if self.ids_from is not None else super().new_call_id()
 
     def snapshot(self, text: str, final: bool) -> Snapshot | None:
         start = len(text) - len(text.lstrip())

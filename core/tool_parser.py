@@ -114,12 +114,20 @@ class ToolParser(ABC):
     def tools_prompt(self, tools: list[dict[str, Any]]) -> str:
         """System-prompt text that lists ``tools`` and shows the call format, for chat templates that know no tools."""
 
+    def new_call_id(self) -> str:
+        """The id of a call read from the model (``call_`` + 24 hex digits).
+
+        Override it where the family's chat template checks ids it gets back in the history.
+        """
+        return new_call_id()
+
     def parse(self, text: str) -> ParsedCalls:
         """Calls in a whole completion; malformed calls leave everything as content."""
         snap = self.snapshot(text, final=True)
         if snap is None or any(c.name is None or not c.complete for c in snap.calls):
             return ParsedCalls(text, [])
-        return ParsedCalls(snap.content, [ToolCall(c.name or "", c.arguments or "{}") for c in snap.calls])
+        return ParsedCalls(snap.content, [ToolCall(c.name or "", c.arguments or "{}", self.new_call_id())
+                                          for c in snap.calls])
 
     def streamer(self) -> "ToolCallStreamer":
         return ToolCallStreamer(self)
@@ -165,7 +173,7 @@ class ToolCallStreamer:
             if call.name is None:
                 break  # later calls wait for this one's header so indices stay in order
             if index == len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(self.parser.new_call_id())
                 self.sent_args.append(len(call.arguments))
                 deltas.append(ToolCallDelta(index, self.ids[index], call.name, call.arguments))
             elif len(call.arguments) > self.sent_args[index]:

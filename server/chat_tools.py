@@ -94,7 +94,7 @@ def plan_chat(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
                            f"it cannot be combined with {', '.join(sorted(plan.constraint))}", param="tool_choice")
     parallel = body.parallel_tool_calls and name is None
     plan.constraint["json_schema"] = json.dumps(forced_call_schema(tools, name, parallel, parsers.max_forced_calls))
-    plan.call_format = ForcedCallFormat()
+    plan.call_format = ForcedCallFormat(ids_from=parsers.tool_parser)
     plan.forced = True
     return plan
 

@@ -6,6 +6,8 @@ Text before the ``[TOOL_CALLS]`` marker is content.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 from typing import Any
 
 from treadle.core.hookspecs import hookimpl
@@ -39,6 +41,10 @@ class MistralToolParser(ToolParser):
         if final and (not ok or not closed or not calls):
             return None
         return Snapshot(content, calls if ok else [])
+
+    def new_call_id(self) -> str:
+        # Mistral's chat templates accept only 9 alphanumeric characters as a tool call id.
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def render_calls(self, calls: list[ToolCall]) -> str:
         objects = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)

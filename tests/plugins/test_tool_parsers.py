@@ -68,6 +68,16 @@ def test_mistral_keeps_content_before_the_marker(registry):
     assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", '{"city": "Paris"}')]
 
 
+def test_mistral_call_ids_suit_its_chat_template(registry):
+    parser = registry.get("tool_parsers", "mistral")()
+    [call] = parser.parse('[TOOL_CALLS] [{"name": "f", "arguments": {}}]').calls
+    assert len(call.id) == 9 and call.id.isalnum()
+    _, [header] = parser.streamer().feed('[TOOL_CALLS] [{"name": "f"')
+    assert len(header.id) == 9 and header.id.isalnum()
+    [forced] = ForcedCallFormat(ids_from=parser).parse('{"name": "f", "arguments": {}}').calls
+    assert len(forced.id) == 9
+
+
 def test_hermes_reads_several_blocks_between_content(registry):
     parser = registry.get("tool_parsers", "hermes")()
     text = ('Checking both.\n<tool_call>\n{"name": "a", "arguments": {"q": "</tool_call>"}}\n</tool_call>\n'
