@@ -15,6 +15,7 @@ format of treadle's own, independent of the model family: see :mod:`treadle.core
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -274,18 +275,22 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
+_BRACKET_OR_QUOTE = re.compile(r'["{}\[\]]')
+
+
 def _string_end(text: str, i: int) -> int | None:
     """Index after the closing quote of the string opening at ``i``, or None if the text ends first."""
     j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
+    while True:
+        j = text.find('"', j)
+        if j < 0:
+            return None
+        backslashes = 0
+        while text[j - 1 - backslashes] == "\\":
+            backslashes += 1
+        if backslashes % 2 == 0:
             return j + 1
         j += 1
-    return None
 
 
 def _value_end(text: str, i: int) -> int | None:
@@ -296,7 +301,11 @@ def _value_end(text: str, i: int) -> int | None:
     if c in "{[":
         depth = 0
         j = i
-        while j < len(text):
+        while True:
+            found = _BRACKET_OR_QUOTE.search(text, j)
+            if found is None:
+                return None
+            j = found.start()
             c = text[j]
             if c == '"':
                 end = _string_end(text, j)
@@ -304,14 +313,10 @@ def _value_end(text: str, i: int) -> int | None:
                     return None
                 j = end
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
+            depth += 1 if c in "{[" else -1
+            if depth == 0:
+                return j + 1
             j += 1
-        return None
     j = i
     while j < len(text) and text[j] not in _WS + ",}]":
         j += 1
@@ -324,7 +329,8 @@ def _value_end(text: str, i: int) -> int | None:
     return j
 
 
-def call_from_scan(text: str, scan: ObjectScan, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> PartialCall | None:
+def call_from_scan(text: str, scan: ObjectScan,
+                   args_keys: tuple[str, ...] = ("arguments", "parameters")) -> PartialCall | None:
     """A call object ``{"name": ..., <args key>: {...}}`` as far as it goes; None when it is not one."""
     if not scan.ok:
         return None
@@ -368,8 +374,10 @@ def describe_tools(tools: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def scan_call_list(text: str, pos: int, separator: str = ",", closer: str | None = "]",
-                   args_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[list[PartialCall], int | None, bool]:
+def scan_call_list(
+    text: str, pos: int, separator: str = ",", closer: str | None = "]",
+    args_keys: tuple[str, ...] = ("arguments", "parameters"),
+) -> tuple[list[PartialCall], int | None, bool]:
     """Call objects from ``pos`` on, separated by ``separator`` and ended by ``closer``.
 
     Returns (calls so far, index after the closer or None while open, ok). Without a

@@ -80,7 +80,8 @@ def plan_chat(body: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
         if parsers.tool_parser is None:
             raise RequestError(
                 "`tools` with tool_choice 'auto' need a tool parser, but this server has tools.parser: none; "
-                "start it with a tools.parser (see `treadle plugins`) or send tool_choice 'required' or a named function",
+                "start it with a tools.parser (see `treadle plugins`) or send tool_choice 'required' or a named "
+                "function",
                 param="tools")
         plan.call_format = parsers.tool_parser
         return plan

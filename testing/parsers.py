@@ -12,12 +12,14 @@ from treadle.core.tool_parser import ToolCall, ToolParser
 _CALL_SETS: list[list[ToolCall]] = [
     [ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')],
     [ToolCall("noop", "{}")],
+    [ToolCall("open", '{"path": "C:\\\\dir\\\\", "quote": "say \\"hi\\"", "empty": ""}')],
     [ToolCall("search", '{"query": "a } tricky \\" {string", "filters": {"tags": ["x", "y"], "limit": 5}}'),
      ToolCall("add", '{"a": -1.5e3, "b": true, "c": null, "d": "caf\\u00e9 東京"}')],
 ]
 _PLAIN_TEXTS = ["The capital of France is Paris.", "", "Use braces } like { this"]
-_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 def check_tool_parser(factory: Callable[[], ToolParser]) -> None:
@@ -51,7 +53,8 @@ def check_tool_parser(factory: Callable[[], ToolParser]) -> None:
                     f"{name}: streaming {text!r} in pieces of {size} gave calls {streamed}, "
                     f"but parse gave {[(c.name, c.arguments) for c in parsed.calls]}")
             _expect(content == parsed.content,
-                    f"{name}: streaming {text!r} in pieces of {size} gave content {content!r}, parse {parsed.content!r}")
+                    f"{name}: streaming {text!r} in pieces of {size} gave content {content!r}, "
+                    f"parse {parsed.content!r}")
     for text in _PLAIN_TEXTS:
         parsed = parser.parse(text)
         _expect(parsed.calls == [] and parsed.content == text,

@@ -153,7 +153,8 @@ def test_duplicate_and_unknown_tool_parser_names_are_errors(registry):
 
     with pytest.raises(PluginError, match=r"duplicate tool parser 'hermes': registered by both"):
         build_registry(extra_plugins=[Clash()])
-    with pytest.raises(PluginError, match=r"unknown reasoning parser 'thinking'; available: think_tags \(from treadle\)"):
+    with pytest.raises(PluginError,
+                       match=r"unknown reasoning parser 'thinking'; available: think_tags \(from treadle\)"):
         registry.get("reasoning_parsers", "thinking")
 
 

@@ -29,7 +29,8 @@ def test_response_format_maps_to_a_json_schema_constraint():
     assert _plan(response_format={"type": "text"}).constraint == {}
     assert json.loads(_plan(response_format={"type": "json_object"}).constraint["json_schema"]) == {"type": "object"}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    plan = _plan(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    plan = _plan(response_format={"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": schema, "strict": True}})
     assert json.loads(plan.constraint["json_schema"]) == schema
 
 
@@ -63,7 +64,8 @@ def test_auto_needs_a_parser_but_forced_calls_do_not():
 def test_tool_choice_modes():
     assert _plan(tools=[WEATHER], tool_choice="none").call_format is None
     auto = _plan(tools=[WEATHER])
-    assert not auto.forced and type(auto.call_format).__name__ == "Llama3JsonToolParser" and "json_schema" not in auto.constraint
+    assert not auto.forced and type(auto.call_format).__name__ == "Llama3JsonToolParser"
+    assert "json_schema" not in auto.constraint
     required = _plan(tools=[WEATHER], tool_choice="required")
     assert json.loads(required.constraint["json_schema"])["type"] == "array"  # parallel calls allowed
     single = _plan(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
@@ -77,7 +79,8 @@ def test_fallback_prompt_lists_tools_and_rewrites_history():
     body = ChatCompletionRequest(messages=[
         {"role": "system", "content": "Be brief."}, *USER,
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}])
     fallback = template_messages(body.messages, plan, knows_tools=False)
     assert fallback[0]["role"] == "system" and fallback[0]["content"].startswith("Be brief.\n\n")

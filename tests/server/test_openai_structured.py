@@ -76,7 +76,8 @@ def _streamed(client: openai.OpenAI, **request) -> tuple[dict, str | None]:
         for call in delta.tool_calls or []:
             if call.id is not None:
                 assert call.index not in calls and call.type == "function" and call.function.name
-                calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": call.function.arguments or ""}
+                calls[call.index] = {"id": call.id, "name": call.function.name,
+                                     "arguments": call.function.arguments or ""}
             else:
                 assert call.function.name is None
                 calls[call.index]["arguments"] += call.function.arguments
@@ -242,7 +243,8 @@ def test_response_format_streaming_equals_non_streaming(client: openai.OpenAI) -
                                                "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
               "required": ["city", "population"], "additionalProperties": False}
     request = dict(messages=[{"role": "user", "content": "The largest city of France, as JSON."}], max_tokens=60,
-                   temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+                   temperature=0,
+                   response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
     full = client.chat.completions.create(model=MODEL, **request)
     streamed, finish = _streamed(client, **request)
     assert streamed["content"] == full.choices[0].message.content and finish == full.choices[0].finish_reason == "stop"
