@@ -112,10 +112,33 @@ class GrammarConfig(Section):
 
 
 class ParallelConfig(Section):
-    tp_size: int = Field(1, ge=1, le=1, description="tensor parallelism is not implemented yet")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (GPUs) that share one copy of the model")
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
     dp_policy: Literal["round_robin", "shortest_queue", "prefix_aware"] = Field(
         "prefix_aware", description="how the data-parallel controller picks a replica")
+    nnodes: int = Field(1, ge=1, description="machines the tensor-parallel group spans (one `treadle serve` each)")
+    node_rank: int = Field(0, ge=0, description="this machine's index; 0 runs the HTTP server and rank 0")
+    dist_init_addr: str | None = Field(
+        None, description="host:port of rank 0's torch.distributed TCP store; needed when nnodes > 1")
+    dist_timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails")
+
+    @model_validator(mode="after")
+    def _layout(self) -> "ParallelConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.tp_size % self.nnodes != 0:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} "
+                             "(every node runs tp_size / nnodes ranks)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr: host:port of node 0, reachable from every node")
+        if self.dp_size > 1 and (self.nnodes > 1 or self.dist_init_addr):
+            raise ValueError("dp_size > 1 runs on one node, each replica with its own private rendezvous; "
+                             "leave nnodes at 1 and dist_init_addr unset (or run one multi-node server per replica)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"dist_init_addr '{self.dist_init_addr}' must look like host:port")
+        return self
 
 
 def _positive_or_auto(value: int | str, key: str) -> int | str:

@@ -45,14 +45,18 @@ def resolve_config(config: ConfigLike) -> ServerConfig:
 class Engine:
     """Runs generation in this process: ``Engine(config).generate(prompts, sampling_params)``.
 
+    With ``parallel.tp_size > 1`` this process is tensor-parallel rank 0 and starts the other
+    ranks as processes (call :meth:`shutdown`, or use ``with``, to stop them). Custom plugins
+    must then be importable by name (``plugins:``) so the other ranks find them too.
     Not thread-safe: one caller at a time.
     """
 
     def __init__(self, config: ConfigLike = None, registry: Registry | None = None) -> None:
-        from treadle.core.scheduler import Scheduler
+        from treadle.core.tensor_parallel import start_scheduler
 
         self.config = resolve_config(config)
-        self.scheduler = Scheduler(self.config, registry)
+        # At parallel.tp_size > 1 this process is rank 0 and the other ranks run as child processes.
+        self.scheduler = start_scheduler(self.config, registry)
         self.tokenizer = self.scheduler.tokenizer
 
     def generate(
@@ -112,7 +116,12 @@ class Engine:
         return self.scheduler.model_info
 
     def shutdown(self) -> None:
-        """Release the model and the KV memory."""
+        """Release the model and the KV memory (and stop the other tensor-parallel ranks)."""
+        if self.scheduler is None:
+            return
+        stop_ranks = getattr(self.scheduler, "shutdown", None)
+        if stop_ranks is not None:
+            stop_ranks()
         self.scheduler = None  # type: ignore[assignment]
         import gc
 

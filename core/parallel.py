@@ -10,7 +10,6 @@ single-device run takes no collective path at all.
 from __future__ import annotations
 
 import logging
-import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +31,7 @@ class TensorParallelGroup:
 
 
 _group = TensorParallelGroup()
+_CONTROL_TIMEOUT = timedelta(days=7)
 
 
 def get_tp_rank() -> int:
@@ -51,7 +51,8 @@ def init_tensor_parallel(
 ) -> None:
     """Join the group of ``size`` ranks at ``init_method`` (``tcp://host:port``, rank 0 hosts the store).
 
-    Every collective after this fails after ``timeout_s`` instead of hanging when a peer is gone.
+    Tensor collectives fail after ``timeout_s`` instead of hanging; rank 0's control broadcasts may
+    wait as long as it idles, but fail at once when a peer's process is gone (its connection closes).
     """
     global _group
     if size == 1:
@@ -66,7 +67,9 @@ def init_tensor_parallel(
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout, **kwargs
     )
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    # Control messages wait as long as rank 0 idles; a peer that dies still fails them at once
+    # (its connection closes), so only a hung peer waits this long.
+    cpu_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     _group = TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
     logger.info("tensor-parallel rank %d of %d joined via %s (%s)", rank, size, init_method, backend)
 
@@ -111,6 +114,15 @@ def tp_broadcast_object(obj: Any) -> Any:
     return payload[0]
 
 
+def tp_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order, on every rank (over the gloo group); ``[obj]`` at tp 1."""
+    if _group.size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * _group.size
+    dist.all_gather_object(gathered, obj, group=_group.cpu_group)
+    return gathered
+
+
 def tp_min_int(value: int) -> int:
     """The smallest ``value`` over the ranks (e.g. KV pool sizes, so every rank schedules alike)."""
     if _group.size == 1:
@@ -150,8 +162,3 @@ def tp_kv_head_start(num_kv_heads: int, tp_rank: int, tp_size: int) -> int:
     if num_kv_heads >= tp_size:
         return tp_rank * (num_kv_heads // tp_size)
     return tp_rank // (tp_size // num_kv_heads)
-
-
-def pickled_size(obj: Any) -> int:
-    """Bytes ``obj`` takes on the wire of :func:`tp_broadcast_object` (for logging)."""
-    return len(pickle.dumps(obj))

@@ -49,9 +49,10 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
     """
     parent_pid = configure_child_process(config.server.log_level)
     try:
-        from treadle.core.scheduler import Scheduler
+        from treadle.core.tensor_parallel import start_scheduler
 
-        scheduler = Scheduler(config)
+        # At parallel.tp_size > 1 this process is rank 0; it starts this node's other ranks.
+        scheduler = start_scheduler(config, in_server=True)
     except BaseException as exc:
         logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -68,6 +69,9 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         raise SystemExit(1)
     finally:
         loop.close()
+        stop_ranks = getattr(scheduler, "shutdown", None)
+        if stop_ranks is not None:
+            stop_ranks()
 
 
 class SchedulerLoop:

@@ -6,11 +6,21 @@ from typing import Any
 
 
 def assert_kv_accounted(engine: Any, flush: bool = True) -> None:
-    """Assert every KV slot is free or held by the prefix cache; then flush and expect all free."""
-    stats = engine.kv_stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0, stats
-    assert stats["free_slots"] + stats["cached_slots"] == stats["total_slots"], stats
+    """Assert every KV slot is free or held by the prefix cache; then flush and expect all free.
+
+    Under tensor parallelism this holds on every rank, and the ranks' pools agree.
+    """
+    for stats in _stats_per_rank(engine):
+        assert stats["running"] == 0 and stats["waiting"] == 0, stats
+        assert stats["free_slots"] + stats["cached_slots"] == stats["total_slots"], stats
     if flush:
         assert engine.flush_cache()
-        stats = engine.kv_stats()
-        assert stats["free_slots"] == stats["total_slots"], stats
+        per_rank = _stats_per_rank(engine)
+        for stats in per_rank:
+            assert stats["free_slots"] == stats["total_slots"], stats
+        assert all(stats == per_rank[0] for stats in per_rank), per_rank
+
+
+def _stats_per_rank(engine: Any) -> list[dict[str, int]]:
+    per_rank = getattr(engine.scheduler, "kv_stats_per_rank", None)
+    return per_rank() if per_rank is not None else [engine.kv_stats()]
