@@ -90,7 +90,10 @@ def run_node_ranks(config: ServerConfig) -> int:
     ranks.start()
     logger.info("node %d runs tensor-parallel ranks %s; rank 0 is at %s",
                 layout.node_rank, list(layout.local_ranks()), config.parallel.dist_init_addr)
-    return ranks.wait_all()
+    try:
+        return ranks.wait_all()
+    finally:
+        ranks.stop()
 
 
 def check_model_splits(config: ServerConfig) -> None:
@@ -127,7 +130,8 @@ class LeaderScheduler:
 
     @property
     def model_info(self) -> dict[str, Any]:
-        return {**self.scheduler.model_info, "tp_size": self.ranks.layout.tp_size}
+        return {**self.scheduler.model_info, "tp_size": self.ranks.layout.tp_size,
+                "tp_rank_pids": {rank: process.pid for rank, process in self.ranks.processes.items()}}
 
     def add_request(self, req: Any) -> None:
         snapshot = pickle.dumps(req)  # before the local scheduler touches it

@@ -42,8 +42,15 @@ class ServerStartupError(RuntimeError):
 
 
 def serve(config: ServerConfig) -> None:
-    """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if a child process crashes."""
+    """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if a child process crashes.
+
+    On a node other than node 0 of a multi-node tensor-parallel group (``parallel.node_rank > 0``)
+    it runs only this node's scheduler ranks (no HTTP) until rank 0 stops them.
+    """
     configure_logging(config.server.log_level)
+    if config.parallel.node_rank > 0:
+        _serve_node_ranks(config)
+        return
     stop_signals: list[int] = []
 
     def _note_signal(signum: int, frame: object) -> None:
@@ -192,6 +199,24 @@ class _Children:
                 process.kill()
                 process.join(timeout=5)
         self.ready_recv.close()
+
+
+def _serve_node_ranks(config: ServerConfig) -> None:
+    from treadle.core.tensor_parallel import run_node_ranks
+
+    # SIGTERM/SIGINT here stop the ranks (they die with this process); the group on node 0 then fails.
+    previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = run_node_ranks(config)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if status:
+        raise SystemExit(status)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _preload_http_stack() -> None:
