@@ -83,6 +83,12 @@ LLAMA_3_1_8B: dict[str, Any] = {
     "eos_token_id": 128001,
     "torch_dtype": "bfloat16",
 }
+# Llama-3.1-70B's shape: does not fit one 80 GB GPU in bf16 (141 GB); run it with --tp 2 on H200s.
+LLAMA_3_1_70B: dict[str, Any] = {
+    **LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8,
+}
+SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B}
 # A few-layer model of the same kind, for smoke tests on the CPU.
 TINY: dict[str, Any] = {
     **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -110,12 +116,58 @@ class Measurement:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tp > 1:
+        return _run_tensor_parallel(args, list(argv if argv is not None else sys.argv[1:]))
+    return _measure(args, argv)
+
+
+def _run_tensor_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--tp N``: N processes (one GPU each; gloo on the CPU) run the same batches in lockstep; rank 0
+    reports. The roofline is per GPU: each reads its shard of the weights and KV at the same time."""
+    import torch.multiprocessing as mp
+
+    store = Path(tempfile.mkdtemp(prefix="treadle-bench-tp-")) / "store"
+    mp.start_processes(_tensor_parallel_rank, args=(args.tp, str(store), argv), nprocs=args.tp, start_method="spawn")
+    return 0
+
+
+def _tensor_parallel_rank(rank: int, tp_size: int, store: str, argv: list[str]) -> None:
+    import contextlib
+    import io
+
+    from treadle.core.parallel import destroy_tensor_parallel, init_tensor_parallel
+
+    args = _parser().parse_args(argv)
+    args.no_hf = args.no_profile = True  # HF and the profiler see one rank's shard only
+    device = _device(args)
+    init_tensor_parallel(rank, tp_size, f"file://{store}",
+                         torch.device("cuda", rank) if device.type == "cuda" else device, timeout_s=1800)
+    try:
+        if rank == 0:
+            _measure(args, argv)
+        else:
+            args.output = str(Path(store).parent / f"rank{rank}.json")
+            with contextlib.redirect_stdout(io.StringIO()):
+                _measure(args, argv)
+    finally:
+        destroy_tensor_parallel()
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    return torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    device = _device(args)
+    if device.type == "cuda":
+        from treadle.core.parallel import get_tp_rank
+
+        device = torch.device("cuda", get_tp_rank())
     torch.manual_seed(0)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     graphs = [g == "on" for g in args.graphs.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = args.model or _write_config(Path(scratch), TINY if args.tiny else LLAMA_3_1_8B)
+        model_dir = args.model or _write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
         bandwidth = measure_copy_bandwidth(device)
         print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)")
         prompts = {bs: torch.randint(100, 1000, (bs, args.input_len)) for bs in batch_sizes}
@@ -167,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "treadle bench one-batch " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(device),
-        "model": "tiny" if args.tiny else (args.model or "Llama-3.1-8B shapes, dummy weights"),
+        "model": "tiny" if args.tiny else (args.model or f"{args.shape} shapes, dummy weights"),
+        "tp_size": args.tp,
         "dtype": args.dtype,
         "input_len": args.input_len,
         "decode_steps": args.decode_steps,
@@ -665,6 +718,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="config variants: comma-separated items of ';'-separated KEY=VALUE overrides")
     parser.add_argument("--model", default=None, help="HF model folder (default: Llama-3.1-8B shapes)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the same kind (smoke test)")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
+                        help="model shape when no --model is given (default llama-3.1-8b)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks (one GPU each; gloo processes on the CPU); the roofline is per GPU")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--context-length", type=int, default=8192)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 15's runs: tensor parallelism on 2 GPUs (an nvidia-h200-x2). Through the device tool, with carry [".whl"]:
+#
+#   bash tests/gpu/multi_gpu.sh setup tp_tests tp_8b tp_70b tp_70b_offline dp
+#
+# Each stage writes its log (and JSON) under $OUT; copy the JSON into bench/results/ and the
+# figures into docs/benchmarks.md and docs/parallel.md.
+#   tp_tests        tp=2 vs tp=1 greedy parity, triton + flashinfer, CUDA graphs on (NCCL all-reduce captured)
+#   tp_8b           Llama-3.1-8B shapes, bs=1 decode step: tp=1 vs tp=2 (target tp=2 <= 0.6x tp=1), and first tokens equal
+#   tp_70b          Llama-3.1-70B shapes (141 GB bf16: no single GPU holds it), tp=2, bs=1 and bs=32 vs the 2-GPU roofline
+#   tp_70b_offline  Llama-3.1-70B shapes, tp=2, offline throughput on the 1000-request random workload
+#   dp              Llama-3.1-8B shapes, dp=2 vs dp=1 through the server: all requests at once (offline) and saturation
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+HERE=$(cd "$(dirname "$0")" && pwd)
+BACKENDS=${BACKENDS:-triton,flashinfer}
+shape_dir() {  # write an HF config.json of a bench shape into $OUT/<shape> and print the folder
+  python3 -c "import json,os,sys; from treadle.bench.one_batch import SHAPES; d=os.path.join('$OUT', sys.argv[1]); os.makedirs(d, exist_ok=True); json.dump(SHAPES[sys.argv[1]], open(os.path.join(d, 'config.json'), 'w')); print(d)" "$1"
+}
+serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at once) then saturation
+  local dir; dir=$(shape_dir llama-3.1-8b); local port=$((31000 + $1))
+  python3 -m treadle.server.launch --set model.path="$dir" --set model.load_format=dummy --set server.port=$port \
+    --set parallel.dp_size="$1" --set attention.backend=flashinfer > "$OUT/dp$1_server.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 300); do
+    grep -q Traceback "$OUT/dp$1_server.log" && break
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1
+  done
+  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 1000 --input-len 32:512 \
+    --output-len 32:256 --output "$OUT/serving_dp$1_offline.json" 2>&1 | tail -20
+  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 600 --input-len 32:512 \
+    --output-len 32:256 --request-rate 40 --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
+  kill "$pid"; wait "$pid"
+}
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    setup) bash "$HERE/device.sh" setup; export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; nvidia-smi -L ;;
+    tp_tests) timeout 500 python3 -m pytest -q -s -rs tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
+    tp_8b)
+      for tp in 1 2; do
+        timeout 400 python3 -m treadle.bench.one_batch --tp $tp --batch-sizes 1,32 --backends "$BACKENDS" --graphs on \
+          --no-hf --no-profile --output "$OUT/one_batch_8b_tp$tp.json" 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tail -8
+      done
+      python3 - "$OUT" <<'PY'
+import json, sys
+one, two = (json.load(open(f"{sys.argv[1]}/one_batch_8b_tp{t}.json"))["results"] for t in (1, 2))
+for a in one:
+    b = next(r for r in two if r["system"] == a["system"] and r["batch_size"] == a["batch_size"])
+    print(f'{a["system"]} bs={a["batch_size"]}: tp1 {a["decode_step_ms"]:.2f} ms, tp2 {b["decode_step_ms"]:.2f} ms '
+          f'({b["decode_step_ms"] / a["decode_step_ms"]:.2f}x; target <= 0.6x at bs=1), first tokens equal: '
+          f'{a["first_tokens"] == b["first_tokens"]}')
+PY
+      ;;
+    tp_70b) timeout 580 python3 -m treadle.bench.one_batch --tp 2 --shape llama-3.1-70b --batch-sizes 1,32 \
+        --input-len 512 --decode-steps 64 --backends "$BACKENDS" --graphs on --no-hf --no-profile \
+        --output "$OUT/one_batch_70b_tp2.json" 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tail -12 ;;
+    tp_70b_offline)
+      dir=$(shape_dir llama-3.1-70b)
+      timeout 580 python3 -m treadle.bench.offline_throughput --workload random --num-prompts 1000 \
+        --input-len 32:512 --output-len 32:256 --set model.path="$dir" --set model.load_format=dummy \
+        --set parallel.tp_size=2 --set attention.backend=flashinfer --device cuda --dtype bfloat16 --no-progress \
+        --output "$OUT/offline_70b_tp2.json" 2>&1 | tail -15 ;;
+    dp) serve_and_bench 1; serve_and_bench 2 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "STAGE $stage took $(( $(date +%s) - t0 )) s"
+done
