@@ -65,6 +65,7 @@ class ModelRunner:
             self.max_total_tokens, self.page_size, self.num_layers, self.num_kv_heads,
             self.head_dim, self.kv_dtype, self.device,
         )
+        self._use_checkpoint_kv_scales()
         # "auto" is replaced by the chosen value in the live config, so the scheduler,
         # the CUDA-graph runner and /get_server_info all read one number.
         config.scheduler.max_running_requests = sizes.max_running_requests
@@ -126,6 +127,18 @@ class ModelRunner:
         if size < self.page_size:
             raise ValueError(f"cache.max_total_tokens={requested} is smaller than one page ({self.page_size})")
         return size, resolve(size)
+
+    def _use_checkpoint_kv_scales(self) -> None:
+        # A model that found per-layer KV-cache scales in its checkpoint lists them in `kv_cache_scales`.
+        scales: dict[int, dict[str, float]] = getattr(self.model, "kv_cache_scales", None) or {}
+        if not scales:
+            return
+        if not self.kv_cache.is_fp8:
+            logger.info("the checkpoint's KV-cache scales are unused: cache.kv_dtype is auto")
+            return
+        for layer_id, layer_scales in scales.items():
+            self.kv_cache.k_scales[layer_id] = layer_scales.get("k", 1.0)
+            self.kv_cache.v_scales[layer_id] = layer_scales.get("v", 1.0)
 
     def _maybe_cuda_graphs(self, registry: Registry) -> Any:
         if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph:

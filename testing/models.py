@@ -112,13 +112,14 @@ FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def make_tiny_fp8_llama(
-    path: str | os.PathLike, *, per_tensor: bool = False, input_scale: float | None = None, seed: int = 0,
-    **overrides: Any,
+    path: str | os.PathLike, *, per_tensor: bool = False, input_scale: float | None = None,
+    kv_scales: tuple[float, float] | None = None, seed: int = 0, **overrides: Any,
 ) -> str:
     """Save a tiny random Llama as an FP8 checkpoint in the HF ``quantization_config`` format
     (``quant_method: fp8``): every decoder projection as ``float8_e4m3fn`` ``weight`` plus a float32
     ``weight_scale`` — one per output row (``[out, 1]``), or with ``per_tensor`` one per tensor (``[]``) —
-    and, when ``input_scale`` is given, a static activation scale per projection. The embeddings and
+    and, when ``input_scale`` is given, a static activation scale per projection; ``kv_scales`` adds each
+    layer's ``self_attn.k_scale`` / ``self_attn.v_scale`` for an FP8 KV cache. The embeddings and
     lm_head stay float32."""
     import json
 
@@ -136,6 +137,10 @@ def make_tiny_fp8_llama(
         tensors[f"{stem}.weight_scale"] = scale.to(torch.float32).contiguous()
         if input_scale is not None:
             tensors[f"{stem}.input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+    if kv_scales is not None:
+        for layer in range(json.loads((out / "config.json").read_text())["num_hidden_layers"]):
+            tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(kv_scales[0], dtype=torch.float32)
+            tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(kv_scales[1], dtype=torch.float32)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {

@@ -19,7 +19,7 @@ faster (``Fp8LinearMethod.small_batch_kernel`` = ``"auto"``; ``"scaled_mm"`` or
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -228,3 +228,25 @@ def _max_loader(param: nn.Parameter, loaded: Any, shard_id: str | None = None) -
     value = (loaded if isinstance(loaded, torch.Tensor) else loaded[...]).to(torch.float32).max()
     with torch.no_grad():
         param.data.copy_(torch.maximum(param.data, value.reshape(1).to(param.device)))
+
+
+# Checkpoint names of per-layer KV-cache scales (FP8 checkpoints made for an FP8 KV cache).
+_KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": ("k",), ".self_attn.v_scale": ("v",), ".self_attn.kv_scale": ("k", "v"),
+    ".self_attn.k_proj.output_scale": ("k",), ".self_attn.v_proj.output_scale": ("v",),
+}
+
+
+def split_kv_cache_scales(weights: Iterable[tuple[str, Any]], into: dict[int, dict[str, float]]
+                          ) -> Iterator[tuple[str, Any]]:
+    """Pass ``weights`` through, minus per-layer KV-cache scales, which go into ``into[layer] = {"k": .., "v": ..}``
+    (the model runner hands them to an FP8 KV cache; a 16-bit cache does not need them)."""
+    for name, loaded in weights:
+        parts = next((parts for suffix, parts in _KV_SCALE_SUFFIXES.items() if name.endswith(suffix)), None)
+        if parts is None or ".layers." not in name:
+            yield name, loaded
+            continue
+        layer_id = int(name.split(".layers.")[1].split(".")[0])
+        value = float((loaded if isinstance(loaded, torch.Tensor) else loaded[...]).float().max())
+        for part in parts:
+            into.setdefault(layer_id, {})[part] = value

@@ -18,6 +18,7 @@ from treadle.plugins.models.layers import (
     load_checkpoint,
     rope_parameters,
 )
+from treadle.plugins.models.fp8 import split_kv_cache_scales
 from treadle.plugins.models.linear import ParallelLMHead, VocabParallelEmbedding
 
 # Older checkpoints store the rotary table; it is recomputed here.
@@ -83,7 +84,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        load_checkpoint(self, weights, ignored_suffixes=ignored)
+        # FP8 checkpoints may carry per-layer KV-cache scales; the model runner reads them from here.
+        self.kv_cache_scales: dict[int, dict[str, float]] = {}
+        load_checkpoint(self, split_kv_cache_scales(weights, self.kv_cache_scales), ignored_suffixes=ignored)
 
 
 @hookimpl

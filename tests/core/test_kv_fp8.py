@@ -35,3 +35,21 @@ def test_torch_native_refuses_an_fp8_cache_and_names_the_backends_that_read_it(t
                                "treadle.plugins.kv_allocators.token"], load_entry_points=False)
     with pytest.raises(ValueError, match="torch_native attention does not read FP8 KV caches; use .*triton or flashinfer"):
         ModelRunner(config, registry)
+
+
+def test_checkpoint_kv_scales_reach_an_fp8_cache_and_are_ignored_by_a_16_bit_one(tmp_path, monkeypatch):
+    from treadle.testing.models import make_tiny_fp8_llama
+
+    model = make_tiny_fp8_llama(tmp_path / "fp8kv", kv_scales=(0.5, 0.25))
+    registry = build_registry(["treadle.plugins.models.llama", "treadle.plugins.attention.torch_native",
+                               "treadle.plugins.attention.triton.backend", "treadle.plugins.kv_allocators.token"],
+                              load_entry_points=False)
+    base = {"model.path": model, "model.device": "cpu", "cache.max_total_tokens": 256}
+    plain = ModelRunner(load_config(overrides=base, use_env=False), registry)  # no "unexpected tensors"
+    assert plain.kv_cache.dtype == torch.float32 and plain.kv_cache.k_scales == [1.0, 1.0]
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # builds the triton backend on the CPU; no kernel runs here
+    fp8 = ModelRunner(load_config(overrides={**base, "cache.kv_dtype": "fp8_e4m3", "attention.backend": "triton"},
+                                  use_env=False), registry)
+    assert fp8.kv_cache.is_fp8
+    assert fp8.kv_cache.k_scales == [0.5, 0.5] and fp8.kv_cache.v_scales == [0.25, 0.25]
