@@ -466,10 +466,15 @@ def _hf_model_with_weights_of(runner: Any) -> Any:
 
 
 def hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """treadle's parameters under HF checkpoint names (stacked projections split back into their shards)."""
+    """treadle's parameters under HF checkpoint names (stacked projections split back into their shards;
+    FP8 weights widened with their scales, so HF runs the same weights)."""
     named = []
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
+            if param_name == "weight_scale":
+                continue
+            if param_name == "weight" and hasattr(module, "weight_scale"):
+                param = (param.float() * module.weight_scale.float()).to(module.fp8_out_dtype)
             if getattr(module, "shard_ids", None):
                 parent = module_name.rpartition(".")[0]
                 for shard, (offset, rows) in module.shards.items():

@@ -58,3 +58,20 @@ def test_one_batch_compares_bf16_and_fp8_weights(tmp_path):
     fp8 = rows["treadle torch_native graphs=off [model.quantization=fp8]"]
     # The roofline counts FP8 weights at one byte: the decoder's linear layers halve, the embeddings do not.
     assert 0.5 * plain["roofline_ms"] < fp8["roofline_ms"] < 0.8 * plain["roofline_ms"]
+
+
+def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
+    import torch
+
+    from treadle.bench import one_batch
+    from treadle.plugins.models.fp8_ops import dequantize
+
+    args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "2", "--input-len", "8"])
+    model_dir = one_batch._write_config(tmp_path, one_batch.TINY)
+    runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 1, args, torch.device("cpu"),
+                                     "model.quantization=fp8")
+    named = dict(one_batch.hf_named_weights(runner.model))
+    down = runner.model.model.layers[0].mlp.down_proj
+    assert not any(name.endswith("weight_scale") for name in named)
+    assert torch.equal(named["model.layers.0.mlp.down_proj.weight"],
+                       dequantize(down.weight, down.weight_scale, torch.bfloat16))
