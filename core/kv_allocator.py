@@ -39,8 +39,8 @@ class KVAllocator(ABC):
     ) -> torch.Tensor | None:
         """Slots for positions ``[prefix_lens[i], prefix_lens[i] + extend_lens[i])`` of each request,
         concatenated in request order; ``last_slots[i]`` is the slot of position
-        ``prefix_lens[i] - 1`` (-1 when the prefix is empty). None, allocating
-        nothing, when memory is short."""
+        ``prefix_lens[i] - 1`` (-1 when the prefix is empty, and always -1 with page size 1,
+        where no page is partly filled). None, allocating nothing, when memory is short."""
 
     @abstractmethod
     def free(self, slots: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ class BatchBuilding:
         slots = self._alloc(
             lambda: self.allocator.alloc_extend(
                 [e.kv_start for e in entries], [e.extend_len for e in entries],
-                [self._last_slot(e.req) for e in entries]),
+                self._last_slots([e.req for e in entries])),
             need,
         )
         if slots is None:  # admission checked memory, so this is rare: undo and wait for memory
@@ -157,7 +157,8 @@ class BatchBuilding:
             reqs = [req for req in self.running if not self._ends_with_pending_token(req)]
             if not reqs:
                 return []
-            need = sum(self.allocator.slots_needed(req.kv_len, 1) for req in reqs)
+            # Page size 1: one slot each (the common case, skipping a call per request).
+            need = len(reqs) if self.page_size == 1 else sum(self.allocator.slots_needed(r.kv_len, 1) for r in reqs)
             if need <= self.allocator.free_slots + self.tree_cache.evictable_size():
                 break
             if not allow_retract:
@@ -176,12 +177,11 @@ class BatchBuilding:
                 self._pending.append(self._output(req, []))
                 return []
             self._retract(max(reqs, key=lambda r: r.arrival))
-        slots = self._alloc(
-            lambda: self.allocator.alloc_decode([r.kv_len for r in reqs], [self._last_slot(r) for r in reqs]), need
-        )
+        kv_lens = [req.kv_len for req in reqs]
+        slots = self._alloc(lambda: self.allocator.alloc_decode(kv_lens, self._last_slots(reqs)), need)
         assert slots is not None, "decode allocation failed after eviction"
-        entries = [BatchEntry(req, req.kv_len, 1, EMPTY_SLOTS, write_from=req.kv_len, input_on_device=True)
-                   for req in reqs]
+        entries = [BatchEntry(req, kv_len, 1, EMPTY_SLOTS, write_from=kv_len, input_on_device=True)
+                   for req, kv_len in zip(reqs, kv_lens)]
         self._assign_slots(entries, slots)
         for entry in entries:
             entry.logit_positions = range(entry.kv_start, entry.kv_start + 1)
@@ -231,14 +231,19 @@ class BatchBuilding:
         return allocate()
 
     def _assign_slots(self, entries: list[BatchEntry], slots: torch.Tensor) -> None:
-        offset = 0
-        for entry in entries:
-            entry.new_slots = slots[offset:offset + entry.extend_len]
-            offset += entry.extend_len
-            entry.req.kv_slots = torch.cat([entry.req.kv_slots, entry.new_slots])
+        for entry, new_slots in zip(entries, slots.split([entry.extend_len for entry in entries])):
+            entry.new_slots = new_slots
+            entry.req.kv_slots = torch.cat([entry.req.kv_slots, new_slots])
 
     def _last_slot(self, req: Req) -> int:
         return int(req.kv_slots[-1]) if req.kv_len else -1
+
+    def _last_slots(self, reqs: list[Req]) -> list[int]:
+        """Each request's last KV slot, for the allocator to continue a partly filled page; with page
+        size 1 no page is ever partly filled, so -1 (the contract of ``alloc_extend``) without reading them."""
+        if self.page_size == 1:
+            return [-1] * len(reqs)
+        return [self._last_slot(req) for req in reqs]
 
     def _release(self, req: Req) -> None:
         """Hand a request's KV to the prefix cache (or free it) and its table row back."""
