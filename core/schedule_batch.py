@@ -59,9 +59,9 @@ class ScheduleBatch:
             slots = torch.cat([e.new_slots for e in entries])
         else:
             spans = [(e, e.kv_start + e.extend_len) for e in entries]
-            rows = torch.cat([torch.full((end - e.write_from,), e.req.req_pool_idx, dtype=torch.int64)
-                              for e, end in spans])
-            cols = torch.cat([torch.arange(e.write_from, end, dtype=torch.int64) for e, end in spans])
+            owner, offset = token_owners([end - e.write_from for e, end in spans])
+            rows = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)[owner]
+            cols = torch.tensor([e.write_from for e in entries], dtype=torch.int64)[owner] + offset
             slots = torch.cat([e.req.kv_slots[e.write_from:end] for e, end in spans])
         device = req_to_token.device
         req_to_token[to_device(rows, device), to_device(cols, device)] = to_device(
@@ -85,11 +85,14 @@ class ScheduleBatch:
             extend_lens = [e.extend_len for e in entries]
             prefix_lens = [e.kv_start for e in entries]
             starts = torch.tensor([0] + extend_lens[:-1], dtype=torch.int64).cumsum(0)
-            positions = torch.cat([torch.arange(e.kv_start, e.kv_start + e.extend_len) for e in entries])
-            logits_indices = torch.cat([
-                torch.arange(p.start, p.stop) - e.kv_start + start
-                for e, p, start in zip(entries, (e.logit_positions for e in entries), starts.tolist())
-            ])
+            owner, offset = token_owners(extend_lens)
+            prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+            positions = prefix[owner] + offset
+            logit_counts = [len(e.logit_positions) for e in entries]
+            logit_owner, logit_offset = token_owners(logit_counts)
+            # Row of a logit position p of entry i: starts[i] + p - kv_start[i].
+            first_logit = torch.tensor([e.logit_positions.start for e in entries], dtype=torch.int64)
+            logits_indices = (starts - prefix + first_logit)[logit_owner] + logit_offset
             extend = dict(
                 extend_seq_lens=to_device(torch.tensor(extend_lens, dtype=torch.int64), device),
                 extend_prefix_lens=to_device(torch.tensor(prefix_lens, dtype=torch.int64), device),
@@ -134,3 +137,17 @@ class ScheduleBatch:
             input_ids.index_copy_(0, to_device(torch.tensor(fed_at, dtype=torch.int64), device),
                                   next_input_ids.gather(rows))
         return input_ids
+
+
+def token_owners(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of ``lengths`` laid end to end: each element's run index and its offset inside the run.
+
+    One vectorized pass instead of a tensor per run (searchsorted, not repeat_interleave, which forks
+    OpenMP threads for any size).
+    """
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    ends = counts.cumsum(0)
+    total = int(ends[-1]) if len(lengths) else 0
+    index = torch.arange(total, dtype=torch.int64)
+    owner = torch.searchsorted(ends, index, right=True)
+    return owner, index - (ends - counts)[owner]

@@ -87,13 +87,18 @@ def test_config_accepts_ints_or_auto() -> None:
             load_config(overrides=[bad], use_env=False)
 
 
-def test_the_cpu_runner_resolves_auto_into_the_live_config(tiny_llama_dir) -> None:
+def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llama_dir, caplog) -> None:
+    import logging
+
     from treadle.core.model_runner import ModelRunner
     from treadle.core.registry import build_registry
 
     config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
                                     "cache.max_total_tokens": 256}, use_env=False)
-    runner = ModelRunner(config, build_registry())
+    with caplog.at_level(logging.INFO, logger="treadle.core.model_runner"):
+        runner = ModelRunner(config, build_registry())
+    assert "max_running_requests 64 (auto)" in caplog.text
+    assert "enable_mixed_chunk False (auto)" in caplog.text
     assert runner.max_running_requests == config.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
     assert config.scheduler.enable_mixed_chunk is False
