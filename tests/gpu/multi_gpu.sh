@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 15's runs: tensor parallelism on 2 GPUs (an nvidia-h200-x2). Through the device tool, with carry [".whl"]:
 #
-#   bash tests/gpu/multi_gpu.sh setup tp_tests tp_8b tp_70b tp_70b_offline dp
+#   bash tests/gpu/multi_gpu.sh setup nccl_smoke tp_tests tp_8b tp_70b tp_70b_offline dp
 #
 # Each stage writes its log (and JSON) under $OUT; copy the JSON into bench/results/ and the
 # figures into docs/benchmarks.md and docs/parallel.md.
+#   nccl_smoke      one-rank NCCL all-reduce + all-gather captured in a CUDA graph (also runs on one GPU)
 #   tp_tests        tp=2 vs tp=1 greedy parity, triton + flashinfer, CUDA graphs on (NCCL all-reduce captured)
 #   tp_8b           Llama-3.1-8B shapes, bs=1 decode step: tp=1 vs tp=2 (target tp=2 <= 0.6x tp=1), and first tokens equal
 #   tp_70b          Llama-3.1-70B shapes (141 GB bf16: no single GPU holds it), tp=2, bs=1 and bs=32 vs the 2-GPU roofline
@@ -36,6 +37,7 @@ for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     setup) bash "$HERE/device.sh" setup; export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; nvidia-smi -L ;;
+    nccl_smoke) timeout 60 python3 tests/gpu/nccl_graph_smoke.py 2>&1 | grep -v Warn | tail -3 ;;
     tp_tests) timeout 500 python3 -m pytest -q -s -rs tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
     tp_8b)
       for tp in 1 2; do
