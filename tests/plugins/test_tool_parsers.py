@@ -170,3 +170,16 @@ def test_config_names_of_parsers_are_checked(registry):
 def test_tool_call_to_openai_shape():
     call = ToolCall("f", '{"x": 1}')
     assert call.to_openai() == {"id": call.id, "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+
+
+def test_conformance_check_catches_a_reasoning_parser_that_ignores_the_prompt(registry):
+    from treadle.core.reasoning_parser import ReasoningParser
+
+    think_tags = registry.get("reasoning_parsers", "think_tags")()
+
+    class PromptBlind(ReasoningParser):
+        def streamer(self, prompt):
+            return think_tags.streamer("")  # misses blocks the template opened
+
+    with pytest.raises(AssertionError, match="PromptBlind: parse"):
+        check_reasoning_parser(PromptBlind)
