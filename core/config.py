@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "TREADLE_"
@@ -89,9 +89,46 @@ class RuntimeConfig(Section):
 class HttpServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=0, le=65535)
-    api_key: str | None = None
+    # Secrets are SecretStr so that dumps (`treadle config --show`, /get_server_info, logs) show '**********'.
+    api_key: SecretStr | None = None
+    api_key_file: str | None = Field(None, description="file whose first line is the API key")
+    admin_api_key: SecretStr | None = None
+    admin_api_key_file: str | None = Field(None, description="file whose first line is the admin API key")
+    cors_allow_origins: list[str] = Field(default_factory=list, description="empty: CORS off")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_request_tokens: int | None = Field(None, gt=0)
+    max_request_bytes: int = Field(16 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    max_queued_requests: int | None = Field(None, ge=0, description="null: sized from the KV pool")
+    request_timeout: float | None = Field(None, gt=0, description="seconds; null: no deadline")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds running requests get after SIGTERM")
+
+    @model_validator(mode="after")
+    def _one_source_per_key(self) -> "HttpServerConfig":
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) is not None and getattr(self, f"{name}_file") is not None:
+                raise ValueError(f"set either server.{name} or server.{name}_file, not both")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The API key from ``api_key`` or ``api_key_file`` (None: no key needed)."""
+        return _secret(self.api_key, self.api_key_file, "server.api_key_file")
+
+    def resolved_admin_api_key(self) -> str | None:
+        """The admin key from ``admin_api_key`` or ``admin_api_key_file`` (None: admin routes use the API key)."""
+        return _secret(self.admin_api_key, self.admin_api_key_file, "server.admin_api_key_file")
+
+
+def _secret(value: SecretStr | None, file: str | None, key: str) -> str | None:
+    if file is None:
+        return value.get_secret_value() if value is not None else None
+    try:
+        lines = Path(file).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {file}: {exc.strerror}") from None
+    secret = lines[0].strip() if lines else ""
+    if not secret:
+        raise ConfigError(f"{key}: {file} is empty; its first line must be the key")
+    return secret
 
 
 class ToolsConfig(Section):

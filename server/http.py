@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import os
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle import __version__
 from treadle.core.request import SamplingParams
 from treadle.server.ipc import StrOutput, TokenizedGenerateReq
+from treadle.server.middleware import OPEN_PATHS, AdmissionMiddleware, ApiKeyMiddleware  # noqa: F401
 from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
 from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
 
-# Routes reachable without the API key: load balancers and orchestrators probe it.
-OPEN_PATHS = frozenset({"/health"})
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -35,8 +35,15 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any] | None = No
     app = FastAPI(title="treadle", version=__version__)
     app.state.manager = manager
     _add_error_handlers(app)
-    if manager.config.server.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=manager.config.server.api_key)
+    settings = manager.config.server
+    # Starlette runs the middleware added last first: CORS, then keys, then draining/body size.
+    app.add_middleware(AdmissionMiddleware, manager=manager, max_request_bytes=settings.max_request_bytes)
+    api_key, admin_api_key = settings.resolved_api_key(), settings.resolved_admin_api_key()
+    if api_key or admin_api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     add_openai_routes(app, manager)
     _add_native_routes(app, manager, server_info or {})
     return app
@@ -46,7 +53,8 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any] | None = No
 
 
 def error_response(exc: RequestError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status_code)
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status_code,
+                        headers=exc.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -84,26 +92,6 @@ def validation_error(exc: RequestValidationError) -> RequestError:
     detail = f" (got {json.dumps(got)[:100]})" if got is not None and not isinstance(got, dict) else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return RequestError(f"{where}{first['msg']}{detail}{more}", param=param)
-
-
-class ApiKeyMiddleware:
-    """Answers 401 unless the request carries ``Authorization: Bearer <server.api_key>`` (except OPEN_PATHS)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = JSONResponse(
-                    error_body("missing or wrong API key; send the header `Authorization: Bearer <key>`",
-                               "invalid_request_error", None, "invalid_api_key"),
-                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------- waiting and streaming
@@ -256,7 +244,7 @@ def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> tuple[l
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
             raise RequestError("`text` is an empty list", param="text")
-        return [manager.tokenize(t) for t in texts], isinstance(body.text, list)
+        return [manager.tokenize(t, "text") for t in texts], isinstance(body.text, list)
     ids = body.input_ids
     if ids and isinstance(ids[0], list):
         return [list(x) for x in ids], True  # type: ignore[arg-type]
@@ -286,7 +274,7 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
                                              body.top_logprobs_num, body.priority))
         results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]
         stop = list(params.stop or [])
-        stream = manager.submit(reqs)
+        stream = manager.submit(reqs, timeout=body.timeout)
 
         def add(event: StreamEvent) -> None:
             results[event.index].add(event.output)  # type: ignore[arg-type]
@@ -336,18 +324,20 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
     @app.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
         stats = await manager.control("stats")
-        config = manager.config.model_dump(mode="json")
-        if config["server"].get("api_key"):
-            config["server"]["api_key"] = "***"
+        pids = {"server": os.getpid(), **server_info.get("pids", {})}
         return JSONResponse({
             "version": __version__,
-            "config": config,
+            "config": manager.config.model_dump(mode="json"),  # secrets are SecretStr: dumped masked
             "kv": stats["kv"],
             **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
             "cached_tokens_total": manager.cached_tokens_total,
             "running_requests": len(manager.states),
+            "max_inflight_requests": manager.max_inflight_requests,
+            "draining": manager.draining,
             "model_info": _jsonable(manager.model_info),
             **server_info,
+            "pids": pids,
+            "memory": {"rss_bytes": {name: resident_bytes(pid) for name, pid in pids.items()}},
         })
 
     async def flush_cache() -> JSONResponse:
@@ -375,6 +365,17 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
         except RequestError:
             pass  # still serve the counters when the scheduler is busy or gone
         return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def resident_bytes(pid: int | None) -> int | None:
+    """Resident memory of a process from /proc (None off Linux or once it is gone)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,13 @@ class ControlReply:
 
 
 @dataclass
+class QueueTimes:
+    """Seconds that requests admitted in the last step waited in the queue (for /metrics)."""
+
+    seconds: list[float]
+
+
+@dataclass
 class AddRequestFailed:
     """``Scheduler.add_request`` refused a request; the HTTP handler turns this into an error response."""
 

@@ -2,9 +2,11 @@
 
 ``serve`` binds the port first (so a busy port fails before the model loads),
 starts the scheduler and detokenizer processes, waits for the model, then runs
-uvicorn in this process. SIGINT/SIGTERM stop uvicorn, then the children;
-a child that dies on its own takes the server down with an error log line
-and exit status 1.
+uvicorn in this process. The first SIGINT/SIGTERM drains: new requests get 503,
+running ones get ``server.shutdown_timeout`` seconds to finish, the rest are
+aborted, then uvicorn and the children stop and the process exits 0. A second
+signal stops at once. A child that dies on its own (or the output-routing task
+of this process) takes the server down with an error log line and exit status 1.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle.core.config import ServerConfig, load_config
+from treadle.core.config import ConfigError, ServerConfig, load_config
 from treadle.server.ipc import IpcAddresses
 from treadle.server.process_utils import configure_logging
 
 logger = logging.getLogger("treadle.server")
 
 _CHILD_STOP_TIMEOUT_S = 10.0
+# After the drain, how long uvicorn waits for responses still being written.
+_RESPONSE_FLUSH_TIMEOUT_S = 5
+# The config with its secrets travels to a launch_server child in this variable, not on its command line.
+CONFIG_ENV = "TREADLE_LAUNCH_CONFIG_JSON"
 
 
 class ServerStartupError(RuntimeError):
@@ -51,6 +57,11 @@ def serve(config: ServerConfig) -> None:
     if config.parallel.node_rank > 0:
         _serve_node_ranks(config)
         return
+    try:  # an unreadable key file fails now, before the model loads
+        config.server.resolved_api_key()
+        config.server.resolved_admin_api_key()
+    except ConfigError as exc:
+        raise ServerStartupError(str(exc)) from None
     stop_signals: list[int] = []
 
     def _note_signal(signum: int, frame: object) -> None:
@@ -84,28 +95,36 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: d
                     listen_socket: socket.socket, children: "_Children") -> int:
     import uvicorn
 
+    from treadle.server.draining import DrainingServer
     from treadle.server.http import build_app
     from treadle.server.metrics import ServerMetrics
     from treadle.server.tokenizer_manager import TokenizerManager
 
     manager = TokenizerManager(config, model_info, tokenizer, addresses, ServerMetrics())
-    manager.start()
     app = build_app(manager, {"pids": children.pids()})
-    uv_config = uvicorn.Config(app, log_level=config.server.log_level, timeout_graceful_shutdown=3,
+    uv_config = uvicorn.Config(app, log_level=config.server.log_level,
+                               timeout_graceful_shutdown=_RESPONSE_FLUSH_TIMEOUT_S,
                                access_log=config.server.log_level == "debug")
-    server = uvicorn.Server(uv_config)
+    loop = asyncio.get_running_loop()
+    server = DrainingServer(uv_config, manager, loop)
     crashed: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        if server.should_exit:
+            return
+        crashed.append(reason)
+        manager.fail_all(reason)
+        server.should_exit = True
 
     def on_child_exit(name: str, code: int | None) -> None:
         if server.should_exit:
             return
         reason = f"the {name} process exited unexpectedly (exit code {code}); shutting the server down"
         logger.error(reason)
-        crashed.append(reason)
-        manager.fail_all(reason)
-        server.should_exit = True
+        on_fatal(reason)
 
-    children.watch(asyncio.get_running_loop(), on_child_exit)
+    manager.start(on_fatal)
+    children.watch(loop, on_child_exit)
     host, port = listen_socket.getsockname()[:2]
     logger.info("treadle serves %s at http://%s:%d", manager.served_model_name, host, port)
     try:
@@ -286,14 +305,16 @@ def launch_server(config: ServerConfig, timeout: float = 300.0, env: dict[str, s
         config = config.model_copy(deep=True)
         config.server.port = _free_port(config.server.host)
     log_file = tempfile.NamedTemporaryFile(prefix="treadle-server-", suffix=".log", delete=False)
+    # Through the environment, not argv: other users can read a command line, not an environment.
     process = subprocess.Popen(
-        [sys.executable, "-m", "treadle.server.launch", "--config-json", config.model_dump_json()],
-        stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        [sys.executable, "-m", "treadle.server.launch", "--config-env"],
+        stdout=log_file, stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {}), CONFIG_ENV: json.dumps(_config_with_secrets(config))},
     )
     log_file.close()
     host = config.server.host
     handle = ServerHandle(process, f"http://{host}:{config.server.port}", config.server.port,
-                          config.server.api_key, Path(log_file.name))
+                          config.server.resolved_api_key(), Path(log_file.name))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -310,6 +331,14 @@ def launch_server(config: ServerConfig, timeout: float = 300.0, env: dict[str, s
     raise ServerStartupError(f"the server did not become healthy within {timeout:.0f} s:\n{handle.log()[-5000:]}")
 
 
+def _config_with_secrets(config: ServerConfig) -> dict[str, Any]:
+    values = config.model_dump(mode="json")
+    for name in ("api_key", "admin_api_key"):
+        secret = getattr(config.server, name)
+        values["server"][name] = secret.get_secret_value() if secret is not None else None
+    return values
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -320,12 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m treadle.server.launch [--config FILE] [--set key=value ...]``."""
     parser = argparse.ArgumentParser(prog="treadle serve", description="Start the treadle HTTP server.")
     parser.add_argument("--config", help="YAML config file")
-    parser.add_argument("--config-json", help=argparse.SUPPRESS)
+    parser.add_argument("--config-env", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set server.port=8000 (repeatable)")
     args = parser.parse_args(argv)
-    if args.config_json:
-        config = ServerConfig(**json.loads(args.config_json))
+    if args.config_env:
+        config = ServerConfig(**json.loads(os.environ.pop(CONFIG_ENV)))
     else:
         config = load_config(args.config, overrides=args.set)
     try:

@@ -27,11 +27,20 @@ class ServerMetrics:
             "treadle_requests_finished", "Generation requests finished, by finish reason", ["finish_reason"], registry=r)
         self.requests_aborted = Counter(
             "treadle_requests_aborted", "Requests aborted by the client or /abort_request", registry=r)
+        self.requests_rejected = Counter(
+            "treadle_requests_rejected", "Requests refused by admission control, by reason", ["reason"], registry=r)
+        self.requests_timed_out = Counter(
+            "treadle_requests_timed_out", "Requests stopped at their deadline (timeout)", registry=r)
+        self.oom_retries = Gauge(
+            "treadle_oom_retries", "Batches retracted and retried smaller after a device out-of-memory", registry=r)
         self.prompt_tokens = Counter("treadle_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("treadle_generation_tokens", "Generated tokens of finished requests", registry=r)
         self.cached_tokens = Counter("treadle_cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
         self.time_to_first_token = Histogram(
             "treadle_time_to_first_token_seconds", "Time from arrival to the first output token",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "treadle_queue_time_seconds", "Time from arrival at the scheduler to admission into a batch",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.inter_token_latency = Histogram(
             "treadle_inter_token_latency_seconds", "Time between output tokens of one request",
@@ -82,6 +91,7 @@ class ServerMetrics:
         self.kv_used_slots.set(kv.get("used_slots", max(total - free - int(kv.get("cached_slots", 0)), 0)))
         self.kv_cached_slots.set(kv.get("cached_slots", 0))
         self.kv_usage.set((total - free) / total if total else 0.0)
+        self.oom_retries.set(kv.get("oom_retries", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -76,7 +76,7 @@ class _Run:
             reqs.append(TokenizedGenerateReq(
                 rid, prompts[choice.prompt_index], p, return_logprob=want_logprobs is not None,
                 top_logprobs_num=want_logprobs or 0, priority=body.priority))
-        self.stream: GenerationStream = manager.submit(reqs)
+        self.stream: GenerationStream = manager.submit(reqs, timeout=body.timeout)
 
     def add(self, event: StreamEvent) -> _Choice:
         choice = self.choices[event.index]
@@ -287,6 +287,12 @@ def _model_card(manager: TokenizerManager) -> dict[str, Any]:
 def _sampling_params(manager: TokenizerManager, body: _SamplingFields, prompt_len: int,
                      default_max_tokens: int | None) -> SamplingParams:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if manager.context_len and prompt_len >= manager.context_len:
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise RequestError(
+            f"the prompt is too long: it has {prompt_len} tokens and this model's context length is "
+            f"{manager.context_len} tokens (prompt + output must fit); shorten the prompt", param=param,
+            code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = default_max_tokens if default_max_tokens is not None else max(manager.context_len - prompt_len, 0)
     elif manager.context_len and prompt_len + max_tokens > manager.context_len:

@@ -64,6 +64,7 @@ class _SamplingFields(_Body):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
 
 
 class TextContentPart(_Body):
@@ -173,6 +174,7 @@ class GenerateRequest(_Body):
     stream: StrictBool = False
     rid: str | list[str] | None = None
     priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
 
 
 class AbortRequest(_Body):

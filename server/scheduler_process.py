@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -26,6 +27,7 @@ from treadle.server.ipc import (
     ControlReq,
     DetokenizerInit,
     IpcAddresses,
+    QueueTimes,
     RegisterDecode,
     ReplicaFinished,
     ShutdownReq,
@@ -60,7 +62,7 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
     loop.detokenizer.send_pyobj(DetokenizerInit(tokenizer))
-    ready.send(("ready", dict(scheduler.model_info), tokenizer))
+    ready.send(("ready", server_model_info(scheduler), tokenizer))
     ready.close()
     try:
         loop.run()
@@ -72,6 +74,16 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         stop_ranks = getattr(scheduler, "shutdown", None)
         if stop_ranks is not None:
             stop_ranks()
+
+
+def server_model_info(scheduler: Any) -> dict[str, Any]:
+    """``model_info`` plus the pool sizes the HTTP side sizes its admission control from."""
+    return {
+        **scheduler.model_info,
+        "max_total_tokens": int(scheduler.allocator.total_slots),
+        "max_running_requests": int(getattr(scheduler, "max_running_requests", None)
+                                    or scheduler.config.scheduler.max_running_requests),
+    }
 
 
 class SchedulerLoop:
@@ -87,6 +99,7 @@ class SchedulerLoop:
         self.detokenizer = connect_push(self.context, addresses.detokenizer_input)
         self.replies = connect_push(self.context, addresses.tokenizer_input)
         self.running = True
+        self.arrivals: dict[str, float] = {}  # rid -> arrival time, until the request is admitted
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -99,9 +112,19 @@ class SchedulerLoop:
                 logger.error("the server process is gone; the scheduler exits")
                 return
             if self.running and self.scheduler.has_work():
+                started = time.monotonic()
                 outputs = self.scheduler.step()
                 if outputs:
                     self._send_outputs(outputs)
+                if self.arrivals:
+                    self._report_queue_times(started)
+
+    def _report_queue_times(self, step_started: float) -> None:
+        """Requests that left the waiting queue in the last step: their queue time goes to /metrics."""
+        waiting = {req.rid for req in self.scheduler.waiting}
+        admitted = [rid for rid in self.arrivals if rid not in waiting]
+        if admitted:
+            self.replies.send_pyobj(QueueTimes([max(0.0, step_started - self.arrivals.pop(rid)) for rid in admitted]))
 
     def close(self) -> None:
         self.context.destroy(linger=0)
@@ -125,6 +148,7 @@ class SchedulerLoop:
         if isinstance(message, TokenizedGenerateReq):
             self._add_request(message)
         elif isinstance(message, AbortReq):
+            self.arrivals.pop(message.rid, None)
             output = self.scheduler.abort_request(message.rid)
             if output is not None:
                 self._send_outputs([output])
@@ -156,6 +180,7 @@ class SchedulerLoop:
             logger.error("add_request failed for %s:\n%s", message.rid, traceback.format_exc())
             self.replies.send_pyobj(AddRequestFailed(message.rid, f"internal error: {exc}", None, 500))
             return
+        self.arrivals[message.rid] = time.monotonic()
         # add_request produces no output, so this still reaches the detokenizer before the first one.
         self.detokenizer.send_pyobj(RegisterDecode(
             message.rid, message.sampling_params.skip_special_tokens, list(message.sampling_params.stop or [])))

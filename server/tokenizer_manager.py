@@ -13,13 +13,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
 
 from treadle.core.config import ServerConfig
-from treadle.core.request import InvalidRequestError, SamplingParams
+from treadle.core.request import FinishReason, InvalidRequestError, SamplingParams
 from treadle.server.ipc import (
     AbortReq,
     AddRequestFailed,
@@ -27,6 +27,7 @@ from treadle.server.ipc import (
     ControlReply,
     ControlReq,
     IpcAddresses,
+    QueueTimes,
     StrOutput,
     TokenizedGenerateReq,
     bind_pull,
@@ -36,18 +37,35 @@ from treadle.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
+# A prompt text longer than context_len * this many characters has its head tokenized first:
+# if the head alone overflows the context, the rest is never tokenized.
+_PROBE_CHARS_PER_TOKEN = 8
+# server.max_queued_requests defaults to about as many requests as the KV pool holds at this size each.
+TYPICAL_REQUEST_TOKENS = 256
+
+
+def inflight_limit(config: ServerConfig, model_info: dict[str, Any]) -> int:
+    """How many requests may be running or queued at once (see ``server.max_queued_requests``)."""
+    running = int(model_info.get("max_running_requests") or config.scheduler.max_running_requests)
+    queued = config.server.max_queued_requests
+    if queued is None:
+        queued = max(running, int(model_info.get("max_total_tokens") or 0) // TYPICAL_REQUEST_TOKENS)
+    return running + queued
+
 
 class RequestError(Exception):
     """An error to return to the client as an OpenAI-shaped body with ``status_code``."""
 
     def __init__(self, message: str, param: str | None = None, status_code: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status_code = status_code
         self.type = type_
         self.code = code
+        self.headers = headers
 
 
 @dataclass
@@ -77,6 +95,8 @@ class GenerationStream:
         self.rids = rids
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.unfinished = set(range(len(rids)))
+        self.produced_tokens = False
+        self.deadline: asyncio.TimerHandle | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +106,8 @@ class GenerationStream:
         event = await self.queue.get()
         if event.error is not None or (event.output is not None and event.output.finished_reason is not None):
             self.unfinished.discard(event.index)
+            if not self.unfinished and self.deadline is not None:
+                self.deadline.cancel()
         return event
 
     def abort(self) -> None:
@@ -93,6 +115,8 @@ class GenerationStream:
         for index in list(self.unfinished):
             self.manager.abort(self.rids[index])
         self.unfinished.clear()
+        if self.deadline is not None:
+            self.deadline.cancel()
 
 
 class TokenizerManager:
@@ -121,11 +145,26 @@ class TokenizerManager:
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
         self._template_knows_tools: bool | None = None
+        self.draining = False  # set on SIGTERM: new requests get 503 while running ones finish
+        self.max_inflight_requests = inflight_limit(config, model_info)
+        self._timed_out: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def start(self, on_fatal: Callable[[str], None] | None = None) -> None:
+        """Start routing outputs; ``on_fatal(reason)`` is called if the routing task itself dies."""
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        if on_fatal is not None:
+            self._recv_task.add_done_callback(lambda task: self._recv_task_done(task, on_fatal))
+
+    def _recv_task_done(self, task: asyncio.Task, on_fatal: Callable[[str], None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        reason = f"the tokenizer manager stopped routing outputs ({type(exc).__name__}: {exc}); shutting down"
+        logger.error(reason)
+        self.fail_all(reason)
+        on_fatal(reason)
 
     def close(self) -> None:
         if self._recv_task is not None:
@@ -153,8 +192,23 @@ class TokenizerManager:
             raise RequestError("this model has no tokenizer; send token ids (`input_ids` on /generate)")
         return self.tokenizer
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.require_tokenizer().encode(text))
+    def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+        return self._encode(text, param)
+
+    def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """Tokenize, refusing a prompt longer than the context without tokenizing all of a huge text."""
+        tokenizer = self.require_tokenizer()
+        limit = self.context_len
+        window = limit * _PROBE_CHARS_PER_TOKEN
+        if limit and len(text) > window:
+            head = len(tokenizer.encode(text[:window], **kwargs))
+            # The cut can merge differently from the whole text by a token; beyond that, more is more.
+            if head - 1 >= limit:
+                raise RequestError(
+                    f"the prompt is too long: its first {window} characters alone are {head} tokens and this "
+                    f"model's context length is {limit} tokens; shorten the prompt", param=param,
+                    code="context_length_exceeded")
+        return list(tokenizer.encode(text, **kwargs))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self.encode_rendered(self.render_chat(messages, tools))
@@ -172,7 +226,7 @@ class TokenizerManager:
 
     def encode_rendered(self, prompt: str) -> list[int]:
         # The template already contains BOS and friends; don't add them twice.
-        return list(self.require_tokenizer().encode(prompt, add_special_tokens=False))
+        return self._encode(prompt, "messages", add_special_tokens=False)
 
     def template_knows_tools(self) -> bool:
         """Whether the chat template renders a ``tools=`` argument (checked once with a probe tool)."""
@@ -215,10 +269,19 @@ class TokenizerManager:
         except InvalidRequestError as exc:
             raise RequestError(str(exc), param=exc.param) from None
 
-    def submit(self, reqs: list[TokenizedGenerateReq]) -> GenerationStream:
-        """Send requests to the scheduler; their outputs arrive on the returned stream."""
+    def submit(self, reqs: list[TokenizedGenerateReq], timeout: float | None = None) -> GenerationStream:
+        """Send requests to the scheduler; their outputs arrive on the returned stream.
+
+        ``timeout`` (default ``server.request_timeout``) is the deadline in seconds
+        from now: see :meth:`_expire`. Refused with 503 when the server already
+        holds ``max_inflight_requests`` (running + queued).
+        """
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, status_code=503, type_="server_error")
+        if self.draining:
+            raise RequestError("the server is shutting down and accepts no new requests", status_code=503,
+                               type_="server_error", code="server_shutting_down", headers={"Retry-After": "5"})
+        self._admit(len(reqs))
         for req in reqs:
             if req.rid in self.states:
                 raise RequestError(f"a request with rid '{req.rid}' is already running", param="rid")
@@ -229,9 +292,51 @@ class TokenizerManager:
             self.states[req.rid] = _ReqState(stream, index, len(req.input_ids))
             self._to_scheduler.send_pyobj(req)
         self.metrics.requests_received.inc(len(reqs))
+        timeout = timeout if timeout is not None else self.config.server.request_timeout
+        if timeout is not None:
+            stream.deadline = asyncio.get_running_loop().call_later(timeout, self._expire, stream, timeout)
         return stream
 
-    def abort(self, rid: str, keep_waiting: bool = False) -> bool:
+    def _admit(self, count: int) -> None:
+        """Admission control: 400 for a request that can never fit, 503 + Retry-After when full now."""
+        limit = self.max_inflight_requests
+        if count > limit:
+            self.metrics.requests_rejected.labels(reason="too_many_sequences").inc()
+            raise RequestError(
+                f"this request asks for {count} sequences (prompts x n) but the server holds at most {limit} "
+                "requests at once (scheduler.max_running_requests + server.max_queued_requests); lower n or "
+                "send fewer prompts per request", param="n", code="too_many_sequences")
+        if len(self.states) + count > limit:
+            self.metrics.requests_rejected.labels(reason="queue_full").inc()
+            raise RequestError(
+                f"the server is at capacity ({len(self.states)} requests running or queued, limit {limit} = "
+                "scheduler.max_running_requests + server.max_queued_requests); retry after a moment",
+                status_code=503, type_="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+
+    def _expire(self, stream: GenerationStream, timeout: float) -> None:
+        """A stream reached its deadline: abort what still runs.
+
+        Before any token: every sub-request fails with 408. After: each one
+        ends with what it generated so far and ``finish_reason`` ``length``
+        (detail ``timeout``). Either way the scheduler frees its KV.
+        """
+        running = [i for i in stream.unfinished if stream.rids[i] in self.states]
+        if not running:
+            return
+        self.metrics.requests_timed_out.inc(len(running))
+        if not stream.produced_tokens:
+            for index in running:
+                self.abort(stream.rids[index], count_abort=False)
+                stream.queue.put_nowait(StreamEvent(index, error=RequestError(
+                    f"the request produced no token within its timeout of {timeout:g} s (the server is busy); "
+                    "retry later or raise `timeout`", param="timeout", status_code=408, code="request_timeout")))
+            return
+        for index in running:
+            rid = stream.rids[index]
+            self._timed_out.add(rid)
+            self.abort(rid, keep_waiting=True, count_abort=False)
+
+    def abort(self, rid: str, keep_waiting: bool = False, count_abort: bool = True) -> bool:
         """Abort ``rid`` in the scheduler, which frees its KV slots.
 
         By default its handler is forgotten at once (the client is gone); with
@@ -239,7 +344,7 @@ class TokenizerManager:
         """
         state = self.states.get(rid) if keep_waiting else self.states.pop(rid, None)
         self._to_scheduler.send_pyobj(AbortReq(rid))
-        if state is not None:
+        if state is not None and count_abort:
             self.metrics.requests_aborted.inc()
         return state is not None
 
@@ -280,6 +385,9 @@ class TokenizerManager:
                 error = RequestError(message.message, param=message.param, status_code=message.status_code,
                                      type_="invalid_request_error" if message.status_code < 500 else "server_error")
                 state.stream.queue.put_nowait(StreamEvent(state.index, error=error))
+        elif isinstance(message, QueueTimes):
+            for seconds in message.seconds:
+                self.metrics.queue_time.observe(seconds)
         elif isinstance(message, ControlReply):
             waiter = self._control_waiters.get(message.request_id)
             if waiter is not None and not waiter.done():
@@ -292,7 +400,11 @@ class TokenizerManager:
         if state is None:
             return  # aborted: the handler is gone
         tokens = len(output.new_token_ids)
+        if output.finished_reason is not None and output.rid in self._timed_out:
+            self._timed_out.discard(output.rid)
+            output.finished_reason, output.finished_detail = FinishReason.LENGTH, "timeout"
         if tokens:
+            state.stream.produced_tokens = True
             if state.first_token_at is None:
                 state.first_token_at = now
                 self.metrics.time_to_first_token.observe(now - state.created)

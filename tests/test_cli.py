@@ -34,6 +34,14 @@ def test_config_show_prints_resolved_yaml(tmp_path, capsys):
     assert "port: 31234" in out
 
 
+def test_config_show_never_prints_keys(monkeypatch, capsys):
+    monkeypatch.setenv("TREADLE_SERVER__API_KEY", "env-secret")
+    assert main(["config", "--show", "--server.admin_api_key", "cli-secret"]) == 0
+    out = capsys.readouterr().out
+    assert "env-secret" not in out and "cli-secret" not in out
+    assert "api_key: '**********'" in out and "admin_api_key: '**********'" in out
+
+
 def test_config_show_reports_errors_with_nonzero_exit(tmp_path, capsys):
     path = tmp_path / "server.yaml"
     path.write_text("cache:\n  kv_alocator: paged\n")
