@@ -34,4 +34,7 @@ def configure_child_process(log_level: str) -> int:
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+    # The parent is stopping (or gone) and nothing here needs saving: skip the interpreter's
+    # teardown of torch and friends, which takes seconds, so the whole server stops fast.
+    logging.shutdown()
+    os._exit(0)

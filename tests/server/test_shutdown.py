@@ -1,0 +1,144 @@
+"""Graceful shutdown and faults: each test starts its own server and ends with no process left.
+
+- SIGTERM drains: the streaming request in flight completes, new requests get 503, exit 0.
+- Past ``server.shutdown_timeout`` the rest is aborted; a second SIGINT stops at once.
+- Any process SIGKILLed (scheduler, detokenizer, or the main process with the tokenizer
+  manager) takes the whole server down within 5 s, with no orphan and the port free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from treadle.server.launch import ServerHandle, launch_server
+
+LONG_STREAM = {"text": "drain me", "stream": True, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+
+
+def _start(tiny_model_dir: str, make_config, **server: object) -> tuple[ServerHandle, dict[str, int]]:
+    handle = launch_server(make_config(tiny_model_dir, **server), timeout=180)
+    pids = httpx.get(f"{handle.base_url}/get_server_info", timeout=30).json()["pids"]
+    return handle, pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting to be reaped is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+
+
+def _port_free(port: int) -> None:
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+class _Stream(threading.Thread):
+    """Reads one streaming /generate in the background; ``first`` is set at the first event."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.first = threading.Event()
+        self.events: list[dict] = []
+        self.done = False
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.base_url}/generate", json=LONG_STREAM, timeout=60) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
+                    self.events.append(json.loads(line[6:]))
+                    self.first.set()
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_model_dir: str, make_config) -> None:
+    handle, pids = _start(tiny_model_dir, make_config)
+    try:
+        stream = _Stream(handle.base_url)
+        stream.start()
+        assert stream.first.wait(30)
+        handle.process.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        refused = httpx.post(f"{handle.base_url}/generate", json={"text": "late"}, timeout=30)
+        assert refused.status_code == 503 and refused.headers["retry-after"], (refused.text, handle.log()[-3000:])
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        stream.join(30)
+        assert stream.done, handle.log()[-3000:]
+        assert stream.events[-1]["meta_info"]["finish_reason"]["type"] == "length", stream.events[-1]
+        assert len(stream.events[-1]["output_ids"]) == 480
+        assert handle.process.wait(30) == 0, handle.log()[-3000:]
+        _wait_gone(list(pids.values()), 5)
+        _port_free(handle.port)
+    finally:
+        handle.shutdown(signal.SIGKILL)
+
+
+def test_requests_outliving_the_shutdown_timeout_are_aborted(tiny_model_dir: str, make_config) -> None:
+    handle, pids = _start(tiny_model_dir, make_config, shutdown_timeout=0.1)
+    try:
+        stream = _Stream(handle.base_url)
+        stream.start()
+        assert stream.first.wait(30)
+        handle.process.send_signal(signal.SIGTERM)
+        stream.join(30)
+        assert stream.done and stream.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert handle.process.wait(30) == 0
+        _wait_gone(list(pids.values()), 5)
+    finally:
+        handle.shutdown(signal.SIGKILL)
+
+
+def test_a_second_sigint_stops_at_once(tiny_model_dir: str, make_config) -> None:
+    handle, pids = _start(tiny_model_dir, make_config, shutdown_timeout=60)
+    try:
+        stream = _Stream(handle.base_url)
+        stream.start()
+        assert stream.first.wait(30)
+        handle.process.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+        started = time.monotonic()
+        handle.process.send_signal(signal.SIGINT)
+        handle.process.wait(30)
+        assert time.monotonic() - started < 10, handle.log()[-3000:]
+        _wait_gone(list(pids.values()), 5)
+        _port_free(handle.port)
+    finally:
+        handle.shutdown(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer", "server"])
+def test_a_killed_process_takes_everything_down_within_5_s(tiny_model_dir: str, make_config, victim: str) -> None:
+    handle, pids = _start(tiny_model_dir, make_config)
+    try:
+        started = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        _wait_gone(list(pids.values()), 5)
+        assert time.monotonic() - started < 5
+        if victim != "server":
+            assert handle.process.wait(5) != 0
+            assert f"the {victim} process exited unexpectedly" in handle.log()
+        _port_free(handle.port)
+    finally:
+        handle.shutdown(signal.SIGKILL)
