@@ -25,6 +25,7 @@ from treadle.core.config import ServerConfig, validate_plugin_choices
 from treadle.core.grammar import GrammarManager
 from treadle.core.hub import default_served_name
 from treadle.core.model_runner import ModelRunner
+from treadle.core.oom import OomBackoff, retract_after_oom
 from treadle.core.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
 from treadle.core.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.registry import Registry, build_registry
@@ -74,6 +75,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.overlap = not config.scheduler.disable_overlap
         self.next_input_ids = NextInputIds(self.req_to_token_pool.size, self.runner.device)
         self._inflight: LaunchedStep | None = None  # queued on the device, its tokens not read yet
+        self.oom_backoff = OomBackoff()
 
     # ----------------------------------------------------------------- public API
 
@@ -186,15 +188,24 @@ class Scheduler(BatchBuilding, OutputProcessing):
             "retractions": self.num_retractions,
             "finished": self.num_finished,
             "cached_tokens_total": self.cached_tokens_total,
+            "oom_retries": self.oom_backoff.count,
         }
 
     # ------------------------------------------------------------------ running
 
-    def _launch_forward(self, batch: ScheduleBatch) -> LaunchedStep:
-        """Queue the batch's forward on the device; the host goes on without waiting for it."""
+    def _launch_forward(self, batch: ScheduleBatch) -> LaunchedStep | None:
+        """Queue the batch's forward on the device; the host goes on without waiting for it.
+
+        None when the device ran out of memory: the batch was undone, to be retried smaller.
+        """
         batch.write_req_to_token(self.req_to_token_pool.req_to_token)
         forward_batch = batch.to_forward_batch(self.runner, self.next_input_ids)
-        logits = self.runner.forward(forward_batch)
+        try:
+            logits = self.runner.forward(forward_batch)
+        except torch.cuda.OutOfMemoryError as exc:
+            retract_after_oom(self, batch, exc)
+            return None
+        self.oom_backoff.on_success()
         # After the forward is queued: sharing a prompt may re-point its table row at cached copies.
         self._commit(batch)
         return LaunchedStep(batch, forward_batch, logits)

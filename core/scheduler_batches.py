@@ -35,7 +35,7 @@ class BatchBuilding:
         if not self.waiting and self.chunked_req is None:
             return None
         cfg = self.config.scheduler
-        budget = cfg.chunked_prefill_size or cfg.max_prefill_tokens
+        budget = self.oom_backoff.prefill_budget(cfg.chunked_prefill_size or cfg.max_prefill_tokens)
         entries: list[BatchEntry] = []
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -79,7 +79,8 @@ class BatchBuilding:
         reserve = self._decode_reserve()
         admitted_need = 0
         for req in self.policy.order(self.waiting, self.tree_cache):
-            if len(self.running) + len(entries) >= cfg.max_running_requests or budget <= 0:
+            if len(self.running) + len(entries) >= self.oom_backoff.running_limit(cfg.max_running_requests) \
+                    or budget <= 0:
                 break
             if self.req_to_token_pool.free_count <= len(entries):
                 break

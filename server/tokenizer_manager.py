@@ -46,10 +46,11 @@ TYPICAL_REQUEST_TOKENS = 256
 
 def inflight_limit(config: ServerConfig, model_info: dict[str, Any]) -> int:
     """How many requests may be running or queued at once (see ``server.max_queued_requests``)."""
-    running = int(model_info.get("max_running_requests") or config.scheduler.max_running_requests)
+    replicas = int(model_info.get("dp_size") or 1)  # model_info describes one data-parallel replica
+    running = int(model_info.get("max_running_requests") or config.scheduler.max_running_requests) * replicas
     queued = config.server.max_queued_requests
     if queued is None:
-        queued = max(running, int(model_info.get("max_total_tokens") or 0) // TYPICAL_REQUEST_TOKENS)
+        queued = max(running, int(model_info.get("max_total_tokens") or 0) * replicas // TYPICAL_REQUEST_TOKENS)
     return running + queued
 
 
