@@ -81,8 +81,7 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
     return {
         **scheduler.model_info,
         "max_total_tokens": int(scheduler.allocator.total_slots),
-        "max_running_requests": int(getattr(scheduler, "max_running_requests", None)
-                                    or scheduler.config.scheduler.max_running_requests),
+        "max_running_requests": int(scheduler.runner.max_running_requests),  # "auto" resolved
     }
 
 

@@ -47,7 +47,8 @@ TYPICAL_REQUEST_TOKENS = 256
 def inflight_limit(config: ServerConfig, model_info: dict[str, Any]) -> int:
     """How many requests may be running or queued at once (see ``server.max_queued_requests``)."""
     replicas = int(model_info.get("dp_size") or 1)  # model_info describes one data-parallel replica
-    running = int(model_info.get("max_running_requests") or config.scheduler.max_running_requests) * replicas
+    configured = config.scheduler.max_running_requests
+    running = int(model_info.get("max_running_requests") or (configured if configured != "auto" else 64)) * replicas
     queued = config.server.max_queued_requests
     if queued is None:
         queued = max(running, int(model_info.get("max_total_tokens") or 0) * replicas // TYPICAL_REQUEST_TOKENS)
