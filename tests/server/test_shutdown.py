@@ -20,11 +20,25 @@ import pytest
 
 from treadle.server.launch import ServerHandle, launch_server
 
-LONG_STREAM = {"text": "drain me", "stream": True, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+# Long enough (~3 s on a CPU) that a busy machine cannot finish it before the signal is handled.
+OUTPUT_TOKENS = 1500
+LONG_STREAM = {"text": "drain me", "stream": True,
+               "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}}
 
 
-def _start(tiny_model_dir: str, make_config, **server: object) -> tuple[ServerHandle, dict[str, int]]:
-    handle = launch_server(make_config(tiny_model_dir, **server), timeout=180)
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from treadle.testing.models import make_tiny_llama
+    from treadle.testing.tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-4k")
+    make_tiny_llama(path, max_position_embeddings=4096)
+    make_tiny_tokenizer(path)
+    return str(path)
+
+
+def _start(model_dir: str, make_config, **server: object) -> tuple[ServerHandle, dict[str, int]]:
+    handle = launch_server(make_config(model_dir, **server), timeout=180)
     pids = httpx.get(f"{handle.base_url}/get_server_info", timeout=30).json()["pids"]
     return handle, pids
 
@@ -48,9 +62,16 @@ def _wait_gone(pids: list[int], timeout: float) -> None:
     assert not [pid for pid in pids if _alive(pid)], "processes left behind"
 
 
-def _port_free(port: int) -> None:
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+def _port_free(port: int, timeout: float = 5.0) -> None:
+    """The port refuses connections within ``timeout`` (a killed process's threads close it a moment late)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, f"port {port} still accepts connections"
+        time.sleep(0.05)
 
 
 class _Stream(threading.Thread):
@@ -73,8 +94,8 @@ class _Stream(threading.Thread):
                     self.first.set()
 
 
-def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_model_dir: str, make_config) -> None:
-    handle, pids = _start(tiny_model_dir, make_config)
+def test_sigterm_drains_running_requests_and_refuses_new_ones(long_context_model: str, make_config) -> None:
+    handle, pids = _start(long_context_model, make_config)
     try:
         stream = _Stream(handle.base_url)
         stream.start()
@@ -87,7 +108,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_model_dir: st
         stream.join(30)
         assert stream.done, handle.log()[-3000:]
         assert stream.events[-1]["meta_info"]["finish_reason"]["type"] == "length", stream.events[-1]
-        assert len(stream.events[-1]["output_ids"]) == 480
+        assert len(stream.events[-1]["output_ids"]) == OUTPUT_TOKENS
         assert handle.process.wait(30) == 0, handle.log()[-3000:]
         _wait_gone(list(pids.values()), 5)
         _port_free(handle.port)
@@ -95,8 +116,8 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_model_dir: st
         handle.shutdown(signal.SIGKILL)
 
 
-def test_requests_outliving_the_shutdown_timeout_are_aborted(tiny_model_dir: str, make_config) -> None:
-    handle, pids = _start(tiny_model_dir, make_config, shutdown_timeout=0.1)
+def test_requests_outliving_the_shutdown_timeout_are_aborted(long_context_model: str, make_config) -> None:
+    handle, pids = _start(long_context_model, make_config, shutdown_timeout=0.1)
     try:
         stream = _Stream(handle.base_url)
         stream.start()
@@ -110,8 +131,8 @@ def test_requests_outliving_the_shutdown_timeout_are_aborted(tiny_model_dir: str
         handle.shutdown(signal.SIGKILL)
 
 
-def test_a_second_sigint_stops_at_once(tiny_model_dir: str, make_config) -> None:
-    handle, pids = _start(tiny_model_dir, make_config, shutdown_timeout=60)
+def test_a_second_sigint_stops_at_once(long_context_model: str, make_config) -> None:
+    handle, pids = _start(long_context_model, make_config, shutdown_timeout=60)
     try:
         stream = _Stream(handle.base_url)
         stream.start()
@@ -129,8 +150,8 @@ def test_a_second_sigint_stops_at_once(tiny_model_dir: str, make_config) -> None
 
 
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer", "server"])
-def test_a_killed_process_takes_everything_down_within_5_s(tiny_model_dir: str, make_config, victim: str) -> None:
-    handle, pids = _start(tiny_model_dir, make_config)
+def test_a_killed_process_takes_everything_down_within_5_s(long_context_model: str, make_config, victim: str) -> None:
+    handle, pids = _start(long_context_model, make_config)
     try:
         started = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
