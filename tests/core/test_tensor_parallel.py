@@ -6,6 +6,9 @@ behaviours (chunked prefill, retraction, radix reuse, allocators) into one group
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from treadle.core.config import ConfigError, load_config
@@ -60,6 +63,13 @@ def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_p
         assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
         assert per_rank[0]["retractions"] > 0 and per_rank[0]["cached_tokens_total"] > 0
         assert_kv_accounted(engine)
+
+        # A rank that dies fails the next call at once, naming the rank; nothing hangs.
+        rank1 = engine.scheduler.ranks.processes[1]
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(timeout=10)
+        with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 .* exited unexpectedly"):
+            engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
     finally:
         engine.shutdown()
 
