@@ -1,6 +1,6 @@
 """Offline throughput: one synthetic workload through several systems in one run, compared.
 
-``treadle bench offline [--workload random|shared-prefix] [--compare SPEC] [--backends A,B]``
+``treadle bench offline [--workload random|shared-prefix] [--compare SPEC] [--backends A,B] [--json-schema FILE]``
 
 Systems are treadle configurations (the base config from ``--config``/``--set``
 plus one override set per variant) and, with ``hf`` in ``--compare``, HF
@@ -18,6 +18,13 @@ How treadle is timed: all requests are queued on the Engine's scheduler at once
 and stepped until every one finishes — the loop ``Engine.generate`` runs, minus
 the final detokenization. Each variant runs on a fresh Engine whose prefix
 cache is flushed after the warm-up.
+
+With ``--json-schema FILE`` every system runs twice on the same engine: first
+with each request constrained by the schema (label ``<system> +json-schema``;
+requests end when their JSON is complete or at their output length), then
+unconstrained with ``ignore_eos`` and each request's output length set to what
+its constrained run produced — the same tokens generated, so the ratio is the
+constraint's overhead. The pair runs twice, alternating; each system keeps its faster run.
 
 Prints a table and writes JSON (``bench/results/offline_<workload>_<date>.json``
 unless ``--output``).
@@ -42,12 +49,14 @@ from typing import Any, Sequence
 import torch
 
 from treadle.bench.step_meter import format_profile
-from treadle.bench.workloads import WORKLOAD_NAMES, Workload, build_workload, parse_len_range, usable_token_ids
+from treadle.bench.workloads import (WORKLOAD_NAMES, BenchRequest, Workload, build_workload, parse_len_range,
+                                     usable_token_ids)
 from treadle.core.config import ConfigError, ServerConfig, load_config
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HF = "hf"
 _DEFAULT_OUTPUT_LEN = {"random": "16:128", "shared-prefix": "16:64"}
+JSON_SCHEMA_ROUNDS = 2
 
 
 @dataclass
@@ -105,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    json_schema = Path(args.json_schema).read_text() if args.json_schema else None
+    if json_schema is not None and with_hf:
+        print("error: --json-schema compares treadle with and without a constraint; drop 'hf' from --compare",
+              file=sys.stderr)
+        return 2
     results: list[SystemResult] = []
     workload: Workload | None = None
     hf_target: dict[str, Any] = {}
@@ -120,9 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "load_format": config.model.load_format,
                 "pad_token_id": _pad_token_id(engine),
             }
-        results.append(run_treadle(engine, workload, variant, config, args.warmup_prompts, progress,
-                                   args.profile_steps))
-        print(_progress_line(results[-1]), flush=True)
+        if json_schema is not None:
+            results.extend(run_json_schema_ab(engine, workload, variant, config, args, progress, json_schema))
+        else:
+            results.append(run_treadle(engine, workload, variant, config, args.warmup_prompts, progress,
+                                       args.profile_steps))
+            print(_progress_line(results[-1]), flush=True)
         if "profile" in results[-1].extra:
             print(format_profile(variant.label, results[-1].extra["profile"]), flush=True)
         engine.shutdown()
@@ -169,9 +186,11 @@ def parse_variants(compare: str | None, backends: str | None) -> tuple[list[Vari
 
 def run_treadle(
     engine: Any, workload: Workload, variant: Variant, config: ServerConfig, warmup_prompts: int, progress: bool,
-    profile_steps: int = 0,
+    profile_steps: int = 0, json_schema: str | None = None,
 ) -> SystemResult:
     """Warm up, flush the prefix cache, then time the whole workload through the engine's scheduler.
+
+    With ``json_schema`` every request is constrained by it and may end before its output length.
 
     A StepMeter records the GPU busy fraction and the peak batch sizes of the timed run
     (and, with ``profile_steps``, profiles one saturated stretch of it).
@@ -183,7 +202,8 @@ def run_treadle(
     device = torch.device(engine.model_info["device"])
     if warmup_prompts > 0:
         warmup = workload.requests[:warmup_prompts]
-        _drive_scheduler(engine.scheduler, [r.input_ids for r in warmup], [min(r.output_len, 8) for r in warmup])
+        _drive_scheduler(engine.scheduler, [r.input_ids for r in warmup], [min(r.output_len, 8) for r in warmup],
+                         json_schema=json_schema)
     if not engine.flush_cache():
         raise RuntimeError("flush_cache refused after the warm-up: requests are still in flight")
     before = engine.kv_stats()
@@ -197,7 +217,7 @@ def run_treadle(
             meter.begin()
             completions = _drive_scheduler(
                 engine.scheduler, [r.input_ids for r in workload.requests], [r.output_len for r in workload.requests],
-                on_finish=lambda: bar.update(1),
+                on_finish=lambda: bar.update(1), json_schema=json_schema,
             )
             meter.end()
             _synchronize(device)
@@ -205,7 +225,7 @@ def run_treadle(
     finally:
         meter.uninstall()
     short = [(i, got, r.output_len) for i, (got, r) in enumerate(zip(completions, workload.requests))
-             if got != r.output_len]
+             if got != r.output_len and json_schema is None]
     if short:
         i, got, want = short[0]
         raise RuntimeError(f"{variant.label}: request {i} generated {got} tokens instead of {want} "
@@ -219,9 +239,10 @@ def run_treadle(
         total_time_s=elapsed,
         num_requests=workload.num_requests,
         input_tokens=workload.input_tokens,
-        output_tokens=workload.output_tokens,
+        output_tokens=sum(completions) if json_schema is not None else workload.output_tokens,
         generated_tokens=sum(completions),
         extra={
+            **({"completion_tokens": completions} if json_schema is not None else {}),
             "cached_prompt_tokens": after["cached_tokens_total"] - before["cached_tokens_total"],
             "retractions": after["retractions"] - before["retractions"],
             "kv_total_slots": after["total_slots"],
@@ -232,6 +253,26 @@ def run_treadle(
             "model": engine.model_info,
         },
     )
+
+
+def run_json_schema_ab(engine: Any, workload: Workload, variant: Variant, config: ServerConfig,
+                       args: argparse.Namespace, progress: bool, json_schema: str) -> list[SystemResult]:
+    """The variant unconstrained and constrained by ``json_schema`` at equal token counts, best of
+    ``JSON_SCHEMA_ROUNDS`` alternating rounds each (a shared machine's noise hits one run, not the pair)."""
+    constrained_variant = Variant(f"{variant.label} +json-schema", variant.overrides)
+    best: dict[str, SystemResult] = {}
+    for _ in range(JSON_SCHEMA_ROUNDS):
+        constrained = run_treadle(engine, workload, constrained_variant, config, args.warmup_prompts, progress,
+                                  args.profile_steps, json_schema)
+        lengths = constrained.extra["completion_tokens"]
+        same_tokens = Workload(workload.name, [BenchRequest(r.input_ids, n) for r, n in
+                                               zip(workload.requests, lengths)], workload.params)
+        free = run_treadle(engine, same_tokens, variant, config, args.warmup_prompts, progress, args.profile_steps)
+        for result in (free, constrained):
+            print(_progress_line(result), flush=True)
+            if result.name not in best or result.total_time_s < best[result.name].total_time_s:
+                best[result.name] = result
+    return [best[variant.label], best[constrained_variant.label]]
 
 
 def run_hf(
@@ -350,6 +391,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps of a saturated stretch per treadle system (torch.profiler, "
                              "then cProfile); the summary goes into the JSON")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="A/B constrained decoding: each system also runs with every request constrained by "
+                             "this JSON schema (e.g. bench/schemas/people.json), unconstrained at equal token counts")
     parser.add_argument("--no-progress", action="store_true", help="hide the tqdm bars")
     return parser
 
@@ -396,13 +440,14 @@ def _describe(workload: Workload) -> str:
 
 
 def _drive_scheduler(scheduler: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
-                     on_finish: Any = None) -> list[int]:
+                     on_finish: Any = None, json_schema: str | None = None) -> list[int]:
     """Queue every prompt, step until all finish; completion token counts in prompt order."""
     from treadle.core.request import Req, SamplingParams
 
     reqs = [
         Req(rid=Req.new_rid(), origin_input_ids=list(ids),
-            sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+            sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=json_schema is None,
+                                           json_schema=json_schema))
         for ids, n in zip(prompts, output_lens)
     ]
     for req in reqs:

@@ -13,6 +13,7 @@ constrained, and advances and frees matchers.
 from __future__ import annotations
 
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from treadle.core.request import InvalidRequestError, Req, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
 
@@ -81,6 +84,11 @@ class GrammarBackend(ABC):
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of ``compiled``."""
 
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (this backend's own); override to fill in parallel."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
+
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row."""
@@ -89,8 +97,11 @@ def bitmask_width(vocab_size: int) -> int:
 
 def apply_vocab_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` with every token whose bit is clear in ``bitmask`` (same rows, on the device) set to -inf."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
+    # Unpacked byte by byte (little-endian words: byte k of word w holds tokens 32w + 8k ... 32w + 8k + 7),
+    # so the temporary is one uint8 per token, not one int32.
+    as_bytes = bitmask.contiguous().view(torch.uint8)
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 
@@ -203,9 +214,8 @@ class GrammarManager:
             return None
         host = self._host_mask(len(reqs))
         host.fill_(-1)  # every bit set: unconstrained rows keep their logits
-        for row, req in enumerate(reqs):
-            if req.grammar is not None:
-                req.grammar.fill_bitmask(host, row)
+        rows = [row for row, req in enumerate(reqs) if req.grammar is not None]
+        self.backend.fill_bitmasks([reqs[row].grammar for row in rows], host, rows)
         return host.to(self.device, non_blocking=True)
 
     def accept(self, req: Req, token_id: int) -> bool:
@@ -215,6 +225,7 @@ class GrammarManager:
             return False
         if not matcher.accept_token(token_id):
             # Only reachable if the mask was bypassed; end the request rather than emit off-grammar text.
+            logger.warning("request %s: token %d is outside its constraint; finishing it", req.rid, token_id)
             return True
         return matcher.is_terminated()
 

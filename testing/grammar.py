@@ -173,12 +173,31 @@ def _explore(backend: GrammarBackend, constraint: Constraint, texts: dict[int, s
                 paths[new] = paths[text] + [token]
                 queue.append(new)
         assert len(paths) <= _MAX_TEXTS, f"{constraint.kind} {constraint.text!r}: more than {_MAX_TEXTS} texts"
+    _check_batched_fill(backend, compiled, [paths[text] for text in sorted(reached)[:8]], width)
     rejected = backend.new_matcher(compiled)
     bad = next((t for t in texts if t not in reached[""]), None)
     if bad is not None:
         assert not rejected.accept_token(bad), (
             f"{constraint.kind} {constraint.text!r}: accept_token took {texts[bad]!r}, which the mask forbids")
     return reached
+
+
+def _check_batched_fill(backend: GrammarBackend, compiled: Any, prefixes: list[list[int]], width: int) -> None:
+    """``fill_bitmasks`` into scattered rows writes what each matcher's own ``fill_bitmask`` writes."""
+    matchers = []
+    for tokens in prefixes:
+        matcher = backend.new_matcher(compiled)
+        for token in tokens:
+            matcher.accept_token(token)
+        matchers.append(matcher)
+    rows = [2 * i + 1 for i in range(len(matchers))][::-1]
+    batched = torch.zeros((2 * len(matchers) + 1, width), dtype=torch.int32)
+    backend.fill_bitmasks(matchers, batched, rows)
+    for matcher, row in zip(matchers, rows):
+        alone = torch.zeros((1, width), dtype=torch.int32)
+        matcher.fill_bitmask(alone, 0)
+        assert torch.equal(batched[row], alone[0]), f"fill_bitmasks row {row} differs from fill_bitmask"
+    assert not batched[0::2].any(), "fill_bitmasks wrote rows it was not given"
 
 
 def _allowed_ids(row: torch.Tensor, vocab_size: int) -> set[int]:

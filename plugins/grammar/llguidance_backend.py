@@ -27,9 +27,11 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance.torch
 
         self._llg = llguidance
-        eos = list(stop_token_ids) or None
+        # llguidance knows only the tokenizer's ids; a model may list stop ids past them (a padded vocabulary).
+        eos = [t for t in stop_token_ids if t < len(tokenizer)] or None
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self._any_whitespace = any_whitespace
+        self._executor: Any = None
 
     def compile(self, constraint: Constraint) -> Any:
         llg = self._llg
@@ -56,6 +58,15 @@ class LLGuidanceBackend(GrammarBackend):
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
         return LLGuidanceMatcher(self._llg.LLMatcher(self._tokenizer, compiled, log_level=0))
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        if len(matchers) < 2:
+            return super().fill_bitmasks(matchers, bitmask, rows)
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        if self._executor is None:
+            self._executor = self._llg.LLExecutor()
+        fill_next_token_bitmask_par(self._executor, [(m._matcher, row) for m, row in zip(matchers, rows)], bitmask)
 
 
 class LLGuidanceMatcher(GrammarMatcher):

@@ -29,6 +29,7 @@ class XGrammarBackend(GrammarBackend):
         # treadle's GrammarManager keeps the LRU of compiled grammars; xgrammar's own cache would be a second one.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._any_whitespace = any_whitespace
+        self._batch: Any = None
 
     def compile(self, constraint: Constraint) -> Any:
         try:
@@ -46,6 +47,13 @@ class XGrammarBackend(GrammarBackend):
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        if len(matchers) < 2:
+            return super().fill_bitmasks(matchers, bitmask, rows)
+        if self._batch is None:
+            self._batch = self._xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, list(rows))
 
 
 class XGrammarMatcher(GrammarMatcher):

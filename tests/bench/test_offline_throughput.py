@@ -118,3 +118,18 @@ def test_baseline_adds_the_ratio_to_an_earlier_run(tmp_path, tiny_model_dir, cap
     assert system["ratio_vs_baseline"] == pytest.approx(
         system["output_throughput_tok_s"] / earlier["systems"][0]["output_throughput_tok_s"])
     assert "vs baseline" in capsys.readouterr().out
+
+
+def test_json_schema_ab_runs_both_at_equal_token_counts(tmp_path, tiny_model_dir):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 9}}, "required": ["n"]}))
+    report = run_bench(tmp_path, tiny_model_dir, "--output-len", "4:40", "--json-schema", str(schema))
+
+    free, constrained = report["systems"]
+    assert (free["name"], constrained["name"]) == ("treadle", "treadle +json-schema")
+    # '{"n": 7}' and EOS end a request before 40 tokens; the unconstrained run generates as many.
+    lengths = constrained["extra"]["completion_tokens"]
+    assert max(lengths) < 40 and free["output_tokens"] == constrained["output_tokens"] == sum(lengths)
+    assert constrained["ratio_vs_first"] == pytest.approx(
+        constrained["output_throughput_tok_s"] / free["output_throughput_tok_s"])

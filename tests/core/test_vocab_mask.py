@@ -1,0 +1,23 @@
+"""apply_vocab_mask: the bitmask layout every grammar backend writes, unpacked on the device."""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.core.grammar import apply_vocab_mask, bitmask_width
+
+
+def test_bitmask_bits_select_exactly_the_allowed_tokens():
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    generator = torch.Generator().manual_seed(0)
+    allowed = torch.rand((3, vocab), generator=generator) < 0.3
+    allowed[2] = True  # an unconstrained row: every bit set
+    bitmask = torch.zeros((3, bitmask_width(vocab)), dtype=torch.int32)
+    for row, token in allowed.nonzero().tolist():
+        word, bit = divmod(token, 32)
+        bitmask[row, word] |= torch.tensor(1 << bit).to(torch.int32)  # bit 31 makes the word negative
+    bitmask[2] = -1
+    logits = torch.randn((3, vocab), generator=generator)
+    masked = apply_vocab_mask(logits, bitmask)
+    assert torch.equal(masked.isinf(), ~allowed)
+    assert torch.equal(masked[allowed], logits[allowed])
