@@ -14,6 +14,8 @@
 # holding only its config.json) with the 1000-request `random` workload of docs/benchmarks.md and the
 # default config; OFFLINE_ARGS adds variants (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
+# `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
+# and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once).
 #
 # `setup` installs the wheels into /tmp/site and treadle itself (editable, so its entry points
 # register the built-in plugins), restoring .whl/fi_cache.tgz (FlashInfer's JIT cache) when present.
@@ -57,6 +59,24 @@ for stage in "$@"; do
         --set model.path=/tmp/l8b --set model.load_format=dummy --dtype bfloat16 --device cuda \
         --no-progress --output "$OUT/${OFFLINE_NAME:-offline}.json" ${OFFLINE_ARGS:-} 2>&1 \
         | grep -v "Warning\|warn(" | tee "$OUT/${OFFLINE_NAME:-offline}.log" | tail -20 ;;
+    serving)
+      # treadle serve with the example 8B config (default sizes), then `treadle bench serving` at
+      # SERVING_RATE req/s (SERVING_PROMPTS requests) and at saturation (SERVING_SAT_PROMPTS at once).
+      l8b
+      python3 -m treadle.server.launch --config examples/configs/gpu-llama8b-dummy.yaml \
+        --set model.path=/tmp/l8b --set server.port=30000 ${SERVING_SET:-} > "$OUT/serve.log" 2>&1 &
+      for _ in $(seq 240); do
+        grep -q Traceback "$OUT/serve.log" && { tail -30 "$OUT/serve.log"; break; }
+        python3 -c "import urllib.request as u; u.urlopen('http://localhost:30000/health', timeout=2)" 2>/dev/null && break; sleep 1
+      done
+      grep -E "auto|serves" "$OUT/serve.log" | tail -5
+      for spec in "${SERVING_RATE:-4}:${SERVING_PROMPTS:-240}:rate4" "inf:${SERVING_SAT_PROMPTS:-600}:saturation"; do
+        IFS=: read rate n name <<< "$spec"
+        timeout ${SERVING_TIMEOUT:-150} python3 -m treadle.bench.serving --base-url http://localhost:30000 \
+          --api native --workload random --num-prompts $n --input-len 16:600 --output-len 16:400 \
+          --request-rate $rate --output "$OUT/serving_$name.json" 2>&1 | tail -16
+      done
+      kill %1 2>/dev/null; wait ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
