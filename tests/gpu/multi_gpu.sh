@@ -27,16 +27,18 @@ serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at o
     grep -q Traceback "$OUT/dp$1_server.log" && break
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1
   done
-  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 1000 --input-len 32:512 \
-    --output-len 32:256 --output "$OUT/serving_dp$1_offline.json" 2>&1 | tail -20
-  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 600 --input-len 32:512 \
-    --output-len 32:256 --request-rate 40 --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
+  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 1000 --input-len 16:600 \
+    --output-len 16:400 --output "$OUT/serving_dp$1_offline.json" 2>&1 | tail -20
+  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 600 --input-len 16:600 \
+    --output-len 16:400 --request-rate 40 --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
   kill "$pid"; wait "$pid"
 }
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
-    setup) bash "$HERE/device.sh" setup; export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; nvidia-smi -L ;;
+    setup) bash "$HERE/device.sh" setup
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; [ -d /tmp/pkg ] && export PYTHONPATH=$PYTHONPATH:/tmp/pkg
+      nvidia-smi -L ;;
     nccl_smoke) timeout 60 python3 tests/gpu/nccl_graph_smoke.py 2>&1 | grep -v Warn | tail -3 ;;
     tp_tests) timeout 500 python3 -m pytest -q -s -rs tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
     tp_8b)
@@ -60,7 +62,7 @@ PY
     tp_70b_offline)
       dir=$(shape_dir llama-3.1-70b)
       timeout 580 python3 -m treadle.bench.offline_throughput --workload random --num-prompts 1000 \
-        --input-len 32:512 --output-len 32:256 --set model.path="$dir" --set model.load_format=dummy \
+        --input-len 16:600 --output-len 16:400 --set model.path="$dir" --set model.load_format=dummy \
         --set parallel.tp_size=2 --set attention.backend=flashinfer --device cuda --dtype bfloat16 --no-progress \
         --output "$OUT/offline_70b_tp2.json" 2>&1 | tail -15 ;;
     dp) serve_and_bench 1; serve_and_bench 2 ;;
