@@ -358,19 +358,16 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
 
 def _configure_rank_process(log_level: str) -> None:
     # Ctrl-C reaches the whole process group: only rank 0's process acts on it and then stops
-    # the ranks; SIGTERM exits cleanly; the kernel ends a rank whose parent died.
+    # the ranks. SIGTERM keeps its default action (a rank blocked in a collective could not run a
+    # Python handler), and the kernel sends it when the parent dies.
     logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT, force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except (OSError, AttributeError):
             pass
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
 
 
 def _join_group(layout: RankLayout, rank: int, init_method: str, config: ServerConfig) -> None:
