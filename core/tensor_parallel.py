@@ -51,6 +51,14 @@ class TensorParallelError(RuntimeError):
     """The tensor-parallel layout cannot run here, or a rank failed."""
 
 
+class LeaderGone(RuntimeError):
+    """Rank 0 went away while this rank waited for its next step: the group is over.
+
+    A server's processes end without goodbyes on SIGTERM, so from another node a stopped
+    server and a failed one look alike; node 0's own log says which it was.
+    """
+
+
 def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool = False) -> Any:
     """The scheduler of one replica: a ``Scheduler`` at tp 1, else rank 0's :class:`LeaderScheduler`
     with this node's other ranks started as processes.
@@ -179,7 +187,10 @@ def follow_leader(scheduler: Any) -> None:
     from treadle.core.request import InvalidRequestError
 
     while True:
-        commands = tp_broadcast_object(None)
+        try:
+            commands = tp_broadcast_object(None)
+        except RuntimeError as exc:  # a closed connection: rank 0's process ended (stopped or failed)
+            raise LeaderGone(str(exc).splitlines()[0]) from None
         for command in commands:
             kind = command[0]
             if kind == _STEP:
@@ -349,6 +360,9 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
 
         scheduler = Scheduler(config, None)
         follow_leader(scheduler)
+    except LeaderGone as exc:
+        logger.warning("tensor-parallel rank %d: the group ended while waiting for rank 0 (its server stopped, "
+                       "or a rank failed: see node 0's log); exiting (%s)", rank, exc)
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise SystemExit(1)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from treadle.core.engine import Engine
-from treadle.server.launch import ServerHandle, _free_port, launch_server
+from treadle.server.launch import CONFIG_ENV, ServerHandle, _free_port, launch_server
 
 PROMPTS = ["The capital of France is", "Once upon a time there was"]
 
@@ -75,10 +75,15 @@ def test_two_nodes_serve_one_tp2_group(tiny_model_dir, make_config, expected_tex
     node1_config.parallel.node_rank = 1
     node1_log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "treadle.server.launch", "--config-json", node1_config.model_dump_json()],
-        stdout=node1_log, stderr=subprocess.STDOUT)
+        [sys.executable, "-m", "treadle.server.launch", "--config-env"], stdout=node1_log, stderr=subprocess.STDOUT,
+        env={**os.environ, CONFIG_ENV: node1_config.model_dump_json()})
     try:
-        handle = launch_server(config, timeout=240)
+        try:
+            handle = launch_server(config, timeout=240)
+        except Exception:
+            node1_log.flush()
+            print("node 1 log:\n", (tmp_path / "node1.log").read_text()[-5000:])
+            raise
         try:
             assert _completions(handle) == expected_texts
             assert _info(handle)["model_info"]["tp_rank_pids"] == {}  # rank 1 runs on "node 1"
