@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -12,6 +13,12 @@ from treadle.core.hookspecs import hookimpl
 
 # xgrammar prefixes its messages with a time and a C++ source location; users need neither.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Keywords xgrammar 0.2.8 accepts but does not enforce: a request using them must fail, not be half-honoured.
+_IGNORED_KEYWORDS = ("not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
+                  "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 
 class XGrammarBackend(GrammarBackend):
@@ -34,16 +41,38 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, constraint: Constraint) -> Any:
         try:
             if constraint.kind == "json_schema":
+                self._check_enforceable(json.loads(constraint.text))
                 return self._compiler.compile_json_schema(constraint.text, any_whitespace=self._any_whitespace,
                                                           strict_mode=True)
             if constraint.kind == "regex":
                 return self._compiler.compile_regex(constraint.text)
             if constraint.kind == "ebnf":
                 return self._compiler.compile_grammar(constraint.text)
+        except GrammarCompileError:
+            raise
         except (RuntimeError, ValueError) as exc:
             message = _LOG_PREFIX.sub("", str(exc).strip())
             raise GrammarCompileError(f"invalid {constraint.kind}: {message}", param=constraint.kind) from None
         raise GrammarCompileError(f"xgrammar cannot compile a '{constraint.kind}' constraint", param=constraint.kind)
+
+    def _check_enforceable(self, schema: Any) -> None:
+        for path, node in _subschemas(schema, ""):
+            where = path or "the top level"
+            used = [key for key in _IGNORED_KEYWORDS if key in node]
+            if len(node.get("allOf") or []) > 1:
+                used.append("allOf")
+            if used:
+                raise GrammarCompileError(
+                    f"invalid json_schema: '{used[0]}' at {where} is not supported by grammar backend 'xgrammar' "
+                    f"(it would be ignored); remove it, or use grammar.backend: llguidance", param="json_schema")
+            if isinstance(node.get("pattern"), str):
+                # Inside a schema xgrammar drops what its regex engine lacks (look-around) with only a warning.
+                try:
+                    self._compiler.compile_regex(node["pattern"])
+                except (RuntimeError, ValueError) as exc:
+                    message = _LOG_PREFIX.sub("", str(exc).strip())
+                    raise GrammarCompileError(f"invalid json_schema: the pattern at {where}: {message}",
+                                              param="json_schema") from None
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
@@ -70,6 +99,23 @@ class XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict]]:
+    """Every (JSON pointer, schema object) in ``schema``, descending only where keywords hold schemas."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in _SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+            yield from _subschemas(sub, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS + _SCHEMA_VALUES:
+        value = schema.get(key)
+        if isinstance(value, list) and key in _SCHEMA_LISTS + ("items",):
+            for i, sub in enumerate(value):
+                yield from _subschemas(sub, f"{path}/{key}/{i}")
+        elif isinstance(value, dict):
+            yield from _subschemas(value, f"{path}/{key}")
 
 
 @hookimpl

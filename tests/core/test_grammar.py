@@ -119,6 +119,9 @@ def test_compiled_constraints_are_cached(engine):
     ({"json_schema": '[1, 2]'}, "must be a JSON object"),
     ({"ebnf": "root ::= missing_rule"}, "invalid ebnf"),
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+    ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "'uniqueItems' at the top level is not supported"),
+    ({"json_schema": '{"properties": {"a": {"not": {"type": "string"}}}}'}, "'not' at /properties/a"),
+    ({"json_schema": '{"type": "string", "pattern": "(?=a)b"}'}, "the pattern at the top level: .*[Ll]ookahead"),
 ])
 def test_invalid_constraints_are_request_errors(engine, params, message):
     with pytest.raises(InvalidRequestError, match=message):
