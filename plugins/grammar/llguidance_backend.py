@@ -29,7 +29,12 @@ class LLGuidanceBackend(GrammarBackend):
         self._llg = llguidance
         # llguidance knows only the tokenizer's ids; a model may list stop ids past them (a padded vocabulary).
         eos = [t for t in stop_token_ids if t < len(tokenizer)] or None
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        except TypeError:  # llguidance < 1.7 takes one stop token: prefer the tokenizer's own
+            own = tokenizer.eos_token_id
+            single = own if eos and own in eos else (eos[0] if eos else None)
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=single)
         self._any_whitespace = any_whitespace
         self._executor: Any = None
 
