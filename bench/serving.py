@@ -11,6 +11,9 @@ request and token throughput, time to first token (TTFT), inter-token latency
 a table and writes JSON (``bench/results/serving_<workload>_<date>.json``
 unless ``--output``).
 
+``--duration SECONDS`` switches to the soak mode of ``bench/soak.py`` (mixed traffic,
+aborts and disconnects on purpose, then leak checks); there ``--input-len`` counts words.
+
 ``--api native`` streams ``/generate`` (one event per scheduler step, so ITL is
 exact); ``--api openai`` streams ``/v1/completions`` and works against any
 OpenAI-compatible server (a chunk may then carry more than one token).
@@ -32,6 +35,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from treadle.bench.soak import add_soak_arguments, run_soak
 from treadle.bench.workloads import WORKLOAD_NAMES, BenchRequest, build_workload, parse_len_range, usable_token_ids
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -192,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workload>_<date>.json)")
+    add_soak_arguments(parser)
     args = parser.parse_args(argv)
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -200,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except httpx.HTTPError as exc:
         print(f"error: cannot reach a server at {args.base_url}: {exc}", file=sys.stderr)
         return 1
+    if args.duration is not None:
+        args.argv = list(argv if argv is not None else sys.argv[1:])
+        return run_soak(args, info)
     token_ids = usable_token_ids(int(info["vocab_size"]))
     params: dict[str, Any] = {"output_len": parse_len_range(args.output_len), "seed": args.seed}
     if args.workload == "random":

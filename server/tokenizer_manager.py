@@ -404,7 +404,8 @@ class TokenizerManager:
         tokens = len(output.new_token_ids)
         if output.finished_reason is not None and output.rid in self._timed_out:
             self._timed_out.discard(output.rid)
-            output.finished_reason, output.finished_detail = FinishReason.LENGTH, "timeout"
+            if output.finished_reason == FinishReason.ABORT:  # not one that finished on its own meanwhile
+                output.finished_reason, output.finished_detail = FinishReason.LENGTH, "timeout"
         if tokens:
             state.stream.produced_tokens = True
             if state.first_token_at is None:

@@ -226,3 +226,22 @@ def test_server_info_reports_kv_counts_and_memory(http: httpx.Client) -> None:
     assert info["max_inflight_requests"] == 4
     assert all(v and v > 0 for v in info["memory"]["rss_bytes"].values())
     assert set(info["pids"]) == {"server", "scheduler", "detokenizer"}
+
+
+# ------------------------------------------------------------------ soak mode of the serving benchmark
+
+
+def test_bench_serving_soak_mode_checks_failures_kv_and_memory(server: ServerHandle, tmp_path, capsys) -> None:
+    from treadle.bench.serving import main
+
+    out = tmp_path / "soak.json"
+    rc = main(["--base-url", server.base_url, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+               "--duration", "3", "--warmup", "1", "--max-concurrency", "3", "--input-len", "2:12",
+               "--output-len", "2:12", "--abort-fraction", "0.2", "--disconnect-fraction", "0.2", "--structured",
+               "--max-memory-growth", "1.0", "--output", str(out)])
+    summary = json.loads(out.read_text())["summary"]
+    assert rc == 0, summary
+    assert summary["failures"] == 0 and summary["requests"] > 10
+    assert summary["aborted_on_purpose"] > 0 and summary["disconnected_on_purpose"] > 0
+    assert summary["checks"]["kv_accounted"] and summary["memory"]["growth"] is not None
+    assert "resident memory growth" in capsys.readouterr().out
