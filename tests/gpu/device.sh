@@ -10,6 +10,7 @@
 #   bash tests/gpu/device.sh setup tests bench         # BENCH_ARGS="--backends triton,flashinfer --graphs on"
 #   bash tests/gpu/device.sh setup offline             # OFFLINE_ARGS="--backends triton,flashinfer"
 #
+# `soak` runs the serving soak (bench/soak.py) on Llama-3.1-8B shapes at 80% of its saturated request rate.
 # `offline` runs `treadle bench offline` on Llama-3.1-8B shapes (dummy weights, bf16, the folder /tmp/l8b
 # holding only its config.json) with the 1000-request `random` workload of docs/benchmarks.md and the
 # default config; OFFLINE_ARGS adds variants (--compare / --backends) and options (--profile-steps 20).
@@ -77,6 +78,24 @@ for stage in "$@"; do
           --request-rate $rate --output "$OUT/serving_$name.json" 2>&1 | tail -16
       done
       kill %1 2>/dev/null; wait ;;
+    soak)
+      # The example 8B config (dummy weights): SOAK_SATURATION_S closed-loop at high concurrency measures the
+      # saturated request rate of the soak mix, then SOAK_SECONDS at 80% of it with aborts and disconnects.
+      l8b
+      python3 -m treadle.server.launch --config examples/configs/gpu-llama8b-dummy.yaml \
+        --set model.path=/tmp/l8b --set server.port=30111 --set server.log_level=warning ${SOAK_SET:-} \
+        > "$OUT/soak_server.log" 2>&1 &
+      server=$!
+      for _ in $(seq 240); do
+        grep -q Traceback "$OUT/soak_server.log" && { tail -30 "$OUT/soak_server.log"; break; }
+        python3 -c "import urllib.request as u; u.urlopen('http://localhost:30111/health', timeout=2)" 2>/dev/null && break; sleep 1
+      done
+      soak="python3 -m treadle.bench.serving --base-url http://localhost:30111 --max-concurrency 256 \
+        --input-len 16:400 --output-len 16:256 --abort-fraction 0.05 --disconnect-fraction 0.05 --structured"
+      $soak --duration ${SOAK_SATURATION_S:-60} --warmup 20 --output "$OUT/soak_saturation.json" 2>&1 | tail -14
+      rate=$(python3 -c "import json; print(0.8 * json.load(open('$OUT/soak_saturation.json'))['summary']['request_throughput'])")
+      $soak --duration ${SOAK_SECONDS:-420} --warmup 60 --request-rate "$rate" --output "$OUT/soak_h100.json" 2>&1 | tail -14
+      kill -TERM $server; wait $server; echo "server exit $?" ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
