@@ -87,7 +87,7 @@ class Soak:
         self.input_words = _parse_range(args.input_len)
         self.kinds = [k for k in KINDS if k != "json"]
         self.structured_note = "not requested"
-        self.memory_samples: list[tuple[float, int]] = []
+        self.memory_samples: list[dict[str, Any]] = []
 
     async def run(self) -> dict[str, Any]:
         args = self.args
@@ -105,8 +105,11 @@ class Soak:
             wall = time.monotonic() - start
             sampler.cancel()
             idle_kv = await self._wait_idle(client)
-            end_rss = await _total_rss(client)
-        return self._report(results, wall, baseline, end_rss, idle_kv)
+            end_rss, end_per_process = await _rss(client)
+        summary = self._report(results, wall, baseline, end_rss, idle_kv)
+        summary["memory"]["end_per_process"] = end_per_process
+        summary["memory"]["baseline_per_process"] = baseline.get("per_process")
+        return summary
 
     # ------------------------------------------------------------ traffic
 
@@ -249,12 +252,15 @@ class Soak:
                              baseline: dict[str, Any]) -> None:
         while True:
             await asyncio.sleep(min(10.0, max(warmup, 1.0)))
-            rss = await _total_rss(client)
+            info = (await client.get("/get_server_info")).json()
+            per_process = {k: v for k, v in (info.get("memory") or {}).get("rss_bytes", {}).items() if v}
+            rss = sum(per_process.values())
             elapsed = time.monotonic() - start
             if rss:
-                self.memory_samples.append((round(elapsed, 1), rss))
+                self.memory_samples.append({"at_s": round(elapsed, 1), "rss_bytes": per_process,
+                                            "kv_cached_slots": info["kv"].get("cached_slots")})
                 if elapsed >= warmup and "rss" not in baseline:
-                    baseline.update(rss=rss, at_s=round(elapsed, 1))
+                    baseline.update(rss=rss, at_s=round(elapsed, 1), per_process=per_process)
 
     async def _wait_idle(self, client: httpx.AsyncClient, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -348,10 +354,11 @@ def run_soak(args: argparse.Namespace, info: dict[str, Any]) -> int:
     return 0 if summary["passed"] else 1
 
 
-async def _total_rss(client: httpx.AsyncClient) -> int | None:
+async def _rss(client: httpx.AsyncClient) -> tuple[int | None, dict[str, int]]:
+    """The server's total resident memory and each process's (from /get_server_info)."""
     info = (await client.get("/get_server_info")).json()
-    values = [v for v in (info.get("memory") or {}).get("rss_bytes", {}).values() if v]
-    return sum(values) if values else None
+    per_process = {k: v for k, v in (info.get("memory") or {}).get("rss_bytes", {}).items() if v}
+    return (sum(per_process.values()) or None), per_process
 
 
 def _percentiles(sorted_ms: list[float]) -> dict[str, float]:
