@@ -6,7 +6,8 @@
 For ``--duration`` seconds it sends a seeded mix of OpenAI requests — streaming and
 non-streaming chat and completions, ``n > 1``, stop strings, and (``--structured``)
 ``response_format: json_object`` when the server accepts it — keeping at most
-``--max-concurrency`` in flight (Poisson arrivals at ``--request-rate`` if given).
+``--max-concurrency`` in flight (Poisson arrivals at ``--request-rate`` if given). Against a
+server without a tokenizer (dummy weights) it sends token-id completions only.
 A share of the requests is aborted on purpose through ``/abort_request``
 (``--abort-fraction``) and a share is dropped by the client mid-stream
 (``--disconnect-fraction``). At the end it checks that
@@ -35,10 +36,14 @@ from typing import Any
 
 import httpx
 
+from treadle.bench.workloads import usable_token_ids
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _WORDS = ("river stone light cloud paper garden window music winter orange silver market bridge forest "
           "engine letter island morning signal harbor candle mirror planet ticket valley").split()
 KINDS = ("chat-stream", "chat", "completion-stream", "completion-n2", "chat-stop", "json")
+# A server without a tokenizer (dummy weights from a bare config.json) takes token-id completions only.
+TOKEN_ID_KINDS = ("completion-stream", "completion", "completion-n2")
 
 
 def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +90,11 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.output_len = _parse_range(args.output_len)
         self.input_words = _parse_range(args.input_len)
+        self.token_ids: list[int] | None = None
         self.kinds = [k for k in KINDS if k != "json"]
+        if not info.get("has_tokenizer", True):
+            self.token_ids = usable_token_ids(int(info["vocab_size"]))
+            self.kinds = list(TOKEN_ID_KINDS)
         self.structured_note = "not requested"
         self.memory_samples: list[dict[str, Any]] = []
 
@@ -95,8 +104,10 @@ class Soak:
         limits = httpx.Limits(max_connections=(args.max_concurrency or 64) + 8)
         async with httpx.AsyncClient(base_url=args.base_url, headers=self.headers, timeout=timeout,
                                      limits=limits) as client:
-            if args.structured:
+            if args.structured and self.token_ids is None:
                 await self._probe_structured(client)
+            elif args.structured:
+                self.structured_note = "skipped: the server has no tokenizer (token-id completions only)"
             start = time.monotonic()
             warmup = args.warmup if args.warmup is not None else min(60.0, 0.1 * args.duration)
             baseline: dict[str, Any] = {}
@@ -143,9 +154,10 @@ class Soak:
             intent = "disconnect"
         kind = rng.choice(self.kinds)
         if intent != "normal" and not kind.endswith("stream"):
-            kind = rng.choice(["chat-stream", "completion-stream"])
+            kind = rng.choice([k for k in self.kinds if k.endswith("stream")])
         words = rng.randint(*self.input_words)
-        prompt = " ".join(rng.choice(_WORDS) for _ in range(words))
+        prompt: str | list[int] = (" ".join(rng.choice(_WORDS) for _ in range(words)) if self.token_ids is None
+                                   else [rng.choice(self.token_ids) for _ in range(words)])
         body: dict[str, Any] = {"max_tokens": rng.randint(*self.output_len), "temperature": rng.choice([0.0, 0.8]),
                                 "seed": index, "rid": f"soak-{self.args.seed}-{index}"}
         if self.model:
@@ -294,7 +306,7 @@ class Soak:
             "disconnected_on_purpose": sum(r.intent == "disconnect" for r in results),
             "failures": len(failed),
             "first_failures": [asdict(r) for r in failed[:5]],
-            "by_kind": {k: sum(r.kind == k for r in results) for k in KINDS},
+            "by_kind": {k: sum(r.kind == k for r in results) for k in sorted({r.kind for r in results})},
             "structured_output": self.structured_note,
             "duration_s": wall,
             "request_throughput": len(results) / wall if wall else 0.0,
