@@ -15,7 +15,9 @@ A share of the requests is aborted on purpose through ``/abort_request``
 - no request failed other than those aborted or dropped on purpose (a 503 is a failure too);
 - once idle, every KV slot is free or held by the prefix cache (``/get_server_info``);
 - the server's resident memory (all its processes) grew less than ``--max-memory-growth``
-  (5%) between the end of the warm-up and the end,
+  (5%) between the end of the warm-up and the end; the warm-up lasts ``--warmup`` seconds and
+  until the prefix cache has filled 90% of the KV pool (or half the soak has passed), because
+  host memory that follows the cached prefixes grows until then and is bounded by the pool,
 
 prints a table and writes JSON (``bench/results/soak_<date>.json`` unless ``--output``).
 Exit status 0 only if every check passed.
@@ -39,6 +41,7 @@ import httpx
 from treadle.bench.workloads import usable_token_ids
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_POOL_FILLED = 0.9  # share of KV slots cached or used at which the pool counts as filled
 _WORDS = ("river stone light cloud paper garden window music winter orange silver market bridge forest "
           "engine letter island morning signal harbor candle mirror planet ticket valley").split()
 KINDS = ("chat-stream", "chat", "completion-stream", "completion-n2", "chat-stop", "json")
@@ -262,17 +265,24 @@ class Soak:
 
     async def _sample_memory(self, client: httpx.AsyncClient, start: float, warmup: float,
                              baseline: dict[str, Any]) -> None:
+        pool_filled = False
         while True:
             await asyncio.sleep(min(10.0, max(warmup, 1.0)))
             info = (await client.get("/get_server_info")).json()
             per_process = {k: v for k, v in (info.get("memory") or {}).get("rss_bytes", {}).items() if v}
             rss = sum(per_process.values())
             elapsed = time.monotonic() - start
+            kv = info["kv"]
+            # Host memory that follows the prefix cache (tree nodes, per-slot tables) stops growing once the
+            # cache has filled the KV pool: the baseline waits for that (or for half the soak).
+            pool_filled = pool_filled or kv["cached_slots"] + kv["used_slots"] >= _POOL_FILLED * kv["total_slots"]
             if rss:
                 self.memory_samples.append({"at_s": round(elapsed, 1), "rss_bytes": per_process,
-                                            "kv_cached_slots": info["kv"].get("cached_slots")})
-                if elapsed >= warmup and "rss" not in baseline:
-                    baseline.update(rss=rss, at_s=round(elapsed, 1), per_process=per_process)
+                                            "kv_cached_slots": kv.get("cached_slots")})
+                warm = pool_filled or elapsed >= self.args.duration / 2
+                if elapsed >= warmup and warm and "rss" not in baseline:
+                    baseline.update(rss=rss, at_s=round(elapsed, 1), per_process=per_process,
+                                    reason="KV pool filled" if pool_filled else "half the duration")
 
     async def _wait_idle(self, client: httpx.AsyncClient, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -314,6 +324,7 @@ class Soak:
             "e2e_latency_ms": _percentiles(latencies),
             "ttft_ms": _percentiles(ttfts),
             "memory": {"baseline_rss_bytes": baseline.get("rss"), "baseline_at_s": baseline.get("at_s"),
+                       "baseline_after": baseline.get("reason"),
                        "end_rss_bytes": end_rss, "growth": growth, "samples": self.memory_samples},
             "kv_at_end": kv,
             "checks": checks,
