@@ -92,9 +92,9 @@ for stage in "$@"; do
       done
       soak="python3 -m treadle.bench.serving --base-url http://localhost:30111 --max-concurrency 256 \
         --input-len 16:400 --output-len 16:256 --abort-fraction 0.05 --disconnect-fraction 0.05 --structured"
-      $soak --duration ${SOAK_SATURATION_S:-60} --warmup 20 --output "$OUT/soak_saturation.json" 2>&1 | tail -14
+      $soak --duration ${SOAK_SATURATION_S:-45} --warmup 20 --output "$OUT/soak_saturation.json" 2>&1 | tail -14
       rate=$(python3 -c "import json; print(0.8 * json.load(open('$OUT/soak_saturation.json'))['summary']['request_throughput'])")
-      $soak --duration ${SOAK_SECONDS:-420} --warmup 60 --request-rate "$rate" --output "$OUT/soak_h100.json" 2>&1 | tail -14
+      $soak --duration ${SOAK_SECONDS:-360} --warmup 60 --request-rate "$rate" --output "$OUT/soak_h100.json" 2>&1 | tail -14
       kill -TERM $server; wait $server; echo "server exit $?" ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
