@@ -122,6 +122,7 @@ class Soak:
             end_rss, end_per_process = await _rss(client)
         summary = self._report(results, wall, baseline, end_rss, idle_kv)
         summary["memory"]["end_per_process"] = end_per_process
+        summary["memory"]["growth_last_half"] = growth_last_half(self.memory_samples, baseline.get("at_s"), end_rss)
         summary["memory"]["baseline_per_process"] = baseline.get("per_process")
         return summary
 
@@ -333,6 +334,22 @@ class Soak:
         }
 
 
+def growth_last_half(samples: list[dict[str, Any]], baseline_at_s: float | None, end_rss: int | None) -> float | None:
+    """Growth from the sample halfway between the baseline and the end, to the end (informational).
+
+    A leak keeps growing through the second half; an allocator's high-water mark (reached once, at the
+    largest batch) does not.
+    """
+    if baseline_at_s is None or not end_rss:
+        return None
+    after = [s for s in samples if s["at_s"] >= baseline_at_s]
+    if len(after) < 2:
+        return None
+    middle = after[len(after) // 2]
+    rss = sum(middle["rss_bytes"].values())
+    return (end_rss - rss) / rss if rss else None
+
+
 def format_soak_table(summary: dict[str, Any]) -> str:
     growth = summary["memory"]["growth"]
     kv = summary["kv_at_end"]
@@ -347,6 +364,8 @@ def format_soak_table(summary: dict[str, Any]) -> str:
         ("TTFT (ms)", _fmt(summary["ttft_ms"])),
         ("resident memory growth", "n/a" if growth is None else f"{growth * 100:+.2f}% "
          f"({summary['memory']['baseline_rss_bytes'] / 2**20:.0f} -> {summary['memory']['end_rss_bytes'] / 2**20:.0f} MiB)"),
+        ("  over the last half (informational)", "n/a" if summary["memory"].get("growth_last_half") is None
+         else f"{summary['memory']['growth_last_half'] * 100:+.2f}%"),
         ("KV at end (free/cached/used/total)",
          f"{kv['free_slots']}/{kv['cached_slots']}/{kv['used_slots']}/{kv['total_slots']}"),
         ("structured output", summary["structured_output"]),
