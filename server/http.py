@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from treadle import __version__
 from treadle.core.request import SamplingParams
 from treadle.server.ipc import StrOutput, TokenizedGenerateReq
-from treadle.server.middleware import OPEN_PATHS, AdmissionMiddleware, ApiKeyMiddleware  # noqa: F401
+from treadle.server.middleware import AdmissionMiddleware, ApiKeyMiddleware
 from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
 from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
 

@@ -68,7 +68,7 @@ def serve(config: ServerConfig) -> None:
         stop_signals.append(signum)
 
     listen_socket = _bind(config.server.host, config.server.port)
-    # Our handlers stay in place around uvicorn's, which re-raises the signal it caught on exit.
+    # Until uvicorn runs (loading the model), a signal just stops the start; then DrainingServer handles them.
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     addresses = IpcAddresses.new()
     children = _Children(config, addresses)
