@@ -56,6 +56,8 @@ from typing import Any, Sequence
 
 import torch
 
+from treadle.bench.step_meter import kernel_category
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 LLAMA_3_1_8B: dict[str, Any] = {
@@ -540,7 +542,7 @@ def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 2
             device_us = getattr(event, "self_cuda_time_total", 0)
         if device_us and event.device_type == torch.autograd.DeviceType.CUDA:
             kernels.append({"name": event.key[:90], "calls_per_step": event.count / steps,
-                            "us_per_step": device_us / steps, "category": _kernel_category(event.key)})
+                            "us_per_step": device_us / steps, "category": kernel_category(event.key)})
     kernels.sort(key=lambda k: -k["us_per_step"])
     busy = sum(k["us_per_step"] for k in kernels)
     categories: dict[str, float] = {}
@@ -565,18 +567,6 @@ def _host_timer(function: Any, totals: dict[str, float], key: str) -> Any:
             totals[key] += (time.perf_counter() - start) * 1e6
 
     return timed
-
-
-def _kernel_category(name: str) -> str:
-    lowered = name.lower()
-    if any(key in lowered for key in ("gemv", "gemm", "nvjet", "xmma", "cutlass", "splitk", "matmul")):
-        return "matmul (weights)"
-    if any(key in lowered for key in ("flashinfer", "batchprefill", "batchdecode", "attention", "attn",
-                                      "_fwd_kernel", "decode_", "mergestate", "merge_state")):
-        return "attention"
-    if "memcpy" in lowered or "memset" in lowered:
-        return "memcpy/memset"
-    return "elementwise/norm/rotary/other"
 
 
 def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]) -> None:
