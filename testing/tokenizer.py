@@ -47,3 +47,10 @@ def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 512) -> str:
     out.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(out)
     return str(out)
+
+
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """Token ids of ``question`` as one user turn through the tokenizer's chat template, ready to generate."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text)

@@ -10,6 +10,7 @@ import torch
 
 from treadle import Engine, SamplingParams
 from treadle.testing.engine import assert_kv_accounted
+from treadle.testing.tokenizer import chat_prompt_ids
 
 QUESTION = "What is the capital of France?"
 
@@ -21,16 +22,10 @@ def engine(smollm2_dir):
     engine.shutdown()
 
 
-def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text)
-
-
 def test_default_model_answers_like_hf(engine, smollm2_dir):
     from transformers import AutoModelForCausalLM
 
-    prompts = [chat_ids(engine.tokenizer, q) for q in
+    prompts = [chat_prompt_ids(engine.tokenizer, q) for q in
                (QUESTION, "Name three colors.", "Write a haiku about the sea.")]
     outputs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=24, temperature=0))
     assert outputs[0].text == "The capital of France is Paris."
@@ -50,7 +45,7 @@ def test_default_model_answers_like_hf(engine, smollm2_dir):
 
 
 def test_stop_strings_are_trimmed_from_text(engine):
-    out = engine.generate(input_ids=chat_ids(engine.tokenizer, QUESTION),
+    out = engine.generate(input_ids=chat_prompt_ids(engine.tokenizer, QUESTION),
                           sampling_params=SamplingParams(max_new_tokens=24, temperature=0, stop=["France"]))
     assert out.text == "The capital of "
     assert out.finish_reason == "stop" and out.matched_stop == "France"

@@ -10,6 +10,7 @@ import pytest
 
 from treadle import Engine, SamplingParams
 from treadle.testing.engine import assert_kv_accounted
+from treadle.testing.tokenizer import chat_prompt_ids
 
 from structured_schemas import REGEXES, SCHEMAS
 
@@ -25,16 +26,10 @@ def engine(smollm2_dir):
     engine.shutdown()
 
 
-def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text)
-
-
 def test_json_schema_outputs_parse_and_validate(engine):
     cases = [case for case in SCHEMAS if case[0] in ENGINE_SCHEMAS]
     outputs = engine.generate(
-        input_ids=[chat_ids(engine.tokenizer, prompt + " Answer in JSON.") for _, prompt, _ in cases],
+        input_ids=[chat_prompt_ids(engine.tokenizer, prompt + " Answer in JSON.") for _, prompt, _ in cases],
         sampling_params=[SamplingParams(max_new_tokens=80, temperature=0, json_schema=json.dumps(schema))
                          for _, _, schema in cases])
     for (name, _, schema), output in zip(cases, outputs):
@@ -45,14 +40,14 @@ def test_json_schema_outputs_parse_and_validate(engine):
 
 def test_regex_outputs_fullmatch(engine):
     outputs = engine.generate(
-        input_ids=[chat_ids(engine.tokenizer, prompt) for _, prompt, _ in REGEXES],
+        input_ids=[chat_prompt_ids(engine.tokenizer, prompt) for _, prompt, _ in REGEXES],
         sampling_params=[SamplingParams(max_new_tokens=40, temperature=0, regex=pattern) for _, _, pattern in REGEXES])
     for (name, _, pattern), output in zip(REGEXES, outputs):
         assert output.finish_reason == "stop" and re.fullmatch(pattern, output.text), (name, output.text)
 
 
 def test_the_constraint_changes_the_answer_and_spares_the_neighbour(engine):
-    question = chat_ids(engine.tokenizer, "What is the capital of France? Answer in JSON.")
+    question = chat_prompt_ids(engine.tokenizer, "What is the capital of France? Answer in JSON.")
     greedy = SamplingParams(max_new_tokens=24, temperature=0)
     schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
     free, constrained = engine.generate(input_ids=[question, question], sampling_params=[
