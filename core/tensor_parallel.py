@@ -18,6 +18,7 @@ noticed by a watcher thread (local ranks) or by the next collective failing
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -26,9 +27,10 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -152,7 +154,8 @@ class LeaderScheduler:
 
     def step(self) -> list[Any]:
         self._broadcast((_STEP,))
-        return self.scheduler.step()
+        with self.ranks.naming_a_dead_rank():  # the forward's all-reduces fail too when a rank dies
+            return self.scheduler.step()
 
     def flush_cache(self) -> bool:
         self._broadcast((_FLUSH,))
@@ -179,7 +182,8 @@ class LeaderScheduler:
     def _broadcast(self, last: tuple[Any, ...]) -> None:
         commands, self._commands = self._commands + [last], []
         self.ranks.check_alive()
-        tp_broadcast_object(commands)
+        with self.ranks.naming_a_dead_rank():
+            tp_broadcast_object(commands)
 
 
 def follow_leader(scheduler: Any) -> None:
@@ -310,6 +314,27 @@ class RankProcesses:
             if not process.is_alive():
                 self._note_failure(rank)
                 raise TensorParallelError(self.failed or "")
+
+    @contextlib.contextmanager
+    def naming_a_dead_rank(self, grace_s: float = 5.0) -> Iterator[None]:
+        """Turn a collective's transport error into :class:`TensorParallelError` naming the rank that died.
+
+        A killed peer closes its connections before its process is reaped, so the collective can fail
+        before ``check_alive`` sees the death: wait a moment for it.
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            if isinstance(exc, TensorParallelError):
+                raise
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                dead = [rank for rank, process in self.processes.items() if not process.is_alive()]
+                if dead:
+                    self._note_failure(dead[0])
+                    raise TensorParallelError(self.failed or "") from exc
+                time.sleep(0.05)
+            raise
 
     def wait_all(self) -> int:
         """Block until every rank exits; 0 if all exited cleanly, else 1 (the rest are stopped)."""
