@@ -27,7 +27,7 @@ class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 any_whitespace: bool = False) -> None:
+                 any_whitespace: bool = False, batch_threads: int | str = "auto") -> None:
         import xgrammar
 
         self._xgr = xgrammar
@@ -37,6 +37,7 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._any_whitespace = any_whitespace
         self._batch: Any = None
+        self._batch_threads = batch_threads  # xgrammar's "auto": half the hardware threads
 
     def compile(self, constraint: Constraint) -> Any:
         try:
@@ -81,7 +82,7 @@ class XGrammarBackend(GrammarBackend):
         if len(matchers) < 2:
             return super().fill_bitmasks(matchers, bitmask, rows)
         if self._batch is None:
-            self._batch = self._xgr.BatchGrammarMatcher(max_threads="auto")
+            self._batch = self._xgr.BatchGrammarMatcher(max_threads=self._batch_threads)
         self._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, list(rows))
 
 
