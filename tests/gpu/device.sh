@@ -10,7 +10,8 @@
 #   bash tests/gpu/device.sh setup tests bench         # BENCH_ARGS="--backends triton,flashinfer --graphs on"
 #   bash tests/gpu/device.sh setup offline             # OFFLINE_ARGS="--backends triton,flashinfer"
 #
-# `soak` runs the serving soak (bench/soak.py) on Llama-3.1-8B shapes at 80% of its saturated request rate.
+# `soak` runs the serving soak (bench/soak.py) on Llama-3.1-8B shapes at 80% of its saturated request rate;
+# `soak_bg` starts it in the background and `soak_wait` (a later call) collects it, for soaks past one call.
 # `offline` runs `treadle bench offline` on Llama-3.1-8B shapes (dummy weights, bf16, the folder /tmp/l8b
 # holding only its config.json) with the 1000-request `random` workload of docs/benchmarks.md and the
 # default config; OFFLINE_ARGS adds variants (--compare / --backends) and options (--profile-steps 20).
@@ -81,9 +82,10 @@ for stage in "$@"; do
     soak)
       # The example 8B config (dummy weights): SOAK_SATURATION_S closed-loop at high concurrency measures the
       # saturated request rate of the soak mix, then SOAK_SECONDS at 80% of it with aborts and disconnects.
-      l8b
+      # SOAK_MODEL: a model folder to serve instead of /tmp/l8b (e.g. one with a tokenizer, for chat/JSON).
+      [ -z "${SOAK_MODEL:-}" ] && l8b
       python3 -m treadle.server.launch --config examples/configs/gpu-llama8b-dummy.yaml \
-        --set model.path=/tmp/l8b --set server.port=30111 --set server.log_level=warning ${SOAK_SET:-} \
+        --set model.path=${SOAK_MODEL:-/tmp/l8b} --set server.port=30111 --set server.log_level=warning ${SOAK_SET:-} \
         > "$OUT/soak_server.log" 2>&1 &
       server=$!
       for _ in $(seq 240); do
@@ -96,6 +98,16 @@ for stage in "$@"; do
       rate=$(python3 -c "import json; print(0.8 * json.load(open('$OUT/soak_saturation.json'))['summary']['request_throughput'])")
       $soak --duration ${SOAK_SECONDS:-360} --warmup 60 --request-rate "$rate" --output "$OUT/soak_h100.json" 2>&1 | tail -14
       kill -TERM $server; wait $server; echo "server exit $?" ;;
+    soak_bg)
+      # A soak longer than one device call: runs `soak` in its own session (it outlives this call while the
+      # machine stays warm) with its results in /tmp/soak; a later call's `soak_wait` collects them.
+      mkdir -p /tmp/soak
+      OUT=/tmp/soak setsid nohup bash "$0" soak > /tmp/soak/soak_run.log 2>&1 < /dev/null &
+      echo "soak started in the background (log /tmp/soak/soak_run.log)" ;;
+    soak_wait)
+      # Waits (at most SOAK_WAIT_S) for a `soak_bg` soak to end, then copies its results into $OUT.
+      for _ in $(seq ${SOAK_WAIT_S:-560}); do grep -q "^STAGE soak took" /tmp/soak/soak_run.log 2>/dev/null && break; sleep 1; done
+      tail -40 /tmp/soak/soak_run.log; cp /tmp/soak/*.json /tmp/soak/*.log "$OUT"/ 2>/dev/null ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
