@@ -14,6 +14,11 @@ with GQA, with and without a sliding window, for every page size asked for;
 on CUDA, for a backend with ``supports_cuda_graph``, decode captured in a CUDA
 graph at a padded batch size and replayed twice with new lengths. The
 reference computes in float32 from the same (rounded) values.
+
+With an FP8 ``kv_dtype`` the backend reads an FP8 cache with per-layer scales
+while torch_native (which does not read FP8) reads an unquantized cache holding
+the same values: every K/V value is a multiple of 1/8 in [-2, 2] times the layer's
+scale, exact in the model dtype and, divided by the scale, in FP8.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.memory_pool import FP8_KV_DTYPES, KVCache, ReqToTokenPool
 
 _TOLERANCES = {  # (atol, rtol) against the float32 reference
     torch.float32: (1e-3, 1e-3),
@@ -54,6 +59,8 @@ def check_attention_backend(
     atol: float | None = None,
     rtol: float | None = None,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Raise AssertionError (naming the scenario) unless ``factory(model_runner)`` attends like torch_native.
 
@@ -61,16 +68,30 @@ def check_attention_backend(
     ``configure(backend)`` may adjust a freshly built backend (e.g. small block
     sizes so short requests cross block boundaries); ``check_cuda_graph``
     defaults to "on CUDA, when the backend says it supports CUDA graphs".
+
+    ``kv_dtype`` is the backend's KV cache dtype (None: ``dtype``); an FP8 dtype
+    (``torch.float8_e4m3fn``) gives the backend an FP8 cache whose attended layer
+    has scales ``kv_scales`` = (k_scale, v_scale) (the other layer twice those),
+    and checks its output and the K/V it writes (dequantized) exactly as over an
+    unquantized cache. Scales must be powers of two so every value stays exact.
     """
     device = torch.device(device)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if kv_dtype != dtype and kv_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None, the model dtype or one of {FP8_KV_DTYPES}, not {kv_dtype}")
+    if kv_dtype in FP8_KV_DTYPES and any(not (s > 0 and math.frexp(s)[0] == 0.5) for s in kv_scales):
+        raise ValueError(f"kv_scales must be powers of two (so the kit's K/V values stay exact), not {kv_scales}")
     default_atol, default_rtol = _TOLERANCES.get(dtype, (2e-2, 1e-2))
     tol = (default_atol if atol is None else atol, default_rtol if rtol is None else rtol)
     shape = _Shape(num_heads, num_kv_heads, head_dim)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for page_size in page_sizes:
         for window in (None, sliding_window):
-            world = _World.build(device, dtype, shape, page_size, window, batch_size, max_seq_len, generator)
+            world = _World.build(device, dtype, kv_dtype, tuple(kv_scales), shape, page_size, window, batch_size,
+                                 max_seq_len, generator)
             context = f"page_size={page_size}, sliding_window={window}, dtype={dtype}"
+            if kv_dtype != dtype:
+                context += f", kv_dtype={kv_dtype}, kv_scales={tuple(kv_scales)}"
             for name, prefix_lens, extend_lens in _extend_scenarios(world.max_lens, page_size, generator):
                 _check_step(factory, configure, world, ForwardMode.EXTEND, prefix_lens, extend_lens, tol,
                             f"extend ({name}) with {context}", generator)
@@ -102,18 +123,21 @@ class _Shape:
 class _World:
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the backend's cache; the reference's is float32
+    kv_scales: tuple[float, float]  # LAYER_ID's (k_scale, v_scale) in an FP8 cache
     shape: _Shape
     page_size: int
     window: int | None
     pool: ReqToTokenPool
-    pristine: KVCache  # K/V for every position of every request; NaN in unowned slots
+    pristine: KVCache  # K/V (model dtype) for every position of every request; NaN in unowned slots
     rows: list[int]  # each request's row in req_to_token
     slots: list[torch.Tensor]  # each request's slots for positions [0, max_len), device int64
     max_lens: list[int]
 
     @classmethod
-    def build(cls, device: torch.device, dtype: torch.dtype, shape: _Shape, page_size: int, window: int | None,
-              batch_size: int, max_seq_len: int, generator: torch.Generator) -> "_World":
+    def build(cls, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, kv_scales: tuple[float, float],
+              shape: _Shape, page_size: int, window: int | None, batch_size: int, max_seq_len: int,
+              generator: torch.Generator) -> "_World":
         max_lens = [int(n) for n in torch.randint(2, max_seq_len + 1, (batch_size,), generator=generator)]
         max_lens[0] = max_seq_len
         pages_per_req = [math.ceil(n / page_size) for n in max_lens]
@@ -125,7 +149,9 @@ class _World:
         pool = ReqToTokenPool(batch_size + 3, max_seq_len + page_size, device)
         rows = (torch.randperm(batch_size + 2, generator=generator)[:batch_size] + 1).tolist()
         page_ids = torch.randperm(num_pages, generator=generator) + 1  # page 0 is padding
-        slots, first = [], 0
+        slots: list[torch.Tensor] = []
+        world = cls(device, dtype, kv_dtype, kv_scales, shape, page_size, window, pool, cache, rows, slots, max_lens)
+        first = 0
         for row, n, count in zip(rows, max_lens, pages_per_req):
             positions = torch.arange(n)
             request_slots = page_ids[first + positions // page_size] * page_size + positions % page_size
@@ -133,27 +159,57 @@ class _World:
             pool.req_to_token[row, :n] = request_slots.to(device=device, dtype=torch.int32)
             request_slots = request_slots.to(device)
             for layer in range(cache.num_layers):
-                cache.k_buffers[layer][request_slots] = _randn((n, shape.num_kv_heads, shape.head_dim), generator,
-                                                               device, dtype)
-                cache.v_buffers[layer][request_slots] = _randn((n, shape.num_kv_heads, shape.head_dim), generator,
-                                                               device, dtype)
+                cache.k_buffers[layer][request_slots] = world.kv_values(n, "k", layer, generator)
+                cache.v_buffers[layer][request_slots] = world.kv_values(n, "v", layer, generator)
             slots.append(request_slots)
-        return cls(device, dtype, shape, page_size, window, pool, cache, rows, slots, max_lens)
+        return world
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype in FP8_KV_DTYPES
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """A layer's (k_scale, v_scale) in an FP8 cache: other layers get twice LAYER_ID's, so a backend
+        applying the wrong layer's scales fails."""
+        k_scale, v_scale = self.kv_scales
+        return (k_scale, v_scale) if layer == LAYER_ID else (2 * k_scale, 2 * v_scale)
+
+    def kv_values(self, tokens: int, name: str, layer: int, generator: torch.Generator) -> torch.Tensor:
+        """``[tokens, num_kv_heads, head_dim]`` K or V values for ``layer`` in the model dtype: random normal,
+        or, for an FP8 cache, multiples of 1/8 in [-2, 2] (exact in e4m3) times the layer's scale."""
+        shape = (tokens, self.shape.num_kv_heads, self.shape.head_dim)
+        if not self.fp8:
+            return _randn(shape, generator, self.device, self.dtype)
+        scale = self.scales(layer)[0 if name == "k" else 1]
+        values = torch.randint(-16, 17, shape, generator=generator).float() / 8 * scale
+        return values.to(device=self.device, dtype=self.dtype)
 
     def fresh_cache(self, dtype: torch.dtype | None = None) -> KVCache:
-        """A copy of the pristine cache (optionally cast, e.g. to float32 for the reference)."""
+        """A copy of the pristine cache in ``dtype`` (default: the backend's ``kv_dtype``; float32 for the
+        reference); an FP8 copy stores each value divided by its layer's scale."""
         src = self.pristine
         cache = KVCache(src.size, src.page_size, src.num_layers, src.num_kv_heads, src.head_dim,
-                        dtype or src.dtype, src.device)
-        for dst_buffers, src_buffers in ((cache.k_buffers, src.k_buffers), (cache.v_buffers, src.v_buffers)):
-            for dst, buffer in zip(dst_buffers, src_buffers):
-                dst.copy_(buffer)
+                        dtype or self.kv_dtype, src.device)
+        if cache.is_fp8:
+            for layer in range(cache.num_layers):
+                cache.k_scales[layer], cache.v_scales[layer] = self.scales(layer)
+        self.restore(cache)
         return cache
+
+    def restore(self, cache: KVCache) -> None:
+        """Overwrite ``cache``'s K/V in place with the pristine values (quantized for an FP8 cache)."""
+        src = self.pristine
+        for layer in range(cache.num_layers):
+            for name, scales in (("k", cache.k_scales), ("v", cache.v_scales)):
+                values = getattr(src, f"{name}_buffers")[layer]
+                if cache.is_fp8:
+                    values = values.float() / scales[layer]  # exact: the values were made for these scales
+                getattr(cache, f"{name}_buffers")[layer].copy_(values)
 
     def runner(self, cache: KVCache) -> SimpleNamespace:
         """The model-runner attributes a backend may read."""
         return SimpleNamespace(
-            device=self.device, dtype=cache.dtype, num_heads=self.shape.num_heads,
+            device=self.device, dtype=self.dtype if cache.is_fp8 else cache.dtype, num_heads=self.shape.num_heads,
             num_kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim, page_size=self.page_size,
             req_to_token_pool=self.pool, kv_cache=cache, sliding_window=self.window,
             context_len=self.pool.max_context_len - self.page_size,
@@ -223,8 +279,8 @@ def _make_step(world: _World, mode: ForwardMode, prefix_lens: list[int], extend_
         out_cache_loc=out_cache_loc,
         positions=positions,
         q=_randn((tokens, s.num_heads * s.head_dim), generator, device, dtype),
-        k=_randn((tokens, s.num_kv_heads * s.head_dim), generator, device, dtype),
-        v=_randn((tokens, s.num_kv_heads * s.head_dim), generator, device, dtype),
+        k=world.kv_values(tokens, "k", LAYER_ID, generator).view(tokens, -1),
+        v=world.kv_values(tokens, "v", LAYER_ID, generator).view(tokens, -1),
     )
 
 
@@ -326,9 +382,7 @@ def _check_cuda_graph_decode(factory, configure, world: _World, tol: tuple[float
         lens[replay % real_bs] = world.max_lens[replay % real_bs]
         step = _make_step(world, ForwardMode.DECODE, [n - 1 for n in lens], [1] * real_bs, generator)
         expected, ref_cache = _reference(world, step)
-        for name in ("k", "v"):  # restore the captured cache's contents in place
-            for dst, src in zip(getattr(cache, f"{name}_buffers"), getattr(world.pristine, f"{name}_buffers")):
-                dst.copy_(src)
+        world.restore(cache)  # in place: the graph captured these buffers
         static.rows.zero_()
         static.rows[:real_bs].copy_(step.rows)
         static.seq_lens.fill_(fill)
@@ -374,6 +428,8 @@ def _assert_output(out: torch.Tensor, expected: torch.Tensor, q_shape: torch.Siz
 def _assert_kv_written(cache: KVCache, ref_cache: KVCache, out_cache_loc: torch.Tensor, context: str) -> None:
     for name in ("k", "v"):
         got = getattr(cache, f"{name}_buffers")[LAYER_ID][out_cache_loc].float()
+        if cache.is_fp8:
+            got = got * getattr(cache, f"{name}_scales")[LAYER_ID]
         want = getattr(ref_cache, f"{name}_buffers")[LAYER_ID][out_cache_loc]
         assert torch.equal(got, want), f"{context}: the backend did not write this step's {name.upper()} at out_cache_loc"
 

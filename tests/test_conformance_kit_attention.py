@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from treadle.core.forward_batch import ForwardBatch
 from treadle.plugins.attention.torch_native import TorchNativeAttnBackend
@@ -21,17 +22,33 @@ SMALL = dict(num_heads=4, num_kv_heads=2, head_dim=16, max_seq_len=40, batch_siz
 _TRITON_SCRIPT = """
 import os
 os.environ["TRITON_INTERPRET"] = "1"
+import torch
 from treadle.plugins.attention.triton.backend import TritonAttnBackend
 from treadle.testing import check_attention_backend
+
+SMALL = {small}
 
 def small_blocks(backend):
     # Short requests must still cross block and split boundaries.
     backend.max_kv_splits, backend.min_split_tokens, backend.decode_block_n = 4, 8, 16
     backend.extend_block_m = backend.extend_block_n = 16
 
-check_attention_backend(TritonAttnBackend, configure=small_blocks, **{small})
-print("TRITON_CONFORMS")
+{body}
+print("SCRIPT_DONE")
 """
+
+# The interpreter cannot run bfloat16 tl.dot, so the CPU FP8 check runs a float16 model.
+_FP8_KIT_ARGS = "torch.float16, kv_dtype=torch.float8_e4m3fn, kv_scales=(0.5, 2.0)"
+
+
+def _run_triton_script(body: str) -> str:
+    """Run ``body`` after the script's setup in a fresh interpreter-mode process; return its stdout."""
+    pytest.importorskip("triton")
+    script = _TRITON_SCRIPT.replace("{small}", repr(SMALL)).replace("{body}", body)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "SCRIPT_DONE" in proc.stdout, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def test_torch_native_conforms() -> None:
@@ -39,11 +56,44 @@ def test_torch_native_conforms() -> None:
 
 
 def test_triton_conforms_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    script = _TRITON_SCRIPT.replace("{small}", repr(SMALL))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "TRITON_CONFORMS" in proc.stdout, proc.stdout + proc.stderr
+    _run_triton_script("check_attention_backend(TritonAttnBackend, configure=small_blocks, **SMALL)")
+
+
+def test_triton_reads_an_fp8_kv_cache_with_scales_exactly_like_torch_native_over_16_bits() -> None:
+    _run_triton_script(f"check_attention_backend(TritonAttnBackend, 'cpu', {_FP8_KIT_ARGS}, "
+                       "configure=small_blocks, **SMALL)")
+
+
+_IGNORES_KV_SCALE = """
+class IgnoresScale(TritonAttnBackend):
+    # Writes K/V with the layer's scales, then reads the stored FP8 values without one of them.
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        cache = forward_batch.kv_cache
+        if save_kv_cache:
+            cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        scales = cache.{name}_scales
+        kept, scales[layer.layer_id] = scales[layer.layer_id], 1.0
+        try:
+            return super().forward(q, k, v, layer, forward_batch, save_kv_cache=False)
+        finally:
+            scales[layer.layer_id] = kept
+
+try:
+    check_attention_backend(IgnoresScale, 'cpu', {args}, configure=small_blocks, **SMALL)
+except AssertionError as error:
+    print("FAILED:", error)
+"""
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_a_backend_ignoring_an_fp8_kv_scale_fails_the_check(name: str) -> None:
+    out = _run_triton_script(_IGNORES_KV_SCALE.replace("{name}", name).replace("{args}", _FP8_KIT_ARGS))
+    assert "FAILED:" in out and "differs from torch_native" in out and "kv_dtype=torch.float8_e4m3fn" in out, out
+
+
+def test_fp8_kv_scales_must_be_powers_of_two() -> None:
+    with pytest.raises(ValueError, match="powers of two"):
+        check_attention_backend(TorchNativeAttnBackend, kv_dtype=torch.float8_e4m3fn, kv_scales=(0.3, 1.0))
 
 
 class _IgnoresWindow(TorchNativeAttnBackend):

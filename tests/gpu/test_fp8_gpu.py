@@ -1,4 +1,5 @@
-"""FP8 on a GPU with FP8 tensor cores: the linear kernels against bfloat16, and FP8 models/KV under CUDA graphs."""
+"""FP8 on a GPU with FP8 tensor cores: the linear kernels against bfloat16, FP8 models/KV under CUDA graphs,
+and the attention conformance kit over an FP8 KV cache."""
 
 from __future__ import annotations
 
@@ -95,86 +96,21 @@ def _prompts() -> list[list[int]]:
     return [[(7 * i + 13 * j) % 8000 + 3 for j in range(20 + 9 * i)] for i in range(5)]
 
 
-def hf_greedy(model_dir: str, new_tokens: int, fp8_kv: bool) -> list[tuple[list[int], torch.Tensor]]:
-    """HF greedy decoding in float32; with ``fp8_kv`` every key (after rotary) and value rounded through e4m3.
-
-    Scale 1 per layer, as treadle's cache without checkpoint scales: this is what attention over an FP8
-    KV cache computes when the new tokens are read back from the cache too (FlashInfer's prefill does).
-    Returns per prompt the greedy tokens and the per-step float32 logits.
-    """
-    import transformers.models.llama.modeling_llama as modeling_llama
-    from transformers import AutoModelForCausalLM
-
-    def round_trip(x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.float8_e4m3fn).to(x.dtype) if fp8_kv else x
-
-    rotary = modeling_llama.apply_rotary_pos_emb
-
-    def rotary_then_round(q, k, cos, sin, *args, **kwargs):
-        q, k = rotary(q, k, cos, sin, *args, **kwargs)
-        return q, round_trip(k)
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
-    hooks = [layer.self_attn.v_proj.register_forward_hook(lambda module, args, out: round_trip(out))
-             for layer in model.model.layers]
-    modeling_llama.apply_rotary_pos_emb = rotary_then_round
-    try:
-        results = []
-        with torch.inference_mode():
-            for prompt in _prompts():
-                ids = torch.tensor([prompt], device=DEVICE)
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                                     return_dict_in_generate=True, pad_token_id=0)
-                results.append((out.sequences[0, len(prompt):].tolist(),
-                                torch.stack([step[0].float() for step in out.logits]).cpu()))
-        return results
-    finally:
-        modeling_llama.apply_rotary_pos_emb = rotary
-        for hook in hooks:
-            hook.remove()
+# Like test_attention_conformance_gpu.py: GQA 32/8 heads of 128 dims, requests up to 3000 tokens.
+KIT_REAL = dict(num_heads=32, num_kv_heads=8, head_dim=128, max_seq_len=3000, batch_size=6, sliding_window=1024)
 
 
-NEAR_TIE = 1.0
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_fp8_kv_cache_with_scales_attends_exactly_like_torch_native_over_16_bits(backend):
+    """The conformance kit over an FP8 KV cache (k_scale 0.5, v_scale 2): K/V values exact in both FP8 and
+    bfloat16, so the backend must match torch_native over a bfloat16 cache within bfloat16 tolerances,
+    extend, decode and CUDA-graph decode; tests/test_conformance_kit_attention.py runs the same on the CPU."""
+    from treadle.testing import check_attention_backend
 
-
-def test_flashinfer_fp8_kv_cache_computes_attention_over_fp8_rounded_kv(real_shape_llama_dir, engine_config):
-    """FlashInfer over an FP8 KV cache lands on HF with FP8-rounded keys and values, far from unrounded HF.
-
-    Rounding every key and value through e4m3 moves this random model's first-token log-probs by 1-4, and
-    treadle rounds bf16 (not float32) values, so a flipped rounding moves a log-prob by tenths: per prompt,
-    the first-token top-5 log-probs must be closer to the FP8-rounded reference than rounding moves them,
-    and over all prompts less than half as far; greedy tokens identical up to the FP8 reference's first
-    near tie (top-2 logit gap under 1.0).
-    """
-    pytest.importorskip("flashinfer")
-    from treadle import Engine, SamplingParams
-
-    config = engine_config(real_shape_llama_dir, "flashinfer", "bfloat16", graphs=True)
-    config["cache"]["kv_dtype"] = "fp8_e4m3"
-    engine = Engine(config)
-    try:
-        outputs = engine.generate(input_ids=_prompts(), return_logprob=True, top_logprobs_num=5,
-                                  sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0,
-                                                                 ignore_eos=True))
-    finally:
-        engine.shutdown()
-    rounded = hf_greedy(real_shape_llama_dir, 12, fp8_kv=True)
-    plain = hf_greedy(real_shape_llama_dir, 1, fp8_kv=False)
-    to_rounded, rounding = [], []
-    for index, (output, (ref_tokens, ref_logits), (_, plain_logits)) in enumerate(zip(outputs, rounded, plain)):
-        ref_logprobs = torch.log_softmax(ref_logits[0], dim=-1)
-        plain_logprobs = torch.log_softmax(plain_logits[0], dim=-1)
-        tokens = [token for token, _ in output.output_top_logprobs[0]]
-        to_rounded.append(max(abs(lp - ref_logprobs[t].item()) for t, lp in output.output_top_logprobs[0]))
-        rounding.append(max(abs(plain_logprobs[t] - ref_logprobs[t]).item() for t in tokens))
-        print(f"prompt {index}: first-token log-probs {to_rounded[-1]:.3f} from the FP8-rounded reference, which "
-              f"rounding moved by {rounding[-1]:.3f}; tokens {output.token_ids[:6]} vs {ref_tokens[:6]}")
-        assert to_rounded[-1] < rounding[-1], f"prompt {index}: not closer to the FP8-rounded reference"
-        for step, (ours, theirs) in enumerate(zip(output.token_ids, ref_tokens)):
-            if ours != theirs:
-                top2 = ref_logits[step].topk(2).values
-                assert (top2[0] - top2[1]).item() < NEAR_TIE, (
-                    f"prompt {index}: step {step} picked {ours}, reference {theirs} with a clear top-2 gap")
-                break
-    assert sum(to_rounded) < 0.5 * sum(rounding), (to_rounded, rounding)
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+        from treadle.plugins.attention.flashinfer import FlashInferAttnBackend as factory
+    else:
+        from treadle.plugins.attention.triton.backend import TritonAttnBackend as factory
+    check_attention_backend(factory, "cuda", torch.bfloat16, kv_dtype=torch.float8_e4m3fn, kv_scales=(0.5, 2.0),
+                            **KIT_REAL)
