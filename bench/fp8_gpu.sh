@@ -23,7 +23,7 @@ stage accuracy
 timeout 20 python3 -m treadle.bench.fp8_accuracy --device cuda --skip-smollm2 --output "$OUT/fp8_accuracy_gpu.json" \
   2>&1 | quiet | tail -28
 stage offline
-python3 -c "import json, os; from treadle.bench.one_batch import LLAMA_3_1_8B as c; os.makedirs('/tmp/l8b', exist_ok=True); json.dump(c, open('/tmp/l8b/config.json', 'w'))"
+python3 -c "import json, os; from treadle.bench.shapes import LLAMA_3_1_8B as c; os.makedirs('/tmp/l8b', exist_ok=True); json.dump(c, open('/tmp/l8b/config.json', 'w'))"
 timeout 60 python3 -m treadle.bench.offline_throughput --workload random --num-prompts 128 \
   --input-len 64:512 --output-len 32:256 --set model.path=/tmp/l8b --set model.load_format=dummy \
   --set model.context_length=4096 --set attention.backend=triton --dtype bfloat16 --device cuda --no-progress \

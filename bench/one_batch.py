@@ -35,85 +35,35 @@ forces the FP8 kernel for decode-sized batches (see plugins/models/fp8.py).
 
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
+
+This module drives treadle's runner; the model shapes are in ``shapes.py``, the HF
+peers in ``hf_peers.py``, the roofline and copy bandwidth in ``roofline.py``, and
+the rows, table and machine description in ``one_batch_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
-import platform
-import re
 import shlex
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from treadle.bench.hf_peers import run_hf
+from treadle.bench.one_batch_report import (Measurement, default_output_name, fill_baseline_ratios, format_profile,
+                                            format_row, format_table, machine_info, measurement)
+from treadle.bench.roofline import free_memory, measure_copy_bandwidth, roofline_seconds, synchronize
+from treadle.bench.shapes import SHAPES, TINY, write_config
 from treadle.bench.step_meter import kernel_category
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-LLAMA_3_1_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192, "rope_type": "llama3",
-    },
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
-# Llama-3.1-70B's shape: does not fit one 80 GB GPU in bf16 (141 GB); run it with --tp 2 on H200s.
-LLAMA_3_1_70B: dict[str, Any] = {
-    **LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-    "num_attention_heads": 64, "num_key_value_heads": 8,
-}
-SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B}
-# A few-layer model of the same kind, for smoke tests on the CPU.
-TINY: dict[str, Any] = {
-    **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
-}
-
-
-@dataclass
-class Measurement:
-    """One system at one batch size."""
-
-    system: str
-    backend: str | None
-    cuda_graph: bool | None
-    batch_size: int
-    prefill_ms: float
-    decode_step_ms: float  # median
-    decode_step_ms_mean: float
-    decode_tokens_per_s: float
-    roofline_ms: float
-    roofline_fraction: float
-    first_tokens: list[int] = field(default_factory=list)
-    ratio_vs_baseline: float | None = None  # tok/s vs the same system and batch size of an earlier run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,7 +119,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     graphs = [g == "on" for g in args.graphs.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = args.model or _write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
+        model_dir = args.model or write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
         bandwidth = measure_copy_bandwidth(device)
         print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)")
         prompts = {bs: torch.randint(100, 1000, (bs, args.input_len)) for bs in batch_sizes}
@@ -194,7 +144,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 continue
             for bs in batch_sizes:
                 results.append(run_treadle(runner, label, backend, use_graph, prompts[bs], args, bandwidth))
-                print(_row(results[-1]))
+                print(format_row(results[-1]))
             if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
                 profiles[label] = profile_decode(runner, label, prompts[1])
             if not hf_done:
@@ -207,7 +157,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                             skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
                             print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
                             continue
-                        print(_row(results[-1]))
+                        print(format_row(results[-1]))
             runner = _release(runner)
     if args.baseline:
         fill_baseline_ratios(results, json.loads(Path(args.baseline).read_text()))
@@ -232,7 +182,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "profiles_bs1": profiles,
         "fp8_small_batch_kernels": _fp8_choices(),
     }
-    output = Path(args.output) if args.output else RESULTS_DIR / _default_name(report["machine"]["gpu"])
+    output = Path(args.output) if args.output else RESULTS_DIR / default_output_name(report["machine"]["gpu"])
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {output}")
@@ -354,160 +304,21 @@ def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts:
         next_ids = _prefill(runner, batch, prompts)
         for step in range(min(4, args.decode_steps)):
             next_ids = _decode_step(runner, batch, next_ids, input_len + step + 1)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     next_ids = _prefill(runner, batch, prompts)
-    _sync(device)
+    synchronize(device)
     prefill_s = time.perf_counter() - start
     step_times, first_tokens = [], [int(next_ids[0])]
     for step in range(args.decode_steps):
         start = time.perf_counter()
         next_ids = _decode_step(runner, batch, next_ids, input_len + step + 1)
-        _sync(device)
+        synchronize(device)
         step_times.append(time.perf_counter() - start)
         if step < 15:
             first_tokens.append(int(next_ids[0]))
-    return _measurement(f"treadle {label}", backend, use_graph, bs, prefill_s, step_times, first_tokens,
-                        roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
-
-
-def roofline_seconds(model: torch.nn.Module, runner: Any, bs: int, input_len: int, steps: int,
-                     bandwidth: float) -> float:
-    """Bytes one decode step must read (weights + KV at the mean decode length) over ``bandwidth``."""
-    embedding = model.get_submodule("model.embed_tokens").weight
-    seen, weight_bytes = set(), 0
-    for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        weight_bytes += param.numel() * param.element_size()
-    lm_head = model.get_submodule("lm_head").weight
-    if lm_head is not embedding:  # an untied table is only gathered: bs rows, not all of it
-        weight_bytes -= embedding.numel() * embedding.element_size()
-        weight_bytes += bs * embedding.shape[1] * embedding.element_size()
-    mean_len = input_len + (steps + 1) / 2
-    kv_bytes = bs * mean_len * 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * \
-        runner.kv_cache.k_buffers[0].element_size()
-    return (weight_bytes + kv_bytes) / bandwidth
-
-
-# ------------------------------------------------------------------------------------------------
-# HF transformers
-# ------------------------------------------------------------------------------------------------
-
-
-HF_COMPILED = "hf-compiled"
-
-
-def run_hf(runner: Any, prompts: torch.Tensor, args: argparse.Namespace, bandwidth: float,
-           compiled: bool = False) -> Measurement:
-    """HF ``generate`` eager with its dynamic cache, or (``compiled``) with a static cache and torch.compile."""
-    model = _hf_model_with_weights_of(runner)
-    device = runner.device
-    ids = prompts.to(device)
-    mask = torch.ones_like(ids)
-    bs, input_len = prompts.shape
-    cache = None
-    if compiled:
-        from transformers import StaticCache
-
-        # One cache length for every call, so the compiled decode step is built (and graph-captured) once.
-        cache = StaticCache(config=model.config, max_cache_len=input_len + args.decode_steps + 8)
-
-    def generate(new_tokens: int) -> tuple[float, torch.Tensor]:
-        kwargs: dict[str, Any] = {}
-        if cache is not None:
-            cache.reset()
-            kwargs["past_key_values"] = cache
-        _sync(device)
-        start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
-        _sync(device)
-        return time.perf_counter() - start, out
-
-    with torch.inference_mode():
-        generate(4)  # warm-up (compiles the decode step)
-        if compiled:
-            generate(8)
-        one, _ = generate(1)
-        full, out = generate(args.decode_steps)
-    step = (full - one) / max(args.decode_steps - 1, 1)
-    first_tokens = out[0, input_len:input_len + 16].tolist()
-    name = "HF generate, static cache + torch.compile" if compiled else "HF transformers generate"
-    result = _measurement(name, HF_COMPILED if compiled else None, None, bs, one, [step], first_tokens,
-                          roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
-    del model
-    _free()
-    return result
-
-
-def _hf_model_with_weights_of(runner: Any) -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(runner.model_dir)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(runner.dtype)
-    try:
-        with torch.device(runner.device):
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to(runner.dtype).eval()
-    params = dict(model.named_parameters())
-    copied = set()
-    with torch.no_grad():
-        for name, tensor in hf_named_weights(runner.model):
-            if name in params:
-                params[name].copy_(tensor)
-                copied.add(name)
-    missing = sorted(set(params) - copied)
-    if missing:
-        raise RuntimeError(f"HF model parameters not filled from treadle's weights: {missing[:5]}")
-    return model
-
-
-def hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """treadle's parameters under HF checkpoint names (stacked projections split back into their shards;
-    FP8 weights widened with their scales, so HF runs the same weights)."""
-    named = []
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if param_name == "weight_scale":
-                continue
-            if param_name == "weight" and hasattr(module, "weight_scale"):
-                param = (param.float() * module.weight_scale.float()).to(module.fp8_out_dtype)
-            if getattr(module, "shard_ids", None):
-                parent = module_name.rpartition(".")[0]
-                for shard, (offset, rows) in module.shards.items():
-                    named.append((f"{parent}.{shard}.{param_name}", param.narrow(0, offset, rows)))
-            else:
-                named.append((f"{module_name}.{param_name}", param))
-    return named
-
-
-# ------------------------------------------------------------------------------------------------
-# Bandwidth, profile, report
-# ------------------------------------------------------------------------------------------------
-
-
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written (median)."""
-    if device.type != "cuda":
-        nbytes, iters = 1 << 26, 5
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(iters + 3):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    del src, dst
-    _free()
-    return 2 * nbytes / statistics.median(times)
+    return measurement(f"treadle {label}", backend, use_graph, bs, prefill_s, step_times, first_tokens,
+                       roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
 
 
 def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
@@ -526,12 +337,12 @@ def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 2
         setattr(obj, name, _host_timer(original, host_us, key))
     next_ids = _prefill(runner, batch, prompt)
     next_ids = _decode_step(runner, batch, next_ids, input_len + 1)
-    _sync(runner.device)
+    synchronize(runner.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for step in range(steps):
             next_ids = _decode_step(runner, batch, next_ids, input_len + step + 2)
-            _sync(runner.device)
+            synchronize(runner.device)
         wall = (time.perf_counter() - start) / steps
     for obj, name, _ in originals:
         delattr(obj, name)  # drop the instance attribute: the class method shows through again
@@ -569,94 +380,12 @@ def _host_timer(function: Any, totals: dict[str, float], key: str) -> Any:
     return timed
 
 
-def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]) -> None:
-    """Each result's tok/s over the same system at the same batch size in an earlier run's JSON."""
-    before = {(r["system"], r["batch_size"]): r["decode_tokens_per_s"] for r in earlier["results"]}
-    for r in results:
-        if (r.system, r.batch_size) in before:
-            r.ratio_vs_baseline = r.decode_tokens_per_s / before[(r.system, r.batch_size)]
-
-
-def format_table(results: Sequence[Measurement]) -> str:
-    hf = {r.batch_size: r for r in results if r.backend is None}
-    compiled = {r.batch_size: r for r in results if r.backend == HF_COMPILED}
-    with_baseline = any(r.ratio_vs_baseline is not None for r in results)
-    header = (f"{'system':<42}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'tok/s':>10}"
-              f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}"
-              + (f"{'x hf-compiled':>15}" if compiled else "") + (f"{'x baseline':>12}" if with_baseline else ""))
-    lines = [header, "-" * len(header)]
-    for r in results:
-        ref = hf.get(r.batch_size)
-        vs_hf = f"{r.decode_tokens_per_s / ref.decode_tokens_per_s:.2f}" if ref else "-"
-        line = (f"{r.system:<42}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}"
-                f"{r.decode_tokens_per_s:>10.1f}{r.roofline_ms:>13.2f}{100 * r.roofline_fraction:>11.1f}%{vs_hf:>8}")
-        if compiled:
-            peer = compiled.get(r.batch_size)
-            line += f"{r.decode_tokens_per_s / peer.decode_tokens_per_s:>15.2f}" if peer else f"{'-':>15}"
-        if with_baseline:
-            line += f"{r.ratio_vs_baseline:>12.2f}" if r.ratio_vs_baseline is not None else f"{'-':>12}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def format_profile(profile: dict[str, Any]) -> str:
-    lines = [f"profile: {profile['system']}, bs=1, {profile['steps']} steps: wall "
-             f"{profile['wall_us_per_step_profiled']:.0f} us/step, GPU busy {profile['gpu_busy_us_per_step']:.0f} "
-             f"us/step, {profile['kernels_per_step']:.0f} kernels/step"]
-    for category, us in profile["by_category_us_per_step"].items():
-        lines.append(f"  {category:<34}{us:>9.0f} us/step")
-    for what, us in profile.get("host_us_per_step", {}).items():
-        lines.append(f"  {what:<54}{us:>7.0f} us/step")
-    lines.append("  top kernels (us/step, calls/step):")
-    for k in profile["top_kernels"][:10]:
-        lines.append(f"    {k['us_per_step']:>8.0f} {k['calls_per_step']:>6.0f}  {k['name']}")
-    return "\n".join(lines)
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {}
-    for package in ("torch", "triton", "flashinfer-python", "transformers"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = None
-    return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": versions,
-    }
-
-
-def _measurement(system: str, backend: str | None, graph: bool | None, bs: int, prefill_s: float,
-                 step_times: list[float], first_tokens: list[int], roofline_s: float) -> Measurement:
-    median = statistics.median(step_times)
-    return Measurement(
-        system=system, backend=backend, cuda_graph=graph, batch_size=bs, prefill_ms=prefill_s * 1e3,
-        decode_step_ms=median * 1e3, decode_step_ms_mean=statistics.fmean(step_times) * 1e3,
-        decode_tokens_per_s=bs / median, roofline_ms=roofline_s * 1e3, roofline_fraction=roofline_s / median,
-        first_tokens=first_tokens,
-    )
-
-
-def _row(r: Measurement) -> str:
-    return (f"{r.system} bs={r.batch_size}: prefill {r.prefill_ms:.1f} ms, decode {r.decode_step_ms:.2f} ms/step "
-            f"({r.decode_tokens_per_s:.1f} tok/s, {100 * r.roofline_fraction:.1f}% of roofline)")
-
-
-def _write_config(folder: Path, config: dict[str, Any]) -> str:
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return str(folder)
-
-
 def _release(runner: Any) -> None:
     """Drop the runner's graphs and free its memory; the caller rebinds its name to the None returned."""
     runner.cuda_graph_runner = None
     runner.model = None
     runner.kv_cache = None
-    _free()
+    free_memory()
     return None
 
 
@@ -682,24 +411,8 @@ def _fp8_choices() -> dict[str, str]:
     return small_batch_choices()
 
 
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _default_name(gpu: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    return f"one_batch_{slug}_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -36,16 +36,19 @@ def test_hf_compiled_peer_uses_a_static_cache_and_matches_hf(tmp_path):
     import torch
 
     from treadle.bench import one_batch
+    from treadle.bench.hf_peers import run_hf
+    from treadle.bench.one_batch_report import HF_COMPILED, format_table
+    from treadle.bench.shapes import TINY, write_config
 
     args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "4", "--input-len", "8"])
-    model_dir = one_batch._write_config(tmp_path, one_batch.TINY)
+    model_dir = write_config(tmp_path, TINY)
     runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu"))
     prompts = torch.randint(100, 1000, (2, 8))
-    eager = one_batch.run_hf(runner, prompts, args, 1e9)
-    compiled = one_batch.run_hf(runner, prompts, args, 1e9, compiled=True)
-    assert compiled.backend == one_batch.HF_COMPILED and eager.backend is None
+    eager = run_hf(runner, prompts, args, 1e9)
+    compiled = run_hf(runner, prompts, args, 1e9, compiled=True)
+    assert compiled.backend == HF_COMPILED and eager.backend is None
     assert compiled.first_tokens == eager.first_tokens
-    assert "x hf-compiled" in one_batch.format_table([eager, compiled])
+    assert "x hf-compiled" in format_table([eager, compiled])
 
 
 def test_one_batch_compares_bf16_and_fp8_weights(tmp_path):
@@ -64,13 +67,15 @@ def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
     import torch
 
     from treadle.bench import one_batch
+    from treadle.bench.hf_peers import hf_named_weights
+    from treadle.bench.shapes import TINY, write_config
     from treadle.plugins.models.fp8_ops import dequantize
 
     args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "2", "--input-len", "8"])
-    model_dir = one_batch._write_config(tmp_path, one_batch.TINY)
+    model_dir = write_config(tmp_path, TINY)
     runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 1, args, torch.device("cpu"),
                                      "model.quantization=fp8")
-    named = dict(one_batch.hf_named_weights(runner.model))
+    named = dict(hf_named_weights(runner.model))
     down = runner.model.model.layers[0].mlp.down_proj
     assert not any(name.endswith("weight_scale") for name in named)
     assert torch.equal(named["model.layers.0.mlp.down_proj.weight"],

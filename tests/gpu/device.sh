@@ -44,7 +44,7 @@ setup() {
   echo "SETUP took $(( $(date +%s) - t0 )) s"
 }
 l8b() {
-  mkdir -p /tmp/l8b && python3 -c "import json; from treadle.bench.one_batch import LLAMA_3_1_8B as c; \
+  mkdir -p /tmp/l8b && python3 -c "import json; from treadle.bench.shapes import LLAMA_3_1_8B as c; \
 json.dump(c, open('/tmp/l8b/config.json', 'w'))"
 }
 for stage in "$@"; do

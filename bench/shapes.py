@@ -1,0 +1,53 @@
+"""Model shapes that `treadle bench one-batch` builds with ``load_format: dummy`` weights.
+
+Each is an HF ``config.json`` as a dict; ``write_config`` puts one in a folder that
+``model.path`` can name. GPU test scripts write ``LLAMA_3_1_8B`` the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LLAMA_3_1_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3",
+    },
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+# Llama-3.1-70B's shape: does not fit one 80 GB GPU in bf16 (141 GB); run it with --tp 2 on H200s.
+LLAMA_3_1_70B: dict[str, Any] = {
+    **LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8,
+}
+SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B}
+# A few-layer model of the same kind, for smoke tests on the CPU.
+TINY: dict[str, Any] = {
+    **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+}
+
+
+def write_config(folder: Path, config: dict[str, Any]) -> str:
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
