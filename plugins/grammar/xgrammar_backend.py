@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Iterator, Sequence
 
@@ -15,10 +16,14 @@ from treadle.core.hookspecs import hookimpl
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # Keywords xgrammar 0.2.8 accepts but does not enforce: a request using them must fail, not be half-honoured.
 _IGNORED_KEYWORDS = ("not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas")
+# Counted repetitions xgrammar 0.2.8 builds masks for ~30x more slowly (mlc-ai/xgrammar#852).
+_SLOW_KEYWORDS = ("maxLength", "minLength")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+
+logger = logging.getLogger(__name__)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -38,6 +43,7 @@ class XGrammarBackend(GrammarBackend):
         self._any_whitespace = any_whitespace
         self._batch: Any = None
         self._batch_threads = batch_threads  # xgrammar's "auto": half the hardware threads
+        self._warned_slow = False
 
     def compile(self, constraint: Constraint) -> Any:
         try:
@@ -59,6 +65,14 @@ class XGrammarBackend(GrammarBackend):
     def _check_enforceable(self, schema: Any) -> None:
         for path, node in _subschemas(schema, ""):
             where = path or "the top level"
+            if not self._warned_slow and any(key in node for key in _SLOW_KEYWORDS):
+                # Once per scheduler: operators see it in the log, clients are not refused.
+                self._warned_slow = True
+                logger.warning(
+                    "a json_schema bounds a string's length (%s at %s): xgrammar builds such token masks ~30x "
+                    "more slowly (mlc-ai/xgrammar#852), which costs throughput when many of these requests run at "
+                    "once; grammar.backend: llguidance does not have this cost",
+                    next(key for key in _SLOW_KEYWORDS if key in node), where)
             used = [key for key in _IGNORED_KEYWORDS if key in node]
             if len(node.get("allOf") or []) > 1:
                 used.append("allOf")

@@ -46,3 +46,25 @@ def test_the_check_rejects_a_mask_that_admits_too_much():
 
     with pytest.raises(AssertionError, match="allow"):
         check_grammar_backend(LeakyBackend)
+
+
+def test_xgrammar_warns_once_about_string_length_bounds(tmp_path, caplog):
+    import json
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from treadle.core.grammar import Constraint
+    from treadle.plugins.grammar.xgrammar_backend import XGrammarBackend
+    from treadle.testing.tokenizer import make_tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path / "tokenizer"))
+    backend = XGrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    bounded = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    with caplog.at_level(logging.WARNING, logger="treadle.plugins.grammar.xgrammar_backend"):
+        backend.compile(Constraint("json_schema", json.dumps({"type": "object"})))
+        assert not caplog.records
+        backend.compile(Constraint("json_schema", json.dumps(bounded)))
+        backend.compile(Constraint("json_schema", json.dumps(bounded)))
+    assert len(caplog.records) == 1
+    assert "maxLength at /properties/name" in caplog.text and "grammar.backend: llguidance" in caplog.text
