@@ -56,6 +56,10 @@ def test_per_token_quant_kernel_matches_torch_rounding():
         assert (q.float() != expected).float().mean() < 0.01
 
 
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 8000 + 3 for j in range(20 + 9 * i)] for i in range(5)]
+
+
 def _greedy(model_dir: str, engine_config, backend: str, graphs: bool, **sections) -> list[list[int]]:
     from treadle.core.engine import Engine
 
@@ -90,10 +94,6 @@ def test_fp8_kv_cache_gives_the_same_tokens_with_and_without_cuda_graphs(real_sh
     eager = _greedy(real_shape_llama_dir, engine_config, backend, False, cache=cache)
     graphed = _greedy(real_shape_llama_dir, engine_config, backend, True, cache=cache)
     assert eager == graphed and all(len(tokens) == 12 for tokens in eager)
-
-
-def _prompts() -> list[list[int]]:
-    return [[(7 * i + 13 * j) % 8000 + 3 for j in range(20 + 9 * i)] for i in range(5)]
 
 
 # Like test_attention_conformance_gpu.py: GQA 32/8 heads of 128 dims, requests up to 3000 tokens.
