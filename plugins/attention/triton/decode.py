@@ -7,8 +7,10 @@ partial output normalised by its own softmax sum plus that sum's log
 (base 2). Stage 2 combines a request's partials per query head.
 
 The launch grid depends only on the batch size and ``max_kv_splits``; how many
-chunks a request really uses is computed inside the kernel from its length, so
-a CUDA graph captured for a batch size replays for any lengths.
+chunks a request really uses is computed inside both kernels from its length, so
+a CUDA graph captured for a batch size replays for any lengths. Programs past a
+request's chunk count exit at once and stage 2 reads only the chunks used: a
+batch of short requests pays for its chunks, not for ``max_kv_splits``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _num_splits(seq_len, window, MAX_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr):
+    """(first visible key, visible keys, chunks) of a request whose new token is at ``seq_len - 1``."""
+    # It sees keys j > seq_len - 1 - window.
+    kv_begin = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    visible = tl.maximum(seq_len - kv_begin, 1)
+    return kv_begin, visible, tl.minimum(tl.cdiv(visible, MIN_SPLIT_TOKENS), MAX_SPLITS)
 
 
 @triton.jit
@@ -41,11 +52,26 @@ def _decode_partial_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
+    kv_begin, visible, num_splits = _num_splits(seq_len, window, MAX_SPLITS, MIN_SPLIT_TOKENS)
+    if split < num_splits:  # past the request's chunks: nothing to do, and stage 2 does not read it
+        _decode_partial(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Mid_o, Mid_lse, qk_scale, v_scale,
+                        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                        stride_req, stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
+                        req, kv_head, split, seq_len, kv_begin, visible, num_splits,
+                        GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, KV_FP8)
+
+
+@triton.jit
+def _decode_partial(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Mid_o, Mid_lse, qk_scale, v_scale,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_req, stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
+    req, kv_head, split, seq_len, kv_begin, visible, num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """One chunk of one request for one KV head: its partial output and log-sum-exp (base 2)."""
     pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
-    # The new token sits at position seq_len - 1 and sees keys j > seq_len - 1 - window.
-    kv_begin = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    visible = tl.maximum(seq_len - kv_begin, 1)
-    num_splits = tl.minimum(tl.cdiv(visible, MIN_SPLIT_TOKENS), MAX_SPLITS)
     split_len = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
     start = kv_begin + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -97,18 +123,20 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    Mid_o, Mid_lse, O,
+    Mid_o, Mid_lse, O, Seq_lens, window,
     stride_mo_req, stride_mo_head, stride_mo_split,
     stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + req).to(tl.int32)
+    _, _, num_splits = _num_splits(seq_len, window, MAX_SPLITS, MIN_SPLIT_TOKENS)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < MAX_SPLITS
+    s_mask = offs_s < num_splits  # stage 1 wrote only these
     d_mask = offs_d < HEAD_DIM
 
     lse = tl.load(Mid_lse + req * stride_ml_req + head * stride_ml_head + offs_s, mask=s_mask, other=float("-inf"))
@@ -178,11 +206,11 @@ def decode_attention(
         num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bs, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, seq_lens, sliding_window or 0,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        MAX_SPLITS=max_kv_splits, BLOCK_S=triton.next_power_of_2(max_kv_splits),
+        MAX_SPLITS=max_kv_splits, BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT_TOKENS=min_split_tokens,
         num_warps=4 if block_d <= 128 else 8,
     )
