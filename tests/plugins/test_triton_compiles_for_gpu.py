@@ -1,4 +1,4 @@
-"""The Triton decode kernels compile for an H100 (sm_90) on a machine without a GPU.
+"""The Triton kernels compile for an H100 (sm_90) on a machine without a GPU.
 
 The CPU tests run the kernels under TRITON_INTERPRET=1, which accepts code the real compiler
 rejects; compiling ahead of time to a cubin with Triton's bundled ptxas catches that here.
@@ -53,3 +53,38 @@ def test_decode_kernels_compile_for_sm90(kv):
         dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128),
     )
     assert stage1.asm["cubin"] and combine.asm["cubin"]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
+def test_extend_kernel_compiles_for_sm90(kv):
+    from treadle.plugins.attention.triton import extend
+
+    kernel = _compile(
+        extend._extend_kernel,
+        {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}", "V_cache": f"*{kv}",
+         "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Extend_start_loc": "*i64", "Extend_seq_lens": "*i64",
+         "Extend_prefix_lens": "*i64"},
+        {"qk_scale", "k_scale", "v_scale"},
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=kv != "bf16"),
+    )
+    assert kernel.asm["cubin"]
+
+
+def test_model_kernels_compile_for_sm90():
+    from treadle.plugins.models import fp8_kernels, fused_kernels
+
+    kernels = [
+        _compile(fused_kernels._add_rmsnorm_kernel,
+                 {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
+                  "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+        _compile(fused_kernels._rotary_qkv_kernel,
+                 {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
+                  "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64)),
+        _compile(fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(),
+                 dict(BLOCK=1024)),
+        _compile(fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
+                 {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
+        _compile(fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"},
+                 set(), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)),
+    ]
+    assert all(kernel.asm["cubin"] for kernel in kernels)
