@@ -71,7 +71,8 @@ def test_extend_kernel_compiles_for_sm90(kv):
 
 
 def test_model_kernels_compile_for_sm90():
-    from treadle.plugins.models import fp8_kernels, fused_kernels
+    from treadle.plugins.attention.flashinfer import _page_table_kernel
+    from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
 
     kernels = [
         _compile(fused_kernels._add_rmsnorm_kernel,
@@ -86,5 +87,12 @@ def test_model_kernels_compile_for_sm90():
                  {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
         _compile(fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"},
                  set(), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)),
+        _compile(fused_moe_kernels._grouped_gemm_kernel,
+                 {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
+                  "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}, set(),
+                 dict(MUL_ROW_WEIGHT=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+        _compile(_page_table_kernel(),
+                 {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64", "kv_indptr": "*i32",
+                  "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128)),
     ]
     assert all(kernel.asm["cubin"] for kernel in kernels)
