@@ -125,9 +125,8 @@ class Req:
     finished_detail: str | None = None  # the matched stop string or token, or an error message
     error: str | None = None
 
-    # Memory state owned by the scheduler.
+    # Memory state owned by the scheduler (and ``kv_slots``, a property over _kv_head + _kv_tail).
     req_pool_idx: int | None = None
-    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     prefix_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0  # tokens served from the radix cache on first admission
@@ -150,6 +149,10 @@ class Req:
     input_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
+        self._kv_head: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        # Slots appended by decode steps, kept as ints until kv_slots is read: a tensor op per request
+        # per step would cost more host time than the rest of building a decode batch.
+        self._kv_tail: list[int] = []
         seed = self.sampling_params.seed
         self.sample_seed = seed if seed is not None else (uuid.uuid4().int & 0x7FFFFFFF)
 
@@ -171,8 +174,31 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def kv_slots(self) -> torch.Tensor:
+        """The KV slots of the sequence's first ``kv_len`` tokens (CPU int64)."""
+        if self._kv_tail:
+            self._kv_head = torch.cat([self._kv_head, torch.tensor(self._kv_tail, dtype=torch.int64)])
+            self._kv_tail = []
+        return self._kv_head
+
+    @kv_slots.setter
+    def kv_slots(self, slots: torch.Tensor) -> None:
+        self._kv_head, self._kv_tail = slots, []
+
+    def append_kv_slot(self, slot: int) -> None:
+        """One more token's KV slot (a decode step's)."""
+        self._kv_tail.append(slot)
+
+    @property
+    def last_kv_slot(self) -> int:
+        """The slot of the last computed token, or -1 when there is none."""
+        if self._kv_tail:
+            return self._kv_tail[-1]
+        return int(self._kv_head[-1]) if self._kv_head.numel() else -1
+
+    @property
     def kv_len(self) -> int:
-        return int(self.kv_slots.numel())
+        return int(self._kv_head.numel()) + len(self._kv_tail)
 
     @property
     def finished(self) -> bool:

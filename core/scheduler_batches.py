@@ -232,12 +232,19 @@ class BatchBuilding:
         return allocate()
 
     def _assign_slots(self, entries: list[BatchEntry], slots: torch.Tensor) -> None:
-        for entry, new_slots in zip(entries, slots.split([entry.extend_len for entry in entries])):
+        lengths = [entry.extend_len for entry in entries]
+        values = slots.tolist() if 1 in lengths else []
+        offset = 0
+        for entry, new_slots in zip(entries, slots.split(lengths)):
             entry.new_slots = new_slots
-            entry.req.kv_slots = torch.cat([entry.req.kv_slots, new_slots])
+            if entry.extend_len == 1:
+                entry.req.append_kv_slot(values[offset])  # a decode row: no tensor op per request
+            else:
+                entry.req.kv_slots = torch.cat([entry.req.kv_slots, new_slots])
+            offset += entry.extend_len
 
     def _last_slot(self, req: Req) -> int:
-        return int(req.kv_slots[-1]) if req.kv_len else -1
+        return req.last_kv_slot
 
     def _last_slots(self, reqs: list[Req]) -> list[int]:
         """Each request's last KV slot, for the allocator to continue a partly filled page; with page
