@@ -1,27 +1,31 @@
 """The Triton kernels compile for an H100 (sm_90) on a machine without a GPU.
 
 The CPU tests run the kernels under TRITON_INTERPRET=1, which accepts code the real compiler
-rejects; compiling ahead of time to a cubin with Triton's bundled ptxas catches that here.
+rejects; compiling ahead of time to a cubin with Triton's bundled ptxas catches that here. The
+compiles run in a subprocess without TRITON_INTERPRET: a test before this one may have imported
+the kernel modules in interpreter mode in this process.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import subprocess
+import sys
+import traceback
 
 import pytest
 
-triton = pytest.importorskip("triton")
-
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:  # pragma: no cover - a Triton without the ahead-of-time API
-    pytest.skip("this Triton has no ahead-of-time compile API", allow_module_level=True)
-
-HOPPER = GPUTarget("cuda", 90, 32)
+RESULT_MARKER = "AOT-RESULTS:"
+KV_TYPES = ("bf16", "fp8e4nv")
 
 
 def _compile(kernel, pointers: dict[str, str], floats: set[str], constexprs: dict[str, object]):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     names = list(inspect.signature(kernel.fn).parameters)
     signature, constants = {}, {}
     for index, name in enumerate(names):
@@ -32,67 +36,109 @@ def _compile(kernel, pointers: dict[str, str], floats: set[str], constexprs: dic
             constants[(index,)] = constexprs[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=HOPPER)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
-def test_decode_kernels_compile_for_sm90(kv):
-    from treadle.plugins.attention.triton import decode
-
-    stage1 = _compile(
-        decode._decode_partial_kernel,
-        {"Q": "*bf16", "K_cache": f"*{kv}", "V_cache": f"*{kv}", "Req_to_token": "*i32",
-         "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
-        {"qk_scale", "v_scale"},
-        dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, MAX_SPLITS=16, MIN_SPLIT_TOKENS=128,
-             PRECISION="tf32", KV_FP8=kv != "bf16"),
-    )
-    combine = _compile(
-        decode._decode_combine_kernel,
-        {"Mid_o": "*fp32", "Mid_lse": "*fp32", "O": "*bf16", "Seq_lens": "*i64"}, set(),
-        dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128),
-    )
-    assert stage1.asm["cubin"] and combine.asm["cubin"]
-
-
-@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"])
-def test_extend_kernel_compiles_for_sm90(kv):
-    from treadle.plugins.attention.triton import extend
-
-    kernel = _compile(
-        extend._extend_kernel,
-        {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}", "V_cache": f"*{kv}",
-         "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Extend_start_loc": "*i64", "Extend_seq_lens": "*i64",
-         "Extend_prefix_lens": "*i64"},
-        {"qk_scale", "k_scale", "v_scale"},
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=kv != "bf16"),
-    )
-    assert kernel.asm["cubin"]
-
-
-def test_model_kernels_compile_for_sm90():
+def _attention_kernels() -> dict:
     from treadle.plugins.attention.flashinfer import _page_table_kernel
+    from treadle.plugins.attention.triton import decode, extend
+
+    checks = {}
+    for kv in KV_TYPES:
+        fp8 = kv != "bf16"
+        checks[f"decode_partial[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
+            decode._decode_partial_kernel,
+            {"Q": "*bf16", "K_cache": f"*{kv}", "V_cache": f"*{kv}", "Req_to_token": "*i32",
+             "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
+            {"qk_scale", "v_scale"},
+            dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, MAX_SPLITS=16, MIN_SPLIT_TOKENS=128,
+                 PRECISION="tf32", KV_FP8=fp8))
+        checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
+            extend._extend_kernel,
+            {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
+             "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Extend_start_loc": "*i64",
+             "Extend_seq_lens": "*i64", "Extend_prefix_lens": "*i64"},
+            {"qk_scale", "k_scale", "v_scale"},
+            dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=fp8))
+    checks["decode_combine"] = lambda: _compile(
+        decode._decode_combine_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "O": "*bf16", "Seq_lens": "*i64"},
+        set(), dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128))
+    checks["flashinfer_page_table"] = lambda: _compile(
+        _page_table_kernel(), {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64",
+                               "kv_indptr": "*i32", "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128))
+    return checks
+
+
+def _model_kernels() -> dict:
     from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
 
-    kernels = [
-        _compile(fused_kernels._add_rmsnorm_kernel,
-                 {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-                  "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096)),
-        _compile(fused_kernels._rotary_qkv_kernel,
-                 {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
-                  "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64)),
-        _compile(fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(),
-                 dict(BLOCK=1024)),
-        _compile(fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
-                 {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
-        _compile(fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"},
-                 set(), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)),
-        _compile(fused_moe_kernels._grouped_gemm_kernel,
-                 {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
-                  "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}, set(),
-                 dict(MUL_ROW_WEIGHT=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
-        _compile(_page_table_kernel(),
-                 {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64", "kv_indptr": "*i32",
-                  "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128)),
-    ]
-    assert all(kernel.asm["cubin"] for kernel in kernels)
+    return {
+        "add_rmsnorm": lambda: _compile(
+            fused_kernels._add_rmsnorm_kernel,
+            {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
+             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+        "rotary_qkv": lambda: _compile(
+            fused_kernels._rotary_qkv_kernel,
+            {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
+             "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64)),
+        "silu_mul": lambda: _compile(
+            fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024)),
+        "fp8_per_token_quant": lambda: _compile(
+            fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
+            {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
+        "fp8_w8a16": lambda: _compile(
+            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"}, set(),
+            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)),
+        "moe_grouped_gemm": lambda: _compile(
+            fused_moe_kernels._grouped_gemm_kernel,
+            {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
+             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}, set(),
+            dict(MUL_ROW_WEIGHT=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+    }
+
+
+KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
+           "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "fp8_w8a16",
+           "moe_grouped_gemm"]
+
+
+def _compile_all() -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    for name, check in {**_attention_kernels(), **_model_kernels()}.items():
+        try:
+            check()
+            results[name] = None
+        except Exception:  # reported per kernel so one failure does not hide the others
+            results[name] = traceback.format_exc()
+    return results
+
+
+if __name__ == "__main__":
+    print(RESULT_MARKER + json.dumps(_compile_all()))
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def compile_results() -> dict[str, str | None]:
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:  # pragma: no cover - a Triton without the ahead-of-time API
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    assert proc.returncode == 0 and lines, f"compile subprocess failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len(RESULT_MARKER):])
+
+
+def test_every_kernel_is_checked(compile_results):
+    assert sorted(compile_results) == sorted(KERNELS)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_compiles_for_sm90(kernel, compile_results):
+    assert compile_results[kernel] is None, compile_results[kernel]
