@@ -125,6 +125,7 @@ class Engine:
         self.scheduler = None  # type: ignore[assignment]
         import gc
 
+        gc.unfreeze()  # what start_scheduler froze, this engine included, can be collected again
         gc.collect()
         import torch
 

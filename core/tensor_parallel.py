@@ -68,10 +68,12 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
     ``in_server``: a rank that dies ends this process (the server notices and shuts down);
     otherwise (the offline Engine) the failure surfaces as an exception in the caller.
     """
-    from treadle.core.scheduler import Scheduler
+    from treadle.core.scheduler import Scheduler, freeze_startup_objects
 
     if config.parallel.tp_size == 1:
-        return Scheduler(config, registry)
+        scheduler = Scheduler(config, registry)
+        freeze_startup_objects()
+        return scheduler
     if config.parallel.node_rank != 0:
         raise TensorParallelError("only node 0 (parallel.node_rank 0) runs rank 0; other nodes use run_node_ranks")
     layout = RankLayout.of(config)
@@ -87,6 +89,7 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
         ranks.stop()
         destroy_tensor_parallel()
         raise
+    freeze_startup_objects()
     return LeaderScheduler(scheduler, ranks, watcher)
 
 
@@ -381,9 +384,10 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
     layout = RankLayout.of(config)
     try:
         _join_group(layout, rank, init_method, config)
-        from treadle.core.scheduler import Scheduler
+        from treadle.core.scheduler import Scheduler, freeze_startup_objects
 
         scheduler = Scheduler(config, None)
+        freeze_startup_objects()
         follow_leader(scheduler)
     except LeaderGone as exc:
         logger.warning("tensor-parallel rank %d: the group ended while waiting for rank 0 (its server stopped, "

@@ -237,3 +237,17 @@ def test_a_sequence_that_outgrows_the_pool_finishes_with_length(tiny_llama_dir, 
     assert 1 <= len(out.token_ids) <= 4
     assert out.token_ids == llama_reference[0][: len(out.token_ids)]
     assert_kv_accounted(engine)
+
+
+def test_startup_objects_are_frozen_out_of_garbage_collection_until_shutdown(tiny_llama_dir):
+    import gc
+
+    gc.unfreeze()
+    engine = make_engine(tiny_llama_dir)
+    try:
+        # The modules, model and tokenizer: full collections would walk them all every few hundred steps.
+        assert gc.get_freeze_count() > 10_000
+        assert engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0].token_ids
+    finally:
+        engine.shutdown()
+    assert gc.get_freeze_count() == 0  # a dropped engine can be collected again
