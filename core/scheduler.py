@@ -16,8 +16,6 @@ scheduler_output.py; docs/scheduling.md describes the loop.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 from typing import Any
 
@@ -40,26 +38,7 @@ from treadle.core.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IN_BATCH_PREFIX_TOKENS", "Scheduler", "freeze_startup_objects"]
-
-_unfreeze_registered = False
-
-
-def freeze_startup_objects() -> None:
-    """Exempt every object alive now (modules, model, tokenizer, captured graphs) from cyclic garbage collection.
-
-    Called once a scheduler is built. Python's full collections walk every tracked object: after
-    importing torch and transformers that is ~380k objects, ~190 ms on a 2-core CPU, and one ran every
-    few hundred steps of a busy scheduler, stalling its loop (and the GPU behind it). Objects made
-    later (requests, outputs) are collected as before. ``gc.unfreeze()`` gives them back: Engine.shutdown
-    and interpreter exit call it, so an engine that is dropped can still be collected.
-    """
-    global _unfreeze_registered
-    gc.collect()  # garbage alive now would otherwise stay uncollectable
-    gc.freeze()
-    if not _unfreeze_registered:
-        atexit.register(gc.unfreeze)
-        _unfreeze_registered = True
+__all__ = ["IN_BATCH_PREFIX_TOKENS", "Scheduler"]
 
 
 class Scheduler(BatchBuilding, OutputProcessing):

@@ -68,7 +68,8 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
     ``in_server``: a rank that dies ends this process (the server notices and shuts down);
     otherwise (the offline Engine) the failure surfaces as an exception in the caller.
     """
-    from treadle.core.scheduler import Scheduler, freeze_startup_objects
+    from treadle.core.gc_freeze import freeze_startup_objects
+    from treadle.core.scheduler import Scheduler
 
     if config.parallel.tp_size == 1:
         scheduler = Scheduler(config, registry)
@@ -384,7 +385,8 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
     layout = RankLayout.of(config)
     try:
         _join_group(layout, rank, init_method, config)
-        from treadle.core.scheduler import Scheduler, freeze_startup_objects
+        from treadle.core.gc_freeze import freeze_startup_objects
+        from treadle.core.scheduler import Scheduler
 
         scheduler = Scheduler(config, None)
         freeze_startup_objects()

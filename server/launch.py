@@ -95,6 +95,7 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: d
                     listen_socket: socket.socket, children: "_Children") -> int:
     import uvicorn
 
+    from treadle.core.gc_freeze import freeze_startup_objects
     from treadle.server.draining import DrainingServer
     from treadle.server.http import build_app
     from treadle.server.metrics import ServerMetrics
@@ -102,6 +103,7 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: d
 
     manager = TokenizerManager(config, model_info, tokenizer, addresses, ServerMetrics())
     app = build_app(manager, {"pids": children.pids()})
+    freeze_startup_objects()  # full collections would walk the tokenizer, FastAPI and torch modules mid-stream
     uv_config = uvicorn.Config(app, log_level=config.server.log_level,
                                timeout_graceful_shutdown=_RESPONSE_FLUSH_TIMEOUT_S,
                                access_log=config.server.log_level == "debug")
