@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from treadle.core.gc_freeze import freeze_startup_objects
 from treadle.core.incremental_decode import IncrementalDecoder
 from treadle.core.request import FinishReason, ReqOutput
 from treadle.server.ipc import (
@@ -47,9 +48,12 @@ def run_detokenizer_process(addresses: IpcAddresses, log_level: str) -> None:
                     logger.error("the server process is gone; the detokenizer exits")
                     return
                 continue
-            reply = detokenizer.handle(inbox.recv_pyobj())
+            message = inbox.recv_pyobj()
+            reply = detokenizer.handle(message)
             if reply is not None:
                 outbox.send_pyobj(reply)
+            if isinstance(message, DetokenizerInit):
+                freeze_startup_objects()  # the tokenizer and transformers: keep full collections off them
     except Exception:
         logger.error("the detokenizer crashed:\n%s", traceback.format_exc())
         raise SystemExit(1)
