@@ -21,15 +21,14 @@ from pathlib import Path
 
 import torch
 
-from treadle.core.grammar import Constraint, bitmask_width
+from treadle.core.grammar import Constraint, bitmask_width, unpack_bitmask
 
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 DEFAULT_SCHEMAS = ("people.json", "people_no_max_length.json")  # the same schema with and without maxLength
 
 
 def _allowed(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:
-    bits = (bitmask_row.view(torch.uint8).unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
+    return unpack_bitmask(bitmask_row.unsqueeze(0))[0, :vocab_size].nonzero().flatten().tolist()
 
 
 def measure(backend, schema: str, rows: int, steps: int, vocab_size: int, seed: int) -> dict[str, float]:

@@ -95,13 +95,18 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_vocab_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` with every token whose bit is clear in ``bitmask`` (same rows, on the device) set to -inf."""
+def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:
+    """``[rows, 32 * words]`` uint8 from an int32 ``bitmask``: 1 where the token's bit is set."""
     # Unpacked byte by byte (little-endian words: byte k of word w holds tokens 32w + 8k ... 32w + 8k + 7),
     # so the temporary is one uint8 per token, not one int32.
     as_bytes = bitmask.contiguous().view(torch.uint8)
     shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
-    allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]
+    return ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)
+
+
+def apply_vocab_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token whose bit is clear in ``bitmask`` (same rows, on the device) set to -inf."""
+    allowed = unpack_bitmask(bitmask)[:, : logits.shape[-1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 

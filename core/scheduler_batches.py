@@ -243,15 +243,12 @@ class BatchBuilding:
                 entry.req.kv_slots = torch.cat([entry.req.kv_slots, new_slots])
             offset += entry.extend_len
 
-    def _last_slot(self, req: Req) -> int:
-        return req.last_kv_slot
-
     def _last_slots(self, reqs: list[Req]) -> list[int]:
         """Each request's last KV slot, for the allocator to continue a partly filled page; with page
         size 1 no page is ever partly filled, so -1 (the contract of ``alloc_extend``) without reading them."""
         if self.page_size == 1:
             return [-1] * len(reqs)
-        return [self._last_slot(req) for req in reqs]
+        return [req.last_kv_slot for req in reqs]
 
     def _release(self, req: Req) -> None:
         """Hand a request's KV to the prefix cache (or free it) and its table row back."""

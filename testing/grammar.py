@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from treadle.core.grammar import Constraint, GrammarBackend, GrammarCompileError, bitmask_width
+from treadle.core.grammar import Constraint, GrammarBackend, GrammarCompileError, bitmask_width, unpack_bitmask
 
 # Finite languages over the tokenizer's characters: (pattern, GBNF equivalent or None).
 REGEX_CASES: list[tuple[str, str | None]] = [
@@ -201,8 +201,7 @@ def _check_batched_fill(backend: GrammarBackend, compiled: Any, prefixes: list[l
 
 
 def _allowed_ids(row: torch.Tensor, vocab_size: int) -> set[int]:
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((row.unsqueeze(-1) >> shifts) & 1).flatten()
+    bits = unpack_bitmask(row.unsqueeze(0))[0]
     beyond = bits[vocab_size:]
     assert not beyond.any(), "the mask sets bits past vocab_size"
     return set(torch.nonzero(bits[:vocab_size]).flatten().tolist())

@@ -76,23 +76,13 @@ def _greedy(model_dir: str, engine_config, backend: str, graphs: bool, **section
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_fp8_model_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir, engine_config, backend):
+@pytest.mark.parametrize("fp8", [{"model": {"quantization": "fp8"}}, {"cache": {"kv_dtype": "fp8_e4m3"}}],
+                         ids=["fp8-weights", "fp8-kv-cache"])
+def test_fp8_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir, engine_config, backend, fp8):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    model = {"quantization": "fp8"}
-    eager = _greedy(real_shape_llama_dir, engine_config, backend, False, model=model)
-    graphed = _greedy(real_shape_llama_dir, engine_config, backend, True, model=model)
-    assert eager == graphed and all(len(tokens) == 12 for tokens in eager)
-
-
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_fp8_kv_cache_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir, engine_config,
-                                                                         backend):
-    if backend == "flashinfer":
-        pytest.importorskip("flashinfer")
-    cache = {"kv_dtype": "fp8_e4m3"}
-    eager = _greedy(real_shape_llama_dir, engine_config, backend, False, cache=cache)
-    graphed = _greedy(real_shape_llama_dir, engine_config, backend, True, cache=cache)
+    eager = _greedy(real_shape_llama_dir, engine_config, backend, False, **fp8)
+    graphed = _greedy(real_shape_llama_dir, engine_config, backend, True, **fp8)
     assert eager == graphed and all(len(tokens) == 12 for tokens in eager)
 
 
