@@ -26,6 +26,8 @@ _GPU_RUNNING_CAPS = ((24 * GiB, 128), (48 * GiB, 256))
 _LARGE_GPU_RUNNING_CAP = 512
 # Mixed prefill+decode batches on CUDA: see docs/benchmarks.md for the A/B.
 MIXED_CHUNK_ON_CUDA = False
+# Decode steps a small prefill may wait for more requests while the decode batch is large (docs/scheduling.md).
+GPU_PREFILL_HOLD_STEPS = 8
 # Device memory per running request outside the KV pool: a req_to_token row (int32 per
 # position) and an attention backend's per-graph page-index row of the same size.
 REQUEST_TABLE_COPIES = 2
@@ -93,6 +95,14 @@ def resolve_batch_sizes(
     else:
         mixed = bool(enable_mixed_chunk)
     return BatchSizes(running, min(graph_bs, running), mixed)
+
+
+def resolve_prefill_hold_steps(prefill_hold_steps: int | str, *, on_cuda: bool) -> int:
+    """``scheduler.prefill_hold_steps`` for this device: ``auto`` holds small prefills on CUDA only, where
+    every forward reads all the weights however few tokens it holds (a CPU step costs per token)."""
+    if prefill_hold_steps == "auto":
+        return GPU_PREFILL_HOLD_STEPS if on_cuda else 0
+    return int(prefill_hold_steps)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:

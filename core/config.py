@@ -61,6 +61,10 @@ class SchedulerConfig(Section):
     max_prefill_tokens: int = Field(8192, gt=0)
     enable_mixed_chunk: bool | Literal["auto"] = Field(
         "auto", description="run prefill chunks in the same batch as decodes; auto: per device (core/auto_size.py)")
+    prefill_hold_steps: int | Literal["auto"] = Field(
+        "auto", description="while half the running limit or more is decoding, a prefill of fewer waiting prompt "
+                            "tokens than one chunk waits up to this many decode steps for more requests to join "
+                            "it; 0: never; auto: 8 on CUDA, 0 on the CPU")
     seed: int = 0
     new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
     disable_overlap: bool = Field(False, description="build and finish each step only after the device ran it")
@@ -69,6 +73,13 @@ class SchedulerConfig(Section):
     @classmethod
     def _positive_running(cls, value: int | str) -> int | str:
         return _positive_or_auto(value, "max_running_requests")
+
+    @field_validator("prefill_hold_steps")
+    @classmethod
+    def _hold_steps(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 0:
+            raise ValueError(f"prefill_hold_steps must be 0 or more, or 'auto', got {value}")
+        return value
 
 
 class AttentionConfig(Section):

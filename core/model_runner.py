@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from treadle.core.auto_size import BatchSizes, request_table_bytes, resolve_batch_sizes
+from treadle.core.auto_size import BatchSizes, request_table_bytes, resolve_batch_sizes, resolve_prefill_hold_steps
 from treadle.core.config import ServerConfig
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.kv_allocator import KVAllocator
@@ -71,6 +71,9 @@ class ModelRunner:
         config.scheduler.max_running_requests = sizes.max_running_requests
         config.runtime.cuda_graph_max_bs = sizes.cuda_graph_max_bs
         config.scheduler.enable_mixed_chunk = sizes.enable_mixed_chunk
+        requested_hold = config.scheduler.prefill_hold_steps
+        config.scheduler.prefill_hold_steps = resolve_prefill_hold_steps(requested_hold,
+                                                                         on_cuda=self.device.type == "cuda")
         self.max_running_requests = sizes.max_running_requests
         # One spare row so a retracted request can be re-admitted while others still hold theirs.
         self.req_to_token_pool = ReqToTokenPool(
@@ -83,12 +86,13 @@ class ModelRunner:
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
-            "max_running_requests %d%s, cuda_graph_max_bs %s%s, enable_mixed_chunk %s%s",
+            "max_running_requests %d%s, cuda_graph_max_bs %s%s, enable_mixed_chunk %s%s, prefill_hold_steps %d%s",
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
             f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
             sizes.max_running_requests, _auto(self._requested[0]),
             sizes.cuda_graph_max_bs if self.cuda_graph_runner is not None else "- (no CUDA graphs)",
             _auto(self._requested[1]), sizes.enable_mixed_chunk, _auto(self._requested[2]),
+            config.scheduler.prefill_hold_steps, _auto(requested_hold),
         )
 
     def _kv_pool_and_batch_sizes(self) -> tuple[int, BatchSizes]:

@@ -70,6 +70,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self._pending: list[ReqOutput] = []
         self.new_token_ratio = config.scheduler.new_token_ratio
         self.num_retractions = 0
+        self.prefill_held_steps = 0  # decode steps the waiting requests were held back (see _hold_prefill)
         self.num_finished = 0
         self.cached_tokens_total = 0
         self.overlap = not config.scheduler.disable_overlap

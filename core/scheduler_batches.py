@@ -41,10 +41,11 @@ class BatchBuilding:
             req = self.chunked_req
             extend = min(req.seq_len - req.kv_len, budget)
             entries.append(BatchEntry(req, req.kv_len, extend, EMPTY_SLOTS, write_from=req.kv_len))
-        elif self.waiting:
+        elif self.waiting and not self._hold_prefill():
             self._admit(entries, budget)
         if not entries:
             return None
+        self.prefill_held_steps = 0
 
         need = sum(self.allocator.slots_needed(e.kv_start, e.extend_len) for e in entries)
         slots = self._alloc(
@@ -120,6 +121,25 @@ class BatchBuilding:
                 break
         admitted = {id(e.req) for e in entries}
         self.waiting = [req for req in self.waiting if id(req) not in admitted]
+
+    def _hold_prefill(self) -> bool:
+        """Whether a new prefill waits for more requests to join it (``scheduler.prefill_hold_steps``).
+
+        Every forward reads all the weights, so on a GPU a prefill of a few hundred tokens costs about as much
+        as one of a few thousand, and it stalls the whole decode batch. While half the running limit or more is
+        decoding, a prefill whose waiting prompts (as many as there is room for) hold less than one chunk waits
+        a few decode steps, during which more running requests finish and make room.
+        """
+        cfg = self.config.scheduler
+        limit = int(cfg.max_running_requests)
+        room = limit - len(self.running)
+        if self.prefill_held_steps >= cfg.prefill_hold_steps or room <= 0 or len(self.running) < limit // 2:
+            return False
+        prompt_tokens = sum(req.seq_len for req in self.waiting[:room])
+        if prompt_tokens >= (cfg.chunked_prefill_size or cfg.max_prefill_tokens):
+            return False
+        self.prefill_held_steps += 1
+        return True
 
     def _shares_uncached_prefix(self, req: Req, prefix_len: int, entries: list[BatchEntry]) -> bool:
         """Whether ``req``'s next uncached tokens are being computed by another request in this batch."""
