@@ -120,7 +120,18 @@ def progress_line(r: SystemResult) -> str:
             f"{extra.get('peak_decode_batch_size')}, GPU busy {_percent(extra.get('gpu_busy_fraction'))} "
             f"(decode {_percent(extra.get('gpu_busy_fraction_decode'))}), steps {extra.get('steps')} "
             f"({extra.get('decode_steps')} decode), max_running_requests {extra.get('max_running_requests')}, "
-            f"retractions {extra.get('retractions')}")
+            f"retractions {extra.get('retractions')}" + _by_mode_lines(extra.get("by_mode")))
+
+
+def _by_mode_lines(by_mode: dict[str, dict[str, float]] | None) -> str:
+    """Where the GPU's time went per step kind (from StepMeter)."""
+    if not by_mode:
+        return ""
+    return "".join(
+        f"\n  {mode}: {row['steps']} steps, {row['tokens']} tokens, GPU {row['gpu_ms'] / 1e3:.2f} s, idle before "
+        f"{row['idle_before_ms'] / 1e3:.2f} s; small steps ({'batch < 128' if mode == 'DECODE' else '< 512 tokens'}) "
+        f"{row['small_steps']} ({row['small_gpu_ms'] / 1e3:.2f} s)"
+        for mode, row in by_mode.items())
 
 
 def _percent(value: float | None) -> str:

@@ -228,11 +228,40 @@ class StepMeter:
             previous_end = end
         idle_ms += max(0.0, previous_end.elapsed_time(self._t1))
         return {
+            "by_mode": self._by_mode(),
             "gpu_wall_ms": wall_ms,
             "gpu_idle_ms": idle_ms,
             "gpu_busy_fraction": 1.0 - idle_ms / wall_ms if wall_ms > 0 else 0.0,
             "gpu_busy_fraction_decode": 1.0 - decode_idle / decode_span if decode_span > 0 else 0.0,
         }
+
+
+    def _by_mode(self) -> dict[str, dict[str, float]]:
+        """Per step kind (DECODE, EXTEND, MIXED): steps, tokens, GPU ms from launch to sampling, the GPU idle
+        ms just before such steps (where the stream waited on the host), and the steps below the small size."""
+        table: dict[str, dict[str, float]] = {}
+        previous_end = self._t0
+        for step in self.steps:
+            end = step["end"] or step["start"]
+            row = table.setdefault(step["mode"], {"steps": 0, "tokens": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0,
+                                                  "small_steps": 0, "small_gpu_ms": 0.0})
+            gpu_ms = max(0.0, step["start"].elapsed_time(end))
+            row["steps"] += 1
+            row["tokens"] += step["tokens"]
+            row["gpu_ms"] += gpu_ms
+            row["idle_before_ms"] += max(0.0, previous_end.elapsed_time(step["start"]))
+            small = SMALL_DECODE_BATCH if step["mode"] == "DECODE" else SMALL_PREFILL_TOKENS
+            if step["tokens"] < small:
+                row["small_steps"] += 1
+                row["small_gpu_ms"] += gpu_ms
+            previous_end = end
+        return table
+
+
+# Prefill steps under this many tokens cost about one full read of the weights each, whatever they hold;
+# decode batches under this size are bound by those reads too (the ramp-up and the drain of a run).
+SMALL_PREFILL_TOKENS = 512
+SMALL_DECODE_BATCH = 128
 
 
 def kernel_category(name: str) -> str:
