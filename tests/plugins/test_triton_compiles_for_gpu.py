@@ -90,7 +90,19 @@ def _model_kernels() -> dict:
             {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
         "fp8_w8a16": lambda: _compile(
             fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"}, set(),
-            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)),
+            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, GEMV=False)),
+        "fp8_w8a16[split_k]": lambda: _compile(
+            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*fp32"}, set(),
+            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, GEMV=False)),
+        "fp8_w8a16[gemv]": lambda: _compile(
+            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"}, set(),
+            dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, GEMV=True)),
+        "fp8_w8a16[gemv,split_k]": lambda: _compile(
+            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*fp32"}, set(),
+            dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, SPLIT_K=8, GEMV=True)),
+        "fp8_split_k_sum": lambda: _compile(
+            fp8_kernels._split_k_sum_kernel, {"Partials": "*fp32", "Scale": "*fp32", "Y": "*bf16"}, set(),
+            dict(SPLIT_K=4, BLOCK=512)),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -101,7 +113,7 @@ def _model_kernels() -> dict:
 
 KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "fp8_w8a16",
-           "moe_grouped_gemm"]
+           "fp8_w8a16[split_k]", "fp8_w8a16[gemv]", "fp8_w8a16[gemv,split_k]", "fp8_split_k_sum", "moe_grouped_gemm"]
 
 
 def _compile_all() -> dict[str, str | None]:
