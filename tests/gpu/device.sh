@@ -17,7 +17,8 @@
 # default config; OFFLINE_ARGS adds variants (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
-# and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once).
+# and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once; SERVING_SAT_PROMPTS=0
+# skips it); SERVING_TAG prefixes its log and result names, for a second server in the same call.
 #
 # `setup` installs the wheels into /tmp/site and treadle itself (editable, so its entry points
 # register the built-in plugins), restoring .whl/fi_cache.tgz (FlashInfer's JIT cache) when present.
@@ -66,17 +67,18 @@ for stage in "$@"; do
       # SERVING_RATE req/s (SERVING_PROMPTS requests) and at saturation (SERVING_SAT_PROMPTS at once).
       l8b
       python3 -m treadle.server.launch --config examples/configs/gpu-llama8b-dummy.yaml \
-        --set model.path=/tmp/l8b --set server.port=30000 ${SERVING_SET:-} > "$OUT/serve.log" 2>&1 &
+        --set model.path=/tmp/l8b --set server.port=30000 ${SERVING_SET:-} > "$OUT/serve${SERVING_TAG:-}.log" 2>&1 &
       for _ in $(seq 240); do
-        grep -q Traceback "$OUT/serve.log" && { tail -30 "$OUT/serve.log"; break; }
+        grep -q Traceback "$OUT/serve${SERVING_TAG:-}.log" && { tail -30 "$OUT/serve${SERVING_TAG:-}.log"; break; }
         python3 -c "import urllib.request as u; u.urlopen('http://localhost:30000/health', timeout=2)" 2>/dev/null && break; sleep 1
       done
-      grep -E "auto|serves" "$OUT/serve.log" | tail -5
+      grep -E "auto|serves" "$OUT/serve${SERVING_TAG:-}.log" | tail -5
       for spec in "${SERVING_RATE:-4}:${SERVING_PROMPTS:-240}:rate4" "inf:${SERVING_SAT_PROMPTS:-600}:saturation"; do
         IFS=: read rate n name <<< "$spec"
+        [ "$n" = 0 ] && continue
         timeout ${SERVING_TIMEOUT:-150} python3 -m treadle.bench.serving --base-url http://localhost:30000 \
           --api native --workload random --num-prompts $n --input-len 16:600 --output-len 16:400 \
-          --request-rate $rate --output "$OUT/serving_$name.json" 2>&1 | tail -16
+          --request-rate $rate --output "$OUT/serving_${SERVING_TAG:-}$name.json" 2>&1 | tail -16
       done
       kill %1 2>/dev/null; wait ;;
     soak)
