@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot reach a server at {args.base_url}: {exc}", file=sys.stderr)
         return 1
     if args.duration is not None:
-        args.argv = list(argv if argv is not None else sys.argv[1:])
+        args.argv = _without_secrets(argv if argv is not None else sys.argv[1:])
         return run_soak(args, info)
     token_ids = usable_token_ids(int(info["vocab_size"]))
     params: dict[str, Any] = {"output_len": parse_len_range(args.output_len), "seed": args.seed}
@@ -222,9 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"serving benchmark: {workload.num_requests} requests ({args.workload}), rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency or 'unlimited'}, api {args.api}, {args.base_url}")
     print(format_table(summary))
+    from treadle.bench.offline_results import git_commit, machine_info
+
     record = {
         "benchmark": "serving",
+        "command": "treadle bench serving " + " ".join(_without_secrets(argv if argv is not None else sys.argv[1:])),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),  # the client's; the server's device is under "model"
+        "treadle_commit": git_commit(),
         "base_url": args.base_url,
         "api": args.api,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
@@ -244,3 +249,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _without_secrets(argv: Sequence[str]) -> list[str]:
+    """The command line with the value of ``--api-key`` masked (it goes into the results JSON)."""
+    masked, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            masked.append("***")
+        elif arg.startswith("--api-key="):
+            masked.append("--api-key=***")
+        else:
+            masked.append(arg)
+        hide_next = arg == "--api-key"
+    return masked
+

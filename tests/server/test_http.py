@@ -352,6 +352,8 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
     assert summary["itl_ms"]["p90"] > 0
     assert "ITL (ms)" in capsys.readouterr().out
+    assert record["command"].startswith("treadle bench serving --base-url") and record["machine"]["cpu_count"]
+    assert API_KEY not in out.read_text() and "--api-key ***" in record["command"]
 
 
 # ------------------------------------------------------------------ shutdown (keep last)
