@@ -247,10 +247,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _without_secrets(argv: Sequence[str]) -> list[str]:
     """The command line with the value of ``--api-key`` masked (it goes into the results JSON)."""
     masked, hide_next = [], False
@@ -263,4 +259,8 @@ def _without_secrets(argv: Sequence[str]) -> list[str]:
             masked.append(arg)
         hide_next = arg == "--api-key"
     return masked
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 

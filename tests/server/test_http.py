@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -354,6 +356,17 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert "ITL (ms)" in capsys.readouterr().out
     assert record["command"].startswith("treadle bench serving --base-url") and record["machine"]["cpu_count"]
     assert API_KEY not in out.read_text() and "--api-key ***" in record["command"]
+
+
+def test_bench_serving_runs_as_a_module(server: ServerHandle, tmp_path) -> None:
+    """``python -m treadle.bench.serving`` (how the docs and device.sh run it), not just its ``main``."""
+    out = tmp_path / "serving.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle.bench.serving", "--base-url", server.base_url, "--api-key", API_KEY,
+         "--api", "native", "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2:3", "--output", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text())["summary"]["completed"] == 2
 
 
 # ------------------------------------------------------------------ shutdown (keep last)
