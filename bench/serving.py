@@ -17,6 +17,11 @@ aborts and disconnects on purpose, then leak checks); there ``--input-len`` coun
 ``--api native`` streams ``/generate`` (one event per scheduler step, so ITL is
 exact); ``--api openai`` streams ``/v1/completions`` and works against any
 OpenAI-compatible server (a chunk may then carry more than one token).
+
+One client process parses every streamed event in Python (~0.1 ms each on a 2-core CPU), so at
+thousands of tokens per second it can become the bottleneck it is meant to measure; ``--workers N``
+spreads the requests over N processes (each its share of the arrivals: a Poisson process of
+``rate / N``, and of ``--max-concurrency``), started together.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import datetime as dt
 import json
 import math
+import multiprocessing
 import random
 import sys
 import time
@@ -130,6 +136,48 @@ async def _send(client: httpx.AsyncClient, req: BenchRequest, api: str, model: s
     return result
 
 
+def run_workers(base_url: str, requests: Sequence[BenchRequest], request_rate: float, max_concurrency: int | None,
+                api: str, api_key: str | None, model: str | None, seed: int, workers: int
+                ) -> tuple[list[RequestResult], float]:
+    """:func:`run_benchmark` from ``workers`` processes started together: every ``workers``-th request each;
+    the results come back in request order, and the wall time runs until the last process is done."""
+    if workers <= 1:
+        return asyncio.run(run_benchmark(base_url, requests, request_rate, max_concurrency, api, api_key, model,
+                                         seed))
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(workers + 1)
+    inbox = context.Queue()
+    concurrency = -(-max_concurrency // workers) if max_concurrency else None
+    processes = [
+        context.Process(target=_worker, daemon=True, args=(
+            index, start, inbox, base_url, list(requests[index::workers]), request_rate / workers, concurrency,
+            api, api_key, model, seed + index))
+        for index in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    start.wait()
+    started = time.monotonic()
+    shares: dict[int, list[RequestResult]] = {}
+    finished = []
+    for _ in processes:
+        index, results, ended = inbox.get()
+        shares[index] = results
+        finished.append(ended)
+    for process in processes:
+        process.join()
+    ordered = [shares[i % workers][i // workers] for i in range(len(requests))]
+    return ordered, max(finished) - started
+
+
+def _worker(index: int, start: Any, outbox: Any, base_url: str, requests: list[BenchRequest], request_rate: float,
+            max_concurrency: int | None, api: str, api_key: str | None, model: str | None, seed: int) -> None:
+    start.wait()
+    results, _ = asyncio.run(run_benchmark(base_url, requests, request_rate, max_concurrency, api, api_key, model,
+                                           seed))
+    outbox.put((index, results, time.monotonic()))
+
+
 def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
     """Throughput and latency percentiles (milliseconds) over the successful requests."""
     done = [r for r in results if r.ok]
@@ -195,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="client processes sharing the requests (one Python process parses ~10k events/s)")
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workload>_<date>.json)")
     add_soak_arguments(parser)
     args = parser.parse_args(argv)
@@ -216,11 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         params["prefix_len"] = args.prefix_len
     workload = build_workload(args.workload, args.num_prompts, token_ids, **params)
 
-    results, wall = asyncio.run(run_benchmark(args.base_url, workload.requests, args.request_rate,
-                                              args.max_concurrency, args.api, args.api_key, args.model, args.seed))
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    results, wall = run_workers(args.base_url, workload.requests, args.request_rate, args.max_concurrency, args.api,
+                                args.api_key, args.model, args.seed, args.workers)
     summary = summarize(results, wall)
     print(f"serving benchmark: {workload.num_requests} requests ({args.workload}), rate {args.request_rate}/s, "
-          f"max concurrency {args.max_concurrency or 'unlimited'}, api {args.api}, {args.base_url}")
+          f"max concurrency {args.max_concurrency or 'unlimited'}, api {args.api}, {args.base_url}, "
+          f"{args.workers} client process{'es' if args.workers > 1 else ''}")
     print(format_table(summary))
     from treadle.bench.offline_results import git_commit, machine_info
 
@@ -234,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "api": args.api,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
+        "client_workers": args.workers,
         "model": {k: info.get(k) for k in ("model_path", "served_model_name", "context_len", "device", "dtype")},
         "workload": workload.summary(),
         "summary": summary,

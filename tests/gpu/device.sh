@@ -73,12 +73,13 @@ for stage in "$@"; do
         python3 -c "import urllib.request as u; u.urlopen('http://localhost:30000/health', timeout=2)" 2>/dev/null && break; sleep 1
       done
       grep -E "auto|serves" "$OUT/serve${SERVING_TAG:-}.log" | tail -5
-      for spec in "${SERVING_RATE:-4}:${SERVING_PROMPTS:-240}:rate4" "inf:${SERVING_SAT_PROMPTS:-600}:saturation"; do
-        IFS=: read rate n name <<< "$spec"
+      # Saturation streams ~10k events/s: SERVING_WORKERS client processes share them (bench/serving.py --workers).
+      for spec in "${SERVING_RATE:-4}:${SERVING_PROMPTS:-240}:rate4:1" "inf:${SERVING_SAT_PROMPTS:-600}:saturation:${SERVING_WORKERS:-4}"; do
+        IFS=: read rate n name workers <<< "$spec"
         [ "$n" = 0 ] && continue
         timeout ${SERVING_TIMEOUT:-150} python3 -m treadle.bench.serving --base-url http://localhost:30000 \
           --api native --workload random --num-prompts $n --input-len 16:600 --output-len 16:400 \
-          --request-rate $rate --output "$OUT/serving_${SERVING_TAG:-}$name.json" 2>&1 | tail -16
+          --request-rate $rate --workers $workers --output "$OUT/serving_${SERVING_TAG:-}$name.json" 2>&1 | tail -16
       done
       kill %1 2>/dev/null; wait ;;
     soak)

@@ -358,15 +358,24 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert API_KEY not in out.read_text() and "--api-key ***" in record["command"]
 
 
-def test_bench_serving_runs_as_a_module(server: ServerHandle, tmp_path) -> None:
-    """``python -m treadle.bench.serving`` (how the docs and device.sh run it), not just its ``main``."""
-    out = tmp_path / "serving.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "treadle.bench.serving", "--base-url", server.base_url, "--api-key", API_KEY,
-         "--api", "native", "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2:3", "--output", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+def test_bench_serving_runs_as_a_module_with_several_client_processes(server: ServerHandle, tmp_path) -> None:
+    """``python -m treadle.bench.serving`` (how the docs and device.sh run it), with ``--workers 2``: every request
+    is sent once and the results come back in request order (as from one process)."""
+    from treadle.bench.serving import main
+
+    common = ["--base-url", server.base_url, "--api-key", API_KEY, "--api", "native", "--num-prompts", "5",
+              "--input-len", "4:12", "--output-len", "2:4"]
+    one = tmp_path / "one.json"
+    assert main(common + ["--output", str(one)]) == 0
+    two = tmp_path / "two.json"
+    done = subprocess.run([sys.executable, "-m", "treadle.bench.serving", *common, "--workers", "2", "--output", str(two)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(out.read_text())["summary"]["completed"] == 2
+    assert "2 client processes" in done.stdout
+    records = [json.loads(path.read_text()) for path in (one, two)]
+    assert records[1]["summary"]["completed"] == 5 and records[1]["client_workers"] == 2
+    assert [r["prompt_tokens"] for r in records[1]["requests"]] == [r["prompt_tokens"] for r in records[0]["requests"]]
+    assert [r["output_tokens"] for r in records[1]["requests"]] == [r["output_tokens"] for r in records[0]["requests"]]
 
 
 # ------------------------------------------------------------------ shutdown (keep last)
