@@ -24,7 +24,9 @@ In the same run:
   (mode ``reduce-overhead``: CUDA graphs); its compilation happens in an untimed
   warm-up (skip it with ``--no-hf-compiled``);
 - with a GPU, a torch.profiler summary of bs=1 graph decode per backend (top
-  kernels, time by kind, and how much of the step the GPU is busy).
+  kernels, time by kind, and how much of the step the GPU is busy), and one of an
+  eager 300-token prefill (GPU busy against wall and the host's launch time: the
+  small prefill steps that stall a large decode batch).
 
 A backend may be given tunables: ``--backends flashinfer:use_tensor_cores=false``.
 ``--compare`` runs every backend once per config variant, as in ``treadle bench offline``: a
@@ -147,6 +149,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 print(format_row(results[-1]))
             if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
                 profiles[label] = profile_decode(runner, label, prompts[1])
+                profiles[f"{label} prefill"] = profile_prefill(runner, label, min(PROFILE_PREFILL_TOKENS, args.input_len))
             if not hf_done:
                 hf_done = True
                 for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
@@ -321,31 +324,63 @@ def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts:
                        roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
 
 
+# A prefill of this many tokens: the size of the small prefill steps in the offline runs (docs/benchmarks.md).
+PROFILE_PREFILL_TOKENS = 300
+
+
 def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
     """torch.profiler over ``steps`` bs=1 decode steps: top kernels and GPU busy time per step."""
-    from torch.profiler import ProfilerActivity, profile
-
     input_len = prompt.shape[1]
     batch = _place_batch(runner, 1, input_len + steps + 2)
-    host_us = {"runner.forward (host, until the graph is launched)": 0.0,
-               "attention backend replay metadata (host)": 0.0}
-    backend = runner.attn_backend
-    timed = [(runner, "forward", "runner.forward (host, until the graph is launched)"),
-             (backend, "init_forward_metadata_replay_cuda_graph", "attention backend replay metadata (host)")]
-    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in timed]
-    for (obj, name, original), (_, _, key) in zip(originals, timed):
-        setattr(obj, name, _host_timer(original, host_us, key))
     next_ids = _prefill(runner, batch, prompt)
     next_ids = _decode_step(runner, batch, next_ids, input_len + 1)
+    state = {"next_ids": next_ids, "step": 0}
+
+    def step() -> None:
+        state["next_ids"] = _decode_step(runner, batch, state["next_ids"], input_len + state["step"] + 2)
+        state["step"] += 1
+
+    host = {"runner.forward (host, until the graph is launched)": (runner, "forward"),
+            "attention backend replay metadata (host)": (runner.attn_backend,
+                                                         "init_forward_metadata_replay_cuda_graph")}
+    return _profile_steps(runner, f"treadle {label}", "bs=1 decode", step, steps, host)
+
+
+def profile_prefill(runner: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5
+                    ) -> dict[str, Any]:
+    """torch.profiler over ``steps`` eager prefills of one ``prompt_len``-token prompt (the small prefill steps
+    that stall a large decode batch): GPU busy time against wall time, and the host time to launch them."""
+    prompt = torch.randint(100, 1000, (1, prompt_len))
+    batch = _place_batch(runner, 1, prompt_len + 1)
+    _prefill(runner, batch, prompt)  # compiles whatever this length needs
+
+    def step() -> None:
+        _prefill(runner, batch, prompt)
+
+    host = {"runner.forward (host: builds metadata and launches every kernel)": (runner, "forward")}
+    return _profile_steps(runner, f"treadle {label}", f"prefill of {prompt_len} tokens", step, steps, host)
+
+
+def _profile_steps(runner: Any, system: str, what: str, step: Any, steps: int,
+                   host: dict[str, tuple[Any, str]]) -> dict[str, Any]:
+    """Run ``step`` ``steps`` times (each followed by a synchronize) under torch.profiler, with the host time
+    spent in each ``host`` method (an instance attribute wraps it for the window)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    host_us = {key: 0.0 for key in host}
+    for key, (obj, name) in host.items():
+        setattr(obj, name, _host_timer(getattr(obj, name), host_us, key))
     synchronize(runner.device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for step in range(steps):
-            next_ids = _decode_step(runner, batch, next_ids, input_len + step + 2)
-            synchronize(runner.device)
-        wall = (time.perf_counter() - start) / steps
-    for obj, name, _ in originals:
-        delattr(obj, name)  # drop the instance attribute: the class method shows through again
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+                synchronize(runner.device)
+            wall = (time.perf_counter() - start) / steps
+    finally:
+        for obj, name in host.values():
+            delattr(obj, name)  # drop the instance attribute: the class method shows through again
     kernels = []
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None)
@@ -360,7 +395,7 @@ def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 2
     for k in kernels:
         categories[k["category"]] = categories.get(k["category"], 0.0) + k["us_per_step"]
     return {
-        "system": f"treadle {label}", "steps": steps,
+        "system": system, "what": what, "steps": steps,
         "wall_us_per_step_profiled": wall * 1e6, "gpu_busy_us_per_step": busy,
         "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
         "by_category_us_per_step": dict(sorted(categories.items(), key=lambda kv: -kv[1])),

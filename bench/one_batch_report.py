@@ -82,7 +82,7 @@ def format_table(results: Sequence[Measurement]) -> str:
 
 
 def format_profile(profile: dict[str, Any]) -> str:
-    lines = [f"profile: {profile['system']}, bs=1, {profile['steps']} steps: wall "
+    lines = [f"profile: {profile['system']}, {profile.get('what', 'bs=1 decode')}, {profile['steps']} steps: wall "
              f"{profile['wall_us_per_step_profiled']:.0f} us/step, GPU busy {profile['gpu_busy_us_per_step']:.0f} "
              f"us/step, {profile['kernels_per_step']:.0f} kernels/step"]
     for category, us in profile["by_category_us_per_step"].items():

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
+import torch
 
-from treadle.bench.one_batch import main
+from treadle.bench.one_batch import _build_runner, main, profile_decode, profile_prefill
+from treadle.bench.shapes import TINY, write_config
 
 
 def test_one_batch_smoke_writes_results(tmp_path):
@@ -80,3 +85,20 @@ def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
     assert not any(name.endswith("weight_scale") for name in named)
     assert torch.equal(named["model.layers.0.mlp.down_proj.weight"],
                        dequantize(down.weight, down.weight_scale, torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_profiles_of_decode_and_of_a_small_prefill_time_the_host_and_restore_the_runner():
+    """The profile windows (run on the GPU by default) work on the CPU too: host time is measured through
+    wrappers that are removed afterwards."""
+    args = argparse.Namespace(input_len=16, decode_steps=8, page_size=1, dtype="float32", context_length=256)
+    with tempfile.TemporaryDirectory() as scratch:
+        runner = _build_runner(write_config(Path(scratch), TINY), "torch_native", {}, False, 1, args,
+                               torch.device("cpu"))
+        decode = profile_decode(runner, "torch_native", torch.randint(100, 1000, (1, 8)), steps=3)
+        prefill = profile_prefill(runner, "torch_native", prompt_len=16, steps=2)
+    assert decode["what"] == "bs=1 decode" and prefill["what"] == "prefill of 16 tokens"
+    for profile in (decode, prefill):
+        assert profile["wall_us_per_step_profiled"] > 0
+        assert all(us > 0 for key, us in profile["host_us_per_step"].items() if "forward" in key)
+    assert "forward" not in vars(runner), "the host timer must be removed after the window"
