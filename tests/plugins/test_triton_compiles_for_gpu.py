@@ -88,18 +88,10 @@ def _model_kernels() -> dict:
         "fp8_per_token_quant": lambda: _compile(
             fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
             {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
-        "fp8_w8a16": lambda: _compile(
-            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"}, set(),
-            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, GEMV=False)),
-        "fp8_w8a16[split_k]": lambda: _compile(
-            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*fp32"}, set(),
-            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, GEMV=False)),
-        "fp8_w8a16[gemv]": lambda: _compile(
-            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*bf16"}, set(),
-            dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, GEMV=True)),
-        "fp8_w8a16[gemv,split_k]": lambda: _compile(
-            fp8_kernels._w8a16_kernel, {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": "*fp32"}, set(),
-            dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, SPLIT_K=8, GEMV=True)),
+        "fp8_w8a16": _w8a16("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, GEMV=False),
+        "fp8_w8a16[split_k]": _w8a16("*fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, GEMV=False),
+        "fp8_w8a16[gemv]": _w8a16("*bf16", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, GEMV=True),
+        "fp8_w8a16[gemv,split_k]": _w8a16("*fp32", BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, SPLIT_K=8, GEMV=True),
         "fp8_split_k_sum": lambda: _compile(
             fp8_kernels._split_k_sum_kernel, {"Partials": "*fp32", "Scale": "*fp32", "Y": "*bf16"}, set(),
             dict(SPLIT_K=4, BLOCK=512)),
@@ -109,6 +101,14 @@ def _model_kernels() -> dict:
              "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}, set(),
             dict(MUL_ROW_WEIGHT=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
     }
+
+
+def _w8a16(out_type: str, **constexprs: object):
+    """The FP8 W8A16 kernel with these constexprs; split-K variants write float32 partials."""
+    from treadle.plugins.models import fp8_kernels
+
+    return lambda: _compile(fp8_kernels._w8a16_kernel,
+                            {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": out_type}, set(), constexprs)
 
 
 KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
