@@ -235,7 +235,6 @@ class StepMeter:
             "gpu_busy_fraction_decode": 1.0 - decode_idle / decode_span if decode_span > 0 else 0.0,
         }
 
-
     def _by_mode(self) -> dict[str, dict[str, float]]:
         """Per step kind (DECODE, EXTEND, MIXED): steps, tokens, GPU ms from launch to sampling, the GPU idle
         ms just before such steps (where the stream waited on the host), and the steps below the small size."""
