@@ -149,7 +149,8 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 print(format_row(results[-1]))
             if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
                 profiles[label] = profile_decode(runner, label, prompts[1])
-                profiles[f"{label} prefill"] = profile_prefill(runner, label, min(PROFILE_PREFILL_TOKENS, args.input_len))
+                prefill_tokens = min(PROFILE_PREFILL_TOKENS, args.input_len)
+                profiles[f"{label} prefill"] = profile_prefill(runner, label, prefill_tokens)
             if not hf_done:
                 hf_done = True
                 for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):

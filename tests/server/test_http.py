@@ -368,8 +368,9 @@ def test_bench_serving_runs_as_a_module_with_several_client_processes(server: Se
     one = tmp_path / "one.json"
     assert main(common + ["--output", str(one)]) == 0
     two = tmp_path / "two.json"
-    done = subprocess.run([sys.executable, "-m", "treadle.bench.serving", *common, "--workers", "2", "--output", str(two)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle.bench.serving", *common, "--workers", "2", "--output", str(two)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 client processes" in done.stdout
     records = [json.loads(path.read_text()) for path in (one, two)]

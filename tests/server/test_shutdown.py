@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import pytest
@@ -41,6 +43,20 @@ def _start(model_dir: str, make_config, **server: object) -> tuple[ServerHandle,
     handle = launch_server(make_config(model_dir, **server), timeout=180)
     pids = httpx.get(f"{handle.base_url}/get_server_info", timeout=30).json()["pids"]
     return handle, pids
+
+
+@contextlib.contextmanager
+def _streaming(model_dir: str, make_config, **server: object
+               ) -> Iterator[tuple[ServerHandle, dict[str, int], "_Stream"]]:
+    """A server with one long stream under way (its first event arrived); SIGKILLed at the end if still up."""
+    handle, pids = _start(model_dir, make_config, **server)
+    try:
+        stream = _Stream(handle.base_url)
+        stream.start()
+        assert stream.first.wait(30)
+        yield handle, pids, stream
+    finally:
+        handle.shutdown(signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -95,11 +111,7 @@ class _Stream(threading.Thread):
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(long_context_model: str, make_config) -> None:
-    handle, pids = _start(long_context_model, make_config)
-    try:
-        stream = _Stream(handle.base_url)
-        stream.start()
-        assert stream.first.wait(30)
+    with _streaming(long_context_model, make_config) as (handle, pids, stream):
         handle.process.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         refused = httpx.post(f"{handle.base_url}/generate", json={"text": "late"}, timeout=30)
@@ -112,31 +124,19 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(long_context_model
         assert handle.process.wait(30) == 0, handle.log()[-3000:]
         _wait_gone(list(pids.values()), 5)
         _port_free(handle.port)
-    finally:
-        handle.shutdown(signal.SIGKILL)
 
 
 def test_requests_outliving_the_shutdown_timeout_are_aborted(long_context_model: str, make_config) -> None:
-    handle, pids = _start(long_context_model, make_config, shutdown_timeout=0.1)
-    try:
-        stream = _Stream(handle.base_url)
-        stream.start()
-        assert stream.first.wait(30)
+    with _streaming(long_context_model, make_config, shutdown_timeout=0.1) as (handle, pids, stream):
         handle.process.send_signal(signal.SIGTERM)
         stream.join(30)
         assert stream.done and stream.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
         assert handle.process.wait(30) == 0
         _wait_gone(list(pids.values()), 5)
-    finally:
-        handle.shutdown(signal.SIGKILL)
 
 
 def test_a_second_sigint_stops_at_once(long_context_model: str, make_config) -> None:
-    handle, pids = _start(long_context_model, make_config, shutdown_timeout=60)
-    try:
-        stream = _Stream(handle.base_url)
-        stream.start()
-        assert stream.first.wait(30)
+    with _streaming(long_context_model, make_config, shutdown_timeout=60) as (handle, pids, _):
         handle.process.send_signal(signal.SIGINT)
         time.sleep(0.1)
         started = time.monotonic()
@@ -145,8 +145,6 @@ def test_a_second_sigint_stops_at_once(long_context_model: str, make_config) -> 
         assert time.monotonic() - started < 10, handle.log()[-3000:]
         _wait_gone(list(pids.values()), 5)
         _port_free(handle.port)
-    finally:
-        handle.shutdown(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer", "server"])
