@@ -212,23 +212,16 @@ class StepMeter:
             result["profile"] = self.profile
         return result
 
-    def _busy(self) -> dict[str, float]:
+    def _busy(self) -> dict[str, Any]:
+        by_mode = self._by_mode()
         wall_ms = self._t0.elapsed_time(self._t1)
-        idle_ms = max(0.0, self._t0.elapsed_time(self.steps[0]["start"]))
-        decode_idle = decode_span = 0.0
-        previous_end = self._t0
-        for step in self.steps:
-            end = step["end"] or step["start"]
-            gap = max(0.0, previous_end.elapsed_time(step["start"]))
-            span = max(0.0, previous_end.elapsed_time(end))
-            idle_ms += gap
-            if step["mode"] == "DECODE":
-                decode_idle += gap
-                decode_span += span
-            previous_end = end
-        idle_ms += max(0.0, previous_end.elapsed_time(self._t1))
+        last_end = self.steps[-1]["end"] or self.steps[-1]["start"]
+        idle_ms = sum(row["idle_before_ms"] for row in by_mode.values()) + max(0.0, last_end.elapsed_time(self._t1))
+        decode = by_mode.get("DECODE", {})
+        decode_idle = decode.get("idle_before_ms", 0.0)
+        decode_span = decode_idle + decode.get("gpu_ms", 0.0)
         return {
-            "by_mode": self._by_mode(),
+            "by_mode": by_mode,
             "gpu_wall_ms": wall_ms,
             "gpu_idle_ms": idle_ms,
             "gpu_busy_fraction": 1.0 - idle_ms / wall_ms if wall_ms > 0 else 0.0,

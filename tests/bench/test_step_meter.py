@@ -1,0 +1,35 @@
+"""StepMeter's GPU-time arithmetic (CUDA events replaced by timestamps, so it runs on the CPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from treadle.bench.step_meter import StepMeter
+
+
+class _Event:
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.ms - self.ms
+
+
+def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
+    scheduler = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    meter = StepMeter(scheduler)
+    meter._t0, meter._t1 = _Event(0), _Event(13)
+    meter.steps = [  # idle 1 ms before each of the first two steps and 1 ms at the end; none before the third
+        {"mode": "DECODE", "bs": 4, "tokens": 4, "start": _Event(1), "end": _Event(3)},
+        {"mode": "EXTEND", "bs": 1, "tokens": 300, "start": _Event(4), "end": _Event(10)},
+        {"mode": "DECODE", "bs": 200, "tokens": 200, "start": _Event(10), "end": _Event(12)},
+    ]
+    busy = meter._busy()
+    assert busy["gpu_idle_ms"] == 3 and busy["gpu_busy_fraction"] == pytest.approx(10 / 13)
+    assert busy["gpu_busy_fraction_decode"] == pytest.approx(1 - 1 / 5)  # 1 ms idle in 5 ms of decode spans
+    decode, extend = busy["by_mode"]["DECODE"], busy["by_mode"]["EXTEND"]
+    assert (decode["steps"], decode["tokens"], decode["gpu_ms"], decode["idle_before_ms"]) == (2, 204, 4, 1)
+    assert (decode["small_steps"], decode["small_gpu_ms"]) == (1, 2)  # the batch of 4; 200 is not small
+    assert (extend["steps"], extend["gpu_ms"], extend["idle_before_ms"], extend["small_steps"]) == (1, 6, 1, 1)
