@@ -216,9 +216,11 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
                   args: argparse.Namespace, device: torch.device, variant: str = "") -> Any:
     """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
     is ``KEY=VALUE;...`` config overrides (plus ``fp8_small_batch_kernel``)."""
+    from treadle.core.auto_size import resolve_piecewise_max_tokens
     from treadle.core.config import load_config
     from treadle.core.cuda_graph import CudaGraphRunner
     from treadle.core.model_runner import ModelRunner
+    from treadle.core.piecewise_graph import PiecewiseGraphRunner
     from treadle.core.registry import build_registry
 
     slots_per_request = _round_up(args.input_len + args.decode_steps + 1, args.page_size)
@@ -240,6 +242,12 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
     if use_graph and device.type == "cuda" and getattr(runner.attn_backend, "supports_cuda_graph", False):
         runner.config.runtime.disable_cuda_graph = False
         runner.cuda_graph_runner = CudaGraphRunner(runner)
+        piecewise_tokens = resolve_piecewise_max_tokens(
+            runner.config.runtime.piecewise_cuda_graph_max_tokens, on_cuda=True,
+            chunked_prefill_size=runner.config.scheduler.chunked_prefill_size)
+        if piecewise_tokens:
+            runner.piecewise_graph_runner = PiecewiseGraphRunner(runner, piecewise_tokens,
+                                                                 runner.cuda_graph_runner.memory_pool)
     return runner
 
 
@@ -419,6 +427,7 @@ def _host_timer(function: Any, totals: dict[str, float], key: str) -> Any:
 def _release(runner: Any) -> None:
     """Drop the runner's graphs and free its memory; the caller rebinds its name to the None returned."""
     runner.cuda_graph_runner = None
+    runner.piecewise_graph_runner = None
     runner.model = None
     runner.kv_cache = None
     free_memory()

@@ -90,11 +90,21 @@ class RuntimeConfig(Section):
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | Literal["auto"] = Field(
         "auto", description="largest decode batch captured in a CUDA graph; auto: the running-request limit")
+    piecewise_cuda_graph_max_tokens: int | Literal["auto"] = Field(
+        "auto", description="largest prefill (extend) batch, in tokens, run through CUDA graphs cut at each "
+                            "attention call; 0: prefills run eagerly; auto: 1024 on CUDA (at most one chunk)")
 
     @field_validator("cuda_graph_max_bs")
     @classmethod
     def _positive_graph_bs(cls, value: int | str) -> int | str:
         return _positive_or_auto(value, "cuda_graph_max_bs")
+
+    @field_validator("piecewise_cuda_graph_max_tokens")
+    @classmethod
+    def _piecewise_tokens(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 0:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be 0 or more, or 'auto', got {value}")
+        return value
 
 
 class HttpServerConfig(Section):

@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from treadle.core.auto_size import BatchSizes, request_table_bytes, resolve_batch_sizes, resolve_prefill_hold_steps
+from treadle.core.auto_size import (
+    BatchSizes,
+    request_table_bytes,
+    resolve_batch_sizes,
+    resolve_piecewise_max_tokens,
+    resolve_prefill_hold_steps,
+)
 from treadle.core.config import ServerConfig
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.kv_allocator import KVAllocator
@@ -84,14 +90,22 @@ class ModelRunner:
         backend_factory = registry.get("attention", config.attention.backend)
         self.attn_backend = backend_factory(self)
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
+        requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
+        config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
+            requested_piecewise, on_cuda=self.device.type == "cuda",
+            chunked_prefill_size=config.scheduler.chunked_prefill_size)
+        self.piecewise_graph_runner = self._maybe_piecewise_graphs()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
-            "max_running_requests %d%s, cuda_graph_max_bs %s%s, enable_mixed_chunk %s%s, prefill_hold_steps %d%s",
+            "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
+            "enable_mixed_chunk %s%s, prefill_hold_steps %d%s",
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
             f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
             sizes.max_running_requests, _auto(self._requested[0]),
             sizes.cuda_graph_max_bs if self.cuda_graph_runner is not None else "- (no CUDA graphs)",
-            _auto(self._requested[1]), sizes.enable_mixed_chunk, _auto(self._requested[2]),
+            _auto(self._requested[1]),
+            self.piecewise_graph_runner.max_tokens if self.piecewise_graph_runner is not None else "- (prefill eager)",
+            _auto(requested_piecewise), sizes.enable_mixed_chunk, _auto(self._requested[2]),
             config.scheduler.prefill_hold_steps, _auto(requested_hold),
         )
 
@@ -155,11 +169,26 @@ class ModelRunner:
 
         return CudaGraphRunner(self)
 
+    def _maybe_piecewise_graphs(self) -> Any:
+        max_tokens = int(self.config.runtime.piecewise_cuda_graph_max_tokens)
+        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph or max_tokens == 0:
+            return None
+        from treadle.core.piecewise_graph import PiecewiseGraphRunner, SplitForwardModel
+
+        if not isinstance(self.model, SplitForwardModel):
+            logger.info("model %s has no forward_hidden/compute_logits; prefills run eagerly",
+                        type(self.model).__name__)
+            return None
+        pool = self.cuda_graph_runner.memory_pool if self.cuda_graph_runner is not None else None
+        return PiecewiseGraphRunner(self, max_tokens, pool)
+
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for ``forward_batch.logits_indices``."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
+            return self.piecewise_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -76,7 +76,18 @@ class LlamaForCausalLM(nn.Module):
         return DecoderLayer(config, layer_id, quant_config=self.quant_config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden_states, residual = self.model(input_ids, positions, forward_batch)
+        return self.compute_logits(self.forward_hidden(input_ids, positions, forward_batch), forward_batch)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's ``(last layer's output, residual stream)``: the part of the forward that piecewise
+        CUDA graphs capture (see treadle.core.piecewise_graph)."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: tuple[torch.Tensor, torch.Tensor], forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits of the rows ``forward_batch.logits_indices`` from :meth:`forward_hidden`'s output."""
+        hidden_states, residual = hidden
         # The last residual add, the norm and lm_head are row-wise: select the wanted rows first.
         rows = forward_batch.logits_indices
         selected, _ = self.model.norm(hidden_states[rows], residual[rows])

@@ -9,8 +9,10 @@ from treadle.core.auto_size import (
     GiB,
     auto_max_running_requests,
     graph_batch_sizes,
+    piecewise_token_sizes,
     request_table_bytes,
     resolve_batch_sizes,
+    resolve_piecewise_max_tokens,
 )
 from treadle.core.config import ConfigError, load_config
 
@@ -67,6 +69,31 @@ def test_graph_buckets_step_by_8_then_16_then_32() -> None:
         assert padding < (8 if bs <= 64 else 16 if bs <= 256 else 32)
 
 
+def test_prefill_graph_token_counts_step_by_64_then_128_then_256() -> None:
+    sizes = piecewise_token_sizes(2048)
+    assert sizes[:9] == [8, 16, 32, 48, 64, 96, 128, 192, 256]
+    assert sizes[-5:] == [1024, 1280, 1536, 1792, 2048]
+    assert piecewise_token_sizes(1024)[-5:] == [512, 640, 768, 896, 1024]
+    assert piecewise_token_sizes(100) == [8, 16, 32, 48, 64, 96, 100]
+    assert piecewise_token_sizes(5) == [5]
+    # A prefill pads to the next size: by fewer than 16 tokens up to 64, 32 to 128, 64 to 512, 128 to 1024.
+    for tokens in range(1, 2049):
+        padding = next(s for s in sizes if s >= tokens) - tokens
+        limit = next(step for top, step in ((64, 16), (128, 32), (512, 64), (1024, 128), (2048, 256)) if tokens <= top)
+        assert padding < limit
+    with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens"):
+        piecewise_token_sizes(0)
+
+
+def test_prefill_graphs_are_on_for_cuda_only_and_never_exceed_a_chunk() -> None:
+    assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=2048) == 1024
+    assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=512) == 512
+    assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=None) == 1024
+    assert resolve_piecewise_max_tokens("auto", on_cuda=False, chunked_prefill_size=2048) == 0
+    assert resolve_piecewise_max_tokens(4096, on_cuda=True, chunked_prefill_size=2048) == 4096
+    assert resolve_piecewise_max_tokens(0, on_cuda=True, chunked_prefill_size=2048) == 0
+
+
 def test_request_tables_scale_with_rows_and_context() -> None:
     assert request_table_bytes(511, 131072, 1) == 2 * 512 * 131073 * 4
 
@@ -76,13 +103,15 @@ def test_config_accepts_ints_or_auto() -> None:
     assert config.scheduler.max_running_requests == "auto"
     assert config.runtime.cuda_graph_max_bs == "auto"
     assert config.scheduler.enable_mixed_chunk == "auto"
+    assert config.runtime.piecewise_cuda_graph_max_tokens == "auto"
     config = load_config(overrides=["scheduler.max_running_requests=8", "runtime.cuda_graph_max_bs=auto",
                                     "scheduler.enable_mixed_chunk=true"], use_env=False)
     assert (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs) == (8, "auto")
     assert config.scheduler.enable_mixed_chunk is True
     for bad, key in [("scheduler.max_running_requests=0", "max_running_requests"),
                      ("runtime.cuda_graph_max_bs=lots", "cuda_graph_max_bs"),
-                     ("scheduler.enable_mixed_chunk=maybe", "enable_mixed_chunk")]:
+                     ("scheduler.enable_mixed_chunk=maybe", "enable_mixed_chunk"),
+                     ("runtime.piecewise_cuda_graph_max_tokens=-1", "piecewise_cuda_graph_max_tokens")]:
         with pytest.raises(ConfigError, match=key):
             load_config(overrides=[bad], use_env=False)
 
@@ -99,6 +128,8 @@ def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llam
         runner = ModelRunner(config, build_registry())
     assert "max_running_requests 64 (auto)" in caplog.text
     assert "enable_mixed_chunk False (auto)" in caplog.text
+    assert "piecewise_cuda_graph_max_tokens - (prefill eager) (auto)" in caplog.text
+    assert runner.piecewise_graph_runner is None and config.runtime.piecewise_cuda_graph_max_tokens == 0
     assert runner.max_running_requests == config.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
     assert config.scheduler.enable_mixed_chunk is False

@@ -33,3 +33,18 @@ def test_cpu_runner_has_no_graph_runner(tiny_llama_dir) -> None:
 
 def test_large_maxima_use_coarser_buckets() -> None:
     assert capture_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
+
+
+
+def test_every_built_in_model_splits_for_piecewise_prefill_graphs() -> None:
+    """Prefill graphs capture ``forward_hidden`` and run ``compute_logits`` eagerly; a model without them
+    prefills eagerly, so every built-in family must have both."""
+    from treadle.core.registry import build_registry
+
+    registry = build_registry()
+    names = registry.table()["models"]
+    assert "LlamaForCausalLM" in names and "Qwen3MoeForCausalLM" in names
+    for name in names:
+        model_class = registry.get("models", name)
+        assert callable(getattr(model_class, "forward_hidden", None)), name
+        assert callable(getattr(model_class, "compute_logits", None)), name
