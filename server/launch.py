@@ -250,7 +250,10 @@ def _preload_http_stack() -> None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on accepted sockets whose
+    # proto is IPPROTO_TCP, and with Nagle on, every streamed chunk after a response's headers on a kept-alive
+    # connection waits for the client's delayed ACK (~40 ms on Linux).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
