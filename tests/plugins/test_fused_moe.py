@@ -22,13 +22,13 @@ import json, torch
 from treadle.plugins.models import fused_moe as R
 from treadle.plugins.models import fused_moe_kernels as K
 
-def case(tokens, experts, top_k, hidden, inter, dtype, seed=0):
+def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, config=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
     weights, ids = R.route_top_k(torch.randn(tokens, experts, generator=g), top_k)
-    got = K.fused_experts(x, w13, w2, weights, ids)
+    got = K.fused_experts(x, w13, w2, weights, ids, config)
     want = R.fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     return (got.float() - want).abs().max().item() / want.abs().max().item()
 
@@ -48,6 +48,9 @@ results = {
     "fp32_top1_some_experts_idle": case(5, 8, 1, 64, 64, torch.float32, seed=2),
     "fp32_top3_many_blocks": case(70, 3, 3, 32, 24, torch.float32, seed=3),
     "fp16_prefill": case(29, 4, 2, 64, 96, torch.float16, seed=4),
+    # The large-prefill tiles of default_config (4096 rows or more), on rows the interpreter can afford.
+    "fp16_prefill_large_tiles": case(150, 4, 2, 128, 160, torch.float16, seed=6,
+                                     config=K.default_config(4096, torch.float16)),
     "alignment_small": alignment(3, 8, 2, 16),
     "alignment_many": alignment(200, 5, 2, 16, seed=5),
 }
@@ -70,7 +73,7 @@ def kernel_results() -> dict:
 @pytest.mark.parametrize(
     "name",
     ["fp32_decode_one_token", "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
-     "fp16_prefill"],
+     "fp16_prefill", "fp16_prefill_large_tiles"],
 )
 def test_triton_kernel_matches_torch_experts(kernel_results, name):
     assert kernel_results[name] <= TOLERANCE[name.split("_")[0]], f"{name}: relative error {kernel_results[name]}"
