@@ -80,6 +80,19 @@ for stage in "$@"; do
         timeout ${SERVING_TIMEOUT:-150} python3 -m treadle.bench.serving --base-url http://localhost:30000 \
           --api native --workload random --num-prompts $n --input-len 16:600 --output-len 16:400 \
           --request-rate $rate --workers $workers --output "$OUT/serving_${SERVING_TAG:-}$name.json" 2>&1 | tail -16
+        # The server's own view (TTFT from arrival to the first token reaching the HTTP process, queue time),
+        # cumulative over the phases so far: the difference to the client's TTFT is the HTTP path.
+        python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:30000/metrics').read().decode())" \
+          > "$OUT/metrics_${SERVING_TAG:-}$name.txt" 2>&1
+        python3 - "$OUT/metrics_${SERVING_TAG:-}$name.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+for name in ("time_to_first_token", "queue_time", "inter_token_latency"):
+    total = re.search(rf"treadle_{name}_seconds_sum (\S+)", text)
+    count = re.search(rf"treadle_{name}_seconds_count (\S+)", text)
+    if total and count and float(count.group(1)):
+        print(f"server-side {name}: mean {1e3 * float(total.group(1)) / float(count.group(1)):.1f} ms over {int(float(count.group(1)))}")
+PY
       done
       kill %1 2>/dev/null; wait ;;
     soak)
