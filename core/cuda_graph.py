@@ -9,7 +9,8 @@ every decode batch has a graph); a batch of ``n`` requests replays the graph of
 the smallest captured size ``>= n``, its extra rows padded: token 0, KV written
 to padding slot 0, request row 0, sequence length
 ``attn_backend.get_cuda_graph_seq_len_fill_value()``. Larger batches and every
-extend batch run eagerly. All graphs share one memory pool, captured largest
+extend batch run eagerly here (small extend batches replay piecewise graphs:
+:mod:`treadle.core.piecewise_graph`). All graphs share one memory pool, captured largest
 first so the smaller ones reuse its blocks.
 """
 
