@@ -14,9 +14,10 @@ unless ``--output``).
 ``--duration SECONDS`` switches to the soak mode of ``bench/soak.py`` (mixed traffic,
 aborts and disconnects on purpose, then leak checks); there ``--input-len`` counts words.
 
-``--api native`` streams ``/generate`` (one event per scheduler step, so ITL is
-exact); ``--api openai`` streams ``/v1/completions`` and works against any
-OpenAI-compatible server (a chunk may then carry more than one token).
+``--api native`` streams ``/generate`` (one event per scheduler step while the server keeps up; a response
+that fell behind sends one event for every step it has, whose tokens share the gap evenly); ``--api openai``
+streams ``/v1/completions`` and works against any OpenAI-compatible server (a chunk may then carry more than
+one token).
 
 One client process parses every streamed event in Python (~0.1 ms each on a 2-core CPU), so at
 thousands of tokens per second it can become the bottleneck it is meant to measure; ``--workers N``

@@ -140,35 +140,53 @@ async def first_event(stream: GenerationStream) -> StreamEvent:
 
 def sse_response(stream: GenerationStream, first: StreamEvent,
                  render: Callable[[StreamEvent], list[dict[str, Any]]],
-                 closing: Callable[[], list[dict[str, Any]]] | None = None) -> StreamingResponse:
+                 closing: Callable[[], list[dict[str, Any]]] | None = None,
+                 accumulate: Callable[[StreamEvent], None] | None = None) -> StreamingResponse:
     """Server-sent events: ``render(event)`` chunks for every event, ``closing()`` chunks, then ``[DONE]``.
+
+    Events already waiting when the response writes go out in one write, so a response that fell behind
+    (at saturation the HTTP process spends ~0.1 ms per event) catches up in fewer, larger writes. With
+    ``accumulate`` each chunk carries its sub-request's whole state: every event is accumulated, and of
+    the waiting events only each sub-request's last is rendered.
 
     If the client goes away, the body iterator is cancelled and the ``finally``
     aborts the sub-requests still running, which frees their KV slots.
     """
 
+    def rendered(events: list[StreamEvent]) -> bytes:
+        if accumulate is not None:
+            for event in events:
+                accumulate(event)
+            events = list({event.index: event for event in events}.values())
+        return b"".join(_sse(chunk) for event in events for chunk in render(event))
+
     async def body() -> AsyncIterator[bytes]:
         try:
-            event: StreamEvent | None = first
-            while event is not None:
-                if event.error is not None:
+            events = [first]
+            while True:
+                failed = next((i for i, event in enumerate(events) if event.error is not None), None)
+                data = rendered(events if failed is None else events[:failed])
+                if failed is not None:
                     stream.abort()
-                    err = event.error
-                    yield _sse(error_body(err.message, err.type, err.param, err.code))
-                    break
-                for chunk in render(event):
-                    yield _sse(chunk)
-                event = await stream.next_event() if not stream.finished else None
-            else:
-                for chunk in closing() if closing else []:
-                    yield _sse(chunk)
-            yield b"data: [DONE]\n\n"
+                    err = events[failed].error
+                    assert err is not None
+                    yield data + _sse(error_body(err.message, err.type, err.param, err.code)) + _DONE
+                    return
+                if stream.finished:
+                    yield data + b"".join(_sse(chunk) for chunk in (closing() if closing else [])) + _DONE
+                    return
+                if data:
+                    yield data
+                events = [await stream.next_event(), *stream.ready_events()]
         finally:
             if not stream.finished:
                 stream.abort()
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+_DONE = b"data: [DONE]\n\n"
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -283,13 +301,12 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
             first = await first_event(stream)
 
             def render(event: StreamEvent) -> list[dict[str, Any]]:
-                add(event)
                 chunk = results[event.index].to_json(stop)
                 if is_batch:
                     chunk["index"] = event.index
                 return [chunk]
 
-            return sse_response(stream, first, render)
+            return sse_response(stream, first, render, accumulate=add)
         await collect(request, stream, add)
         payload = [r.to_json(stop) for r in results]
         return JSONResponse(payload if is_batch else payload[0])

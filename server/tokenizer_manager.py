@@ -105,7 +105,16 @@ class GenerationStream:
         return not self.unfinished
 
     async def next_event(self) -> StreamEvent:
-        event = await self.queue.get()
+        return self._note(await self.queue.get())
+
+    def ready_events(self) -> list[StreamEvent]:
+        """Every event already queued, without waiting (a streaming response behind its outputs catches up)."""
+        events = []
+        while not self.queue.empty():
+            events.append(self._note(self.queue.get_nowait()))
+        return events
+
+    def _note(self, event: StreamEvent) -> StreamEvent:
         if event.error is not None or (event.output is not None and event.output.finished_reason is not None):
             self.unfinished.discard(event.index)
             if not self.unfinished and self.deadline is not None:
