@@ -77,9 +77,7 @@ class SchedulerConfig(Section):
     @field_validator("prefill_hold_steps")
     @classmethod
     def _hold_steps(cls, value: int | str) -> int | str:
-        if value != "auto" and value < 0:
-            raise ValueError(f"prefill_hold_steps must be 0 or more, or 'auto', got {value}")
-        return value
+        return _at_least_or_auto(value, 0, "prefill_hold_steps")
 
 
 class AttentionConfig(Section):
@@ -102,9 +100,7 @@ class RuntimeConfig(Section):
     @field_validator("piecewise_cuda_graph_max_tokens")
     @classmethod
     def _piecewise_tokens(cls, value: int | str) -> int | str:
-        if value != "auto" and value < 0:
-            raise ValueError(f"piecewise_cuda_graph_max_tokens must be 0 or more, or 'auto', got {value}")
-        return value
+        return _at_least_or_auto(value, 0, "piecewise_cuda_graph_max_tokens")
 
 
 class HttpServerConfig(Section):
@@ -202,6 +198,12 @@ class ParallelConfig(Section):
 def _positive_or_auto(value: int | str, key: str) -> int | str:
     if value != "auto" and value < 1:
         raise ValueError(f"{key} must be a positive integer or 'auto', got {value}")
+    return value
+
+
+def _at_least_or_auto(value: int | str, least: int, key: str) -> int | str:
+    if value != "auto" and value < least:
+        raise ValueError(f"{key} must be {least} or more, or 'auto', got {value}")
     return value
 
 
