@@ -216,7 +216,6 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
                   args: argparse.Namespace, device: torch.device, variant: str = "") -> Any:
     """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
     is ``KEY=VALUE;...`` config overrides (plus ``fp8_small_batch_kernel``)."""
-    from treadle.core.auto_size import resolve_piecewise_max_tokens
     from treadle.core.config import load_config
     from treadle.core.cuda_graph import CudaGraphRunner
     from treadle.core.model_runner import ModelRunner
@@ -242,9 +241,7 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
     if use_graph and device.type == "cuda" and getattr(runner.attn_backend, "supports_cuda_graph", False):
         runner.config.runtime.disable_cuda_graph = False
         runner.cuda_graph_runner = CudaGraphRunner(runner)
-        piecewise_tokens = resolve_piecewise_max_tokens(
-            runner.config.runtime.piecewise_cuda_graph_max_tokens, on_cuda=True,
-            chunked_prefill_size=runner.config.scheduler.chunked_prefill_size)
+        piecewise_tokens = int(runner.config.runtime.piecewise_cuda_graph_max_tokens)  # "auto" resolved
         if piecewise_tokens:
             runner.piecewise_graph_runner = PiecewiseGraphRunner(runner, piecewise_tokens,
                                                                  runner.cuda_graph_runner.memory_pool)

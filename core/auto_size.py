@@ -118,12 +118,13 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bool,
-                                 chunked_prefill_size: int | None) -> int:
+                                 chunked_prefill_size: int | None, tp_size: int = 1) -> int:
     """``runtime.piecewise_cuda_graph_max_tokens`` for this device: ``auto`` is
-    ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on CUDA (no larger than one prefill chunk) and 0 (off) on the CPU."""
+    ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on one GPU (no larger than one prefill chunk), and 0 (off) on the CPU
+    and under tensor parallelism, where the pieces' captured all-reduces have not been tested yet."""
     if piecewise_max_tokens != "auto":
         return int(piecewise_max_tokens)
-    if not on_cuda:
+    if not on_cuda or tp_size > 1:
         return 0
     return min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, chunked_prefill_size or GPU_PIECEWISE_GRAPH_MAX_TOKENS)
 
