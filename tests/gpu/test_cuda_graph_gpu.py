@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graph_replays import ReplayCounter
+
 from treadle import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -20,21 +22,11 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _generate(config: dict, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
     engine = Engine(config)
-    replays = 0
-    graph_runner = engine.scheduler.runner.cuda_graph_runner
-    if graph_runner is not None:
-        original = graph_runner.replay
-
-        def counting_replay(forward_batch):
-            nonlocal replays
-            replays += 1
-            return original(forward_batch)
-
-        graph_runner.replay = counting_replay
+    replays = ReplayCounter(engine.scheduler.runner.cuda_graph_runner)
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
-        return [o.token_ids for o in outputs], replays
+        return [o.token_ids for o in outputs], replays.count
     finally:
         engine.shutdown()
 

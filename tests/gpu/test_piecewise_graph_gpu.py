@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graph_replays import ReplayCounter
+
 from treadle import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -32,23 +34,13 @@ def _config(engine_config, model_dir: str, backend: str, dtype: str, page_size: 
 def _generate(config: dict, batches: list[list[list[int]]]) -> tuple[list[list[int]], int]:
     """Each inner list is submitted at once (one after the other), so later ones extend cached prefixes."""
     engine = Engine(config)
-    replays = 0
-    runner = engine.scheduler.runner.piecewise_graph_runner
-    if runner is not None:
-        original = runner.replay
-
-        def counting_replay(forward_batch):
-            nonlocal replays
-            replays += 1
-            return original(forward_batch)
-
-        runner.replay = counting_replay
+    replays = ReplayCounter(engine.scheduler.runner.piecewise_graph_runner)
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         tokens = []
         for prompts in batches:
             tokens += [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
-        return tokens, replays
+        return tokens, replays.count
     finally:
         engine.shutdown()
 
