@@ -118,15 +118,19 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bool,
-                                 chunked_prefill_size: int | None, tp_size: int = 1) -> int:
+                                 chunked_prefill_size: int | None, tp_size: int = 1,
+                                 mixed_decode_rows: int = 0) -> int:
     """``runtime.piecewise_cuda_graph_max_tokens`` for this device: ``auto`` is
-    ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on one GPU (no larger than one prefill chunk), and 0 (off) on the CPU
+    ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on one GPU (no larger than the largest extend step: one prefill chunk
+    plus ``mixed_decode_rows``, the decode rows a mixed step carries beside it), and 0 (off) on the CPU
     and under tensor parallelism, where the pieces' captured all-reduces have not been tested yet."""
     if piecewise_max_tokens != "auto":
         return int(piecewise_max_tokens)
     if not on_cuda or tp_size > 1:
         return 0
-    return min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, chunked_prefill_size or GPU_PIECEWISE_GRAPH_MAX_TOKENS)
+    if chunked_prefill_size is None:
+        return GPU_PIECEWISE_GRAPH_MAX_TOKENS
+    return min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, chunked_prefill_size + mixed_decode_rows)
 
 
 def piecewise_token_sizes(max_tokens: int) -> list[int]:

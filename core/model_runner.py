@@ -93,7 +93,8 @@ class ModelRunner:
         requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
         config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
             requested_piecewise, on_cuda=self.device.type == "cuda",
-            chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size)
+            chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
+            mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0)
         self.piecewise_graph_runner = self._maybe_piecewise_graphs()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
