@@ -1,0 +1,265 @@
+"""Arrival trace: Poisson arrivals straight into one scheduler (no HTTP, no IPC), timed step by step.
+
+``python -m treadle.bench.arrival_trace --set model.path=/tmp/l8b --set model.load_format=dummy
+--dtype bfloat16 --device cuda --request-rate 4 --num-prompts 160 --input-len 16:600 --output-len 16:400
+[--set KEY=VALUE ...] [--sync-debug]``
+
+The server's latency is the engine's plus the HTTP/IPC path; this measures the engine's alone, the way
+the server's scheduler process drives it (add what has arrived, run one ``step()``, repeat), and says
+where each step's time went:
+
+- on the host: building the batch, launching its forward, waiting for the previous step's tokens
+  (``settle``), launching sampling;
+- on the GPU (CUDA events, never a synchronize): each step's span and the idle gap before it.
+
+It prints engine-side TTFT and inter-token-gap percentiles, the same split per step kind, and the steps
+behind the slowest gaps. ``--sync-debug`` turns on ``torch.cuda.set_sync_debug_mode`` and lists every
+Python line that synchronized the device during the run (overlap scheduling allows only the wait for
+the previous step's tokens, which uses an event and is not reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from treadle.bench.roofline import synchronize
+from treadle.bench.workloads import parse_len_range, random_workload, usable_token_ids
+from treadle.core.config import load_config
+
+
+class StepTrace:
+    """Wraps a scheduler's step phases (instance attributes, removed by ``uninstall``) and records each step."""
+
+    PHASES = ("_prefill_batch", "_decode_batch", "_launch_forward", "_settle", "_launch_sampling")
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.on_cuda = scheduler.runner.device.type == "cuda"
+        self.steps: list[dict[str, Any]] = []
+        self.current: dict[str, Any] = {}
+
+    def install(self) -> None:
+        for name in self.PHASES:
+            setattr(self.scheduler, name, self._timed(name, getattr(self.scheduler, name)))
+
+    def uninstall(self) -> None:
+        for name in self.PHASES:
+            vars(self.scheduler).pop(name, None)
+
+    def _event(self) -> Any:
+        if not self.on_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        key = {"_prefill_batch": "build", "_decode_batch": "build"}.get(name, name.strip("_").split("_")[-1])
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if name == "_launch_forward":
+                batch = args[0]
+                self.current.update(mode=batch.forward_mode.name, bs=len(batch.entries),
+                                    tokens=sum(e.extend_len for e in batch.entries), gpu_start=self._event())
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - start
+            if name == "_launch_sampling":
+                self.current["gpu_end"] = self._event()
+            return result
+
+        return wrapper
+
+    def begin_step(self) -> None:
+        self.current = {"host_start": time.perf_counter()}
+
+    def end_step(self) -> dict[str, Any]:
+        self.current["host_end"] = time.perf_counter()
+        self.steps.append(self.current)
+        return self.current
+
+    def resolve_gpu_times(self) -> None:
+        """After a synchronize: each step's GPU span and the GPU idle gap before it, in seconds."""
+        previous_end = None
+        for step in self.steps:
+            start, end = step.pop("gpu_start", None), step.pop("gpu_end", None)
+            if start is None or end is None:
+                continue
+            step["gpu"] = start.elapsed_time(end) / 1e3
+            step["gpu_idle_before"] = previous_end.elapsed_time(start) / 1e3 if previous_end is not None else 0.0
+            previous_end = end
+
+
+def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from treadle.core.request import Req, SamplingParams
+
+    scheduler = engine.scheduler
+    token_ids = usable_token_ids(engine.model_info["vocab_size"], engine.tokenizer)
+    workload = random_workload(args.num_prompts, token_ids, parse_len_range(args.input_len),
+                               parse_len_range(args.output_len), seed=args.seed)
+    rng = random.Random(args.seed)
+    offsets, t = [], 0.0
+    for _ in workload.requests:
+        t += rng.expovariate(args.request_rate)
+        offsets.append(t)
+    warm = [Req(rid=Req.new_rid(), origin_input_ids=list(r.input_ids),
+                sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+            for r in workload.requests[:4]]
+    for req in warm:
+        scheduler.add_request(req)
+    while scheduler.has_work():
+        scheduler.step()
+    engine.flush_cache()
+
+    trace = StepTrace(scheduler)
+    syncs: Counter[str] = Counter()
+    arrival: dict[str, float] = {}
+    token_times: dict[str, list[tuple[float, int]]] = {}  # rid -> (host time, step index) per output
+    reqs = [Req(rid=Req.new_rid(), origin_input_ids=list(r.input_ids),
+                sampling_params=SamplingParams(max_new_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+            for r in workload.requests]
+    trace.install()
+    if args.sync_debug and trace.on_cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    finished = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.perf_counter()
+        next_req = 0
+        while finished < len(reqs):
+            now = time.perf_counter()
+            while next_req < len(reqs) and start + offsets[next_req] <= now:
+                arrival[reqs[next_req].rid] = start + offsets[next_req]
+                scheduler.add_request(reqs[next_req])
+                next_req += 1
+            if not scheduler.has_work():
+                time.sleep(max(0.0, start + offsets[next_req] - time.perf_counter()))
+                continue
+            trace.begin_step()
+            outputs = scheduler.step()
+            step = trace.end_step()
+            for output in outputs:
+                if output.new_token_ids:
+                    token_times.setdefault(output.rid, []).append((step["host_end"], len(trace.steps) - 1))
+                finished += output.finished_reason is not None
+        wall = time.perf_counter() - start
+    if trace.on_cuda:
+        torch.cuda.set_sync_debug_mode(0)
+    synchronize(scheduler.runner.device)
+    trace.uninstall()
+    trace.resolve_gpu_times()
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            syncs[f"{Path(warning.filename).name}:{warning.lineno}: {warning.message}"] += 1
+    return summarize(trace.steps, arrival, token_times, syncs, wall, workload, args)
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_times: dict[str, list[tuple[float, int]]],
+              syncs: Counter[str], wall: float, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
+    ttft = [times[0][0] - arrival[rid] for rid, times in token_times.items()]
+    gaps: list[tuple[float, int]] = []  # (gap seconds, index of the step whose end delivered the token)
+    for times in token_times.values():
+        gaps += [(b[0] - a[0], b[1]) for a, b in zip(times, times[1:])]
+    gap_values = [g for g, _ in gaps]
+    kinds: dict[str, dict[str, float]] = {}
+    fields = ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before")
+    for mode in sorted({s.get("mode", "NONE") for s in steps}):
+        chosen = [s for s in steps if s.get("mode", "NONE") == mode]
+        kinds[mode] = {"steps": len(chosen), "mean_tokens": statistics.fmean(s.get("tokens", 0) for s in chosen)}
+        for name in fields:
+            values = [s[name] for s in chosen if name in s]
+            if values:
+                kinds[mode][f"{name}_mean_ms"] = 1e3 * statistics.fmean(values)
+                kinds[mode][f"{name}_p90_ms"] = 1e3 * _pct(values, 0.9)
+    slow = sorted({index for gap, index in gaps if gap > args.slow_gap_ms / 1e3})
+    windows = []
+    for index in slow[: args.show_slow]:
+        windows.append([{"step": i, **{k: (round(1e3 * v, 2) if isinstance(v, float) and k not in ("host_start", "host_end")
+                                          else v) for k, v in steps[i].items() if k not in ("host_start", "host_end")},
+                         "host_wall_ms": round(1e3 * (steps[i]["host_end"] - steps[i]["host_start"]), 2)}
+                        for i in range(max(0, index - 2), index + 1)])
+    return {
+        "command": "python -m treadle.bench.arrival_trace " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "workload": workload.summary(), "request_rate": args.request_rate, "wall_s": wall,
+        "ttft_ms": {"p50": 1e3 * _pct(ttft, 0.5), "p99": 1e3 * _pct(ttft, 0.99)},
+        "itl_ms": {"p50": 1e3 * _pct(gap_values, 0.5), "p90": 1e3 * _pct(gap_values, 0.9),
+                   "p99": 1e3 * _pct(gap_values, 0.99),
+                   f"share_over_{args.slow_gap_ms:g}ms": sum(g > args.slow_gap_ms / 1e3 for g in gap_values) / max(1, len(gap_values))},
+        "per_step_kind": kinds, "slow_gap_steps": len(slow), "slow_gap_windows": windows,
+        "syncs": dict(syncs.most_common()),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"arrival trace: {report['workload']['num_requests']} requests at {report['request_rate']}/s, "
+             f"{report['wall_s']:.1f} s on {report['device']}",
+             "TTFT ms  p50 {p50:.1f}  p99 {p99:.1f}".format(**report["ttft_ms"]),
+             "gap ms   " + "  ".join(f"{k} {v:.3g}" for k, v in report["itl_ms"].items()),
+             "", "| step kind | steps | tokens | build ms | forward launch ms | settle ms | sampling ms | GPU ms | GPU idle before ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode, k in report["per_step_kind"].items():
+        cells = [f"{k.get(f'{n}_mean_ms', float('nan')):.2f} / {k.get(f'{n}_p90_ms', float('nan')):.2f}"
+                 for n in ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before")]
+        lines.append(f"| {mode} | {k['steps']} | {k['mean_tokens']:.0f} | " + " | ".join(cells) + " |")
+    lines.append("(each cell: mean / p90)")
+    lines.append(f"\n{report['slow_gap_steps']} steps delivered a gap over the threshold; the first few, with the two steps before:")
+    for window in report["slow_gap_windows"]:
+        lines += ["  " + json.dumps(row) for row in window] + [""]
+    if report["syncs"]:
+        lines.append("device synchronizations during the run:")
+        lines += [f"  {count:6d}  {where}" for where, count in report["syncs"].items()]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="treadle bench arrival-trace", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--request-rate", type=float, default=4.0)
+    p.add_argument("--num-prompts", type=int, default=160)
+    p.add_argument("--input-len", default="16:600")
+    p.add_argument("--output-len", default="16:400")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-gap-ms", type=float, default=12.0, help="gaps above this count as slow")
+    p.add_argument("--show-slow", type=int, default=6, help="slow-gap step windows to print")
+    p.add_argument("--sync-debug", action="store_true")
+    p.add_argument("--output", default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from treadle.core.engine import Engine
+
+    args = _parser().parse_args(argv)
+    overrides = list(args.set) + ([f"model.device={args.device}"] if args.device else []) \
+        + ([f"model.dtype={args.dtype}"] if args.dtype else [])
+    with Engine(load_config(args.config, overrides)) as engine:
+        report = run(engine, args)
+    print(format_report(report))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
