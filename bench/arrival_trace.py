@@ -21,6 +21,9 @@ the previous step's tokens, which uses an event and is not reported).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import json
 import random
 import statistics
@@ -43,8 +46,10 @@ class StepTrace:
 
     PHASES = ("_prefill_batch", "_decode_batch", "_launch_forward", "_settle", "_launch_sampling")
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, cprofile_steps: int = 0) -> None:
         self.scheduler = scheduler
+        self.cprofile_steps = cprofile_steps
+        self.cprofile = cProfile.Profile() if cprofile_steps > 0 else None
         self.on_cuda = scheduler.runner.device.type == "cuda"
         self.steps: list[dict[str, Any]] = []
         self.current: dict[str, Any] = {}
@@ -72,9 +77,16 @@ class StepTrace:
                 batch = args[0]
                 self.current.update(mode=batch.forward_mode.name, bs=len(batch.entries),
                                     tokens=sum(e.extend_len for e in batch.entries), gpu_start=self._event())
+            profiled = (name == "_launch_forward" and self.cprofile is not None and self.cprofile_steps > 0
+                        and self.current["mode"] != "DECODE")
+            if profiled:
+                self.cprofile_steps -= 1
+                self.cprofile.enable()
             start = time.perf_counter()
             result = fn(*args, **kwargs)
             self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - start
+            if profiled:
+                self.cprofile.disable()
             if name == "_launch_sampling":
                 self.current["gpu_end"] = self._event()
             return result
@@ -122,7 +134,7 @@ def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         scheduler.step()
     engine.flush_cache()
 
-    trace = StepTrace(scheduler)
+    trace = StepTrace(scheduler, args.cprofile_steps)
     syncs: Counter[str] = Counter()
     arrival: dict[str, float] = {}
     token_times: dict[str, list[tuple[float, int]]] = {}  # rid -> (host time, step index) per output
@@ -162,7 +174,12 @@ def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     for warning in caught:
         if "synchroniz" in str(warning.message):
             syncs[f"{Path(warning.filename).name}:{warning.lineno}: {warning.message}"] += 1
-    return summarize(trace.steps, arrival, token_times, syncs, wall, workload, args)
+    report = summarize(trace.steps, arrival, token_times, syncs, wall, workload, args)
+    if trace.cprofile is not None:
+        text = io.StringIO()
+        pstats.Stats(trace.cprofile, stream=text).sort_stats("tottime").print_stats(30)
+        report["cprofile_prefill_launch"] = text.getvalue()
+    return report
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -226,6 +243,9 @@ def format_report(report: dict[str, Any]) -> str:
     if report["syncs"]:
         lines.append("device synchronizations during the run:")
         lines += [f"  {count:6d}  {where}" for where, count in report["syncs"].items()]
+    if report.get("cprofile_prefill_launch"):
+        lines += ["", "host profile of the prefill/mixed forward launches (cProfile, by own time):",
+                  report["cprofile_prefill_launch"]]
     return "\n".join(lines)
 
 
@@ -243,6 +263,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-gap-ms", type=float, default=12.0, help="gaps above this count as slow")
     p.add_argument("--show-slow", type=int, default=6, help="slow-gap step windows to print")
     p.add_argument("--sync-debug", action="store_true")
+    p.add_argument("--cprofile-steps", type=int, default=0,
+                   help="cProfile the host side of this many prefill/mixed forward launches")
     p.add_argument("--output", default=None)
     return p
 

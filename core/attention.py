@@ -34,7 +34,9 @@ class AttentionBackend(ABC):
 
     q is ``[num_tokens, num_heads * head_dim]``; k, v are
     ``[num_tokens, num_kv_heads * head_dim]``; the result has q's shape.
-    With ``save_kv_cache`` the backend writes k, v at ``out_cache_loc`` first.
+    With ``save_kv_cache`` the backend writes k, v at ``out_cache_loc`` first; without it the caller
+    has written them already (the piecewise prefill graphs do it inside a captured piece), and a
+    backend may read this step's K/V back from the cache.
     """
 
     supports_cuda_graph: bool = False

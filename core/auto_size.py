@@ -26,6 +26,11 @@ _GPU_RUNNING_CAPS = ((24 * GiB, 128), (48 * GiB, 256))
 _LARGE_GPU_RUNNING_CAP = 512
 # Mixed prefill+decode batches on CUDA: see docs/benchmarks.md for the A/B.
 MIXED_CHUNK_ON_CUDA = False
+# While a trickle of requests arrives (fewer decoding than this, and at most one chunk of prompts waiting),
+# each step carries at most this many prompt tokens mixed into the decode batch: on an H100 a step of a few
+# hundred rows costs about what a decode step costs (it is bound by reading the weights), so a new prompt
+# no longer stalls the streams for a whole prefill (docs/scheduling.md, "Latency chunks").
+GPU_LATENCY_CHUNK_SIZE = 256
 # Decode steps a small prefill may wait for more requests while the decode batch is large (docs/scheduling.md).
 GPU_PREFILL_HOLD_STEPS = 8
 # Prefill batches up to this many tokens replay piecewise CUDA graphs: below it an eager prefill is bound by
@@ -108,6 +113,14 @@ def resolve_prefill_hold_steps(prefill_hold_steps: int | str, *, on_cuda: bool) 
     return int(prefill_hold_steps)
 
 
+def resolve_latency_chunk_size(latency_chunk_size: int | str, *, on_cuda: bool) -> int:
+    """``scheduler.latency_chunk_size`` for this device: ``auto`` is ``GPU_LATENCY_CHUNK_SIZE`` on CUDA and 0
+    (off) on the CPU, where a step's cost grows with every token it holds."""
+    if latency_chunk_size == "auto":
+        return GPU_LATENCY_CHUNK_SIZE if on_cuda else 0
+    return int(latency_chunk_size)
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """The decode batch sizes to capture up to ``max_bs``: 1, 2, 4, 8, then every 8 to 64,
     every 16 to 256, every 32 beyond, and ``max_bs`` itself. A batch pads to the next one."""
@@ -119,18 +132,20 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bool,
                                  chunked_prefill_size: int | None, tp_size: int = 1,
-                                 mixed_decode_rows: int = 0) -> int:
+                                 mixed_decode_rows: int = 0, latency_chunk_size: int = 0) -> int:
     """``runtime.piecewise_cuda_graph_max_tokens`` for this device: ``auto`` is
     ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on one GPU (no larger than the largest extend step: one prefill chunk
-    plus ``mixed_decode_rows``, the decode rows a mixed step carries beside it), and 0 (off) on the CPU
-    and under tensor parallelism, where the pieces' captured all-reduces have not been tested yet."""
+    plus ``mixed_decode_rows``, the decode rows a mixed step carries beside it, or a latency chunk with
+    fewer decode rows than its size beside it), and 0 (off) on the CPU and under tensor parallelism,
+    where the pieces' captured all-reduces have not been tested yet."""
     if piecewise_max_tokens != "auto":
         return int(piecewise_max_tokens)
     if not on_cuda or tp_size > 1:
         return 0
     if chunked_prefill_size is None:
         return GPU_PIECEWISE_GRAPH_MAX_TOKENS
-    return min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, chunked_prefill_size + mixed_decode_rows)
+    largest = max(chunked_prefill_size + mixed_decode_rows, 2 * latency_chunk_size - 1)
+    return min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, largest)
 
 
 def piecewise_token_sizes(max_tokens: int) -> list[int]:

@@ -12,6 +12,7 @@ from treadle.core.auto_size import (
     request_table_bytes,
     resolve_batch_sizes,
     resolve_piecewise_max_tokens,
+    resolve_latency_chunk_size,
     resolve_prefill_hold_steps,
 )
 from treadle.core.config import ServerConfig
@@ -80,6 +81,9 @@ class ModelRunner:
         requested_hold = config.scheduler.prefill_hold_steps
         config.scheduler.prefill_hold_steps = resolve_prefill_hold_steps(requested_hold,
                                                                          on_cuda=self.device.type == "cuda")
+        requested_latency = config.scheduler.latency_chunk_size
+        config.scheduler.latency_chunk_size = resolve_latency_chunk_size(requested_latency,
+                                                                         on_cuda=self.device.type == "cuda")
         self.max_running_requests = sizes.max_running_requests
         # One spare row so a retracted request can be re-admitted while others still hold theirs.
         self.req_to_token_pool = ReqToTokenPool(
@@ -94,12 +98,13 @@ class ModelRunner:
         config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
             requested_piecewise, on_cuda=self.device.type == "cuda",
             chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
-            mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0)
+            mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
+            latency_chunk_size=config.scheduler.latency_chunk_size)
         self.piecewise_graph_runner = self._maybe_piecewise_graphs()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
             "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
-            "enable_mixed_chunk %s%s, prefill_hold_steps %d%s",
+            "enable_mixed_chunk %s%s, latency_chunk_size %d%s, prefill_hold_steps %d%s",
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
             f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
             sizes.max_running_requests, _auto(self._requested[0]),
@@ -107,6 +112,7 @@ class ModelRunner:
             _auto(self._requested[1]),
             self.piecewise_graph_runner.max_tokens if self.piecewise_graph_runner is not None else "- (prefill eager)",
             _auto(requested_piecewise), sizes.enable_mixed_chunk, _auto(self._requested[2]),
+            config.scheduler.latency_chunk_size, _auto(requested_latency),
             config.scheduler.prefill_hold_steps, _auto(requested_hold),
         )
 

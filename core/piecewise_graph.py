@@ -9,15 +9,17 @@ only on the token count. So for a ladder of token counts
 ``runtime.piecewise_cuda_graph_max_tokens``) the model's trunk
 (``model.forward_hidden``) is captured as one graph per stretch between attention
 calls: a stand-in attention backend ends the current graph at each call, after
-copying q, k and v into static buffers, and begins the next, whose input is a
-static attention-output buffer. A replay runs piece 0, the real backend's
-attention on the static q/k/v rows of the real tokens (writing the KV cache),
-piece 1, and so on; the logits rows are then computed eagerly
-(``model.compute_logits``), since their number varies with the batch.
+copying q, k and v into static buffers and writing k, v into the KV cache at a
+static copy of ``out_cache_loc``, and begins the next, whose input is a static
+attention-output buffer. A replay runs piece 0, the real backend's attention on
+the static q/k/v rows of the real tokens (told the KV cache is written), piece 1,
+and so on; the logits rows are then computed eagerly (``model.compute_logits``),
+since their number varies with the batch. Only the attention kernels run
+through the host per layer: the KV write, two index-puts per layer, replays.
 
 A batch of ``n`` tokens replays the pieces of the smallest captured size ``>= n``;
 rows past ``n`` hold stale values that only feed rows past ``n`` (everything in a
-piece is per row). A model opts in by having ``forward_hidden`` and
+piece is per row), and write their K/V to padding slot 0. A model opts in by having ``forward_hidden`` and
 ``compute_logits``; any attention backend works, as it runs eagerly.
 """
 
@@ -59,7 +61,6 @@ class _Cut:
     """One attention call between two pieces: its layer and the static buffers its inputs and output use."""
 
     layer: "RadixAttention"
-    save_kv_cache: bool
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -70,6 +71,7 @@ class _Cut:
 class _Pieces:
     """The graphs of one token count: ``len(cuts) + 1`` pieces, and the static rows of the trunk's outputs."""
 
+    size: int
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     cuts: list[_Cut] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
@@ -93,12 +95,14 @@ class _AttentionCut:
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         n = self.num_tokens
         static = self.runner.static_rows
-        cut = _Cut(layer, save_kv_cache, static("q", q, n), static("k", k, n), static("v", v, n),
+        cut = _Cut(layer, static("q", q, n), static("k", k, n), static("v", v, n),
                    static("attn_out", q, n))
         if self.pieces is not None:
             cut.q.copy_(q)
             cut.k.copy_(k)
             cut.v.copy_(v)
+            if save_kv_cache:
+                forward_batch.kv_cache.set_kv_buffer(layer.layer_id, self.runner.out_cache_loc[:n], cut.k, cut.v)
             self.pieces.graphs[-1].capture_end()
             self.pieces.cuts.append(cut)
             self.pieces.graphs.append(self.runner.begin_graph())
@@ -123,6 +127,7 @@ class PiecewiseGraphRunner:
         with torch.inference_mode():
             self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
             self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+            self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
         # Static buffers of max_tokens rows, one per (role, width, dtype), allocated while warming up.
         self._static: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
         self.memory_pool = memory_pool if memory_pool is not None else torch.cuda.graph_pool_handle()
@@ -172,7 +177,7 @@ class PiecewiseGraphRunner:
             self.static_rows(f"out{index}", tensor, size)
         torch.cuda.synchronize(self.device)
 
-        pieces = _Pieces()
+        pieces = _Pieces(size)
         cut.pieces = pieces
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -205,7 +210,7 @@ class PiecewiseGraphRunner:
             req_pool_indices=torch.zeros(1, dtype=torch.int64, device=device),
             seq_lens=lengths.to(device),
             seq_lens_cpu=lengths,
-            out_cache_loc=torch.zeros(size, dtype=torch.int64, device=device),
+            out_cache_loc=self.out_cache_loc[:size],
             seq_lens_sum=size,
             logits_indices=torch.tensor([size - 1], dtype=torch.int64, device=device),
             req_to_token_pool=runner.req_to_token_pool,
@@ -229,11 +234,13 @@ class PiecewiseGraphRunner:
         pieces = self.pieces[self.sizes[bisect.bisect_left(self.sizes, n)]]
         self.input_ids[:n].copy_(forward_batch.input_ids)
         self.positions[:n].copy_(forward_batch.positions)
+        self.out_cache_loc[:n].copy_(forward_batch.out_cache_loc)
+        self.out_cache_loc[n:pieces.size].zero_()  # padding rows write to padding slot 0
         backend = self.attn_backend
         backend.init_forward_metadata(forward_batch)
         for graph, cut in zip(pieces.graphs, pieces.cuts):
-            graph.replay()
-            out = backend.forward(cut.q[:n], cut.k[:n], cut.v[:n], cut.layer, forward_batch, cut.save_kv_cache)
+            graph.replay()  # ends with this layer's K/V written to the cache
+            out = backend.forward(cut.q[:n], cut.k[:n], cut.v[:n], cut.layer, forward_batch, save_kv_cache=False)
             cut.out[:n].copy_(out.view(n, *cut.out.shape[1:]))
         pieces.graphs[-1].replay()
         outputs = tuple(out[:n] for out in pieces.outputs)

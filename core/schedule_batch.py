@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
@@ -142,12 +143,11 @@ class ScheduleBatch:
 def token_owners(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """For runs of ``lengths`` laid end to end: each element's run index and its offset inside the run.
 
-    One vectorized pass instead of a tensor per run (searchsorted, not repeat_interleave, which forks
-    OpenMP threads for any size).
+    One vectorized pass in numpy: torch's CPU ``searchsorted`` and ``repeat_interleave`` wake OpenMP
+    threads at any size, which cost 0.5-2 ms per call on a 16-core GPU host, three times per prefill step.
     """
-    counts = torch.tensor(lengths, dtype=torch.int64)
-    ends = counts.cumsum(0)
-    total = int(ends[-1]) if len(lengths) else 0
-    index = torch.arange(total, dtype=torch.int64)
-    owner = torch.searchsorted(ends, index, right=True)
-    return owner, index - (ends - counts)[owner]
+    counts = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    offset = np.arange(owner.size, dtype=np.int64) - starts[owner]
+    return torch.from_numpy(owner), torch.from_numpy(offset)

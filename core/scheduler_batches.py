@@ -35,14 +35,15 @@ class BatchBuilding:
         if not self.waiting and self.chunked_req is None:
             return None
         cfg = self.config.scheduler
-        budget = self.oom_backoff.prefill_budget(cfg.chunked_prefill_size or cfg.max_prefill_tokens)
+        latency_chunk = self._latency_chunk()
+        budget = self.oom_backoff.prefill_budget(latency_chunk or cfg.chunked_prefill_size or cfg.max_prefill_tokens)
         entries: list[BatchEntry] = []
         if self.chunked_req is not None:
             req = self.chunked_req
             extend = min(req.seq_len - req.kv_len, budget)
             entries.append(BatchEntry(req, req.kv_len, extend, EMPTY_SLOTS, write_from=req.kv_len))
         elif self.waiting and not self._hold_prefill():
-            self._admit(entries, budget)
+            self._admit(entries, budget, may_chunk=latency_chunk > 0 or cfg.chunked_prefill_size is not None)
         if not entries:
             return None
         self.prefill_held_steps = 0
@@ -68,14 +69,31 @@ class BatchBuilding:
             else:
                 entry.logit_positions = range(end - 1, end)
         mode = ForwardMode.EXTEND
-        if cfg.enable_mixed_chunk and self.running:
+        if (cfg.enable_mixed_chunk or latency_chunk) and self.running:
             decode = self._decode_entries(allow_retract=False)
             if decode:
                 entries.extend(decode)
                 mode = ForwardMode.MIXED
         return ScheduleBatch(mode, entries)
 
-    def _admit(self, entries: list[BatchEntry], budget: int) -> None:
+    def _latency_chunk(self) -> int:
+        """The prompt tokens a step may carry while a trickle of requests arrives (0: not now).
+
+        ``scheduler.latency_chunk_size`` applies while fewer requests decode than its value and the prompts
+        waiting (with what is left of a chunked one) fit in one chunk: then each prefill piece rides in the
+        decode step (a mixed batch) and a stream's next token waits about one decode step, not a whole
+        prefill. A backlog (a burst, an offline batch) prefills in full chunks, as fast as it can.
+        """
+        cfg = self.config.scheduler
+        size = int(cfg.latency_chunk_size)
+        if size <= 0 or not self.running or len(self.running) >= size:
+            return 0
+        backlog = sum(req.seq_len - req.kv_len for req in self.waiting[:size])
+        if self.chunked_req is not None:
+            backlog += self.chunked_req.seq_len - self.chunked_req.kv_len
+        return size if backlog <= (cfg.chunked_prefill_size or cfg.max_prefill_tokens) else 0
+
+    def _admit(self, entries: list[BatchEntry], budget: int, may_chunk: bool) -> None:
         cfg = self.config.scheduler
         reserve = self._decode_reserve()
         admitted_need = 0
@@ -93,7 +111,7 @@ class BatchBuilding:
                 continue  # computed once by the request already admitted, then reused from the cache
             remaining = req.seq_len - prefix_len
             extend = min(remaining, budget)
-            if cfg.chunked_prefill_size is None and extend < remaining:
+            if not may_chunk and extend < remaining:
                 if entries:
                     break
                 extend = remaining  # a prompt longer than max_prefill_tokens still runs, alone

@@ -184,11 +184,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        if not save_kv_cache:
-            raise NotImplementedError(
-                "the flashinfer backend reads the new tokens' K/V from the paged cache; save_kv_cache=False "
-                "is not supported"
-            )
+        # The new tokens' K/V are read back from the paged cache: without save_kv_cache the caller wrote them.
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, expect_decode=False)
 
     def _run(

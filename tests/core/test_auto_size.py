@@ -92,6 +92,8 @@ def test_prefill_graphs_are_on_for_cuda_only_and_never_exceed_a_chunk() -> None:
     # A mixed step carries decode rows beside its chunk: 256 + up to 512 rows still replays.
     assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=256, mixed_decode_rows=512) == 768
     assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=512, mixed_decode_rows=64) == 576
+    # A latency chunk rides beside fewer decode rows than its size.
+    assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=128, latency_chunk_size=256) == 511
     assert resolve_piecewise_max_tokens("auto", on_cuda=False, chunked_prefill_size=2048) == 0
     assert resolve_piecewise_max_tokens(4096, on_cuda=True, chunked_prefill_size=2048) == 4096
     assert resolve_piecewise_max_tokens(0, on_cuda=True, chunked_prefill_size=2048) == 0

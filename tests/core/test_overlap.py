@@ -5,6 +5,7 @@ and leaks no KV slot — including requests aborted or retracted with a step in 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from treadle import Engine, SamplingParams
 from treadle.core.request import Req
@@ -179,3 +180,14 @@ def test_a_request_that_stops_in_flight_pays_one_discarded_step(tiny_llama_dir):
         scheduler.step()
     assert req.output_ids == expected
     assert_kv_accounted(engine)
+
+
+def test_token_owners_maps_every_token_to_its_run_and_offset() -> None:
+    from treadle.core.schedule_batch import token_owners
+
+    owner, offset = token_owners([2, 0, 3, 1])
+    assert owner.tolist() == [0, 0, 2, 2, 2, 3]
+    assert offset.tolist() == [0, 1, 0, 1, 2, 0]
+    assert owner.dtype == offset.dtype == torch.int64
+    empty_owner, empty_offset = token_owners([])
+    assert empty_owner.numel() == empty_offset.numel() == 0
