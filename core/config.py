@@ -69,7 +69,7 @@ class SchedulerConfig(Section):
         "auto", description="while fewer requests decode than this and at most one chunk of prompt tokens "
                             "waits, each step carries at most this many prompt tokens mixed into the decode "
                             "batch, so a new prompt delays the streams by about one decode step; 0: off; "
-                            "auto: 256 on CUDA, 0 on the CPU")
+                            "auto: 512 on CUDA, 0 on the CPU")
     seed: int = 0
     new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
     disable_overlap: bool = Field(False, description="build and finish each step only after the device ran it")
