@@ -60,9 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(generate)
     generate.set_defaults(handler=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks: offline, one-batch, serving (see --help of each)",
+    bench = sub.add_parser("bench", help="benchmarks: offline, one-batch, serving, arrival-trace (see --help of each)",
                            add_help=False)
-    bench.add_argument("benchmark", nargs="?", choices=["offline", "one-batch", "serving"])
+    bench.add_argument("benchmark", nargs="?", choices=["offline", "one-batch", "serving", "arrival-trace"])
     bench.set_defaults(handler=None)
     return parser
 
@@ -149,9 +149,10 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     import importlib
 
-    modules = {"offline": "offline_throughput", "one-batch": "one_batch", "serving": "serving"}
+    modules = {"offline": "offline_throughput", "one-batch": "one_batch", "serving": "serving",
+               "arrival-trace": "arrival_trace"}
     if args.benchmark is None:
-        print("usage: treadle bench {offline,one-batch,serving} [options]  (--help on each)")
+        print("usage: treadle bench {offline,one-batch,serving,arrival-trace} [options]  (--help on each)")
         return 2
     module = importlib.import_module(f"treadle.bench.{modules[args.benchmark]}")
     return int(module.main(extra) or 0)

@@ -1,6 +1,6 @@
 """Arrival trace: Poisson arrivals straight into one scheduler (no HTTP, no IPC), timed step by step.
 
-``python -m treadle.bench.arrival_trace --set model.path=/tmp/l8b --set model.load_format=dummy
+``treadle bench arrival-trace --set model.path=/tmp/l8b --set model.load_format=dummy
 --dtype bfloat16 --device cuda --request-rate 4 --num-prompts 160 --input-len 16:600 --output-len 16:400
 [--set KEY=VALUE ...] [--sync-debug]``
 
@@ -217,6 +217,7 @@ def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_time
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "workload": workload.summary(), "request_rate": args.request_rate, "wall_s": wall,
         "ttft_ms": {"p50": 1e3 * _pct(ttft, 0.5), "p99": 1e3 * _pct(ttft, 0.99)},
+        "gaps": len(gap_values),
         "itl_ms": {"p50": 1e3 * _pct(gap_values, 0.5), "p90": 1e3 * _pct(gap_values, 0.9),
                    "p99": 1e3 * _pct(gap_values, 0.99),
                    f"share_over_{args.slow_gap_ms:g}ms": sum(g > args.slow_gap_ms / 1e3 for g in gap_values) / max(1, len(gap_values))},

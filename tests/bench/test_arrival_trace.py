@@ -1,0 +1,33 @@
+"""``treadle bench arrival-trace`` on the CPU: Poisson arrivals into one scheduler, every token's gap counted,
+steps split by kind, the host profile of prefill launches."""
+
+from __future__ import annotations
+
+import json
+
+from treadle.bench import arrival_trace
+
+
+def test_arrival_trace_counts_every_gap_and_splits_steps_by_kind(tiny_llama_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "trace.json"
+    code = arrival_trace.main([
+        "--set", f"model.path={tiny_llama_dir}", "--device", "cpu", "--request-rate", "200", "--num-prompts", "12",
+        "--input-len", "4:40", "--output-len", "3:12", "--set", "scheduler.latency_chunk_size=8",
+        "--slow-gap-ms", "0", "--show-slow", "1", "--cprofile-steps", "2", "--output", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "TTFT ms" in printed and "| DECODE |" in printed
+    kinds = report["per_step_kind"]
+    assert kinds["DECODE"]["steps"] > 0 and kinds["EXTEND"]["steps"] > 0
+    # A trickle beside running decodes rides in them: latency chunks of at most 8 prompt tokens.
+    assert kinds["MIXED"]["steps"] > 0
+    workload = report["workload"]
+    assert workload["num_requests"] == 12
+    assert report["gaps"] == workload["output_tokens"] - 12  # one gap between each two tokens of a request
+    # Every gap is over 0 ms, so every step that delivered a later token is a slow-gap step.
+    assert report["slow_gap_steps"] > 0 and len(report["slow_gap_windows"]) == 1
+    assert report["itl_ms"]["share_over_0ms"] == 1.0
+    assert "forward_hidden" in report["cprofile_prefill_launch"] or "forward" in report["cprofile_prefill_launch"]
+    assert report["syncs"] == {}
