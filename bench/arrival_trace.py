@@ -93,6 +93,32 @@ class StepTrace:
 
         return wrapper
 
+    def wrap_step(self) -> None:
+        """Also time every ``scheduler.step()`` (for a loop this module does not drive, such as the server's)."""
+        step = self.scheduler.step
+
+        def traced_step() -> Any:
+            self.begin_step()
+            try:
+                return step()
+            finally:
+                self.end_step()
+
+        self.scheduler.step = traced_step
+
+    def dump(self, path: str) -> None:
+        """Resolve the GPU times (one synchronize) and write the per-kind split and GPU busy share as JSON."""
+        self.uninstall()
+        vars(self.scheduler).pop("step", None)
+        synchronize(self.scheduler.runner.device)
+        self.resolve_gpu_times()
+        gpu = sum(s.get("gpu", 0.0) for s in self.steps)
+        idle = sum(s.get("gpu_idle_before", 0.0) for s in self.steps)
+        Path(path).write_text(json.dumps({
+            "steps": len(self.steps), "gpu_s": gpu, "gpu_idle_between_steps_s": idle,
+            "gpu_busy_share": gpu / (gpu + idle) if gpu + idle else None,
+            "per_step_kind": step_kinds(self.steps)}, indent=1))
+
     def begin_step(self) -> None:
         self.current = {"host_start": time.perf_counter()}
 
@@ -187,6 +213,20 @@ def _pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def step_kinds(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per step kind: count, mean tokens, and mean / p90 milliseconds of every timed phase."""
+    kinds: dict[str, dict[str, float]] = {}
+    for mode in sorted({s.get("mode", "NONE") for s in steps}):
+        chosen = [s for s in steps if s.get("mode", "NONE") == mode]
+        kinds[mode] = {"steps": len(chosen), "mean_tokens": statistics.fmean(s.get("tokens", 0) for s in chosen)}
+        for name in ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before"):
+            values = [s[name] for s in chosen if name in s]
+            if values:
+                kinds[mode][f"{name}_mean_ms"] = 1e3 * statistics.fmean(values)
+                kinds[mode][f"{name}_p90_ms"] = 1e3 * _pct(values, 0.9)
+    return kinds
+
+
 def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_times: dict[str, list[tuple[float, int]]],
               syncs: Counter[str], wall: float, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
     ttft = [times[0][0] - arrival[rid] for rid, times in token_times.items()]
@@ -194,16 +234,7 @@ def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_time
     for times in token_times.values():
         gaps += [(b[0] - a[0], b[1]) for a, b in zip(times, times[1:])]
     gap_values = [g for g, _ in gaps]
-    kinds: dict[str, dict[str, float]] = {}
-    fields = ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before")
-    for mode in sorted({s.get("mode", "NONE") for s in steps}):
-        chosen = [s for s in steps if s.get("mode", "NONE") == mode]
-        kinds[mode] = {"steps": len(chosen), "mean_tokens": statistics.fmean(s.get("tokens", 0) for s in chosen)}
-        for name in fields:
-            values = [s[name] for s in chosen if name in s]
-            if values:
-                kinds[mode][f"{name}_mean_ms"] = 1e3 * statistics.fmean(values)
-                kinds[mode][f"{name}_p90_ms"] = 1e3 * _pct(values, 0.9)
+    kinds = step_kinds(steps)
     slow = sorted({index for gap, index in gaps if gap > args.slow_gap_ms / 1e3})
     windows = []
     for index in slow[: args.show_slow]:

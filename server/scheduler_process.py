@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -61,6 +62,7 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         raise SystemExit(1)
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
+    _install_step_trace(scheduler)
     loop.detokenizer.send_pyobj(DetokenizerInit(tokenizer))
     ready.send(("ready", server_model_info(scheduler), tokenizer))
     ready.close()
@@ -74,6 +76,29 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         stop_ranks = getattr(scheduler, "shutdown", None)
         if stop_ranks is not None:
             stop_ranks()
+
+
+# A diagnostic: with this set to a file path, the scheduler times every step's host phases and GPU span
+# (bench/arrival_trace.py's StepTrace) and writes the split per step kind there when the server stops.
+STEP_TRACE_ENV = "TREADLE_STEP_TRACE"
+
+
+def _install_step_trace(scheduler: Any) -> None:
+    if not os.environ.get(STEP_TRACE_ENV):
+        return
+    from treadle.bench.arrival_trace import StepTrace
+
+    trace = StepTrace(scheduler)
+    trace.install()
+    trace.wrap_step()
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+
+    def dump_then_stop(signum: int, frame: Any) -> None:  # the server stops its children with SIGTERM
+        trace.dump(os.environ[STEP_TRACE_ENV])
+        if callable(on_sigterm):
+            on_sigterm(signum, frame)
+
+    signal.signal(signal.SIGTERM, dump_then_stop)
 
 
 def server_model_info(scheduler: Any) -> dict[str, Any]:

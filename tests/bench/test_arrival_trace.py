@@ -31,3 +31,20 @@ def test_arrival_trace_counts_every_gap_and_splits_steps_by_kind(tiny_llama_dir,
     assert report["itl_ms"]["share_over_0ms"] == 1.0
     assert "forward_hidden" in report["cprofile_prefill_launch"] or "forward" in report["cprofile_prefill_launch"]
     assert report["syncs"] == {}
+
+
+def test_step_trace_of_a_loop_it_does_not_drive_is_dumped_per_step_kind(tiny_llama_dir, tmp_path) -> None:
+    # What the server's scheduler process does with TREADLE_STEP_TRACE set.
+    from treadle import Engine, SamplingParams
+
+    engine = Engine({"model": {"path": tiny_llama_dir, "device": "cpu"}})
+    trace = arrival_trace.StepTrace(engine.scheduler)
+    trace.install()
+    trace.wrap_step()
+    engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    path = tmp_path / "steps.json"
+    trace.dump(str(path))
+    dumped = json.loads(path.read_text())
+    assert dumped["steps"] == len(trace.steps) >= 4
+    assert dumped["per_step_kind"]["EXTEND"]["steps"] == 1 and dumped["per_step_kind"]["DECODE"]["steps"] >= 3
+    assert "step" not in vars(engine.scheduler) and "_settle" not in vars(engine.scheduler)  # unwrapped again
