@@ -87,3 +87,26 @@ def test_an_error_after_waiting_events_sends_them_then_the_error() -> None:
     writes = _writes(groups, accumulate=True)
     assert len(writes) == 2 and writes[1][0] == {"index": 0, "output_ids": [10, 11]}
     assert writes[1][1]["error"]["message"] == "boom" and writes[1][2] == "[DONE]"
+
+
+def test_native_stream_chunks_serialize_like_the_response_dict() -> None:
+    import json
+
+    from treadle.server.http import _NativeResult
+    from treadle.server.ipc import StrOutput
+    from treadle.server.protocol import GenerateRequest
+
+    body = GenerateRequest(input_ids=[1, 2, 3], return_logprob=True)
+    result = _NativeResult("r-1", [1, 2, 3], body)
+    assert json.loads(result.to_json_text([])) == result.to_json([])  # before any output
+    outputs = [
+        StrOutput("r-1", [7], None, None, 3, 1, 0, new_output_logprobs=[-0.5], text_delta="héllo",
+                  input_token_logprobs=[None, -1.0, -2.0]),
+        StrOutput("r-1", [8, 9], None, None, 3, 3, 0, new_output_logprobs=[-0.1, -0.2], text_delta=' "x"\n'),
+        StrOutput("r-1", [10], "stop", "</s>", 3, 4, 0, new_output_logprobs=[-0.3], text_delta=""),
+    ]
+    for out in outputs:
+        result.add(out)
+        assert json.loads(result.to_json_text([])) == result.to_json([])
+        assert json.loads(result.to_json_text([], index=2)) == {**result.to_json([]), "index": 2}
+    assert result.to_json([])["output_ids"] == [7, 8, 9, 10]
