@@ -234,14 +234,10 @@ def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_time
     for times in token_times.values():
         gaps += [(b[0] - a[0], b[1]) for a, b in zip(times, times[1:])]
     gap_values = [g for g, _ in gaps]
+    slow_share = sum(g > args.slow_gap_ms / 1e3 for g in gap_values) / max(1, len(gap_values))
     kinds = step_kinds(steps)
     slow = sorted({index for gap, index in gaps if gap > args.slow_gap_ms / 1e3})
-    windows = []
-    for index in slow[: args.show_slow]:
-        windows.append([{"step": i, **{k: (round(1e3 * v, 2) if isinstance(v, float) and k not in ("host_start", "host_end")
-                                          else v) for k, v in steps[i].items() if k not in ("host_start", "host_end")},
-                         "host_wall_ms": round(1e3 * (steps[i]["host_end"] - steps[i]["host_start"]), 2)}
-                        for i in range(max(0, index - 2), index + 1)])
+    windows = [[_step_row(steps, i) for i in range(max(0, index - 2), index + 1)] for index in slow[: args.show_slow]]
     return {
         "command": "python -m treadle.bench.arrival_trace " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
@@ -251,10 +247,21 @@ def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_time
         "gaps": len(gap_values),
         "itl_ms": {"p50": 1e3 * _pct(gap_values, 0.5), "p90": 1e3 * _pct(gap_values, 0.9),
                    "p99": 1e3 * _pct(gap_values, 0.99),
-                   f"share_over_{args.slow_gap_ms:g}ms": sum(g > args.slow_gap_ms / 1e3 for g in gap_values) / max(1, len(gap_values))},
+                   f"share_over_{args.slow_gap_ms:g}ms": slow_share},
         "per_step_kind": kinds, "slow_gap_steps": len(slow), "slow_gap_windows": windows,
         "syncs": dict(syncs.most_common()),
     }
+
+
+def _step_row(steps: list[dict[str, Any]], i: int) -> dict[str, Any]:
+    """One step for the slow-gap listing: its kind and sizes, and its timings in milliseconds."""
+    step = steps[i]
+    row: dict[str, Any] = {"step": i}
+    for key, value in step.items():
+        if key not in ("host_start", "host_end"):
+            row[key] = round(1e3 * value, 2) if isinstance(value, float) else value
+    row["host_wall_ms"] = round(1e3 * (step["host_end"] - step["host_start"]), 2)
+    return row
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -262,14 +269,16 @@ def format_report(report: dict[str, Any]) -> str:
              f"{report['wall_s']:.1f} s on {report['device']}",
              "TTFT ms  p50 {p50:.1f}  p99 {p99:.1f}".format(**report["ttft_ms"]),
              "gap ms   " + "  ".join(f"{k} {v:.3g}" for k, v in report["itl_ms"].items()),
-             "", "| step kind | steps | tokens | build ms | forward launch ms | settle ms | sampling ms | GPU ms | GPU idle before ms |",
+             "", "| step kind | steps | tokens | build ms | forward launch ms | settle ms | sampling ms | GPU ms "
+                 "| GPU idle before ms |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, k in report["per_step_kind"].items():
         cells = [f"{k.get(f'{n}_mean_ms', float('nan')):.2f} / {k.get(f'{n}_p90_ms', float('nan')):.2f}"
                  for n in ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before")]
         lines.append(f"| {mode} | {k['steps']} | {k['mean_tokens']:.0f} | " + " | ".join(cells) + " |")
     lines.append("(each cell: mean / p90)")
-    lines.append(f"\n{report['slow_gap_steps']} steps delivered a gap over the threshold; the first few, with the two steps before:")
+    lines.append(f"\n{report['slow_gap_steps']} steps delivered a gap over the threshold; "
+                 "the first few, with the two steps before:")
     for window in report["slow_gap_windows"]:
         lines += ["  " + json.dumps(row) for row in window] + [""]
     if report["syncs"]:

@@ -11,8 +11,8 @@ from treadle.core.auto_size import (
     BatchSizes,
     request_table_bytes,
     resolve_batch_sizes,
-    resolve_piecewise_max_tokens,
     resolve_latency_chunk_size,
+    resolve_piecewise_max_tokens,
     resolve_prefill_hold_steps,
 )
 from treadle.core.config import ServerConfig

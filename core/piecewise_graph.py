@@ -19,8 +19,9 @@ through the host per layer: the KV write, two index-puts per layer, replays.
 
 A batch of ``n`` tokens replays the pieces of the smallest captured size ``>= n``;
 rows past ``n`` hold stale values that only feed rows past ``n`` (everything in a
-piece is per row), and write their K/V to padding slot 0. A model opts in by having ``forward_hidden`` and
-``compute_logits``; any attention backend works, as it runs eagerly.
+piece is per row) and write their K/V to padding slot 0. A model opts in by
+having ``forward_hidden`` and ``compute_logits``; any attention backend works,
+as it runs eagerly.
 """
 
 from __future__ import annotations
