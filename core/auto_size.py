@@ -106,20 +106,15 @@ def resolve_batch_sizes(
     return BatchSizes(running, min(graph_bs, running), mixed)
 
 
-def resolve_prefill_hold_steps(prefill_hold_steps: int | str, *, on_cuda: bool) -> int:
-    """``scheduler.prefill_hold_steps`` for this device: ``auto`` holds small prefills on CUDA only, where
-    every forward reads all the weights however few tokens it holds (a CPU step costs per token)."""
-    if prefill_hold_steps == "auto":
-        return GPU_PREFILL_HOLD_STEPS if on_cuda else 0
-    return int(prefill_hold_steps)
-
-
-def resolve_latency_chunk_size(latency_chunk_size: int | str, *, on_cuda: bool) -> int:
-    """``scheduler.latency_chunk_size`` for this device: ``auto`` is ``GPU_LATENCY_CHUNK_SIZE`` on CUDA and 0
-    (off) on the CPU, where a step's cost grows with every token it holds."""
-    if latency_chunk_size == "auto":
-        return GPU_LATENCY_CHUNK_SIZE if on_cuda else 0
-    return int(latency_chunk_size)
+def resolve_cuda_only(value: int | str, *, on_cuda: bool, cuda_value: int) -> int:
+    """A setting that is ``auto`` or a number, where ``auto`` means ``cuda_value`` on CUDA and 0 (off) on the CPU:
+    ``scheduler.prefill_hold_steps`` (``GPU_PREFILL_HOLD_STEPS``; every GPU forward reads all the weights however
+    few tokens it holds, a CPU step costs per token) and ``scheduler.latency_chunk_size``
+    (``GPU_LATENCY_CHUNK_SIZE``; for the same reason a few hundred prompt tokens ride nearly free in a GPU
+    decode step)."""
+    if value == "auto":
+        return cuda_value if on_cuda else 0
+    return int(value)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:

@@ -8,12 +8,13 @@ from typing import Any
 import torch
 
 from treadle.core.auto_size import (
+    GPU_LATENCY_CHUNK_SIZE,
+    GPU_PREFILL_HOLD_STEPS,
     BatchSizes,
     request_table_bytes,
     resolve_batch_sizes,
-    resolve_latency_chunk_size,
+    resolve_cuda_only,
     resolve_piecewise_max_tokens,
-    resolve_prefill_hold_steps,
 )
 from treadle.core.config import ServerConfig
 from treadle.core.forward_batch import ForwardBatch
@@ -78,12 +79,13 @@ class ModelRunner:
         config.scheduler.max_running_requests = sizes.max_running_requests
         config.runtime.cuda_graph_max_bs = sizes.cuda_graph_max_bs
         config.scheduler.enable_mixed_chunk = sizes.enable_mixed_chunk
+        on_cuda = self.device.type == "cuda"
         requested_hold = config.scheduler.prefill_hold_steps
-        config.scheduler.prefill_hold_steps = resolve_prefill_hold_steps(requested_hold,
-                                                                         on_cuda=self.device.type == "cuda")
+        config.scheduler.prefill_hold_steps = resolve_cuda_only(requested_hold, on_cuda=on_cuda,
+                                                                cuda_value=GPU_PREFILL_HOLD_STEPS)
         requested_latency = config.scheduler.latency_chunk_size
-        config.scheduler.latency_chunk_size = resolve_latency_chunk_size(requested_latency,
-                                                                         on_cuda=self.device.type == "cuda")
+        config.scheduler.latency_chunk_size = resolve_cuda_only(requested_latency, on_cuda=on_cuda,
+                                                                cuda_value=GPU_LATENCY_CHUNK_SIZE)
         self.max_running_requests = sizes.max_running_requests
         # One spare row so a retracted request can be re-admitted while others still hold theirs.
         self.req_to_token_pool = ReqToTokenPool(

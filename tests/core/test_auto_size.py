@@ -6,12 +6,15 @@ import pytest
 
 from treadle.core.auto_size import (
     CPU_MAX_RUNNING_REQUESTS,
+    GPU_LATENCY_CHUNK_SIZE,
+    GPU_PREFILL_HOLD_STEPS,
     GiB,
     auto_max_running_requests,
     graph_batch_sizes,
     piecewise_token_sizes,
     request_table_bytes,
     resolve_batch_sizes,
+    resolve_cuda_only,
     resolve_piecewise_max_tokens,
 )
 from treadle.core.config import ConfigError, load_config
@@ -140,3 +143,14 @@ def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llam
     assert runner.max_running_requests == config.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
     assert config.scheduler.enable_mixed_chunk is False
+
+
+@pytest.mark.parametrize(("key", "cuda_value"), [("prefill_hold_steps", GPU_PREFILL_HOLD_STEPS),
+                                                 ("latency_chunk_size", GPU_LATENCY_CHUNK_SIZE)])
+def test_cuda_only_settings_are_on_for_cuda_with_auto_and_explicit_values_win(key: str, cuda_value: int) -> None:
+    assert resolve_cuda_only("auto", on_cuda=True, cuda_value=cuda_value) == cuda_value > 0
+    assert resolve_cuda_only("auto", on_cuda=False, cuda_value=cuda_value) == 0
+    assert resolve_cuda_only(3, on_cuda=False, cuda_value=cuda_value) == 3
+    assert resolve_cuda_only(0, on_cuda=True, cuda_value=cuda_value) == 0
+    with pytest.raises(ConfigError, match=key):
+        load_config(overrides=[f"scheduler.{key}=-1"])

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from batch_log import generate_logged
+
 from treadle import Engine, SamplingParams
-from treadle.core.auto_size import GPU_LATENCY_CHUNK_SIZE, resolve_latency_chunk_size
-from treadle.core.config import ConfigError, load_config
 from treadle.core.forward_batch import ForwardMode
 from treadle.core.scheduler_batches import BatchBuilding
 from treadle.testing.engine import assert_kv_accounted
@@ -47,36 +47,21 @@ def test_the_latency_chunk_applies_to_a_trickle_beside_a_small_decode_batch() ->
     assert _decider(running=3, waiting_left=[30], size=0).chunk() == 0
 
 
-def test_auto_is_on_for_cuda_only_and_explicit_values_win() -> None:
-    assert resolve_latency_chunk_size("auto", on_cuda=True) == GPU_LATENCY_CHUNK_SIZE > 0
-    assert resolve_latency_chunk_size("auto", on_cuda=False) == 0
-    assert resolve_latency_chunk_size(16, on_cuda=False) == 16
-    assert resolve_latency_chunk_size(0, on_cuda=True) == 0
-    with pytest.raises(ConfigError, match="latency_chunk_size"):
-        load_config(overrides=["scheduler.latency_chunk_size=-1"])
-
-
 PROMPTS = [[5 + i] + [17, 42, 8, 99, 3, 61, 12] * (2 + i % 3) for i in range(10)]
 # Different lengths, so that running requests finish one by one and the waiting ones trickle in.
 PARAMS = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 4, 12, 6, 8, 5, 10, 7, 4)]
 
 
+def _describe(batch) -> tuple[str, int, int]:
+    """(mode, prompt tokens, decode rows) of a launched batch."""
+    prompt_tokens = sum(e.extend_len for e in batch.entries if not e.input_on_device)
+    return batch.forward_mode.name, prompt_tokens, sum(e.input_on_device for e in batch.entries)
+
+
 def _run(model_dir: str, latency_chunk: int, overlap: bool) -> tuple[list, list[tuple[str, int, int]], Engine]:
-    engine = Engine({"model": {"path": model_dir}, "cache": {"max_total_tokens": 2048},
-                     "scheduler": {"max_running_requests": 4, "chunked_prefill_size": 64,
-                                   "latency_chunk_size": latency_chunk, "disable_overlap": not overlap}})
-    steps: list[tuple[str, int, int]] = []  # (mode, prompt tokens, decode rows)
-    launch = engine.scheduler._launch_forward
-
-    def recording_launch(batch):
-        decode_rows = [e for e in batch.entries if e.input_on_device]
-        prompt_tokens = sum(e.extend_len for e in batch.entries if not e.input_on_device)
-        steps.append((batch.forward_mode.name, prompt_tokens, len(decode_rows)))
-        return launch(batch)
-
-    engine.scheduler._launch_forward = recording_launch
-    outputs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
-    return [(o.token_ids, o.finish_reason) for o in outputs], steps, engine
+    scheduler = {"max_running_requests": 4, "chunked_prefill_size": 64, "latency_chunk_size": latency_chunk,
+                 "disable_overlap": not overlap}
+    return generate_logged(model_dir, scheduler, PROMPTS, PARAMS, _describe)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from batch_log import generate_logged
+
 from treadle import Engine, SamplingParams
-from treadle.core.auto_size import GPU_PREFILL_HOLD_STEPS, resolve_prefill_hold_steps
-from treadle.core.config import ConfigError, load_config
 from treadle.core.forward_batch import ForwardMode
 from treadle.core.scheduler_batches import BatchBuilding
 from treadle.testing.engine import assert_kv_accounted
@@ -53,34 +53,15 @@ def test_a_prefill_of_a_whole_chunk_runs_at_once() -> None:
     assert not _decider(running=6, waiting_lens=[60, 40], held=0, chunk=None).hold()
 
 
-def test_auto_holds_on_cuda_only_and_explicit_values_win() -> None:
-    assert resolve_prefill_hold_steps("auto", on_cuda=True) == GPU_PREFILL_HOLD_STEPS > 0
-    assert resolve_prefill_hold_steps("auto", on_cuda=False) == 0
-    assert resolve_prefill_hold_steps(3, on_cuda=False) == 3
-    assert resolve_prefill_hold_steps(0, on_cuda=True) == 0
-    with pytest.raises(ConfigError, match="prefill_hold_steps"):
-        load_config(overrides=["scheduler.prefill_hold_steps=-1"])
-
-
 PROMPTS = [[5 + i, 17, 42, 8, 99 + i, 3] for i in range(10)]
 # Different lengths, so that running requests finish one by one and make room for the waiting ones.
 PARAMS = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 4, 12, 6, 8, 5, 10, 7, 4)]
 
 
 def _run(model_dir: str, hold_steps: int, overlap: bool) -> tuple[list, list[str], Engine]:
-    engine = Engine({"model": {"path": model_dir}, "cache": {"max_total_tokens": 2048},
-                     "scheduler": {"max_running_requests": 4, "chunked_prefill_size": 64,
-                                   "prefill_hold_steps": hold_steps, "disable_overlap": not overlap}})
-    modes: list[str] = []
-    launch = engine.scheduler._launch_forward
-
-    def recording_launch(batch):
-        modes.append(batch.forward_mode.name)
-        return launch(batch)
-
-    engine.scheduler._launch_forward = recording_launch
-    outputs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
-    return [(o.token_ids, o.finish_reason) for o in outputs], modes, engine
+    scheduler = {"max_running_requests": 4, "chunked_prefill_size": 64, "prefill_hold_steps": hold_steps,
+                 "disable_overlap": not overlap}
+    return generate_logged(model_dir, scheduler, PROMPTS, PARAMS, lambda batch: batch.forward_mode.name)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
