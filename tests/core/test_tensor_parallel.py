@@ -74,12 +74,14 @@ def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_p
         engine.shutdown()
 
 
-def test_tp4_mistral_replicates_kv_heads_with_paged_cache_and_no_radix(tmp_path):
+def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_chunks(tmp_path):
     # 2 KV heads over 4 ranks: each KV head lives on two ranks. Dummy weights: same values at every tp.
     # A vocabulary of 510 rows does not split evenly: the last rank's embedding and lm_head are padded.
     path = make_tiny_mistral(tmp_path / "mistral", sliding_window=6, num_key_value_heads=2, vocab_size=510)
+    # Latency chunks: prompts that trickle in while others decode run as mixed steps, on every rank alike.
     config = _config(path, 1, model={"load_format": "dummy"}, cache={"kv_allocator": "paged", "page_size": 4,
-                                                                     "disable_radix_cache": True})
+                                                                     "disable_radix_cache": True},
+                     scheduler={"latency_chunk_size": 8})
     expected_first, expected_again, reference = _generate(config)
     reference.shutdown()
 
