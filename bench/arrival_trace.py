@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
+from treadle.bench.offline_throughput import add_config_args, base_overrides
 from treadle.bench.roofline import synchronize
 from treadle.bench.workloads import parse_len_range, random_workload, usable_token_ids
 from treadle.core.config import load_config
@@ -292,10 +293,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treadle bench arrival-trace", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=None)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    add_config_args(p)
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--num-prompts", type=int, default=160)
     p.add_argument("--input-len", default="16:600")
@@ -314,9 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from treadle.core.engine import Engine
 
     args = _parser().parse_args(argv)
-    overrides = list(args.set) + ([f"model.device={args.device}"] if args.device else []) \
-        + ([f"model.dtype={args.dtype}"] if args.dtype else [])
-    with Engine(load_config(args.config, overrides)) as engine:
+    with Engine(load_config(args.config, base_overrides(args))) as engine:
         report = run(engine, args)
     print(format_report(report))
     if args.output:

@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         variants, with_hf = parse_variants(args.compare, args.backends)
-        base_overrides = _base_overrides(args)
-        configs = [load_config(args.config, base_overrides + v.overrides) for v in variants]
+        overrides = base_overrides(args)
+        configs = [load_config(args.config, overrides + v.overrides) for v in variants]
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -141,12 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="shorthand for --compare attention.backend=A,attention.backend=B,...")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="static batch size for HF generate")
     parser.add_argument("--warmup-prompts", type=int, default=4, help="requests run (untimed) before timing")
-    parser.add_argument("--config", help="base treadle YAML config")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a base config key (repeatable), e.g. --set model.load_format=dummy")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="= --set model.device=...")
-    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
-                        help="= --set model.dtype=...")
+    add_config_args(parser)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every system (default: torch's choice); on a shared CPU "
                              "1 avoids threads waiting on each other at every small op")
@@ -171,7 +166,18 @@ def _variant(item: str) -> Variant:
     return Variant(item, pairs)
 
 
-def _base_overrides(args: argparse.Namespace) -> list[str]:
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--set``, ``--device``, ``--dtype``: the base treadle config (see ``base_overrides``)."""
+    parser.add_argument("--config", help="base treadle YAML config")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a base config key (repeatable), e.g. --set model.load_format=dummy")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="= --set model.device=...")
+    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None,
+                        help="= --set model.dtype=...")
+
+
+def base_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides, with ``--device`` and ``--dtype`` as theirs."""
     overrides = list(args.set)
     if args.device:
         overrides.append(f"model.device={args.device}")

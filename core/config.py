@@ -100,7 +100,8 @@ class RuntimeConfig(Section):
         "auto", description="largest decode batch captured in a CUDA graph; auto: the running-request limit")
     piecewise_cuda_graph_max_tokens: int | Literal["auto"] = Field(
         "auto", description="largest prefill (extend) batch, in tokens, run through CUDA graphs cut at each "
-                            "attention call; 0: prefills run eagerly; auto: 1024 on CUDA (at most one chunk)")
+                            "attention call; 0: prefills run eagerly; auto: 1024 on one GPU (at most the "
+                            "largest extend step), 0 on the CPU and under tensor parallelism")
 
     @field_validator("cuda_graph_max_bs")
     @classmethod

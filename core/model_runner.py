@@ -98,7 +98,7 @@ class ModelRunner:
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
         requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
         config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
-            requested_piecewise, on_cuda=self.device.type == "cuda",
+            requested_piecewise, on_cuda=on_cuda,
             chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
             mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
             latency_chunk_size=config.scheduler.latency_chunk_size)

@@ -36,7 +36,7 @@ class BatchBuilding:
             return None
         cfg = self.config.scheduler
         latency_chunk = self._latency_chunk()
-        budget = self.oom_backoff.prefill_budget(latency_chunk or cfg.chunked_prefill_size or cfg.max_prefill_tokens)
+        budget = self.oom_backoff.prefill_budget(latency_chunk or self._chunk_tokens())
         entries: list[BatchEntry] = []
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -76,6 +76,11 @@ class BatchBuilding:
                 mode = ForwardMode.MIXED
         return ScheduleBatch(mode, entries)
 
+    def _chunk_tokens(self) -> int:
+        """Prompt tokens in one full prefill step: the chunk size, or ``max_prefill_tokens`` without chunking."""
+        cfg = self.config.scheduler
+        return cfg.chunked_prefill_size or cfg.max_prefill_tokens
+
     def _latency_chunk(self) -> int:
         """The prompt tokens a step may carry while a trickle of requests arrives (0: not now).
 
@@ -91,7 +96,7 @@ class BatchBuilding:
         backlog = sum(req.seq_len - req.kv_len for req in self.waiting[:size])
         if self.chunked_req is not None:
             backlog += self.chunked_req.seq_len - self.chunked_req.kv_len
-        return size if backlog <= (cfg.chunked_prefill_size or cfg.max_prefill_tokens) else 0
+        return size if backlog <= self._chunk_tokens() else 0
 
     def _admit(self, entries: list[BatchEntry], budget: int, may_chunk: bool) -> None:
         cfg = self.config.scheduler
@@ -154,7 +159,7 @@ class BatchBuilding:
         if self.prefill_held_steps >= cfg.prefill_hold_steps or room <= 0 or len(self.running) < limit // 2:
             return False
         prompt_tokens = sum(req.seq_len for req in self.waiting[:room])
-        if prompt_tokens >= (cfg.chunked_prefill_size or cfg.max_prefill_tokens):
+        if prompt_tokens >= self._chunk_tokens():
             return False
         self.prefill_held_steps += 1
         return True

@@ -27,6 +27,7 @@ def _decider(running: int, waiting_left: list[int], size: int = 8, chunk: int | 
         waiting=[req(n) for n in waiting_left],
         chunked_req=req(chunked_left) if chunked_left is not None else None,
     )
+    scheduler._chunk_tokens = lambda: BatchBuilding._chunk_tokens(scheduler)
     scheduler.chunk = lambda: BatchBuilding._latency_chunk(scheduler)
     return scheduler
 

@@ -25,6 +25,7 @@ def _decider(running: int, waiting_lens: list[int], held: int, hold_steps: int =
         waiting=[SimpleNamespace(seq_len=n) for n in waiting_lens],
         prefill_held_steps=held,
     )
+    scheduler._chunk_tokens = lambda: BatchBuilding._chunk_tokens(scheduler)
     scheduler.hold = lambda: BatchBuilding._hold_prefill(scheduler)
     return scheduler
 
