@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 stage() { echo "=== $1 ($(date +%T))"; }
 quiet() { grep -v "it/s\]\|Warning\|warn(\|\[transformers\]"; }
 stage linear
-timeout 25 python3 -m treadle.bench.fp8_linear --rows 1,32 --output "$OUT/fp8_linear.json" 2>&1 | quiet | tail -70
+timeout 60 python3 -m treadle.bench.small_batch_linear --rows 1,32 --output "$OUT/small_batch_linear.json" 2>&1 | quiet | tail -70
 stage one-batch
 timeout 70 python3 -m treadle.bench.one_batch --backends triton --graphs on --batch-sizes 1,32 --decode-steps 64 \
   --no-hf --no-profile --output "$OUT/fp8_one_batch.json" \

@@ -32,8 +32,8 @@ A backend may be given tunables: ``--backends flashinfer:use_tensor_cores=false`
 ``--compare`` runs every backend once per config variant, as in ``treadle bench offline``: a
 comma-separated list of ``;``-separated ``KEY=VALUE`` overrides, e.g.
 ``--compare "model.quantization=null,model.quantization=fp8"`` (bf16 vs FP8 weights; the roofline
-counts each parameter's real bytes, so FP8 weights halve it); ``fp8_small_batch_kernel=scaled_mm``
-forces the FP8 kernel for decode-sized batches (see plugins/models/fp8.py).
+counts each parameter's real bytes, so FP8 weights halve it); ``small_batch_matmul=library`` (or ``triton``)
+forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py).
 
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
@@ -184,7 +184,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "results": [asdict(r) for r in results],
         "skipped": skipped,
         "profiles_bs1": profiles,
-        "fp8_small_batch_kernels": _fp8_choices(),
+        "small_batch_kernels": _small_batch_choices(),
     }
     output = Path(args.output) if args.output else RESULTS_DIR / default_output_name(report["machine"]["gpu"])
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -215,7 +215,7 @@ def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
 def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_graph: bool, max_bs: int,
                   args: argparse.Namespace, device: torch.device, variant: str = "") -> Any:
     """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
-    is ``KEY=VALUE;...`` config overrides (plus ``fp8_small_batch_kernel``)."""
+    is ``KEY=VALUE;...`` config overrides (plus ``small_batch_matmul``)."""
     from treadle.core.config import load_config
     from treadle.core.cuda_graph import CudaGraphRunner
     from treadle.core.model_runner import ModelRunner
@@ -434,23 +434,23 @@ def _release(runner: Any) -> None:
 def _variant_overrides(variant: str) -> dict[str, Any]:
     import yaml
 
-    from treadle.plugins.models.fp8 import Fp8LinearMethod
+    from treadle.plugins.models import small_batch
 
     overrides: dict[str, Any] = {}
-    Fp8LinearMethod.small_batch_kernel = "auto"
+    small_batch.set_mode(None)
     for item in filter(None, (part.strip() for part in variant.split(";"))):
         key, _, value = item.partition("=")
-        if key == "fp8_small_batch_kernel":
-            Fp8LinearMethod.small_batch_kernel = value
+        if key == "small_batch_matmul":
+            small_batch.set_mode(value)
         else:
             overrides[key] = yaml.safe_load(value)
     return overrides
 
 
-def _fp8_choices() -> dict[str, str]:
-    from treadle.plugins.models.fp8 import small_batch_choices
+def _small_batch_choices() -> dict[str, str]:
+    from treadle.plugins.models.small_batch import choices
 
-    return small_batch_choices()
+    return choices()
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -259,7 +259,8 @@ SMALL_DECODE_BATCH = 128
 def kernel_category(name: str) -> str:
     """A coarse kind for a GPU kernel name: matmul, attention, copies, or elementwise/other."""
     lowered = name.lower()
-    if any(key in lowered for key in ("gemv", "gemm", "nvjet", "xmma", "cutlass", "splitk", "matmul")):
+    if any(key in lowered for key in ("gemv", "gemm", "nvjet", "xmma", "cutlass", "splitk", "split_k", "matmul",
+                                      "small_batch")):
         return "matmul (weights)"
     if any(key in lowered for key in ("flashinfer", "batchprefill", "batchdecode", "attention", "attn",
                                       "_fwd_kernel", "decode_", "mergestate", "merge_state")):

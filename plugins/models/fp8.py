@@ -8,20 +8,15 @@ token on the fly (``dynamic``) or with the checkpoint's ``input_scale``
 ``y[m, n] = (sum_k xq[m, k] wq[n, k]) * x_scale[m] * w_scale[n]``.
 See ``core/quantization.py`` for when which path is used.
 
-Decode-sized batches are bound by reading the weights, not by arithmetic, so on a
-GPU a batch of at most ``SMALL_BATCH_ROWS`` tokens may instead run a Triton W8A16
-kernel (FP8 weights widened in registers, 16-bit activations, no activation
-quantization): at load, each weight shape times ``_scaled_mm`` and every W8A16
-launch config at one row and at ``SMALL_BATCH_ROWS`` rows, and keeps the fastest
-for one row and for 2 to ``SMALL_BATCH_ROWS`` rows (``Fp8LinearMethod.small_batch_kernel``
-= ``"auto"``; ``"scaled_mm"`` or ``"w8a16"`` force one).
+On a GPU, decode-sized batches may run the Triton kernel of ``small_batch_kernels.py`` instead (FP8 weights
+widened in registers, 16-bit activations, no activation quantization), where it times faster at load
+(``small_batch.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,30 +31,10 @@ from treadle.plugins.models.fp8_ops import (
     quantize_static,
 )
 from treadle.plugins.models.linear import LinearBase, LinearMethod, RowParallelLinear, set_weight_attrs
-
-if TYPE_CHECKING:
-    from treadle.plugins.models.fp8_kernels import W8A16Config
+from treadle.plugins.models import small_batch
+from treadle.plugins.models.small_batch import SmallBatchKernels
 
 logger = logging.getLogger(__name__)
-
-SMALL_BATCH_ROWS = 16
-
-
-@dataclass(frozen=True)
-class SmallBatchKernels:
-    """The W8A16 launch configs one weight shape runs for one row and for 2 to ``SMALL_BATCH_ROWS`` rows
-    (None: ``_scaled_mm``); one row has its own because the fastest there (a GEMV) is slow at 16 rows."""
-
-    one_row: W8A16Config | None
-    few_rows: W8A16Config | None
-
-    def for_rows(self, rows: int) -> W8A16Config | None:
-        """The config for a batch of ``rows`` <= ``SMALL_BATCH_ROWS`` tokens."""
-        return self.one_row if rows == 1 else self.few_rows
-
-
-# (N, K, dtype, device) -> what won on this GPU.
-_small_batch_choice: dict[tuple[int, int, torch.dtype, str], SmallBatchKernels] = {}
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -71,8 +46,6 @@ class Fp8LinearMethod(LinearMethod):
     ``config.dequantize`` (no FP8 matmul on this device) the FP8 weights are widened once loaded and
     the layer runs ``F.linear``.
     """
-
-    small_batch_kernel: str = "auto"  # "auto", "scaled_mm" or "w8a16" (GPU, batches of <= SMALL_BATCH_ROWS tokens)
 
     def __init__(self, config: QuantizationConfig) -> None:
         self.config = config
@@ -117,107 +90,32 @@ class Fp8LinearMethod(LinearMethod):
                 f"FP8 matmuls on the GPU need in/out features that are multiples of 16; a layer has "
                 f"{cols} in and {rows} out; list it in the checkpoint's ignored_layers or drop model.quantization"
             )
-        layer.fp8_small_batch = None
+        layer.small_batch = None
         if layer.weight.is_cuda and layer.fp8_out_dtype in (torch.float16, torch.bfloat16):
-            layer.fp8_small_batch = self._small_batch_kernels(layer)
+            layer.small_batch = self._small_batch_kernels(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.dequantize:
             return F.linear(x, layer.weight, bias)
         leading = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        small_batch = getattr(layer, "fp8_small_batch", None)
-        rows = x2.shape[0]
-        small_config = small_batch.for_rows(rows) if small_batch is not None and rows <= SMALL_BATCH_ROWS else None
-        if small_config is not None:
-            from treadle.plugins.models.fp8_kernels import w8a16_matmul
-
-            y = w8a16_matmul(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight, layer.weight_scale,
-                             small_config)
-            if bias is not None:
-                y = y + bias
-            return y.reshape(*leading, y.shape[-1])
-        if self.static_input:
-            xq, x_scale = quantize_static(x2, layer.input_scale)
-        else:
-            xq, x_scale = quantize_per_token(x2)
-        y = fp8_matmul(xq, x_scale, layer.weight, layer.weight_scale, x.dtype)
+        y = small_batch.matmul(getattr(layer, "small_batch", None), x2, layer.weight, layer.weight_scale)
+        if y is None:
+            if self.static_input:
+                xq, x_scale = quantize_static(x2, layer.input_scale)
+            else:
+                xq, x_scale = quantize_per_token(x2)
+            y = fp8_matmul(xq, x_scale, layer.weight, layer.weight_scale, x.dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*leading, y.shape[-1])
 
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
-        if self.small_batch_kernel == "scaled_mm":
-            return None
-        from treadle.plugins.models.fp8_kernels import W8A16_CONFIGS
+        from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS
 
-        if self.small_batch_kernel == "w8a16":
-            return SmallBatchKernels(W8A16_CONFIGS[0], W8A16_CONFIGS[0])
-        weight, scale = layer.weight.data, layer.weight_scale.data
-        key = (weight.shape[0], weight.shape[1], layer.fp8_out_dtype, str(weight.device))
-        if key not in _small_batch_choice:
-            # GEMV configs run tl.dot above one row: their tiles are not timed there.
-            _small_batch_choice[key] = SmallBatchKernels(
-                one_row=_time_small_batch_kernels(weight, scale, layer.fp8_out_dtype, 1, W8A16_CONFIGS),
-                few_rows=_time_small_batch_kernels(weight, scale, layer.fp8_out_dtype, SMALL_BATCH_ROWS,
-                                                   [config for config in W8A16_CONFIGS if not config.gemv]),
-            )
-            logger.info("FP8 %s x %s: %s", key[0], key[1], _describe(_small_batch_choice[key]))
-        return _small_batch_choice[key]
-
-
-def small_batch_choices() -> dict[str, str]:
-    """Which kernel each FP8 weight shape (``"N x K"``) runs at decode batch sizes on this GPU (for reports)."""
-    return {f"{n} x {k}": _describe(choice) for (n, k, _, _), choice in _small_batch_choice.items()}
-
-
-def _describe(choice: SmallBatchKernels) -> str:
-    def name(config: W8A16Config | None) -> str:
-        return "scaled_mm" if config is None else f"w8a16 {config}"
-
-    return f"1 row: {name(choice.one_row)}; 2-{SMALL_BATCH_ROWS} rows: {name(choice.few_rows)}"
-
-
-def _time_small_batch_kernels(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int,
-                              configs: Iterable[W8A16Config]) -> W8A16Config | None:
-    """The fastest of ``_scaled_mm`` (None) and each of ``configs`` for ``rows`` rows of activations."""
-    from treadle.plugins.models.fp8_kernels import w8a16_matmul
-
-    x = torch.randn(rows, weight.shape[1], dtype=dtype, device=weight.device)
-    candidates: dict[Any, Callable[[], torch.Tensor]] = {
-        None: lambda: fp8_matmul(*quantize_per_token(x), weight, scale, dtype),
-    }
-    for config in configs:
-        candidates[config] = lambda config=config: w8a16_matmul(x, weight, scale, config)
-    timings = {}
-    for config, run in candidates.items():
-        try:
-            timings[config] = _graph_seconds(run)
-        except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
-            logger.info("FP8 W8A16 config %s skipped: %s", config, exc)
-    return min(timings, key=timings.get)
-
-
-def _graph_seconds(run: Callable[[], torch.Tensor], per_graph: int = 10, replays: int = 5) -> float:
-    """Device time of one ``run``, replayed from a CUDA graph as decode runs it (no launch gaps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compiles, and warms up outside the capture
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000 / (per_graph * replays)
+        weight, scale, dtype = layer.weight.data, layer.weight_scale.data, layer.fp8_out_dtype
+        return small_batch.choose("fp8", weight, scale, dtype,
+                                  lambda x, w: fp8_matmul(*quantize_per_token(x), w, scale, dtype), FP8_CONFIGS)
 
 
 def linear_method(config: QuantizationConfig, layer: nn.Module, prefix: str) -> LinearMethod | None:

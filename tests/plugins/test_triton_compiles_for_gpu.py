@@ -72,7 +72,7 @@ def _attention_kernels() -> dict:
 
 
 def _model_kernels() -> dict:
-    from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
+    from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels, small_batch_kernels
 
     return {
         "add_rmsnorm": lambda: _compile(
@@ -88,13 +88,19 @@ def _model_kernels() -> dict:
         "fp8_per_token_quant": lambda: _compile(
             fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
             {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
-        "fp8_w8a16": _w8a16("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, GEMV=False),
-        "fp8_w8a16[split_k]": _w8a16("*fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4, GEMV=False),
-        "fp8_w8a16[gemv]": _w8a16("*bf16", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, GEMV=True),
-        "fp8_w8a16[gemv,split_k]": _w8a16("*fp32", BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, SPLIT_K=8, GEMV=True),
-        "fp8_split_k_sum": lambda: _compile(
-            fp8_kernels._split_k_sum_kernel, {"Partials": "*fp32", "Scale": "*fp32", "Y": "*bf16"}, set(),
-            dict(SPLIT_K=4, BLOCK=512)),
+        "small_batch[fp8]": _small_batch("*fp8e4nv", "*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
+                                         GEMV=False, HAS_SCALE=True),
+        "small_batch[fp8,split_k]": _small_batch("*fp8e4nv", "*fp32", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4,
+                                                 GEMV=False, HAS_SCALE=True),
+        "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", "*bf16", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
+                                              GEMV=True, HAS_SCALE=True),
+        "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", "*fp32", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
+                                                       SPLIT_K=8, GEMV=True, HAS_SCALE=False),
+        "small_batch[bf16]": _small_batch("*bf16", "*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1,
+                                          GEMV=False, HAS_SCALE=False),
+        "split_k_sum": lambda: _compile(
+            small_batch_kernels._split_k_sum_kernel, {"Partials": "*fp32", "Scale": "*fp32", "Y": "*bf16"}, set(),
+            dict(SPLIT_K=4, BLOCK=512, HAS_SCALE=True)),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -103,17 +109,18 @@ def _model_kernels() -> dict:
     }
 
 
-def _w8a16(out_type: str, **constexprs: object):
-    """The FP8 W8A16 kernel with these constexprs; split-K variants write float32 partials."""
-    from treadle.plugins.models import fp8_kernels
+def _small_batch(weight_type: str, out_type: str, **constexprs: object):
+    """The small-batch matmul kernel with these constexprs; split-K variants write float32 partials."""
+    from treadle.plugins.models import small_batch_kernels
 
-    return lambda: _compile(fp8_kernels._w8a16_kernel,
-                            {"X": "*bf16", "W": "*fp8e4nv", "Scale": "*fp32", "Y": out_type}, set(), constexprs)
+    return lambda: _compile(small_batch_kernels._small_batch_kernel,
+                            {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": out_type}, set(), constexprs)
 
 
 KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
-           "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "fp8_w8a16",
-           "fp8_w8a16[split_k]", "fp8_w8a16[gemv]", "fp8_w8a16[gemv,split_k]", "fp8_split_k_sum", "moe_grouped_gemm"]
+           "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
+           "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[bf16,gemv,split_k]", "small_batch[bf16]",
+           "split_k_sum", "moe_grouped_gemm"]
 
 
 def _compile_all() -> dict[str, str | None]:

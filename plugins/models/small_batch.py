@@ -1,0 +1,162 @@
+"""Which matmul each linear layer runs for decode-sized batches, chosen by timing at load.
+
+On a GPU, a batch of at most ``SMALL_BATCH_ROWS`` tokens of an FP8 layer may run the Triton kernel of
+``small_batch_kernels.py`` instead of the library matmul (``torch._scaled_mm``). At load each weight shape times the library matmul and every Triton launch
+config at each size of ``ROW_BUCKETS`` (replayed from a CUDA graph, as decode runs them) and keeps the fastest
+per bucket; a batch uses the choice of the smallest bucket that holds it. The choice is made once per shape and
+process (a model's 32 layers share it) and logged.
+
+``TREADLE_SMALL_BATCH_MATMUL`` (or :func:`set_mode`) overrides it for A/B runs: ``auto`` (the default),
+``library`` (never the Triton kernel) or ``triton`` (always, with the first config).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from treadle.plugins.models.small_batch_kernels import SmallBatchConfig
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 16, 32)
+SMALL_BATCH_ROWS = ROW_BUCKETS[-1]
+MODES = ("auto", "library", "triton")
+
+_mode: str | None = None
+
+
+def set_mode(mode: str | None) -> None:
+    """Force ``library`` or ``triton`` for layers loaded from now on; ``auto`` or None restores timing
+    (None also lets ``TREADLE_SMALL_BATCH_MATMUL`` decide again)."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"small-batch matmul mode {mode!r} is not one of {', '.join(MODES)}")
+    global _mode
+    _mode = mode
+
+
+def mode() -> str:
+    """The mode layers loaded now use (see the module docstring)."""
+    chosen = _mode or os.environ.get("TREADLE_SMALL_BATCH_MATMUL", "auto")
+    if chosen not in MODES:
+        raise ValueError(f"TREADLE_SMALL_BATCH_MATMUL={chosen!r} is not one of {', '.join(MODES)}")
+    return chosen
+
+
+@dataclass(frozen=True)
+class SmallBatchKernels:
+    """The Triton config (None: the library matmul) one weight shape runs for each of ``ROW_BUCKETS``."""
+
+    per_bucket: tuple[SmallBatchConfig | None, ...]
+
+    def for_rows(self, rows: int) -> SmallBatchConfig | None:
+        """The config for a batch of ``rows`` tokens (None above ``SMALL_BATCH_ROWS``: the library matmul)."""
+        for bucket, config in zip(ROW_BUCKETS, self.per_bucket):
+            if rows <= bucket:
+                return config
+        return None
+
+    def describe(self) -> str:
+        parts, low = [], 1
+        for bucket, config in zip(ROW_BUCKETS, self.per_bucket):
+            rows = str(bucket) if bucket == low else f"{low}-{bucket}"
+            parts.append(f"{rows} rows: {'library' if config is None else f'triton {config}'}")
+            low = bucket + 1
+        return "; ".join(parts)
+
+
+# (kind, N, K, weight dtype, activation dtype, device) -> what won on this GPU.
+_choices: dict[tuple[str, int, int, torch.dtype, torch.dtype, str], SmallBatchKernels] = {}
+
+
+def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+           library: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], configs: Sequence[SmallBatchConfig]
+           ) -> SmallBatchKernels | None:
+    """The kernels a ``weight`` [N, K] (``kind``: "bf16", "fp8", ... for reports) runs at decode batch sizes
+    with ``dtype`` activations; ``library(x, weight)`` is the matmul it runs otherwise. None: always the
+    library."""
+    chosen_mode = mode()
+    if chosen_mode == "library":
+        return None
+    if chosen_mode == "triton":
+        return SmallBatchKernels((configs[0],) * len(ROW_BUCKETS))
+    key = (kind, weight.shape[0], weight.shape[1], weight.dtype, dtype, str(weight.device))
+    if key not in _choices:
+        _choices[key] = SmallBatchKernels(tuple(
+            _fastest(weight, scale, dtype, rows, library, [c for c in configs if rows == 1 or not c.gemv])
+            for rows in ROW_BUCKETS))  # GEMV configs run tl.dot above one row: their tiles are not timed there
+        logger.info("small-batch matmul, %s %d x %d: %s", kind, key[1], key[2], _choices[key].describe())
+    return _choices[key]
+
+
+def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+           ) -> torch.Tensor | None:
+    """``x @ (weight * scale).T`` for ``x`` [M, K] through the Triton config ``kernels`` chose for M rows;
+    None where the caller runs its library matmul (no choice, or M above the buckets)."""
+    config = kernels.for_rows(x.shape[0]) if kernels is not None else None
+    if config is None:
+        return None
+    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
+
+    return small_batch_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, scale, config)
+
+
+def choices() -> dict[str, str]:
+    """What each weight shape (``"kind N x K"``) runs at decode batch sizes on this GPU (for reports)."""
+    return {f"{kind} {n} x {k}": choice.describe() for (kind, n, k, _, _, _), choice in _choices.items()}
+
+
+def _fastest(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, rows: int,
+             library: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], configs: Sequence[SmallBatchConfig]
+             ) -> SmallBatchConfig | None:
+    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
+
+    x = torch.randn(rows, weight.shape[1], dtype=dtype, device=weight.device)
+    weights = weight_copies(weight)
+    candidates: dict[Any, Callable[[int], torch.Tensor]] = {
+        None: lambda i: library(x, weights[i % len(weights)])}
+    for config in configs:
+        candidates[config] = lambda i, config=config: small_batch_matmul(x, weights[i % len(weights)], scale, config)
+    timings = {}
+    for config, run in candidates.items():
+        try:
+            timings[config] = graph_seconds(run)
+        except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
+            logger.info("small-batch config %s skipped: %s", config, exc)
+    return min(timings, key=timings.get)
+
+
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` and enough copies of it that cycling through them reads from memory, not from the L2 cache,
+    as each layer's weight is read once per decode step (a 4096 x 4096 bf16 weight fits an H100's 50 MB L2)."""
+    l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    count = -(-2 * l2_bytes // (weight.numel() * weight.element_size()))
+    return [weight] + [weight.clone() for _ in range(count)]
+
+
+def graph_seconds(run: Callable[[int], Any], per_graph: int = 12, replays: int = 5) -> float:
+    """Device time of one ``run(i)`` (``i`` counts the calls), replayed from a CUDA graph as decode runs it
+    (no launch gaps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles, and warms up outside the capture
+        for i in range(3):
+            run(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            run(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / (per_graph * replays)

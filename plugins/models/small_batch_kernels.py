@@ -1,0 +1,185 @@
+"""Triton matmul for decode-sized batches: ``y = x @ (weight * scale).T`` streaming the weight once.
+
+A batch of a few tokens is bound by reading the weight, not by arithmetic, and cuBLAS leaves bandwidth unused
+on some of the shapes decode runs (narrow outputs fill one or two waves of SMs). This kernel reads the weight
+[N, K] in tiles of ``block_n`` rows, optionally splits K into ``split_k`` ranges (float32 partials that a second
+small kernel sums, so narrow shapes fill the SMs), and for one row of ``x`` has a GEMV form without
+``tl.dot`` (which would pad the row to 16). The weight is 16-bit (the model dtype) or FP8 with a float32 scale
+per output row, widened in registers; activations stay 16-bit. ``small_batch.py`` times the configs per weight
+shape at load and keeps the fastest (or the library matmul when it wins). FP8 layers use it; 16-bit layers do
+not: on the H100 it matched cuBLAS per call but made the bf16 decode step slower (docs/benchmarks.md), so the
+16-bit configs serve ``bench/small_batch_linear.py``'s comparison only.
+
+Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _small_batch_kernel(X, W, Scale, Y, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_ysplit,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # Each split's range is a multiple of BLOCK_K, so masking against K alone never reads the next split.
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if GEMV:
+        acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
+                   BLOCK_N, BLOCK_K)[None, :]
+    else:
+        acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+    y_ptrs = Y + pid_k * stride_ysplit + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_SCALE:
+            acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
+    else:
+        tl.store(y_ptrs, acc, mask=y_mask)
+
+
+@triton.jit
+def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = (k + tl.arange(0, BLOCK_K)) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X_row + offs_k
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = (k + tl.arange(0, BLOCK_K)) < K
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _split_k_sum_kernel(Partials, Scale, Y, numel, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_SCALE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(Partials + split * numel + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(Scale + offs % N, mask=mask, other=0.0)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+_SUM_BLOCK = 512
+
+
+class SmallBatchConfig(NamedTuple):
+    """One launch config of :func:`small_batch_matmul`.
+
+    ``split_k`` > 1 splits K into that many contiguous ranges (each a multiple of ``block_k``) reduced by
+    separate programs into float32 partials, which a second kernel sums, scales and casts; 1 is a single
+    kernel. ``gemv`` runs one row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
+    along K); it applies only when ``x`` has one row, more rows use ``tl.dot`` with the same tiles (16 rows
+    of ``x`` per program, 32 for batches of 17 to 32).
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    gemv: bool = False
+
+    def __str__(self) -> str:
+        label = f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}"
+        if self.split_k > 1:
+            label += f" split-k {self.split_k}"
+        return label + (" gemv" if self.gemv else "")
+
+
+# Tried at load per weight shape (small_batch.py). On an H100 the GEMVs won at one row for Llama-3.1-8B's FP8
+# projections (7.7 us for 6144 x 4096 against 14.5 us for the best tl.dot tiles), split-K tl.dot at 16 rows for
+# all but the widest (28672 x 4096): the narrow shapes fill too few waves of programs over the SMs without
+# splitting K.
+FP8_CONFIGS = (
+    SmallBatchConfig(32, 256, 4, 3, split_k=4),
+    SmallBatchConfig(32, 256, 4, 4),
+    SmallBatchConfig(64, 128, 4, 3, split_k=8),
+    SmallBatchConfig(32, 512, 4, 3, split_k=2),
+    SmallBatchConfig(8, 1024, 4, 3, gemv=True),
+    SmallBatchConfig(8, 1024, 4, 3, split_k=2, gemv=True),
+    SmallBatchConfig(16, 512, 4, 3, split_k=4, gemv=True),
+    SmallBatchConfig(64, 512, 4, 3, gemv=True),
+    SmallBatchConfig(64, 512, 4, 3, split_k=8, gemv=True),
+)
+
+# 16-bit weights (bench/small_batch_linear.py): the same tiles with half the elements, so each load moves as
+# many bytes.
+SIXTEEN_BIT_CONFIGS = (
+    SmallBatchConfig(32, 128, 4, 4, split_k=4),
+    SmallBatchConfig(32, 128, 4, 4),
+    SmallBatchConfig(64, 64, 4, 4, split_k=8),
+    SmallBatchConfig(32, 256, 4, 3, split_k=2),
+    SmallBatchConfig(8, 512, 4, 3, gemv=True),
+    SmallBatchConfig(8, 512, 4, 3, split_k=2, gemv=True),
+    SmallBatchConfig(16, 256, 4, 3, split_k=4, gemv=True),
+    SmallBatchConfig(32, 256, 4, 3, gemv=True),
+    SmallBatchConfig(32, 256, 4, 3, split_k=8, gemv=True),
+)
+
+
+def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                       config: SmallBatchConfig) -> torch.Tensor:
+    """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
+    16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    gemv = config.gemv and m == 1
+    block_m = 1 if gemv else (16 if m <= 16 else 32)
+    split_k = config.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
+    # Split-K programs write unscaled float32 partials [split_k, M, N]; the sum kernel finishes them.
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
+    has_scale = scale is not None
+    _small_batch_kernel[grid](
+        x, weight, scale if has_scale else weight, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(-2), out.stride(0) if split_k > 1 else 0,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=gemv,
+        HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
+            out, scale if has_scale else out, y, m * n, n, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, HAS_SCALE=has_scale,
+            num_warps=4,
+        )
+    return y

@@ -1,0 +1,82 @@
+"""The small-batch Triton matmul under the Triton interpreter: every launch config, on FP8 weights with
+per-row scales and on 16-bit weights without, against a float32 reference.
+
+The interpreter's ``tl.dot`` multiplies bfloat16 operands' bit patterns (triton-lang/triton#11584), so the
+``tl.dot`` path is checked with float16 activations (and float16 weights); the one-row GEMV path, which has no
+``tl.dot``, with both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS  # noqa: E402
+
+CONFIGS = {"fp8": FP8_CONFIGS, "16bit": SIXTEEN_BIT_CONFIGS}
+
+# N not a multiple of any BLOCK_N; K=1000 not a multiple of any BLOCK_K * SPLIT_K; K=200 leaves splits empty.
+SHAPES = [(100, 1000), (40, 200)]
+ROWS = [1, 3, 16, 20]  # 20: the 32-row tiles
+# Outputs are rounded to 16 bits (bfloat16: 2^-9 relative); a lost or doubled K block is off by far more.
+MAX_RELATIVE_ERROR = 1e-2
+
+CHECKS = r"""
+import json, sys
+import torch
+from treadle.plugins.models.fp8_ops import dequantize, quantize_per_channel
+from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
+
+errors = {}
+gen = torch.Generator().manual_seed(0)
+for n, k in json.loads(sys.argv[1]):
+    dense = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]
+    fp8_weight, scale = quantize_per_channel(dense)
+    for rows in json.loads(sys.argv[2]):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            weights = {"fp8": (FP8_CONFIGS, fp8_weight, scale, dequantize(fp8_weight, scale, torch.float32)),
+                       "16bit": (SIXTEEN_BIT_CONFIGS, dense.to(dtype), None, dense.to(dtype).float())}
+            for kind, (configs, weight, weight_scale, reference_weight) in weights.items():
+                reference = x.float() @ reference_weight.t()
+                for index, config in enumerate(configs):
+                    if dtype == torch.bfloat16 and not (config.gemv and rows == 1):
+                        continue
+                    y = small_batch_matmul(x, weight, weight_scale, config)
+                    ok = y.dtype == dtype and y.shape == (rows, n)
+                    error = ((y.float() - reference).norm() / reference.norm()).item() if ok else float("inf")
+                    errors[f"{kind}-{index}-{n}x{k}-{rows}-{str(dtype)[6:]}"] = error
+print("RESULTS " + json.dumps(errors))
+"""
+
+
+@pytest.fixture(scope="module")
+def relative_errors() -> dict[str, float]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHECKS, json.dumps(SHAPES), json.dumps(ROWS)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_configs_cover_split_k_and_the_one_row_gemv(kind):
+    configs = CONFIGS[kind]
+    assert {config.split_k for config in configs} >= {1, 2, 4, 8}
+    assert any(config.gemv for config in configs) and len(configs) <= 12
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("kind, index", [(kind, index) for kind, configs in CONFIGS.items() for index in range(len(configs))],
+                         ids=[f"{kind}-{config}" for kind, configs in CONFIGS.items() for config in configs])
+def test_small_batch_matmul_matches_the_reference(relative_errors, kind, index, n, k, rows):
+    checked = {key: error for key, error in relative_errors.items() if key.startswith(f"{kind}-{index}-{n}x{k}-{rows}-")}
+    assert checked and all(error < MAX_RELATIVE_ERROR for error in checked.values()), checked
