@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 
@@ -77,7 +80,14 @@ class KVCache:
         return self.v_buffers[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v (``[n, num_kv_heads, head_dim]`` or flattened) at slots ``loc``."""
+        """Write k, v (``[n, num_kv_heads, head_dim]`` or flattened) at slots ``loc``; on a GPU with Triton,
+        in one kernel (``kv_store.py``)."""
+        if self.device.type == "cuda" and _triton_available():
+            from treadle.core.kv_store import store_kv
+
+            store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v, self.k_scales[layer_id],
+                     self.v_scales[layer_id])
+            return
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.is_fp8:
@@ -94,6 +104,11 @@ class KVCache:
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 # cache.kv_dtype -> storage dtype; "auto" stores the model dtype.
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _to_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
