@@ -101,7 +101,6 @@ def test_prefill_graphs_are_on_for_cuda_only_and_never_exceed_a_chunk() -> None:
     assert resolve_piecewise_max_tokens(4096, on_cuda=True, chunked_prefill_size=2048) == 4096
     assert resolve_piecewise_max_tokens(0, on_cuda=True, chunked_prefill_size=2048) == 0
     assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=2048, tp_size=2) == 0
-    assert resolve_piecewise_max_tokens(512, on_cuda=True, chunked_prefill_size=2048, tp_size=2) == 512
 
 
 def test_request_tables_scale_with_rows_and_context() -> None:
