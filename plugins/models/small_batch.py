@@ -1,10 +1,11 @@
 """Which matmul each linear layer runs for decode-sized batches, chosen by timing at load.
 
 On a GPU, a batch of at most ``SMALL_BATCH_ROWS`` tokens of an FP8 layer may run the Triton kernel of
-``small_batch_kernels.py`` instead of the library matmul (``torch._scaled_mm``). At load each weight shape times the library matmul and every Triton launch
-config at each size of ``ROW_BUCKETS`` (replayed from a CUDA graph, as decode runs them) and keeps the fastest
-per bucket; a batch uses the choice of the smallest bucket that holds it. The choice is made once per shape and
-process (a model's 32 layers share it) and logged.
+``small_batch_kernels.py`` instead of the library matmul (``torch._scaled_mm``). At load each weight shape
+times the library matmul and every Triton launch config at each size of ``ROW_BUCKETS`` (replayed from a CUDA
+graph, as decode runs them, each call on another copy of the weight so none is read from L2) and keeps the
+fastest per bucket; a batch uses the choice of the smallest bucket that holds it. The choice is made once per
+shape and process (a model's 32 layers share it) and logged.
 
 ``TREADLE_SMALL_BATCH_MATMUL`` (or :func:`set_mode`) overrides it for A/B runs: ``auto`` (the default),
 ``library`` (never the Triton kernel) or ``triton`` (always, with the first config).
@@ -31,13 +32,13 @@ MODES = ("auto", "library", "triton")
 _mode: str | None = None
 
 
-def set_mode(mode: str | None) -> None:
-    """Force ``library`` or ``triton`` for layers loaded from now on; ``auto`` or None restores timing
-    (None also lets ``TREADLE_SMALL_BATCH_MATMUL`` decide again)."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"small-batch matmul mode {mode!r} is not one of {', '.join(MODES)}")
+def set_mode(chosen: str | None) -> None:
+    """Force ``library`` or ``triton`` for layers loaded from now on; ``auto`` restores timing, None lets
+    ``TREADLE_SMALL_BATCH_MATMUL`` decide again."""
+    if chosen is not None and chosen not in MODES:
+        raise ValueError(f"small-batch matmul mode {chosen!r} is not one of {', '.join(MODES)}")
     global _mode
-    _mode = mode
+    _mode = chosen
 
 
 def mode() -> str:
@@ -64,8 +65,8 @@ class SmallBatchKernels:
     def describe(self) -> str:
         parts, low = [], 1
         for bucket, config in zip(ROW_BUCKETS, self.per_bucket):
-            rows = str(bucket) if bucket == low else f"{low}-{bucket}"
-            parts.append(f"{rows} rows: {'library' if config is None else f'triton {config}'}")
+            rows = "1 row" if bucket == 1 else f"{low}-{bucket} rows"
+            parts.append(f"{rows}: {'library' if config is None else f'triton {config}'}")
             low = bucket + 1
         return "; ".join(parts)
 

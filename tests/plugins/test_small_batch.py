@@ -1,0 +1,64 @@
+"""Choosing the decode-sized-batch matmul (plugins/models/small_batch.py): the row buckets, the forced modes and
+their validation. Timing itself needs a GPU (tests/gpu/test_fp8_gpu.py runs FP8 models through it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.plugins.models import small_batch
+from treadle.plugins.models.small_batch import ROW_BUCKETS, SmallBatchKernels
+
+pytest.importorskip("triton")
+
+from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode(monkeypatch):
+    monkeypatch.delenv("TREADLE_SMALL_BATCH_MATMUL", raising=False)
+    yield
+    small_batch.set_mode(None)
+
+
+def test_a_batch_uses_the_smallest_bucket_that_holds_it():
+    one, few, more = FP8_CONFIGS[4], FP8_CONFIGS[0], None
+    kernels = SmallBatchKernels((one, few, more))
+    assert ROW_BUCKETS == (1, 16, 32)
+    assert kernels.for_rows(1) is one
+    assert all(kernels.for_rows(rows) is few for rows in (2, 9, 16))
+    assert all(kernels.for_rows(rows) is None for rows in (17, 32))  # the library won at 32 rows
+    assert kernels.for_rows(33) is None and kernels.for_rows(4096) is None  # prefill: always the library
+    assert kernels.describe() == f"1 row: triton {one}; 2-16 rows: triton {few}; 17-32 rows: library"
+
+
+def test_matmul_defers_to_the_library_where_no_config_applies():
+    x, weight = torch.randn(3, 32), torch.randn(8, 32)
+    assert small_batch.matmul(None, x, weight, None) is None
+    assert small_batch.matmul(SmallBatchKernels((None, None, None)), x, weight, None) is None
+
+
+def test_forced_modes_skip_the_timing():
+    weight = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)  # a CPU weight: timing would need a GPU
+
+    def library(x, w):
+        raise AssertionError("forced modes time nothing")
+
+    small_batch.set_mode("library")
+    assert small_batch.choose("fp8", weight, None, torch.bfloat16, library, FP8_CONFIGS) is None
+    small_batch.set_mode("triton")
+    forced = small_batch.choose("fp8", weight, None, torch.bfloat16, library, FP8_CONFIGS)
+    assert forced == SmallBatchKernels((FP8_CONFIGS[0],) * len(ROW_BUCKETS))
+
+
+def test_the_environment_picks_the_mode_and_a_bad_value_names_the_choices(monkeypatch):
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_MATMUL", "library")
+    assert small_batch.mode() == "library"
+    small_batch.set_mode("triton")  # an explicit choice wins over the environment
+    assert small_batch.mode() == "triton"
+    small_batch.set_mode(None)
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_MATMUL", "cublas")
+    with pytest.raises(ValueError, match="TREADLE_SMALL_BATCH_MATMUL='cublas' is not one of auto, library, triton"):
+        small_batch.mode()
+    with pytest.raises(ValueError, match="'fast' is not one of auto, library, triton"):
+        small_batch.set_mode("fast")
