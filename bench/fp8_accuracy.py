@@ -5,7 +5,8 @@
 1. Logits: a tiny random Llama (4 layers, hidden 512, 16-aligned shapes) in bfloat16, loaded
    three ways — bfloat16, ``model.quantization: fp8`` and float32 (the reference) — runs one
    prefill of 8 prompts x 64 tokens; reported: max and RMS abs difference of the logits and
-   the share of positions whose argmax agrees. On a GPU the same FP8 model also runs on the
+   the share of positions whose argmax agrees; and FP8 with the lm_head quantized too
+   (``model.quantize_lm_head``). On a GPU the same FP8 model also runs on the
    CPU where torch has a CPU ``_scaled_mm`` (CPU builds do; CUDA builds may not).
 2. Greedy agreement: the embedded SmolLM2-135M-Instruct with FP8 vs bfloat16 weights (W8A8, and
    FP8 weights with 16-bit activations; as a yardstick, bfloat16 vs float32 weights), 20 chat
@@ -89,6 +90,7 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
         reference = _prefill_logits(path, device, "float32", None, tokens)
         bf16 = _prefill_logits(path, device, "bfloat16", None, tokens)
         fp8 = _prefill_logits(path, device, "bfloat16", "fp8", tokens)
+        fp8_head = _prefill_logits(path, device, "bfloat16", "fp8", tokens, lm_head=True)
         result = {
             "model": f"random Llama {TINY}",
             "tokens": list(tokens.shape),
@@ -96,6 +98,8 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
             "bf16_vs_fp32": _compare(bf16, reference),
             "fp8_vs_fp32": _compare(fp8, reference),
             "fp8_vs_bf16": _compare(fp8, bf16),
+            "fp8_with_lm_head_vs_fp32": _compare(fp8_head, reference),
+            "fp8_with_lm_head_vs_bf16": _compare(fp8_head, bf16),
         }
         if device.type == "cuda":
             from treadle.core.quantization import fp8_matmul_unsupported
@@ -107,7 +111,7 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
 
 
 def _prefill_logits(path: str, device: torch.device, dtype: str, quantization: str | None,
-                    tokens: torch.Tensor) -> torch.Tensor:
+                    tokens: torch.Tensor, lm_head: bool = False) -> torch.Tensor:
     """Float32 logits at every position of each row of ``tokens``, one EXTEND batch."""
     from treadle.core.config import load_config
     from treadle.core.forward_batch import ForwardBatch, ForwardMode
@@ -117,6 +121,7 @@ def _prefill_logits(path: str, device: torch.device, dtype: str, quantization: s
     bs, length = tokens.shape
     config = load_config(overrides={
         "model.path": path, "model.device": device.type, "model.dtype": dtype, "model.quantization": quantization,
+        "model.quantize_lm_head": lm_head,
         "attention.backend": "torch_native", "cache.max_total_tokens": bs * length + 8,
         "scheduler.max_running_requests": bs, "runtime.disable_cuda_graph": True,
     }, use_env=False)
@@ -161,6 +166,7 @@ def smollm2_agreement(device: torch.device, new_tokens: int) -> dict[str, Any]:
         return {"skipped": str(exc)}
     bf16 = _greedy(device, "bfloat16", None, new_tokens)
     fp8 = _greedy(device, "bfloat16", "fp8", new_tokens)
+    fp8_head = _greedy(device, "bfloat16", "fp8", new_tokens, lm_head=True)
     with _weights_only():
         fp8_weights_only = _greedy(device, "bfloat16", "fp8", new_tokens)
     return {
@@ -168,6 +174,7 @@ def smollm2_agreement(device: torch.device, new_tokens: int) -> dict[str, Any]:
         "prompts": len(PROMPTS),
         "new_tokens": new_tokens,
         "fp8_vs_bf16": _agreement(fp8, bf16, new_tokens),
+        "fp8_with_lm_head_vs_bf16": _agreement(fp8_head, bf16, new_tokens),
         "fp8_weights_only_vs_bf16": _agreement(fp8_weights_only, bf16, new_tokens),
         "bf16_vs_fp32": _agreement(bf16, reference, new_tokens),
     }
@@ -201,11 +208,12 @@ def _agreement(outputs: list[list[int]], reference: list[list[int]], new_tokens:
     }
 
 
-def _greedy(device: torch.device, dtype: str, quantization: str | None, new_tokens: int) -> list[list[int]]:
+def _greedy(device: torch.device, dtype: str, quantization: str | None, new_tokens: int,
+            lm_head: bool = False) -> list[list[int]]:
     from treadle.core.engine import Engine
 
     engine = Engine({
-        "model": {"device": device.type, "dtype": dtype, "quantization": quantization},
+        "model": {"device": device.type, "dtype": dtype, "quantization": quantization, "quantize_lm_head": lm_head},
         "cache": {"max_total_tokens": 8192}, "runtime": {"disable_cuda_graph": True},
     })
     try:

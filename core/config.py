@@ -36,6 +36,9 @@ class ModelConfig(Section):
     seed: int = Field(0, description="seed for dummy weights")
     quantization: Literal["fp8"] | None = Field(
         None, description="fp8: quantize linear weights to FP8 at load; FP8 checkpoints are detected without it")
+    quantize_lm_head: bool = Field(
+        False, description="with FP8 weights, quantize the output projection (lm_head) too: faster decode, "
+                           "logits change more than elsewhere")
 
 
 class CacheConfig(Section):

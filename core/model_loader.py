@@ -119,7 +119,8 @@ def _quantization(model_config: "ModelConfig", hf_config: Any, model_cls: Any, d
     from treadle.core.quantization import QuantizationError, resolve_quantization
 
     try:
-        quant_config = resolve_quantization(model_config.quantization, hf_config, device)
+        quant_config = resolve_quantization(model_config.quantization, hf_config, device,
+                                            lm_head=model_config.quantize_lm_head)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from None
     if quant_config is not None and "quant_config" not in inspect.signature(model_cls).parameters:

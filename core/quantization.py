@@ -17,7 +17,7 @@ checkpoint to the model dtype at load instead (same weights, no speed-up).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -50,6 +50,7 @@ class QuantizationConfig:
     activation_scheme: Literal["dynamic", "static"] = "dynamic"
     ignored_layers: tuple[str, ...] = field(default_factory=tuple)
     dequantize: bool = False
+    lm_head: bool = False
 
     def is_ignored(self, prefix: str) -> bool:
         """Whether the layer named ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``) stays unquantized."""
@@ -68,10 +69,15 @@ class QuantizationConfig:
         return bool(hits)
 
 
-def resolve_quantization(requested: str | None, hf_config: Any, device: torch.device) -> QuantizationConfig | None:
-    """The quantization for ``model.quantization`` = ``requested`` and the checkpoint's ``quantization_config``."""
+def resolve_quantization(requested: str | None, hf_config: Any, device: torch.device,
+                         lm_head: bool = False) -> QuantizationConfig | None:
+    """The quantization for ``model.quantization`` = ``requested`` (and ``model.quantize_lm_head`` = ``lm_head``)
+    and the checkpoint's ``quantization_config``."""
     stored = _stored_quantization(hf_config)
     if stored is None and requested is None:
+        if lm_head:
+            raise QuantizationError("model.quantize_lm_head needs FP8 weights: set model.quantization: fp8 "
+                                    "(or load an FP8 checkpoint), or drop model.quantize_lm_head")
         return None
     if requested not in (None, "fp8"):
         raise QuantizationError(f"model.quantization '{requested}' is not supported; use fp8 or leave it empty")
@@ -79,13 +85,13 @@ def resolve_quantization(requested: str | None, hf_config: Any, device: torch.de
     if stored is None:
         if reason is not None:
             raise QuantizationError(f"model.quantization: fp8 {reason}; leave model.quantization empty on this device")
-        return QuantizationConfig()
+        return QuantizationConfig(lm_head=lm_head)
     config = _checkpoint_config(stored)
     if reason is not None:
         logger.warning("FP8 checkpoint: this device %s, so its weights are dequantized at load", reason)
         return QuantizationConfig(checkpoint_quantized=True, activation_scheme=config.activation_scheme,
                                   ignored_layers=config.ignored_layers, dequantize=True)
-    return config
+    return replace(config, lm_head=lm_head)
 
 
 def fp8_matmul_unsupported(device: torch.device | str) -> str | None:

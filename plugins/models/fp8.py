@@ -72,6 +72,8 @@ class Fp8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight.data
+        if not hasattr(layer, "fp8_out_dtype"):  # a layer this method did not create (the lm_head)
+            layer.fp8_out_dtype = weight.dtype
         if self.config.dequantize:
             layer.weight = _param(dequantize(weight, layer.weight_scale.data, layer.fp8_out_dtype))
             del layer.weight_scale
@@ -116,6 +118,12 @@ class Fp8LinearMethod(LinearMethod):
         weight, scale, dtype = layer.weight.data, layer.weight_scale.data, layer.fp8_out_dtype
         return small_batch.choose("fp8", weight, scale, dtype,
                                   lambda x, w: fp8_matmul(*quantize_per_token(x), w, scale, dtype), FP8_CONFIGS)
+
+
+def lm_head_method() -> Fp8LinearMethod:
+    """The method of an lm_head quantized at load (``model.quantize_lm_head``): its 16-bit weight becomes FP8
+    with a scale per vocabulary row, whatever the checkpoint stores for the other layers."""
+    return Fp8LinearMethod(QuantizationConfig())
 
 
 def linear_method(config: QuantizationConfig, layer: nn.Module, prefix: str) -> LinearMethod | None:

@@ -311,10 +311,22 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split like :class:`VocabParallelEmbedding` (so the two can share
-    one weight); ``forward`` returns the full ``[tokens, vocab]`` logits on every rank (all-gathered)."""
+    one weight); ``forward`` returns the full ``[tokens, vocab]`` logits on every rank (all-gathered).
+
+    With a ``quant_config`` that asks for it (``model.quantize_lm_head``) the weight is quantized to FP8 once
+    loaded, through ``quant_method`` like a linear layer's; a tied embedding keeps its own 16-bit weight.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: Any = None) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        if isinstance(quant_config, QuantizationConfig) and quant_config.lm_head and not quant_config.dequantize:
+            from treadle.plugins.models.fp8 import lm_head_method
+
+            self.quant_method = lm_head_method()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        method = getattr(self, "quant_method", None)
+        logits = F.linear(hidden_states, self.weight) if method is None else method.apply(self, hidden_states)
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits)[..., : self.num_embeddings]

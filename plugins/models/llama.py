@@ -67,7 +67,7 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.model = LlamaModel(config, self.make_layer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

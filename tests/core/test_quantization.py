@@ -25,6 +25,15 @@ def test_requested_fp8_quantizes_at_load_with_dynamic_activations():
     assert resolve_quantization("fp8", _hf(), CPU) == QuantizationConfig()
 
 
+def test_the_lm_head_is_quantized_only_when_asked_and_only_with_fp8_weights():
+    assert not resolve_quantization("fp8", _hf(), CPU).lm_head
+    assert resolve_quantization("fp8", _hf(), CPU, lm_head=True) == QuantizationConfig(lm_head=True)
+    stored = resolve_quantization(None, _hf(quant_method="fp8"), CPU, lm_head=True)
+    assert stored.lm_head and stored.checkpoint_quantized
+    with pytest.raises(QuantizationError, match="quantize_lm_head needs FP8 weights"):
+        resolve_quantization(None, _hf(), CPU, lm_head=True)
+
+
 def test_fp8_checkpoint_is_detected_without_the_option():
     config = resolve_quantization(None, _hf(quant_method="fp8", activation_scheme="static",
                                             ignored_layers=["model.layers.0.mlp.down_proj"]), CPU)

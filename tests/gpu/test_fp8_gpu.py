@@ -79,8 +79,9 @@ def _greedy(model_dir: str, engine_config, backend: str, graphs: bool, **section
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-@pytest.mark.parametrize("fp8", [{"model": {"quantization": "fp8"}}, {"cache": {"kv_dtype": "fp8_e4m3"}}],
-                         ids=["fp8-weights", "fp8-kv-cache"])
+@pytest.mark.parametrize("fp8", [{"model": {"quantization": "fp8"}}, {"cache": {"kv_dtype": "fp8_e4m3"}},
+                                 {"model": {"quantization": "fp8", "quantize_lm_head": True}}],
+                         ids=["fp8-weights", "fp8-kv-cache", "fp8-weights-and-lm-head"])
 def test_fp8_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir, engine_config, backend, fp8):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")

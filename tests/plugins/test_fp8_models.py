@@ -81,6 +81,31 @@ def _relative_rms_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
     return ((logits - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()).item()
 
 
+def test_quantize_lm_head_makes_the_output_projection_fp8_too(tiny, registry, tmp_path):
+    reference = _logits(_load(registry, tiny))
+    decoder_only = _load(registry, tiny, quantization="fp8")
+    model = _load(registry, tiny, quantization="fp8", quantize_lm_head=True)
+    head = model.lm_head
+    assert head.weight.dtype == FP8_DTYPE and head.weight_scale.shape == (head.weight.shape[0], 1)
+    assert len(_fp8_params(model)) == 2 * 4 + 1
+    expected = dequantize(head.weight, head.weight_scale, torch.float32)
+    assert torch.allclose(expected, decoder_only.lm_head.weight, rtol=2**-3, atol=1e-6)  # one FP8 step per value
+    logits = _logits(model)
+    assert not torch.equal(logits, _logits(decoder_only))
+    assert 0 < _relative_rms_error(logits, reference) < 0.2
+    # A tied embedding keeps its 16-bit weight; the head gets its own FP8 copy.
+    tied = make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    model = _load(registry, tied, quantization="fp8", quantize_lm_head=True)
+    assert model.lm_head.weight.dtype == FP8_DTYPE
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert _relative_rms_error(_logits(model), _logits(_load(registry, tied))) < 0.2
+
+
+def test_quantize_lm_head_needs_fp8_weights(tiny, registry):
+    with pytest.raises(ModelLoadError, match="model.quantize_lm_head needs FP8 weights: set model.quantization: fp8"):
+        _load(registry, tiny, quantize_lm_head=True)
+
+
 def test_per_channel_fp8_checkpoint_loads_to_the_same_model_as_quantizing_at_load(tiny, tmp_path, registry):
     checkpoint = make_tiny_fp8_llama(tmp_path / "fp8")  # same seed, so the same float weights
     loaded = _load(registry, checkpoint)
