@@ -98,8 +98,8 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
 def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
            ) -> torch.Tensor | None:
     """``x @ (weight * scale).T`` for ``x`` [M, K] through the Triton config ``kernels`` chose for M rows;
-    None where the caller runs its library matmul (no choice, or M above the buckets)."""
-    config = kernels.for_rows(x.shape[0]) if kernels is not None else None
+    None where the caller runs its library matmul (no choice, M above the buckets, or no rows)."""
+    config = kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
     if config is None:
         return None
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul

@@ -36,6 +36,8 @@ def test_matmul_defers_to_the_library_where_no_config_applies():
     x, weight = torch.randn(3, 32), torch.randn(8, 32)
     assert small_batch.matmul(None, x, weight, None) is None
     assert small_batch.matmul(SmallBatchKernels((None, None, None)), x, weight, None) is None
+    # No rows: the library handles the empty product (a Triton grid of zero programs would not launch).
+    assert small_batch.matmul(SmallBatchKernels((FP8_CONFIGS[4],) * 3), x[:0], weight, None) is None
 
 
 def test_forced_modes_skip_the_timing():
