@@ -15,7 +15,6 @@ widened in registers, 16-bit activations, no activation quantization), where it 
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.core.quantization import FP8_DTYPE, QuantizationConfig, QuantizationError
+from treadle.plugins.models import small_batch
 from treadle.plugins.models.fp8_ops import (
     dequantize,
     fp8_matmul,
@@ -31,10 +31,7 @@ from treadle.plugins.models.fp8_ops import (
     quantize_static,
 )
 from treadle.plugins.models.linear import LinearBase, LinearMethod, RowParallelLinear, set_weight_attrs
-from treadle.plugins.models import small_batch
 from treadle.plugins.models.small_batch import SmallBatchKernels
-
-logger = logging.getLogger(__name__)
 
 
 class Fp8LinearMethod(LinearMethod):
