@@ -88,9 +88,16 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
         return SmallBatchKernels((configs[0],) * len(ROW_BUCKETS))
     key = (kind, weight.shape[0], weight.shape[1], weight.dtype, dtype, str(weight.device))
     if key not in _choices:
-        _choices[key] = SmallBatchKernels(tuple(
-            _fastest(weight, scale, dtype, rows, library, [c for c in configs if rows == 1 or not c.gemv])
-            for rows in ROW_BUCKETS))  # GEMV configs run tl.dot above one row: their tiles are not timed there
+        from tqdm.auto import tqdm
+
+        # GEMV configs run tl.dot above one row: their tiles are not timed there.
+        per_bucket = {rows: [c for c in configs if rows == 1 or not c.gemv] for rows in ROW_BUCKETS}
+        # The first start on a machine compiles every config (Triton caches them on disk for the next).
+        with tqdm(total=sum(len(c) + 1 for c in per_bucket.values()), unit="config", leave=False,
+                  desc=f"timing decode matmuls for {kind} {key[1]} x {key[2]}") as progress:
+            _choices[key] = SmallBatchKernels(tuple(
+                _fastest(weight, scale, dtype, rows, library, candidates, progress.update)
+                for rows, candidates in per_bucket.items()))
         logger.info("small-batch matmul, %s %d x %d: %s", kind, key[1], key[2], _choices[key].describe())
     return _choices[key]
 
@@ -113,8 +120,8 @@ def choices() -> dict[str, str]:
 
 
 def _fastest(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, rows: int,
-             library: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], configs: Sequence[SmallBatchConfig]
-             ) -> SmallBatchConfig | None:
+             library: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], configs: Sequence[SmallBatchConfig],
+             timed: Callable[[], Any] = lambda: None) -> SmallBatchConfig | None:
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
     x = torch.randn(rows, weight.shape[1], dtype=dtype, device=weight.device)
@@ -129,6 +136,7 @@ def _fastest(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
             timings[config] = graph_seconds(run)
         except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
             logger.info("small-batch config %s skipped: %s", config, exc)
+        timed()
     return min(timings, key=timings.get)
 
 

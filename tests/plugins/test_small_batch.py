@@ -64,3 +64,36 @@ def test_the_environment_picks_the_mode_and_a_bad_value_names_the_choices(monkey
         small_batch.mode()
     with pytest.raises(ValueError, match="'fast' is not one of auto, library, triton"):
         small_batch.set_mode("fast")
+
+
+def test_auto_keeps_the_fastest_per_bucket_and_times_gemv_configs_at_one_row_only(monkeypatch):
+    """The timing itself is faked (it needs a GPU): each candidate's 'device time' comes from a table."""
+    from treadle.plugins.models import small_batch_kernels
+
+    gemv = next(c for c in FP8_CONFIGS if c.gemv)
+    tiles = [c for c in FP8_CONFIGS if not c.gemv][:2]
+    seconds = {  # (candidate, rows) -> time; the GEMV would win everywhere if it were timed above one row
+        ("library", 1): 9.0, ("library", 16): 9.0, ("library", 32): 1.0,
+        (gemv, 1): 2.0, (gemv, 16): 0.1, (gemv, 32): 0.1,
+        (tiles[0], 1): 3.0, (tiles[0], 16): 2.0, (tiles[0], 32): 3.0,
+        (tiles[1], 1): 4.0, (tiles[1], 16): 2.5, (tiles[1], 32): 2.0,
+    }
+    timed: list[tuple] = []
+
+    def fake_seconds(run):
+        candidate, rows = run(0)
+        timed.append((candidate, rows))
+        return seconds[candidate, rows]
+
+    monkeypatch.setattr(small_batch, "graph_seconds", fake_seconds)
+    monkeypatch.setattr(small_batch, "weight_copies", lambda weight: [weight])
+    monkeypatch.setattr(small_batch_kernels, "small_batch_matmul", lambda x, w, s, config: (config, x.shape[0]))
+    monkeypatch.setattr(small_batch, "_choices", {})
+    weight = torch.zeros(64, 32)
+    chosen = small_batch.choose("fp8", weight, None, torch.float32, lambda x, w: ("library", x.shape[0]),
+                                [gemv, *tiles])
+    assert chosen == SmallBatchKernels((gemv, tiles[0], None))
+    assert (gemv, 16) not in timed and (gemv, 32) not in timed and len(timed) == 4 + 3 + 3
+    # Once per weight shape: another layer of the same shape reuses the choice without timing.
+    assert small_batch.choose("fp8", weight, None, torch.float32, lambda x, w: None, [gemv, *tiles]) is chosen
+    assert len(timed) == 10
