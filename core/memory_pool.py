@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -72,6 +72,7 @@ class KVCache:
         shape = (size + page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._store_kv = _one_kernel_kv_write(self.device)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffers[layer_id]
@@ -82,11 +83,9 @@ class KVCache:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (``[n, num_kv_heads, head_dim]`` or flattened) at slots ``loc``; on a GPU with Triton,
         in one kernel (``kv_store.py``)."""
-        if self.device.type == "cuda" and _triton_available():
-            from treadle.core.kv_store import store_kv
-
-            store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v, self.k_scales[layer_id],
-                     self.v_scales[layer_id])
+        if self._store_kv is not None:
+            self._store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v, self.k_scales[layer_id],
+                           self.v_scales[layer_id])
             return
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -106,9 +105,13 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _one_kernel_kv_write(device: torch.device) -> Any:
+    """``kv_store.store_kv`` on a GPU with Triton; None elsewhere (the index-put path)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from treadle.core.kv_store import store_kv
+
+    return store_kv
 
 
 def _to_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ attention-output buffer. A replay runs piece 0, the real backend's attention on
 the static q/k/v rows of the real tokens (told the KV cache is written), piece 1,
 and so on; the logits rows are then computed eagerly (``model.compute_logits``),
 since their number varies with the batch. Only the attention kernels run
-through the host per layer: the KV write, two index-puts per layer, replays.
+through the host per layer: the KV write (``KVCache.set_kv_buffer``) replays.
 
 A batch of ``n`` tokens replays the pieces of the smallest captured size ``>= n``;
 rows past ``n`` hold stale values that only feed rows past ``n`` (everything in a
