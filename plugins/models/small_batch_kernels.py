@@ -2,10 +2,10 @@
 
 A batch of a few tokens is bound by reading the weight, not by arithmetic, and cuBLAS leaves bandwidth unused
 on some of the shapes decode runs (narrow outputs fill one or two waves of SMs). This kernel reads the weight
-[N, K] in tiles of ``block_n`` rows, optionally splits K into ``split_k`` ranges (float32 partials that a second
-small kernel sums, so narrow shapes fill the SMs), and for one row of ``x`` has a GEMV form without
-``tl.dot`` (which would pad the row to 16). The weight is 16-bit (the model dtype) or FP8 with a float32 scale
-per output row, widened in registers; activations stay 16-bit. ``small_batch.py`` times the configs per weight
+[N, K] in tiles of ``block_n`` rows, optionally splits K into ``split_k`` ranges (float32 partials that the
+last of a tile's programs to finish sums, so narrow shapes fill the SMs in one kernel), and for one row of ``x``
+has a GEMV form without ``tl.dot`` (which would pad the row to 16). The weight is 16-bit (the model dtype) or
+FP8 with a float32 scale per output row, widened in registers; activations stay 16-bit. ``small_batch.py`` times the configs per weight
 shape at load and keeps the fastest (or the library matmul when it wins). FP8 layers use it; 16-bit layers do
 not: on the H100 it matched cuBLAS per call but made the bf16 decode step slower (docs/benchmarks.md), so the
 16-bit configs serve ``bench/small_batch_linear.py``'s comparison only.
@@ -21,11 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.core.pdl import enabled as launch_with_pdl
+from treadle.core.pdl import wait_then_allow_next
+
 
 @triton.jit
-def _small_batch_kernel(X, W, Scale, Y, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_ysplit,
+def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr):
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
+    wait_then_allow_next(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -42,14 +46,30 @@ def _small_batch_kernel(X, W, Scale, Y, M, N, K, k_per_split, stride_xm, stride_
     else:
         acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                     BLOCK_M, BLOCK_N, BLOCK_K)
-    y_ptrs = Y + pid_k * stride_ysplit + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        if HAS_SCALE:
-            acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=y_mask)
+    tile_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        # Every split stores its float32 partial tile [SPLIT_K, M, N] and counts itself in; the last of the
+        # tile's splits to arrive sums them (the release/acquire of the count makes the others' stores
+        # visible), so no second kernel is launched. It resets the count for the next call.
+        tile_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(Partials + pid_k * M * N + tile_offs, acc, mask=tile_mask)
+        arrival = Arrivals + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(Partials + split * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrival, 0, sem="relaxed")
+            _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
     else:
-        tl.store(y_ptrs, acc, mask=y_mask)
+        _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
+
+
+@triton.jit
+def _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:
+        acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
@@ -85,28 +105,12 @@ def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.con
     return acc
 
 
-@triton.jit
-def _split_k_sum_kernel(Partials, Scale, Y, numel, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                        HAS_SCALE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros([BLOCK], tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(Partials + split * numel + offs, mask=mask, other=0.0)
-    if HAS_SCALE:
-        acc = acc * tl.load(Scale + offs % N, mask=mask, other=0.0)
-    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
-
-
-_SUM_BLOCK = 512
-
-
 class SmallBatchConfig(NamedTuple):
     """One launch config of :func:`small_batch_matmul`.
 
     ``split_k`` > 1 splits K into that many contiguous ranges (each a multiple of ``block_k``) reduced by
-    separate programs into float32 partials, which a second kernel sums, scales and casts; 1 is a single
-    kernel. ``gemv`` runs one row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
+    separate programs into float32 partials, which the last of them to finish sums, scales and casts; 1 has
+    no partials. ``gemv`` runs one row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
     along K); it applies only when ``x`` has one row, more rows use ``tl.dot`` with the same tiles (16 rows
     of ``x`` per program, 32 for batches of 17 to 32).
     """
@@ -167,19 +171,27 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     block_m = 1 if gemv else (16 if m <= 16 else 32)
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
-    # Split-K programs write unscaled float32 partials [split_k, M, N]; the sum kernel finishes them.
-    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
+    pdl = launch_with_pdl(x.device)
     _small_batch_kernel[grid](
-        x, weight, scale if has_scale else weight, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        out.stride(-2), out.stride(0) if split_k > 1 else 0,
+        x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
+        m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=gemv,
-        HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SCALE=has_scale, PDL=pdl, launch_pdl=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split_k > 1:
-        _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
-            out, scale if has_scale else out, y, m * n, n, SPLIT_K=split_k, BLOCK=_SUM_BLOCK, HAS_SCALE=has_scale,
-            num_warps=4,
-        )
     return y
+
+
+_arrival_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, that split-K programs count their arrivals in (each call's
+    last program resets its tile's). Allocated once per device, at the first call, which happens while the
+    layers time their configs at load (``small_batch.choose``), before any CUDA graph is captured."""
+    counts = _arrival_counts.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _arrival_counts[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+    return counts

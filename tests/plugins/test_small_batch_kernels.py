@@ -52,6 +52,8 @@ for n, k in json.loads(sys.argv[1]):
                     ok = y.dtype == dtype and y.shape == (rows, n)
                     error = ((y.float() - reference).norm() / reference.norm()).item() if ok else float("inf")
                     errors[f"{kind}-{index}-{n}x{k}-{rows}-{str(dtype)[6:]}"] = error
+from treadle.plugins.models.small_batch_kernels import _arrival_counts
+errors["arrival counts left nonzero"] = sum(int(counts.count_nonzero()) for counts in _arrival_counts.values())
 print("RESULTS " + json.dumps(errors))
 """
 
@@ -64,6 +66,12 @@ def relative_errors() -> dict[str, float]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
+
+
+def test_split_k_calls_leave_their_arrival_counts_at_zero(relative_errors):
+    # Every split-K call's last program resets its tiles' counts; a leftover count would make the next call on
+    # those tiles sum before all its splits have arrived.
+    assert relative_errors["arrival counts left nonzero"] == 0
 
 
 @pytest.mark.parametrize("kind", CONFIGS)

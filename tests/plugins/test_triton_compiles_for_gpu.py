@@ -54,7 +54,7 @@ def _attention_kernels() -> dict:
              "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
             {"qk_scale", "v_scale"},
             dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, MAX_SPLITS=16, MIN_SPLIT_TOKENS=128,
-                 PRECISION="tf32", KV_FP8=fp8))
+                 PRECISION="tf32", KV_FP8=fp8, PDL=True))
         checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
             extend._extend_kernel,
             {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
@@ -64,7 +64,7 @@ def _attention_kernels() -> dict:
             dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=fp8))
     checks["decode_combine"] = lambda: _compile(
         decode._decode_combine_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "O": "*bf16", "Seq_lens": "*i64"},
-        set(), dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128))
+        set(), dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128, PDL=True))
     checks["flashinfer_page_table"] = lambda: _compile(
         _page_table_kernel(), {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64",
                                "kv_indptr": "*i32", "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128))
@@ -72,55 +72,58 @@ def _attention_kernels() -> dict:
 
 
 def _model_kernels() -> dict:
-    from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels, small_batch_kernels
+    from treadle.core import kv_store
+    from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
 
     return {
         "add_rmsnorm": lambda: _compile(
             fused_kernels._add_rmsnorm_kernel,
             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True)),
         "rotary_qkv": lambda: _compile(
             fused_kernels._rotary_qkv_kernel,
             {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
-             "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64)),
+             "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64, PDL=True)),
         "silu_mul": lambda: _compile(
-            fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024)),
+            fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024, PDL=True)),
         "fp8_per_token_quant": lambda: _compile(
             fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
             {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
-        "small_batch[fp8]": _small_batch("*fp8e4nv", "*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
-                                         GEMV=False, HAS_SCALE=True),
-        "small_batch[fp8,split_k]": _small_batch("*fp8e4nv", "*fp32", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4,
-                                                 GEMV=False, HAS_SCALE=True),
-        "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", "*bf16", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
-                                              GEMV=True, HAS_SCALE=True),
-        "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", "*fp32", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
-                                                       SPLIT_K=8, GEMV=True, HAS_SCALE=False),
-        "small_batch[bf16]": _small_batch("*bf16", "*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1,
-                                          GEMV=False, HAS_SCALE=False),
-        "split_k_sum": lambda: _compile(
-            small_batch_kernels._split_k_sum_kernel, {"Partials": "*fp32", "Scale": "*fp32", "Y": "*bf16"}, set(),
-            dict(SPLIT_K=4, BLOCK=512, HAS_SCALE=True)),
+        "small_batch[fp8]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
+                                         GEMV=False, HAS_SCALE=True, PDL=True),
+        "small_batch[fp8,split_k]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4,
+                                                 GEMV=False, HAS_SCALE=True, PDL=True),
+        "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
+                                              GEMV=True, HAS_SCALE=True, PDL=False),
+        "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
+                                                       SPLIT_K=8, GEMV=True, HAS_SCALE=False, PDL=True),
+        "small_batch[bf16]": _small_batch("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1,
+                                          GEMV=False, HAS_SCALE=False, PDL=False),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
              "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}, set(),
             dict(MUL_ROW_WEIGHT=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+        "store_kv[fp8e4nv]": lambda: _compile(
+            kv_store._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "K_cache": "*fp8e4nv", "V_cache": "*fp8e4nv",
+                                        "Loc": "*i64"}, {"k_scale", "v_scale", "fp8_max"},
+            dict(BLOCK=1024, TO_FP8=True, PDL=True)),
     }
 
 
-def _small_batch(weight_type: str, out_type: str, **constexprs: object):
-    """The small-batch matmul kernel with these constexprs; split-K variants write float32 partials."""
+def _small_batch(weight_type: str, **constexprs: object):
+    """The small-batch matmul kernel with these constexprs (split-K variants also write float32 partials)."""
     from treadle.plugins.models import small_batch_kernels
 
     return lambda: _compile(small_batch_kernels._small_batch_kernel,
-                            {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": out_type}, set(), constexprs)
+                            {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
+                             "Arrivals": "*i32"}, set(), constexprs)
 
 
 KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[bf16,gemv,split_k]", "small_batch[bf16]",
-           "split_k_sum", "moe_grouped_gemm"]
+           "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
 def _compile_all() -> dict[str, str | None]:
