@@ -12,14 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import enabled as launch_with_pdl
-from treadle.core.pdl import wait_then_allow_next
-
 
 @triton.jit
 def _store_kv_kernel(K, V, K_cache, V_cache, Loc, stride_k, stride_v, width, k_scale, v_scale, fp8_max,
-                     BLOCK: tl.constexpr, TO_FP8: tl.constexpr, PDL: tl.constexpr):
-    wait_then_allow_next(PDL)
+                     BLOCK: tl.constexpr, TO_FP8: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(Loc + row).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -53,9 +49,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     k2, v2 = (x if x.stride(1) == 1 else x.contiguous() for x in (k2, v2))
     to_fp8 = k_cache.dtype in (torch.float8_e4m3fn,)
     block = triton.next_power_of_2(width)
-    pdl = launch_with_pdl(k_cache.device)
     _store_kv_kernel[(n,)](
         k2, v2, k_cache, v_cache, loc, k2.stride(0), v2.stride(0), width, float(k_scale), float(v_scale),
         float(torch.finfo(k_cache.dtype).max) if to_fp8 else 0.0,
-        BLOCK=block, TO_FP8=to_fp8, PDL=pdl, launch_pdl=pdl, num_warps=4 if block <= 2048 else 8,
+        BLOCK=block, TO_FP8=to_fp8, num_warps=4 if block <= 2048 else 8,
     )

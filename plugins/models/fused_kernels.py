@@ -6,17 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import enabled as launch_with_pdl
-from treadle.core.pdl import wait_then_allow_next
-
 
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     n_cols, eps, stride_x, stride_residual,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    wait_then_allow_next(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -38,12 +34,10 @@ def add_rmsnorm(x, residual, weight, eps):
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out)
     block = triton.next_power_of_2(n_cols)
-    pdl = launch_with_pdl(x.device)
     _add_rmsnorm_kernel[(n_rows,)](
         x, residual if residual is not None else x, weight, out, residual_out,
         n_cols, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl,
-        num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return out, residual_out
 
@@ -70,9 +64,8 @@ def _rotate_heads(src_ptr, dst_ptr, cos, sin, num_heads, HEADS: tl.constexpr, HA
 def _rotary_qkv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
     stride_qkv, stride_cos, num_heads, num_kv_heads,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
 ):
-    wait_then_allow_next(PDL)
     token = tl.program_id(0)
     offs = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + token * stride_cos + offs).to(tl.float32)
@@ -96,18 +89,16 @@ def rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
     v = torch.empty_like(k)
     cos2d = cos.reshape(num_tokens, head_dim)
     sin2d = sin.reshape(num_tokens, head_dim)
-    pdl = launch_with_pdl(qkv.device)
     _rotary_qkv_kernel[(num_tokens,)](
         qkv, cos2d, sin2d, q, k, v, qkv.stride(0), cos2d.stride(0), num_heads, num_kv_heads,
         HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        HALF=head_dim // 2, num_warps=4,
     )
     return q, k, v
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_then_allow_next(PDL)
+def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -124,7 +115,6 @@ def silu_mul(gate_up):
     n_cols = width // 2
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    pdl = launch_with_pdl(gate_up.device)
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](gate_up, out, n_cols, gate_up.stride(0), BLOCK=block,
-                                                           PDL=pdl, launch_pdl=pdl, num_warps=4)
+                                                           num_warps=4)
     return out

@@ -21,15 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import enabled as launch_with_pdl
-from treadle.core.pdl import wait_then_allow_next
-
 
 @triton.jit
 def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr):
-    wait_then_allow_next(PDL)
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -174,12 +170,11 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
-    pdl = launch_with_pdl(x.device)
     _small_batch_kernel[grid](
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=gemv,
-        HAS_SCALE=has_scale, PDL=pdl, launch_pdl=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

@@ -104,18 +104,15 @@ def test_profiles_of_decode_and_of_a_small_prefill_time_the_host_and_restore_the
     assert "forward" not in vars(runner), "the host timer must be removed after the window"
 
 
-def test_variants_set_the_small_batch_matmul_and_pdl_and_reset_them_for_the_next():
-    pytest.importorskip("triton")
+
+def test_variants_set_the_small_batch_matmul_and_reset_it_for_the_next():
     from treadle.bench.one_batch import _variant_overrides
-    from treadle.core import pdl
     from treadle.plugins.models import small_batch
 
     try:
-        overrides = _variant_overrides("model.quantization=fp8;small_batch_matmul=library;pdl=off")
-        assert overrides == {"model.quantization": "fp8"}
-        assert small_batch.mode() == "library" and pdl._forced is False
+        assert _variant_overrides("model.quantization=fp8;small_batch_matmul=library") == {"model.quantization": "fp8"}
+        assert small_batch.mode() == "library"
         assert _variant_overrides("model.quantization=null") == {"model.quantization": None}
-        assert small_batch.mode() == "auto" and pdl._forced is None
+        assert small_batch.mode() == "auto"
     finally:
         small_batch.set_mode(None)
-        pdl.set_enabled(None)

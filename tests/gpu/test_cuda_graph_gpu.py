@@ -59,25 +59,3 @@ def test_batches_larger_than_the_graphs_run_eagerly(real_shape_llama_dir, engine
     assert replays == 0  # six requests, all finishing together: every decode step is too big for the graphs
     eager, _ = _generate(engine_config(real_shape_llama_dir, "triton", "bfloat16", graphs=False), prompts)
     assert graphed == eager
-
-
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_programmatic_dependent_launch_gives_identical_tokens(real_shape_llama_dir, engine_config, quantization):
-    """PDL (core/pdl.py) only lets kernels start early; every kernel waits for its predecessor's writes, so
-    greedy tokens with it on and off are the same (FP8 weights run the split-K small-batch matmul too)."""
-    from treadle.core import pdl
-
-    if quantization and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
-    config = engine_config(real_shape_llama_dir, "triton", "bfloat16")
-    config["model"]["quantization"] = quantization
-    prompts = _prompts(8, seed=5)
-    try:
-        pdl.set_enabled(False)
-        without, _ = _generate(config, prompts)
-        pdl.set_enabled(True)
-        with_pdl, replays = _generate(config, prompts)
-    finally:
-        pdl.set_enabled(None)
-    assert replays >= NEW_TOKENS - 1
-    assert with_pdl == without

@@ -43,10 +43,9 @@ def test_fp8_linear_is_close_to_bf16(n, k, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32])
-def test_split_k_matmul_replayed_from_a_graph_with_pdl_matches_eager(rows):
-    """The split-K configs' last-arriving program sums the partials: replayed back to back from a CUDA graph with
-    programmatic dependent launch, every call gives the eager result bit for bit and leaves the counts at zero."""
-    from treadle.core import pdl
+def test_split_k_matmul_replayed_from_a_graph_matches_eager(rows):
+    """The split-K configs' last-arriving program sums the partials: replayed back to back from a CUDA graph,
+    every call gives the eager result bit for bit and leaves the counts at zero."""
     from treadle.plugins.models.fp8_ops import quantize_per_channel
     from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, _arrival_counts, small_batch_matmul
 
@@ -54,17 +53,13 @@ def test_split_k_matmul_replayed_from_a_graph_with_pdl_matches_eager(rows):
     wq, ws = quantize_per_channel((torch.randn(4096, 14336, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16))
     x = torch.randn(rows, 14336, device=DEVICE, generator=gen).to(torch.bfloat16)
     configs = [config for config in FP8_CONFIGS if config.split_k > 1]
-    pdl.set_enabled(True)
-    try:
-        eager = [small_batch_matmul(x, wq, ws, config) for config in configs]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graphed = [small_batch_matmul(x, wq, ws, config) for config in configs for _ in range(3)]
-        for _ in range(2):
-            graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        pdl.set_enabled(None)
+    eager = [small_batch_matmul(x, wq, ws, config) for config in configs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = [small_batch_matmul(x, wq, ws, config) for config in configs for _ in range(3)]
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
     for index, config in enumerate(configs):
         for out in graphed[3 * index: 3 * index + 3]:
             assert torch.equal(out, eager[index]), config

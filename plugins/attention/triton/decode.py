@@ -19,9 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import enabled as launch_with_pdl
-from treadle.core.pdl import wait_then_allow_next
-
 _LOG2E = 1.4426950408889634
 
 
@@ -48,9 +45,8 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    wait_then_allow_next(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,9 +128,8 @@ def _decode_combine_kernel(
     stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, PDL: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
 ):
-    wait_then_allow_next(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
@@ -193,7 +188,6 @@ def decode_attention(
     block_d = max(triton.next_power_of_2(head_dim), 16)
     if bs == 0:
         return
-    pdl = launch_with_pdl(q.device)
     _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
@@ -208,7 +202,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, PDL=pdl, launch_pdl=pdl,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bs, num_heads)](
@@ -218,5 +212,5 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         MAX_SPLITS=max_kv_splits, BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT_TOKENS=min_split_tokens,
-        PDL=pdl, launch_pdl=pdl, num_warps=4 if block_d <= 128 else 8,
+        num_warps=4 if block_d <= 128 else 8,
     )
