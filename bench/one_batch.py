@@ -33,8 +33,7 @@ A backend may be given tunables: ``--backends flashinfer:use_tensor_cores=false`
 comma-separated list of ``;``-separated ``KEY=VALUE`` overrides, e.g.
 ``--compare "model.quantization=null,model.quantization=fp8"`` (bf16 vs FP8 weights; the roofline
 counts each parameter's real bytes, so FP8 weights halve it); ``small_batch_matmul=library`` (or ``triton``)
-forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py);
-``fuse_input_ops=false`` keeps the norms and SiLU·mul out of its one-row GEMVs (separate kernels, for A/B).
+forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py).
 
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
@@ -216,7 +215,7 @@ def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
 def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_graph: bool, max_bs: int,
                   args: argparse.Namespace, device: torch.device, variant: str = "") -> Any:
     """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
-    is ``KEY=VALUE;...`` config overrides (plus ``small_batch_matmul`` and ``fuse_input_ops``)."""
+    is ``KEY=VALUE;...`` config overrides (plus ``small_batch_matmul``)."""
     from treadle.core.config import load_config
     from treadle.core.cuda_graph import CudaGraphRunner
     from treadle.core.model_runner import ModelRunner
@@ -439,13 +438,10 @@ def _variant_overrides(variant: str) -> dict[str, Any]:
 
     overrides: dict[str, Any] = {}
     small_batch.set_mode(None)
-    small_batch.fuse_input_ops = True
     for item in filter(None, (part.strip() for part in variant.split(";"))):
         key, _, value = item.partition("=")
         if key == "small_batch_matmul":
             small_batch.set_mode(value)
-        elif key == "fuse_input_ops":
-            small_batch.fuse_input_ops = bool(yaml.safe_load(value))
         else:
             overrides[key] = yaml.safe_load(value)
     return overrides

@@ -10,8 +10,7 @@ See ``core/quantization.py`` for when which path is used.
 
 On a GPU, decode-sized batches may run the Triton kernel of ``small_batch_kernels.py`` instead (FP8 weights
 widened in registers, 16-bit activations, no activation quantization), where it times faster at load
-(``small_batch.py``); at one row that kernel also computes the layer's input op (the add + RMSNorm before
-q/k/v and gate/up, SiLU·mul before down_proj), one launch fewer per op.
+(``small_batch.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from treadle.plugins.models.fp8_ops import (
     quantize_per_token,
     quantize_static,
 )
-from treadle.plugins.models.fused_ops import InputOp
 from treadle.plugins.models.linear import LinearBase, LinearMethod, RowParallelLinear, set_weight_attrs
 from treadle.plugins.models.small_batch import SmallBatchKernels
 
@@ -110,16 +108,6 @@ class Fp8LinearMethod(LinearMethod):
         if bias is not None:
             y = y + bias
         return y.reshape(*leading, y.shape[-1])
-
-    def apply_to(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, input_op: InputOp
-                 ) -> torch.Tensor:
-        # One decode row through a GEMV config computes the norm or SiLU·mul in the matmul's kernel.
-        if not self.config.dequantize and x.dim() == 2:
-            y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, layer.weight_scale,
-                                   input_op=input_op)
-            if y is not None:
-                return y if bias is None else y + bias
-        return super().apply_to(layer, x, bias, input_op)
 
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
         from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS

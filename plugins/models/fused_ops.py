@@ -62,38 +62,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class InputOp:
-    """An op a linear layer computes on its input before its matmul (``layer(x, input_op)``): a quantization
-    method whose kernel can compute it in the same launch does (``LinearMethod.apply_to``); otherwise the layer
-    calls it, ``input_op(x)``, and multiplies the result. It saves one launch per layer and op where fused."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class AddRMSNormInput(InputOp):
-    """:func:`add_rmsnorm` as a layer's input op: the layer multiplies ``rmsnorm(x + residual)``, and
-    ``summed`` holds ``x + residual`` (the residual stream) once it has run."""
-
-    def __init__(self, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> None:
-        self.residual = residual
-        self.weight = weight
-        self.eps = eps
-        self.summed: torch.Tensor | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        normed, self.summed = add_rmsnorm(x, self.residual, self.weight, self.eps)
-        return normed
-
-
-class SiluMulInput(InputOp):
-    """:func:`silu_mul` as a layer's input op: the layer multiplies ``silu(gate) * up`` of its ``[gate | up]``
-    input."""
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_mul(gate_up)
-
-
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the fused ops run Triton kernels for ``x``: on CUDA, with Triton installed and not disabled
     by ``TREADLE_DISABLE_FUSED_OPS=1``."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch
-from treadle.plugins.models.fused_ops import AddRMSNormInput, InputOp, SiluMulInput, add_rmsnorm, rotary_qkv
+from treadle.plugins.models.fused_ops import add_rmsnorm, rotary_qkv, silu_mul
 from treadle.plugins.models.linear import (  # noqa: F401  (CheckpointError is re-exported)
     CheckpointError,
     MergedColumnParallelLinear,
@@ -43,11 +43,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         normed, summed = add_rmsnorm(x, residual, self.weight, self.eps)
         return normed if residual is None else (normed, summed)
-
-    def as_input_op(self, residual: torch.Tensor | None) -> AddRMSNormInput:
-        """This norm of ``x + residual`` as the next linear layer's input op (``layer(x, op)``, then
-        ``op.summed`` is the residual stream), so a kernel that can fuses it into the matmul."""
-        return AddRMSNormInput(residual, self.weight, self.eps)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -131,12 +126,8 @@ class GatedMLP(nn.Module):
             intermediate_size, hidden_size, bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
 
-    def forward(self, x: torch.Tensor, input_op: InputOp | None = None) -> torch.Tensor:
-        """``down(silu(gate(x')) * up(x'))`` where ``x' = input_op(x)`` (``x`` without one)."""
-        return self.down_proj(self.gate_up_proj(x, input_op), _SILU_MUL)
-
-
-_SILU_MUL = SiluMulInput()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class SelfAttention(nn.Module):
@@ -182,12 +173,9 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch,
-        input_op: InputOp | None = None,
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        """Attention output for ``input_op(hidden_states)`` (``hidden_states`` without an op: see
-        :class:`~treadle.plugins.models.fused_ops.InputOp`)."""
-        qkv = self.qkv_proj(hidden_states, input_op)
+        qkv = self.qkv_proj(hidden_states)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -250,16 +238,15 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(mlp output, residual stream)``; the caller adds them (fused into the next norm).
-
-        Each norm is handed to the projection after it as its input op, so a kernel that can (FP8 decode of one
-        token) computes the norm inside the matmul."""
-        norm = self.input_layernorm.as_input_op(residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, forward_batch, norm)
-        norm = self.post_attention_layernorm.as_input_op(norm.summed)
-        if isinstance(self.mlp, GatedMLP):
-            return self.mlp(hidden_states, norm), norm.summed
-        return self.mlp(norm(hidden_states)), norm.summed
+        """Returns ``(mlp output, residual stream)``; the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 def head_dim(config: Any) -> int:

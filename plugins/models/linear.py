@@ -22,9 +22,7 @@ and copies this rank's slice, and a ``full_shards`` list
 The matmul itself is delegated to ``layer.quant_method`` (``create_weights``,
 ``process_weights_after_loading``, ``apply``), chosen at construction from a
 ``quant_config`` (None means :class:`UnquantizedLinearMethod`), so a quantization
-scheme plugs in without touching the layers. A layer may be handed an op to run on
-its input first (``layer(x, input_op)``: the norm before q/k/v, SiLU·mul before
-down_proj); ``apply_to`` lets a method compute it inside its own kernel.
+scheme plugs in without touching the layers.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ from treadle.core.parallel import (
     tp_kv_head_start,
 )
 from treadle.core.quantization import QuantizationConfig
-from treadle.plugins.models.fused_ops import InputOp
 
 
 class CheckpointError(ValueError):
@@ -71,11 +68,6 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for this rank's partition."""
-
-    def apply_to(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None, input_op: InputOp
-                 ) -> torch.Tensor:
-        """``apply`` on ``input_op(x)``; a method whose kernel computes the op itself overrides this."""
-        return self.apply(layer, input_op(x), bias)
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -126,14 +118,8 @@ class LinearBase(nn.Module):
         self.params_dtype = torch.get_default_dtype()
         self.quant_method = quant_method_for(self, quant_config, prefix)
 
-    def forward(self, x: torch.Tensor, input_op: InputOp | None = None) -> torch.Tensor:
-        """``input_op(x) @ weight.T (+ bias)``; without ``input_op``, ``x`` itself."""
-        return self._matmul(x, self.bias, input_op)
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, input_op: InputOp | None) -> torch.Tensor:
-        if input_op is None:
-            return self.quant_method.apply(self, x, bias)
-        return self.quant_method.apply_to(self, x, bias, input_op)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
 
     def _add_bias(self, rows: int, full_shards: list[tuple[str | None, tuple[int, ...]]], loader: Callable) -> None:
         if rows == 0:
@@ -162,8 +148,8 @@ class ColumnParallelLinear(LinearBase):
                          full_shards=[(None, (output_size, input_size))])
         self._add_bias(self.output_size_per_partition if bias else 0, [(None, (output_size,))], self.weight_loader)
 
-    def forward(self, x: torch.Tensor, input_op: InputOp | None = None) -> torch.Tensor:
-        y = self._matmul(x, self.bias, input_op)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quant_method.apply(self, x, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
@@ -272,10 +258,10 @@ class RowParallelLinear(LinearBase):
                          full_shards=[(None, (output_size, input_size))])
         self._add_bias(output_size if bias else 0, [(None, (output_size,))], default_weight_loader)
 
-    def forward(self, x: torch.Tensor, input_op: InputOp | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._matmul(x, self.bias, input_op)
-        y = self._matmul(x, None, input_op)
+            return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from treadle.plugins.models.fused_ops import AddRMSNormInput, InputOp, SiluMulInput
-
 if TYPE_CHECKING:
     from treadle.plugins.models.small_batch_kernels import SmallBatchConfig
 
@@ -32,9 +30,6 @@ SMALL_BATCH_ROWS = ROW_BUCKETS[-1]
 MODES = ("auto", "library", "triton")
 
 _mode: str | None = None
-# Whether one-row GEMVs compute a layer's input op (norm, SiLU·mul) in their kernel; off only for A/B runs
-# (``treadle bench one-batch --compare fuse_input_ops=false``).
-fuse_input_ops = True
 
 
 def set_mode(chosen: str | None) -> None:
@@ -107,33 +102,16 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
     return _choices[key]
 
 
-def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-           input_op: InputOp | None = None) -> torch.Tensor | None:
+def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+           ) -> torch.Tensor | None:
     """``x @ (weight * scale).T`` for ``x`` [M, K] through the Triton config ``kernels`` chose for M rows;
-    None where the caller runs its library matmul (no choice, M above the buckets, or no rows).
-
-    With ``input_op`` (an :class:`AddRMSNormInput` or :class:`SiluMulInput`) the kernel multiplies
-    ``input_op(x)`` and computes the op itself: only one row through a GEMV config can, otherwise None."""
+    None where the caller runs its library matmul (no choice, M above the buckets, or no rows)."""
     config = kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
     if config is None:
         return None
-    from treadle.plugins.models.small_batch_kernels import NormInput, small_batch_matmul
+    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if input_op is None:
-        return small_batch_matmul(x, weight, scale, config)
-    if x.shape[0] != 1 or not config.gemv or not fuse_input_ops:
-        return None
-    if isinstance(input_op, SiluMulInput):
-        return small_batch_matmul(x, weight, scale, config, silu_mul=True)
-    if isinstance(input_op, AddRMSNormInput):
-        residual = input_op.residual
-        if residual is not None and residual.stride(-1) != 1:
-            residual = residual.contiguous()
-        input_op.summed = torch.empty_like(x)
-        norm = NormInput(residual, input_op.weight, input_op.eps, input_op.summed)
-        return small_batch_matmul(x, weight, scale, config, norm=norm)
-    return None
+    return small_batch_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, scale, config)
 
 
 def choices() -> dict[str, str]:

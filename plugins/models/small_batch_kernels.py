@@ -21,18 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-# What the one-row GEMV computes on its input before multiplying (``Prologue``).
-NO_PROLOGUE: tl.constexpr = tl.constexpr(0)
-ADD_RMSNORM: tl.constexpr = tl.constexpr(1)
-SILU_MUL: tl.constexpr = tl.constexpr(2)
-
 
 @triton.jit
-def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weight, Summed, eps,
-                        M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -45,7 +38,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     k_end = tl.minimum(k_start + k_per_split, K)
     if GEMV:
         acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
-                   Residual, Norm_weight, Summed, eps, pid_n == 0, BLOCK_N, BLOCK_K, PROLOGUE, HAS_RESIDUAL)[None, :]
+                   BLOCK_N, BLOCK_K)[None, :]
     else:
         acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                     BLOCK_M, BLOCK_N, BLOCK_K)
@@ -93,49 +86,19 @@ def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, st
 
 
 @triton.jit
-def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, Residual, Norm_weight, Summed, eps, writes_sum,
-         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    rstd = 0.0
-    if PROLOGUE == ADD_RMSNORM:  # every program needs the whole row's statistics: one pass over it first
-        squares = tl.zeros([BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            summed = _summed(X_row, Residual, cols, cols < K, HAS_RESIDUAL).to(tl.float32)
-            squares += summed * summed
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
+def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X_row + offs_k
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        k_mask = cols < K
-        if PROLOGUE == ADD_RMSNORM:
-            x = _summed(X_row, Residual, cols, k_mask, HAS_RESIDUAL)
-            if writes_sum:  # one program per column range writes the sum
-                tl.store(Summed + cols, x, mask=k_mask)
-            # Rounded like fused_ops.add_rmsnorm: the normalized row, then its product with the weight.
-            normed = (x.to(tl.float32) * rstd).to(x.dtype)
-            weight = tl.load(Norm_weight + cols, mask=k_mask, other=0.0)
-            x = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-        elif PROLOGUE == SILU_MUL:  # X_row is [gate | up], K wide each; rounded like fused_ops.silu_mul
-            gate = tl.load(X_row + cols, mask=k_mask, other=0.0)
-            up = tl.load(X_row + K + cols, mask=k_mask, other=0.0)
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-        else:
-            x = tl.load(X_row + cols, mask=k_mask, other=0.0)
+        k_mask = (k + tl.arange(0, BLOCK_K)) < K
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+        acc += tl.sum(w * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
-
-
-@triton.jit
-def _summed(X_row, Residual, cols, mask, HAS_RESIDUAL: tl.constexpr):
-    x = tl.load(X_row + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(Residual + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-    return x
 
 
 class SmallBatchConfig(NamedTuple):
@@ -193,47 +156,25 @@ SIXTEEN_BIT_CONFIGS = (
 )
 
 
-class NormInput(NamedTuple):
-    """For :func:`small_batch_matmul`: multiply ``rmsnorm(x + residual) * weight`` (``x`` alone when
-    ``residual`` is None) instead of ``x``, and write ``x + residual`` into ``summed``; rounded like
-    ``fused_ops.add_rmsnorm``."""
-
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    summed: torch.Tensor
-
-
-def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, config: SmallBatchConfig,
-                       *, norm: NormInput | None = None, silu_mul: bool = False) -> torch.Tensor:
+def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                       config: SmallBatchConfig) -> torch.Tensor:
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
-    16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype.
-
-    One row through a GEMV config may compute its input in the same kernel (saving a launch per layer):
-    ``norm`` (see :class:`NormInput`), or ``silu_mul`` (``x`` is ``[gate | up]``, 2K wide: multiply
-    ``silu(gate) * up``, rounded like ``fused_ops.silu_mul``)."""
-    m = x.shape[0]
-    n, k = weight.shape
+    16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     gemv = config.gemv and m == 1
-    if (norm is not None or silu_mul) and not gemv:
-        raise ValueError(f"a norm or SiLU·mul input needs one row and a GEMV config, not {m} rows with {config}")
     block_m = 1 if gemv else (16 if m <= 16 else 32)
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
-    prologue = ADD_RMSNORM if norm is not None else SILU_MUL if silu_mul else NO_PROLOGUE
-    residual = norm.residual if norm is not None else None
     _small_batch_kernel[grid](
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
-        x if residual is None else residual, x if norm is None else norm.weight, x if norm is None else norm.summed,
-        0.0 if norm is None else norm.eps,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=gemv,
-        HAS_SCALE=has_scale, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

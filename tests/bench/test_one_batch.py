@@ -105,16 +105,14 @@ def test_profiles_of_decode_and_of_a_small_prefill_time_the_host_and_restore_the
 
 
 
-def test_variants_set_the_small_batch_matmul_and_its_fusion_and_reset_them_for_the_next():
+def test_variants_set_the_small_batch_matmul_and_reset_it_for_the_next():
     from treadle.bench.one_batch import _variant_overrides
     from treadle.plugins.models import small_batch
 
     try:
-        overrides = _variant_overrides("model.quantization=fp8;small_batch_matmul=library;fuse_input_ops=false")
-        assert overrides == {"model.quantization": "fp8"}
-        assert small_batch.mode() == "library" and not small_batch.fuse_input_ops
+        assert _variant_overrides("model.quantization=fp8;small_batch_matmul=library") == {"model.quantization": "fp8"}
+        assert small_batch.mode() == "library"
         assert _variant_overrides("model.quantization=null") == {"model.quantization": None}
-        assert small_batch.mode() == "auto" and small_batch.fuse_input_ops
+        assert small_batch.mode() == "auto"
     finally:
         small_batch.set_mode(None)
-        small_batch.fuse_input_ops = True

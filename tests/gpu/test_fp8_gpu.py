@@ -66,54 +66,6 @@ def test_split_k_matmul_replayed_from_a_graph_matches_eager(rows):
     assert all(int(counts.count_nonzero()) == 0 for counts in _arrival_counts.values())
 
 
-@pytest.mark.parametrize("op", ["norm", "norm-first-layer", "silu"])
-def test_one_row_gemv_computing_its_input_op_matches_the_op_then_the_matmul(op):
-    """Llama-3.1-8B's q/k/v (after the norm) and down_proj (after SiLU·mul) at one row, every GEMV config: the
-    residual stream the kernel writes is bit-exact, the product within a last bit of the rms's float32 sum."""
-    from treadle.plugins.models import fused_kernels, small_batch
-    from treadle.plugins.models.fp8_ops import quantize_per_channel
-    from treadle.plugins.models.fused_ops import AddRMSNormInput, SiluMulInput
-    from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, small_batch_matmul
-
-    gen = torch.Generator(device=DEVICE).manual_seed(7)
-    n, k = (4096, 14336) if op == "silu" else (6144, 4096)
-    wq, ws = quantize_per_channel((torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16))
-    x, residual = (torch.randn(1, 2 * k if op == "silu" else k, device=DEVICE, generator=gen).to(torch.bfloat16)
-                   for _ in range(2))
-    norm_weight = (torch.rand(k, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
-    for config in (config for config in FP8_CONFIGS if config.gemv):
-        kernels = small_batch.SmallBatchKernels((config,) * 3)
-        if op == "silu":
-            fused = small_batch.matmul(kernels, x, wq, ws, SiluMulInput())
-            unfused = small_batch_matmul(fused_kernels.silu_mul(x), wq, ws, config)
-            assert torch.equal(fused, unfused), config
-            continue
-        input_op = AddRMSNormInput(residual if op == "norm" else None, norm_weight, 1e-5)
-        fused = small_batch.matmul(kernels, x, wq, ws, input_op)
-        normed, summed = fused_kernels.add_rmsnorm(x, input_op.residual, norm_weight, 1e-5)
-        assert torch.equal(input_op.summed, summed), config
-        assert _relative_error(fused, small_batch_matmul(normed, wq, ws, config)) < 2e-3, config
-
-
-def test_fp8_decode_of_one_request_matches_with_the_input_ops_in_the_gemv_or_separate(real_shape_llama_dir,
-                                                                                      engine_config):
-    """One request at a time, so decode runs the one-row GEMVs that compute the norms and SiLU·mul. The rms's
-    float32 sum is ordered differently in the two paths (a last-bit difference now and then, which this random
-    model can amplify into another token and change the rest of that request), so four of the five requests,
-    not all, must be identical; miswiring (a wrong residual or norm weight) would leave none."""
-    from treadle.plugins.models import small_batch
-
-    one_at_a_time = {"model": {"quantization": "fp8"}, "scheduler": {"max_running_requests": 1}}
-    try:
-        small_batch.fuse_input_ops = False
-        separate = _greedy(real_shape_llama_dir, engine_config, "triton", True, **one_at_a_time)
-        small_batch.fuse_input_ops = True
-        fused = _greedy(real_shape_llama_dir, engine_config, "triton", True, **one_at_a_time)
-    finally:
-        small_batch.fuse_input_ops = True
-    assert len(fused) == 5 and sum(a == b for a, b in zip(fused, separate)) >= 4, (fused, separate)
-
-
 def test_per_token_quant_kernel_matches_torch_rounding():
     from treadle.core.quantization import FP8_DTYPE, FP8_MAX
     from treadle.plugins.models.fp8_kernels import per_token_quant

@@ -97,17 +97,3 @@ def test_auto_keeps_the_fastest_per_bucket_and_times_gemv_configs_at_one_row_onl
     # Once per weight shape: another layer of the same shape reuses the choice without timing.
     assert small_batch.choose("fp8", weight, None, torch.float32, lambda x, w: None, [gemv, *tiles]) is chosen
     assert len(timed) == 10
-
-
-def test_an_input_op_runs_in_the_kernel_only_for_one_row_through_a_gemv_config():
-    from treadle.plugins.models.fused_ops import AddRMSNormInput, InputOp, SiluMulInput
-
-    gemv, tiles = next(c for c in FP8_CONFIGS if c.gemv), next(c for c in FP8_CONFIGS if not c.gemv)
-    weight = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
-    norm = AddRMSNormInput(None, torch.ones(32), 1e-6)
-    # Where the kernel cannot compute the op, matmul declines (the layer then runs the op, then the matmul).
-    assert small_batch.matmul(SmallBatchKernels((gemv, gemv, None)), torch.randn(2, 32), weight, None, norm) is None
-    assert small_batch.matmul(SmallBatchKernels((tiles, tiles, None)), torch.randn(1, 32), weight, None, norm) is None
-    assert small_batch.matmul(SmallBatchKernels((gemv,) * 3), torch.randn(1, 32), weight, None, InputOp()) is None
-    assert small_batch.matmul(SmallBatchKernels((tiles,) * 3), torch.randn(1, 64), weight, None, SiluMulInput()) is None
-    assert norm.summed is None

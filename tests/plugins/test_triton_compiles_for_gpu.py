@@ -90,20 +90,15 @@ def _model_kernels() -> dict:
             fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
             {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
         "small_batch[fp8]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
-                                         GEMV=False, HAS_SCALE=True, PROLOGUE=0, HAS_RESIDUAL=False),
+                                         GEMV=False, HAS_SCALE=True),
         "small_batch[fp8,split_k]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4,
-                                                 GEMV=False, HAS_SCALE=True, PROLOGUE=0, HAS_RESIDUAL=False),
+                                                 GEMV=False, HAS_SCALE=True),
         "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
-                                              GEMV=True, HAS_SCALE=True, PROLOGUE=0, HAS_RESIDUAL=False),
-        "small_batch[fp8,gemv,norm]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=2,
-                                                   GEMV=True, HAS_SCALE=True, PROLOGUE=1, HAS_RESIDUAL=True),
-        "small_batch[fp8,gemv,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, SPLIT_K=8,
-                                                       GEMV=True, HAS_SCALE=True, PROLOGUE=2, HAS_RESIDUAL=False),
+                                              GEMV=True, HAS_SCALE=True),
         "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
-                                                       SPLIT_K=8, GEMV=True, HAS_SCALE=False, PROLOGUE=0,
-                                                       HAS_RESIDUAL=False),
+                                                       SPLIT_K=8, GEMV=True, HAS_SCALE=False),
         "small_batch[bf16]": _small_batch("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1,
-                                          GEMV=False, HAS_SCALE=False, PROLOGUE=0, HAS_RESIDUAL=False),
+                                          GEMV=False, HAS_SCALE=False),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -122,14 +117,12 @@ def _small_batch(weight_type: str, **constexprs: object):
 
     return lambda: _compile(small_batch_kernels._small_batch_kernel,
                             {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
-                             "Arrivals": "*i32", "Residual": "*bf16", "Norm_weight": "*bf16", "Summed": "*bf16"},
-                            {"eps"}, constexprs)
+                             "Arrivals": "*i32"}, set(), constexprs)
 
 
 KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
-           "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,norm]",
-           "small_batch[fp8,gemv,silu_mul]", "small_batch[bf16,gemv,split_k]", "small_batch[bf16]",
+           "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[bf16,gemv,split_k]", "small_batch[bf16]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
