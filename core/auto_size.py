@@ -132,8 +132,8 @@ def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bo
     """``runtime.piecewise_cuda_graph_max_tokens`` for this device: ``auto`` is
     ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on one GPU (no larger than the largest extend step: one prefill chunk
     plus ``mixed_decode_rows``, the decode rows a mixed step carries beside it, or a latency chunk with
-    fewer decode rows than its size beside it), and 0 (off) on the CPU and under tensor parallelism
-    (where ``ServerConfig`` refuses a token count: the engine hung with one on 2 GPUs)."""
+    fewer decode rows than its size beside it), and 0 (off) on the CPU and under tensor parallelism (not
+    measured there yet; a token count turns them on, docs/parallel.md)."""
     if piecewise_max_tokens != "auto":
         return int(piecewise_max_tokens)
     if not on_cuda or tp_size > 1:

@@ -244,17 +244,6 @@ class ServerConfig(BaseSettings):
         # load_config merges file, environment and CLI itself, in that order.
         return (init_settings,)
 
-    @model_validator(mode="after")
-    def _no_prefill_graphs_under_tensor_parallelism(self) -> "ServerConfig":
-        tokens = self.runtime.piecewise_cuda_graph_max_tokens
-        if self.parallel.tp_size > 1 and tokens != "auto" and tokens > 0:
-            # Tried on 2 H200s: the engine hung (tests/gpu/test_tensor_parallel_gpu.py keeps the repro).
-            raise ValueError(
-                f"runtime.piecewise_cuda_graph_max_tokens={tokens} is not supported with parallel.tp_size="
-                f"{self.parallel.tp_size}: prefill CUDA graphs hang under tensor parallelism today; leave it at "
-                "auto (off there) or set 0")
-        return self
-
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 

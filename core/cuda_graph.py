@@ -133,6 +133,12 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------- replay
 
+    def release(self) -> None:
+        """Free every captured graph (the runner cannot replay afterwards)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return (
             forward_batch.forward_mode.is_decode()

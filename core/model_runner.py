@@ -191,6 +191,20 @@ class ModelRunner:
         pool = self.cuda_graph_runner.memory_pool if self.cuda_graph_runner is not None else None
         return PiecewiseGraphRunner(self, max_tokens, pool)
 
+    def release_graphs(self) -> None:
+        """Free the decode and prefill CUDA graphs once the GPU is done with them; later forwards run eagerly.
+
+        Under tensor parallelism the graphs hold collectives captured on the group's NCCL communicator: rank 0
+        hung in ``destroy_process_group`` with the prefill graphs still alive (2 H200s), so each rank calls this
+        before leaving the group."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for runner in (self.cuda_graph_runner, self.piecewise_graph_runner):
+            if runner is not None:
+                runner.release()
+        self.cuda_graph_runner = None
+        self.piecewise_graph_runner = None
+
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for ``forward_batch.logits_indices``."""

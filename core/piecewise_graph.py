@@ -224,6 +224,13 @@ class PiecewiseGraphRunner:
             extend_prefix_lens_cpu=[0],
         )
 
+    def release(self) -> None:
+        """Free every captured piece (the runner cannot replay afterwards)."""
+        for pieces in self.pieces.values():
+            for graph in pieces.graphs:
+                graph.reset()
+        self.pieces.clear()
+
     # ------------------------------------------------------------------- replay
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:

@@ -181,6 +181,7 @@ class LeaderScheduler:
         except Exception:  # a rank already gone: nothing left to tell
             pass
         self.ranks.join_or_kill()
+        self.scheduler.runner.release_graphs()
         destroy_tensor_parallel()
 
     def _broadcast(self, last: tuple[Any, ...]) -> None:
@@ -391,6 +392,7 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
         scheduler = Scheduler(config, None)
         freeze_startup_objects()
         follow_leader(scheduler)
+        scheduler.runner.release_graphs()
     except LeaderGone as exc:
         logger.warning("tensor-parallel rank %d: the group ended while waiting for rank 0 (its server stopped, "
                        "or a rank failed: see node 0's log); exiting (%s)", rank, exc)

@@ -6,15 +6,20 @@ from typing import Any, Callable
 
 
 def record_batches(engine: Any, describe: Callable[[Any], Any]) -> list[Any]:
-    """Wraps the engine scheduler's ``_launch_forward``; the returned list gets ``describe(batch)`` per launch."""
+    """Wraps the engine scheduler's ``_launch_forward``; the returned list gets ``describe(batch)`` per launch.
+
+    Under tensor parallelism it wraps rank 0's own scheduler: the leader that wraps it only delegates to it."""
+    from treadle.core.tensor_parallel import LeaderScheduler
+
     log: list[Any] = []
-    launch = engine.scheduler._launch_forward
+    scheduler = engine.scheduler.scheduler if isinstance(engine.scheduler, LeaderScheduler) else engine.scheduler
+    launch = scheduler._launch_forward
 
     def recording_launch(batch: Any) -> Any:
         log.append(describe(batch))
         return launch(batch)
 
-    engine.scheduler._launch_forward = recording_launch
+    scheduler._launch_forward = recording_launch
     return log
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from treadle.core.cuda_graph import capture_batch_sizes
 
@@ -48,3 +49,17 @@ def test_every_built_in_model_splits_for_piecewise_prefill_graphs() -> None:
         model_class = registry.get("models", name)
         assert callable(getattr(model_class, "forward_hidden", None)), name
         assert callable(getattr(model_class, "compute_logits", None)), name
+
+
+def test_release_graphs_frees_both_runners_and_later_forwards_run_eagerly():
+    from types import SimpleNamespace
+
+    from treadle.core.model_runner import ModelRunner
+
+    released = []
+    runner = SimpleNamespace(device=torch.device("cpu"),
+                             cuda_graph_runner=SimpleNamespace(release=lambda: released.append("decode")),
+                             piecewise_graph_runner=SimpleNamespace(release=lambda: released.append("prefill")))
+    ModelRunner.release_graphs(runner)  # type: ignore[arg-type]
+    assert released == ["decode", "prefill"]
+    assert runner.cuda_graph_runner is None and runner.piecewise_graph_runner is None

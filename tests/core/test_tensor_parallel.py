@@ -10,9 +10,11 @@ import os
 import signal
 
 import pytest
+from batch_log import record_batches
 
 from treadle.core.config import ConfigError, load_config
 from treadle.core.engine import Engine
+from treadle.core.forward_batch import ForwardMode
 from treadle.core.tensor_parallel import TensorParallelError, start_scheduler
 from treadle.testing import check_tensor_parallel
 from treadle.testing.engine import assert_kv_accounted
@@ -30,9 +32,13 @@ PROMPTS = [
 
 def _generate(config: dict) -> tuple[list[list[int]], list[list[int]], Engine]:
     engine = Engine(config)
+    return *_run(engine), engine
+
+
+def _run(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
     first = [out.token_ids for out in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     again = [out.token_ids for out in engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)]
-    return first, again, engine
+    return first, again
 
 
 def _config(path: str, tp_size: int, **sections: dict) -> dict:
@@ -85,8 +91,11 @@ def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_c
     expected_first, expected_again, reference = _generate(config)
     reference.shutdown()
 
-    first, again, engine = _generate({**config, "parallel": {"tp_size": 4}})
+    engine = Engine({**config, "parallel": {"tp_size": 4}})
     try:
+        modes = record_batches(engine, lambda batch: batch.forward_mode)  # rank 0's own launches, under the leader
+        first, again = _run(engine)
+        assert ForwardMode.MIXED in modes
         assert first == expected_first and again == expected_again
         assert len({tuple(ids) for ids in first}) == len(first)  # real, distinct continuations
         assert engine.scheduler.runner.num_kv_heads == 1

@@ -83,9 +83,6 @@ def _generate_piecewise(config: dict, tp_size: int) -> tuple[list[list[int]], in
         return [out.token_ids for out in outputs], replays.count, modes.count(ForwardMode.MIXED)
 
 
-@pytest.mark.skip(reason="hangs at tp=2 on 2xH200 (2026-11-23, after both ranks captured); the engine refuses "
-                         "piecewise graphs under tensor parallelism until this passes (lift the check in "
-                         "core/auto_size.resolve_piecewise_max_tokens to run it)")
 @pytest.mark.parametrize(("backend", "dtype"), PIECEWISE_CASES)
 def test_tp2_piecewise_prefill_graphs_and_latency_chunks_match_tp1(real_shape_llama_dir, engine_config, backend,
                                                                    dtype):
