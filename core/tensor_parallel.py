@@ -181,7 +181,8 @@ class LeaderScheduler:
         except Exception:  # a rank already gone: nothing left to tell
             pass
         self.ranks.join_or_kill()
-        self.scheduler.runner.release_graphs()
+        if self.ranks.failed is None:  # after a failure a collective may never finish: no waiting on the GPU
+            self.scheduler.runner.release_graphs()
         destroy_tensor_parallel()
 
     def _broadcast(self, last: tuple[Any, ...]) -> None:

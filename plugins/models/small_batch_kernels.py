@@ -5,10 +5,10 @@ on some of the shapes decode runs (narrow outputs fill one or two waves of SMs).
 [N, K] in tiles of ``block_n`` rows, optionally splits K into ``split_k`` ranges (float32 partials that the
 last of a tile's programs to finish sums, so narrow shapes fill the SMs in one kernel), and for one row of ``x``
 has a GEMV form without ``tl.dot`` (which would pad the row to 16). The weight is 16-bit (the model dtype) or
-FP8 with a float32 scale per output row, widened in registers; activations stay 16-bit. ``small_batch.py`` times the configs per weight
-shape at load and keeps the fastest (or the library matmul when it wins). FP8 layers use it; 16-bit layers do
-not: on the H100 it matched cuBLAS per call but made the bf16 decode step slower (docs/benchmarks.md), so the
-16-bit configs serve ``bench/small_batch_linear.py``'s comparison only.
+FP8 with a float32 scale per output row, widened in registers; activations stay 16-bit. ``small_batch.py``
+times the configs per weight shape at load and keeps the fastest (or the library matmul when it wins). FP8
+layers use it; 16-bit layers do not: on the H100 it matched cuBLAS per call but made the bf16 decode step
+slower (docs/benchmarks.md), so the 16-bit configs serve ``bench/small_batch_linear.py``'s comparison only.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
@@ -184,8 +184,9 @@ _arrival_counts: dict[torch.device, torch.Tensor] = {}
 
 def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, that split-K programs count their arrivals in (each call's
-    last program resets its tile's). Allocated once per device, at the first call, which happens while the
-    layers time their configs at load (``small_batch.choose``), before any CUDA graph is captured."""
+    last program resets its tile's). One set per device, shared by every call: the model's kernels run one after
+    another on one stream. Allocated at the first call, which happens while the layers time their configs at
+    load (``small_batch.choose``), before any CUDA graph is captured."""
     counts = _arrival_counts.get(device)
     if counts is None or counts.numel() < tiles:
         counts = _arrival_counts[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
