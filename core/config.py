@@ -105,7 +105,7 @@ class RuntimeConfig(Section):
         "auto", description="largest prefill (extend) batch, in tokens, run through CUDA graphs cut at each "
                             "attention call; 0: prefills run eagerly; auto: 1024 on one GPU (at most the "
                             "largest extend step), 0 on the CPU and under tensor parallelism (where a "
-                            "token count is refused: it hangs there today)")
+                            "token count turns them on; unmeasured there)")
 
     @field_validator("cuda_graph_max_bs")
     @classmethod
