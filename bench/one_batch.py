@@ -33,7 +33,9 @@ A backend may be given tunables: ``--backends flashinfer:use_tensor_cores=false`
 comma-separated list of ``;``-separated ``KEY=VALUE`` overrides, e.g.
 ``--compare "model.quantization=null,model.quantization=fp8"`` (bf16 vs FP8 weights; the roofline
 counts each parameter's real bytes, so FP8 weights halve it); ``small_batch_matmul=library`` (or ``triton``)
-forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py).
+forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py);
+a ``TREADLE_*=VALUE`` item sets that environment variable for the variant only (e.g.
+``TREADLE_SMALL_BATCH_MATMUL=triton``), for switches read while a runner is built.
 
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
@@ -48,6 +50,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -431,6 +434,9 @@ def _release(runner: Any) -> None:
     return None
 
 
+_variant_env: dict[str, str | None] = {}
+
+
 def _variant_overrides(variant: str) -> dict[str, Any]:
     import yaml
 
@@ -438,10 +444,18 @@ def _variant_overrides(variant: str) -> dict[str, Any]:
 
     overrides: dict[str, Any] = {}
     small_batch.set_mode(None)
+    for name, original in _variant_env.items():  # undo the previous variant's environment
+        if original is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = original
     for item in filter(None, (part.strip() for part in variant.split(";"))):
         key, _, value = item.partition("=")
         if key == "small_batch_matmul":
             small_batch.set_mode(value)
+        elif key.startswith("TREADLE_"):
+            _variant_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
         else:
             overrides[key] = yaml.safe_load(value)
     return overrides
