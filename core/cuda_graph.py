@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from treadle.core.auto_size import graph_batch_sizes
 from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.weight_prefetch import WeightPrefetch, budget_bytes
 
 if TYPE_CHECKING:
     from treadle.core.model_runner import ModelRunner
@@ -74,14 +72,7 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.memory_pool = None
         self.attn_backend.init_cuda_graph_state(max_bs, max_bs)
-        budget = budget_bytes()
-        self.prefetch = WeightPrefetch(self.model, device, budget) if budget else None
-        self.prefetch_max_bs = int(os.environ.get("TREADLE_L2_PREFETCH_MAX_BS", "64"))
-        try:
-            self.capture()
-        finally:
-            if self.prefetch is not None:
-                self.prefetch.close()
+        self.capture()
 
     # ------------------------------------------------------------------ capture
 
@@ -109,24 +100,15 @@ class CudaGraphRunner:
         # Warm-up outside the capture: lazy initialisation (cuBLAS handles, Triton
         # compilation, rotary tables moving to the device) must not be recorded.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        prefetch = self.prefetch
         with torch.cuda.stream(stream):
-            if prefetch is not None and not prefetch.order:
-                with prefetch.recording():
-                    run()
             for _ in range(2):
                 run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
         graph = torch.cuda.CUDAGraph()
-        use_prefetch = prefetch is not None and bs <= self.prefetch_max_bs
         with torch.cuda.graph(graph, pool=self.memory_pool, stream=stream):
-            if use_prefetch:
-                with prefetch.active():
-                    output = run()
-            else:
-                output = run()
+            output = run()
         if self.memory_pool is None:
             self.memory_pool = graph.pool()
         return graph, output
