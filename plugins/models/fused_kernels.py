@@ -6,16 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import allow_next_to_start, supported as pdl_supported
-
 
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     n_cols, eps, stride_x, stride_residual,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    allow_next_to_start(PDL)  # the next weight matmul may start its weight reads (core/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -40,8 +37,7 @@ def add_rmsnorm(x, residual, weight, eps):
     _add_rmsnorm_kernel[(n_rows,)](
         x, residual if residual is not None else x, weight, out, residual_out,
         n_cols, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_supported(x.device),
-        num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return out, residual_out
 
@@ -102,8 +98,7 @@ def rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    allow_next_to_start(PDL)
+def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -121,5 +116,5 @@ def silu_mul(gate_up):
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](gate_up, out, n_cols, gate_up.stride(0), BLOCK=block,
-                                                           PDL=pdl_supported(gate_up.device), num_warps=4)
+                                                           num_warps=4)
     return out

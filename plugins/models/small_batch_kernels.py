@@ -21,15 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import supported as pdl_supported
-from treadle.core.pdl import wait_for_previous
-
 
 @triton.jit
 def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH_LINES: tl.constexpr, ELEMS_PER_LINE: tl.constexpr):
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -40,15 +36,6 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split
     # Each split's range is a multiple of BLOCK_K, so masking against K alone never reads the next split.
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PDL:
-        # Launched with PDL, this program may start while the kernel before it still runs (core/pdl.py). The
-        # weight is not written by that kernel: pull the first lines of this program's tile into L2 meanwhile.
-        cols = k_start + tl.arange(0, PREFETCH_LINES) * ELEMS_PER_LINE
-        lines = W + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
-        lines = tl.where(n_mask[:, None] & (cols < k_end)[None, :], lines, W)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    wait_for_previous(PDL)
     if GEMV:
         acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
                    BLOCK_N, BLOCK_K)[None, :]
@@ -183,17 +170,11 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
-    # One token: the GEMV starts early and prefetches its first two K blocks. With more rows (a tl.dot tile)
-    # the early start measured slower on the H100 (docs/benchmarks.md).
-    pdl = m == 1 and pdl_supported(x.device)
-    elems_per_line = 128 // weight.element_size()
-    prefetch_lines = triton.next_power_of_2(max(1, 2 * config.block_k // elems_per_line))
     _small_batch_kernel[grid](
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=gemv,
-        HAS_SCALE=has_scale, PDL=pdl, PREFETCH_LINES=prefetch_lines, ELEMS_PER_LINE=elems_per_line,
-        launch_pdl=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

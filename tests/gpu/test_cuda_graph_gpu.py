@@ -59,20 +59,3 @@ def test_batches_larger_than_the_graphs_run_eagerly(real_shape_llama_dir, engine
     assert replays == 0  # six requests, all finishing together: every decode step is too big for the graphs
     eager, _ = _generate(engine_config(real_shape_llama_dir, "triton", "bfloat16", graphs=False), prompts)
     assert graphed == eager
-
-
-def test_fp8_tokens_are_identical_with_and_without_programmatic_dependent_launch(real_shape_llama_dir, engine_config,
-                                                                               monkeypatch):
-    """With PDL (core/pdl.py) a one-token FP8 GEMV starts while the kernel before it runs and waits for its writes
-    before reading them, so greedy tokens with it on and off are the same."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs compute capability 9.0+")
-    config = engine_config(real_shape_llama_dir, "triton", "bfloat16")
-    config["model"]["quantization"] = "fp8"
-    prompt = _prompts(1, seed=5)  # one request: every decode step is one token
-    monkeypatch.setenv("TREADLE_PDL", "0")
-    without, _ = _generate(config, prompt)
-    monkeypatch.delenv("TREADLE_PDL")
-    with_pdl, replays = _generate(config, prompt)
-    assert replays >= NEW_TOKENS - 1
-    assert with_pdl == without

@@ -45,8 +45,7 @@ def test_fp8_linear_is_close_to_bf16(n, k, rows):
 @pytest.mark.parametrize("rows", [1, 16, 32])
 def test_split_k_matmul_replayed_from_a_graph_matches_eager(rows):
     """The split-K configs' last-arriving program sums the partials: replayed back to back from a CUDA graph,
-    every call gives the eager result bit for bit and leaves the counts at zero (one row: launched with PDL on a
-    Hopper GPU, so each call may start while the one before it still runs; core/pdl.py)."""
+    every call gives the eager result bit for bit and leaves the counts at zero."""
     from treadle.plugins.models.fp8_ops import quantize_per_channel
     from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, _arrival_counts, small_batch_matmul
 

@@ -64,7 +64,7 @@ def _attention_kernels() -> dict:
             dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=fp8))
     checks["decode_combine"] = lambda: _compile(
         decode._decode_combine_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "O": "*bf16", "Seq_lens": "*i64"},
-        set(), dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128, PDL=True))
+        set(), dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128))
     checks["flashinfer_page_table"] = lambda: _compile(
         _page_table_kernel(), {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64",
                                "kv_indptr": "*i32", "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128))
@@ -79,30 +79,26 @@ def _model_kernels() -> dict:
         "add_rmsnorm": lambda: _compile(
             fused_kernels._add_rmsnorm_kernel,
             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True)),
+             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096)),
         "rotary_qkv": lambda: _compile(
             fused_kernels._rotary_qkv_kernel,
             {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
              "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64)),
         "silu_mul": lambda: _compile(
-            fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(),
-            dict(BLOCK=1024, PDL=True)),
+            fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024)),
         "fp8_per_token_quant": lambda: _compile(
             fp8_kernels._per_token_quant_kernel, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
             {"fp8_max", "min_scale"}, dict(BLOCK=4096, SINGLE_PASS=True)),
-        # PDL=True: the one-token launch (an early start that prefetches the weight, core/pdl.py).
-        "small_batch[fp8]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, GEMV=False,
-                                         HAS_SCALE=True, PDL=False, PREFETCH_LINES=4, ELEMS_PER_LINE=128),
+        "small_batch[fp8]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
+                                         GEMV=False, HAS_SCALE=True),
         "small_batch[fp8,split_k]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=4,
-                                                 GEMV=False, HAS_SCALE=True, PDL=True, PREFETCH_LINES=4,
-                                                 ELEMS_PER_LINE=128),
-        "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, GEMV=True,
-                                              HAS_SCALE=True, PDL=True, PREFETCH_LINES=16, ELEMS_PER_LINE=128),
-        "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, SPLIT_K=8,
-                                                       GEMV=True, HAS_SCALE=False, PDL=True, PREFETCH_LINES=8,
-                                                       ELEMS_PER_LINE=64),
-        "small_batch[bf16]": _small_batch("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, GEMV=False,
-                                          HAS_SCALE=False, PDL=False, PREFETCH_LINES=4, ELEMS_PER_LINE=64),
+                                                 GEMV=False, HAS_SCALE=True),
+        "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
+                                              GEMV=True, HAS_SCALE=True),
+        "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
+                                                       SPLIT_K=8, GEMV=True, HAS_SCALE=False),
+        "small_batch[bf16]": _small_batch("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1,
+                                          GEMV=False, HAS_SCALE=False),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.pdl import allow_next_to_start, supported as pdl_supported
-
 _LOG2E = 1.4426950408889634
 
 
@@ -130,9 +128,8 @@ def _decode_combine_kernel(
     stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, PDL: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
 ):
-    allow_next_to_start(PDL)  # o_proj may start its weight reads (core/pdl.py)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
@@ -215,5 +212,5 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         MAX_SPLITS=max_kv_splits, BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT_TOKENS=min_split_tokens,
-        PDL=pdl_supported(q.device), num_warps=4 if block_d <= 128 else 8,
+        num_warps=4 if block_d <= 128 else 8,
     )
