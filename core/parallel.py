@@ -10,9 +10,11 @@ single-device run takes no collective path at all.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ class TensorParallelGroup:
 
 _group = TensorParallelGroup()
 _CONTROL_TIMEOUT = timedelta(days=7)
+_CHECK_IN_POLL_S = 0.05
 
 
 def get_tp_rank() -> int:
@@ -47,9 +50,16 @@ def get_tp_group() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = 600.0
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = 600.0,
+    check_peers: Callable[[], None] | None = None,
 ) -> None:
-    """Join the group of ``size`` ranks at ``init_method`` (``tcp://host:port``, rank 0 hosts the store).
+    """Join the group of ``size`` ranks at ``init_method`` (``tcp://host:port`` or ``file://path``; rank 0
+    hosts the store).
+
+    Rank 0 first waits for every other rank to check in at the store, calling ``check_peers`` between
+    polls: it raises to give up at once (a local rank's process has died), where torch's own rendezvous
+    could only wait out ``timeout_s``. A rank that never checks in makes rank 0 raise ``TimeoutError``
+    after ``timeout_s`` (ranks on other nodes: rank 0 cannot see their processes).
 
     Tensor collectives fail after ``timeout_s`` instead of hanging; rank 0's control broadcasts may
     wait as long as it idles, but fail at once when a peer's process is gone (its connection closes).
@@ -60,13 +70,18 @@ def init_tensor_parallel(
         return
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    store = _open_store(init_method, rank, size, timeout)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout, **kwargs
-    )
+    if rank == 0:
+        _wait_for_ranks(store, size, init_method, timeout_s, check_peers)
+    else:
+        # As late as possible: a rank that fails inside init_process_group itself (after checking in)
+        # still holds rank 0 there until timeout_s.
+        store.set(_checked_in_key(rank), "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     # Control messages wait as long as rank 0 idles; a peer that dies still fails them at once
     # (its connection closes), so only a hung peer waits this long.
     cpu_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
@@ -162,3 +177,40 @@ def tp_kv_head_start(num_kv_heads: int, tp_rank: int, tp_size: int) -> int:
     if num_kv_heads >= tp_size:
         return tp_rank * (num_kv_heads // tp_size)
     return tp_rank // (tp_size // num_kv_heads)
+
+
+def _open_store(init_method: str, rank: int, size: int, timeout: timedelta) -> Any:
+    """The store torch's own rendezvous would open for ``init_method``, except that rank 0's TCP store
+    does not wait for its clients: rank 0 waits in :func:`_wait_for_ranks`, where it can give up early."""
+    url = urlparse(init_method)
+    if url.scheme == "tcp" and url.hostname and url.port:
+        store = dist.TCPStore(url.hostname, url.port, size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
+    elif url.scheme == "file" and url.path:
+        store = dist.FileStore(url.path, size)
+    else:
+        raise ValueError(f"tensor-parallel init_method {init_method!r} is neither tcp://host:port nor file://path")
+    store.set_timeout(timeout)
+    return store
+
+
+def _checked_in_key(rank: int) -> str:
+    return f"treadle/checked_in/{rank}"
+
+
+def _wait_for_ranks(store: Any, size: int, init_method: str, timeout_s: float,
+                    check_peers: Callable[[], None] | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(1, size))
+    while True:
+        if check_peers is not None:
+            check_peers()
+        missing = [rank for rank in missing if not store.check([_checked_in_key(rank)])]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"tensor-parallel rank(s) {missing} did not reach the rendezvous at {init_method} within "
+                f"parallel.dist_timeout_s={timeout_s:g} s; on another node, check that its `treadle serve` "
+                f"runs with the same parallel settings, can reach that address, and has not failed (its log)")
+        time.sleep(_CHECK_IN_POLL_S)

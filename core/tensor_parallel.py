@@ -13,7 +13,9 @@ the same logits after the all-gather, the same tokens.
 group as rank 0 and returns a :class:`LeaderScheduler`. A node other than node 0
 runs :func:`run_node_ranks` instead (no HTTP, no requests). A rank that dies is
 noticed by a watcher thread (local ranks) or by the next collective failing
-(remote ranks); either way the log names it and the group goes down.
+(remote ranks); either way the log names it and the group goes down. Before the
+group forms, rank 0 waits for the ranks to check in and fails at once when a local
+one has died; a remote one that never checks in fails it after ``dist_timeout_s``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -84,7 +86,7 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
     try:
         ranks.start()
         watcher = ranks.watch(exit_process=in_server)
-        _join_group(layout, 0, init_method, config)
+        _join_group(layout, 0, init_method, config, check_peers=ranks.check_alive)
         scheduler = Scheduler(config, registry)
     except BaseException:
         ranks.stop()
@@ -418,7 +420,8 @@ def _configure_rank_process(log_level: str) -> None:
             pass
 
 
-def _join_group(layout: RankLayout, rank: int, init_method: str, config: ServerConfig) -> None:
+def _join_group(layout: RankLayout, rank: int, init_method: str, config: ServerConfig,
+                check_peers: Callable[[], None] | None = None) -> None:
     device = layout.local_device(rank)
-    init_tensor_parallel(rank, layout.tp_size, init_method, device, config.parallel.dist_timeout_s)
+    init_tensor_parallel(rank, layout.tp_size, init_method, device, config.parallel.dist_timeout_s, check_peers)
 

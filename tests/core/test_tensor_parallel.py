@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
+from multiprocessing import resource_tracker
 
 import pytest
 from batch_log import record_batches
@@ -102,6 +105,34 @@ def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_c
         assert_kv_accounted(engine)
     finally:
         engine.shutdown()
+
+
+def test_a_rank_that_dies_before_the_group_forms_fails_start_at_once_naming_it(tmp_path, monkeypatch):
+    # Rank 1's interpreter cannot start (a broken environment on that rank): rank 0 must say so at once,
+    # not wait parallel.dist_timeout_s for it inside torch's rendezvous.
+    path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
+    resource_tracker.ensure_running()  # multiprocessing's helper process, started before the environment breaks
+    monkeypatch.setenv("PYTHONHOME", str(tmp_path / "no-python-here"))
+    config = load_config(overrides={"model.path": path, "model.device": "cpu", "parallel.tp_size": 2,
+                                    "parallel.dist_timeout_s": 120})
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 1 \(pid \d+\) exited unexpectedly "
+                                                  r"\(exit code 1\)"):
+        start_scheduler(config)
+    assert time.monotonic() - started < 20
+
+
+def test_a_rank_on_another_node_that_never_arrives_fails_after_the_timeout_naming_it(tmp_path):
+    # Rank 0 cannot see another node's processes: only parallel.dist_timeout_s bounds the wait.
+    path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    config = load_config(overrides={"model.path": path, "model.device": "cpu", "parallel.tp_size": 2,
+                                    "parallel.nnodes": 2, "parallel.dist_init_addr": address,
+                                    "parallel.dist_timeout_s": 1})
+    with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] did not reach the rendezvous at tcp://{address}"):
+        start_scheduler(config)
 
 
 def test_conformance_check_passes_for_the_builtin_llama(tmp_path):
