@@ -193,6 +193,9 @@ _DONE = b"data: [DONE]\n\n"
 def _sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event from a JSON-ready dict, or from a JSON document already serialized."""
     text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    # JSON leaves U+0085, U+2028 and U+2029 raw, but str.splitlines ends a line at each, and so do
+    # clients built on it (httpx's iter_lines): escaped, an event is one line for every reader.
+    text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     return b"data: " + text.encode() + b"\n\n"
 
 

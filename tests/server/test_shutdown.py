@@ -91,23 +91,44 @@ def _port_free(port: int, timeout: float = 5.0) -> None:
 
 
 class _Stream(threading.Thread):
-    """Reads one streaming /generate in the background; ``first`` is set at the first event."""
+    """Reads one streaming /generate in the background, as a client reading lines would; ``first`` is set at
+    the first line. Keeps every line as it came, so a test can check the stream is whole (``events``)."""
 
     def __init__(self, base_url: str) -> None:
         super().__init__(daemon=True)
         self.base_url = base_url
         self.first = threading.Event()
-        self.events: list[dict] = []
-        self.done = False
+        self.lines: list[str] = []
+        self.error: httpx.HTTPError | None = None
 
     def run(self) -> None:
-        with httpx.stream("POST", f"{self.base_url}/generate", json=LONG_STREAM, timeout=60) as response:
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    self.done = True
-                elif line.startswith("data: "):
-                    self.events.append(json.loads(line[6:]))
-                    self.first.set()
+        try:
+            with httpx.stream("POST", f"{self.base_url}/generate", json=LONG_STREAM, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.first.set()
+        except httpx.HTTPError as exc:  # e.g. the connection closed mid-body
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return self.lines[-1:] == ["data: [DONE]"]
+
+    def events(self) -> list[dict]:
+        """The events before ``[DONE]``; fails unless every line is one whole ``data:`` JSON event."""
+        assert self.error is None, repr(self.error)
+        assert self.done, f"the stream ended without data: [DONE]; last line {self.lines[-1:]!r:.200}"
+        cut = [line for line in self.lines[:-1] if not _is_json_event(line)]
+        assert not cut, f"{len(cut)} lines are not whole data: JSON events, the first: {cut[0]!r:.200}"
+        return [json.loads(line[6:]) for line in self.lines[:-1]]
+
+
+def _is_json_event(line: str) -> bool:
+    try:
+        return line.startswith("data: ") and isinstance(json.loads(line[6:]), dict)
+    except ValueError:
+        return False
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(long_context_model: str, make_config) -> None:
@@ -118,9 +139,9 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(long_context_model
         assert refused.status_code == 503 and refused.headers["retry-after"], (refused.text, handle.log()[-3000:])
         assert refused.json()["error"]["code"] == "server_shutting_down"
         stream.join(30)
-        assert stream.done, handle.log()[-3000:]
-        assert stream.events[-1]["meta_info"]["finish_reason"]["type"] == "length", stream.events[-1]
-        assert len(stream.events[-1]["output_ids"]) == OUTPUT_TOKENS
+        events = stream.events()
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "length", handle.log()[-3000:]
+        assert len(events[-1]["output_ids"]) == OUTPUT_TOKENS
         assert handle.process.wait(30) == 0, handle.log()[-3000:]
         _wait_gone(list(pids.values()), 5)
         _port_free(handle.port)
@@ -130,7 +151,7 @@ def test_requests_outliving_the_shutdown_timeout_are_aborted(long_context_model:
     with _streaming(long_context_model, make_config, shutdown_timeout=0.1) as (handle, pids, stream):
         handle.process.send_signal(signal.SIGTERM)
         stream.join(30)
-        assert stream.done and stream.events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert stream.events()[-1]["meta_info"]["finish_reason"]["type"] == "abort"
         assert handle.process.wait(30) == 0
         _wait_gone(list(pids.values()), 5)
 

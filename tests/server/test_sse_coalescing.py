@@ -1,4 +1,5 @@
-"""A streaming response that fell behind its outputs catches up in one write per wake-up."""
+"""Streaming responses: one that fell behind its outputs catches up in one write per wake-up, and every
+event is one line, whatever line breaks the text holds."""
 
 from __future__ import annotations
 
@@ -87,6 +88,19 @@ def test_an_error_after_waiting_events_sends_them_then_the_error() -> None:
     writes = _writes(groups, accumulate=True)
     assert len(writes) == 2 and writes[1][0] == {"index": 0, "output_ids": [10, 11]}
     assert writes[1][1]["error"]["message"] == "boom" and writes[1][2] == "[DONE]"
+
+
+def test_an_event_is_one_line_for_readers_that_split_on_unicode_line_breaks() -> None:
+    text = "a\x85b\u2028c\u2029d é"  # JSON leaves these raw; str.splitlines (httpx's iter_lines) splits at each
+
+    async def run() -> bytes:
+        stream = GenerationStream(_Manager(), ["r0"])  # type: ignore[arg-type]
+        response = sse_response(stream, stream._note(_event(0, 10, finished=True)), lambda event: [{"text": text}])
+        return b"".join([data async for data in response.body_iterator])
+
+    lines = [line for line in asyncio.run(run()).decode().splitlines() if line]
+    assert len(lines) == 2 and json.loads(lines[0].removeprefix("data: ")) == {"text": text}, lines
+    assert lines[1] == "data: [DONE]"
 
 
 def test_native_stream_chunks_serialize_like_the_response_dict() -> None:
