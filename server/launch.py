@@ -179,6 +179,7 @@ class _Children:
         try:
             message = self.ready_recv.recv()
         except EOFError:
+            scheduler.join(timeout=5)  # its pipe closed as it exited; reap it so its exit code is known
             raise ServerStartupError(
                 f"the scheduler process exited during startup (exit code {scheduler.exitcode})") from None
         if message[0] != "ready":
