@@ -449,6 +449,7 @@ def _variant_overrides(variant: str) -> dict[str, Any]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = original
+    _variant_env.clear()
     for item in filter(None, (part.strip() for part in variant.split(";"))):
         key, _, value = item.partition("=")
         if key == "small_batch_matmul":

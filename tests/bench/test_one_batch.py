@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -116,3 +117,18 @@ def test_variants_set_the_small_batch_matmul_and_reset_it_for_the_next():
         assert small_batch.mode() == "auto"
     finally:
         small_batch.set_mode(None)
+
+
+def test_variants_set_treadle_environment_variables_for_themselves_only(monkeypatch):
+    from treadle.bench.one_batch import _variant_overrides
+
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_MATMUL", "library")
+    monkeypatch.delenv("TREADLE_TEST_ONLY_SWITCH", raising=False)
+    try:
+        overrides = _variant_overrides("TREADLE_SMALL_BATCH_MATMUL=triton;TREADLE_TEST_ONLY_SWITCH=1;model.dtype=float32")
+        assert overrides == {"model.dtype": "float32"}
+        assert os.environ["TREADLE_SMALL_BATCH_MATMUL"] == "triton" and os.environ["TREADLE_TEST_ONLY_SWITCH"] == "1"
+    finally:
+        assert _variant_overrides("") == {}
+    assert os.environ["TREADLE_SMALL_BATCH_MATMUL"] == "library"  # the value from before the variants
+    assert "TREADLE_TEST_ONLY_SWITCH" not in os.environ
