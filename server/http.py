@@ -195,7 +195,8 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     # JSON leaves U+0085, U+2028 and U+2029 raw, but str.splitlines ends a line at each, and so do
     # clients built on it (httpx's iter_lines): escaped, an event is one line for every reader.
-    text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    if not text.isascii():  # one scan for the common case, not three
+        text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     return b"data: " + text.encode() + b"\n\n"
 
 
