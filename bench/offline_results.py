@@ -120,7 +120,8 @@ def progress_line(r: SystemResult) -> str:
             f"{extra.get('peak_decode_batch_size')}, GPU busy {_percent(extra.get('gpu_busy_fraction'))} "
             f"(decode {_percent(extra.get('gpu_busy_fraction_decode'))}), steps {extra.get('steps')} "
             f"({extra.get('decode_steps')} decode), max_running_requests {extra.get('max_running_requests')}, "
-            f"retractions {extra.get('retractions')}" + _by_mode_lines(extra.get("by_mode")))
+            f"retractions {extra.get('retractions')}" + _by_mode_lines(extra.get("by_mode"))
+            + _by_size_lines(extra.get("by_size")))
 
 
 def _by_mode_lines(by_mode: dict[str, dict[str, float]] | None) -> str:
@@ -132,6 +133,18 @@ def _by_mode_lines(by_mode: dict[str, dict[str, float]] | None) -> str:
         f"{row['idle_before_ms'] / 1e3:.2f} s; small steps ({'batch < 128' if mode == 'DECODE' else '< 512 tokens'}) "
         f"{row['small_steps']} ({row['small_gpu_ms'] / 1e3:.2f} s)"
         for mode, row in by_mode.items())
+
+
+def _by_size_lines(by_size: dict[str, list[dict[str, float]]] | None) -> str:
+    """Steps per size group (StepMeter): steps, GPU seconds and microseconds per token."""
+    if not by_size:
+        return ""
+    unit = {"DECODE": "decode by batch size", "EXTEND": "prefill by tokens per step"}
+    return "".join(
+        f"\n  {unit.get(mode, mode)}: " + ", ".join(
+            f"{g['min_size']}+: {g['steps']} steps {g['gpu_ms'] / 1e3:.2f} s {1e3 * g['gpu_ms'] / g['tokens']:.0f} us/tok"
+            for g in groups)
+        for mode, groups in by_size.items() if groups)
 
 
 def _percent(value: float | None) -> str:

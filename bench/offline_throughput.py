@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.extend(run_json_schema_ab(engine, workload, variant, config, args, progress, json_schema))
         else:
             results.append(run_treadle(engine, workload, variant, config, args.warmup_prompts, progress,
-                                       args.profile_steps))
+                                       args.profile_steps, step_trace=args.step_trace))
             print(progress_line(results[-1]), flush=True)
         if "profile" in results[-1].extra:
             print(format_profile(variant.label, results[-1].extra["profile"]), flush=True)
@@ -151,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps of a saturated stretch per treadle system (torch.profiler, "
                              "then cProfile); the summary goes into the JSON")
+    parser.add_argument("--step-trace", action="store_true",
+                        help="on a GPU, put every timed step (kind, batch size, tokens, requests waiting, GPU ms) "
+                             "into the JSON")
     parser.add_argument("--json-schema", metavar="FILE",
                         help="A/B constrained decoding: each system also runs with every request constrained by "
                              "this JSON schema (e.g. bench/schemas/people.json), unconstrained at equal token counts")

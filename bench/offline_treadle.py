@@ -47,7 +47,7 @@ def make_engine(config: ServerConfig) -> Any:
 
 def run_treadle(
     engine: Any, workload: Workload, variant: Variant, config: ServerConfig, warmup_prompts: int, progress: bool,
-    profile_steps: int = 0, json_schema: str | None = None,
+    profile_steps: int = 0, json_schema: str | None = None, step_trace: bool = False,
 ) -> SystemResult:
     """Warm up, flush the prefix cache, then time the whole workload through the engine's scheduler.
 
@@ -68,7 +68,7 @@ def run_treadle(
     if not engine.flush_cache():
         raise RuntimeError("flush_cache refused after the warm-up: requests are still in flight")
     before = engine.kv_stats()
-    meter = StepMeter(engine.scheduler, profile_steps=profile_steps)
+    meter = StepMeter(engine.scheduler, profile_steps=profile_steps, step_trace=step_trace)
     meter.install()
     bar = tqdm(total=workload.num_requests, desc=variant.label, unit="req", disable=not progress, file=sys.stderr)
     try:

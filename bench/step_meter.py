@@ -32,12 +32,14 @@ from treadle.core.forward_batch import ForwardMode
 class StepMeter:
     """GPU busy fraction, peak batch sizes and an optional profile of one scheduler's timed run."""
 
-    def __init__(self, scheduler: Any, profile_steps: int = 0, profile_fill: float = 0.75) -> None:
+    def __init__(self, scheduler: Any, profile_steps: int = 0, profile_fill: float = 0.75,
+                 step_trace: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = scheduler.runner
         self.on_cuda = self.runner.device.type == "cuda"
         self.profile_steps = profile_steps
         self.profile_fill = profile_fill
+        self.step_trace = step_trace
         self.steps: list[dict[str, Any]] = []  # mode, batch_size, num_tokens, start/end events
         self.peak_decode_batch = 0
         self.peak_running = 0
@@ -102,6 +104,8 @@ class StepMeter:
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self._advance_profile(mode, bs)
         self.steps.append({"mode": mode.name, "bs": bs, "tokens": forward_batch.num_tokens,
+                           "waiting": len(self.scheduler.waiting),
+                           "running": len(self.scheduler.running), "free_kv": self.scheduler.allocator.free_slots,
                            "start": self._event(), "end": None})
 
     def _after_sampling(self) -> None:
@@ -208,6 +212,8 @@ class StepMeter:
         if self.on_cuda and self.steps and hasattr(self, "_t0") and hasattr(self, "_t1"):
             torch.cuda.synchronize()
             result.update(self._busy())
+            if self.step_trace:
+                result["step_trace"] = self._trace()
         if self.profile:
             result["profile"] = self.profile
         return result
@@ -222,6 +228,8 @@ class StepMeter:
         decode_span = decode_idle + decode.get("gpu_ms", 0.0)
         return {
             "by_mode": by_mode,
+            "by_size": {"DECODE": self._by_size("DECODE", DECODE_BATCH_BOUNDS),
+                        "EXTEND": self._by_size("EXTEND", EXTEND_TOKEN_BOUNDS)},
             "gpu_wall_ms": wall_ms,
             "gpu_idle_ms": idle_ms,
             "gpu_busy_fraction": 1.0 - idle_ms / wall_ms if wall_ms > 0 else 0.0,
@@ -249,6 +257,34 @@ class StepMeter:
             previous_end = end
         return table
 
+    def _trace(self) -> dict[str, Any]:
+        """Every step in order, as columns: kind, batch size, tokens, requests waiting and running and free KV
+        slots when it was launched, GPU ms."""
+        return {
+            "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms"],
+            "steps": [[s["mode"][0], s["bs"], s["tokens"], s["waiting"], s["running"], s["free_kv"],
+                       round(max(0.0, s["start"].elapsed_time(s["end"] or s["start"])), 3)] for s in self.steps],
+        }
+
+    def _by_size(self, mode: str, bounds: tuple[int, ...]) -> list[dict[str, float]]:
+        """Steps of one kind grouped by size (batch size for decode, tokens for prefill; each group from its
+        bound to the next one's): steps, tokens and GPU ms per group, to show how much of the time the small
+        steps (a decode batch's ramp-up and drain, a short prefill) take against full ones."""
+        groups = [{"min_size": low, "steps": 0, "tokens": 0, "gpu_ms": 0.0} for low in bounds]
+        for step in self.steps:
+            if step["mode"] != mode:
+                continue
+            size = step["bs"] if mode == "DECODE" else step["tokens"]
+            group = next(g for g in reversed(groups) if size >= g["min_size"])
+            group["steps"] += 1
+            group["tokens"] += step["tokens"]
+            group["gpu_ms"] += max(0.0, step["start"].elapsed_time(step["end"] or step["start"]))
+        return [g for g in groups if g["steps"]]
+
+
+# The size groups of StepMeter.summary's by_size: decode batch sizes, prefill tokens per step.
+DECODE_BATCH_BOUNDS = (1, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+EXTEND_TOKEN_BOUNDS = (1, 256, 512, 1024, 1536, 2048, 4096)
 
 # Prefill steps under this many tokens cost about one full read of the weights each, whatever they hold;
 # decode batches under this size are bound by those reads too (the ramp-up and the drain of a run).

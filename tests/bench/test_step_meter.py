@@ -22,9 +22,9 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
     meter = StepMeter(scheduler)
     meter._t0, meter._t1 = _Event(0), _Event(13)
     meter.steps = [  # idle 1 ms before each of the first two steps and 1 ms at the end; none before the third
-        {"mode": "DECODE", "bs": 4, "tokens": 4, "start": _Event(1), "end": _Event(3)},
-        {"mode": "EXTEND", "bs": 1, "tokens": 300, "start": _Event(4), "end": _Event(10)},
-        {"mode": "DECODE", "bs": 200, "tokens": 200, "start": _Event(10), "end": _Event(12)},
+        {"mode": "DECODE", "bs": 4, "tokens": 4, "waiting": 9, "running": 4, "free_kv": 50, "start": _Event(1), "end": _Event(3)},
+        {"mode": "EXTEND", "bs": 1, "tokens": 300, "waiting": 9, "running": 4, "free_kv": 50, "start": _Event(4), "end": _Event(10)},
+        {"mode": "DECODE", "bs": 200, "tokens": 200, "waiting": 8, "running": 5, "free_kv": 40, "start": _Event(10), "end": _Event(12)},
     ]
     busy = meter._busy()
     assert busy["gpu_idle_ms"] == 3 and busy["gpu_busy_fraction"] == pytest.approx(10 / 13)
@@ -33,3 +33,9 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
     assert (decode["steps"], decode["tokens"], decode["gpu_ms"], decode["idle_before_ms"]) == (2, 204, 4, 1)
     assert (decode["small_steps"], decode["small_gpu_ms"]) == (1, 2)  # the batch of 4; 200 is not small
     assert (extend["steps"], extend["gpu_ms"], extend["idle_before_ms"], extend["small_steps"]) == (1, 6, 1, 1)
+    assert busy["by_size"]["DECODE"] == [  # the batch of 4 in the first group, 200 in 192..255
+        {"min_size": 1, "steps": 1, "tokens": 4, "gpu_ms": 2},
+        {"min_size": 192, "steps": 1, "tokens": 200, "gpu_ms": 2},
+    ]
+    assert busy["by_size"]["EXTEND"] == [{"min_size": 256, "steps": 1, "tokens": 300, "gpu_ms": 6}]
+    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2], ["E", 1, 300, 9, 4, 50, 6], ["D", 200, 200, 8, 5, 40, 2]]
