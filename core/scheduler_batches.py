@@ -38,12 +38,20 @@ class BatchBuilding:
         latency_chunk = self._latency_chunk()
         budget = self.oom_backoff.prefill_budget(latency_chunk or self._chunk_tokens())
         entries: list[BatchEntry] = []
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            extend = min(req.seq_len - req.kv_len, budget)
-            entries.append(BatchEntry(req, req.kv_len, extend, EMPTY_SLOTS, write_from=req.kv_len))
+        may_chunk = latency_chunk > 0 or cfg.chunked_prefill_size is not None
+        continuing = self.chunked_req
+        if continuing is not None:
+            extend = min(continuing.seq_len - continuing.kv_len, budget)
+            entries.append(BatchEntry(continuing, continuing.kv_len, extend, EMPTY_SLOTS,
+                                      write_from=continuing.kv_len))
+            budget -= extend
+            if budget > 0 and self.waiting:
+                # A prompt's last chunk fills up with new prompts: alone it would cost a whole step (on a GPU
+                # about one read of the weights) for a few hundred tokens. A new prompt cut here becomes the
+                # chunked request; the finishing one goes to the running batch at commit.
+                self._admit(entries, budget, may_chunk)
         elif self.waiting and not self._hold_prefill():
-            self._admit(entries, budget, may_chunk=latency_chunk > 0 or cfg.chunked_prefill_size is not None)
+            self._admit(entries, budget, may_chunk)
         if not entries:
             return None
         self.prefill_held_steps = 0
@@ -178,16 +186,22 @@ class BatchBuilding:
         )
 
     def _undo_admission(self, entries: list[BatchEntry]) -> None:
-        for entry in entries:
+        """Put the prompts admitted into a batch back in the queue. A continuing chunk (the only entry written
+        from a position past 0) keeps what it has and stays the chunked request."""
+        continuing = None
+        for entry in reversed(entries):  # reinserted at the front in their admission order
             req = entry.req
-            if req is self.chunked_req and entry.write_from > 0:
-                continue  # a continuing chunk keeps what it has
+            if entry.write_from > 0:
+                continuing = req
+                continue
             self.tree_cache.dec_lock_ref(req.last_node)
             self.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx, req.last_node, req.prefix_len, req.kv_slots = None, None, 0, EMPTY_SLOTS
             if req is self.chunked_req:
                 self.chunked_req = None
             self.waiting.insert(0, req)
+        if continuing is not None:
+            self.chunked_req = continuing
 
     # ------------------------------------------------------------------- decode
 
@@ -211,6 +225,11 @@ class BatchBuilding:
                 # Read the step in flight first: requests it finishes free their memory, and the
                 # ones left have no unknown token, so retraction acts on exact state.
                 self._settle()
+                continue
+            if self.chunked_req is not None:
+                # A prompt part-way through its chunks holds KV but decodes nothing yet: it goes back first
+                # (what it computed stays in the prefix cache, evictable, and is reused when it is admitted again).
+                self._retract(self.chunked_req)
                 continue
             if len(reqs) == 1:
                 # Nothing left to retract: the pool cannot hold this one sequence any longer.
@@ -314,7 +333,11 @@ class BatchBuilding:
         self.num_finished += 1
 
     def _retract(self, req: Req) -> None:
-        self.running.remove(req)
+        """Free a running request's KV (or the chunked prompt's) and put it back at the front of the queue."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
         self._release(req)
         req.retractions += 1
         self.num_retractions += 1
