@@ -122,6 +122,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         device = torch.device("cuda", get_tp_rank())
     torch.manual_seed(0)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prefill_shapes = parse_prefill_shapes(args.prefill_profile, max(batch_sizes), args.input_len)
     graphs = [g == "on" for g in args.graphs.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model or write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
@@ -152,8 +153,9 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 print(format_row(results[-1]))
             if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
                 profiles[label] = profile_decode(runner, label, prompts[1])
-                prefill_tokens = min(PROFILE_PREFILL_TOKENS, args.input_len)
-                profiles[f"{label} prefill"] = profile_prefill(runner, label, prefill_tokens)
+                for count, length in prefill_shapes:
+                    key = f"{label} prefill" + ("" if count == 1 else f" {count}x{length}")
+                    profiles[key] = profile_prefill(runner, label, length, prompts=count)
             if not hf_done:
                 hf_done = True
                 for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
@@ -199,6 +201,22 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 # ------------------------------------------------------------------------------------------------
 # treadle
 # ------------------------------------------------------------------------------------------------
+
+
+def parse_prefill_shapes(spec: str, max_prompts: int, max_tokens: int) -> list[tuple[int, int]]:
+    """``PROMPTSxTOKENS,...`` as (prompts, tokens) pairs; tokens are capped at ``max_tokens`` (the runner's slots
+    per request), and more prompts than ``max_prompts`` (its request rows) is an error."""
+    shapes = []
+    for item in spec.split(","):
+        try:
+            count, length = (int(part) for part in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--prefill-profile item '{item}' must look like PROMPTSxTOKENS, e.g. 7x292") from None
+        if not 1 <= count <= max_prompts or length < 1:
+            raise SystemExit(f"--prefill-profile {item}: 1 to {max_prompts} prompts (the largest batch size) of "
+                             "at least one token")
+        shapes.append((count, min(length, max_tokens)))
+    return shapes
 
 
 def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -355,19 +373,21 @@ def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 2
     return _profile_steps(runner, f"treadle {label}", "bs=1 decode", step, steps, host)
 
 
-def profile_prefill(runner: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5
-                    ) -> dict[str, Any]:
-    """torch.profiler over ``steps`` eager prefills of one ``prompt_len``-token prompt (the small prefill steps
-    that stall a large decode batch): GPU busy time against wall time, and the host time to launch them."""
-    prompt = torch.randint(100, 1000, (1, prompt_len))
-    batch = _place_batch(runner, 1, prompt_len + 1)
+def profile_prefill(runner: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5,
+                    prompts: int = 1) -> dict[str, Any]:
+    """torch.profiler over ``steps`` prefills of ``prompts`` prompts of ``prompt_len`` tokens each (by default
+    one: the small prefill steps that stall a large decode batch; 7 x 292 is a full 2048-token chunk of the offline
+    workload): GPU busy time against wall time, and the host time to launch them."""
+    prompt = torch.randint(100, 1000, (prompts, prompt_len))
+    batch = _place_batch(runner, prompts, prompt_len + 1)
     _prefill(runner, batch, prompt)  # compiles whatever this length needs
 
     def step() -> None:
         _prefill(runner, batch, prompt)
 
+    what = f"prefill of {prompt_len} tokens" if prompts == 1 else f"prefill of {prompts} x {prompt_len} tokens"
     host = {"runner.forward (host: builds metadata and launches every kernel)": (runner, "forward")}
-    return _profile_steps(runner, f"treadle {label}", f"prefill of {prompt_len} tokens", step, steps, host)
+    return _profile_steps(runner, f"treadle {label}", what, step, steps, host)
 
 
 def _profile_steps(runner: Any, system: str, what: str, step: Any, steps: int,
@@ -496,6 +516,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf-compiled", action="store_true",
                         help="skip the hf-compiled peer (static cache + torch.compile; GPU only)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summary")
+    parser.add_argument("--prefill-profile", default=f"1x{PROFILE_PREFILL_TOKENS}", metavar="PROMPTSxTOKENS,...",
+                        help="prefill steps the profile times (default 1x300, capped at --input-len tokens); "
+                             "at most the largest batch size of prompts each")
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/one_batch_<gpu>_<date>.json)")
     parser.add_argument("--baseline", help="an earlier run's JSON: adds each row's tok/s ratio to the same system "
                                            "and batch size there (regression tracking)")

@@ -94,16 +94,28 @@ def test_profiles_of_decode_and_of_a_small_prefill_time_the_host_and_restore_the
     wrappers that are removed afterwards."""
     args = argparse.Namespace(input_len=16, decode_steps=8, page_size=1, dtype="float32", context_length=256)
     with tempfile.TemporaryDirectory() as scratch:
-        runner = _build_runner(write_config(Path(scratch), TINY), "torch_native", {}, False, 1, args,
+        runner = _build_runner(write_config(Path(scratch), TINY), "torch_native", {}, False, 2, args,
                                torch.device("cpu"))
         decode = profile_decode(runner, "torch_native", torch.randint(100, 1000, (1, 8)), steps=3)
         prefill = profile_prefill(runner, "torch_native", prompt_len=16, steps=2)
+        chunk = profile_prefill(runner, "torch_native", prompt_len=8, steps=1, prompts=2)
     assert decode["what"] == "bs=1 decode" and prefill["what"] == "prefill of 16 tokens"
-    for profile in (decode, prefill):
+    assert chunk["what"] == "prefill of 2 x 8 tokens"
+    for profile in (decode, prefill, chunk):
         assert profile["wall_us_per_step_profiled"] > 0
         assert all(us > 0 for key, us in profile["host_us_per_step"].items() if "forward" in key)
     assert "forward" not in vars(runner), "the host timer must be removed after the window"
 
+
+
+def test_prefill_profile_shapes_are_capped_at_the_prompt_length_and_checked_against_the_batch_rows():
+    from treadle.bench.one_batch import parse_prefill_shapes
+
+    assert parse_prefill_shapes("1x300,7X292", 32, 512) == [(1, 300), (7, 292)]
+    assert parse_prefill_shapes("1x300", 1, 16) == [(1, 16)]
+    for bad in ("7x292", "x3", "0x5"):
+        with pytest.raises(SystemExit):
+            parse_prefill_shapes(bad, 4, 512)
 
 
 def test_variants_set_the_small_batch_matmul_and_reset_it_for_the_next():
