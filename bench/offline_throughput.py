@@ -152,8 +152,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="profile this many steps of a saturated stretch per treadle system (torch.profiler, "
                              "then cProfile); the summary goes into the JSON")
     parser.add_argument("--step-trace", action="store_true",
-                        help="on a GPU, put every timed step (kind, batch size, tokens, requests waiting, GPU ms) "
-                             "into the JSON")
+                        help="on a GPU, put every timed step (kind, batch size, tokens, requests waiting and "
+                             "running, free KV slots, GPU ms) into the JSON")
     parser.add_argument("--json-schema", metavar="FILE",
                         help="A/B constrained decoding: each system also runs with every request constrained by "
                              "this JSON schema (e.g. bench/schemas/people.json), unconstrained at equal token counts")

@@ -40,7 +40,7 @@ class StepMeter:
         self.profile_steps = profile_steps
         self.profile_fill = profile_fill
         self.step_trace = step_trace
-        self.steps: list[dict[str, Any]] = []  # mode, batch_size, num_tokens, start/end events
+        self.steps: list[dict[str, Any]] = []  # mode, sizes, scheduler queues and free KV, start/end events
         self.peak_decode_batch = 0
         self.peak_running = 0
         self._window: list[Any] = []
