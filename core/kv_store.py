@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def _store_kv_kernel(K, V, K_cache, V_cache, Loc, stride_k, stride_v, width, k_scale, v_scale, fp8_max,
                      BLOCK: tl.constexpr, TO_FP8: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + row).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < width

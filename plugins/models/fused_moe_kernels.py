@@ -135,7 +135,8 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    # 64-bit: a row times the output stride (2 x intermediate for gate/up) passes 2**31 at tens of thousands of rows.
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < num_rows
     a_rows = tl.where(row_mask, rows // a_row_divisor, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
