@@ -91,9 +91,18 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
     except BaseException:
         ranks.stop()
         destroy_tensor_parallel()
+        remove_file_store(init_method)
         raise
     freeze_startup_objects()
     return LeaderScheduler(scheduler, ranks, watcher)
+
+
+def remove_file_store(init_method: str) -> None:
+    """Delete a ``file://`` group's store once the group is gone. Torch deletes it when the last rank lets go,
+    which a rank that died (or never joined) does not do."""
+    if init_method.startswith("file://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(init_method[len("file://"):])
 
 
 def run_node_ranks(config: ServerConfig) -> int:
@@ -186,6 +195,7 @@ class LeaderScheduler:
         if self.ranks.failed is None:  # after a failure a collective may never finish: no waiting on the GPU
             self.scheduler.runner.release_graphs()
         destroy_tensor_parallel()
+        remove_file_store(self.ranks.init_method)
 
     def _broadcast(self, last: tuple[Any, ...]) -> None:
         commands, self._commands = self._commands + [last], []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import tempfile
 import time
 from multiprocessing import resource_tracker
 
@@ -57,7 +58,10 @@ def _config(path: str, tp_size: int, **sections: dict) -> dict:
     return config
 
 
-def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_path):
+def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_path, monkeypatch):
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(stores))  # where the group's file store goes
     path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
     expected_first, expected_again, reference = _generate(_config(path, 1))
     assert reference.kv_stats()["retractions"] > 0  # the workload does exercise retraction
@@ -81,6 +85,7 @@ def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_p
             engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
     finally:
         engine.shutdown()
+    assert not list(stores.glob("treadle-tp-*")), "the group's file store outlived it"
 
 
 def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_chunks(tmp_path):
@@ -113,6 +118,9 @@ def test_a_rank_that_dies_before_the_group_forms_fails_start_at_once_naming_it(t
     path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
     resource_tracker.ensure_running()  # multiprocessing's helper process, started before the environment breaks
     monkeypatch.setenv("PYTHONHOME", str(tmp_path / "no-python-here"))
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(stores))  # where the group's file store goes
     config = load_config(overrides={"model.path": path, "model.device": "cpu", "parallel.tp_size": 2,
                                     "parallel.dist_timeout_s": 120})
     started = time.monotonic()
@@ -120,6 +128,7 @@ def test_a_rank_that_dies_before_the_group_forms_fails_start_at_once_naming_it(t
                                                   r"\(exit code 1\)"):
         start_scheduler(config)
     assert time.monotonic() - started < 20
+    assert not list(stores.glob("treadle-tp-*")), "the failed start left its file store behind"
 
 
 def test_a_rank_on_another_node_that_never_arrives_fails_after_the_timeout_naming_it(tmp_path):
