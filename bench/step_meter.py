@@ -245,7 +245,7 @@ class StepMeter:
             end = step["end"] or step["start"]
             row = table.setdefault(step["mode"], {"steps": 0, "tokens": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0,
                                                   "small_steps": 0, "small_gpu_ms": 0.0})
-            gpu_ms = max(0.0, step["start"].elapsed_time(end))
+            gpu_ms = _gpu_ms(step)
             row["steps"] += 1
             row["tokens"] += step["tokens"]
             row["gpu_ms"] += gpu_ms
@@ -263,7 +263,7 @@ class StepMeter:
         return {
             "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms"],
             "steps": [[s["mode"][0], s["bs"], s["tokens"], s["waiting"], s["running"], s["free_kv"],
-                       round(max(0.0, s["start"].elapsed_time(s["end"] or s["start"])), 3)] for s in self.steps],
+                       round(_gpu_ms(s), 3)] for s in self.steps],
         }
 
     def _by_size(self, mode: str, bounds: tuple[int, ...]) -> list[dict[str, float]]:
@@ -278,8 +278,13 @@ class StepMeter:
             group = next(g for g in reversed(groups) if size >= g["min_size"])
             group["steps"] += 1
             group["tokens"] += step["tokens"]
-            group["gpu_ms"] += max(0.0, step["start"].elapsed_time(step["end"] or step["start"]))
+            group["gpu_ms"] += _gpu_ms(step)
         return [g for g in groups if g["steps"]]
+
+
+def _gpu_ms(step: dict[str, Any]) -> float:
+    """A step's GPU milliseconds, from its launch to the end of its sampling (0 when it has no end event)."""
+    return max(0.0, step["start"].elapsed_time(step["end"] or step["start"]))
 
 
 # The size groups of StepMeter.summary's by_size: decode batch sizes, prefill tokens per step.

@@ -58,10 +58,16 @@ def _config(path: str, tp_size: int, **sections: dict) -> dict:
     return config
 
 
-def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_path, monkeypatch):
-    stores = tmp_path / "stores"
-    stores.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(stores))  # where the group's file store goes
+@pytest.fixture
+def stores(tmp_path, monkeypatch):
+    """The folder a one-machine group's file store goes to (the temp folder, redirected for the test)."""
+    folder = tmp_path / "stores"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_path, stores):
     path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
     expected_first, expected_again, reference = _generate(_config(path, 1))
     assert reference.kv_stats()["retractions"] > 0  # the workload does exercise retraction
@@ -112,15 +118,12 @@ def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_c
         engine.shutdown()
 
 
-def test_a_rank_that_dies_before_the_group_forms_fails_start_at_once_naming_it(tmp_path, monkeypatch):
+def test_a_rank_that_dies_before_the_group_forms_fails_start_at_once_naming_it(tmp_path, monkeypatch, stores):
     # Rank 1's interpreter cannot start (a broken environment on that rank): rank 0 must say so at once,
     # not wait parallel.dist_timeout_s for it inside torch's rendezvous.
     path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
     resource_tracker.ensure_running()  # multiprocessing's helper process, started before the environment breaks
     monkeypatch.setenv("PYTHONHOME", str(tmp_path / "no-python-here"))
-    stores = tmp_path / "stores"
-    stores.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(stores))  # where the group's file store goes
     config = load_config(overrides={"model.path": path, "model.device": "cpu", "parallel.tp_size": 2,
                                     "parallel.dist_timeout_s": 120})
     started = time.monotonic()
