@@ -76,6 +76,11 @@ class SchedulerConfig(Section):
     seed: int = 0
     new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
     disable_overlap: bool = Field(False, description="build and finish each step only after the device ran it")
+    batch_order: Literal["longest_output_first", "submission"] = Field(
+        "longest_output_first",
+        description="how Engine.generate queues the prompts of one call: the largest max_new_tokens first (a "
+                    "stable sort, so equal budgets keep their order; the call ends sooner when budgets differ), "
+                    "or as given; the server queues requests as they arrive")
 
     @field_validator("max_running_requests")
     @classmethod

@@ -74,22 +74,25 @@ class Engine:
         count = len(token_lists)
         params = _per_request(sampling_params, count, SamplingParams.from_any, "sampling_params")
         priorities = _per_request(priority, count, lambda p: int(p or 0), "priority")
-        reqs = [
-            Req(
+        order = queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order)
+        # Requests are made in queue order: a Req's arrival (what fcfs sorts by) is its creation.
+        made = {
+            i: Req(
                 rid=Req.new_rid(),
-                origin_input_ids=ids,
-                sampling_params=_copy_params(p),
-                priority=prio,
+                origin_input_ids=token_lists[i],
+                sampling_params=_copy_params(params[i]),
+                priority=priorities[i],
                 return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num,
             )
-            for ids, p, prio in zip(token_lists, params, priorities)
-        ]
+            for i in order
+        }
+        reqs = [made[i] for i in range(count)]
         scheduler = self.scheduler
         added: list[Req] = []
         try:
-            for req in reqs:
+            for req in made.values():
                 scheduler.add_request(req)
                 added.append(req)
             finished: dict[str, ReqOutput] = {}
@@ -177,6 +180,21 @@ class Engine:
             input_top_logprobs=list(req.input_top_logprobs),
             output_top_logprobs=list(req.output_top_logprobs),
         )
+
+
+def queue_order(max_new_tokens: Sequence[int], batch_order: str) -> list[int]:
+    """The indices of one batch's requests in the order to queue them (``scheduler.batch_order``).
+
+    ``longest_output_first`` puts the largest output budgets first, a stable sort. A batch call returns
+    when its last request ends, so the order costs no caller any latency; starting the longest first is
+    the classic makespan heuristic (longest processing time first): the short ones fill the batch around
+    them instead of leaving a few long ones to decode alone at the end. ``submission`` keeps the order given.
+    """
+    if batch_order == "submission":
+        return list(range(len(max_new_tokens)))
+    if batch_order != "longest_output_first":
+        raise ValueError(f"unknown scheduler.batch_order {batch_order!r}")
+    return sorted(range(len(max_new_tokens)), key=lambda i: -max_new_tokens[i])
 
 
 def _per_request(value: Any, count: int, convert, name: str) -> list[Any]:

@@ -216,6 +216,52 @@ def test_every_policy_serves_the_same_greedy_outputs(tiny_llama_dir, llama_refer
     assert_kv_accounted(engine)
 
 
+def _queued_and_steps(engine: Engine) -> tuple[list[int], list[int]]:
+    """Record the prompt lengths in the order requests reach the scheduler, and count its steps."""
+    scheduler, queued, steps = engine.scheduler, [], [0]
+    add, step = scheduler.add_request, scheduler.step
+
+    def recording_add(req):
+        queued.append(len(req.origin_input_ids))
+        add(req)
+
+    def counting_step():
+        steps[0] += 1
+        return step()
+
+    scheduler.add_request, scheduler.step = recording_add, counting_step
+    return queued, steps
+
+
+@pytest.mark.parametrize("batch_order", ["longest_output_first", "submission"])
+def test_a_batch_is_queued_longest_output_first_and_answered_in_order(tiny_llama_dir, llama_reference, batch_order):
+    engine = make_engine(tiny_llama_dir, scheduler={"batch_order": batch_order})
+    queued, _ = _queued_and_steps(engine)
+    budgets = [3, NEW_TOKENS, 7, NEW_TOKENS]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    expected = [1, 3, 2, 0] if batch_order == "longest_output_first" else [0, 1, 2, 3]  # a stable sort
+    assert queued == [len(PROMPTS[i]) for i in expected]
+    assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(llama_reference, budgets)]
+    assert_kv_accounted(engine)
+
+
+def test_longest_output_first_ends_a_batch_with_uneven_budgets_in_fewer_steps(tiny_llama_dir):
+    # Six short requests submitted before two long ones: in submission order the long ones start last and
+    # decode alone at the end; queued first, they run while the short ones come and go beside them.
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in [4] * 6 + [24] * 2]
+    steps, outputs = {}, {}
+    for batch_order in ("submission", "longest_output_first"):
+        engine = make_engine(tiny_llama_dir, scheduler={"batch_order": batch_order, "max_running_requests": 4})
+        _, counted = _queued_and_steps(engine)
+        outputs[batch_order] = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        steps[batch_order] = counted[0]
+        assert_kv_accounted(engine)
+    assert outputs["longest_output_first"] == outputs["submission"]
+    assert steps["longest_output_first"] < steps["submission"], steps
+
+
 @pytest.mark.parametrize("memory", ["token", "paged4"])
 def test_a_cold_batch_sharing_a_prefix_computes_it_once(tiny_llama_dir, memory):
     system = list(range(10, 74))  # 64 shared tokens
