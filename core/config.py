@@ -106,6 +106,9 @@ class RuntimeConfig(Section):
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | Literal["auto"] = Field(
         "auto", description="largest decode batch captured in a CUDA graph; auto: the running-request limit")
+    cuda_graph_prune: bool = Field(
+        True, description="after capture, time each decode graph once and drop a batch size whose graph is "
+                          "slower than the next larger one kept (its batches pad up to that one instead)")
     piecewise_cuda_graph_max_tokens: int | Literal["auto"] = Field(
         "auto", description="largest prefill (extend) batch, in tokens, run through CUDA graphs cut at each "
                             "attention call; 0: prefills run eagerly; auto: 1024 on one GPU (at most the "

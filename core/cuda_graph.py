@@ -8,7 +8,11 @@ captured for a ladder of batch sizes (:func:`treadle.core.auto_size.graph_batch_
 every decode batch has a graph); a batch of ``n`` requests replays the graph of
 the smallest captured size ``>= n``, its extra rows padded: token 0, KV written
 to padding slot 0, request row 0, sequence length
-``attn_backend.get_cuda_graph_seq_len_fill_value()``. Larger batches and every
+``attn_backend.get_cuda_graph_seq_len_fill_value()``. With ``runtime.cuda_graph_prune``
+(the default) each graph is then timed with empty contexts and a size whose graph is
+slower than the next larger one kept is dropped (:func:`faster_sizes`): the library matmul
+picks its kernel per row count: on an H100 an 8B Llama layer's projections took 1.4 times as
+long at 448 rows as at 480 (``python -m treadle.bench.matmul_rate``). Larger batches and every
 extend batch run eagerly here (small extend batches replay piecewise graphs:
 :mod:`treadle.core.piecewise_graph`). All graphs share one memory pool, captured largest
 first so the smaller ones reuse its blocks.
@@ -31,9 +35,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# A size is dropped only when its graph is this much slower than the next larger one kept: replays of
+# neighbouring small sizes differ by less than timing noise, and those are kept.
+PRUNE_TOLERANCE = 0.02
+PRUNE_REPLAYS = 3
+
+
 def capture_batch_sizes(max_bs: int) -> list[int]:
     """The batch sizes to capture, up to and including ``max_bs`` (see ``graph_batch_sizes``)."""
     return graph_batch_sizes(max_bs)
+
+
+def faster_sizes(seconds: dict[int, float], tolerance: float = PRUNE_TOLERANCE) -> list[int]:
+    """The batch sizes worth keeping, from each size's seconds per replay: walking down from the largest
+    (always kept), a size is kept unless it takes more than ``tolerance`` longer than the next larger size
+    kept, whose graph its batches then replay, padded."""
+    kept: list[int] = []
+    for bs in sorted(seconds, reverse=True):
+        if not kept or seconds[bs] <= seconds[kept[-1]] * (1 + tolerance):
+            kept.append(bs)
+    return sorted(kept)
 
 
 class CudaGraphRunner:
@@ -69,6 +90,7 @@ class CudaGraphRunner:
         self.seq_lens_cpu = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.seconds_per_replay: dict[int, float] = {}  # per captured size, when pruned
         self.outputs: dict[int, torch.Tensor] = {}
         self.memory_pool = None
         self.attn_backend.init_cuda_graph_state(max_bs, max_bs)
@@ -86,7 +108,44 @@ class CudaGraphRunner:
             for bs in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", leave=False):
                 self.graphs[bs], self.outputs[bs] = self._capture_one(bs, stream)
         torch.cuda.synchronize(self.device)
+        if self.model_runner.config.runtime.cuda_graph_prune and len(sizes) > 1:
+            self._prune()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def _prune(self) -> None:
+        """Drop the sizes whose graph is slower than a larger one's (``faster_sizes``); every rank of a
+        tensor-parallel group keeps rank 0's choice, since their graphs' collectives must match."""
+        from treadle.core.parallel import tp_broadcast_object
+
+        with torch.inference_mode(), torch.cuda.device(self.device):
+            seconds = {bs: self._replay_seconds(bs) for bs in self.batch_sizes}
+        kept = tp_broadcast_object(faster_sizes(seconds))
+        dropped = [bs for bs in self.batch_sizes if bs not in kept]
+        for bs in dropped:
+            self.graphs.pop(bs).reset()
+            del self.outputs[bs]
+        self.batch_sizes = kept
+        self.seconds_per_replay = seconds
+        if dropped:
+            logger.info("dropped the decode CUDA graphs of batch sizes %s: each was slower than a larger one's "
+                        "(ms per replay: %s)", dropped,
+                        ", ".join(f"{bs}: {1e3 * seconds[bs]:.2f}" for bs in sorted(seconds)))
+
+    def _replay_seconds(self, bs: int) -> float:
+        """Seconds per replay of the ``bs`` graph over fill-length contexts: what padding costs per size."""
+        self.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bs, self.req_pool_indices[:bs], self.seq_lens[:bs], bs * self.seq_len_fill_value, ForwardMode.DECODE,
+            seq_lens_cpu=self.seq_lens_cpu[:bs],
+        )
+        graph = self.graphs[bs]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(PRUNE_REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / PRUNE_REPLAYS / 1e3
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         forward_batch = self._static_forward_batch(bs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.core.cuda_graph import capture_batch_sizes
+from treadle.core.cuda_graph import capture_batch_sizes, faster_sizes
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,20 @@ def test_cpu_runner_has_no_graph_runner(tiny_llama_dir) -> None:
 
 def test_large_maxima_use_coarser_buckets() -> None:
     assert capture_batch_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]
+
+
+def test_pruning_drops_sizes_slower_than_a_larger_one() -> None:
+    # ms per replay of an 8B Llama's graphs on an H100 (layer matmul times of `python -m
+    # treadle.bench.matmul_rate`): 448 rows ran slower than 480, 416 and 288 slower than the size above.
+    seconds = {256: 7.1, 288: 8.3, 320: 7.7, 352: 8.9, 384: 8.6, 416: 10.2, 448: 14.1, 480: 9.9, 512: 9.8}
+    # 480 is within 2% of 512 and stays; 448 and 416 are slower than 480, 352 than 384, 288 than 320.
+    assert faster_sizes(seconds) == [256, 320, 384, 480, 512]
+    # Within the tolerance nothing goes: small sizes replay in nearly the same time.
+    assert faster_sizes({1: 7.20, 2: 7.25, 4: 7.22, 8: 7.30}) == [1, 2, 4, 8]
+    assert faster_sizes({1: 7.30, 2: 7.25}, tolerance=0.0) == [2]
+    # The largest size always stays, and a ladder that only grows keeps every size.
+    assert faster_sizes({64: 3.0}) == [64]
+    assert faster_sizes({8: 1.0, 16: 2.0, 32: 3.0}) == [8, 16, 32]
 
 
 

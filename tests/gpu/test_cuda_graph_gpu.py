@@ -59,3 +59,32 @@ def test_batches_larger_than_the_graphs_run_eagerly(real_shape_llama_dir, engine
     assert replays == 0  # six requests, all finishing together: every decode step is too big for the graphs
     eager, _ = _generate(engine_config(real_shape_llama_dir, "triton", "bfloat16", graphs=False), prompts)
     assert graphed == eager
+
+
+def test_pruned_sizes_are_timed_and_a_dropped_size_pads_up(real_shape_llama_dir, engine_config, monkeypatch) -> None:
+    import treadle.core.cuda_graph as cuda_graph
+
+    engine = Engine(engine_config(real_shape_llama_dir, "triton", "bfloat16"))
+    try:
+        runner = engine.scheduler.runner.cuda_graph_runner
+        ladder = cuda_graph.capture_batch_sizes(16)
+        assert sorted(runner.seconds_per_replay) == ladder and all(s > 0 for s in runner.seconds_per_replay.values())
+        assert runner.batch_sizes == cuda_graph.faster_sizes(runner.seconds_per_replay)
+        assert sorted(runner.graphs) == runner.batch_sizes and runner.batch_sizes[-1] == 16
+    finally:
+        engine.shutdown()
+    # Keep only 8 and 16: three requests replay the graph of 8 (not 4) and decode the same tokens as eager.
+    monkeypatch.setattr(cuda_graph, "faster_sizes", lambda seconds: [8, 16])
+    engine = Engine(engine_config(real_shape_llama_dir, "triton", "bfloat16"))
+    try:
+        runner = engine.scheduler.runner.cuda_graph_runner
+        assert runner.batch_sizes == [8, 16] and sorted(runner.graphs) == [8, 16]
+        replays = ReplayCounter(runner)
+        prompts = _prompts(3, seed=3)
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        graphed = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        engine.shutdown()
+    eager, _ = _generate(engine_config(real_shape_llama_dir, "triton", "bfloat16", graphs=False), prompts)
+    assert replays.count >= NEW_TOKENS - 1
+    assert graphed == eager
