@@ -110,6 +110,7 @@ def run_treadle(
             "max_running_requests": config_value(engine, "scheduler", "max_running_requests"),
             "cuda_graph_max_bs": config_value(engine, "runtime", "cuda_graph_max_bs"),
             "enable_mixed_chunk": config_value(engine, "scheduler", "enable_mixed_chunk"),
+            **decode_graphs(engine),
             **meter.summary(),
             "model": engine.model_info,
         },
@@ -139,6 +140,16 @@ def run_json_schema_ab(engine: Any, workload: Workload, variant: Variant, config
 def config_value(engine: Any, section: str, key: str) -> Any:
     """A key of the engine's live config (``auto`` values are resolved there once the engine is built)."""
     return getattr(getattr(engine.scheduler.config, section), key)
+
+
+def decode_graphs(engine: Any) -> dict[str, Any]:
+    """The decode CUDA graphs' batch sizes kept after pruning and each captured size's ms per replay (empty
+    on the CPU or with graphs off)."""
+    graphs = getattr(getattr(engine.scheduler, "runner", None), "cuda_graph_runner", None)
+    if graphs is None:
+        return {}
+    ms_per_replay = {bs: round(1e3 * s, 3) for bs, s in sorted(graphs.seconds_per_replay.items())}
+    return {"decode_graph_batch_sizes": list(graphs.batch_sizes), "decode_graph_ms_per_replay": ms_per_replay}
 
 
 def synchronize(device: torch.device) -> None:

@@ -57,6 +57,19 @@ def faster_sizes(seconds: dict[int, float], tolerance: float = PRUNE_TOLERANCE) 
     return sorted(kept)
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Device seconds per replay of ``graph``: one untimed replay, then ``replays`` timed back to back with CUDA
+    events on the current stream (waits for them)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays / 1e3
+
+
 class CudaGraphRunner:
     """Decode through captured CUDA graphs: static padded inputs, one graph per batch size.
 
@@ -137,15 +150,7 @@ class CudaGraphRunner:
             bs, self.req_pool_indices[:bs], self.seq_lens[:bs], bs * self.seq_len_fill_value, ForwardMode.DECODE,
             seq_lens_cpu=self.seq_lens_cpu[:bs],
         )
-        graph = self.graphs[bs]
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(PRUNE_REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / PRUNE_REPLAYS / 1e3
+        return replay_seconds(self.graphs[bs], PRUNE_REPLAYS)
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         forward_batch = self._static_forward_batch(bs)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from treadle.core.cuda_graph import replay_seconds
+
 if TYPE_CHECKING:
     from treadle.plugins.models.small_batch_kernels import SmallBatchConfig
 
@@ -161,11 +163,4 @@ def graph_seconds(run: Callable[[int], Any], per_graph: int = 12, replays: int =
     with torch.cuda.graph(graph):
         for i in range(per_graph):
             run(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000 / (per_graph * replays)
+    return replay_seconds(graph, replays) / per_graph

@@ -58,6 +58,7 @@ def test_compare_hf_reports_both_systems_and_their_ratio(tmp_path, tiny_model_di
     extra = treadle["extra"]
     assert extra["max_running_requests"] == 64 and extra["enable_mixed_chunk"] is False
     assert 1 <= extra["peak_decode_batch_size"] <= 6 and extra["steps"] > extra["decode_steps"] > 0
+    assert "decode_graph_batch_sizes" not in extra  # no CUDA graphs on the CPU
 
 
 def test_radix_ab_variants_run_in_order_and_only_radix_reuses_the_prefix(tmp_path, tiny_model_dir, capsys):

@@ -63,6 +63,7 @@ def test_batches_larger_than_the_graphs_run_eagerly(real_shape_llama_dir, engine
 
 def test_pruned_sizes_are_timed_and_a_dropped_size_pads_up(real_shape_llama_dir, engine_config, monkeypatch) -> None:
     import treadle.core.cuda_graph as cuda_graph
+    from treadle.bench.offline_treadle import decode_graphs
 
     engine = Engine(engine_config(real_shape_llama_dir, "triton", "bfloat16"))
     try:
@@ -71,6 +72,9 @@ def test_pruned_sizes_are_timed_and_a_dropped_size_pads_up(real_shape_llama_dir,
         assert sorted(runner.seconds_per_replay) == ladder and all(s > 0 for s in runner.seconds_per_replay.values())
         assert runner.batch_sizes == cuda_graph.faster_sizes(runner.seconds_per_replay)
         assert sorted(runner.graphs) == runner.batch_sizes and runner.batch_sizes[-1] == 16
+        recorded = decode_graphs(engine)  # what `treadle bench offline` writes into its JSON
+        assert recorded["decode_graph_batch_sizes"] == runner.batch_sizes
+        assert sorted(recorded["decode_graph_ms_per_replay"]) == ladder
     finally:
         engine.shutdown()
     # Keep only 8 and 16: three requests replay the graph of 8 (not 4) and decode the same tokens as eager.
