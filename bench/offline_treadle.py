@@ -165,15 +165,14 @@ def _drive_scheduler(scheduler: Any, prompts: Sequence[list[int]], output_lens: 
     from treadle.core.engine import queue_order
     from treadle.core.request import Req, SamplingParams
 
-    made = {
-        i: Req(rid=Req.new_rid(), origin_input_ids=list(prompts[i]),
-               sampling_params=SamplingParams(max_new_tokens=output_lens[i], temperature=0.0,
-                                              ignore_eos=json_schema is None, json_schema=json_schema))
-        for i in queue_order(output_lens, scheduler.config.scheduler.batch_order)
-    }
-    reqs = [made[i] for i in range(len(prompts))]
-    for req in made.values():
-        scheduler.add_request(req)
+    reqs = [
+        Req(rid=Req.new_rid(), origin_input_ids=list(ids),
+            sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=json_schema is None,
+                                           json_schema=json_schema))
+        for ids, n in zip(prompts, output_lens)
+    ]
+    for i in queue_order(output_lens, scheduler.config.scheduler.batch_order):
+        scheduler.add_request(reqs[i])
     completions: dict[str, int] = {}
     while len(completions) < len(reqs):
         if not scheduler.has_work():

@@ -74,25 +74,23 @@ class Engine:
         count = len(token_lists)
         params = _per_request(sampling_params, count, SamplingParams.from_any, "sampling_params")
         priorities = _per_request(priority, count, lambda p: int(p or 0), "priority")
-        order = queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order)
-        # Requests are made in queue order: a Req's arrival (what fcfs sorts by) is its creation.
-        made = {
-            i: Req(
+        reqs = [
+            Req(
                 rid=Req.new_rid(),
-                origin_input_ids=token_lists[i],
-                sampling_params=_copy_params(params[i]),
-                priority=priorities[i],
+                origin_input_ids=ids,
+                sampling_params=_copy_params(p),
+                priority=prio,
                 return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num,
             )
-            for i in order
-        }
-        reqs = [made[i] for i in range(count)]
+            for ids, p, prio in zip(token_lists, params, priorities)
+        ]
         scheduler = self.scheduler
         added: list[Req] = []
         try:
-            for req in made.values():
+            for i in queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order):
+                req = reqs[i]
                 scheduler.add_request(req)
                 added.append(req)
             finished: dict[str, ReqOutput] = {}
@@ -192,8 +190,6 @@ def queue_order(max_new_tokens: Sequence[int], batch_order: str) -> list[int]:
     """
     if batch_order == "submission":
         return list(range(len(max_new_tokens)))
-    if batch_order != "longest_output_first":
-        raise ValueError(f"unknown scheduler.batch_order {batch_order!r}")
     return sorted(range(len(max_new_tokens)), key=lambda i: -max_new_tokens[i])
 
 

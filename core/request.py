@@ -98,7 +98,12 @@ class FinishReason:
     ABORT = "abort"
 
 
-_seed_counter = itertools.count(1)
+_arrivals = itertools.count(1)
+
+
+def next_arrival() -> int:
+    """The next value of ``Req.arrival``: increasing in the order requests are queued."""
+    return next(_arrivals)
 
 
 @dataclass(eq=False)
@@ -118,7 +123,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: only output logprobs; k: input logprobs from position k
     top_logprobs_num: int = 0
-    arrival: int = field(default_factory=lambda: next(_seed_counter))
+    arrival: int = field(default_factory=next_arrival)  # stamped again by Scheduler.add_request
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: str | None = None

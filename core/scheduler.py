@@ -29,7 +29,7 @@ from treadle.core.oom import OomBackoff, retract_after_oom
 from treadle.core.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
 from treadle.core.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.registry import Registry, build_registry
-from treadle.core.request import FinishReason, InvalidRequestError, Req, ReqOutput
+from treadle.core.request import FinishReason, InvalidRequestError, Req, ReqOutput, next_arrival
 from treadle.core.sampler import Sampler, SamplingBatch
 from treadle.core.schedule_batch import ScheduleBatch
 from treadle.core.scheduler_batches import IN_BATCH_PREFIX_TOKENS, BatchBuilding
@@ -118,6 +118,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         if req.sampling_params.max_new_tokens > room:
             req.sampling_params.max_new_tokens = room
         self.grammar.attach(req)
+        req.arrival = next_arrival()  # arrival order is queue order, whenever the Req was made
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> ReqOutput | None:
