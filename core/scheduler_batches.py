@@ -72,7 +72,9 @@ class BatchBuilding:
             end = entry.kv_start + entry.extend_len
             entry.completes_sequence = end == req.seq_len
             if self._wants_input_logprobs(req):
-                low = max(entry.kv_start, req.logprob_start_len - 1, 0)
+                # A chunk before the first wanted position still computes its last row: the sampler
+                # takes one row per request.
+                low = min(max(entry.kv_start, req.logprob_start_len - 1, 0), end - 1)
                 entry.logit_positions = range(low, end)
             else:
                 entry.logit_positions = range(end - 1, end)

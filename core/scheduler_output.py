@@ -74,7 +74,7 @@ class OutputProcessing:
             rows_here = len(entry.logit_positions)
             if self._wants_input_logprobs(req):
                 prompt_len = len(req.origin_input_ids)
-                positions = [p for p in entry.logit_positions if p + 1 < prompt_len]
+                positions = [p for p in entry.logit_positions if req.logprob_start_len <= p + 1 < prompt_len]
                 if positions:
                     rows = torch.arange(row_start, row_start + len(positions))
                     targets = torch.tensor([req.origin_input_ids[p + 1] for p in positions])

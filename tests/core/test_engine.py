@@ -163,19 +163,22 @@ def test_stop_token_ids_and_max_new_tokens(tiny_llama_dir, llama_reference):
     assert_kv_accounted(engine)
 
 
-def test_input_logprobs_match_a_direct_forward(tiny_llama_dir):
+@pytest.mark.parametrize("start, chunk", [(5, None), (14, 4)], ids=["warm-cache", "after-first-chunks"])
+def test_input_logprobs_match_a_direct_forward(tiny_llama_dir, start, chunk):
+    """Also when the first wanted position lies chunks into the prompt (those chunks report none)."""
     from transformers import AutoModelForCausalLM
 
-    engine = make_engine(tiny_llama_dir)
+    engine = make_engine(tiny_llama_dir, scheduler={"chunked_prefill_size": chunk})
     ids = PROMPTS[0]
-    engine.generate(input_ids=ids, sampling_params=GREEDY)  # warm the radix cache: logprobs must still be exact
+    if chunk is None:
+        engine.generate(input_ids=ids, sampling_params=GREEDY)  # warm the radix cache: logprobs must stay exact
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                          logprob_start_len=5)
+                          logprob_start_len=start)
     assert out.token_ids == [] and out.finish_reason == "length"
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     with torch.no_grad():
         log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
-    expected = [log_probs[p - 1, ids[p]].item() for p in range(5, len(ids))]
+    expected = [log_probs[p - 1, ids[p]].item() for p in range(start, len(ids))]
     assert out.input_token_logprobs == pytest.approx(expected, abs=1e-4)
     assert_kv_accounted(engine)
 
