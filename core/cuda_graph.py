@@ -212,7 +212,7 @@ class CudaGraphRunner:
         )
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits ``[batch_size, vocab]`` of a decode batch, through the captured graph."""
+        """Logits ``[batch_size, vocab]`` of a decode batch, through the captured graph."""
         raw_bs = forward_batch.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw_bs)]
         padding = bs - raw_bs

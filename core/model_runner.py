@@ -207,7 +207,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits for ``forward_batch.logits_indices``."""
+        """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):

@@ -48,8 +48,8 @@ class SplitForwardModel(Protocol):
     """A model whose forward is ``compute_logits(forward_hidden(input_ids, positions, batch), batch)``.
 
     ``forward_hidden`` may read ``forward_batch`` only through its attention layers and returns a
-    tensor or a tuple of tensors with one row per token; ``compute_logits`` maps that to float32
-    logits of the rows ``forward_batch.logits_indices``.
+    tensor or a tuple of tensors with one row per token; ``compute_logits`` maps that to the logits
+    (float32 or the model's dtype) of the rows ``forward_batch.logits_indices``.
     """
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> Any: ...
@@ -115,7 +115,7 @@ class PiecewiseGraphRunner:
 
     ``can_run(forward_batch)`` says whether a batch can replay; ``replay(forward_batch)``
     copies its token ids and positions into the static inputs, prepares the attention
-    backend's metadata for the real batch and returns its float32 logits.
+    backend's metadata for the real batch and returns its logits.
     """
 
     def __init__(self, model_runner: "ModelRunner", max_tokens: int, memory_pool: Any = None) -> None:

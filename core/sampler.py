@@ -203,7 +203,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
                  vocab_mask: torch.Tensor | None = None) -> SampleResult:
-        """``vocab_mask``: an int32 bitmask ``[bs, ceil(vocab / 32)]`` of allowed tokens (constrained decoding)."""
+        """``logits``: ``[bs, vocab]``, float32 or 16-bit (widened here wherever probabilities are computed).
+
+        ``vocab_mask``: an int32 bitmask ``[bs, ceil(vocab / 32)]`` of allowed tokens (constrained decoding).
+        """
         raw_logits = logits
         if vocab_mask is not None:
             logits = apply_vocab_mask(logits, vocab_mask)
@@ -213,11 +216,12 @@ class Sampler:
                 self.penalty_pool = PenaltyPool(logits.shape[-1], logits.device)
             penalties = self.penalty_pool.batch(batch.penalty_reqs)
         if penalties is not None:
-            logits = penalties.apply(logits)
+            logits = penalties.apply(logits.float())
         if batch.all_greedy:
+            # No float32 copy: widening a 16-bit logit is exact, so its argmax is the same token.
             next_ids = torch.argmax(logits, dim=-1)
         else:
-            next_ids = self._sample(logits, batch)
+            next_ids = self._sample(logits.float(), batch)
         logprobs = top = None
         if batch.return_logprob:
             log_probs = torch.log_softmax(raw_logits.float(), dim=-1)

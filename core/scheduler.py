@@ -220,9 +220,12 @@ class Scheduler(BatchBuilding, OutputProcessing):
         """
         batch, logits = step.batch, step.logits
         with torch.inference_mode():
-            rows = to_device(torch.tensor(batch.last_logit_rows(), dtype=torch.int64), logits.device)
+            last_logits = logits
+            rows = batch.last_logit_rows()
+            if rows != list(range(logits.shape[0])):  # not one row per request, as in decode: select them
+                last_logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
             sampling = SamplingBatch.from_reqs(batch.reqs, self.runner.vocab_size, self.runner.device)
-            result = self.sampler(logits.index_select(0, rows), sampling, vocab_mask=self._vocab_mask(batch))
+            result = self.sampler(last_logits, sampling, vocab_mask=self._vocab_mask(batch))
             self.next_input_ids.record(step.forward_batch.req_pool_indices, result.next_token_ids)
             tensors = {"next_ids": result.next_token_ids, "logprobs": result.logprobs,
                        "top_values": None, "top_ids": None}

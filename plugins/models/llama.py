@@ -53,7 +53,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama causal LM: logits (float32) for the rows ``forward_batch.logits_indices``.
+    """Llama causal LM: logits (in the model's dtype) for the rows ``forward_batch.logits_indices``.
 
     Built from the tensor-parallel blocks, so it runs at any ``parallel.tp_size`` that
     divides its heads; every rank returns the full logits. Other families subclass it and
@@ -86,12 +86,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: tuple[torch.Tensor, torch.Tensor], forward_batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits of the rows ``forward_batch.logits_indices`` from :meth:`forward_hidden`'s output."""
+        """Logits of the rows ``forward_batch.logits_indices`` from :meth:`forward_hidden`'s output, in the
+        model's dtype: the sampler widens them where it computes probabilities, and a greedy step needs no
+        float32 copy of a ``[batch, vocab]`` table."""
         hidden_states, residual = hidden
         # The last residual add, the norm and lm_head are row-wise: select the wanted rows first.
         rows = forward_batch.logits_indices
         selected, _ = self.model.norm(hidden_states[rows], residual[rows])
-        return self.lm_head(selected).float()
+        return self.lm_head(selected)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())

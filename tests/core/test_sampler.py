@@ -80,3 +80,26 @@ def test_sampler_applies_pooled_penalties_like_the_reference() -> None:
     logits[:, 3] = 10.0  # the favourite, until a's frequency penalty (3 x 5) pushes it below 0
     ids = Sampler()(logits, SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))).next_token_ids
     assert ids[0].item() != 3 and ids[1].item() == 3
+
+
+def test_16_bit_logits_sample_what_their_float32_widening_samples() -> None:
+    """Models return logits in their dtype; the sampler widens them wherever it computes probabilities."""
+    torch.manual_seed(0)
+    logits = (torch.randn(4, VOCAB) * 4).to(torch.bfloat16)  # bf16 rounding makes ties: argmax keeps the first
+    cases = {
+        "greedy": [_req(f"g{i}", [1], [2], i, temperature=0.0) for i in range(4)],
+        "sampled": [_req("a", [1], [2, 3], 0, temperature=0.7, top_k=8, seed=1),
+                    _req("b", [1], [], 1, temperature=1.3, top_p=0.6, min_p=0.05, seed=2),
+                    _req("c", [1], [5], 2, temperature=0.0),
+                    _req("d", [4], [4, 4], 3, temperature=0.9, seed=3)],
+        "penalties": [_req(f"p{i}", [1, 2], [3, 3], i, temperature=0.0, repetition_penalty=1.2,
+                           frequency_penalty=0.3, presence_penalty=0.4) for i in range(4)],
+    }
+    for name, reqs in cases.items():
+        for req in reqs:
+            req.return_logprob, req.top_logprobs_num = True, 3
+        batch = SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))
+        narrow, wide = Sampler()(logits, batch), Sampler()(logits.float(), batch)
+        assert torch.equal(narrow.next_token_ids, wide.next_token_ids), name
+        assert torch.equal(narrow.logprobs, wide.logprobs), name
+        assert all(torch.equal(n, w) for n, w in zip(narrow.top_logprobs, wide.top_logprobs)), name
