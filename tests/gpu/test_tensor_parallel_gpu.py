@@ -5,9 +5,10 @@ Needs a machine with at least two GPUs (e.g. nvidia-h200-x2); skipped elsewhere.
 
 - float32 (triton): identical greedy tokens for every prompt; row-parallel layers only reorder
   float32 sums, far below these random weights' logit gaps.
-- bfloat16 (triton, flashinfer): the partial sums are rounded to bf16 before the all-reduce,
-  unlike one big matmul, so a near tie may flip late in a sequence; the first tokens of every
-  prompt must agree, and the overall agreement is printed.
+- bfloat16 (triton, flashinfer): this random model is very sensitive to bf16 rounding (at tp=1
+  its first-step log-probs sit up to 1.5 from float32's, and a 0.19 top-2 gap flipped between tp=1
+  and tp=2 on the first NCCL run), so tokens are not compared; instead tp=2's first-step log-probs
+  must be about as close to an HF float32 reference as tp=1's are. The agreement is printed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 NEW_TOKENS = 24
-FIRST_TOKENS_BF16 = 4
+TOP = 5  # log-probs compared at each prompt's first generated position
 CASES = [("triton", "float32"), ("triton", "bfloat16"), ("flashinfer", "bfloat16")]
 
 
@@ -31,39 +32,73 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(10, 8000, (n,), generator=generator).tolist() for n in (5, 37, 130, 300, 700)]
 
 
-def _generate(config: dict, tp_size: int) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def fp32_first_logprobs(real_shape_llama_dir) -> list[torch.Tensor]:
+    """HF transformers in float32: each prompt's next-token log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(real_shape_llama_dir, dtype=torch.float32).cuda()
+    with torch.no_grad():
+        logprobs = [torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0, -1], -1).cpu()
+                    for ids in _prompts()]
+    del model
+    torch.cuda.empty_cache()
+    return logprobs
+
+
+def _run(engine: Engine, new_tokens: list[int]) -> list[tuple[list[int], list[tuple[int, float]]]]:
+    """Per prompt: (greedy tokens, the TOP best (token, log-prob) at the first generated position)."""
+    outputs = engine.generate(input_ids=_prompts(), return_logprob=True, top_logprobs_num=TOP, sampling_params=[
+        {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in new_tokens])
+    assert_kv_accounted(engine)
+    return [(out.token_ids, out.output_top_logprobs[0]) for out in outputs]
+
+
+def _first_step_error(outputs: list, reference: list[torch.Tensor]) -> float:
+    """Mean over prompts of the largest |log-prob - float32 reference| among the first position's TOP tokens."""
+    return sum(max(abs(value - ref[token].item()) for token, value in top)
+               for (_, top), ref in zip(outputs, reference)) / len(outputs)
+
+
+def _assert_tp2_matches_tp1(expected: list, got: list, dtype: str, label: str,
+                            reference: list[torch.Tensor]) -> None:
+    """float32: identical tokens. bf16: first-step log-probs about as close to float32 at tp=2 as at tp=1."""
+    total = sum(len(ids) for ids, _ in expected)
+    same = sum(a == b for (want, _), (have, _) in zip(expected, got) for a, b in zip(want, have))
+    error_tp1, error_tp2 = _first_step_error(expected, reference), _first_step_error(got, reference)
+    print(f"{label}: tp=2 agrees with tp=1 on {same}/{total} tokens; first-step log-probs off float32 by "
+          f"{error_tp1:.3f} at tp=1, {error_tp2:.3f} at tp=2 (mean over prompts of the largest of the top {TOP})")
+    if dtype == "float32":
+        assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+        assert error_tp2 < 2e-3  # the float32 tolerance of the HF parity test
+    else:
+        assert error_tp2 <= 1.5 * error_tp1 + 0.05
+
+
+def _generate(config: dict, tp_size: int) -> list:
     config = {**config, "parallel": {"tp_size": tp_size}}
     with Engine(config) as engine:
         runner = engine.scheduler.runner
         assert runner.cuda_graph_runner is not None, "CUDA graphs must be on (they capture the NCCL all-reduce)"
-        outputs = engine.generate(input_ids=_prompts(), sampling_params={
-            "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True})
-        assert_kv_accounted(engine)
-        return [out.token_ids for out in outputs]
+        return _run(engine, [NEW_TOKENS] * len(_prompts()))
 
 
 @pytest.mark.parametrize(("backend", "dtype"), CASES)
-def test_tp2_matches_tp1_with_cuda_graphs(real_shape_llama_dir, engine_config, backend, dtype):
+def test_tp2_matches_tp1_with_cuda_graphs(real_shape_llama_dir, engine_config, fp32_first_logprobs, backend, dtype):
     config = engine_config(real_shape_llama_dir, backend, dtype, graphs=True)
-    expected = _generate(config, 1)
-    got = _generate(config, 2)
-    same = sum(a == b for want, have in zip(expected, got) for a, b in zip(want, have))
-    print(f"{backend} {dtype}: tp=2 agrees with tp=1 on {same}/{NEW_TOKENS * len(expected)} tokens")
-    if dtype == "float32":
-        assert got == expected
-    else:
-        assert [ids[:FIRST_TOKENS_BF16] for ids in got] == [ids[:FIRST_TOKENS_BF16] for ids in expected]
+    _assert_tp2_matches_tp1(_generate(config, 1), _generate(config, 2), dtype, f"{backend} {dtype}",
+                            fp32_first_logprobs)
 
 
 PIECEWISE_CASES = [("triton", "float32"), ("flashinfer", "bfloat16")]
 # Different lengths, so that with two running at a time the waiting prompts trickle in beside a decode.
-PIECEWISE_NEW_TOKENS = (NEW_TOKENS, 8, 16, 12, 20)
+PIECEWISE_NEW_TOKENS = [NEW_TOKENS, 8, 16, 12, 20]
 
 
-def _generate_piecewise(config: dict, tp_size: int) -> tuple[list[list[int]], int, int]:
+def _generate_piecewise(config: dict, tp_size: int) -> tuple[list, int, int]:
     """Greedy tokens with prefill CUDA graphs (their pieces capture the row-parallel all-reduces) and latency
     chunks (prompt pieces mixed into decode steps), the extend batches that replayed the pieces, and the mixed
-    steps."""
+    steps. Prefills are not held (a held prompt waits for the decode beside it to end, and no step mixes)."""
     from batch_log import record_batches
     from graph_replays import ReplayCounter
 
@@ -71,29 +106,23 @@ def _generate_piecewise(config: dict, tp_size: int) -> tuple[list[list[int]], in
 
     config = {**config, "parallel": {"tp_size": tp_size},
               "runtime": {**config["runtime"], "piecewise_cuda_graph_max_tokens": 1024},
-              "scheduler": {**config["scheduler"], "max_running_requests": 2, "latency_chunk_size": 64}}
+              "scheduler": {**config["scheduler"], "max_running_requests": 2, "latency_chunk_size": 64,
+                            "prefill_hold_steps": 0}}
     with Engine(config) as engine:
         runner = engine.scheduler.runner
         assert runner.piecewise_graph_runner is not None
         replays = ReplayCounter(runner.piecewise_graph_runner)
         modes = record_batches(engine, lambda batch: batch.forward_mode)
-        outputs = engine.generate(input_ids=_prompts(), sampling_params=[
-            {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in PIECEWISE_NEW_TOKENS])
-        assert_kv_accounted(engine)
-        return [out.token_ids for out in outputs], replays.count, modes.count(ForwardMode.MIXED)
+        outputs = _run(engine, PIECEWISE_NEW_TOKENS)
+        return outputs, replays.count, modes.count(ForwardMode.MIXED)
 
 
 @pytest.mark.parametrize(("backend", "dtype"), PIECEWISE_CASES)
-def test_tp2_piecewise_prefill_graphs_and_latency_chunks_match_tp1(real_shape_llama_dir, engine_config, backend,
-                                                                   dtype):
+def test_tp2_piecewise_prefill_graphs_and_latency_chunks_match_tp1(real_shape_llama_dir, engine_config,
+                                                                   fp32_first_logprobs, backend, dtype):
     config = engine_config(real_shape_llama_dir, backend, dtype, graphs=True)
     expected, _, _ = _generate_piecewise(config, 1)
     got, replays, mixed = _generate_piecewise(config, 2)
-    same = sum(a == b for want, have in zip(expected, got) for a, b in zip(want, have))
-    print(f"{backend} {dtype} piecewise: tp=2 agrees with tp=1 on {same}/{sum(PIECEWISE_NEW_TOKENS)} tokens; "
-          f"{replays} piecewise replays, {mixed} mixed steps at tp=2")
+    print(f"{backend} {dtype} piecewise: {replays} piecewise replays, {mixed} mixed steps at tp=2")
     assert replays >= 2 and mixed >= 1
-    if dtype == "float32":
-        assert got == expected
-    else:
-        assert [ids[:FIRST_TOKENS_BF16] for ids in got] == [ids[:FIRST_TOKENS_BF16] for ids in expected]
+    _assert_tp2_matches_tp1(expected, got, dtype, f"{backend} {dtype} piecewise", fp32_first_logprobs)
