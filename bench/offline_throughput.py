@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
                              "then cProfile); the summary goes into the JSON")
     parser.add_argument("--step-trace", action="store_true",
                         help="on a GPU, put every timed step (kind, batch size, tokens, requests waiting and "
-                             "running, free KV slots, GPU ms) into the JSON")
+                             "running, free KV slots, GPU ms, GPU ms idle before it) into the JSON")
     parser.add_argument("--json-schema", metavar="FILE",
                         help="A/B constrained decoding: each system also runs with every request constrained by "
                              "this JSON schema (e.g. bench/schemas/people.json), unconstrained at equal token counts")

@@ -240,30 +240,35 @@ class StepMeter:
         """Per step kind (DECODE, EXTEND, MIXED): steps, tokens, GPU ms from launch to sampling, the GPU idle
         ms just before such steps (where the stream waited on the host), and the steps below the small size."""
         table: dict[str, dict[str, float]] = {}
-        previous_end = self._t0
-        for step in self.steps:
-            end = step["end"] or step["start"]
+        for step, idle_ms in zip(self.steps, self._idle_before()):
             row = table.setdefault(step["mode"], {"steps": 0, "tokens": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0,
                                                   "small_steps": 0, "small_gpu_ms": 0.0})
             gpu_ms = _gpu_ms(step)
             row["steps"] += 1
             row["tokens"] += step["tokens"]
             row["gpu_ms"] += gpu_ms
-            row["idle_before_ms"] += max(0.0, previous_end.elapsed_time(step["start"]))
+            row["idle_before_ms"] += idle_ms
             small = SMALL_DECODE_BATCH if step["mode"] == "DECODE" else SMALL_PREFILL_TOKENS
             if step["tokens"] < small:
                 row["small_steps"] += 1
                 row["small_gpu_ms"] += gpu_ms
-            previous_end = end
         return table
+
+    def _idle_before(self) -> list[float]:
+        """Per step, the GPU ms between the end of the step before (or the window's start) and its launch."""
+        idle, previous_end = [], self._t0
+        for step in self.steps:
+            idle.append(max(0.0, previous_end.elapsed_time(step["start"])))
+            previous_end = step["end"] or step["start"]
+        return idle
 
     def _trace(self) -> dict[str, Any]:
         """Every step in order, as columns: kind, batch size, tokens, requests waiting and running and free KV
-        slots when it was launched, GPU ms."""
+        slots when it was launched, GPU ms, and the GPU ms idle just before it (the stream waiting on the host)."""
         return {
-            "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms"],
+            "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms", "idle_ms"],
             "steps": [[s["mode"][0], s["bs"], s["tokens"], s["waiting"], s["running"], s["free_kv"],
-                       round(_gpu_ms(s), 3)] for s in self.steps],
+                       round(_gpu_ms(s), 3), round(idle_ms, 3)] for s, idle_ms in zip(self.steps, self._idle_before())],
         }
 
     def _by_size(self, mode: str, bounds: tuple[int, ...]) -> list[dict[str, float]]:

@@ -38,4 +38,5 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
         {"min_size": 192, "steps": 1, "tokens": 200, "gpu_ms": 2},
     ]
     assert busy["by_size"]["EXTEND"] == [{"min_size": 256, "steps": 1, "tokens": 300, "gpu_ms": 6}]
-    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2], ["E", 1, 300, 9, 4, 50, 6], ["D", 200, 200, 8, 5, 40, 2]]
+    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2, 1], ["E", 1, 300, 9, 4, 50, 6, 1],
+                                       ["D", 200, 200, 8, 5, 40, 2, 0]]
