@@ -112,6 +112,9 @@ class Scheduler(BatchBuilding, OutputProcessing):
         vocab = self.runner.vocab_size
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
+        if not 0 <= req.top_logprobs_num <= vocab:
+            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), "
+                                      f"got {req.top_logprobs_num}", param="top_logprobs_num")
         if any(r.rid == req.rid for r in self._live_reqs()):
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         room = self.context_len - prompt_len

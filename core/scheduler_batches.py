@@ -341,6 +341,9 @@ class BatchBuilding:
         else:
             self.running.remove(req)
         self._release(req)
+        if not req.input_logprobs_sent:  # its prompt's log-probs are computed again when it is admitted again
+            req.input_token_logprobs.clear()
+            req.input_top_logprobs.clear()
         req.retractions += 1
         self.num_retractions += 1
         self.waiting.insert(0, req)

@@ -111,13 +111,29 @@ def test_family_greedy_matches_hf_cold_and_warm(family_model, memory):
     assert_kv_accounted(engine)
 
 
+def hf_input_logprobs(model_dir: str, ids: list[int], start: int) -> list[float]:
+    """HF transformers' log-prob of each prompt token from position ``start`` on, given the ones before it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    return [log_probs[p - 1, ids[p]].item() for p in range(max(start, 1), len(ids))]
+
+
 @pytest.mark.parametrize("allocator", [{}, {"kv_allocator": "paged", "page_size": 4}])
-def test_retraction_under_a_tiny_pool_completes_every_request(tiny_llama_dir, llama_reference, allocator):
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_retraction_under_a_tiny_pool_completes_every_request(tiny_llama_dir, llama_reference, allocator, chunk):
+    """Also with prompt log-probs: a request retracted before its first output computes them once more, and
+    reports them once (with 4-token chunks and pages of 4 they were reported again after each retraction)."""
     engine = make_engine(tiny_llama_dir, cache={"max_total_tokens": 48, **allocator},
-                         scheduler={"new_token_ratio": 0.0})
-    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+                         scheduler={"new_token_ratio": 0.0, "chunked_prefill_size": chunk})
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
     assert [o.token_ids for o in outputs] == llama_reference
     assert engine.kv_stats()["retractions"] > 0
+    for out, ids in zip(outputs, PROMPTS):
+        assert out.input_token_logprobs[0] is None  # the first token has no context
+        assert out.input_token_logprobs[1:] == pytest.approx(hf_input_logprobs(tiny_llama_dir, ids, 0), abs=1e-4)
     assert_kv_accounted(engine)
 
 
@@ -166,8 +182,6 @@ def test_stop_token_ids_and_max_new_tokens(tiny_llama_dir, llama_reference):
 @pytest.mark.parametrize("start, chunk", [(5, None), (14, 4)], ids=["warm-cache", "after-first-chunks"])
 def test_input_logprobs_match_a_direct_forward(tiny_llama_dir, start, chunk):
     """Also when the first wanted position lies chunks into the prompt (those chunks report none)."""
-    from transformers import AutoModelForCausalLM
-
     engine = make_engine(tiny_llama_dir, scheduler={"chunked_prefill_size": chunk})
     ids = PROMPTS[0]
     if chunk is None:
@@ -175,12 +189,19 @@ def test_input_logprobs_match_a_direct_forward(tiny_llama_dir, start, chunk):
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                           logprob_start_len=start)
     assert out.token_ids == [] and out.finish_reason == "length"
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    with torch.no_grad():
-        log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
-    expected = [log_probs[p - 1, ids[p]].item() for p in range(start, len(ids))]
-    assert out.input_token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert out.input_token_logprobs == pytest.approx(hf_input_logprobs(tiny_llama_dir, ids, start), abs=1e-4)
     assert_kv_accounted(engine)
+
+
+def test_top_logprobs_beyond_the_vocabulary_fail_clearly(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    vocab = engine.scheduler.runner.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"top_logprobs_num must be in \\[0, {vocab}\\]"):
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=vocab + 1)
+    assert_kv_accounted(engine)  # nothing was left queued
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, return_logprob=True, top_logprobs_num=vocab)
+    assert out.token_ids == engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY).token_ids
+    assert len(out.output_top_logprobs[0]) == vocab
 
 
 def test_prompt_longer_than_the_pool_fails_clearly(tiny_llama_dir):
