@@ -104,6 +104,15 @@ def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:
     return ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)
 
 
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """The int32 bitmask row (``bitmask_width(len(allowed))`` words) of a 1-D bool ``allowed``, the inverse of
+    :func:`unpack_bitmask`."""
+    bits = torch.zeros(32 * bitmask_width(allowed.numel()), dtype=torch.uint8)
+    bits[: allowed.numel()] = allowed.to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8).view(torch.int32)
+
+
 def apply_vocab_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` with every token whose bit is clear in ``bitmask`` (same rows, on the device) set to -inf."""
     allowed = unpack_bitmask(bitmask)[:, : logits.shape[-1]]

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from treadle.core.grammar import Constraint, GrammarBackend, GrammarCompileError, GrammarMatcher
+from treadle.core.grammar import Constraint, GrammarBackend, GrammarCompileError, GrammarMatcher, pack_bitmask
 from treadle.core.hookspecs import hookimpl
 
 # xgrammar prefixes its messages with a time and a C++ source location; users need neither.
@@ -18,6 +18,10 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _IGNORED_KEYWORDS = ("not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas")
 # Counted repetitions xgrammar 0.2.8 builds masks for ~30x more slowly (mlc-ai/xgrammar#852).
 _SLOW_KEYWORDS = ("maxLength", "minLength")
+# JSON text holds no raw control character (U+0000-U+001F) but the whitespace between tokens; xgrammar 0.2.8 lets
+# them into strings with minLength/maxLength, which no JSON parser then accepts. JSON-schema rows are masked to
+# tokens without them (tab, newline and carriage return stay allowed with grammar.any_whitespace).
+_JSON_WHITESPACE = b"\t\n\r"
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
@@ -41,6 +45,7 @@ class XGrammarBackend(GrammarBackend):
         # treadle's GrammarManager keeps the LRU of compiled grammars; xgrammar's own cache would be a second one.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._any_whitespace = any_whitespace
+        self._json_mask = _no_control_characters(info, vocab_size, any_whitespace)
         self._batch: Any = None
         self._batch_threads = batch_threads  # xgrammar's "auto": half the hardware threads
         self._warned_slow = False
@@ -49,12 +54,12 @@ class XGrammarBackend(GrammarBackend):
         try:
             if constraint.kind == "json_schema":
                 self._check_enforceable(json.loads(constraint.text))
-                return self._compiler.compile_json_schema(constraint.text, any_whitespace=self._any_whitespace,
-                                                          strict_mode=True)
+                return _Compiled(self._compiler.compile_json_schema(
+                    constraint.text, any_whitespace=self._any_whitespace, strict_mode=True), self._json_mask)
             if constraint.kind == "regex":
-                return self._compiler.compile_regex(constraint.text)
+                return _Compiled(self._compiler.compile_regex(constraint.text))
             if constraint.kind == "ebnf":
-                return self._compiler.compile_grammar(constraint.text)
+                return _Compiled(self._compiler.compile_grammar(constraint.text))
         except GrammarCompileError:
             raise
         except (RuntimeError, ValueError) as exc:
@@ -89,8 +94,8 @@ class XGrammarBackend(GrammarBackend):
                     raise GrammarCompileError(f"invalid json_schema: the pattern at {where}: {message}",
                                               param="json_schema") from None
 
-    def new_matcher(self, compiled: Any) -> GrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+    def new_matcher(self, compiled: "_Compiled") -> GrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled.grammar), compiled.mask)
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         if len(matchers) < 2:
@@ -98,22 +103,49 @@ class XGrammarBackend(GrammarBackend):
         if self._batch is None:
             self._batch = self._xgr.BatchGrammarMatcher(max_threads=self._batch_threads)
         self._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, list(rows))
+        json_rows = [row for matcher, row in zip(matchers, rows) if matcher.mask is not None]
+        if json_rows:
+            bitmask[json_rows] &= self._json_mask
+
+
+class _Compiled:
+    """An xgrammar compiled grammar and the mask its rows are narrowed by (None: none)."""
+
+    def __init__(self, grammar: Any, mask: torch.Tensor | None = None) -> None:
+        self.grammar = grammar
+        self.mask = mask
 
 
 class XGrammarMatcher(GrammarMatcher):
-    """An xgrammar GrammarMatcher; it terminates once a stop token is accepted after a complete match."""
+    """An xgrammar GrammarMatcher; it terminates once a stop token is accepted after a complete match.
+    ``mask`` (an int32 bitmask row) narrows each filled row further."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, mask: torch.Tensor | None = None) -> None:
         self._matcher = matcher
+        self.mask = mask
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self.mask is not None:
+            bitmask[row] &= self.mask
 
     def accept_token(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def _no_control_characters(info: Any, vocab_size: int, any_whitespace: bool) -> torch.Tensor:
+    """The bitmask row of the tokens whose text holds no raw control character (but JSON whitespace, when
+    ``any_whitespace``); special tokens (the stop tokens among them) stay allowed."""
+    allowed_controls = set(_JSON_WHITESPACE) if any_whitespace else set()
+    special = set(info.special_token_ids)
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    for token_id, text in enumerate(info.decoded_vocab[:vocab_size]):
+        if token_id not in special and any(byte < 0x20 and byte not in allowed_controls for byte in text):
+            allowed[token_id] = False
+    return pack_bitmask(allowed)
 
 
 def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict]]:
