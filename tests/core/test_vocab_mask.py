@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.core.grammar import apply_vocab_mask, bitmask_width
+from treadle.core.grammar import apply_vocab_mask, bitmask_width, pack_bitmask, unpack_bitmask
 
 
 def test_bitmask_bits_select_exactly_the_allowed_tokens():
@@ -21,3 +21,9 @@ def test_bitmask_bits_select_exactly_the_allowed_tokens():
     masked = apply_vocab_mask(logits, bitmask)
     assert torch.equal(masked.isinf(), ~allowed)
     assert torch.equal(masked[allowed], logits[allowed])
+    # pack_bitmask writes the same words from a bool row (padding bits clear, unlike row 2's -1), and
+    # unpack_bitmask reads them back.
+    for row in range(3):
+        if row < 2:
+            assert torch.equal(pack_bitmask(allowed[row]), bitmask[row])
+        assert torch.equal(unpack_bitmask(pack_bitmask(allowed[row]).unsqueeze(0))[0, :vocab].bool(), allowed[row])
