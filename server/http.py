@@ -86,10 +86,12 @@ def validation_error(exc: RequestValidationError) -> RequestError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return RequestError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    got = first.get("input")
+    if isinstance(got, (bytes, bytearray)):  # FastAPI parses a body as JSON only when its Content-Type says so
+        return RequestError("the request body must be a JSON object sent with 'Content-Type: application/json'")
     param = ".".join(loc) or None
     where = f"{param}: " if param else ""
-    got = first.get("input")
-    detail = f" (got {json.dumps(got)[:100]})" if got is not None and not isinstance(got, dict) else ""
+    detail = f" (got {json.dumps(got, default=str)[:100]})" if got is not None and not isinstance(got, dict) else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return RequestError(f"{where}{first['msg']}{detail}{more}", param=param)
 

@@ -302,6 +302,20 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_without_its_content_type_gets_a_400_saying_so(http: httpx.Client, content_type) -> None:
+    """curl -d sends form encoding: FastAPI leaves such a body unparsed (its error once made a 500 here, and the
+    keep-alive connection was reset for the next request)."""
+    body = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 2}).encode()
+    for _ in range(2):  # the same connection answers again
+        headers = {"Content-Type": content_type} if content_type else {}
+        response = http.post("/v1/chat/completions", content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "Content-Type: application/json" in error["message"] and error["type"] == "invalid_request_error"
+    assert http.post("/v1/chat/completions", json=json.loads(body)).status_code == 200
+
+
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_bad_input_gets_openai_shaped_4xx(http: httpx.Client, name: str, path: str, body, status: int,
                                           param: str | None) -> None:
