@@ -67,6 +67,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.live_by_rid: dict[str, Req] = {}  # every queued or running request; finished ones leave it
         self._pending: list[ReqOutput] = []
         self.new_token_ratio = config.scheduler.new_token_ratio
         self.num_retractions = 0
@@ -115,7 +116,8 @@ class Scheduler(BatchBuilding, OutputProcessing):
         if not 0 <= req.top_logprobs_num <= vocab:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), "
                                       f"got {req.top_logprobs_num}", param="top_logprobs_num")
-        if any(r.rid == req.rid for r in self._live_reqs()):
+        live = self.live_by_rid.get(req.rid)
+        if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         room = self.context_len - prompt_len
         if req.sampling_params.max_new_tokens > room:
@@ -123,13 +125,12 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.grammar.attach(req)
         req.arrival = next_arrival()  # arrival order is queue order, whenever the Req was made
         self.waiting.append(req)
+        self.live_by_rid[req.rid] = req
 
     def abort_request(self, rid: str) -> ReqOutput | None:
         """Stop a request wherever it is and free its memory."""
-        for req in self._live_reqs():
-            if req.rid == rid:
-                break
-        else:
+        req = self.live_by_rid.get(rid)
+        if req is None or req.finished:
             return None
         self.grammar.release(req)
         if req in self.waiting:
@@ -143,6 +144,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
             # step that reuses the slots, so they can be freed now. Its token will be discarded.
             self._release(req)
         req.finish(FinishReason.ABORT, "aborted")
+        self._forget(req)
         if self._inflight is not None and all(e.req.finished for e in self._inflight.batch.entries):
             self._inflight = None  # every token it computes would be discarded: nothing left to read
         return self._output(req, [])
@@ -189,6 +191,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
             "used_slots": total - free - cached,
             "page_size": self.page_size,
             "running": len(self.running) + (1 if self.chunked_req else 0),
+            "live_requests": len(self.live_by_rid),
             "waiting": len(self.waiting),
             "retractions": self.num_retractions,
             "finished": self.num_finished,
@@ -254,8 +257,3 @@ class Scheduler(BatchBuilding, OutputProcessing):
 
     # ------------------------------------------------------------------ misc
 
-    def _live_reqs(self) -> list[Req]:
-        live = self.waiting + self.running
-        if self.chunked_req is not None and self.chunked_req not in live:
-            live.append(self.chunked_req)
-        return live

@@ -333,6 +333,12 @@ class BatchBuilding:
         self._release(req)
         self.grammar.release(req)
         self.num_finished += 1
+        self._forget(req)
+
+    def _forget(self, req: Req) -> None:
+        """Take a finished request out of ``live_by_rid`` (its id may be used again)."""
+        if self.live_by_rid.get(req.rid) is req:
+            del self.live_by_rid[req.rid]
 
     def _retract(self, req: Req) -> None:
         """Free a running request's KV (or the chunked prompt's) and put it back at the front of the queue."""

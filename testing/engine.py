@@ -11,7 +11,7 @@ def assert_kv_accounted(engine: Any, flush: bool = True) -> None:
     Under tensor parallelism this holds on every rank, and the ranks' pools agree.
     """
     for stats in _stats_per_rank(engine):
-        assert stats["running"] == 0 and stats["waiting"] == 0, stats
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["live_requests"] == 0, stats
         assert stats["free_slots"] + stats["cached_slots"] == stats["total_slots"], stats
     if flush:
         assert engine.flush_cache()

@@ -232,6 +232,29 @@ def test_abort_frees_everything(tiny_llama_dir):
     assert_kv_accounted(engine)
 
 
+def test_a_request_id_is_taken_while_its_request_lives_and_free_again_after(tiny_llama_dir):
+    from treadle.core.request import Req
+
+    engine = make_engine(tiny_llama_dir)
+    scheduler = engine.scheduler
+    make = lambda: Req(rid="same", origin_input_ids=PROMPTS[0], sampling_params=GREEDY)  # noqa: E731
+    first = make()
+    scheduler.add_request(first)
+    with pytest.raises(InvalidRequestError, match="request id 'same' is already in use"):
+        scheduler.add_request(make())
+    while scheduler.has_work():
+        scheduler.step()
+    assert first.finished and scheduler.abort_request("same") is None  # finished: nothing to abort
+    second = make()
+    scheduler.add_request(second)  # the id is free again
+    assert scheduler.abort_request("same").finished_reason == "abort"
+    assert scheduler.abort_request("same") is None and scheduler.abort_request("never") is None
+    scheduler.add_request(make())
+    while scheduler.has_work():
+        scheduler.step()
+    assert_kv_accounted(engine)  # also: no request left in live_by_rid
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "random", "dfs-weight", "lof", "priority", "shortest-prompt-first"])
 def test_every_policy_serves_the_same_greedy_outputs(tiny_llama_dir, llama_reference, policy):
     engine = make_engine(tiny_llama_dir, scheduler={"policy": policy, "max_running_requests": 2})
