@@ -98,6 +98,13 @@ class RadixCache(PrefixCache):
     leave only through :meth:`evict` or :meth:`reset`, which hand them to
     ``allocator.free``. ``evictable_size() + protected_size()`` is exactly the
     number of slots the tree owns.
+
+    Eviction candidates live in a heap ordered by ``last_access`` that is kept
+    lazily: a node is pushed when it becomes an unlocked leaf (inserted,
+    unlocked, or its last child evicted), and an entry is checked when popped —
+    dropped if the node left the tree, has children or is locked, pushed again
+    if the node was used since. An eviction so costs the leaves it frees (and
+    the stale entries it meets), not a walk over the whole tree.
     """
 
     def __init__(self, allocator: KVAllocator, page_size: int) -> None:
@@ -160,8 +167,11 @@ class RadixCache(PrefixCache):
             child = node.children.get(key)
             if child is None:
                 value = slots[pos:end].to(device="cpu", dtype=torch.int64).clone()
-                node.children[key] = TreeNode(list(token_ids[pos:end]), value, node, now)
+                leaf = TreeNode(list(token_ids[pos:end]), value, node, now)
+                node.children[key] = leaf
                 self._evictable += end - pos
+                self._num_nodes += 1
+                self._push(leaf)
                 return pos
             matched = self._match_len(child.key, token_ids, pos, end)
             if matched < len(child.key):
@@ -189,6 +199,8 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
+                if not node.children:
+                    self._push(node)
             node = node.parent
 
     def evictable_size(self) -> int:
@@ -205,24 +217,25 @@ class RadixCache(PrefixCache):
         Frees whole nodes, so it may free more than asked; returns the number
         freed (less than asked only when nothing evictable is left).
         """
-        order = itertools.count()
-        heap = [
-            (node.last_access, next(order), node)
-            for node in self._nodes()
-            if not node.children and node.lock_ref == 0
-        ]
-        heapq.heapify(heap)
+        heap = self._heap
         freed_values: list[torch.Tensor] = []
         freed = 0
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            last_access, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
+            if parent is None or leaf.children or leaf.lock_ref:
+                continue  # evicted already, or no evictable leaf now: pushed again when it becomes one
+            if last_access != leaf.last_access:
+                self._push(leaf)  # used since it was pushed: back in at its new age
+                continue
             del parent.children[self._child_key(leaf.key, 0)]
+            leaf.parent = None
+            self._num_nodes -= 1
             freed_values.append(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+                self._push(parent)
         if freed_values:
             self.allocator.free(torch.cat(freed_values))
         return freed
@@ -293,6 +306,19 @@ class RadixCache(PrefixCache):
         self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None, next(self._clock))
         self._evictable = 0
         self._protected = 0
+        self._num_nodes = 0
+        # (last_access when pushed, push order, node): eviction candidates, checked when popped (see the class).
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._push_order = itertools.count()
+
+    def _push(self, node: TreeNode) -> None:
+        if len(self._heap) > 2 * self._num_nodes + 1024:
+            # Mostly stale entries (a tree that is seldom evicted from): rebuild from the tree, once per
+            # that many pushes, so the heap stays proportional to the tree.
+            self._heap = [(n.last_access, next(self._push_order), n) for n in self._nodes()
+                          if not n.children and n.lock_ref == 0]
+            heapq.heapify(self._heap)
+        heapq.heappush(self._heap, (node.last_access, next(self._push_order), node))
 
     def _child_key(self, token_ids: list[int], pos: int) -> Any:
         if self.page_size == 1:
@@ -310,6 +336,7 @@ class RadixCache(PrefixCache):
         """Cut ``child`` after ``at`` tokens; return the new upper node (same lock count and age)."""
         upper = TreeNode(child.key[:at], child.value[:at], child.parent, child.last_access)
         upper.lock_ref = child.lock_ref
+        self._num_nodes += 1
         assert child.parent is not None
         child.parent.children[self._child_key(child.key, 0)] = upper
         child.key = child.key[at:]

@@ -97,6 +97,34 @@ def test_evict_frees_exactly_the_least_recently_used_leaves():
     assert cache.evictable_size() == 5
 
 
+def test_eviction_follows_use_order_through_touches_unlocks_and_emptied_parents():
+    """The candidates heap is kept lazily (a touched leaf goes back in at its new age, a parent whose last
+    child went becomes a candidate); the order must be what a full scan of the tree would give. (Matching
+    touches nodes, so what is left is checked only at the end.)"""
+    cache, allocator = make_cache(size=256)
+    for prompt in ([1, 2, 3, 4], [1, 2, 3, 5], [6, 7], [8, 9, 10], [11]):
+        cache.cache_finished_req(admit(cache, allocator, prompt))
+    cache.match_prefix([6, 7])  # [6, 7] is newest; oldest: leaf [4], leaf [5] (with [1, 2, 3]), [8, 9, 10], [11]
+    held = admit(cache, allocator, [8, 9, 10, 12])  # uses and locks [8, 9, 10] while it runs
+    assert cache.evict(1) == 1  # leaf [4]
+    assert cache.evict(2) == 1 + 3  # leaf [5], then its emptied parent [1, 2, 3], older than the rest
+    assert cache.evict(1) == 1  # [8, 9, 10] is locked: [11]
+    assert cache.evictable_size() == 2  # [6, 7]
+    cache.cache_finished_req(held)  # unlocked, with a new leaf [12]: candidates again
+    assert cache.evict(3) == 2 + 1  # [6, 7] was used before [8, 9, 10, 12] was admitted; then leaf [12]
+    assert cache.match_prefix([6, 7])[0].numel() == 0 and cache.match_prefix([8, 9, 10, 12])[0].numel() == 3
+    assert cache.evict(100) == 3 and cached(cache) == 0
+    assert allocator.free_slots == allocator.total_slots
+
+
+def test_the_candidates_heap_stays_proportional_to_the_tree_without_evictions():
+    cache, allocator = make_cache(size=64)
+    for _ in range(3000):  # the same prompt finishing again and again: one push per unlock, no eviction
+        cache.cache_finished_req(admit(cache, allocator, [1, 2, 3]))
+    assert len(cache._heap) <= 2 * cache._num_nodes + 1025
+    assert cache.evict(100) == 3 and allocator.free_slots == allocator.total_slots
+
+
 def test_locked_prefixes_are_not_evicted():
     cache, allocator = make_cache()
     cache.cache_finished_req(admit(cache, allocator, list(range(6))))
