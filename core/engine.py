@@ -12,6 +12,8 @@ from treadle.core.registry import Registry
 from treadle.core.request import InvalidRequestError, Req, ReqOutput, SamplingParams
 
 ConfigLike = ServerConfig | Mapping[str, Any] | str | os.PathLike | None
+# Engine.generate keeps at most this many unfinished requests per running slot in the scheduler.
+QUEUED_PER_RUNNING_REQUEST = 4
 
 
 @dataclass
@@ -87,20 +89,25 @@ class Engine:
             for ids, p, prio in zip(token_lists, params, priorities)
         ]
         scheduler = self.scheduler
+        for req in reqs:
+            scheduler.check_request(req)  # a prompt that can never run fails the call before any step
+        order = iter(queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order))
+        # The scheduler's per-step work grows with its queue (policy order, admission), so a large batch is
+        # fed as requests finish: it holds at most this many unfinished requests, several batches' worth.
+        window = QUEUED_PER_RUNNING_REQUEST * int(scheduler.config.scheduler.max_running_requests)
         added: list[Req] = []
+        finished: dict[str, ReqOutput] = {}
         try:
-            for i in queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order):
-                req = reqs[i]
-                scheduler.add_request(req)
-                added.append(req)
-            finished: dict[str, ReqOutput] = {}
             while len(finished) < len(reqs):
+                while len(added) - len(finished) < window and (i := next(order, None)) is not None:
+                    scheduler.add_request(reqs[i])
+                    added.append(reqs[i])
                 for output in scheduler.step():
                     if output.finished_reason is not None:
                         finished[output.rid] = output
         except BaseException:
             for req in added:
-                scheduler.abort_request(req.rid)
+                scheduler.abort_request(req.rid)  # a finished one is no longer there: nothing happens
             raise
         outputs = [self._to_output(req, finished[req.rid]) for req in reqs]
         return outputs[0] if single else outputs

@@ -194,6 +194,12 @@ class GrammarManager:
                                           any_whitespace=self._any_whitespace)
         return self._backend
 
+    def check(self, req: Req) -> None:
+        """Compile ``req``'s constraint (if any) into the cache, so an invalid one fails before it is queued."""
+        constraint = Constraint.from_params(req.sampling_params)
+        if constraint is not None:
+            self.compile(constraint)
+
     def attach(self, req: Req) -> None:
         """Compile ``req``'s constraint (if any) and give it a matcher; InvalidRequestError when invalid."""
         constraint = Constraint.from_params(req.sampling_params)

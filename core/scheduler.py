@@ -97,7 +97,19 @@ class Scheduler(BatchBuilding, OutputProcessing):
         }
 
     def add_request(self, req: Req) -> None:
-        """Queue a request; raises InvalidRequestError when it can never run."""
+        """Queue a request; raises InvalidRequestError when it can never run (:meth:`check_request`)."""
+        self.check_request(req)
+        room = self.context_len - len(req.origin_input_ids)
+        if req.sampling_params.max_new_tokens > room:
+            req.sampling_params.max_new_tokens = room
+        self.grammar.attach(req)
+        req.arrival = next_arrival()  # arrival order is queue order, whenever the Req was made
+        self.waiting.append(req)
+        self.live_by_rid[req.rid] = req
+
+    def check_request(self, req: Req) -> None:
+        """Raise InvalidRequestError when ``req`` could never run; its constraint, if any, is compiled (and
+        cached) to find out. Queues nothing."""
         req.sampling_params.verify()
         prompt_len = len(req.origin_input_ids)
         if prompt_len == 0:
@@ -119,13 +131,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         live = self.live_by_rid.get(req.rid)
         if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
-        room = self.context_len - prompt_len
-        if req.sampling_params.max_new_tokens > room:
-            req.sampling_params.max_new_tokens = room
-        self.grammar.attach(req)
-        req.arrival = next_arrival()  # arrival order is queue order, whenever the Req was made
-        self.waiting.append(req)
-        self.live_by_rid[req.rid] = req
+        self.grammar.check(req)
 
     def abort_request(self, rid: str) -> ReqOutput | None:
         """Stop a request wherever it is and free its memory."""

@@ -232,6 +232,32 @@ def test_abort_frees_everything(tiny_llama_dir):
     assert_kv_accounted(engine)
 
 
+def test_a_large_batch_is_fed_as_requests_finish_and_checked_before_any_step(tiny_llama_dir, llama_reference):
+    from treadle.core.engine import QUEUED_PER_RUNNING_REQUEST
+
+    engine = make_engine(tiny_llama_dir, scheduler={"max_running_requests": 2})
+    scheduler, held, steps = engine.scheduler, [], [0]
+    step = scheduler.step
+
+    def counting_step():
+        held.append(len(scheduler.live_by_rid))
+        steps[0] += 1
+        return step()
+
+    scheduler.step = counting_step
+    prompts = PROMPTS * 6  # 24 prompts, more than the scheduler holds at once
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outputs] == llama_reference * 6
+    assert max(held) == QUEUED_PER_RUNNING_REQUEST * 2
+    assert_kv_accounted(engine)
+    # A prompt that can never run fails the whole call before anything is computed or queued.
+    steps[0] = 0
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine.generate(input_ids=prompts + [[1, 10**6]], sampling_params=GREEDY)
+    assert steps[0] == 0
+    assert_kv_accounted(engine)
+
+
 def test_a_request_id_is_taken_while_its_request_lives_and_free_again_after(tiny_llama_dir):
     from treadle.core.request import Req
 
