@@ -160,13 +160,14 @@ class Engine:
         return single, [self.tokenizer.encode(text) for text in texts]
 
     def _to_output(self, req: Req, final: ReqOutput) -> GenerateOutput:
-        from treadle.core.incremental_decode import trim_at_stop
+        from treadle.core.incremental_decode import stopped_by_token, trim_at_stop
 
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(
-                req.output_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
-            )
+            ids = req.output_ids
+            if ids and stopped_by_token(final.finished_reason, final.finished_detail, req.sampling_params.stop):
+                ids = ids[:-1]  # the stop token is not part of the text (as the server does)
+            text = self.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
             if final.finished_reason == "stop" and isinstance(final.finished_detail, str):
                 text = trim_at_stop(text, req.sampling_params.stop)
         matched: str | int | None = final.finished_detail

@@ -31,6 +31,13 @@ def trim_at_stop(text: str, stop: Sequence[str] | None) -> str:
     return text[:cut]
 
 
+def stopped_by_token(finished_reason: Any, finished_detail: Any, stop_strings: Sequence[str] | None) -> bool:
+    """Whether a request ended on a stop token (EOS or stop_token_ids) rather than a stop string: that token
+    is not part of the text, as with OpenAI. A stop token always records its id as the detail; a STOP without
+    a detail (a grammar that completed on an ordinary token) keeps its last token."""
+    return finished_reason == "stop" and finished_detail is not None and finished_detail not in (stop_strings or ())
+
+
 class IncrementalDecoder:
     """Turns a request's output token ids into text deltas that are safe to send.
 

@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 
 from treadle.core.gc_freeze import freeze_startup_objects
-from treadle.core.incremental_decode import IncrementalDecoder
-from treadle.core.request import FinishReason, ReqOutput
+from treadle.core.incremental_decode import IncrementalDecoder, stopped_by_token
+from treadle.core.request import ReqOutput
 from treadle.server.ipc import (
     BatchStrOut,
     BatchTokenIDOut,
@@ -88,8 +88,9 @@ class Detokenizer:
         text = ""
         if decoder is not None:
             ids = list(output.new_token_ids)
-            if ids and _stopped_by_token(output, self.stop_strings.get(output.rid, [])):
-                ids = ids[:-1]  # like OpenAI, the stop token itself is not part of the text
+            if ids and stopped_by_token(output.finished_reason, output.finished_detail,
+                                        self.stop_strings.get(output.rid)):
+                ids = ids[:-1]
             text = decoder.feed(ids)
             if output.finished_reason is not None:
                 text += decoder.finish()
@@ -97,14 +98,3 @@ class Detokenizer:
             self.decoders.pop(output.rid, None)
             self.stop_strings.pop(output.rid, None)
         return StrOutput(**{**vars(output), "text_delta": text})
-
-
-def _stopped_by_token(output: ReqOutput, stop_strings: list[str]) -> bool:
-    """Whether the request ended on a stop token (EOS or stop_token_ids) rather than a stop string.
-
-    A stop token always records its id as the detail; a STOP without a detail (a grammar
-    that completed on an ordinary token) keeps its last token.
-    """
-    if output.finished_reason != FinishReason.STOP:
-        return False
-    return output.finished_detail is not None and output.finished_detail not in stop_strings

@@ -80,6 +80,16 @@ def test_strings_with_length_bounds_hold_no_raw_control_characters(model_dir, ba
     assert_kv_accounted(engine)
 
 
+def test_the_stop_token_is_not_in_the_text_even_with_special_tokens_kept(engine):
+    """With skip_special_tokens false a special token mid-output is shown, but the EOS that ended the request is
+    not part of the text (as the server's detokenizer does, and OpenAI): a regex still matches the whole text."""
+    params = [SamplingParams(max_new_tokens=12, temperature=0.7, seed=seed, regex=r"(yes|no)",
+                             skip_special_tokens=False) for seed in range(4)]
+    for out in engine.generate(input_ids=PROMPTS, sampling_params=params):
+        assert out.finish_reason == "stop" and out.matched_stop == out.token_ids[-1]
+        assert re.fullmatch(r"(yes|no)", out.text), out.text
+
+
 def test_a_constraint_cut_by_max_tokens_says_length(engine):
     out = engine.generate(input_ids=PROMPTS[0], sampling_params=SamplingParams(
         max_new_tokens=3, temperature=0, regex=r"[a-z]{10,20}"))
