@@ -88,3 +88,34 @@ def test_random_workload_matches_solo_runs_and_leaks_nothing(tiny_llama_dir, sol
         assert produced[rid] == solo_outputs(prompt, new_tokens), rid
     assert scheduler.kv_stats()["retractions"] > 0
     assert_kv_accounted(engine)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_random_log_prob_requests_report_every_position_once_as_computed_alone(tiny_llama_dir, config):
+    """Prompt and output log-probs under chunks, pages, retraction and shared prefixes: each position is reported
+    once, with the value a request computed alone in a large pool gets. (Two bugs hid here: a chunk before
+    ``logprob_start_len`` crashed the scheduler; a retracted request reported its prompt's log-probs again.)"""
+    alone = Engine({"model": {"path": tiny_llama_dir}, "cache": {"max_total_tokens": 1024}})
+    engine = Engine({"model": {"path": tiny_llama_dir}, **CONFIGS[config]})
+    rng = random.Random(config)
+    for _ in range(3):
+        workload = _workload(rng.randrange(1000))[:8]
+        prompts = [prompt for _, prompt, _ in workload]
+        params = [SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+                  for _, _, new_tokens in workload]
+        options = {"return_logprob": True, "logprob_start_len": rng.choice([0, 1, 9, 30]),
+                   "top_logprobs_num": rng.choice([0, 2])}
+        outputs = engine.generate(input_ids=prompts, sampling_params=params, **options)
+        for out, prompt, param in zip(outputs, prompts, params):
+            want = alone.generate(input_ids=prompt, sampling_params=param, **options)
+            assert out.token_ids == want.token_ids
+            assert len(out.output_token_logprobs) == len(out.token_ids)
+            assert out.output_token_logprobs == pytest.approx(want.output_token_logprobs, abs=1e-4)
+            start = options["logprob_start_len"]
+            assert len(out.input_token_logprobs) == max(len(prompt) - start, 0) if start else len(prompt)
+            assert out.input_token_logprobs == pytest.approx(want.input_token_logprobs, abs=1e-4)
+            if options["top_logprobs_num"]:
+                assert [[i for i, _ in top] for top in out.output_top_logprobs] == \
+                    [[i for i, _ in top] for top in want.output_top_logprobs]
+    assert engine.scheduler.kv_stats()["retractions"] > 0
+    assert_kv_accounted(engine)
