@@ -61,6 +61,7 @@ class SamplingParams:
             (0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (self.seed is None or -2**63 <= self.seed < 2**63, "seed", "must fit in 64 bits"),
         ]
         for ok, name, rule in checks:
             if not ok:
