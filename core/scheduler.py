@@ -260,6 +260,3 @@ class Scheduler(BatchBuilding, OutputProcessing):
         step, self._inflight = self._inflight, None
         if step is not None:
             self._process(step)
-
-    # ------------------------------------------------------------------ misc
-
