@@ -19,6 +19,7 @@ functions that take the time).
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -50,6 +51,8 @@ class StepMeter:
         self._phase_steps = 0
         self._phase_start = 0.0
         self.profile: dict[str, Any] = {}
+        self._gc_started = 0.0
+        self._gc_ms = 0.0  # cyclic-GC ms on the host since the last step was launched (step_trace only)
 
     # -------------------------------------------------------------------- wrapping
 
@@ -68,11 +71,15 @@ class StepMeter:
         self._original_sampler = sampler
         self.runner.forward = metered_forward
         self.scheduler.sampler = metered_sampler
+        if self.step_trace:
+            gc.callbacks.append(self._on_gc)
 
     def uninstall(self) -> None:
         if "forward" in vars(self.runner):
             del self.runner.forward
         self.scheduler.sampler = self._original_sampler
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if self._phase == "torch":
             self._torch_profiler.stop()
         elif self._phase == "cprofile" and self._cprofile is not None:
@@ -106,7 +113,14 @@ class StepMeter:
         self.steps.append({"mode": mode.name, "bs": bs, "tokens": forward_batch.num_tokens,
                            "waiting": len(self.scheduler.waiting),
                            "running": len(self.scheduler.running), "free_kv": self.scheduler.allocator.free_slots,
-                           "start": self._event(), "end": None})
+                           "host": time.perf_counter(), "gc_ms": self._gc_ms, "start": self._event(), "end": None})
+        self._gc_ms = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_ms += (time.perf_counter() - self._gc_started) * 1e3
 
     def _after_sampling(self) -> None:
         if self.steps and self.steps[-1]["end"] is None:
@@ -264,11 +278,15 @@ class StepMeter:
 
     def _trace(self) -> dict[str, Any]:
         """Every step in order, as columns: kind, batch size, tokens, requests waiting and running and free KV
-        slots when it was launched, GPU ms, and the GPU ms idle just before it (the stream waiting on the host)."""
+        slots when it was launched, GPU ms, the GPU ms idle just before it (the stream waiting on the host), the
+        host ms since the step before was launched, and the host's garbage-collection ms within them."""
+        host_ms = [0.0] + [(b["host"] - a["host"]) * 1e3 for a, b in zip(self.steps, self.steps[1:])]
         return {
-            "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms", "idle_ms"],
+            "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms", "idle_ms",
+                        "host_ms", "gc_ms"],
             "steps": [[s["mode"][0], s["bs"], s["tokens"], s["waiting"], s["running"], s["free_kv"],
-                       round(_gpu_ms(s), 3), round(idle_ms, 3)] for s, idle_ms in zip(self.steps, self._idle_before())],
+                       round(_gpu_ms(s), 3), round(idle_ms, 3), round(host, 3), round(s["gc_ms"], 3)]
+                      for s, idle_ms, host in zip(self.steps, self._idle_before(), host_ms)],
         }
 
     def _by_size(self, mode: str, bounds: tuple[int, ...]) -> list[dict[str, float]]:

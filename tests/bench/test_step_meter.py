@@ -22,9 +22,12 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
     meter = StepMeter(scheduler)
     meter._t0, meter._t1 = _Event(0), _Event(13)
     meter.steps = [  # idle 1 ms before each of the first two steps and 1 ms at the end; none before the third
-        {"mode": "DECODE", "bs": 4, "tokens": 4, "waiting": 9, "running": 4, "free_kv": 50, "start": _Event(1), "end": _Event(3)},
-        {"mode": "EXTEND", "bs": 1, "tokens": 300, "waiting": 9, "running": 4, "free_kv": 50, "start": _Event(4), "end": _Event(10)},
-        {"mode": "DECODE", "bs": 200, "tokens": 200, "waiting": 8, "running": 5, "free_kv": 40, "start": _Event(10), "end": _Event(12)},
+        {"mode": "DECODE", "bs": 4, "tokens": 4, "waiting": 9, "running": 4, "free_kv": 50, "host": 0.0, "gc_ms": 0.0,
+         "start": _Event(1), "end": _Event(3)},
+        {"mode": "EXTEND", "bs": 1, "tokens": 300, "waiting": 9, "running": 4, "free_kv": 50, "host": 0.002, "gc_ms": 0.5,
+         "start": _Event(4), "end": _Event(10)},
+        {"mode": "DECODE", "bs": 200, "tokens": 200, "waiting": 8, "running": 5, "free_kv": 40, "host": 0.0065, "gc_ms": 0.0,
+         "start": _Event(10), "end": _Event(12)},
     ]
     busy = meter._busy()
     assert busy["gpu_idle_ms"] == 3 and busy["gpu_busy_fraction"] == pytest.approx(10 / 13)
@@ -38,5 +41,27 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
         {"min_size": 192, "steps": 1, "tokens": 200, "gpu_ms": 2},
     ]
     assert busy["by_size"]["EXTEND"] == [{"min_size": 256, "steps": 1, "tokens": 300, "gpu_ms": 6}]
-    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2, 1], ["E", 1, 300, 9, 4, 50, 6, 1],
-                                       ["D", 200, 200, 8, 5, 40, 2, 0]]
+    # host ms between launches (perf_counter seconds apart) and the GC ms before each launch
+    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2, 1, 0, 0], ["E", 1, 300, 9, 4, 50, 6, 1, 2, 0.5],
+                                       ["D", 200, 200, 8, 5, 40, 2, 0, 4.5, 0]]
+
+
+def test_step_trace_counts_garbage_collection_between_launches() -> None:
+    import gc
+
+    class Runner:
+        device = SimpleNamespace(type="cpu")
+
+        def forward(self, forward_batch):
+            return forward_batch
+
+    scheduler = SimpleNamespace(runner=Runner(), sampler=None)
+    meter = StepMeter(scheduler, step_trace=True)
+    meter.install()
+    try:
+        assert meter._on_gc in gc.callbacks
+        gc.collect()
+        assert meter._gc_ms > 0
+    finally:
+        meter.uninstall()
+    assert meter._on_gc not in gc.callbacks
