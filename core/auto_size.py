@@ -32,6 +32,12 @@ MIXED_CHUNK_ON_CUDA = False
 # no longer stalls the streams for a prefill step of its own. Measured at 4 req/s on 8B shapes (docs/benchmarks.md):
 # 256 / 384 / 512 gave TTFT p50 34.7 / 29.5 / 29.7 ms and ITL p99 11.1 / 13.2 / 12.7 ms; off 28.3 / 19.4 ms.
 GPU_LATENCY_CHUNK_SIZE = 512
+# Prompt tokens per prefill step (``scheduler.chunked_prefill_size: auto``). Through the server a prefill step
+# stalls every running stream for its whole length, so chunks stay at 2048. An offline Engine batch has no
+# stream to stall, and on an H100 a larger step costs less per token (the issue-10 workload, three calls:
+# 4096 ran 1.01-1.03x the out tok/s of 2048, prefill GPU time -4%; docs/benchmarks.md).
+SERVER_CHUNKED_PREFILL_SIZE = 2048
+OFFLINE_GPU_CHUNKED_PREFILL_SIZE = 4096
 # Decode steps a small prefill may wait for more requests while the decode batch is large (docs/scheduling.md).
 GPU_PREFILL_HOLD_STEPS = 8
 # Prefill batches up to this many tokens replay piecewise CUDA graphs: below it an eager prefill is bound by
@@ -115,6 +121,14 @@ def resolve_cuda_only(value: int | str, *, on_cuda: bool, cuda_value: int) -> in
     if value == "auto":
         return cuda_value if on_cuda else 0
     return int(value)
+
+
+def resolve_chunked_prefill_size(value: int | str | None, *, on_cuda: bool, offline: bool) -> int | None:
+    """``scheduler.chunked_prefill_size``: ``auto`` is ``OFFLINE_GPU_CHUNKED_PREFILL_SIZE`` for an offline
+    Engine on CUDA and ``SERVER_CHUNKED_PREFILL_SIZE`` otherwise; a number or None (no chunking) is kept."""
+    if value != "auto":
+        return value if value is None else int(value)
+    return OFFLINE_GPU_CHUNKED_PREFILL_SIZE if on_cuda and offline else SERVER_CHUNKED_PREFILL_SIZE
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:

@@ -60,7 +60,9 @@ class SchedulerConfig(Section):
     policy: str = "fcfs"
     max_running_requests: int | Literal["auto"] = Field(
         "auto", description="most requests running at once; auto: 64 on the CPU, sized from the KV pool on CUDA")
-    chunked_prefill_size: int | None = Field(2048, gt=0, description="tokens per prefill chunk; null disables")
+    chunked_prefill_size: int | Literal["auto"] | None = Field(
+        "auto", description="most prompt tokens per prefill step (longer prompts are cut into chunks); null disables; "
+                            "auto: 4096 for Engine batches on CUDA, 2048 through the server and on the CPU")
     max_prefill_tokens: int = Field(8192, gt=0)
     enable_mixed_chunk: bool | Literal["auto"] = Field(
         "auto", description="run prefill chunks in the same batch as decodes; auto: per device (core/auto_size.py)")
@@ -86,6 +88,11 @@ class SchedulerConfig(Section):
     @classmethod
     def _positive_running(cls, value: int | str) -> int | str:
         return _positive_or_auto(value, "max_running_requests")
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk_size(cls, value: int | str | None) -> int | str | None:
+        return None if value is None else _positive_or_auto(value, "chunked_prefill_size")
 
     @field_validator("prefill_hold_steps")
     @classmethod

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from treadle.core.auto_size import resolve_chunked_prefill_size
 from treadle.core.config import ServerConfig, load_config, validate_config
 from treadle.core.registry import Registry
 from treadle.core.request import InvalidRequestError, Req, ReqOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 ConfigLike = ServerConfig | Mapping[str, Any] | str | os.PathLike | None
 # Engine.generate keeps at most this many unfinished requests per running slot in the scheduler.
@@ -57,9 +61,22 @@ class Engine:
         from treadle.core.tensor_parallel import start_scheduler
 
         self.config = resolve_config(config)
+        self._resolve_offline_defaults()
         # At parallel.tp_size > 1 this process is rank 0 and the other ranks run as child processes.
         self.scheduler = start_scheduler(self.config, registry)
         self.tokenizer = self.scheduler.tokenizer
+
+    def _resolve_offline_defaults(self) -> None:
+        """An offline batch has no stream waiting on each step, so ``scheduler.chunked_prefill_size: auto`` takes
+        the larger offline chunk on CUDA; resolved here, before any tensor-parallel rank starts, so all agree."""
+        import torch
+
+        scheduler = self.config.scheduler
+        if scheduler.chunked_prefill_size != "auto":
+            return
+        on_cuda = self.config.model.device != "cpu" and torch.cuda.is_available()
+        scheduler.chunked_prefill_size = resolve_chunked_prefill_size("auto", on_cuda=on_cuda, offline=True)
+        logger.info("chunked_prefill_size %d (auto, offline Engine)", scheduler.chunked_prefill_size)
 
     def generate(
         self,

@@ -13,6 +13,7 @@ from treadle.core.auto_size import (
     BatchSizes,
     request_table_bytes,
     resolve_batch_sizes,
+    resolve_chunked_prefill_size,
     resolve_cuda_only,
     resolve_piecewise_max_tokens,
 )
@@ -86,6 +87,9 @@ class ModelRunner:
         requested_latency = config.scheduler.latency_chunk_size
         config.scheduler.latency_chunk_size = resolve_cuda_only(requested_latency, on_cuda=on_cuda,
                                                                 cuda_value=GPU_LATENCY_CHUNK_SIZE)
+        requested_chunk = config.scheduler.chunked_prefill_size  # Engine resolves its "auto" before this
+        config.scheduler.chunked_prefill_size = resolve_chunked_prefill_size(requested_chunk, on_cuda=on_cuda,
+                                                                             offline=False)
         self.max_running_requests = sizes.max_running_requests
         # One spare row so a retracted request can be re-admitted while others still hold theirs.
         self.req_to_token_pool = ReqToTokenPool(
@@ -106,7 +110,7 @@ class ModelRunner:
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
             "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
-            "enable_mixed_chunk %s%s, latency_chunk_size %d%s, prefill_hold_steps %d%s",
+            "enable_mixed_chunk %s%s, chunked_prefill_size %s%s, latency_chunk_size %d%s, prefill_hold_steps %d%s",
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
             f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
             sizes.max_running_requests, _auto(self._requested[0]),
@@ -114,6 +118,7 @@ class ModelRunner:
             _auto(self._requested[1]),
             self.piecewise_graph_runner.max_tokens if self.piecewise_graph_runner is not None else "- (prefill eager)",
             _auto(requested_piecewise), sizes.enable_mixed_chunk, _auto(self._requested[2]),
+            config.scheduler.chunked_prefill_size, _auto(requested_chunk),
             config.scheduler.latency_chunk_size, _auto(requested_latency),
             config.scheduler.prefill_hold_steps, _auto(requested_hold),
         )

@@ -8,12 +8,15 @@ from treadle.core.auto_size import (
     CPU_MAX_RUNNING_REQUESTS,
     GPU_LATENCY_CHUNK_SIZE,
     GPU_PREFILL_HOLD_STEPS,
+    OFFLINE_GPU_CHUNKED_PREFILL_SIZE,
+    SERVER_CHUNKED_PREFILL_SIZE,
     GiB,
     auto_max_running_requests,
     graph_batch_sizes,
     piecewise_token_sizes,
     request_table_bytes,
     resolve_batch_sizes,
+    resolve_chunked_prefill_size,
     resolve_cuda_only,
     resolve_piecewise_max_tokens,
 )
@@ -113,6 +116,8 @@ def test_config_accepts_ints_or_auto() -> None:
     assert config.runtime.cuda_graph_max_bs == "auto"
     assert config.scheduler.enable_mixed_chunk == "auto"
     assert config.runtime.piecewise_cuda_graph_max_tokens == "auto"
+    assert config.scheduler.chunked_prefill_size == "auto"
+    assert load_config(overrides=["scheduler.chunked_prefill_size=null"], use_env=False).scheduler.chunked_prefill_size is None
     config = load_config(overrides=["scheduler.max_running_requests=8", "runtime.cuda_graph_max_bs=auto",
                                     "scheduler.enable_mixed_chunk=true"], use_env=False)
     assert (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs) == (8, "auto")
@@ -120,7 +125,9 @@ def test_config_accepts_ints_or_auto() -> None:
     for bad, key in [("scheduler.max_running_requests=0", "max_running_requests"),
                      ("runtime.cuda_graph_max_bs=lots", "cuda_graph_max_bs"),
                      ("scheduler.enable_mixed_chunk=maybe", "enable_mixed_chunk"),
-                     ("runtime.piecewise_cuda_graph_max_tokens=-1", "piecewise_cuda_graph_max_tokens")]:
+                     ("runtime.piecewise_cuda_graph_max_tokens=-1", "piecewise_cuda_graph_max_tokens"),
+                     ("scheduler.chunked_prefill_size=0", "chunked_prefill_size"),
+                     ("scheduler.chunked_prefill_size=big", "chunked_prefill_size")]:
         with pytest.raises(ConfigError, match=key):
             load_config(overrides=[bad], use_env=False)
 
@@ -138,10 +145,39 @@ def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llam
     assert "max_running_requests 64 (auto)" in caplog.text
     assert "enable_mixed_chunk False (auto)" in caplog.text
     assert "piecewise_cuda_graph_max_tokens - (prefill eager) (auto)" in caplog.text
+    assert f"chunked_prefill_size {SERVER_CHUNKED_PREFILL_SIZE} (auto)" in caplog.text
     assert runner.piecewise_graph_runner is None and config.runtime.piecewise_cuda_graph_max_tokens == 0
     assert runner.max_running_requests == config.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
     assert config.scheduler.enable_mixed_chunk is False
+    assert config.scheduler.chunked_prefill_size == SERVER_CHUNKED_PREFILL_SIZE
+
+
+def test_offline_batches_on_cuda_take_larger_prefill_chunks_than_the_server() -> None:
+    assert SERVER_CHUNKED_PREFILL_SIZE < OFFLINE_GPU_CHUNKED_PREFILL_SIZE
+    assert resolve_chunked_prefill_size("auto", on_cuda=True, offline=True) == OFFLINE_GPU_CHUNKED_PREFILL_SIZE
+    assert resolve_chunked_prefill_size("auto", on_cuda=True, offline=False) == SERVER_CHUNKED_PREFILL_SIZE
+    assert resolve_chunked_prefill_size("auto", on_cuda=False, offline=True) == SERVER_CHUNKED_PREFILL_SIZE
+    assert resolve_chunked_prefill_size(1000, on_cuda=True, offline=True) == 1000
+    assert resolve_chunked_prefill_size(None, on_cuda=True, offline=True) is None
+
+
+def test_the_engine_resolves_the_offline_chunk_before_the_scheduler_starts(monkeypatch) -> None:
+    import torch
+
+    from treadle.core.engine import Engine
+
+    engine = Engine.__new__(Engine)  # only the config step: no model is loaded
+    engine.config = load_config(use_env=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine._resolve_offline_defaults()
+    assert engine.config.scheduler.chunked_prefill_size == OFFLINE_GPU_CHUNKED_PREFILL_SIZE
+    engine.config = load_config(overrides=["model.device=cpu"], use_env=False)
+    engine._resolve_offline_defaults()
+    assert engine.config.scheduler.chunked_prefill_size == SERVER_CHUNKED_PREFILL_SIZE
+    engine.config = load_config(overrides=["scheduler.chunked_prefill_size=512"], use_env=False)
+    engine._resolve_offline_defaults()
+    assert engine.config.scheduler.chunked_prefill_size == 512
 
 
 @pytest.mark.parametrize(("key", "cuda_value"), [("prefill_hold_steps", GPU_PREFILL_HOLD_STEPS),
