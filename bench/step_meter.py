@@ -52,7 +52,9 @@ class StepMeter:
         self._phase_start = 0.0
         self.profile: dict[str, Any] = {}
         self._gc_started = 0.0
-        self._gc_ms = 0.0  # cyclic-GC ms on the host since the last step was launched (step_trace only)
+        # Host ms since the last step was launched, by kind (step_trace only): cyclic GC, waiting for a step's
+        # tokens, and reading a step (the wait included: Scheduler._settle).
+        self._host_ms = dict.fromkeys(HOST_PHASES, 0.0)
 
     # -------------------------------------------------------------------- wrapping
 
@@ -61,7 +63,10 @@ class StepMeter:
 
         def metered_forward(forward_batch: Any) -> torch.Tensor:
             self._before_forward(forward_batch)
-            return forward(forward_batch)
+            started = time.perf_counter()
+            logits = forward(forward_batch)
+            self.steps[-1]["launch_ms"] = (time.perf_counter() - started) * 1e3
+            return logits
 
         def metered_sampler(*args: Any, **kwargs: Any) -> Any:
             result = sampler(*args, **kwargs)
@@ -73,6 +78,18 @@ class StepMeter:
         self.scheduler.sampler = metered_sampler
         if self.step_trace:
             gc.callbacks.append(self._on_gc)
+            settle = self.scheduler._settle
+
+            def metered_settle() -> None:
+                started = time.perf_counter()
+                inflight = self.scheduler._inflight
+                if inflight is not None and inflight.results is not None:
+                    inflight.results.wait()  # the wait alone; _settle's own wait() then returns at once
+                    self._host_ms["wait_ms"] += (time.perf_counter() - started) * 1e3
+                settle()
+                self._host_ms["settle_ms"] += (time.perf_counter() - started) * 1e3
+
+            self.scheduler._settle = metered_settle
 
     def uninstall(self) -> None:
         if "forward" in vars(self.runner):
@@ -80,6 +97,8 @@ class StepMeter:
         self.scheduler.sampler = self._original_sampler
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+        if "_settle" in vars(self.scheduler):
+            del self.scheduler._settle
         if self._phase == "torch":
             self._torch_profiler.stop()
         elif self._phase == "cprofile" and self._cprofile is not None:
@@ -113,14 +132,15 @@ class StepMeter:
         self.steps.append({"mode": mode.name, "bs": bs, "tokens": forward_batch.num_tokens,
                            "waiting": len(self.scheduler.waiting),
                            "running": len(self.scheduler.running), "free_kv": self.scheduler.allocator.free_slots,
-                           "host": time.perf_counter(), "gc_ms": self._gc_ms, "start": self._event(), "end": None})
-        self._gc_ms = 0.0
+                           "host": time.perf_counter(), **self._host_ms, "launch_ms": 0.0,
+                           "start": self._event(), "end": None})
+        self._host_ms = dict.fromkeys(HOST_PHASES, 0.0)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_started = time.perf_counter()
         else:
-            self._gc_ms += (time.perf_counter() - self._gc_started) * 1e3
+            self._host_ms["gc_ms"] += (time.perf_counter() - self._gc_started) * 1e3
 
     def _after_sampling(self) -> None:
         if self.steps and self.steps[-1]["end"] is None:
@@ -278,14 +298,16 @@ class StepMeter:
 
     def _trace(self) -> dict[str, Any]:
         """Every step in order, as columns: kind, batch size, tokens, requests waiting and running and free KV
-        slots when it was launched, GPU ms, the GPU ms idle just before it (the stream waiting on the host), the
-        host ms since the step before was launched, and the host's garbage-collection ms within them."""
+        slots when it was launched, GPU ms, the GPU ms idle just before it (the stream waiting on the host); then
+        host ms: since the step before was launched, and within them garbage collection, waiting for a step's
+        tokens and reading a step (the wait included); last, the host ms its own launch took."""
         host_ms = [0.0] + [(b["host"] - a["host"]) * 1e3 for a, b in zip(self.steps, self.steps[1:])]
         return {
             "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms", "idle_ms",
-                        "host_ms", "gc_ms"],
+                        "host_ms", *HOST_PHASES, "launch_ms"],
             "steps": [[s["mode"][0], s["bs"], s["tokens"], s["waiting"], s["running"], s["free_kv"],
-                       round(_gpu_ms(s), 3), round(idle_ms, 3), round(host, 3), round(s["gc_ms"], 3)]
+                       round(_gpu_ms(s), 3), round(idle_ms, 3), round(host, 3),
+                       *(round(s[key], 3) for key in HOST_PHASES), round(s["launch_ms"], 3)]
                       for s, idle_ms, host in zip(self.steps, self._idle_before(), host_ms)],
         }
 
@@ -309,6 +331,9 @@ def _gpu_ms(step: dict[str, Any]) -> float:
     """A step's GPU milliseconds, from its launch to the end of its sampling (0 when it has no end event)."""
     return max(0.0, step["start"].elapsed_time(step["end"] or step["start"]))
 
+
+# Host time between two launches, by kind, in the step trace (see StepMeter._trace).
+HOST_PHASES = ("gc_ms", "wait_ms", "settle_ms")
 
 # The size groups of StepMeter.summary's by_size: decode batch sizes, prefill tokens per step.
 DECODE_BATCH_BOUNDS = (1, 32, 64, 128, 192, 256, 320, 384, 448, 512)

@@ -23,11 +23,11 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
     meter._t0, meter._t1 = _Event(0), _Event(13)
     meter.steps = [  # idle 1 ms before each of the first two steps and 1 ms at the end; none before the third
         {"mode": "DECODE", "bs": 4, "tokens": 4, "waiting": 9, "running": 4, "free_kv": 50, "host": 0.0, "gc_ms": 0.0,
-         "start": _Event(1), "end": _Event(3)},
+         "wait_ms": 0.0, "settle_ms": 0.0, "launch_ms": 0.1, "start": _Event(1), "end": _Event(3)},
         {"mode": "EXTEND", "bs": 1, "tokens": 300, "waiting": 9, "running": 4, "free_kv": 50, "host": 0.002, "gc_ms": 0.5,
-         "start": _Event(4), "end": _Event(10)},
+         "wait_ms": 0.25, "settle_ms": 1.0, "launch_ms": 3.0, "start": _Event(4), "end": _Event(10)},
         {"mode": "DECODE", "bs": 200, "tokens": 200, "waiting": 8, "running": 5, "free_kv": 40, "host": 0.0065, "gc_ms": 0.0,
-         "start": _Event(10), "end": _Event(12)},
+         "wait_ms": 4.0, "settle_ms": 4.25, "launch_ms": 0.1, "start": _Event(10), "end": _Event(12)},
     ]
     busy = meter._busy()
     assert busy["gpu_idle_ms"] == 3 and busy["gpu_busy_fraction"] == pytest.approx(10 / 13)
@@ -41,12 +41,14 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
         {"min_size": 192, "steps": 1, "tokens": 200, "gpu_ms": 2},
     ]
     assert busy["by_size"]["EXTEND"] == [{"min_size": 256, "steps": 1, "tokens": 300, "gpu_ms": 6}]
-    # host ms between launches (perf_counter seconds apart) and the GC ms before each launch
-    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2, 1, 0, 0], ["E", 1, 300, 9, 4, 50, 6, 1, 2, 0.5],
-                                       ["D", 200, 200, 8, 5, 40, 2, 0, 4.5, 0]]
+    # host ms between launches (perf_counter seconds apart), the GC, wait and settle ms before each launch,
+    # and each step's own launch ms
+    assert meter._trace()["steps"] == [["D", 4, 4, 9, 4, 50, 2, 1, 0, 0, 0, 0, 0.1],
+                                       ["E", 1, 300, 9, 4, 50, 6, 1, 2, 0.5, 0.25, 1.0, 3.0],
+                                       ["D", 200, 200, 8, 5, 40, 2, 0, 4.5, 0, 4.0, 4.25, 0.1]]
 
 
-def test_step_trace_counts_garbage_collection_between_launches() -> None:
+def test_step_trace_times_garbage_collection_and_settling_between_launches() -> None:
     import gc
 
     class Runner:
@@ -55,13 +57,23 @@ def test_step_trace_counts_garbage_collection_between_launches() -> None:
         def forward(self, forward_batch):
             return forward_batch
 
-    scheduler = SimpleNamespace(runner=Runner(), sampler=None)
+    class Scheduler:
+        runner = Runner()
+        sampler = None
+        _inflight = None
+        settled = 0
+
+        def _settle(self) -> None:
+            self.settled += 1
+
+    scheduler = Scheduler()
     meter = StepMeter(scheduler, step_trace=True)
     meter.install()
     try:
         assert meter._on_gc in gc.callbacks
         gc.collect()
-        assert meter._gc_ms > 0
+        scheduler._settle()
+        assert meter._host_ms["gc_ms"] > 0 and meter._host_ms["settle_ms"] > 0 and scheduler.settled == 1
     finally:
         meter.uninstall()
-    assert meter._on_gc not in gc.callbacks
+    assert meter._on_gc not in gc.callbacks and "_settle" not in vars(scheduler)
