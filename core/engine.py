@@ -150,7 +150,9 @@ class Engine:
         self.scheduler = None  # type: ignore[assignment]
         import gc
 
-        gc.unfreeze()  # what start_scheduler froze, this engine included, can be collected again
+        from treadle.core.gc_freeze import release_startup_objects
+
+        release_startup_objects()  # what start_scheduler froze, this engine included, can be collected again
         gc.collect()
         import torch
 
