@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from treadle.bench.host_sampler import HostSampler
 from treadle.core.forward_batch import ForwardMode
 
 
@@ -55,6 +56,7 @@ class StepMeter:
         # Host ms since the last step was launched, by kind (step_trace only): cyclic GC, waiting for a step's
         # tokens, and reading a step (the wait included: Scheduler._settle).
         self._host_ms = dict.fromkeys(HOST_PHASES, 0.0)
+        self.sampler = HostSampler() if step_trace else None  # where the host was before a stalled step
 
     # -------------------------------------------------------------------- wrapping
 
@@ -90,6 +92,7 @@ class StepMeter:
                 self._host_ms["settle_ms"] += (time.perf_counter() - started) * 1e3
 
             self.scheduler._settle = metered_settle
+            self.sampler.start()
 
     def uninstall(self) -> None:
         if "forward" in vars(self.runner):
@@ -99,6 +102,8 @@ class StepMeter:
             gc.callbacks.remove(self._on_gc)
         if "_settle" in vars(self.scheduler):
             del self.scheduler._settle
+        if self.sampler is not None:
+            self.sampler.stop()
         if self._phase == "torch":
             self._torch_profiler.stop()
         elif self._phase == "cprofile" and self._cprofile is not None:
@@ -302,13 +307,20 @@ class StepMeter:
         host ms: since the step before was launched, and within them garbage collection, waiting for a step's
         tokens and reading a step (the wait included); last, the host ms its own launch took."""
         host_ms = [0.0] + [(b["host"] - a["host"]) * 1e3 for a, b in zip(self.steps, self.steps[1:])]
+        idle = self._idle_before()
+        stalls = []
+        if self.sampler is not None:  # the host's busiest frames before each step the GPU waited 2 ms or more for
+            stalls = [{"step": i, "idle_ms": round(idle[i], 3), "host_ms": round(host_ms[i], 3),
+                       "frames": self.sampler.hot_frames(self.steps[i - 1]["host"], self.steps[i]["host"])}
+                      for i in range(1, len(self.steps)) if idle[i] >= STALL_IDLE_MS]
         return {
             "columns": ["mode", "batch_size", "tokens", "waiting", "running", "free_kv", "gpu_ms", "idle_ms",
                         "host_ms", *HOST_PHASES, "launch_ms"],
             "steps": [[s["mode"][0], s["bs"], s["tokens"], s["waiting"], s["running"], s["free_kv"],
                        round(_gpu_ms(s), 3), round(idle_ms, 3), round(host, 3),
                        *(round(s[key], 3) for key in HOST_PHASES), round(s["launch_ms"], 3)]
-                      for s, idle_ms, host in zip(self.steps, self._idle_before(), host_ms)],
+                      for s, idle_ms, host in zip(self.steps, idle, host_ms)],
+            "stalls": stalls,
         }
 
     def _by_size(self, mode: str, bounds: tuple[int, ...]) -> list[dict[str, float]]:
@@ -332,6 +344,8 @@ def _gpu_ms(step: dict[str, Any]) -> float:
     return max(0.0, step["start"].elapsed_time(step["end"] or step["start"]))
 
 
+# A step the GPU waited this long for gets the host's sampled frames in the step trace's "stalls".
+STALL_IDLE_MS = 2.0
 # Host time between two launches, by kind, in the step trace (see StepMeter._trace).
 HOST_PHASES = ("gc_ms", "wait_ms", "settle_ms")
 
