@@ -34,8 +34,9 @@ MIXED_CHUNK_ON_CUDA = False
 GPU_LATENCY_CHUNK_SIZE = 512
 # Prompt tokens per prefill step (``scheduler.chunked_prefill_size: auto``). Through the server a prefill step
 # stalls every running stream for its whole length, so chunks stay at 2048. An offline Engine batch has no
-# stream to stall, and on an H100 a larger step costs less per token (the issue-10 workload, three calls:
-# 4096 ran 1.01-1.03x the out tok/s of 2048, prefill GPU time -4%; docs/benchmarks.md).
+# stream to stall, and on an H100 a larger step costs less per token (the issue-10 workload, four pairs in three
+# calls: 4096 ran 1.00-1.03x the out tok/s of 2048, +1.2% on average, prefill GPU time -3.5 to -5%;
+# docs/benchmarks.md).
 SERVER_CHUNKED_PREFILL_SIZE = 2048
 OFFLINE_GPU_CHUNKED_PREFILL_SIZE = 4096
 # Decode steps a small prefill may wait for more requests while the decode batch is large (docs/scheduling.md).

@@ -9,8 +9,8 @@ import gc
 # Net container allocations between young-generation collections (Python's default is 700). A scheduler step
 # at 512 running requests makes and drops a few thousand objects (batch entries, tensors, outputs), so at 700
 # nearly every step collected, and survivors were promoted until a full collection walked every request and
-# cached prefix: 1,494 collections for 291 ms, pauses up to 35 ms, in a 720-step offline batch on the CPU test
-# model; at 10,000, 2 collections for 13 ms (docs/scheduling.md "Host time per step").
+# cached prefix: 1,494 collections for 291 ms (pauses up to 21 ms) in a 720-step offline batch on the CPU test
+# model, 2 for 13 ms at 10,000; an H100 run showed pauses up to 35 ms (docs/scheduling.md "Host time per step").
 YOUNG_COLLECTION_THRESHOLD = 10_000
 
 _unfreeze_registered = False
