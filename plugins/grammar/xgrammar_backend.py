@@ -15,7 +15,19 @@ from treadle.core.hookspecs import hookimpl
 # xgrammar prefixes its messages with a time and a C++ source location; users need neither.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # Keywords xgrammar 0.2.8 accepts but does not enforce: a request using them must fail, not be half-honoured.
-_IGNORED_KEYWORDS = ("not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas")
+# llguidance refuses these too.
+_IGNORED_KEYWORDS = ("not", "uniqueItems", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
+                    "minContains", "maxContains")
+# String length bounds xgrammar 0.2.8 drops when a pattern or a format shapes the string (it accepted "123-45" for
+# {"pattern": "^[0-9]{3}-[0-9]{2}$", "maxLength": 3}); llguidance intersects the two.
+_LENGTH_KEYWORDS = ("minLength", "maxLength")
+_SHAPE_KEYWORDS = ("pattern", "format")
+# Next to "enum" or "const" xgrammar 0.2.8 allows every listed value and drops the node's other keywords (it accepted
+# 1 for {"enum": [1, 5], "minimum": 3} and for {"enum": [1, "a"], "type": "string"}): "type" is applied here by
+# dropping the values of another type; the keywords below are refused (llguidance applies them).
+_DROPPED_NEXT_TO_VALUES = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                           "maxLength", "pattern", "format", "minItems", "maxItems", "items", "prefixItems",
+                           "properties", "required", "additionalProperties", "minProperties", "maxProperties")
 # Counted repetitions xgrammar 0.2.8 builds masks for ~30x more slowly (mlc-ai/xgrammar#852).
 _SLOW_KEYWORDS = ("maxLength", "minLength")
 # JSON text holds no raw control character (U+0000-U+001F) but the whitespace between tokens; xgrammar 0.2.8 lets
@@ -53,9 +65,10 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, constraint: Constraint) -> Any:
         try:
             if constraint.kind == "json_schema":
-                self._check_enforceable(json.loads(constraint.text))
+                schema = json.loads(constraint.text)
+                text = json.dumps(schema) if self._check_enforceable(schema) else constraint.text
                 return _Compiled(self._compiler.compile_json_schema(
-                    constraint.text, any_whitespace=self._any_whitespace, strict_mode=True), self._json_mask)
+                    text, any_whitespace=self._any_whitespace, strict_mode=True), self._json_mask)
             if constraint.kind == "regex":
                 return _Compiled(self._compiler.compile_regex(constraint.text))
             if constraint.kind == "ebnf":
@@ -67,7 +80,10 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarCompileError(f"invalid {constraint.kind}: {message}", param=constraint.kind) from None
         raise GrammarCompileError(f"xgrammar cannot compile a '{constraint.kind}' constraint", param=constraint.kind)
 
-    def _check_enforceable(self, schema: Any) -> None:
+    def _check_enforceable(self, schema: Any) -> bool:
+        """Raise GrammarCompileError for what xgrammar would silently not enforce; True when ``schema`` was
+        narrowed in place to what it does enforce (enum values of another type than the node's dropped)."""
+        narrowed = False
         for path, node in _subschemas(schema, ""):
             where = path or "the top level"
             if not self._warned_slow and any(key in node for key in _SLOW_KEYWORDS):
@@ -78,13 +94,32 @@ class XGrammarBackend(GrammarBackend):
                     "more slowly (mlc-ai/xgrammar#852), which costs throughput when many of these requests run at "
                     "once; grammar.backend: llguidance does not have this cost",
                     next(key for key in _SLOW_KEYWORDS if key in node), where)
-            used = [key for key in _IGNORED_KEYWORDS if key in node]
-            if len(node.get("allOf") or []) > 1:
-                used.append("allOf")
-            if used:
+            unsupported = [key for key in _IGNORED_KEYWORDS if key in node]
+            if unsupported:
                 raise GrammarCompileError(
-                    f"invalid json_schema: '{used[0]}' at {where} is not supported by grammar backend 'xgrammar' "
+                    f"invalid json_schema: '{unsupported[0]}' at {where} is not supported by grammar backend "
+                    "'xgrammar' (it would be ignored; llguidance does not support it either); remove it",
+                    param="json_schema")
+            dropped = ["allOf"] if len(node.get("allOf") or []) > 1 else []
+            shape = next((key for key in _SHAPE_KEYWORDS if key in node), None)
+            if shape is not None:
+                dropped += [f"{key}' next to '{shape}" for key in _LENGTH_KEYWORDS if key in node]
+            values_key = "enum" if isinstance(node.get("enum"), list) else "const" if "const" in node else None
+            if values_key is not None:
+                dropped += [f"{key}' next to '{values_key}" for key in _DROPPED_NEXT_TO_VALUES if key in node]
+            if dropped:
+                raise GrammarCompileError(
+                    f"invalid json_schema: '{dropped[0]}' at {where} is not supported by grammar backend 'xgrammar' "
                     f"(it would be ignored); remove it, or use grammar.backend: llguidance", param="json_schema")
+            if values_key is not None and "type" in node:
+                values = node["enum"] if values_key == "enum" else [node["const"]]
+                kept = [value for value in values if _has_json_type(value, node["type"])]
+                if not kept:
+                    raise GrammarCompileError(
+                        f"invalid json_schema: no value of the '{values_key}' at {where} has its type "
+                        f"{json.dumps(node['type'])}, so nothing can match", param="json_schema")
+                if len(kept) < len(values):
+                    node["enum"], narrowed = kept, True
             if isinstance(node.get("pattern"), str):
                 # Inside a schema xgrammar drops what its regex engine lacks (look-around) with only a warning.
                 try:
@@ -93,6 +128,7 @@ class XGrammarBackend(GrammarBackend):
                     message = _LOG_PREFIX.sub("", str(exc).strip())
                     raise GrammarCompileError(f"invalid json_schema: the pattern at {where}: {message}",
                                               param="json_schema") from None
+        return narrowed
 
     def new_matcher(self, compiled: "_Compiled") -> GrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled.grammar), compiled.mask)
@@ -146,6 +182,18 @@ def _no_control_characters(info: Any, vocab_size: int, any_whitespace: bool) -> 
         if token_id not in special and any(byte < 0x20 and byte not in allowed_controls for byte in text):
             allowed[token_id] = False
     return pack_bitmask(allowed)
+
+
+def _has_json_type(value: Any, types: Any) -> bool:
+    """Whether a JSON value is of the JSON-schema ``type`` (a name or a list of names)."""
+    for name in [types] if isinstance(types, str) else list(types or ()):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (name == "null" and value is None or name == "boolean" and isinstance(value, bool)
+                or name == "integer" and number and float(value).is_integer()
+                or name == "number" and number or name == "string" and isinstance(value, str)
+                or name == "array" and isinstance(value, list) or name == "object" and isinstance(value, dict)):
+            return True
+    return False
 
 
 def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict]]:

@@ -153,11 +153,31 @@ def test_compiled_constraints_are_cached(engine):
     ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "'uniqueItems' at the top level is not supported"),
     ({"json_schema": '{"properties": {"a": {"not": {"type": "string"}}}}'}, "'not' at /properties/a"),
     ({"json_schema": '{"type": "string", "pattern": "(?=a)b"}'}, "the pattern at the top level: .*[Ll]ookahead"),
+    # Found by random schemas: xgrammar 0.2.8 compiled these but let outputs break the keyword named.
+    ({"json_schema": '{"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}$", "maxLength": 3}'},
+     "'maxLength' next to 'pattern' at the top level .* use grammar.backend: llguidance"),
+    ({"json_schema": '{"properties": {"e": {"type": "string", "format": "email", "minLength": 30}}}'},
+     "'minLength' next to 'format' at /properties/e"),
+    ({"json_schema": '{"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}'},
+     "'contains' at the top level .* llguidance does not support it either"),
+    ({"json_schema": '{"enum": [1, 5], "minimum": 3}'}, "'minimum' next to 'enum'"),
+    ({"json_schema": '{"type": "integer", "const": "x"}'}, "no value of the 'const' at the top level has its type"),
 ])
 def test_invalid_constraints_are_request_errors(engine, params, message):
     with pytest.raises(InvalidRequestError, match=message):
         engine.generate(input_ids=PROMPTS[0], sampling_params=params)
     assert_kv_accounted(engine, flush=False)
+
+
+def test_enum_values_of_another_type_than_the_node_are_never_generated(engine):
+    """xgrammar 0.2.8 allows every enum value whatever the node's type (it generated null and 1 for
+    {"type": "string", "enum": ["a", null, 1]}); the backend drops the values of another type first."""
+    schema = {"type": "object", "properties": {"c": {"type": "string", "enum": ["a", None, 1, "b"]}}, "required": ["c"]}
+    outputs = engine.generate(input_ids=[PROMPTS[i % 4] for i in range(12)], sampling_params=[
+        SamplingParams(max_new_tokens=20, temperature=1.5, seed=seed, json_schema=json.dumps(schema))
+        for seed in range(12)])
+    values = {json.loads(o.text)["c"] for o in outputs}
+    assert values <= {"a", "b"} and values, values
 
 
 def test_json_schema_may_be_given_as_a_dict(engine):
