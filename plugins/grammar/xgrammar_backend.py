@@ -189,7 +189,7 @@ def _has_json_type(value: Any, types: Any) -> bool:
     for name in [types] if isinstance(types, str) else list(types or ()):
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if (name == "null" and value is None or name == "boolean" and isinstance(value, bool)
-                or name == "integer" and number and float(value).is_integer()
+                or name == "integer" and number and (isinstance(value, int) or value.is_integer())
                 or name == "number" and number or name == "string" and isinstance(value, str)
                 or name == "array" and isinstance(value, list) or name == "object" and isinstance(value, dict)):
             return True
