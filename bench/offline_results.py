@@ -121,7 +121,7 @@ def progress_line(r: SystemResult) -> str:
             f"(decode {_percent(extra.get('gpu_busy_fraction_decode'))}), steps {extra.get('steps')} "
             f"({extra.get('decode_steps')} decode), max_running_requests {extra.get('max_running_requests')}, "
             f"retractions {extra.get('retractions')}" + _by_mode_lines(extra.get("by_mode"))
-            + _by_size_lines(extra.get("by_size")))
+            + _by_size_lines(extra.get("by_size")) + _stall_lines((extra.get("step_trace") or {}).get("stalls")))
 
 
 def _by_mode_lines(by_mode: dict[str, dict[str, float]] | None) -> str:
@@ -133,6 +133,20 @@ def _by_mode_lines(by_mode: dict[str, dict[str, float]] | None) -> str:
         f"{row['idle_before_ms'] / 1e3:.2f} s; small steps ({'batch < 128' if mode == 'DECODE' else '< 512 tokens'}) "
         f"{row['small_steps']} ({row['small_gpu_ms'] / 1e3:.2f} s)"
         for mode, row in by_mode.items())
+
+
+def _stall_lines(stalls: list[dict[str, Any]] | None, top: int = 3) -> str:
+    """With --step-trace: the steps the GPU waited 2 ms or more for, and the host frames most often behind them."""
+    if not stalls:
+        return ""
+    busiest: dict[str, float] = {}
+    for stall in stalls:
+        for frames, ms in stall["frames"]:
+            innermost = frames.split(" < ")[0]
+            busiest[innermost] = busiest.get(innermost, 0.0) + ms
+    ranked = sorted(busiest.items(), key=lambda item: -item[1])[:top]
+    return (f"\n  GPU stalls (>= 2 ms idle): {len(stalls)} steps, {sum(s['idle_ms'] for s in stalls) / 1e3:.2f} s; "
+            "host busiest before them: " + ", ".join(f"{where} {ms:.0f} ms" for where, ms in ranked))
 
 
 def _by_size_lines(by_size: dict[str, list[dict[str, float]]] | None) -> str:

@@ -77,3 +77,15 @@ def test_step_trace_times_garbage_collection_and_settling_between_launches() -> 
     finally:
         meter.uninstall()
     assert meter._on_gc not in gc.callbacks and "_settle" not in vars(scheduler)
+
+
+def test_the_progress_line_names_the_host_frames_behind_gpu_stalls() -> None:
+    from treadle.bench.offline_results import _stall_lines
+
+    stalls = [{"step": 4, "idle_ms": 12.0, "host_ms": 40.0,
+               "frames": [["linear.py:87(apply) < layers.py:1(forward)", 20.0], ["sampler.py:9(__call__)", 5.0]]},
+              {"step": 9, "idle_ms": 3.0, "host_ms": 30.0, "frames": [["sampler.py:9(__call__)", 18.0]]}]
+    line = _stall_lines(stalls)
+    assert "2 steps, 0.01 s" in line
+    assert line.index("sampler.py:9(__call__) 23 ms") < line.index("linear.py:87(apply) 20 ms")
+    assert _stall_lines([]) == ""
