@@ -49,8 +49,8 @@ class HostSampler:
             last = now
 
     def hot_frames(self, start: float, end: float, top: int = 4) -> list[tuple[str, float]]:
-        """The innermost frames sampled in ``[start, end)`` (``time.perf_counter`` seconds), by ms of host work,
-        waits for the device left out."""
+        """The stacks (innermost frame first, joined by " < ") sampled in ``[start, end)`` (``time.perf_counter``
+        seconds), by ms of host work, waits for the device left out."""
         counts: Counter[str] = Counter()
         for when, gap_ms, frames in self.samples:
             if start <= when < end and not _waiting(frames):

@@ -69,12 +69,12 @@ class Engine:
     def _resolve_offline_defaults(self) -> None:
         """An offline batch has no stream waiting on each step, so ``scheduler.chunked_prefill_size: auto`` takes
         the larger offline chunk on CUDA; resolved here, before any tensor-parallel rank starts, so all agree."""
-        import torch
+        from treadle.core.model_loader import resolve_device
 
         scheduler = self.config.scheduler
         if scheduler.chunked_prefill_size != "auto":
             return
-        on_cuda = self.config.model.device != "cpu" and torch.cuda.is_available()
+        on_cuda = resolve_device(self.config.model.device).type == "cuda"
         scheduler.chunked_prefill_size = resolve_chunked_prefill_size("auto", on_cuda=on_cuda, offline=True)
         logger.info("chunked_prefill_size %d (auto, offline Engine)", scheduler.chunked_prefill_size)
 

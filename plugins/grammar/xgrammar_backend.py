@@ -20,7 +20,7 @@ _IGNORED_KEYWORDS = ("not", "uniqueItems", "if", "then", "else", "dependentRequi
                     "minContains", "maxContains")
 # String length bounds xgrammar 0.2.8 drops when a pattern or a format shapes the string (it accepted "123-45" for
 # {"pattern": "^[0-9]{3}-[0-9]{2}$", "maxLength": 3}); llguidance intersects the two.
-_LENGTH_KEYWORDS = ("minLength", "maxLength")
+_LENGTH_KEYWORDS = ("maxLength", "minLength")
 _SHAPE_KEYWORDS = ("pattern", "format")
 # Next to "enum" or "const" xgrammar 0.2.8 allows every listed value and drops the node's other keywords (it accepted
 # 1 for {"enum": [1, 5], "minimum": 3} and for {"enum": [1, "a"], "type": "string"}): "type" is applied here by
@@ -28,8 +28,8 @@ _SHAPE_KEYWORDS = ("pattern", "format")
 _DROPPED_NEXT_TO_VALUES = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
                            "maxLength", "pattern", "format", "minItems", "maxItems", "items", "prefixItems",
                            "properties", "required", "additionalProperties", "minProperties", "maxProperties")
-# Counted repetitions xgrammar 0.2.8 builds masks for ~30x more slowly (mlc-ai/xgrammar#852).
-_SLOW_KEYWORDS = ("maxLength", "minLength")
+# xgrammar 0.2.8 also builds masks for these counted repetitions ~30x more slowly (mlc-ai/xgrammar#852).
+_SLOW_KEYWORDS = _LENGTH_KEYWORDS
 # JSON text holds no raw control character (U+0000-U+001F) but the whitespace between tokens; xgrammar 0.2.8 lets
 # them into strings with minLength/maxLength, which no JSON parser then accepts. JSON-schema rows are masked to
 # tokens without them (tab, newline and carriage return stay allowed with grammar.any_whitespace).
