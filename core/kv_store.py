@@ -23,15 +23,16 @@ def _store_kv_kernel(K, V, K_cache, V_cache, Loc, stride_k, stride_v, width, k_s
     k = tl.load(K + row * stride_k + offs, mask=mask)
     v = tl.load(V + row * stride_v + offs, mask=mask)
     if TO_FP8:
-        k = _saturate(k, k_scale, fp8_max).to(K_cache.dtype.element_ty, fp_downcast_rounding="rtne")
-        v = _saturate(v, v_scale, fp8_max).to(V_cache.dtype.element_ty, fp_downcast_rounding="rtne")
+        k = saturate_to_fp8(k, k_scale, fp8_max).to(K_cache.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = saturate_to_fp8(v, v_scale, fp8_max).to(V_cache.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(K_cache + slot * width + offs, k.to(K_cache.dtype.element_ty), mask=mask)
     tl.store(V_cache + slot * width + offs, v.to(V_cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _saturate(x, scale, fp8_max):
-    # torch: (x / scale) rounded to x's dtype, clamped to the FP8 range (a cast would turn it into NaN), cast.
+def saturate_to_fp8(x, scale, fp8_max):
+    """``x / scale`` as an FP8 cache stores it, in float32, before the cast: torch computes the quotient
+    rounded to ``x``'s dtype and clamps it to the FP8 range (a cast would turn it into NaN)."""
     scaled = (x.to(tl.float32) / scale).to(x.dtype).to(tl.float32)
     return tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max)
 

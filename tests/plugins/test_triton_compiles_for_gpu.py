@@ -48,13 +48,15 @@ def _attention_kernels() -> dict:
     checks = {}
     for kv in KV_TYPES:
         fp8 = kv != "bf16"
-        checks[f"decode_partial[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
-            decode._decode_partial_kernel,
-            {"Q": "*bf16", "K_cache": f"*{kv}", "V_cache": f"*{kv}", "Req_to_token": "*i32",
-             "Req_pool_indices": "*i64", "Seq_lens": "*i64", "Mid_o": "*fp32", "Mid_lse": "*fp32"},
-            {"qk_scale", "v_scale"},
-            dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, MAX_SPLITS=16, MIN_SPLIT_TOKENS=128,
-                 PRECISION="tf32", KV_FP8=fp8))
+        for store in (False, True):
+            checks[f"decode[{kv},store_kv={store}]"] = lambda kv=kv, fp8=fp8, store=store: _compile(
+                decode._decode_kernel,
+                {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "New_loc": "*i64", "K_cache": f"*{kv}",
+                 "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Seq_lens": "*i64",
+                 "Mid_o": "*fp32", "Mid_lse": "*fp32", "Arrivals": "*i32", "O": "*bf16"},
+                {"qk_scale", "k_scale", "v_scale", "fp8_max"},
+                dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, MAX_SPLITS=16,
+                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store))
         checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
             extend._extend_kernel,
             {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
@@ -62,9 +64,6 @@ def _attention_kernels() -> dict:
              "Extend_seq_lens": "*i64", "Extend_prefix_lens": "*i64"},
             {"qk_scale", "k_scale", "v_scale"},
             dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=fp8))
-    checks["decode_combine"] = lambda: _compile(
-        decode._decode_combine_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "O": "*bf16", "Seq_lens": "*i64"},
-        set(), dict(HEAD_DIM=128, BLOCK_D=128, MAX_SPLITS=16, BLOCK_S=16, MIN_SPLIT_TOKENS=128))
     checks["flashinfer_page_table"] = lambda: _compile(
         _page_table_kernel(), {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64",
                                "kv_indptr": "*i32", "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128))
@@ -120,7 +119,8 @@ def _small_batch(weight_type: str, **constexprs: object):
                              "Arrivals": "*i32"}, set(), constexprs)
 
 
-KERNELS = ["decode_partial[bf16]", "decode_partial[fp8e4nv]", "extend[bf16]", "extend[fp8e4nv]", "decode_combine",
+KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[fp8e4nv,store_kv=False]",
+           "decode[fp8e4nv,store_kv=True]", "extend[bf16]", "extend[fp8e4nv]",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[bf16,gemv,split_k]", "small_batch[bf16]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]

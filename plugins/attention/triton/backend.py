@@ -25,10 +25,11 @@ _SUPPORTED_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.floa
 
 @dataclass
 class DecodeMetadata:
-    """Float32 scratch for the split-KV partial results of one decode step, shared by all layers."""
+    """Scratch for the split-KV partial results of one decode step, shared by all layers."""
 
     mid_o: torch.Tensor  # [bs, num_heads, max_kv_splits, head_dim]
     mid_lse: torch.Tensor  # [bs, num_heads, max_kv_splits], log2 of each chunk's softmax sum
+    arrivals: torch.Tensor  # int32 zeros [>= bs * num_kv_heads]: each request's chunks count in here
 
 
 @dataclass
@@ -93,6 +94,8 @@ class TritonAttnBackend(AttentionBackend):
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
+        self._graph_arrivals: torch.Tensor | None = None
+        self._arrivals = torch.zeros(0, dtype=torch.int32, device=self.device)
 
     # -- metadata -------------------------------------------------------------------------------
 
@@ -115,6 +118,8 @@ class TritonAttnBackend(AttentionBackend):
         shape = (max_bs, self.num_heads, self.max_kv_splits, self.head_dim)
         self._graph_mid_o = torch.empty(shape, dtype=torch.float32, device=self.device)
         self._graph_mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
+        # Their own counters: a captured graph keeps pointing at them while eager steps may grow theirs.
+        self._graph_arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
@@ -147,10 +152,13 @@ class TritonAttnBackend(AttentionBackend):
         if not isinstance(metadata, DecodeMetadata):
             raise RuntimeError("forward_decode ran without decode metadata; call init_forward_metadata first")
         kv_cache = forward_batch.kv_cache
-        if save_kv_cache:
-            kv_cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         q = _heads_view(q, layer.num_heads, layer.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # The kernel stores the new K/V itself (what kv_cache.set_kv_buffer would, one launch less).
+        new_kv = (
+            _heads_view(k, layer.num_kv_heads, layer.head_dim), _heads_view(v, layer.num_kv_heads, layer.head_dim),
+            forward_batch.out_cache_loc,
+        ) if save_kv_cache else None
         self._decode.decode_attention(
             q,
             kv_cache.get_key_buffer(layer.layer_id),
@@ -161,12 +169,14 @@ class TritonAttnBackend(AttentionBackend):
             forward_batch.seq_lens,
             metadata.mid_o,
             metadata.mid_lse,
+            metadata.arrivals,
             layer.scaling,
             layer.sliding_window_size,
             self.max_kv_splits,
             self.min_split_tokens,
             self.decode_block_n,
             *kv_scales(kv_cache, layer.layer_id),
+            new_kv=new_kv,
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
@@ -213,7 +223,8 @@ class TritonAttnBackend(AttentionBackend):
                 q[tail], kv_cache.get_key_buffer(layer.layer_id), kv_cache.get_value_buffer(layer.layer_id),
                 out[tail], forward_batch.req_to_token_pool.req_to_token,
                 forward_batch.req_pool_indices[split:], forward_batch.seq_lens[split:],
-                metadata.decode.mid_o, metadata.decode.mid_lse, layer.scaling, layer.sliding_window_size,
+                metadata.decode.mid_o, metadata.decode.mid_lse, metadata.decode.arrivals, layer.scaling,
+                layer.sliding_window_size,
                 self.max_kv_splits, self.min_split_tokens, self.decode_block_n,
                 *kv_scales(kv_cache, layer.layer_id),
             )
@@ -237,22 +248,27 @@ class TritonAttnBackend(AttentionBackend):
 
     def _decode_scratch(self, bs: int) -> DecodeMetadata:
         shape = (bs, self.num_heads, self.max_kv_splits, self.head_dim)
+        if self._arrivals.numel() < bs * self.num_kv_heads:
+            # Kernels run one after another on one stream, each leaving the counters zero, so one set serves all.
+            self._arrivals = torch.zeros(max(bs, 64) * self.num_kv_heads, dtype=torch.int32, device=self.device)
         return DecodeMetadata(
             mid_o=torch.empty(shape, dtype=torch.float32, device=self.device),
             mid_lse=torch.empty(shape[:3], dtype=torch.float32, device=self.device),
+            arrivals=self._arrivals,
         )
 
     def _graph_decode_metadata(self, bs: int, mode: ForwardMode) -> DecodeMetadata:
         if not mode.is_decode():
             raise NotImplementedError(f"the triton backend captures CUDA graphs for DECODE only, not {mode.name}")
-        if self._graph_mid_o is None or self._graph_mid_lse is None:
+        if self._graph_mid_o is None or self._graph_mid_lse is None or self._graph_arrivals is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
         if bs > self._graph_mid_o.shape[0] or self._graph_mid_o.shape[2] != self.max_kv_splits:
             raise ValueError(
                 f"CUDA-graph state was built for max_bs={self._graph_mid_o.shape[0]} and "
                 f"max_kv_splits={self._graph_mid_o.shape[2]}; got bs={bs}, max_kv_splits={self.max_kv_splits}"
             )
-        return DecodeMetadata(mid_o=self._graph_mid_o[:bs], mid_lse=self._graph_mid_lse[:bs])
+        return DecodeMetadata(mid_o=self._graph_mid_o[:bs], mid_lse=self._graph_mid_lse[:bs],
+                              arrivals=self._graph_arrivals)
 
 
 def _heads_view(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:

@@ -1,16 +1,22 @@
-"""Split-KV ("flash decoding") attention for one new token per request.
+"""Split-KV ("flash decoding") attention for one new token per request, in one kernel.
 
-Stage 1 splits each request's visible keys into up to ``max_kv_splits`` chunks;
-one program handles (request, KV head, chunk) for every query head that shares
-that KV head (GQA), reading KV slots through ``req_to_token``, and writes a
-partial output normalised by its own softmax sum plus that sum's log
-(base 2). Stage 2 combines a request's partials per query head.
+Each request's visible keys are split into up to ``max_kv_splits`` chunks; one
+program handles (request, KV head, chunk) for every query head that shares that
+KV head (GQA), reading KV slots through ``req_to_token``. A request with one
+chunk writes its output directly. Otherwise each program stores a partial output
+(normalised by its own softmax sum) and that sum's log (base 2), then counts
+itself in on a per-(request, KV head) counter; the last of the request's programs
+to arrive combines the partials and resets the counter. So no second kernel is
+launched: at one request a decode step had 32 combine launches, ~2 µs each.
+
+The program whose chunk holds a request's new token can also store the step's new K/V
+into the cache before it reads it (``k_new``/``v_new``): one kernel per layer less.
 
 The launch grid depends only on the batch size and ``max_kv_splits``; how many
-chunks a request really uses is computed inside both kernels from its length, so
-a CUDA graph captured for a batch size replays for any lengths. Programs past a
-request's chunk count exit at once and stage 2 reads only the chunks used: a
-batch of short requests pays for its chunks, not for ``max_kv_splits``.
+chunks a request really uses is computed inside the kernel from its length, so a
+CUDA graph captured for a batch size replays for any lengths. Programs past a
+request's chunk count exit at once: a batch of short requests pays for its
+chunks, not for ``max_kv_splits``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from treadle.core.kv_store import saturate_to_fp8
 
 _LOG2E = 1.4426950408889634
 
@@ -32,20 +40,22 @@ def _num_splits(seq_len, window, MAX_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.
 
 
 @triton.jit
-def _decode_partial_kernel(
-    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens,
-    Mid_o, Mid_lse,
-    qk_scale, v_scale, window,
+def _decode_kernel(
+    Q, K_new, V_new, New_loc, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens,
+    Mid_o, Mid_lse, Arrivals, O,
+    qk_scale, k_scale, v_scale, fp8_max, window,
     stride_q_tok, stride_q_head,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
     stride_req,
     stride_mo_req, stride_mo_head, stride_mo_split,
     stride_ml_req, stride_ml_head,
+    stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, STORE_KV: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -53,34 +63,78 @@ def _decode_partial_kernel(
 
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
     kv_begin, visible, num_splits = _num_splits(seq_len, window, MAX_SPLITS, MIN_SPLIT_TOKENS)
-    if split < num_splits:  # past the request's chunks: nothing to do, and stage 2 does not read it
-        _decode_partial(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Mid_o, Mid_lse, qk_scale, v_scale,
-                        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                        stride_req, stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
-                        req, kv_head, split, seq_len, kv_begin, visible, num_splits,
-                        GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, KV_FP8)
+    if split < num_splits:  # past the request's chunks: nothing to do, and nothing reads it
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        head_mask = offs_h < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_h
+        # Chunks are whole blocks of BLOCK_N keys, so the last ones may be empty.
+        split_len = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
+        start = kv_begin + split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        if STORE_KV:
+            if (start < seq_len) & (end >= seq_len):  # the chunk that reads the new token's slot
+                _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, k_scale, v_scale, fp8_max,
+                              stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+                              stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                              req, kv_head, offs_d, d_mask, KV_FP8)
+                tl.debug_barrier()  # the whole program sees the stored slot before reading it
+        out, lse = _decode_chunk(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, qk_scale, v_scale,
+                                 stride_q_tok, stride_q_head, stride_k_slot, stride_k_head,
+                                 stride_v_slot, stride_v_head, stride_req,
+                                 req, kv_head, start, end,
+                                 heads, offs_d, head_mask, d_mask, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, KV_FP8)
+        o_ptrs = O + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+        o_mask = head_mask[:, None] & d_mask[None, :]
+        if num_splits == 1:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+        else:
+            mo_ptrs = Mid_o + req * stride_mo_req + heads[:, None] * stride_mo_head + offs_d[None, :]
+            ml_ptrs = Mid_lse + req * stride_ml_req + heads * stride_ml_head
+            tl.store(mo_ptrs + split * stride_mo_split, out, mask=o_mask)
+            tl.store(ml_ptrs + split, lse, mask=head_mask)
+            tl.debug_barrier()  # every thread's partial is stored before the count releases them
+            arrival = Arrivals + req * tl.num_programs(1) + kv_head
+            # The release/acquire of the count makes the other chunks' partials visible to the last one.
+            if tl.atomic_add(arrival, 1, sem="acq_rel") == num_splits - 1:
+                combined = _combine(mo_ptrs, ml_ptrs, num_splits, stride_mo_split, head_mask, o_mask,
+                                    BLOCK_H, BLOCK_D)
+                tl.atomic_xchg(arrival, 0, sem="relaxed")
+                tl.store(o_ptrs, combined.to(O.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
-def _decode_partial(
-    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Mid_o, Mid_lse, qk_scale, v_scale,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_req, stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
-    req, kv_head, split, seq_len, kv_begin, visible, num_splits,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-):
-    """One chunk of one request for one KV head: its partial output and log-sum-exp (base 2)."""
-    pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
-    start = kv_begin + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+def _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, k_scale, v_scale, fp8_max,
+                  stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                  req, kv_head, offs_d, d_mask, KV_FP8: tl.constexpr):
+    """This step's K and V of one request and KV head into the cache slot ``New_loc[req]`` (an FP8 cache
+    stores ``x / scale`` rounded as ``KVCache.set_kv_buffer`` rounds it)."""
+    slot = tl.load(New_loc + req).to(tl.int64)
+    k = tl.load(K_new + req.to(tl.int64) * stride_kn_tok + kv_head * stride_kn_head + offs_d, mask=d_mask)
+    v = tl.load(V_new + req.to(tl.int64) * stride_vn_tok + kv_head * stride_vn_head + offs_d, mask=d_mask)
+    if KV_FP8:
+        k = saturate_to_fp8(k, k_scale, fp8_max).to(K_cache.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = saturate_to_fp8(v, v_scale, fp8_max).to(V_cache.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(K_cache + slot * stride_k_slot + kv_head * stride_k_head + offs_d, k.to(K_cache.dtype.element_ty),
+             mask=d_mask)
+    tl.store(V_cache + slot * stride_v_slot + kv_head * stride_v_head + offs_d, v.to(V_cache.dtype.element_ty),
+             mask=d_mask)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    head_mask = offs_h < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h
+
+@triton.jit
+def _decode_chunk(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, qk_scale, v_scale,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req,
+    req, kv_head, start, end,
+    heads, offs_d, head_mask, d_mask,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Keys ``[start, end)`` of one request for one KV head: the output normalised by its own softmax sum,
+    and that sum's log (base 2; -inf for a chunk without keys, whose output is zeros)."""
+    pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
 
     q = tl.load(
         Q + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
@@ -110,48 +164,32 @@ def _decode_partial(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    # An empty chunk (start >= end) stores zeros with lse -inf: weight 0 in stage 2.
     has_keys = l_i > 0
     out = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    tl.store(
-        Mid_o + req * stride_mo_req + heads[:, None] * stride_mo_head + split * stride_mo_split + offs_d[None, :],
-        out, mask=head_mask[:, None] & d_mask[None, :],
-    )
-    tl.store(Mid_lse + req * stride_ml_req + heads * stride_ml_head + split, lse, mask=head_mask)
+    return out, lse
 
 
 @triton.jit
-def _decode_combine_kernel(
-    Mid_o, Mid_lse, O, Seq_lens, window,
-    stride_mo_req, stride_mo_head, stride_mo_split,
-    stride_ml_req, stride_ml_head,
-    stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + req).to(tl.int32)
-    _, _, num_splits = _num_splits(seq_len, window, MAX_SPLITS, MIN_SPLIT_TOKENS)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits  # stage 1 wrote only these
-    d_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(Mid_lse + req * stride_ml_req + head * stride_ml_head + offs_s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    # Guards only padding rows with no keys at all (seq_len 0): they produce zeros, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)
-    partial = tl.load(
-        Mid_o + req * stride_mo_req + head * stride_mo_head + offs_s[:, None] * stride_mo_split + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
-    )
-    total = tl.sum(weights, 0)
-    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
-             out.to(O.dtype.element_ty), mask=d_mask)
+def _combine(mo_ptrs, ml_ptrs, num_splits, stride_mo_split, head_mask, o_mask,
+             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A request's chunks' partial outputs weighted by their softmax sums (chunks without keys weigh 0)."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        # .cg: read from L2, where the other programs' stores are, not from a stale L1 line.
+        lse = tl.load(ml_ptrs + s, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(mo_ptrs + s * stride_mo_split, mask=o_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        # Rows with no keys so far keep -inf; shift them by 0 so that exp2 gives 0, not NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        weight = tl.exp2(lse - shift)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        m = m_new
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 def decode_attention(
@@ -164,6 +202,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
+    arrivals: torch.Tensor,
     scaling: float,
     sliding_window: int | None,
     max_kv_splits: int,
@@ -171,46 +210,45 @@ def decode_attention(
     block_n: int = 64,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of one query token per request over its cached keys, written into ``out``.
 
-    q, out: ``[bs, num_heads, head_dim]``; k_cache, v_cache: ``[num_slots, num_kv_heads, head_dim]``
-    (the new token's K/V must already be stored); req_to_token: ``[pool_size, max_context]``;
-    mid_o: float32 ``[>=bs, num_heads, max_kv_splits, head_dim]``; mid_lse: float32
-    ``[>=bs, num_heads, max_kv_splits]``. A query at position i sees keys j with
-    ``i - sliding_window < j <= i`` (None: all ``j <= i``). ``block_n`` keys are read per
-    iteration; a request uses ``min(max_kv_splits, ceil(visible / min_split_tokens))`` chunks.
-    An FP8 cache holds ``k / k_scale`` and ``v / v_scale`` (one scale per layer).
+    q, out: ``[bs, num_heads, head_dim]``; k_cache, v_cache: ``[num_slots, num_kv_heads, head_dim]``;
+    req_to_token: ``[pool_size, max_context]``; mid_o: float32 ``[>=bs, num_heads, max_kv_splits, head_dim]``;
+    mid_lse: float32 ``[>=bs, num_heads, max_kv_splits]``; arrivals: int32 zeros, at least
+    ``bs * num_kv_heads`` (left zero again). ``new_kv`` = ``(k, v, loc)``, k and v ``[bs, num_kv_heads,
+    head_dim]``: the kernel first stores them at slots ``loc``; without it the new token's K/V must already be
+    in the cache. A query at position i sees keys j with ``i - sliding_window < j <= i`` (None: all
+    ``j <= i``). ``block_n`` keys are read per iteration; a request uses ``min(max_kv_splits, ceil(visible /
+    min_split_tokens))`` chunks. An FP8 cache holds ``k / k_scale`` and ``v / v_scale`` (one scale per layer).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_d = max(triton.next_power_of_2(head_dim), 16)
     if bs == 0:
         return
-    _decode_partial_kernel[(bs, num_kv_heads, max_kv_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-        mid_o, mid_lse,
-        scaling * _LOG2E * k_scale, v_scale, sliding_window or 0,
+    if arrivals.numel() < bs * num_kv_heads:
+        raise ValueError(f"decode_attention needs {bs * num_kv_heads} arrival counters, got {arrivals.numel()}")
+    k_new, v_new, new_loc = new_kv if new_kv is not None else (q, q, seq_lens)  # unread placeholders
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _decode_kernel[(bs, num_kv_heads, max_kv_splits)](
+        q, k_new, v_new, new_loc, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        mid_o, mid_lse, arrivals, out,
+        scaling * _LOG2E * k_scale, k_scale, v_scale, float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0,
+        sliding_window or 0,
         q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(triton.next_power_of_2(group), 16),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_N=block_n, MAX_SPLITS=max_kv_splits, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=kv_fp8, STORE_KV=new_kv is not None,
         num_warps=4, num_stages=2,
-    )
-    _decode_combine_kernel[(bs, num_heads)](
-        mid_o, mid_lse, out, seq_lens, sliding_window or 0,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        MAX_SPLITS=max_kv_splits, BLOCK_S=triton.next_power_of_2(max_kv_splits), MIN_SPLIT_TOKENS=min_split_tokens,
-        num_warps=4 if block_d <= 128 else 8,
     )
