@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -12,6 +13,8 @@ from treadle.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from treadle.core.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def head_layout(model_runner: "ModelRunner", backend_name: str) -> tuple[int, int, int]:
@@ -30,7 +33,8 @@ class AttentionBackend(ABC):
     A backend is built by its registered factory as ``factory(model_runner)``
     and may read: ``model_runner.device``, ``.dtype``, ``.num_heads``,
     ``.num_kv_heads``, ``.head_dim``, ``.page_size``, ``.req_to_token_pool``,
-    ``.kv_cache``, ``.sliding_window`` and ``.context_len``.
+    ``.kv_cache``, ``.sliding_window`` (the window every layer shares; None: full attention, or layers that
+    differ), ``.layer_sliding_windows`` (each layer's) and ``.context_len``.
 
     q is ``[num_tokens, num_heads * head_dim]``; k, v are
     ``[num_tokens, num_kv_heads * head_dim]``; the result has q's shape.
@@ -40,6 +44,13 @@ class AttentionBackend(ABC):
     """
 
     supports_cuda_graph: bool = False
+
+    @classmethod
+    def auto_priority(cls, device: torch.device) -> int | None:
+        """Where this backend ranks when ``attention.backend`` is ``auto`` on ``device``: the registered
+        backends are built from the highest priority down until one accepts the model; None: never chosen
+        automatically there."""
+        return None
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -86,6 +97,44 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
+
+
+AUTO_BACKEND = "auto"
+
+
+def model_sliding_windows(model: nn.Module) -> tuple[int | None, ...]:
+    """Each :class:`RadixAttention` layer's sliding window (None: full attention), in module order."""
+    return tuple(m.sliding_window_size or None for m in model.modules() if isinstance(m, RadixAttention))
+
+
+def build_attention_backend(registry: Any, name: str, model_runner: "ModelRunner") -> tuple[AttentionBackend, str]:
+    """``(backend, its registered name)`` for ``attention.backend`` = ``name``. ``auto``: the registered
+    backends that rank themselves on the runner's device (``AttentionBackend.auto_priority``), highest first;
+    one whose constructor refuses the model (a missing package, an unsupported dtype or window) is skipped,
+    with its reason logged."""
+    if name != AUTO_BACKEND:
+        return registry.get("attention", name)(model_runner), name
+    device = torch.device(model_runner.device)
+    ranked = []
+    for candidate in registry.names("attention"):
+        rank = getattr(registry.get("attention", candidate), "auto_priority", None)
+        priority = rank(device) if callable(rank) else None
+        if priority is not None:
+            ranked.append((-priority, candidate))
+    refusals = []
+    for _, candidate in sorted(ranked):
+        try:
+            backend = registry.get("attention", candidate)(model_runner)
+        except Exception as exc:  # any refusal: the next candidate may accept the model
+            refusals.append(f"{candidate}: {exc}")
+            logger.info("attention.backend auto: skipped %s (%s)", candidate, exc)
+            continue
+        return backend, candidate
+    raise RuntimeError(
+        f"attention.backend auto found no backend for this model on {device}"
+        + (": " + "; ".join(refusals) if refusals else " (no registered backend ranks itself there)")
+        + "; set attention.backend to a registered backend"
+    )
 
 
 class RadixAttention(nn.Module):

@@ -106,7 +106,9 @@ class SchedulerConfig(Section):
 
 
 class AttentionConfig(Section):
-    backend: str = "torch_native"
+    backend: str = Field(
+        "auto", description="attention plugin; auto: on CUDA flashinfer when installed, else triton, and "
+                            "torch_native on the CPU (the first that accepts the model; the choice is logged)")
 
 
 class RuntimeConfig(Section):
@@ -320,11 +322,12 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
     from treadle.core.registry import PluginError
 
     choices = [
-        ("attention", config.attention.backend, "attention.backend"),
         ("schedule_policies", config.scheduler.policy, "scheduler.policy"),
         ("kv_allocators", config.cache.kv_allocator, "cache.kv_allocator"),
         ("grammar_backends", config.grammar.backend, "grammar.backend"),
     ]
+    if config.attention.backend != "auto":
+        choices.append(("attention", config.attention.backend, "attention.backend"))
     if config.tools.parser not in ("auto", "none"):
         choices.append(("tool_parsers", config.tools.parser, "tools.parser"))
     if config.reasoning.parser != "none":

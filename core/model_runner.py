@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from treadle.core.attention import build_attention_backend, model_sliding_windows
 from treadle.core.auto_size import (
     GPU_LATENCY_CHUNK_SIZE,
     GPU_PREFILL_HOLD_STEPS,
@@ -61,7 +62,10 @@ class ModelRunner:
         )
         self.head_dim: int = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size: int = hf.vocab_size
-        self.sliding_window: int | None = getattr(hf, "sliding_window", None) or None
+        # What the layers were built with (a config's sliding_window may be switched off for some or all).
+        self.layer_sliding_windows = model_sliding_windows(self.model) or (getattr(hf, "sliding_window", None) or None,)
+        shared = set(self.layer_sliding_windows)
+        self.sliding_window: int | None = shared.pop() if len(shared) == 1 else None
         max_positions = getattr(hf, "max_position_embeddings", 4096)
         self.context_len: int = config.model.context_length or max_positions
         self.page_size: int = config.cache.page_size
@@ -97,8 +101,9 @@ class ModelRunner:
         )
         allocator_factory = registry.get("kv_allocators", config.cache.kv_allocator)
         self.allocator: KVAllocator = allocator_factory(self.max_total_tokens, self.page_size, "cpu")
-        backend_factory = registry.get("attention", config.attention.backend)
-        self.attn_backend = backend_factory(self)
+        # "auto" becomes the backend chosen, in the live config as the sizes above.
+        self.attn_backend, config.attention.backend = build_attention_backend(registry, config.attention.backend,
+                                                                              self)
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
         requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
         config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(

@@ -51,7 +51,18 @@ class FlashInferAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
+    @classmethod
+    def auto_priority(cls, device: torch.device) -> int | None:
+        # First on CUDA: the fastest decode at large batches here (docs/benchmarks.md).
+        return 20 if device.type == "cuda" else None
+
     def __init__(self, model_runner: Any) -> None:
+        windows = set(getattr(model_runner, "layer_sliding_windows", ()))
+        if len(windows) > 1:
+            raise ValueError(
+                f"the flashinfer backend plans one sliding window for every layer; this model's layers use "
+                f"{sorted(windows, key=lambda w: w or 0)} (None: full attention); use attention.backend: triton"
+            )
         self._flashinfer = _import_flashinfer()
         self.device = torch.device(model_runner.device)
         if self.device.type != "cuda":

@@ -41,6 +41,10 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     supports_cuda_graph = False
 
+    @classmethod
+    def auto_priority(cls, device: torch.device) -> int | None:
+        return 0  # runs anywhere: the CPU's choice, and the GPU's last resort
+
     def __init__(self, model_runner: Any) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "torch_native")
         kv_cache = getattr(model_runner, "kv_cache", None)

@@ -7,7 +7,7 @@ from treadle.core.registry import build_registry
 def test_defaults_match_the_documented_values():
     config = load_config(use_env=False)
     assert config.model.path is None
-    assert config.attention.backend == "torch_native"
+    assert config.attention.backend == "auto"
     assert config.scheduler.policy == "fcfs"
     assert config.cache.kv_allocator == "token"
     assert config.server.port == 30000

@@ -29,12 +29,15 @@ def test_fp8_cache_stores_scaled_saturated_values_and_takes_half_the_bytes():
 
 def test_torch_native_refuses_an_fp8_cache_and_names_the_backends_that_read_it(tmp_path):
     model = make_tiny_llama(tmp_path / "llama")
-    config = load_config(overrides={"model.path": model, "model.device": "cpu", "cache.kv_dtype": "fp8_e4m3",
-                                    "cache.max_total_tokens": 256}, use_env=False)
+    overrides = {"model.path": model, "model.device": "cpu", "cache.kv_dtype": "fp8_e4m3", "cache.max_total_tokens": 256}
     registry = build_registry(["treadle.plugins.models.llama", "treadle.plugins.attention.torch_native",
                                "treadle.plugins.kv_allocators.token"], load_entry_points=False)
-    with pytest.raises(ValueError, match="torch_native attention does not read FP8 KV caches; use .*triton or flashinfer"):
-        ModelRunner(config, registry)
+    message = "torch_native attention does not read FP8 KV caches; use .*triton or flashinfer"
+    with pytest.raises(ValueError, match=message):
+        ModelRunner(load_config(overrides={**overrides, "attention.backend": "torch_native"}, use_env=False), registry)
+    # attention.backend auto (the default) finds no other backend on the CPU and passes the reason on.
+    with pytest.raises(RuntimeError, match="auto found no backend for this model on cpu: torch_native: " + message):
+        ModelRunner(load_config(overrides=overrides, use_env=False), registry)
 
 
 def test_checkpoint_kv_scales_reach_an_fp8_cache_and_are_ignored_by_a_16_bit_one(tmp_path, monkeypatch):

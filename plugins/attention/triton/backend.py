@@ -68,6 +68,10 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
+    @classmethod
+    def auto_priority(cls, device: torch.device) -> int | None:
+        return 10 if device.type == "cuda" else None
+
     def __init__(self, model_runner: Any) -> None:
         self._decode, self._extend = _import_kernels()
         self.device = torch.device(model_runner.device)
