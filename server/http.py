@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle import __version__
 from treadle.core.request import SamplingParams
-from treadle.server.ipc import StrOutput, TokenizedGenerateReq
+from treadle.server.ipc import RESOLVED_CONFIG_KEY, StrOutput, TokenizedGenerateReq
 from treadle.server.middleware import AdmissionMiddleware, ApiKeyMiddleware
 from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
 from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
@@ -354,7 +354,7 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
 
     @app.get("/get_model_info")
     async def get_model_info() -> JSONResponse:
-        info = _jsonable(manager.model_info)
+        info = _jsonable({k: v for k, v in manager.model_info.items() if k != RESOLVED_CONFIG_KEY})
         info.setdefault("served_model_name", manager.served_model_name)
         info["is_generation"] = True
         info["has_tokenizer"] = manager.tokenizer is not None
@@ -366,14 +366,15 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
         pids = {"server": os.getpid(), **server_info.get("pids", {})}
         return JSONResponse({
             "version": __version__,
-            "config": manager.config.model_dump(mode="json"),  # secrets are SecretStr: dumped masked
+            "config": resolved_config(manager.config.model_dump(mode="json"),  # secrets are SecretStr: masked
+                                      manager.model_info.get(RESOLVED_CONFIG_KEY)),
             "kv": stats["kv"],
             **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
             "cached_tokens_total": manager.cached_tokens_total,
             "running_requests": len(manager.states),
             "max_inflight_requests": manager.max_inflight_requests,
             "draining": manager.draining,
-            "model_info": _jsonable(manager.model_info),
+            "model_info": _jsonable({k: v for k, v in manager.model_info.items() if k != RESOLVED_CONFIG_KEY}),
             **server_info,
             "pids": pids,
             "memory": {"rss_bytes": {name: resident_bytes(pid) for name, pid in pids.items()}},
@@ -415,6 +416,18 @@ def resident_bytes(pid: int | None) -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def resolved_config(config: dict[str, Any], resolved: dict[str, Any] | None) -> dict[str, Any]:
+    """The HTTP process's config dump with each ``auto`` setting replaced by the value the scheduler chose."""
+    for section, values in (resolved or {}).items():
+        ours = config.get(section)
+        if not isinstance(values, dict) or not isinstance(ours, dict):
+            continue
+        for key, value in values.items():
+            if ours.get(key) == "auto" and value != "auto":
+                ours[key] = value
+    return config
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,9 @@ import zmq
 
 from treadle.core.request import ReqOutput, SamplingParams
 
+# model_info's key for the scheduler's live config ("auto" settings resolved); /get_server_info shows it.
+RESOLVED_CONFIG_KEY = "resolved_config"
+
 # ---------------------------------------------------------------- TokenizerManager → Scheduler
 
 

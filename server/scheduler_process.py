@@ -21,6 +21,7 @@ import zmq
 
 from treadle.core.config import ServerConfig
 from treadle.server.ipc import (
+    RESOLVED_CONFIG_KEY,
     AbortReq,
     AddRequestFailed,
     BatchTokenIDOut,
@@ -107,6 +108,8 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
         **scheduler.model_info,
         "max_total_tokens": int(scheduler.allocator.total_slots),
         "max_running_requests": int(scheduler.runner.max_running_requests),  # "auto" resolved
+        # The live config, where the model runner has replaced "auto" settings with what it chose.
+        RESOLVED_CONFIG_KEY: scheduler.config.model_dump(mode="json"),
     }
 
 

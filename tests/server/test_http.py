@@ -317,6 +317,10 @@ def test_info_routes_and_metrics(http: httpx.Client, tiny_model_dir: str) -> Non
     server_info = http.get("/get_server_info").json()
     assert server_info["config"]["model"]["path"] == tiny_model_dir
     assert server_info["config"]["server"]["api_key"] == "**********"
+    # "auto" settings show the values the scheduler chose (the CPU's: torch_native, 64 running requests).
+    assert server_info["config"]["attention"]["backend"] == "torch_native"
+    assert server_info["config"]["scheduler"]["max_running_requests"] == info["max_running_requests"]
+    assert "resolved_config" not in info and "resolved_config" not in server_info["model_info"]
     assert {"total_slots", "free_slots", "cached_slots"} <= set(server_info["kv"])
     assert server_info["cached_tokens_total"] > 0  # earlier tests repeated prompts
     assert http.get("/health_generate").status_code == 200
