@@ -73,6 +73,9 @@ for stage in "$@"; do
         python3 -c "import urllib.request as u; u.urlopen('http://localhost:30000/health', timeout=2)" 2>/dev/null && break; sleep 1
       done
       grep -E "auto|serves" "$OUT/serve${SERVING_TAG:-}.log" | tail -5
+      python3 -c "import json, urllib.request as u; c = json.load(u.urlopen('http://localhost:30000/get_server_info'))['config']; \
+print('resolved:', c['attention'], {k: c['scheduler'][k] for k in ('max_running_requests', 'chunked_prefill_size', 'latency_chunk_size')}, \
+'cuda_graph_max_bs', c['runtime']['cuda_graph_max_bs'])"
       # Saturation streams ~10k events/s: SERVING_WORKERS client processes share them (bench/serving.py --workers).
       for spec in "${SERVING_RATE:-4}:${SERVING_PROMPTS:-240}:rate4:1" "inf:${SERVING_SAT_PROMPTS:-600}:saturation:${SERVING_WORKERS:-4}"; do
         IFS=: read rate n name workers <<< "$spec"
