@@ -107,8 +107,9 @@ class SchedulerConfig(Section):
 
 class AttentionConfig(Section):
     backend: str = Field(
-        "auto", description="attention plugin; auto: on CUDA flashinfer when installed, else triton, and "
-                            "torch_native on the CPU (the first that accepts the model; the choice is logged)")
+        "auto", description="attention plugin; auto: on CUDA flashinfer_triton where FlashInfer is installed, "
+                            "else flashinfer, else triton, and torch_native on the CPU (the first that accepts "
+                            "the model; the choice is logged)")
 
 
 class RuntimeConfig(Section):

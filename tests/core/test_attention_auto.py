@@ -89,7 +89,7 @@ def test_an_explicit_name_is_built_even_when_unranked() -> None:
     assert name == "unranked" and type(backend).__name__ == "Unranked"
 
 
-def test_built_in_ranking_flashinfer_then_triton_on_cuda_torch_native_on_the_cpu() -> None:
+def test_built_in_ranking_on_cuda_and_on_the_cpu() -> None:
     registry = build_registry()
 
     def ranked(device: str) -> list[str]:
@@ -97,7 +97,7 @@ def test_built_in_ranking_flashinfer_then_triton_on_cuda_torch_native_on_the_cpu
                  for name in registry.names("attention")}
         return sorted((n for n, r in ranks.items() if r is not None), key=lambda n: -ranks[n])
 
-    assert ranked("cuda")[:3] == ["flashinfer", "triton", "torch_native"]
+    assert ranked("cuda")[:4] == ["flashinfer_triton", "flashinfer", "triton", "torch_native"]
     assert ranked("cpu") == ["torch_native"]
 
 

@@ -27,6 +27,15 @@ def test_flashinfer_conforms() -> None:
     check_attention_backend(FlashInferAttnBackend, "cuda", torch.bfloat16, **REAL)
 
 
+@pytest.mark.parametrize("small_decode_batch", [64, 3])  # batch_size 6: decode through triton, then flashinfer
+def test_flashinfer_triton_conforms(monkeypatch: pytest.MonkeyPatch, small_decode_batch: int) -> None:
+    pytest.importorskip("flashinfer")
+    from treadle.plugins.attention.hybrid import FlashInferTritonAttnBackend
+
+    monkeypatch.setattr(FlashInferTritonAttnBackend, "small_decode_batch", small_decode_batch)
+    check_attention_backend(FlashInferTritonAttnBackend, "cuda", torch.bfloat16, **REAL)
+
+
 def test_flashinfer_refuses_float32_with_the_alternatives() -> None:
     pytest.importorskip("flashinfer")
     from treadle.plugins.attention.flashinfer import FlashInferAttnBackend

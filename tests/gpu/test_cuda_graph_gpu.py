@@ -34,13 +34,17 @@ def _generate(config: dict, prompts: list[list[int]]) -> tuple[list[list[int]], 
 @pytest.mark.parametrize(
     ("backend", "dtype", "page_size"),
     [("triton", "float32", 1), ("triton", "bfloat16", 16), ("flashinfer", "bfloat16", 1),
-     ("flashinfer", "bfloat16", 16)],
+     ("flashinfer", "bfloat16", 16), ("flashinfer_triton", "bfloat16", 1)],
 )
 @pytest.mark.parametrize("count", [3, 8])  # 3 pads to the graph of 4; 8 is captured exactly
 def test_graphs_on_and_off_give_identical_tokens(real_shape_llama_dir, engine_config, backend, dtype, page_size,
-                                                 count) -> None:
-    if backend == "flashinfer":
+                                                 count, monkeypatch) -> None:
+    if backend.startswith("flashinfer"):
         pytest.importorskip("flashinfer")
+    if backend == "flashinfer_triton":  # 3 requests decode through triton, 8 through flashinfer
+        from treadle.plugins.attention.hybrid import FlashInferTritonAttnBackend
+
+        monkeypatch.setattr(FlashInferTritonAttnBackend, "small_decode_batch", 4)
     prompts = _prompts(count, seed=count)
     eager, eager_replays = _generate(engine_config(real_shape_llama_dir, backend, dtype, graphs=False,
                                                    page_size=page_size), prompts)

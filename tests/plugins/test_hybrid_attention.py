@@ -1,0 +1,98 @@
+"""`flashinfer_triton` routes each decode batch by its size alone (small: Triton, large: FlashInfer) and every
+prefill or mixed batch to FlashInfer, for eager steps and CUDA-graph capture and replay alike. The two real
+backends need a GPU (tests/gpu checks the real pair); here each is a recorder."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from treadle.core.forward_batch import ForwardMode
+from treadle.plugins.attention import hybrid
+
+
+class _Recorder:
+    fill_value = 1
+
+    def __init__(self, model_runner) -> None:
+        self.calls: list[tuple] = []
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.fill_value
+
+    def __getattr__(self, name):
+        if name.startswith(("init_", "forward_")):
+            return lambda *args, **kwargs: self.calls.append((name, *args)) or name
+        raise AttributeError(name)
+
+
+class _Large(_Recorder):
+    pass
+
+
+class _Small(_Recorder):
+    pass
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    monkeypatch.setattr(hybrid, "FlashInferAttnBackend", _Large)
+    monkeypatch.setattr(hybrid, "TritonAttnBackend", _Small)
+    built = hybrid.FlashInferTritonAttnBackend(SimpleNamespace())
+    built.small_decode_batch = 8
+    return built
+
+
+def _batch(mode: ForwardMode, bs: int) -> SimpleNamespace:
+    return SimpleNamespace(forward_mode=mode, batch_size=bs)
+
+
+def _names(recorder: _Recorder) -> list[str]:
+    return [call[0] for call in recorder.calls]
+
+
+def test_decode_batches_go_by_size_and_prefills_to_flashinfer(backend) -> None:
+    for mode, bs in ((ForwardMode.DECODE, 8), (ForwardMode.DECODE, 9), (ForwardMode.EXTEND, 2),
+                     (ForwardMode.MIXED, 3)):
+        batch = _batch(mode, bs)
+        backend.init_forward_metadata(batch)
+        backend.forward("q", "k", "v", "layer", batch)
+    assert _names(backend.small) == ["init_forward_metadata", "forward_decode"]
+    assert backend.small.calls[1][-2].batch_size == 8
+    assert _names(backend.large) == ["init_forward_metadata", "forward_decode", "init_forward_metadata",
+                                     "forward_extend", "init_forward_metadata", "forward_extend"]
+
+
+def test_cuda_graphs_capture_and_replay_each_size_with_one_backend(backend) -> None:
+    backend.init_cuda_graph_state(32, 32)
+    assert backend.small.calls == [("init_cuda_graph_state", 8, 8)]  # scratch only for the sizes it runs
+    assert backend.large.calls == [("init_cuda_graph_state", 32, 32)]
+    for bs in (1, 8, 16, 32):
+        backend.init_forward_metadata_capture_cuda_graph(bs, bs, "pool", "lens", ForwardMode.DECODE)
+        backend.init_forward_metadata_replay_cuda_graph(bs, "pool", "lens", bs, ForwardMode.DECODE, "lens_cpu")
+    captured = {name: [call[1] for call in r.calls if call[0].endswith("capture_cuda_graph")]
+                for name, r in (("small", backend.small), ("large", backend.large))}
+    replayed = {name: [call[1] for call in r.calls if call[0].endswith("replay_cuda_graph")]
+                for name, r in (("small", backend.small), ("large", backend.large))}
+    assert captured == replayed == {"small": [1, 8], "large": [16, 32]}
+
+
+def test_backends_that_pad_graphs_differently_are_refused(monkeypatch) -> None:
+    monkeypatch.setattr(hybrid, "FlashInferAttnBackend", _Large)
+    monkeypatch.setattr(hybrid, "TritonAttnBackend", type("_Odd", (_Recorder,), {"fill_value": 0}))
+    with pytest.raises(ValueError, match="pad CUDA-graph batches with one length"):
+        hybrid.FlashInferTritonAttnBackend(SimpleNamespace())
+
+
+def test_without_flashinfer_the_constructor_refuses_so_auto_moves_on() -> None:
+    pytest.importorskip("triton")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        pass
+    else:  # pragma: no cover - only where FlashInfer is installed
+        pytest.skip("FlashInfer is installed here")
+    runner = SimpleNamespace(device="cuda", layer_sliding_windows=(None,))
+    with pytest.raises(RuntimeError, match="needs FlashInfer"):
+        hybrid.FlashInferTritonAttnBackend(runner)
