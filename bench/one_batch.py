@@ -497,7 +497,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", default="1,32", help="comma-separated (default 1,32)")
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default 512)")
     parser.add_argument("--decode-steps", type=int, default=128, help="timed decode steps (default 128)")
-    parser.add_argument("--backends", default="torch_native,triton,flashinfer")
+    parser.add_argument("--backends", default="torch_native,triton,flashinfer,flashinfer_triton")
     parser.add_argument("--graphs", default="off,on", help="CUDA graphs: off,on (default both)")
     parser.add_argument("--compare", default=None,
                         help="config variants: comma-separated items of ';'-separated KEY=VALUE overrides")
