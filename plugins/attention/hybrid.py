@@ -1,7 +1,7 @@
 """The `flashinfer_triton` attention backend: FlashInfer for prefill and large decode batches, treadle's Triton
 decode kernel for small ones.
 
-On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is 6–11% faster from 1 to 32 requests (one
+On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is 3–11% faster from 1 to 32 requests (one
 kernel per layer, where FlashInfer's graph decode writes the K/V, decodes and merges split-KV partials in three),
 while FlashInfer's kernels are faster at the hundreds of requests of a saturated server or an offline batch
 (docs/benchmarks.md). Both backends read and write the same KV cache, so each decode batch can go to either:
