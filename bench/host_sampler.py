@@ -18,7 +18,6 @@ from collections import Counter
 from types import FrameType
 
 
-
 class HostSampler:
     """Samples the main thread's Python stack on a daemon thread between :meth:`start` and :meth:`stop`."""
 

@@ -354,7 +354,7 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
 
     @app.get("/get_model_info")
     async def get_model_info() -> JSONResponse:
-        info = _jsonable({k: v for k, v in manager.model_info.items() if k != RESOLVED_CONFIG_KEY})
+        info = _public_model_info(manager)
         info.setdefault("served_model_name", manager.served_model_name)
         info["is_generation"] = True
         info["has_tokenizer"] = manager.tokenizer is not None
@@ -374,7 +374,7 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dic
             "running_requests": len(manager.states),
             "max_inflight_requests": manager.max_inflight_requests,
             "draining": manager.draining,
-            "model_info": _jsonable({k: v for k, v in manager.model_info.items() if k != RESOLVED_CONFIG_KEY}),
+            "model_info": _public_model_info(manager),
             **server_info,
             "pids": pids,
             "memory": {"rss_bytes": {name: resident_bytes(pid) for name, pid in pids.items()}},
@@ -428,6 +428,11 @@ def resolved_config(config: dict[str, Any], resolved: dict[str, Any] | None) -> 
             if ours.get(key) == "auto" and value != "auto":
                 ours[key] = value
     return config
+
+
+def _public_model_info(manager: TokenizerManager) -> dict[str, Any]:
+    """``model_info`` as the info routes show it: without the scheduler's config copy (``config`` shows that)."""
+    return _jsonable({key: value for key, value in manager.model_info.items() if key != RESOLVED_CONFIG_KEY})
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
