@@ -55,18 +55,19 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from treadle.bench.hf_peers import run_hf
+from treadle.bench.one_batch_profile import PROFILE_PREFILL_TOKENS, profile_decode, profile_prefill
 from treadle.bench.one_batch_report import (Measurement, default_output_name, fill_baseline_ratios, format_profile,
                                             format_row, format_table, machine_info, measurement)
+from treadle.bench.one_batch_steps import decode_step, place_batch, prefill, round_up
 from treadle.bench.roofline import free_memory, measure_copy_bandwidth, roofline_seconds, synchronize
 from treadle.bench.shapes import SHAPES, TINY, write_config
-from treadle.bench.step_meter import kernel_category
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -243,7 +244,7 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
     from treadle.core.piecewise_graph import PiecewiseGraphRunner
     from treadle.core.registry import build_registry
 
-    slots_per_request = _round_up(args.input_len + args.decode_steps + 1, args.page_size)
+    slots_per_request = round_up(args.input_len + args.decode_steps + 1, args.page_size)
     config = load_config(overrides={
         "model.path": model_dir, "model.load_format": "dummy", "model.dtype": args.dtype,
         "model.device": device.type, "model.context_length": args.context_length,
@@ -269,179 +270,30 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
     return runner
 
 
-@dataclass
-class _Batch:
-    """Requests occupying req_to_token rows 0..bs-1, each on its own contiguous run of pages."""
-
-    rows: torch.Tensor  # [bs] device
-    slots: torch.Tensor  # [bs, max_len] device int64
-
-
-def _place_batch(runner: Any, bs: int, max_len: int) -> _Batch:
-    page = runner.page_size
-    span = _round_up(max_len, page)
-    slots = page + torch.arange(bs)[:, None] * span + torch.arange(max_len)[None, :]
-    rows = torch.arange(bs)
-    runner.req_to_token_pool.req_to_token[rows[:, None], torch.arange(max_len)[None, :]] = (
-        slots.to(device=runner.device, dtype=torch.int32))
-    return _Batch(rows.to(runner.device), slots.to(runner.device))
-
-
-def _prefill(runner: Any, batch: _Batch, prompts: torch.Tensor) -> torch.Tensor:
-    from treadle.core.forward_batch import ForwardBatch, ForwardMode
-
-    bs, length = prompts.shape
-    device = runner.device
-    lens = torch.full((bs,), length, dtype=torch.int64)
-    starts = torch.arange(bs, dtype=torch.int64) * length
-    forward_batch = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=bs,
-        input_ids=prompts.flatten().to(device), positions=torch.arange(length).repeat(bs).to(device),
-        req_pool_indices=batch.rows, seq_lens=lens.to(device), seq_lens_cpu=lens,
-        out_cache_loc=batch.slots[:, :length].flatten(), seq_lens_sum=bs * length,
-        logits_indices=(starts + length - 1).to(device),
-        req_to_token_pool=runner.req_to_token_pool, kv_cache=runner.kv_cache, attn_backend=runner.attn_backend,
-        extend_seq_lens=lens.to(device), extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
-        extend_start_loc=starts.to(device), extend_seq_lens_cpu=[length] * bs, extend_prefix_lens_cpu=[0] * bs,
-    )
-    return runner.forward(forward_batch).argmax(-1)
-
-
-def _decode_step(runner: Any, batch: _Batch, next_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One greedy decode step for every request at sequence length ``seq_len`` (this token included)."""
-    from treadle.core.forward_batch import ForwardBatch, ForwardMode
-
-    bs = int(next_ids.shape[0])
-    device = runner.device
-    seq_lens_cpu = torch.full((bs,), seq_len, dtype=torch.int64)
-    forward_batch = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=next_ids,
-        positions=torch.full((bs,), seq_len - 1, dtype=torch.int64, device=device),
-        req_pool_indices=batch.rows, seq_lens=torch.full((bs,), seq_len, dtype=torch.int64, device=device),
-        seq_lens_cpu=seq_lens_cpu, out_cache_loc=batch.slots[:, seq_len - 1].contiguous(),
-        seq_lens_sum=bs * seq_len, logits_indices=torch.arange(bs, device=device),
-        req_to_token_pool=runner.req_to_token_pool, kv_cache=runner.kv_cache, attn_backend=runner.attn_backend,
-    )
-    return runner.forward(forward_batch).argmax(-1)
-
-
 def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts: torch.Tensor,
                 args: argparse.Namespace, bandwidth: float) -> Measurement:
     bs, input_len = prompts.shape
-    batch = _place_batch(runner, bs, input_len + args.decode_steps + 1)
+    batch = place_batch(runner, bs, input_len + args.decode_steps + 1)
     device = runner.device
     for _ in range(args.warmup):  # the warm-up pass also compiles kernels
-        next_ids = _prefill(runner, batch, prompts)
+        next_ids = prefill(runner, batch, prompts)
         for step in range(min(4, args.decode_steps)):
-            next_ids = _decode_step(runner, batch, next_ids, input_len + step + 1)
+            next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
     synchronize(device)
     start = time.perf_counter()
-    next_ids = _prefill(runner, batch, prompts)
+    next_ids = prefill(runner, batch, prompts)
     synchronize(device)
     prefill_s = time.perf_counter() - start
     step_times, first_tokens = [], [int(next_ids[0])]
     for step in range(args.decode_steps):
         start = time.perf_counter()
-        next_ids = _decode_step(runner, batch, next_ids, input_len + step + 1)
+        next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
         synchronize(device)
         step_times.append(time.perf_counter() - start)
         if step < 15:
             first_tokens.append(int(next_ids[0]))
     return measurement(f"treadle {label}", backend, use_graph, bs, prefill_s, step_times, first_tokens,
                        roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
-
-
-# A prefill of this many tokens: the size of the small prefill steps in the offline runs (docs/benchmarks.md).
-PROFILE_PREFILL_TOKENS = 300
-
-
-def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
-    """torch.profiler over ``steps`` bs=1 decode steps: top kernels and GPU busy time per step."""
-    input_len = prompt.shape[1]
-    batch = _place_batch(runner, 1, input_len + steps + 2)
-    next_ids = _prefill(runner, batch, prompt)
-    next_ids = _decode_step(runner, batch, next_ids, input_len + 1)
-    state = {"next_ids": next_ids, "step": 0}
-
-    def step() -> None:
-        state["next_ids"] = _decode_step(runner, batch, state["next_ids"], input_len + state["step"] + 2)
-        state["step"] += 1
-
-    host = {"runner.forward (host, until the graph is launched)": (runner, "forward"),
-            "attention backend replay metadata (host)": (runner.attn_backend,
-                                                         "init_forward_metadata_replay_cuda_graph")}
-    return _profile_steps(runner, f"treadle {label}", "bs=1 decode", step, steps, host)
-
-
-def profile_prefill(runner: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5,
-                    prompts: int = 1) -> dict[str, Any]:
-    """torch.profiler over ``steps`` prefills of ``prompts`` prompts of ``prompt_len`` tokens each (by default
-    one: the small prefill steps that stall a large decode batch; 7 x 292 is a full 2048-token chunk of the offline
-    workload): GPU busy time against wall time, and the host time to launch them."""
-    prompt = torch.randint(100, 1000, (prompts, prompt_len))
-    batch = _place_batch(runner, prompts, prompt_len + 1)
-    _prefill(runner, batch, prompt)  # compiles whatever this length needs
-
-    def step() -> None:
-        _prefill(runner, batch, prompt)
-
-    what = f"prefill of {prompt_len} tokens" if prompts == 1 else f"prefill of {prompts} x {prompt_len} tokens"
-    host = {"runner.forward (host: builds metadata and launches every kernel)": (runner, "forward")}
-    return _profile_steps(runner, f"treadle {label}", what, step, steps, host)
-
-
-def _profile_steps(runner: Any, system: str, what: str, step: Any, steps: int,
-                   host: dict[str, tuple[Any, str]]) -> dict[str, Any]:
-    """Run ``step`` ``steps`` times (each followed by a synchronize) under torch.profiler, with the host time
-    spent in each ``host`` method (an instance attribute wraps it for the window)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    host_us = {key: 0.0 for key in host}
-    for key, (obj, name) in host.items():
-        setattr(obj, name, _host_timer(getattr(obj, name), host_us, key))
-    synchronize(runner.device)
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-                synchronize(runner.device)
-            wall = (time.perf_counter() - start) / steps
-    finally:
-        for obj, name in host.values():
-            delattr(obj, name)  # drop the instance attribute: the class method shows through again
-    kernels = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0)
-        if device_us and event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.append({"name": event.key[:90], "calls_per_step": event.count / steps,
-                            "us_per_step": device_us / steps, "category": kernel_category(event.key)})
-    kernels.sort(key=lambda k: -k["us_per_step"])
-    busy = sum(k["us_per_step"] for k in kernels)
-    categories: dict[str, float] = {}
-    for k in kernels:
-        categories[k["category"]] = categories.get(k["category"], 0.0) + k["us_per_step"]
-    return {
-        "system": system, "what": what, "steps": steps,
-        "wall_us_per_step_profiled": wall * 1e6, "gpu_busy_us_per_step": busy,
-        "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
-        "by_category_us_per_step": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-        "host_us_per_step": {key: us / steps for key, us in host_us.items()},
-        "top_kernels": kernels[:15],
-    }
-
-
-def _host_timer(function: Any, totals: dict[str, float], key: str) -> Any:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            totals[key] += (time.perf_counter() - start) * 1e6
-
-    return timed
 
 
 def _release(runner: Any) -> None:
@@ -486,10 +338,6 @@ def _small_batch_choices() -> dict[str, str]:
     from treadle.plugins.models.small_batch import choices
 
     return choices()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from treadle.bench.one_batch import _build_runner, main, profile_decode, profile_prefill
+from treadle.bench.one_batch import _build_runner, main
+from treadle.bench.one_batch_profile import profile_decode, profile_prefill
 from treadle.bench.shapes import TINY, write_config
 
 
