@@ -40,9 +40,11 @@ a ``TREADLE_*=VALUE`` item sets that environment variable for the variant only (
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
 
-This module drives treadle's runner; the model shapes are in ``shapes.py``, the HF
-peers in ``hf_peers.py``, the roofline and copy bandwidth in ``roofline.py``, and
-the rows, table and machine description in ``one_batch_report.py``.
+This module builds treadle's runners and times them; the static batch's prefill and
+decode steps are in ``one_batch_steps.py``, the profiler summaries in
+``one_batch_profile.py``, the model shapes in ``shapes.py``, the HF peers in
+``hf_peers.py``, the roofline and copy bandwidth in ``roofline.py``, and the rows,
+table and machine description in ``one_batch_report.py``.
 """
 
 from __future__ import annotations
