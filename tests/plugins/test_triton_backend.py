@@ -347,10 +347,10 @@ def test_registered_as_triton() -> None:
     assert registry.get("attention", "triton") is TritonAttnBackend
 
 
-def _tiny_runner(dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+def _tiny_runner(dtype: torch.dtype = torch.float32, head_dim: int = 16) -> SimpleNamespace:
     pool = ReqToTokenPool(2, 16, "cpu")
-    cache = KVCache(8, 1, 1, 1, 16, dtype, "cpu")
-    return make_model_runner(pool, cache, heads=2, kv_heads=1, head_dim=16, page_size=1, window=None)
+    cache = KVCache(8, 1, 1, 1, head_dim, dtype, "cpu")
+    return make_model_runner(pool, cache, heads=2, kv_heads=1, head_dim=head_dim, page_size=1, window=None)
 
 
 def test_cpu_without_interpreter_is_refused_with_alternative(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -397,3 +397,19 @@ def test_cuda_graphs_capture_decode_only(monkeypatch: pytest.MonkeyPatch) -> Non
         backend.init_forward_metadata_capture_cuda_graph(2, 2, indices, lens, ForwardMode.EXTEND)
     with pytest.raises(ValueError, match="max_bs=2"):
         backend.init_forward_metadata_capture_cuda_graph(3, 3, indices, lens, ForwardMode.DECODE)
+
+
+@pytest.mark.parametrize("dtype, head_dim, wide", [(torch.bfloat16, 128, True), (torch.float16, 64, True),
+                                                   (torch.bfloat16, 256, False), (torch.float32, 128, False)])
+def test_decode_block_widens_for_small_batches(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int,
+                                               wide: bool) -> None:
+    pytest.importorskip("triton")
+    from treadle.plugins.attention.triton.backend import WIDE_DECODE_BLOCK_MAX_REQUESTS, TritonAttnBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = TritonAttnBackend(_tiny_runner(dtype, head_dim=head_dim))
+    small, large = backend._decode_block(1), backend._decode_block(WIDE_DECODE_BLOCK_MAX_REQUESTS + 1)
+    assert (small, large) == ((128, 64) if wide else (64, 64))
+    assert backend._decode_block(WIDE_DECODE_BLOCK_MAX_REQUESTS) == small
+    backend.decode_block_n = 32  # a set value wins at every size
+    assert backend._decode_block(1) == backend._decode_block(100) == 32
