@@ -92,7 +92,7 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
     if key not in _choices:
         from tqdm.auto import tqdm
 
-        # GEMV configs run tl.dot above one row: their tiles are not timed there.
+        # GEMV configs read the weight once per row: they are timed at one row only.
         per_bucket = {rows: [c for c in configs if rows == 1 or not c.gemv] for rows in ROW_BUCKETS}
         # The first start on a machine compiles every config (Triton caches them on disk for the next).
         with tqdm(total=sum(len(c) + 1 for c in per_bucket.values()), unit="config", leave=False,

@@ -25,7 +25,7 @@ import triton.language as tl
 @triton.jit
 def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr):
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -38,7 +38,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if GEMV:
         acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
-                   BLOCK_N, BLOCK_K)[None, :]
+                   BLOCK_N, BLOCK_K, EVEN)[None, :]
     else:
         acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                     BLOCK_M, BLOCK_N, BLOCK_K)
@@ -86,15 +86,22 @@ def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, st
 
 
 @triton.jit
-def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+         EVEN: tl.constexpr):
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        k_mask = (k + tl.arange(0, BLOCK_K)) < K
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        # The weight is read once per step: evict_first keeps it from pushing x and the partials out of L2.
+        if EVEN:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs, eviction_policy="evict_first").to(tl.float32)
+        else:
+            k_mask = (k + tl.arange(0, BLOCK_K)) < K
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -106,9 +113,9 @@ class SmallBatchConfig(NamedTuple):
 
     ``split_k`` > 1 splits K into that many contiguous ranges (each a multiple of ``block_k``) reduced by
     separate programs into float32 partials, which the last of them to finish sums, scales and casts; 1 has
-    no partials. ``gemv`` runs one row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
-    along K); it applies only when ``x`` has one row, more rows use ``tl.dot`` with the same tiles (16 rows
-    of ``x`` per program, 32 for batches of 17 to 32).
+    no partials. ``gemv`` runs each row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
+    along K), one program per row and tile: meant for one row, as more rows read each weight tile once per row.
+    Other configs use ``tl.dot`` (16 rows of ``x`` per program, 32 for batches of 17 to 32).
     """
 
     block_n: int
@@ -125,20 +132,20 @@ class SmallBatchConfig(NamedTuple):
         return label + (" gemv" if self.gemv else "")
 
 
-# Tried at load per weight shape (small_batch.py). On an H100 the GEMVs won at one row for Llama-3.1-8B's FP8
-# projections (7.7 us for 6144 x 4096 against 14.5 us for the best tl.dot tiles), split-K tl.dot at 16 rows for
-# all but the widest (28672 x 4096): the narrow shapes fill too few waves of programs over the SMs without
-# splitting K.
+# Tried at load per weight shape (small_batch.py). On an H100 the GEMVs win at one row for Llama-3.1-8B's FP8
+# projections (docs/benchmarks.md, FP8: tiles of 4-8 rows x 1-2k columns, split-K 2 for the 14336-wide
+# down_proj), split-K tl.dot at 16 rows for all but the widest (28672 x 4096): the narrow shapes fill too few
+# waves of programs over the SMs without splitting K.
 FP8_CONFIGS = (
     SmallBatchConfig(32, 256, 4, 3, split_k=4),
     SmallBatchConfig(32, 256, 4, 4),
     SmallBatchConfig(64, 128, 4, 3, split_k=8),
     SmallBatchConfig(32, 512, 4, 3, split_k=2),
-    SmallBatchConfig(8, 1024, 4, 3, gemv=True),
-    SmallBatchConfig(8, 1024, 4, 3, split_k=2, gemv=True),
-    SmallBatchConfig(16, 512, 4, 3, split_k=4, gemv=True),
-    SmallBatchConfig(64, 512, 4, 3, gemv=True),
-    SmallBatchConfig(64, 512, 4, 3, split_k=8, gemv=True),
+    SmallBatchConfig(4, 2048, 4, 3, gemv=True),
+    SmallBatchConfig(8, 2048, 8, 4, gemv=True),
+    SmallBatchConfig(8, 1024, 4, 4, gemv=True),
+    SmallBatchConfig(8, 1024, 4, 4, split_k=2, gemv=True),
+    SmallBatchConfig(16, 512, 4, 4, split_k=4, gemv=True),
 )
 
 # 16-bit weights (bench/small_batch_linear.py): the same tiles with half the elements, so each load moves as
@@ -163,18 +170,20 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    gemv = config.gemv and m == 1
-    block_m = 1 if gemv else (16 if m <= 16 else 32)
+    block_m = 1 if config.gemv else (16 if m <= 16 else 32)
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
+    # Tiles that cover N and every split's K range exactly need no bounds masks (the GEMV form then loads whole
+    # vectors unpredicated).
+    even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split_k == k
     _small_batch_kernel[grid](
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=gemv,
-        HAS_SCALE=has_scale, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
+        HAS_SCALE=has_scale, EVEN=even, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 
