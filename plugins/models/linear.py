@@ -43,6 +43,8 @@ from treadle.core.parallel import (
     tp_kv_head_start,
 )
 from treadle.core.quantization import QuantizationConfig
+from treadle.plugins.models import small_batch
+from treadle.plugins.models.fused_ops import use_triton
 
 
 class CheckpointError(ValueError):
@@ -71,7 +73,8 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A plain ``[out, in]`` weight in the model dtype and ``F.linear``."""
+    """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, one-token batches of a 16-bit
+    weight may run the Triton GEMV of ``small_batch_kernels.py`` instead, where it times faster at load."""
 
     def create_weights(
         self, layer: "LinearBase", input_size_per_partition: int, output_partition_sizes: list[int],
@@ -83,7 +86,21 @@ class UnquantizedLinearMethod(LinearMethod):
         )
         layer.register_parameter("weight", weight)
 
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        weight = layer.weight.data
+        layer.small_batch = None
+        if weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16) and use_triton(weight):
+            from treadle.plugins.models.small_batch_kernels import SIXTEEN_BIT_CONFIGS
+
+            # GEMVs only: above one row cuBLAS kept the decode step faster (docs/benchmarks.md).
+            gemvs = [config for config in SIXTEEN_BIT_CONFIGS if config.gemv]
+            layer.small_batch = small_batch.choose("16-bit", weight, None, weight.dtype, F.linear, gemvs)
+
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2:
+            y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
+            if y is not None:
+                return y if bias is None else y + bias
         return F.linear(x, layer.weight, bias)
 
 

@@ -7,8 +7,7 @@ last of a tile's programs to finish sums, so narrow shapes fill the SMs in one k
 has a GEMV form without ``tl.dot`` (which would pad the row to 16). The weight is 16-bit (the model dtype) or
 FP8 with a float32 scale per output row, widened in registers; activations stay 16-bit. ``small_batch.py``
 times the configs per weight shape at load and keeps the fastest (or the library matmul when it wins). FP8
-layers use it; 16-bit layers do not: on the H100 it matched cuBLAS per call but made the bf16 decode step
-slower (docs/benchmarks.md), so the 16-bit configs serve ``bench/small_batch_linear.py``'s comparison only.
+layers use it up to 32 rows; 16-bit layers at one row only (the GEMV configs), where it beat cuBLAS.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
@@ -148,18 +147,20 @@ FP8_CONFIGS = (
     SmallBatchConfig(16, 512, 4, 4, split_k=4, gemv=True),
 )
 
-# 16-bit weights (bench/small_batch_linear.py): the same tiles with half the elements, so each load moves as
-# many bytes.
+# 16-bit weights: tl.dot tiles with half the elements of FP8's, so each load moves as many bytes (for
+# bench/small_batch_linear.py's comparison: in the model cuBLAS stays faster above one row), and the one-row GEMVs
+# unquantized layers time at load, which read 16 KB tiles of 4 rows (on an H100 10% faster than cuBLAS per
+# Llama-3.1-8B layer, docs/benchmarks.md).
 SIXTEEN_BIT_CONFIGS = (
     SmallBatchConfig(32, 128, 4, 4, split_k=4),
     SmallBatchConfig(32, 128, 4, 4),
     SmallBatchConfig(64, 64, 4, 4, split_k=8),
     SmallBatchConfig(32, 256, 4, 3, split_k=2),
-    SmallBatchConfig(8, 512, 4, 3, gemv=True),
+    SmallBatchConfig(4, 2048, 8, 4, gemv=True),
+    SmallBatchConfig(4, 1024, 4, 3, gemv=True),
+    SmallBatchConfig(2, 2048, 8, 4, gemv=True),
     SmallBatchConfig(8, 512, 4, 3, split_k=2, gemv=True),
     SmallBatchConfig(16, 256, 4, 3, split_k=4, gemv=True),
-    SmallBatchConfig(32, 256, 4, 3, gemv=True),
-    SmallBatchConfig(32, 256, 4, 3, split_k=8, gemv=True),
 )
 
 
