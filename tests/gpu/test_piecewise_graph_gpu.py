@@ -105,9 +105,10 @@ def test_padded_replay_logits_match_eager(real_shape_llama_dir, engine_config, b
         if dtype == "float32":
             torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(kv_graphed, kv_eager, rtol=1e-5, atol=1e-5)
-        else:  # bfloat16 rounding of differently tiled matmuls: within 3% of the largest |logit|
+        else:  # bfloat16 rounding of differently tiled matmuls: within 3% of the largest |logit| and |key|
+            # (an absolute 0.02 was under one bfloat16 step of keys above 4; on an H200 they differed by 0.125)
             assert (graphed - eager).abs().max() <= 0.03 * eager.abs().max()
-            torch.testing.assert_close(kv_graphed.float(), kv_eager.float(), rtol=0.02, atol=0.02)
+            assert (kv_graphed.float() - kv_eager.float()).abs().max() <= 0.03 * kv_eager.float().abs().max()
     finally:
         engine.shutdown()
 
