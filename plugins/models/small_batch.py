@@ -127,6 +127,9 @@ def _fastest(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
              timed: Callable[[], Any] = lambda: None) -> SmallBatchConfig | None:
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
+    if not configs:  # the library alone (16-bit weights above one row): nothing to time
+        timed()
+        return None
     x = torch.randn(rows, weight.shape[1], dtype=dtype, device=weight.device)
     weights = weight_copies(weight)
     candidates: dict[Any, Callable[[int], torch.Tensor]] = {

@@ -97,3 +97,24 @@ def test_auto_keeps_the_fastest_per_bucket_and_times_gemv_configs_at_one_row_onl
     # Once per weight shape: another layer of the same shape reuses the choice without timing.
     assert small_batch.choose("fp8", weight, None, torch.float32, lambda x, w: None, [gemv, *tiles]) is chosen
     assert len(timed) == 10
+
+
+def test_buckets_with_only_the_library_time_nothing(monkeypatch):
+    """16-bit weights offer GEMV configs only: the 16- and 32-row buckets keep the library without timing it."""
+    gemv = next(c for c in FP8_CONFIGS if c.gemv)
+    timed: list[tuple] = []
+
+    def fake_seconds(run):
+        timed.append(run(0))
+        return {"library": 2.0, gemv: 1.0}[run(0)[0]]
+
+    from treadle.plugins.models import small_batch_kernels
+
+    monkeypatch.setattr(small_batch, "graph_seconds", fake_seconds)
+    monkeypatch.setattr(small_batch, "weight_copies", lambda weight: [weight])
+    monkeypatch.setattr(small_batch_kernels, "small_batch_matmul", lambda x, w, s, config: (config, x.shape[0]))
+    monkeypatch.setattr(small_batch, "_choices", {})
+    chosen = small_batch.choose("16-bit", torch.zeros(64, 32), None, torch.float32,
+                                lambda x, w: ("library", x.shape[0]), [gemv])
+    assert chosen == SmallBatchKernels((gemv, None, None))
+    assert timed == [("library", 1), (gemv, 1)]
