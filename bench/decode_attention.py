@@ -5,7 +5,8 @@
 
 Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16 KV) by default. Each
 (batch size, context) runs every variant (``;``-separated ``name=value`` settings of the Triton backend's decode
-tunables: ``max_kv_splits``, ``min_split_tokens``, ``decode_block_n``) over ``--layers`` separate KV caches, so
+tunables: ``max_kv_splits``, ``min_split_tokens``, ``decode_block_n``, ``num_stages``, ``target_programs``;
+the defaults here are the kernel's plain ones, not the backend's choices per batch) over ``--layers`` separate KV caches, so
 that, as in a decode step, each call reads KV that the previous call did not leave in L2; it stores the step's
 new K/V as the model's step does. On CUDA the calls are replayed from a CUDA graph (no launch gaps); elsewhere
 (``TRITON_INTERPRET=1``, for a smoke test) they run eagerly. The table gives microseconds per layer, the KV bytes
@@ -28,7 +29,7 @@ import torch
 from treadle.bench.one_batch_report import machine_info
 from treadle.bench.roofline import measure_copy_bandwidth, synchronize
 
-TUNABLES = {"max_kv_splits": 16, "min_split_tokens": 128, "decode_block_n": 64}
+TUNABLES = {"max_kv_splits": 16, "min_split_tokens": 128, "decode_block_n": 64, "num_stages": 2, "target_programs": 0}
 
 
 def parse_variant(spec: str) -> dict[str, int]:
@@ -73,7 +74,8 @@ class DecodeCase:
         decode_attention(self.q, k_cache, v_cache, self.out, self.req_to_token, self.req_pool_indices,
                          self.seq_lens, self.mid_o, self.mid_lse, self.arrivals, self.q.shape[-1] ** -0.5, None,
                          settings["max_kv_splits"], settings["min_split_tokens"], settings["decode_block_n"],
-                         new_kv=(self.k_new, self.v_new, self.new_loc))
+                         new_kv=(self.k_new, self.v_new, self.new_loc), num_stages=settings["num_stages"],
+                         target_programs=settings["target_programs"])
 
 
 def seconds_per_layer(case: DecodeCase, settings: dict[str, int], device: torch.device) -> float:

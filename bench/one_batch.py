@@ -23,7 +23,7 @@ In the same run:
   on which ``generate`` compiles the decode forward with ``torch.compile``
   (mode ``reduce-overhead``: CUDA graphs); its compilation happens in an untimed
   warm-up (skip it with ``--no-hf-compiled``);
-- with a GPU, a torch.profiler summary of bs=1 graph decode per backend (top
+- with a GPU, a torch.profiler summary of graph decode per backend at bs=1 (``--profile-batch-sizes``: others; top
   kernels, time by kind, and how much of the step the GPU is busy), and one of an
   eager 300-token prefill (GPU busy against wall and the host's launch time: the
   small prefill steps that stall a large decode batch).
@@ -125,6 +125,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         device = torch.device("cuda", get_tp_rank())
     torch.manual_seed(0)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    profile_batch_sizes = [int(b) for b in args.profile_batch_sizes.split(",") if int(b) in batch_sizes]
     prefill_shapes = parse_prefill_shapes(args.prefill_profile, max(batch_sizes), args.input_len)
     graphs = [g == "on" for g in args.graphs.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
@@ -154,8 +155,9 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             for bs in batch_sizes:
                 results.append(run_treadle(runner, label, backend, use_graph, prompts[bs], args, bandwidth))
                 print(format_row(results[-1]))
-            if use_graph and device.type == "cuda" and not args.no_profile and 1 in prompts:
-                profiles[label] = profile_decode(runner, label, prompts[1])
+            if use_graph and device.type == "cuda" and not args.no_profile:
+                for bs in profile_batch_sizes:
+                    profiles[label + ("" if bs == 1 else f" bs={bs}")] = profile_decode(runner, label, prompts[bs])
                 for count, length in prefill_shapes:
                     key = f"{label} prefill" + ("" if count == 1 else f" {count}x{length}")
                     profiles[key] = profile_prefill(runner, label, length, prompts=count)
@@ -191,7 +193,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "copy_bandwidth_GBps": bandwidth / 1e9,
         "results": [asdict(r) for r in results],
         "skipped": skipped,
-        "profiles_bs1": profiles,
+        "profiles": profiles,
         "small_batch_kernels": _small_batch_choices(),
     }
     output = Path(args.output) if args.output else RESULTS_DIR / default_output_name(report["machine"]["gpu"])
@@ -366,6 +368,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf-compiled", action="store_true",
                         help="skip the hf-compiled peer (static cache + torch.compile; GPU only)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summary")
+    parser.add_argument("--profile-batch-sizes", default="1", metavar="BS,...",
+                        help="decode batch sizes the profiler summarizes (default 1; each must be in --batch-sizes)")
     parser.add_argument("--prefill-profile", default=f"1x{PROFILE_PREFILL_TOKENS}", metavar="PROMPTSxTOKENS,...",
                         help="prefill steps the profile times (default 1x300, capped at --input-len tokens); "
                              "at most the largest batch size of prompts each")

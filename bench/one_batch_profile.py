@@ -17,9 +17,10 @@ PROFILE_PREFILL_TOKENS = 300
 
 
 def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
-    """torch.profiler over ``steps`` bs=1 decode steps: top kernels and GPU busy time per step."""
-    input_len = prompt.shape[1]
-    batch = place_batch(runner, 1, input_len + steps + 2)
+    """torch.profiler over ``steps`` decode steps of the ``prompt`` rows [bs, length]: top kernels and GPU busy
+    time per step."""
+    bs, input_len = prompt.shape
+    batch = place_batch(runner, bs, input_len + steps + 2)
     next_ids = prefill(runner, batch, prompt)
     next_ids = decode_step(runner, batch, next_ids, input_len + 1)
     state = {"next_ids": next_ids, "step": 0}
@@ -31,7 +32,7 @@ def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 2
     host = {"runner.forward (host, until the graph is launched)": (runner, "forward"),
             "attention backend replay metadata (host)": (runner.attn_backend,
                                                          "init_forward_metadata_replay_cuda_graph")}
-    return _profile_steps(runner, f"treadle {label}", "bs=1 decode", step, steps, host)
+    return _profile_steps(runner, f"treadle {label}", f"bs={bs} decode", step, steps, host)
 
 
 def profile_prefill(runner: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5,

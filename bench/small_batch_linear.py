@@ -28,11 +28,17 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
           "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
 
 
-def explore_configs(weight_bytes: int) -> list:
-    """A grid around the shipped configs: tile sizes moving 4-16 KB of weight per loop step."""
+def explore_configs(weight_bytes: int, rows: int = 1) -> list:
+    """A grid around the shipped configs: tile sizes moving 4-16 KB of weight per loop step (for more than one
+    row: ``tl.dot`` tiles of 4-32 KB with split-K)."""
     from treadle.plugins.models.small_batch_kernels import SmallBatchConfig
 
     configs = []
+    if rows > 1:
+        for block_n, block_k, split_k in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4)):
+            if 4096 <= block_n * block_k * weight_bytes <= 32768:
+                configs.append(SmallBatchConfig(block_n, block_k, 4, 4, split_k))
+        return configs
     for block_n, block_k, split_k in itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024), (1, 2, 4, 8)):
         if not 4096 <= block_n * block_k * weight_bytes <= 16384:
             continue
@@ -69,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timings: dict[str, tuple[float, int]] = {}
             if "bf16" in kinds:
                 timings["bf16 F.linear"] = (graph_seconds(lambda i: F.linear(x, w16[i % len(w16)])), 2 * n * k)
-                for config in explore_configs(2) if args.explore else SIXTEEN_BIT_CONFIGS:
+                for config in explore_configs(2, rows) if args.explore else SIXTEEN_BIT_CONFIGS:
                     if rows == 1 or not config.gemv:
                         seconds = _seconds(lambda i, config=config: small_batch_matmul(x, w16[i % len(w16)], None,
                                                                                       config))
@@ -78,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timings["fp8 w8a8 _scaled_mm"] = (
                     graph_seconds(lambda i: fp8_matmul(*quantize_per_token(x), w8[i % len(w8)], ws, torch.bfloat16)),
                     n * k)
-                for config in explore_configs(1) if args.explore else FP8_CONFIGS:
+                for config in explore_configs(1, rows) if args.explore else FP8_CONFIGS:
                     if rows == 1 or not config.gemv:
                         seconds = _seconds(lambda i, config=config: small_batch_matmul(x, w8[i % len(w8)], ws, config))
                         timings[f"fp8 triton {config}"] = (seconds, n * k)

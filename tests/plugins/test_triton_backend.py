@@ -216,6 +216,16 @@ def _decode(seq_lens: list[int], **kwargs):
     return _scenario(DECODE, [s - 1 for s in seq_lens], [1] * len(seq_lens), **kwargs)
 
 
+def _capped_backend(target_programs: int):
+    """``make_backend`` with the decode chunk cap aimed at ``target_programs`` (on a GPU: twice its SMs)."""
+    def factory(model_runner: SimpleNamespace):
+        backend = make_backend(model_runner)
+        backend.decode_target_programs = target_programs
+        return backend
+
+    return factory
+
+
 def _cuda_graph_hooks() -> float:
     """Decode through capture/replay metadata: identical to eager, and right after lengths change."""
     batch, backend = make_batch(DECODE, [16, 2, 33], [1, 1, 1], page_size=4)
@@ -268,6 +278,10 @@ SCENARIOS = {
     "decode_gqa_page4": (_decode([1, 19, 40], page_size=4), FP32_TOL),
     "decode_mha_odd_head_dim": (_decode([7, 30], heads=2, kv_heads=2, head_dim=24), FP32_TOL),
     "decode_sliding_window_page4": (_decode([3, 7, 8, 37], page_size=4, window=7), FP32_TOL),
+    # 3 requests x 2 KV heads: a target of 6 programs leaves one chunk per request, 12 two (of up to 4).
+    "decode_one_chunk_per_request": (_decode([1, 19, 40], backend_factory=_capped_backend(6)), FP32_TOL),
+    "decode_two_chunks_per_request": (_decode([1, 19, 40], page_size=4, backend_factory=_capped_backend(12)),
+                                      FP32_TOL),
     "extend_no_prefix_page1": (_scenario(EXTEND, [0, 0], [7, 33]), FP32_TOL),
     "extend_prefix_page1": (_scenario(EXTEND, [5, 12, 13], [9, 1, 20]), FP32_TOL),
     "extend_prefix_page4": (_scenario(EXTEND, [5, 12, 13], [9, 1, 20], page_size=4), FP32_TOL),
@@ -413,3 +427,15 @@ def test_decode_block_widens_for_small_batches(monkeypatch: pytest.MonkeyPatch, 
     assert backend._decode_block(WIDE_DECODE_BLOCK_MAX_REQUESTS) == small
     backend.decode_block_n = 32  # a set value wins at every size
     assert backend._decode_block(1) == backend._decode_block(100) == 32
+
+
+def test_decode_launch_defaults_off_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from treadle.plugins.attention.triton.backend import TritonAttnBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = TritonAttnBackend(_tiny_runner(torch.bfloat16, head_dim=128))
+    # No GPU: no SM count to aim the chunk cap at, and no Hopper shared memory for a third stage.
+    assert backend._decode_launch() == {"num_stages": 2, "target_programs": 0}
+    backend.decode_target_programs, backend.decode_num_stages = 264, 3
+    assert backend._decode_launch() == {"num_stages": 3, "target_programs": 264}

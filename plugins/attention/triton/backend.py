@@ -62,8 +62,10 @@ class TritonAttnBackend(AttentionBackend):
 
     Tunables (plain attributes, read at each launch): ``max_kv_splits``,
     ``min_split_tokens`` (a request uses ``min(max_kv_splits,
-    ceil(visible_keys / min_split_tokens))`` chunks), ``decode_block_n`` (None: 128 keys per iteration for
-    batches of up to 8 requests with heads of at most 128, else 64),
+    ceil(visible_keys / min_split_tokens), decode_target_programs // (bs * num_kv_heads))`` chunks, at least one;
+    ``decode_target_programs`` None: twice the GPU's SMs, 0: no such cap), ``decode_block_n`` (None: 128 keys
+    per iteration for batches of up to 8 requests with heads of at most 128, else 64), ``decode_num_stages``
+    (None: 3 for such heads on GPUs with Hopper's shared memory, else 2),
     ``extend_block_m`` / ``extend_block_n`` (None: chosen per head size and dtype),
     ``split_mixed_decodes`` / ``min_mixed_decode_tail`` (the fewest trailing one-token
     requests worth a decode-kernel launch). ``max_kv_splits`` must not change after ``init_cuda_graph_state``.
@@ -98,6 +100,15 @@ class TritonAttnBackend(AttentionBackend):
         # than 64 and 64 requests 0.2 ms slower (docs/benchmarks.md); wider heads or float32 caches keep 64 so
         # a tile's K and V fit in shared memory.
         self._wide_decode_blocks = self.head_dim <= 128 and kv_dtype != torch.float32
+        # Splitting a request's keys over more programs pays only while the batch's (request, KV head) pairs leave
+        # SMs idle; on an H100 one pipelining stage more read KV 8-9% faster from 32 to 256 requests (both in
+        # docs/benchmarks.md). Three stages of 128-key K and V tiles need Hopper's ~227 KB of shared memory.
+        self.decode_target_programs: int | None = None
+        self.decode_num_stages: int | None = None
+        props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None
+        self._sm_count = props.multi_processor_count if props is not None else 0
+        shared_memory = getattr(props, "shared_memory_per_block_optin", 0) if props is not None else 0
+        self._deep_decode_pipeline = self._wide_decode_blocks and shared_memory >= 200 * 1024
         self.extend_block_m: int | None = None
         self.extend_block_n: int | None = None
         self.split_mixed_decodes = True
@@ -188,6 +199,7 @@ class TritonAttnBackend(AttentionBackend):
             self._decode_block(q.shape[0]),
             *kv_scales(kv_cache, layer.layer_id),
             new_kv=new_kv,
+            **self._decode_launch(),
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
@@ -238,6 +250,7 @@ class TritonAttnBackend(AttentionBackend):
                 layer.sliding_window_size,
                 self.max_kv_splits, self.min_split_tokens, self._decode_block(q.shape[0] - metadata.decode_tokens_from),
                 *kv_scales(kv_cache, layer.layer_id),
+                **self._decode_launch(),
             )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
@@ -248,6 +261,12 @@ class TritonAttnBackend(AttentionBackend):
         if self.decode_block_n is not None:
             return self.decode_block_n
         return 128 if self._wide_decode_blocks and requests <= WIDE_DECODE_BLOCK_MAX_REQUESTS else 64
+
+    def _decode_launch(self) -> dict[str, int]:
+        """The decode kernel's pipelining depth and the programs its chunk cap aims at (see the class doc)."""
+        stages = self.decode_num_stages or (3 if self._deep_decode_pipeline else 2)
+        target = self.decode_target_programs
+        return {"num_stages": stages, "target_programs": 2 * self._sm_count if target is None else target}
 
     def _split_decode_tail(self, metadata: ExtendMetadata, lens: list[int]) -> None:
         """Send the trailing one-token requests to the decode kernel: the extend kernel tiles queries
