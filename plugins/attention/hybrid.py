@@ -1,11 +1,12 @@
-"""The `flashinfer_triton` attention backend: FlashInfer for prefill and large decode batches, treadle's Triton
-decode kernel for small ones.
+"""The `flashinfer_triton` attention backend: FlashInfer for prefill and mixed batches, treadle's Triton decode
+kernel for decode batches.
 
-On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is 3–11% faster from 1 to 32 requests (one
-kernel per layer, where FlashInfer's graph decode writes the K/V, decodes and merges split-KV partials in three),
-while FlashInfer's kernels are faster at the hundreds of requests of a saturated server or an offline batch
-(docs/benchmarks.md). Both backends read and write the same KV cache, so each decode batch can go to either:
-``attention.backend: auto`` picks this backend where both are installed.
+On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is faster than FlashInfer's at every batch size
+measured: 1.09x at one request (one kernel per layer, where FlashInfer's graph decode writes the K/V, decodes and
+merges split-KV partials in three) and 1.16x at 384 since its chunks follow the batch size (2026-11-26); the offline
+run of 1000 requests made 2% more tokens per second with decode batches of up to 512 on Triton than with those above
+256 on FlashInfer (docs/benchmarks.md). Both backends read and write the same KV cache, so each decode batch can go
+to either: ``attention.backend: auto`` picks this backend where both are installed.
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ if TYPE_CHECKING:
 
 
 class FlashInferTritonAttnBackend(AttentionBackend):
-    """Decode batches of at most ``small_decode_batch`` requests through :class:`TritonAttnBackend`, everything
-    else (prefill, mixed, larger decode batches) through :class:`FlashInferAttnBackend`; the route depends on the
-    batch size alone, so a CUDA graph captured for a size replays with the backend it was captured with.
+    """Decode batches through :class:`TritonAttnBackend` (only those of at most ``small_decode_batch`` requests
+    where that is set), everything else (prefill, mixed, larger decode batches) through
+    :class:`FlashInferAttnBackend`; the route depends on the batch size alone, so a CUDA graph captured for a size
+    replays with the backend it was captured with.
 
     Accepts what both accept (16-bit or FP8 KV caches, one sliding window for every layer). The tunables of the
     two are on ``.small`` and ``.large``; ``small_decode_batch`` must not change once CUDA graphs are captured.
     """
 
     supports_cuda_graph = True
-    # Triton's decode step measured 5-12% faster from 1 to 192 requests on an H100 and even at 256.
-    small_decode_batch = 256
+    small_decode_batch: int | None = None
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
@@ -48,7 +49,7 @@ class FlashInferTritonAttnBackend(AttentionBackend):
             raise ValueError("flashinfer_triton needs both backends to pad CUDA-graph batches with one length")
 
     def _decode_backend(self, bs: int) -> AttentionBackend:
-        return self.small if bs <= self.small_decode_batch else self.large
+        return self.small if self.small_decode_batch is None or bs <= self.small_decode_batch else self.large
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_decode():
@@ -58,7 +59,7 @@ class FlashInferTritonAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.large.init_cuda_graph_state(max_bs, max_num_tokens)
-        small = min(max_bs, self.small_decode_batch)
+        small = max_bs if self.small_decode_batch is None else min(max_bs, self.small_decode_batch)
         self.small.init_cuda_graph_state(small, min(max_num_tokens, small))
 
     def init_forward_metadata_capture_cuda_graph(

@@ -96,3 +96,15 @@ def test_without_flashinfer_the_constructor_refuses_so_auto_moves_on() -> None:
     runner = SimpleNamespace(device="cuda", layer_sliding_windows=(None,))
     with pytest.raises(RuntimeError, match="needs FlashInfer"):
         hybrid.FlashInferTritonAttnBackend(runner)
+
+
+def test_every_decode_batch_goes_to_triton_by_default(monkeypatch) -> None:
+    monkeypatch.setattr(hybrid, "FlashInferAttnBackend", _Large)
+    monkeypatch.setattr(hybrid, "TritonAttnBackend", _Small)
+    built = hybrid.FlashInferTritonAttnBackend(SimpleNamespace())
+    for bs in (1, 512, 4096):
+        built.init_forward_metadata(_batch(ForwardMode.DECODE, bs))
+    assert [call[-1].batch_size for call in built.small.calls] == [1, 512, 4096]
+    assert built.large.calls == []
+    built.init_cuda_graph_state(512, 512)
+    assert built.small.calls[-1] == ("init_cuda_graph_state", 512, 512)
