@@ -109,6 +109,11 @@ class Fp8LinearMethod(LinearMethod):
             y = y + bias
         return y.reshape(*leading, y.shape[-1])
 
+    def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if self.config.dequantize or x.dim() != 2:
+            return None
+        return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, layer.weight_scale)
+
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
         from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS
 

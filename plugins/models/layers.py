@@ -127,7 +127,8 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        activated = self.gate_up_proj.forward_silu_mul(x)
+        return self.down_proj(activated if activated is not None else silu_mul(self.gate_up_proj(x)))
 
 
 class SelfAttention(nn.Module):

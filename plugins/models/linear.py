@@ -71,6 +71,11 @@ class LinearMethod(ABC):
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for this rank's partition."""
 
+    def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of an unbiased ``[gate | up]`` layer's output in one kernel, where the method has
+        one for ``x``'s batch; None (the default): the caller runs :meth:`apply`, then ``silu_mul``."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, one-token batches of a 16-bit
@@ -102,6 +107,11 @@ class UnquantizedLinearMethod(LinearMethod):
             if y is not None:
                 return y if bias is None else y + bias
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
+        if x.dim() != 2:
+            return None
+        return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
 
 
 def quant_method_for(layer: nn.Module, quant_config: Any, prefix: str) -> LinearMethod:
@@ -214,6 +224,15 @@ class MergedColumnParallelLinear(LinearBase):
 
     def _source_row(self, shard_id: str, rows: int) -> int:
         return self.tp_rank * rows
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(first shard) * second shard`` of this layer's output (a gated MLP's ``gate_up_proj``) in one
+        kernel where the quant method has one for this batch (one-token GEMVs on a GPU: a kernel launch less per
+        layer); None: run the layer, then ``silu_mul``."""
+        apply = getattr(self.quant_method, "apply_silu_mul", None)
+        if apply is None or len(self.shard_ids) != 2 or self.bias is not None:
+            return None
+        return apply(self, x)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

@@ -117,6 +117,19 @@ def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Ten
     return small_batch_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, scale, config)
 
 
+def silu_mul_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
+                    scale: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``x @ (weight * scale).T`` = ``[gate | up]`` in one kernel where ``kernels`` chose a
+    GEMV without split-K for M rows (on an H100 the one-token batches of a gated MLP); None otherwise (the caller
+    runs :func:`matmul` or its library matmul, then ``silu_mul``)."""
+    config = kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
+    if config is None or not config.gemv or config.split_k > 1:
+        return None
+    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
+
+    return small_batch_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, scale, config, silu_mul=True)
+
+
 def choices() -> dict[str, str]:
     """What each weight shape (``"kind N x K"``) runs at decode batch sizes on this GPU (for reports)."""
     return {f"{kind} {n} x {k}": choice.describe() for (kind, n, k, _, _, _), choice in _choices.items()}

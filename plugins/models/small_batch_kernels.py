@@ -24,7 +24,8 @@ import triton.language as tl
 @triton.jit
 def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr):
+                        SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
+                        SILU_MUL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -35,29 +36,50 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split
     # Each split's range is a multiple of BLOCK_K, so masking against K alone never reads the next split.
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if GEMV:
-        acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
-                   BLOCK_N, BLOCK_K, EVEN)[None, :]
+    if SILU_MUL:
+        _silu_mul_row(X + pid_m.to(tl.int64) * stride_xm, W, Scale, Y + pid_m.to(tl.int64) * stride_ym, offs_n,
+                      n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N, BLOCK_K, EVEN, HAS_SCALE)
     else:
-        acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
-                    BLOCK_M, BLOCK_N, BLOCK_K)
-    tile_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K > 1:
-        # Every split stores its float32 partial tile [SPLIT_K, M, N] and counts itself in; the last of the
-        # tile's splits to arrive sums them (the release/acquire of the count makes the others' stores
-        # visible), so no second kernel is launched. It resets the count for the next call.
-        tile_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(Partials + pid_k * M * N + tile_offs, acc, mask=tile_mask)
-        arrival = Arrivals + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(Partials + split * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrival, 0, sem="relaxed")
+        if GEMV:
+            acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
+                       BLOCK_N, BLOCK_K, EVEN)[None, :]
+        else:
+            acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K > 1:
+            # Every split stores its float32 partial tile [SPLIT_K, M, N] and counts itself in; the last of the
+            # tile's splits to arrive sums them (the release/acquire of the count makes the others' stores
+            # visible), so no second kernel is launched. It resets the count for the next call.
+            tile_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(Partials + pid_k * M * N + tile_offs, acc, mask=tile_mask)
+            arrival = Arrivals + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for split in tl.static_range(SPLIT_K):
+                    acc += tl.load(Partials + split * M * N + tile_offs, mask=tile_mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.atomic_xchg(arrival, 0, sem="relaxed")
+                _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
+        else:
             _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
-    else:
-        _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
 
+
+@triton.jit
+def _silu_mul_row(X_row, W, Scale, Y_row, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """``silu(gate) * up`` of one row of x for a weight ``[gate | up]`` of 2N rows: the program reads rows
+    ``offs_n`` of both halves."""
+    gate, up = _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N, BLOCK_K, EVEN)
+    if HAS_SCALE:
+        gate = gate * tl.load(Scale + offs_n, mask=n_mask, other=0.0)
+        up = up * tl.load(Scale + N + offs_n, mask=n_mask, other=0.0)
+    # Rounded where the separate matmul and silu_mul kernels round, so the result is the same.
+    dtype = Y_row.dtype.element_ty
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    out = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(Y_row + offs_n, out, mask=n_mask)
 
 @triton.jit
 def _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE: tl.constexpr):
@@ -105,6 +127,35 @@ def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.con
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """``_row`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of one row of x."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X_row + offs_k
+    gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
+    gate = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN:
+            x = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(gate_ptrs, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(up_ptrs, eviction_policy="evict_first").to(tl.float32)
+        else:
+            k_mask = (k + tl.arange(0, BLOCK_K)) < K
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        gate += tl.sum(g * x[None, :], axis=1)
+        up += tl.sum(u * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    return gate, up
 
 
 class SmallBatchConfig(NamedTuple):
@@ -165,11 +216,18 @@ SIXTEEN_BIT_CONFIGS = (
 
 
 def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                       config: SmallBatchConfig) -> torch.Tensor:
+                       config: SmallBatchConfig, silu_mul: bool = False) -> torch.Tensor:
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
-    16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype."""
+    16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype. ``silu_mul``: the
+    weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (GEMV
+    configs without split-K; each program reads ``block_n / 2`` rows of each half)."""
     m, k = x.shape
     n = weight.shape[0]
+    if silu_mul:
+        if not config.gemv or config.split_k > 1:
+            raise ValueError(f"silu_mul runs GEMV configs without split-K, not {config}")
+        n //= 2
+        config = config._replace(block_n=max(config.block_n // 2, 1))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = 1 if config.gemv else (16 if m <= 16 else 32)
     split_k = config.split_k
@@ -184,7 +242,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
-        HAS_SCALE=has_scale, EVEN=even, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SCALE=has_scale, EVEN=even, SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

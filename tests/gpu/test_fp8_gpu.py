@@ -144,3 +144,22 @@ def test_one_kernel_kv_write_matches_the_torch_path():
 
     proc = subprocess.run([sys.executable, "-c", CHECKS, "cuda"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_fused_silu_mul_gemv_equals_the_matmul_then_silu_mul(weights):
+    """A gated MLP's one-token ``gate_up_proj`` with ``silu_mul`` in the GEMV: the same bits as the GEMV's output
+    through the separate ``silu_mul`` kernel (Llama-3.1-8B's 28672 x 4096 and a ragged 2 x 1000 x 4096)."""
+    from treadle.plugins.models.fp8_ops import quantize_per_channel
+    from treadle.plugins.models.fused_kernels import silu_mul
+    from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
+
+    for n, k in ((28672, 4096), (2000, 4096)):
+        gen = torch.Generator(device=DEVICE).manual_seed(n)
+        weight = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+        x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        weight, scale, configs = (weight, None, SIXTEEN_BIT_CONFIGS) if weights == "bf16" else (
+            *quantize_per_channel(weight), FP8_CONFIGS)
+        for config in (c for c in configs if c.gemv and c.split_k == 1):
+            fused = small_batch_matmul(x, weight, scale, config, silu_mul=True)
+            assert torch.equal(fused, silu_mul(small_batch_matmul(x, weight, scale, config))), config

@@ -40,6 +40,20 @@ def test_matmul_defers_to_the_library_where_no_config_applies():
     assert small_batch.matmul(SmallBatchKernels((FP8_CONFIGS[4],) * 3), x[:0], weight, None) is None
 
 
+def test_silu_mul_fuses_only_into_one_pass_gemvs():
+    from treadle.plugins.models.small_batch_kernels import SmallBatchConfig, small_batch_matmul
+
+    x, weight = torch.randn(1, 32), torch.randn(16, 32)
+    tile, split_gemv = SmallBatchConfig(32, 256, 4, 3), SmallBatchConfig(8, 1024, 4, 4, split_k=2, gemv=True)
+    # Where the chosen kernel is not a one-pass GEMV (a tl.dot tile, split-K partials, the library), the layer
+    # runs its matmul and then silu_mul.
+    for config in (tile, split_gemv, None):
+        assert small_batch.silu_mul_matmul(SmallBatchKernels((config,) * 3), x, weight, None) is None
+    assert small_batch.silu_mul_matmul(None, x, weight, None) is None
+    with pytest.raises(ValueError, match="GEMV configs without split-K"):
+        small_batch_matmul(x, weight, None, split_gemv, silu_mul=True)
+
+
 def test_forced_modes_skip_the_timing():
     weight = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)  # a CPU weight: timing would need a GPU
 

@@ -100,6 +100,10 @@ def _model_kernels() -> dict:
                                                        SPLIT_K=8, GEMV=True, HAS_SCALE=False),
         "small_batch[bf16]": _small_batch("*bf16", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1,
                                           GEMV=False, HAS_SCALE=False),
+        "small_batch[fp8,gemv,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, SPLIT_K=1,
+                                                       GEMV=True, HAS_SCALE=True, EVEN=True, SILU_MUL=True),
+        "small_batch[bf16,gemv,silu_mul]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, SPLIT_K=1,
+                                                        GEMV=True, HAS_SCALE=False, SILU_MUL=True),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -114,10 +118,10 @@ def _model_kernels() -> dict:
 
 def _small_batch(weight_type: str, **constexprs: object):
     """The small-batch matmul kernel with these constexprs (split-K variants also write float32 partials; bounds
-    masks unless EVEN is given)."""
+    masks unless EVEN is given; SILU_MUL: the gated-MLP GEMV)."""
     from treadle.plugins.models import small_batch_kernels
 
-    constexprs = {"EVEN": False, **constexprs}
+    constexprs = {"EVEN": False, "SILU_MUL": False, **constexprs}
     return lambda: _compile(small_batch_kernels._small_batch_kernel,
                             {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
                              "Arrivals": "*i32"}, set(), constexprs)
@@ -127,7 +131,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "decode[fp8e4nv,store_kv=True]", "extend[bf16]", "extend[fp8e4nv]",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,even]",
-           "small_batch[bf16,gemv,split_k]", "small_batch[bf16]",
+           "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
+           "small_batch[bf16,gemv,silu_mul]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 

@@ -3,7 +3,8 @@
 Each request's visible keys are split into chunks of at least ``min_split_tokens``,
 at most ``max_kv_splits`` of them, and no more than a large batch needs to fill the
 GPU (``target_programs``: on an H100 a batch of 32 requests read its KV 1.2x faster
-in one chunk per request than in five, docs/benchmarks.md); one program handles (request, KV head, chunk) for every query head that shares that
+in one chunk per request than in five, docs/benchmarks.md); one program handles
+(request, KV head, chunk) for every query head that shares that
 KV head (GQA), reading KV slots through ``req_to_token``. A request with one
 chunk writes its output directly. Otherwise each program stores a partial output
 (normalised by its own softmax sum) and that sum's log (base 2), then counts
@@ -239,7 +240,9 @@ def decode_attention(
         raise ValueError(f"decode_attention needs {bs * num_kv_heads} arrival counters, got {arrivals.numel()}")
     k_new, v_new, new_loc = new_kv if new_kv is not None else (q, q, seq_lens)  # unread placeholders
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    splits = max_kv_splits if target_programs <= 0 else max(1, min(max_kv_splits, target_programs // (bs * num_kv_heads)))
+    splits = max_kv_splits
+    if target_programs > 0:
+        splits = max(1, min(max_kv_splits, target_programs // (bs * num_kv_heads)))
     _decode_kernel[(bs, num_kv_heads, splits)](
         q, k_new, v_new, new_loc, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse, arrivals, out,
