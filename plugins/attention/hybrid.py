@@ -58,9 +58,11 @@ class FlashInferTritonAttnBackend(AttentionBackend):
             self.large.init_forward_metadata(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self.large.init_cuda_graph_state(max_bs, max_num_tokens)
         small = max_bs if self.small_decode_batch is None else min(max_bs, self.small_decode_batch)
         self.small.init_cuda_graph_state(small, min(max_num_tokens, small))
+        # FlashInfer's graph page table holds max_bs requests at full context (Llama-3.1-8B: 0.5 MB each).
+        if small < max_bs:
+            self.large.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode

@@ -108,3 +108,4 @@ def test_every_decode_batch_goes_to_triton_by_default(monkeypatch) -> None:
     assert built.large.calls == []
     built.init_cuda_graph_state(512, 512)
     assert built.small.calls[-1] == ("init_cuda_graph_state", 512, 512)
+    assert built.large.calls == []  # no decode batch replays through FlashInfer: no graph page table for it
