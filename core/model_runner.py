@@ -19,7 +19,7 @@ from treadle.core.auto_size import (
     resolve_piecewise_max_tokens,
 )
 from treadle.core.config import ServerConfig
-from treadle.core.forward_batch import ForwardBatch
+from treadle.core.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.kv_allocator import KVAllocator
 from treadle.core.memory_pool import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
@@ -112,6 +112,8 @@ class ModelRunner:
             mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
             latency_chunk_size=config.scheduler.latency_chunk_size)
         self.piecewise_graph_runner = self._maybe_piecewise_graphs()
+        if on_cuda:
+            self._warm_up_prefill()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
             "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
@@ -200,6 +202,26 @@ class ModelRunner:
             return None
         pool = self.cuda_graph_runner.memory_pool if self.cuda_graph_runner is not None else None
         return PiecewiseGraphRunner(self, max_tokens, pool)
+
+    def _warm_up_prefill(self, tokens: int = 16) -> None:
+        """One prefill of ``tokens`` dummy tokens through the real attention backend, its K/V written to the padding
+        slot, so that first-use costs land in start-up, not on the first request: FlashInfer loads (or JIT-builds)
+        its prefill module at first use, which took the first request of a fresh H100 server 17 s once no decode
+        graph of ``flashinfer_triton`` went through FlashInfer any more."""
+        device = self.device
+        lens = torch.tensor([tokens], dtype=torch.int64)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        padding = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.forward(ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=padding,
+            positions=torch.arange(tokens, device=device), req_pool_indices=zero, seq_lens=lens.to(device),
+            seq_lens_cpu=lens, out_cache_loc=padding, seq_lens_sum=tokens, logits_indices=zero + tokens - 1,
+            req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache, attn_backend=self.attn_backend,
+            extend_seq_lens=lens.to(device), extend_prefix_lens=zero, extend_start_loc=zero,
+            extend_seq_lens_cpu=[tokens], extend_prefix_lens_cpu=[0],
+        ))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def release_graphs(self) -> None:
         """Free the decode and prefill CUDA graphs once the GPU is done with them; later forwards run eagerly.
