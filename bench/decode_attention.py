@@ -5,10 +5,10 @@
 
 Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16 KV) by default. Each
 (batch size, context) runs every variant (``;``-separated ``name=value`` settings of the Triton backend's decode
-tunables: ``max_kv_splits``, ``min_split_tokens``, ``decode_block_n``, ``num_stages``, ``target_programs``;
-the defaults here are the kernel's plain ones, not the backend's choices per batch) over ``--layers`` separate KV caches, so
-that, as in a decode step, each call reads KV that the previous call did not leave in L2; it stores the step's
-new K/V as the model's step does. On CUDA the calls are replayed from a CUDA graph (no launch gaps); elsewhere
+tunables: ``max_kv_splits``, ``min_split_tokens``, ``decode_block_n``, ``num_stages``, ``target_programs``; the
+defaults here are the kernel's plain ones, not the backend's choices per batch) over ``--layers`` separate KV
+caches, so that, as in a decode step, each call reads KV that the previous call did not leave in L2; it stores the
+step's new K/V as the model's step does. On CUDA the calls are replayed from a CUDA graph (no launch gaps); elsewhere
 (``TRITON_INTERPRET=1``, for a smoke test) they run eagerly. The table gives microseconds per layer, the KV bytes
 read per second, the share of the copy bandwidth that is, each variant's speed ratio to the first one and the
 largest difference between their outputs (layer 0).
