@@ -109,12 +109,12 @@ def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Ten
            ) -> torch.Tensor | None:
     """``x @ (weight * scale).T`` for ``x`` [M, K] through the Triton config ``kernels`` chose for M rows;
     None where the caller runs its library matmul (no choice, M above the buckets, or no rows)."""
-    config = kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
+    config = _config_for(kernels, x)
     if config is None:
         return None
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
-    return small_batch_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, scale, config)
+    return small_batch_matmul(_unit_stride(x), weight, scale, config)
 
 
 def silu_mul_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
@@ -122,12 +122,21 @@ def silu_mul_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: 
     """``silu(gate) * up`` of ``x @ (weight * scale).T`` = ``[gate | up]`` in one kernel where ``kernels`` chose a
     GEMV without split-K for M rows (on an H100 the one-token batches of a gated MLP); None otherwise (the caller
     runs :func:`matmul` or its library matmul, then ``silu_mul``)."""
-    config = kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
+    config = _config_for(kernels, x)
     if config is None or not config.gemv or config.split_k > 1:
         return None
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
-    return small_batch_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, scale, config, silu_mul=True)
+    return small_batch_matmul(_unit_stride(x), weight, scale, config, silu_mul=True)
+
+
+def _config_for(kernels: SmallBatchKernels | None, x: torch.Tensor) -> SmallBatchConfig | None:
+    """The Triton config ``kernels`` chose for ``x``'s rows (None: no choice, too many rows, or none)."""
+    return kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def choices() -> dict[str, str]:

@@ -114,16 +114,8 @@ def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.con
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        # The weight is read once per step: evict_first keeps it from pushing x and the partials out of L2.
-        if EVEN:
-            x = tl.load(x_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs, eviction_policy="evict_first").to(tl.float32)
-        else:
-            k_mask = (k + tl.arange(0, BLOCK_K)) < K
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
+        acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
@@ -140,22 +132,35 @@ def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOC
     gate = tl.zeros([BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_N], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        if EVEN:
-            x = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(gate_ptrs, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(up_ptrs, eviction_policy="evict_first").to(tl.float32)
-        else:
-            k_mask = (k + tl.arange(0, BLOCK_K)) < K
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            g = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        gate += tl.sum(g * x[None, :], axis=1)
-        up += tl.sum(u * x[None, :], axis=1)
+        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
+        gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+        up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     return gate, up
+
+
+@triton.jit
+def _x_slice(x_ptrs, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of a GEMV's row of x, in float32 (unmasked where the tiles fit the shape exactly)."""
+    if EVEN:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=(k + tl.arange(0, BLOCK_K)) < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of a GEMV's weight tile, in float32. The weight is read once per step: evict_first keeps it
+    from pushing x and the partials out of L2."""
+    if EVEN:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        k_mask = (k + tl.arange(0, BLOCK_K)) < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    return w.to(tl.float32)
 
 
 class SmallBatchConfig(NamedTuple):

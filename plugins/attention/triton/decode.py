@@ -46,7 +46,7 @@ def _num_splits(seq_len, window, max_splits, MIN_SPLIT_TOKENS: tl.constexpr):
 def _decode_kernel(
     Q, K_new, V_new, New_loc, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens,
     Mid_o, Mid_lse, Arrivals, O,
-    qk_scale, k_scale, v_scale, fp8_max, window, max_splits,
+    qk_scale, k_scale, v_scale, fp8_max, window,
     stride_q_tok, stride_q_head,
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     stride_k_slot, stride_k_head,
@@ -65,7 +65,8 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
-    kv_begin, visible, num_splits = _num_splits(seq_len, window, max_splits, MIN_SPLIT_TOKENS)
+    # The grid's third dimension is the chunk cap.
+    kv_begin, visible, num_splits = _num_splits(seq_len, window, tl.num_programs(2), MIN_SPLIT_TOKENS)
     if split < num_splits:  # past the request's chunks: nothing to do, and nothing reads it
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -247,7 +248,7 @@ def decode_attention(
         q, k_new, v_new, new_loc, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse, arrivals, out,
         scaling * _LOG2E * k_scale, k_scale, v_scale, float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0,
-        sliding_window or 0, splits,
+        sliding_window or 0,
         q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1),
