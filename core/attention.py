@@ -78,13 +78,24 @@ class AttentionBackend(ABC):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
+    def applies_rotary(self, forward_batch: ForwardBatch) -> bool:
+        """Whether this backend applies the rotary embedding itself for ``forward_batch``: the model then passes q
+        and k *before* it, with ``rotary=(cos, sin)`` (``[num_tokens, 1, head_dim]`` each, HF's ``rotate_half``
+        layout, in q's dtype), and the backend rotates them as it reads them (one kernel per layer less). Such a
+        backend's ``forward_decode``/``forward_extend`` take ``rotary`` as a keyword. Default False: q and k
+        arrive rotated."""
+        return False
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        # Backends that never apply the rotary embedding never see the keyword.
+        extra = {} if rotary is None else {"rotary": rotary}
         if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **extra)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **extra)
 
     @abstractmethod
     def forward_extend(
@@ -161,5 +172,12 @@ class RadixAttention(nn.Module):
         self.layer_id = layer_id
         self.sliding_window_size = sliding_window_size if sliding_window_size and sliding_window_size > 0 else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention of q over the cache and this step's k, v. ``rotary=(cos, sin)``: q and k are not rotated yet and
+        the backend applies the embedding (only where ``attn_backend.applies_rotary(forward_batch)``)."""
+        if rotary is None:
+            return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, rotary=rotary)

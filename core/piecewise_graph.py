@@ -92,6 +92,9 @@ class _AttentionCut:
         self.num_tokens = num_tokens
         self.pieces: _Pieces | None = None  # set while capturing
 
+    def applies_rotary(self, forward_batch: ForwardBatch) -> bool:
+        return False  # the pieces' q and k are rotated; the real backend runs on them between pieces
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         n = self.num_tokens

@@ -9,8 +9,10 @@ Each scenario builds a KV cache whose requests sit on shuffled pages (every
 slot no request owns holds NaN, so reading a wrong slot poisons the output),
 runs the backend and the reference on identical copies, and compares the
 attention output and the K/V the backend wrote. Scenarios: extend with a
-cached prefix (aligned and unaligned to pages, and no prefix), decode, each
-with GQA, with and without a sliding window, for every page size asked for;
+cached prefix (aligned and unaligned to pages, and no prefix), decode (and,
+for a backend that ``applies_rotary`` to decode batches, decode with q and k
+passed before the rotary embedding), each with GQA, with and without a
+sliding window, for every page size asked for;
 on CUDA, for a backend with ``supports_cuda_graph``, decode captured in a CUDA
 graph at a padded batch size and replayed twice with new lengths. The
 reference computes in float32 from the same (rounded) values.
@@ -23,6 +25,7 @@ scale, exact in the model dtype and, divided by the scale, in FP8.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -99,6 +102,9 @@ def check_attention_backend(
             decode_lens[0] = world.max_lens[0]
             _check_step(factory, configure, world, ForwardMode.DECODE, [n - 1 for n in decode_lens],
                         [1] * len(decode_lens), tol, f"decode with {context}", generator)
+            if not world.fp8:  # rotated K/V are no longer exact in FP8, which the comparison relies on
+                _check_rotary_decode(factory, configure, world, decode_lens, tol,
+                                     f"decode, rotary embedding applied by the backend, with {context}", generator)
             graphs = check_cuda_graph
             if graphs is None:
                 graphs = device.type == "cuda" and bool(getattr(factory, "supports_cuda_graph", False))
@@ -334,6 +340,40 @@ def _check_step(factory, configure, world: _World, mode: ForwardMode, prefix_len
     out = backend.forward(step.q, step.k, step.v, world.layer(), forward_batch)
     _assert_output(out, expected, step.q.shape, tol, context)
     _assert_kv_written(cache, ref_cache, step.out_cache_loc, context)
+
+
+def _check_rotary_decode(factory, configure, world: _World, seq_lens: list[int], tol: tuple[float, float],
+                         context: str, generator: torch.Generator) -> None:
+    """Where the backend applies the rotary embedding itself (``applies_rotary``), q and k passed before it with
+    ``rotary=(cos, sin)`` attend like q and k rotated first (HF's ``rotate_half`` form, in the model dtype), and
+    the K it writes is the rotated one."""
+    step = _make_step(world, ForwardMode.DECODE, [n - 1 for n in seq_lens], [1] * len(seq_lens), generator)
+    cache = world.fresh_cache()
+    backend = _build_backend(factory, configure, world, cache)
+    forward_batch = step.forward_batch(world.pool, cache, backend)
+    backend.init_forward_metadata(forward_batch)
+    if not backend.applies_rotary(forward_batch):
+        return
+    head_dim = world.shape.head_dim
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = step.positions.float().cpu()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = (t.to(device=world.device, dtype=world.dtype) for t in (angles.cos(), angles.sin()))
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(x.shape[0], -1, head_dim)
+        half = head_dim // 2
+        rotated_half = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+        return (heads * cos + rotated_half * sin).flatten(1)
+
+    rotated = dataclasses.replace(step, q=rotate(step.q), k=rotate(step.k))
+    expected, ref_cache = _reference(world, rotated)
+    out = world.layer()(step.q, step.k, step.v, forward_batch, rotary=(cos, sin))
+    _assert_output(out, expected, step.q.shape, tol, context)
+    for name in ("k", "v"):
+        got = getattr(cache, f"{name}_buffers")[LAYER_ID][step.out_cache_loc].float().flatten(1)
+        want = getattr(ref_cache, f"{name}_buffers")[LAYER_ID][step.out_cache_loc].flatten(1)
+        _assert_output(got, want, want.shape, tol, f"{context}: the {name.upper()} written at out_cache_loc")
 
 
 def _check_cuda_graph_decode(factory, configure, world: _World, tol: tuple[float, float], context: str,

@@ -85,12 +85,19 @@ class FlashInferTritonAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.large.get_cuda_graph_seq_len_fill_value()
 
+    def applies_rotary(self, forward_batch: ForwardBatch) -> bool:
+        return forward_batch.forward_mode.is_decode() and self._decode_backend(
+            forward_batch.batch_size).applies_rotary(forward_batch)
+
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self._decode_backend(forward_batch.batch_size).forward_decode(q, k, v, layer, forward_batch,
-                                                                             save_kv_cache)
+        backend = self._decode_backend(forward_batch.batch_size)
+        if rotary is None:
+            return backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, rotary=rotary)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",

@@ -163,6 +163,7 @@ class SelfAttention(nn.Module):
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(
             num_heads * head_dim, hidden_size, o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
         )
@@ -179,14 +180,16 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
+        if forward_batch.attn_backend.applies_rotary(forward_batch):
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, forward_batch, rotary=(cos, sin)))
         q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
         return torch.cat((q, k, v), dim=-1)
 
 

@@ -39,6 +39,9 @@ def _load(registry, path: str, **fields):
 class _NoCache:
     """Prefill-only attention without a KV pool: causal SDPA over the one sequence."""
 
+    def applies_rotary(self, forward_batch) -> bool:
+        return False
+
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         n = q.shape[0]
         q = q.view(n, layer.num_heads, layer.head_dim).transpose(0, 1)

@@ -23,7 +23,7 @@ class _Recorder:
 
     def __getattr__(self, name):
         if name.startswith(("init_", "forward_")):
-            return lambda *args, **kwargs: self.calls.append((name, *args)) or name
+            return lambda *args, **kwargs: self.calls.append((name, *args, *kwargs.values())) or name
         raise AttributeError(name)
 
 
@@ -109,3 +109,26 @@ def test_every_decode_batch_goes_to_triton_by_default(monkeypatch) -> None:
     built.init_cuda_graph_state(512, 512)
     assert built.small.calls[-1] == ("init_cuda_graph_state", 512, 512)
     assert built.large.calls == []  # no decode batch replays through FlashInfer: no graph page table for it
+
+
+def test_rotary_is_applied_by_the_decode_backend_only_for_its_decode_batches(monkeypatch) -> None:
+    class _Rotating(_Small):
+        def applies_rotary(self, forward_batch) -> bool:
+            return forward_batch.forward_mode.is_decode()
+
+    class _Plain(_Large):
+        def applies_rotary(self, forward_batch) -> bool:
+            return False
+
+    monkeypatch.setattr(hybrid, "FlashInferAttnBackend", _Plain)
+    monkeypatch.setattr(hybrid, "TritonAttnBackend", _Rotating)
+    built = hybrid.FlashInferTritonAttnBackend(SimpleNamespace())
+    built.small_decode_batch = 8
+    decode, large_decode, prefill = _batch(ForwardMode.DECODE, 8), _batch(ForwardMode.DECODE, 9), _batch(
+        ForwardMode.EXTEND, 2)
+    assert built.applies_rotary(decode)
+    assert not built.applies_rotary(large_decode) and not built.applies_rotary(prefill)
+    built.forward("q", "k", "v", "layer", decode, rotary=("cos", "sin"))
+    built.forward("q", "k", "v", "layer", large_decode)
+    assert built.small.calls == [("forward_decode", "q", "k", "v", "layer", decode, True, ("cos", "sin"))]
+    assert built.large.calls == [("forward_decode", "q", "k", "v", "layer", large_decode, True)]

@@ -257,6 +257,39 @@ def _cuda_graph_hooks() -> float:
     return error
 
 
+def _rotary_fused(**kwargs):
+    """Decode with q and k passed before the rotary embedding (the kernel rotates them): the output and the
+    stored K/V are identical to rotating first (``fused_ops``' torch reference, as the model does) — 0.0, else inf."""
+    def run() -> float:
+        from treadle.plugins.models.fused_ops import apply_rotary_reference
+
+        seq_lens = [1, 19, 40]
+        rotated, backend = make_batch(DECODE, [s - 1 for s in seq_lens], [1] * 3, page_size=4, **kwargs)
+        fused, fused_backend = make_batch(DECODE, [s - 1 for s in seq_lens], [1] * 3, page_size=4, **kwargs)
+        layer, dtype = rotated.layer, rotated.q.dtype
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, layer.head_dim, 2).double() / layer.head_dim))
+        freqs = rotated.forward_batch.positions.double()[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+        def rotate(x: torch.Tensor, heads: int) -> torch.Tensor:
+            return apply_rotary_reference(x.view(-1, heads, layer.head_dim), cos, sin).flatten(1)
+
+        backend.init_forward_metadata(rotated.forward_batch)
+        expected = layer(rotate(rotated.q, layer.num_heads), rotate(rotated.k, layer.num_kv_heads), rotated.v,
+                         rotated.forward_batch)
+        fused_backend.init_forward_metadata(fused.forward_batch)
+        if not fused_backend.applies_rotary(fused.forward_batch):
+            return float("inf")
+        got = layer(fused.q, fused.k, fused.v, fused.forward_batch, rotary=(cos, sin))
+        cached = [(b.forward_batch.kv_cache.get_key_buffer(LAYER_ID), b.forward_batch.kv_cache.get_value_buffer(LAYER_ID))
+                  for b in (rotated, fused)]
+        same_cache = all(torch.equal(x.float().nan_to_num(), y.float().nan_to_num()) for x, y in zip(*cached))
+        return 0.0 if torch.equal(got, expected) and same_cache else float("inf")
+
+    return run
+
+
 def _vs_torch_native() -> float | None:
     """Same batch through the torch_native backend when it is registered (None: not available)."""
     from treadle.core.registry import build_registry
@@ -303,6 +336,11 @@ SCENARIOS = {
                                        kv_scales=(0.25, 4.0)), FP32_TOL),
     "mixed_fp8_kv": (_scenario(MIXED, [9, 0, 30], [1, 18, 1], page_size=2, kv_dtype=torch.float8_e4m3fn),
                      FP32_TOL),
+    # The rotary embedding applied by the decode kernel (AttentionBackend.applies_rotary), bit for bit.
+    "decode_rotary_fused": (_rotary_fused(), 0.0),
+    "decode_rotary_fused_fp16_odd_head_dim": (_rotary_fused(heads=2, kv_heads=2, head_dim=24, dtype=torch.float16),
+                                              0.0),
+    "decode_rotary_fused_fp8_kv": (_rotary_fused(kv_dtype=torch.float8_e4m3fn, kv_scales=(0.5, 2.0)), 0.0),
     "cuda_graph_hooks": (_cuda_graph_hooks, FP32_TOL),
     "same_as_torch_native": (_vs_torch_native, FP32_TOL),
 }

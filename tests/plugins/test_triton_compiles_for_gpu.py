@@ -48,15 +48,17 @@ def _attention_kernels() -> dict:
     checks = {}
     for kv in KV_TYPES:
         fp8 = kv != "bf16"
-        for store in (False, True):
-            checks[f"decode[{kv},store_kv={store}]"] = lambda kv=kv, fp8=fp8, store=store: _compile(
+        for store, rotary in ((False, False), (True, False), (True, True)):
+            name = f"decode[{kv},store_kv={store}" + (",rotary]" if rotary else "]")
+            checks[name] = lambda kv=kv, fp8=fp8, store=store, rotary=rotary: _compile(
                 decode._decode_kernel,
                 {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "New_loc": "*i64", "K_cache": f"*{kv}",
                  "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Seq_lens": "*i64",
-                 "Mid_o": "*fp32", "Mid_lse": "*fp32", "Arrivals": "*i32", "O": "*bf16"},
+                 "Mid_o": "*fp32", "Mid_lse": "*fp32", "Arrivals": "*i32", "O": "*bf16", "Cos": "*bf16",
+                 "Sin": "*bf16"},
                 {"qk_scale", "k_scale", "v_scale", "fp8_max"},
                 dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store))
+                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary))
         checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
             extend._extend_kernel,
             {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
@@ -127,8 +129,9 @@ def _small_batch(weight_type: str, **constexprs: object):
                              "Arrivals": "*i32"}, set(), constexprs)
 
 
-KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[fp8e4nv,store_kv=False]",
-           "decode[fp8e4nv,store_kv=True]", "extend[bf16]", "extend[fp8e4nv]",
+KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
+           "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]", "decode[fp8e4nv,store_kv=True,rotary]",
+           "extend[bf16]", "extend[fp8e4nv]",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,even]",
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",

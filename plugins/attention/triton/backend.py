@@ -68,7 +68,9 @@ class TritonAttnBackend(AttentionBackend):
     (None: 3 for such heads on GPUs with Hopper's shared memory, else 2),
     ``extend_block_m`` / ``extend_block_n`` (None: chosen per head size and dtype),
     ``split_mixed_decodes`` / ``min_mixed_decode_tail`` (the fewest trailing one-token
-    requests worth a decode-kernel launch). ``max_kv_splits`` must not change after ``init_cuda_graph_state``.
+    requests worth a decode-kernel launch), ``decode_applies_rotary`` (True: decode batches take q and k before
+    the rotary embedding and the decode kernel rotates them, see ``AttentionBackend.applies_rotary``; set before
+    CUDA graphs are captured). ``max_kv_splits`` must not change after ``init_cuda_graph_state``.
     """
 
     supports_cuda_graph = True
@@ -113,6 +115,7 @@ class TritonAttnBackend(AttentionBackend):
         self.extend_block_n: int | None = None
         self.split_mixed_decodes = True
         self.min_mixed_decode_tail = 1
+        self.decode_applies_rotary = True
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
@@ -166,13 +169,20 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- attention ------------------------------------------------------------------------------
 
+    def applies_rotary(self, forward_batch: ForwardBatch) -> bool:
+        return self.decode_applies_rotary and forward_batch.forward_mode.is_decode()
+
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         metadata = self.forward_metadata
         if not isinstance(metadata, DecodeMetadata):
             raise RuntimeError("forward_decode ran without decode metadata; call init_forward_metadata first")
+        if rotary is not None:
+            # The kernel reads each token's angles as one row of head_dim values.
+            rotary = tuple(t.reshape(q.shape[0], layer.head_dim).contiguous() for t in rotary)
         kv_cache = forward_batch.kv_cache
         q = _heads_view(q, layer.num_heads, layer.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -199,6 +209,7 @@ class TritonAttnBackend(AttentionBackend):
             self._decode_block(q.shape[0]),
             *kv_scales(kv_cache, layer.layer_id),
             new_kv=new_kv,
+            rotary=rotary,
             **self._decode_launch(),
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)

@@ -13,7 +13,9 @@ to arrive combines the partials and resets the counter. So no second kernel is
 launched: at one request a decode step had 32 combine launches, ~2 µs each.
 
 The program whose chunk holds a request's new token can also store the step's new K/V
-into the cache before it reads it (``k_new``/``v_new``): one kernel per layer less.
+into the cache before it reads it (``k_new``/``v_new``): one kernel per layer less. Given
+the rotary embedding's ``cos``/``sin``, the kernel also rotates q and the new k as it loads
+them (rounded as the separate rotary kernel rounds): another kernel per layer less.
 
 The launch grid depends only on the batch size and the chunk cap; how many
 chunks a request really uses is computed inside the kernel from its length, so a
@@ -45,9 +47,9 @@ def _num_splits(seq_len, window, max_splits, MIN_SPLIT_TOKENS: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     Q, K_new, V_new, New_loc, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens,
-    Mid_o, Mid_lse, Arrivals, O,
+    Mid_o, Mid_lse, Arrivals, O, Cos, Sin,
     qk_scale, k_scale, v_scale, fp8_max, window,
-    stride_q_tok, stride_q_head,
+    stride_q_tok, stride_q_head, stride_cos,
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
@@ -58,7 +60,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, STORE_KV: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, STORE_KV: tl.constexpr, ROTARY: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,16 +81,17 @@ def _decode_kernel(
         end = tl.minimum(start + split_len, seq_len)
         if STORE_KV:
             if (start < seq_len) & (end >= seq_len):  # the chunk that reads the new token's slot
-                _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, k_scale, v_scale, fp8_max,
+                _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, Cos, Sin, k_scale, v_scale, fp8_max,
                               stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
-                              stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                              req, kv_head, offs_d, d_mask, KV_FP8)
+                              stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_cos,
+                              req, kv_head, offs_d, d_mask, HEAD_DIM, KV_FP8, ROTARY)
                 tl.debug_barrier()  # the whole program sees the stored slot before reading it
-        out, lse = _decode_chunk(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, qk_scale, v_scale,
+        out, lse = _decode_chunk(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Cos, Sin, qk_scale, v_scale,
                                  stride_q_tok, stride_q_head, stride_k_slot, stride_k_head,
-                                 stride_v_slot, stride_v_head, stride_req,
+                                 stride_v_slot, stride_v_head, stride_req, stride_cos,
                                  req, kv_head, start, end,
-                                 heads, offs_d, head_mask, d_mask, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, KV_FP8)
+                                 heads, offs_d, head_mask, d_mask, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION,
+                                 KV_FP8, ROTARY)
         o_ptrs = O + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
         o_mask = head_mask[:, None] & d_mask[None, :]
         if num_splits == 1:
@@ -109,14 +112,34 @@ def _decode_kernel(
 
 
 @triton.jit
-def _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, k_scale, v_scale, fp8_max,
+def _rotated(x, x_ptrs, cos_row, sin_row, offs_d, mask, HEAD_DIM: tl.constexpr):
+    """``x``, loaded from ``x_ptrs + offs_d`` (head features along the last axis), with HF's rotary embedding
+    (``x * cos + rotate_half(x) * sin``) applied, each product and the sum rounded to x's dtype as the separate
+    rotary kernel (``fused_ops.rotary_qkv``) rounds them."""
+    half = HEAD_DIM // 2
+    first = offs_d < half
+    partner = tl.load(x_ptrs + tl.where(first, offs_d + half, offs_d - half), mask=mask, other=0.0)
+    partner = tl.where(first, -partner.to(tl.float32), partner.to(tl.float32))
+    d_mask = offs_d < HEAD_DIM
+    cos = tl.load(cos_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    dtype = x.dtype
+    return ((x.to(tl.float32) * cos).to(dtype).to(tl.float32) + (partner * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, Cos, Sin, k_scale, v_scale, fp8_max,
                   stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
-                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                  req, kv_head, offs_d, d_mask, KV_FP8: tl.constexpr):
+                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_cos,
+                  req, kv_head, offs_d, d_mask, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr, ROTARY: tl.constexpr):
     """This step's K and V of one request and KV head into the cache slot ``New_loc[req]`` (an FP8 cache
-    stores ``x / scale`` rounded as ``KVCache.set_kv_buffer`` rounds it)."""
+    stores ``x / scale`` rounded as ``KVCache.set_kv_buffer`` rounds it); ``ROTARY``: K rotated first."""
     slot = tl.load(New_loc + req).to(tl.int64)
-    k = tl.load(K_new + req.to(tl.int64) * stride_kn_tok + kv_head * stride_kn_head + offs_d, mask=d_mask)
+    k_ptrs = K_new + req.to(tl.int64) * stride_kn_tok + kv_head * stride_kn_head
+    k = tl.load(k_ptrs + offs_d, mask=d_mask)
+    if ROTARY:
+        k = _rotated(k, k_ptrs, Cos + req.to(tl.int64) * stride_cos, Sin + req.to(tl.int64) * stride_cos, offs_d,
+                     d_mask, HEAD_DIM)
     v = tl.load(V_new + req.to(tl.int64) * stride_vn_tok + kv_head * stride_vn_head + offs_d, mask=d_mask)
     if KV_FP8:
         k = saturate_to_fp8(k, k_scale, fp8_max).to(K_cache.dtype.element_ty, fp_downcast_rounding="rtne")
@@ -129,21 +152,23 @@ def _store_new_kv(K_new, V_new, New_loc, K_cache, V_cache, k_scale, v_scale, fp8
 
 @triton.jit
 def _decode_chunk(
-    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, qk_scale, v_scale,
-    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req,
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Cos, Sin, qk_scale, v_scale,
+    stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req, stride_cos,
     req, kv_head, start, end,
-    heads, offs_d, head_mask, d_mask,
+    heads, offs_d, head_mask, d_mask, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ROTARY: tl.constexpr,
 ):
     """Keys ``[start, end)`` of one request for one KV head: the output normalised by its own softmax sum,
     and that sum's log (base 2; -inf for a chunk without keys, whose output is zeros)."""
     pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
 
-    q = tl.load(
-        Q + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=head_mask[:, None] & d_mask[None, :], other=0.0,
-    )
+    q_ptrs = Q + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+    q_mask = head_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        q = _rotated(q, q_ptrs, Cos + req.to(tl.int64) * stride_cos, Sin + req.to(tl.int64) * stride_cos,
+                     offs_d[None, :], q_mask, HEAD_DIM)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -217,6 +242,7 @@ def decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_stages: int = 2,
     target_programs: int = 0,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of one query token per request over its cached keys, written into ``out``.
 
@@ -230,7 +256,9 @@ def decode_attention(
     min_split_tokens))`` chunks, fewer where ``target_programs`` (> 0) caps them at ``target_programs // (bs *
     num_kv_heads)`` (at least one): a batch whose requests and KV heads alone fill the GPU reads each request's keys in
     one pass, without partials to store and combine. ``num_stages`` is the launch's software-pipelining depth. An FP8
-    cache holds ``k / k_scale`` and ``v / v_scale`` (one scale per layer).
+    cache holds ``k / k_scale`` and ``v / v_scale`` (one scale per layer). ``rotary`` = ``(cos, sin)``, each
+    ``[bs, head_dim]`` (HF's ``rotate_half`` layout, q's dtype, unit stride on head_dim): q and the new k (which
+    ``new_kv`` must then hold) are not rotated yet, and the kernel applies the embedding as it loads them.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -240,16 +268,19 @@ def decode_attention(
     if arrivals.numel() < bs * num_kv_heads:
         raise ValueError(f"decode_attention needs {bs * num_kv_heads} arrival counters, got {arrivals.numel()}")
     k_new, v_new, new_loc = new_kv if new_kv is not None else (q, q, seq_lens)  # unread placeholders
+    if rotary is not None and new_kv is None:
+        raise ValueError("decode_attention applies the rotary embedding only with new_kv (the k to rotate)")
+    cos, sin = rotary if rotary is not None else (q, q)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     splits = max_kv_splits
     if target_programs > 0:
         splits = max(1, min(max_kv_splits, target_programs // (bs * num_kv_heads)))
     _decode_kernel[(bs, num_kv_heads, splits)](
         q, k_new, v_new, new_loc, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-        mid_o, mid_lse, arrivals, out,
+        mid_o, mid_lse, arrivals, out, cos, sin,
         scaling * _LOG2E * k_scale, k_scale, v_scale, float(torch.finfo(k_cache.dtype).max) if kv_fp8 else 0.0,
         sliding_window or 0,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), cos.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -261,6 +292,6 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_N=block_n, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        KV_FP8=kv_fp8, STORE_KV=new_kv is not None,
+        KV_FP8=kv_fp8, STORE_KV=new_kv is not None, ROTARY=rotary is not None,
         num_warps=4, num_stages=num_stages,
     )
