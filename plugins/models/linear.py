@@ -78,8 +78,8 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, one-token batches of a 16-bit
-    weight may run the Triton GEMV of ``small_batch_kernels.py`` instead, where it times faster at load."""
+    """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, decode-sized batches of a 16-bit
+    weight may run the Triton kernel of ``small_batch_kernels.py`` instead, where it times faster at load."""
 
     def create_weights(
         self, layer: "LinearBase", input_size_per_partition: int, output_partition_sizes: list[int],
@@ -97,9 +97,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16) and use_triton(weight):
             from treadle.plugins.models.small_batch_kernels import SIXTEEN_BIT_CONFIGS
 
-            # GEMVs only: above one row cuBLAS kept the decode step faster (docs/benchmarks.md).
-            gemvs = [config for config in SIXTEEN_BIT_CONFIGS if config.gemv]
-            layer.small_batch = small_batch.choose("16-bit", weight, None, weight.dtype, F.linear, gemvs)
+            layer.small_batch = small_batch.choose("16-bit", weight, None, weight.dtype, F.linear,
+                                                   SIXTEEN_BIT_CONFIGS)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2:

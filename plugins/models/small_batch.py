@@ -1,8 +1,8 @@
 """Which matmul each linear layer runs for decode-sized batches, chosen by timing at load.
 
 On a GPU, a batch of at most ``SMALL_BATCH_ROWS`` tokens of an FP8 layer may run the Triton kernel of
-``small_batch_kernels.py`` instead of the library matmul (``torch._scaled_mm``), and one token of a 16-bit layer
-its GEMV form instead of ``F.linear`` (cuBLAS). At load each weight shape
+``small_batch_kernels.py`` instead of the library matmul (``torch._scaled_mm``), and a 16-bit layer instead of
+``F.linear`` (cuBLAS). At load each weight shape
 times the library matmul and every Triton launch config at each size of ``ROW_BUCKETS`` (replayed from a CUDA
 graph, as decode runs them, each call on another copy of the weight so none is read from L2) and keeps the
 fastest per bucket; a batch uses the choice of the smallest bucket that holds it. The choice is made once per
@@ -149,7 +149,7 @@ def _fastest(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
              timed: Callable[[], Any] = lambda: None) -> SmallBatchConfig | None:
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
-    if not configs:  # the library alone (16-bit weights above one row): nothing to time
+    if not configs:  # the library alone: nothing to time
         timed()
         return None
     x = torch.randn(rows, weight.shape[1], dtype=dtype, device=weight.device)

@@ -7,7 +7,7 @@ last of a tile's programs to finish sums, so narrow shapes fill the SMs in one k
 has a GEMV form without ``tl.dot`` (which would pad the row to 16). The weight is 16-bit (the model dtype) or
 FP8 with a float32 scale per output row, widened in registers; activations stay 16-bit. ``small_batch.py``
 times the configs per weight shape at load and keeps the fastest (or the library matmul when it wins). FP8
-layers use it up to 32 rows; 16-bit layers at one row only (the GEMV configs), where it beat cuBLAS.
+layers use it up to 32 rows, 16-bit layers too wherever it times faster than cuBLAS at load.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
@@ -25,7 +25,7 @@ import triton.language as tl
 def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
-                        SILU_MUL: tl.constexpr):
+                        SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -45,7 +45,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split
                        BLOCK_N, BLOCK_K, EVEN)[None, :]
         else:
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT_K > 1:
             # Every split stores its float32 partial tile [SPLIT_K, M, N] and counts itself in; the last of the
@@ -91,7 +91,7 @@ def _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS
 
 @triton.jit
 def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -99,7 +99,10 @@ def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, st
     for k in range(k_start, k_end, BLOCK_K):
         k_mask = (k + tl.arange(0, BLOCK_K)) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if EVICT_FIRST:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -203,13 +206,14 @@ FP8_CONFIGS = (
     SmallBatchConfig(16, 512, 4, 4, split_k=4, gemv=True),
 )
 
-# 16-bit weights: tl.dot tiles with half the elements of FP8's, so each load moves as many bytes (for
-# bench/small_batch_linear.py's comparison: in the model cuBLAS stays faster above one row), and the one-row GEMVs
-# unquantized layers time at load, which read 16 KB tiles of 4 rows (on an H100 10% faster than cuBLAS per
-# Llama-3.1-8B layer, docs/benchmarks.md).
+# 16-bit weights: tl.dot tiles with half the elements of FP8's, so each load moves as many bytes, the two that
+# read Llama-3.1-8B's gate_up and down_proj faster than cuBLAS at 32 rows on an H100 (128 x 128 and 32 x 256 tiles,
+# docs/benchmarks.md), and the one-row GEMVs, which read 16 KB tiles of 4 rows (10% faster than cuBLAS per layer).
 SIXTEEN_BIT_CONFIGS = (
     SmallBatchConfig(32, 128, 4, 4, split_k=4),
     SmallBatchConfig(32, 128, 4, 4),
+    SmallBatchConfig(128, 128, 4, 4),
+    SmallBatchConfig(32, 256, 4, 4),
     SmallBatchConfig(64, 64, 4, 4, split_k=8),
     SmallBatchConfig(32, 256, 4, 3, split_k=2),
     SmallBatchConfig(4, 2048, 8, 4, gemv=True),
@@ -247,7 +251,11 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
-        HAS_SCALE=has_scale, EVEN=even, SILU_MUL=silu_mul, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_SCALE=has_scale, EVEN=even, SILU_MUL=silu_mul,
+        # The tl.dot tiles read a 16-bit weight once per step with evict_first too (like the GEMVs); FP8's were
+        # slower with it on an H200 (docs/benchmarks.md).
+        EVICT_ROWS=weight.element_size() == 2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
 

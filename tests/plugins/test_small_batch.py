@@ -114,7 +114,7 @@ def test_auto_keeps_the_fastest_per_bucket_and_times_gemv_configs_at_one_row_onl
 
 
 def test_buckets_with_only_the_library_time_nothing(monkeypatch):
-    """16-bit weights offer GEMV configs only: the 16- and 32-row buckets keep the library without timing it."""
+    """Offered GEMV configs only, the 16- and 32-row buckets keep the library without timing it."""
     gemv = next(c for c in FP8_CONFIGS if c.gemv)
     timed: list[tuple] = []
 

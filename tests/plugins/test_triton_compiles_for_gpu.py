@@ -120,10 +120,10 @@ def _model_kernels() -> dict:
 
 def _small_batch(weight_type: str, **constexprs: object):
     """The small-batch matmul kernel with these constexprs (split-K variants also write float32 partials; bounds
-    masks unless EVEN is given; SILU_MUL: the gated-MLP GEMV)."""
+    masks unless EVEN is given; SILU_MUL: the gated-MLP GEMV; 16-bit weights' tiles load with evict_first)."""
     from treadle.plugins.models import small_batch_kernels
 
-    constexprs = {"EVEN": False, "SILU_MUL": False, **constexprs}
+    constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", **constexprs}
     return lambda: _compile(small_batch_kernels._small_batch_kernel,
                             {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
                              "Arrivals": "*i32"}, set(), constexprs)
