@@ -1,7 +1,7 @@
 """Driving a model runner through one static batch: placing its requests, a prefill, greedy decode steps.
 
-``treadle bench one-batch`` times these and its profiler replays them; no scheduler, radix cache or sampler is
-involved, so the steps are the model runner's forward alone.
+``treadle bench one-batch`` times these and its profiler replays them; no scheduler or radix cache is involved:
+a step is the model runner's forward and the greedy pick the engine's sampler makes (``argmax_last_dim``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from treadle.core.sampler import argmax_last_dim
 
 
 @dataclass
@@ -49,7 +51,7 @@ def prefill(runner: Any, batch: PlacedBatch, prompts: torch.Tensor) -> torch.Ten
         extend_seq_lens=lens.to(device), extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
         extend_start_loc=starts.to(device), extend_seq_lens_cpu=[length] * bs, extend_prefix_lens_cpu=[0] * bs,
     )
-    return runner.forward(forward_batch).argmax(-1)
+    return argmax_last_dim(runner.forward(forward_batch))
 
 
 def decode_step(runner: Any, batch: PlacedBatch, next_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -67,7 +69,7 @@ def decode_step(runner: Any, batch: PlacedBatch, next_ids: torch.Tensor, seq_len
         seq_lens_sum=bs * seq_len, logits_indices=torch.arange(bs, device=device),
         req_to_token_pool=runner.req_to_token_pool, kv_cache=runner.kv_cache, attn_backend=runner.attn_backend,
     )
-    return runner.forward(forward_batch).argmax(-1)
+    return argmax_last_dim(runner.forward(forward_batch))
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -38,7 +38,8 @@ class ForwardBatch:
     this step (prefix + new). ``out_cache_loc`` is where each new token's K/V is
     written. ``logits_indices`` picks the token rows whose logits the model
     returns (the last token of each request, plus input positions that want
-    log-probabilities).
+    log-probabilities), in increasing order: as many rows as tokens (every
+    decode step) means every row.
     """
 
     forward_mode: ForwardMode

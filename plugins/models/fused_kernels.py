@@ -16,6 +16,8 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 elements in prefills of a few 100k tokens
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # Issued first: at a few rows the kernel is a chain of dependent steps, and this load depends on none.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
@@ -24,7 +26,6 @@ def _add_rmsnorm_kernel(
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / n_cols
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
 

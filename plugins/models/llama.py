@@ -90,9 +90,12 @@ class LlamaForCausalLM(nn.Module):
         model's dtype: the sampler widens them where it computes probabilities, and a greedy step needs no
         float32 copy of a ``[batch, vocab]`` table."""
         hidden_states, residual = hidden
-        # The last residual add, the norm and lm_head are row-wise: select the wanted rows first.
+        # The last residual add, the norm and lm_head are row-wise: select the wanted rows first. The rows are in
+        # increasing order, so as many as there are tokens (a decode step) is every row: no gather to launch.
         rows = forward_batch.logits_indices
-        selected, _ = self.model.norm(hidden_states[rows], residual[rows])
+        if rows.shape[0] != hidden_states.shape[0]:
+            hidden_states, residual = hidden_states[rows], residual[rows]
+        selected, _ = self.model.norm(hidden_states, residual)
         return self.lm_head(selected)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -103,3 +103,17 @@ def test_16_bit_logits_sample_what_their_float32_widening_samples() -> None:
         assert torch.equal(narrow.next_token_ids, wide.next_token_ids), name
         assert torch.equal(narrow.logprobs, wide.logprobs), name
         assert all(torch.equal(n, w) for n, w in zip(narrow.top_logprobs, wide.top_logprobs)), name
+
+
+def test_two_pass_argmax_picks_what_torch_argmax_picks() -> None:
+    from treadle.core.sampler import argmax_last_dim
+
+    gen = torch.Generator().manual_seed(0)
+    # bf16 rounding of small integers makes many ties; a NaN counts as the maximum (first NaN wins).
+    x = torch.randint(0, 6, (9, 128 * 64), generator=gen).to(torch.bfloat16)
+    x[3, 5000] = x[3, 7000] = float("nan")
+    x[4] = 0.0  # every column ties
+    x[5, -1] = 10.0  # the last group's last column
+    for logits in (x, x.float(), x[:, : 128 * 64 - 32].contiguous(), x[:, ::2]):  # grouped, plain, strided
+        assert torch.equal(argmax_last_dim(logits), torch.argmax(logits, dim=-1)), logits.shape
+    assert argmax_last_dim(x)[3] == 5000 and argmax_last_dim(x)[5] == 128 * 64 - 1
