@@ -114,6 +114,13 @@ class Fp8LinearMethod(LinearMethod):
             return None
         return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, layer.weight_scale)
 
+    def apply_add_rmsnorm(self, layer: LinearBase, x: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.config.dequantize or x.dim() != 2:
+            return None
+        return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight,
+                                              layer.weight_scale, residual, norm_weight, eps)
+
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
         from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS
 

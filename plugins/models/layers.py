@@ -177,14 +177,20 @@ class SelfAttention(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        return self.o_proj(self.attend(hidden_states, cos, sin, forward_batch))
+
+    def attend(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The attention output before ``o_proj`` (which :class:`DecoderLayer` runs with the norm after it)."""
         qkv = self.qkv_proj(hidden_states)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         if forward_batch.attn_backend.applies_rotary(forward_batch):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v, forward_batch, rotary=(cos, sin)))
+            return self.attn(q, k, v, forward_batch, rotary=(cos, sin))
         q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.attn(q, k, v, forward_batch)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -248,8 +254,12 @@ class DecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        attended = self.self_attn.attend(hidden_states, cos, sin, forward_batch)
+        # o_proj's one-token GEMV can add the residual and norm in its last program: one kernel less.
+        fused = self.self_attn.o_proj.forward_add_rmsnorm(attended, residual, self.post_attention_layernorm)
+        if fused is None:
+            fused = self.post_attention_layernorm(self.self_attn.o_proj(attended), residual)
+        hidden_states, residual = fused
         return self.mlp(hidden_states), residual
 
 

@@ -76,6 +76,13 @@ class LinearMethod(ABC):
         one for ``x``'s batch; None (the default): the caller runs :meth:`apply`, then ``silu_mul``."""
         return None
 
+    def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for this unbiased layer's output ``y`` in one
+        kernel, where the method has one for ``x``'s batch; None (the default): the caller runs :meth:`apply`,
+        then the norm."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, decode-sized batches of a 16-bit
@@ -111,6 +118,13 @@ class UnquantizedLinearMethod(LinearMethod):
         if x.dim() != 2:
             return None
         return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
+
+    def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if x.dim() != 2:
+            return None
+        return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight, None, residual,
+                                              norm_weight, eps)
 
 
 def quant_method_for(layer: nn.Module, quant_config: Any, prefix: str) -> LinearMethod:
@@ -292,6 +306,16 @@ class RowParallelLinear(LinearBase):
         set_weight_attrs(self.weight, weight_loader=self.weight_loader,
                          full_shards=[(None, (output_size, input_size))])
         self._add_bias(output_size if bias else 0, [(None, (output_size,))], default_weight_loader)
+
+    def forward_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
+                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``norm(self(x), residual)`` — the residual add and RMSNorm after the layer (``norm`` an RMSNorm with
+        ``weight`` and ``eps``), computed in the layer's own kernel where the quant method has one for this batch
+        (one-token GEMVs on a GPU: a kernel launch less per layer); None: run the layer, then the norm."""
+        apply = getattr(self.quant_method, "apply_add_rmsnorm", None)
+        if apply is None or self.tp_size != 1 or self.bias is not None:
+            return None
+        return apply(self, x, residual, norm.weight, norm.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

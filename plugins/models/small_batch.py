@@ -130,6 +130,21 @@ def silu_mul_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: 
     return small_batch_matmul(_unit_stride(x), weight, scale, config, silu_mul=True)
 
 
+def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
+                       scale: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for ``y = x @ (weight * scale).T``, the norm computed
+    by the kernel's last program to finish, where ``kernels`` chose a GEMV for one row of ``x`` (a decode step of
+    one request: the layer's next norm needs no kernel of its own); None otherwise."""
+    config = _config_for(kernels, x)
+    if config is None or not config.gemv or x.shape[0] != 1:
+        return None
+    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
+
+    return small_batch_matmul(_unit_stride(x), weight, scale, config,
+                              add_rmsnorm=(residual.contiguous(), norm_weight, eps))
+
+
 def _config_for(kernels: SmallBatchKernels | None, x: torch.Tensor) -> SmallBatchConfig | None:
     """The Triton config ``kernels`` chose for ``x``'s rows (None: no choice, too many rows, or none)."""
     return kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None

@@ -14,7 +14,7 @@ Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -22,10 +22,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps,
+                        M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
-                        SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr):
+                        SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
+                        BLOCK_ROW: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -61,8 +63,36 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, M, N, K, k_per_split
                                    cache_modifier=".cg")
                 tl.atomic_xchg(arrival, 0, sem="relaxed")
                 _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
+                if ADD_RMSNORM:
+                    _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N,
+                                           BLOCK_ROW)
         else:
             _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
+            if ADD_RMSNORM:
+                _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N, BLOCK_ROW)
+
+
+@triton.jit
+def _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N,
+                           BLOCK_ROW: tl.constexpr):
+    """For one row of output: the program that stores its last tile (counted on the counter after the tiles')
+    computes ``residual_out = y + residual`` and ``normed = rmsnorm(residual_out) * weight``, rounded as
+    ``fused_ops.add_rmsnorm`` rounds them, so the layer's next norm needs no kernel of its own."""
+    tl.debug_barrier()  # every thread's part of the tile is stored before the count releases it
+    done = Arrivals + tl.num_programs(0)
+    if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        cols = tl.arange(0, BLOCK_ROW)
+        mask = cols < N
+        weight = tl.load(Norm_weight + cols, mask=mask, other=0.0)
+        residual = tl.load(Residual + cols, mask=mask, other=0.0)
+        y = tl.load(Y + cols, mask=mask, other=0.0, cache_modifier=".cg")  # the other programs' stores, in L2
+        x = (y.to(tl.float32) + residual.to(tl.float32)).to(y.dtype)  # rounded like a torch add
+        tl.store(Residual_out + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        variance = tl.sum(x32 * x32, axis=0) / N
+        normed = (x32 * tl.rsqrt(variance + eps)).to(y.dtype)
+        tl.store(Normed + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(y.dtype), mask=mask)
+        tl.atomic_xchg(done, 0, sem="relaxed")
 
 
 @triton.jit
@@ -225,11 +255,14 @@ SIXTEEN_BIT_CONFIGS = (
 
 
 def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                       config: SmallBatchConfig, silu_mul: bool = False) -> torch.Tensor:
+                       config: SmallBatchConfig, silu_mul: bool = False,
+                       add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
     16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype. ``silu_mul``: the
     weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (GEMV
-    configs without split-K; each program reads ``block_n / 2`` rows of each half)."""
+    configs without split-K; each program reads ``block_n / 2`` rows of each half). ``add_rmsnorm`` =
+    ``(residual, norm_weight, eps)`` for one row of ``x`` and a GEMV config: returns ``(rmsnorm(y + residual) *
+    norm_weight, y + residual)`` instead, the norm computed by the program that finishes the row last."""
     m, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -244,20 +277,31 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
+    if add_rmsnorm is not None:
+        if m != 1 or not config.gemv or silu_mul:
+            raise ValueError(f"add_rmsnorm runs one row through a GEMV config, not {m} rows through {config}")
+        residual, norm_weight, eps = add_rmsnorm
+        normed, residual_out = torch.empty_like(y), torch.empty_like(y)
+    else:
+        residual = norm_weight = normed = residual_out = y  # unread placeholders
+        eps = 0.0
     # Tiles that cover N and every split's K range exactly need no bounds masks (the GEMV form then loads whole
     # vectors unpredicated).
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split_k == k
     _small_batch_kernel[grid](
-        x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1]),
+        # One counter per output tile, and one after them for the rows' norm.
+        x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1] + 1),
+        residual, norm_weight, normed, residual_out, eps,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
         HAS_SCALE=has_scale, EVEN=even, SILU_MUL=silu_mul,
         # The tl.dot tiles read a 16-bit weight once per step with evict_first too (like the GEMVs); FP8's were
         # slower with it on an H200 (docs/benchmarks.md).
         EVICT_ROWS=weight.element_size() == 2,
+        ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return y
+    return y if add_rmsnorm is None else (normed, residual_out)
 
 
 _arrival_counts: dict[torch.device, torch.Tensor] = {}

@@ -66,6 +66,39 @@ def test_split_k_matmul_replayed_from_a_graph_matches_eager(rows):
     assert all(int(counts.count_nonzero()) == 0 for counts in _arrival_counts.values())
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_gemv_with_the_norm_after_it_matches_the_separate_kernels(weights):
+    """One row through every GEMV config with ``add_rmsnorm``: the residual sum is the separate add's bit for bit,
+    the norm within a bfloat16 rounding of the separate kernel's (its float32 sum of squares may add in another
+    order); replayed from a CUDA graph, the same again, and the counters left at zero."""
+    from treadle.plugins.models.fp8_ops import quantize_per_channel
+    from treadle.plugins.models.fused_ops import add_rmsnorm
+    from treadle.plugins.models.small_batch_kernels import (
+        FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, _arrival_counts, small_batch_matmul)
+
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    dense = (torch.randn(4096, 4096, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+    weight, scale = quantize_per_channel(dense) if weights == "fp8" else (dense, None)
+    configs = [c for c in (FP8_CONFIGS if weights == "fp8" else SIXTEEN_BIT_CONFIGS) if c.gemv]
+    x = torch.randn(1, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(1, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
+    norm_weight = (torch.rand(4096, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
+    for config in configs:
+        expected_normed, expected_sum = add_rmsnorm(small_batch_matmul(x, weight, scale, config), residual,
+                                                    norm_weight, 1e-5)
+        normed, summed = small_batch_matmul(x, weight, scale, config, add_rmsnorm=(residual, norm_weight, 1e-5))
+        assert torch.equal(summed, expected_sum), config
+        assert torch.allclose(normed.float(), expected_normed.float(), rtol=2**-7, atol=1e-6), config
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = small_batch_matmul(x, weight, scale, config, add_rmsnorm=(residual, norm_weight, 1e-5))
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed[0], normed) and torch.equal(replayed[1], summed), config
+    assert all(int(counts.count_nonzero()) == 0 for counts in _arrival_counts.values())
+
+
 def test_per_token_quant_kernel_matches_torch_rounding():
     from treadle.core.quantization import FP8_DTYPE, FP8_MAX
     from treadle.plugins.models.fp8_kernels import per_token_quant

@@ -35,6 +35,7 @@ CHECKS = r"""
 import json, sys
 import torch
 from treadle.plugins.models.fp8_ops import dequantize, quantize_per_channel
+from treadle.plugins.models.fused_ops import rmsnorm_reference
 from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
 
 errors = {}
@@ -56,6 +57,20 @@ for n, k in json.loads(sys.argv[1]):
                     ok = y.dtype == dtype and y.shape == (rows, n)
                     error = ((y.float() - reference).norm() / reference.norm()).item() if ok else float("inf")
                     errors[f"{kind}-{index}-{n}x{k}-{rows}-{str(dtype)[6:]}"] = error
+                    if config.gemv and rows == 1:  # the residual add and RMSNorm after the layer, in its last program
+                        residual = torch.randn(1, n, generator=gen).to(dtype)
+                        norm_weight = (torch.rand(n, generator=gen) + 0.5).to(dtype)
+                        normed, summed = small_batch_matmul(x, weight, weight_scale, config,
+                                                            add_rmsnorm=(residual, norm_weight, 1e-5))
+                        expected_sum = (y.float() + residual.float()).to(dtype)  # the same y, then a torch add
+                        expected = rmsnorm_reference(expected_sum, norm_weight, 1e-5).float()
+                        # Exact where the interpreter rounds as the GPU does (float16; it truncates bfloat16).
+                        exact = dtype != torch.float16 or torch.equal(summed, expected_sum)
+                        ok = exact and normed.dtype == summed.dtype == dtype and normed.shape == (1, n)
+                        error = max(((normed.float() - expected).norm() / expected.norm()).item(),
+                                    ((summed.float() - expected_sum.float()).norm() / expected_sum.float().norm()).item()
+                                    ) if ok else float("inf")
+                        errors[f"{kind}-{index}-{n}x{k}-{rows}-{str(dtype)[6:]}-add_rmsnorm"] = error
                     if config.gemv and config.split_k == 1:  # the weight as [gate | up]: silu(gate) * up
                         y = small_batch_matmul(x, weight, weight_scale, config, silu_mul=True)
                         gate, up = reference.chunk(2, dim=-1)

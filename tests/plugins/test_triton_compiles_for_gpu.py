@@ -106,6 +106,12 @@ def _model_kernels() -> dict:
                                                        GEMV=True, HAS_SCALE=True, EVEN=True, SILU_MUL=True),
         "small_batch[bf16,gemv,silu_mul]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, SPLIT_K=1,
                                                         GEMV=True, HAS_SCALE=False, SILU_MUL=True),
+        "small_batch[bf16,gemv,add_rmsnorm]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1,
+                                                           GEMV=True, HAS_SCALE=False, EVEN=True, ADD_RMSNORM=True,
+                                                           BLOCK_ROW=4096),
+        "small_batch[fp8,gemv,split_k,add_rmsnorm]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024,
+                                                                  SPLIT_K=2, GEMV=True, HAS_SCALE=True, EVEN=True,
+                                                                  ADD_RMSNORM=True, BLOCK_ROW=4096),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -123,10 +129,12 @@ def _small_batch(weight_type: str, **constexprs: object):
     masks unless EVEN is given; SILU_MUL: the gated-MLP GEMV; 16-bit weights' tiles load with evict_first)."""
     from treadle.plugins.models import small_batch_kernels
 
-    constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", **constexprs}
+    constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
+                  "BLOCK_ROW": 1, **constexprs}
     return lambda: _compile(small_batch_kernels._small_batch_kernel,
                             {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
-                             "Arrivals": "*i32"}, set(), constexprs)
+                             "Arrivals": "*i32", "Residual": "*bf16", "Norm_weight": "*bf16", "Normed": "*bf16",
+                             "Residual_out": "*bf16"}, {"eps"}, constexprs)
 
 
 KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
@@ -135,7 +143,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,even]",
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
-           "small_batch[bf16,gemv,silu_mul]",
+           "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
+           "small_batch[fp8,gemv,split_k,add_rmsnorm]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
