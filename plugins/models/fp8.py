@@ -110,13 +110,13 @@ class Fp8LinearMethod(LinearMethod):
         return y.reshape(*leading, y.shape[-1])
 
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        if self.config.dequantize or x.dim() != 2:
+        if self.config.dequantize:
             return None
         return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, layer.weight_scale)
 
     def apply_add_rmsnorm(self, layer: LinearBase, x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.config.dequantize or x.dim() != 2:
+        if self.config.dequantize:
             return None
         return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight,
                                               layer.weight_scale, residual, norm_weight, eps)

@@ -20,14 +20,26 @@ def _add_rmsnorm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded like a torch add
+        x = rounded_add(x, tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0))
     tl.store(residual_out_ptr + row * n_cols + cols, x, mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, rmsnorm_row(x, weight, n_cols, eps), mask=mask)
+
+
+@triton.jit
+def rounded_add(x, residual):
+    """``x + residual`` in float32, rounded to x's dtype like a torch add."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rmsnorm_row(x, weight, n_cols, eps):
+    """``weight * rmsnorm(x)`` of one row (masked-out columns zero), rounded where HF's Llama rounds: statistics in
+    float32, the normed row and the product in x's dtype. Also the norm that a small-batch GEMV runs in its last
+    program (``small_batch_kernels``)."""
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / n_cols
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
 
 
 def add_rmsnorm(x, residual, weight, eps):

@@ -108,21 +108,16 @@ class UnquantizedLinearMethod(LinearMethod):
                                                    SIXTEEN_BIT_CONFIGS)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2:
-            y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
-            if y is not None:
-                return y if bias is None else y + bias
+        y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
+        if y is not None:
+            return y if bias is None else y + bias
         return F.linear(x, layer.weight, bias)
 
     def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
-        if x.dim() != 2:
-            return None
         return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
 
     def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if x.dim() != 2:
-            return None
         return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight, None, residual,
                                               norm_weight, eps)
 

@@ -108,7 +108,7 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
 def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
            ) -> torch.Tensor | None:
     """``x @ (weight * scale).T`` for ``x`` [M, K] through the Triton config ``kernels`` chose for M rows;
-    None where the caller runs its library matmul (no choice, M above the buckets, or no rows)."""
+    None where the caller runs its library matmul (no choice, ``x`` not 2-D, M above the buckets, or no rows)."""
     config = _config_for(kernels, x)
     if config is None:
         return None
@@ -146,8 +146,9 @@ def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weigh
 
 
 def _config_for(kernels: SmallBatchKernels | None, x: torch.Tensor) -> SmallBatchConfig | None:
-    """The Triton config ``kernels`` chose for ``x``'s rows (None: no choice, too many rows, or none)."""
-    return kernels.for_rows(x.shape[0]) if kernels is not None and x.shape[0] else None
+    """The Triton config ``kernels`` chose for the rows of a 2-D ``x`` (None: no choice, not 2-D, too many rows,
+    or none)."""
+    return kernels.for_rows(x.shape[0]) if kernels is not None and x.dim() == 2 and x.shape[0] else None
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

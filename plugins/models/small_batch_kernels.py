@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.plugins.models.fused_kernels import rmsnorm_row, rounded_add
+
 
 @triton.jit
 def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps,
@@ -86,12 +88,9 @@ def _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_
         weight = tl.load(Norm_weight + cols, mask=mask, other=0.0)
         residual = tl.load(Residual + cols, mask=mask, other=0.0)
         y = tl.load(Y + cols, mask=mask, other=0.0, cache_modifier=".cg")  # the other programs' stores, in L2
-        x = (y.to(tl.float32) + residual.to(tl.float32)).to(y.dtype)  # rounded like a torch add
+        x = rounded_add(y, residual)
         tl.store(Residual_out + cols, x, mask=mask)
-        x32 = x.to(tl.float32)
-        variance = tl.sum(x32 * x32, axis=0) / N
-        normed = (x32 * tl.rsqrt(variance + eps)).to(y.dtype)
-        tl.store(Normed + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(y.dtype), mask=mask)
+        tl.store(Normed + cols, rmsnorm_row(x, weight, N, eps), mask=mask)
         tl.atomic_xchg(done, 0, sem="relaxed")
 
 
