@@ -258,6 +258,10 @@ def _finish_weights(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+    # Then the model's own step, if it has one (Llama's links each layer to the next's weight).
+    finish = getattr(model, "weights_loaded", None)
+    if callable(finish):
+        finish()
 
 
 _INIT_FUNCTIONS = (

@@ -108,18 +108,20 @@ class UnquantizedLinearMethod(LinearMethod):
                                                    SIXTEEN_BIT_CONFIGS)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
+        y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, None,
+                               getattr(layer, "l2_prefetch", None))
         if y is not None:
             return y if bias is None else y + bias
         return F.linear(x, layer.weight, bias)
 
     def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
-        return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, None)
+        return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, None,
+                                           getattr(layer, "l2_prefetch", None))
 
     def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight, None, residual,
-                                              norm_weight, eps)
+                                              norm_weight, eps, getattr(layer, "l2_prefetch", None))
 
 
 def quant_method_for(layer: nn.Module, quant_config: Any, prefix: str) -> LinearMethod:

@@ -9,6 +9,7 @@ from torch import nn
 
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.hookspecs import Register, hookimpl
+from treadle.plugins.models import small_batch
 from treadle.plugins.models.layers import (
     DecoderLayer,
     RMSNorm,
@@ -19,7 +20,7 @@ from treadle.plugins.models.layers import (
     rope_parameters,
 )
 from treadle.plugins.models.fp8 import split_kv_cache_scales
-from treadle.plugins.models.linear import ParallelLMHead, VocabParallelEmbedding
+from treadle.plugins.models.linear import LinearBase, ParallelLMHead, VocabParallelEmbedding
 
 # Older checkpoints store the rotary table; it is recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -97,6 +98,11 @@ class LlamaForCausalLM(nn.Module):
             hidden_states, residual = hidden_states[rows], residual[rows]
         selected, _ = self.model.norm(hidden_states, residual)
         return self.lm_head(selected)
+
+    def weights_loaded(self) -> None:
+        """Called once every weight is loaded and quantized: each linear layer's decode kernel prefetches the head
+        of the next one's weight into L2 (small_batch.chain_l2_prefetch)."""
+        small_batch.chain_l2_prefetch([m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())

@@ -105,8 +105,8 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
     return _choices[key]
 
 
-def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
-           ) -> torch.Tensor | None:
+def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+           prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ (weight * scale).T`` for ``x`` [M, K] through the Triton config ``kernels`` chose for M rows;
     None where the caller runs its library matmul (no choice, ``x`` not 2-D, M above the buckets, or no rows)."""
     config = _config_for(kernels, x)
@@ -114,25 +114,25 @@ def matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Ten
         return None
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
-    return small_batch_matmul(_unit_stride(x), weight, scale, config)
+    return small_batch_matmul(_unit_stride(x), weight, scale, config, prefetch=prefetch)
 
 
 def silu_mul_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
-                    scale: torch.Tensor | None) -> torch.Tensor | None:
+                    scale: torch.Tensor | None, prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``x @ (weight * scale).T`` = ``[gate | up]`` in one kernel where ``kernels`` chose a
-    GEMV without split-K for M rows (on an H100 the one-token batches of a gated MLP); None otherwise (the caller
-    runs :func:`matmul` or its library matmul, then ``silu_mul``)."""
-    config = _config_for(kernels, x)
-    if config is None or not config.gemv or config.split_k > 1:
-        return None
-    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
+    Triton config without split-K for M rows (on an H100 a gated MLP's one-token GEMV and its 128-column tiles at
+    17-32 rows); None otherwise (the caller runs :func:`matmul` or its library matmul, then ``silu_mul``)."""
+    from treadle.plugins.models.small_batch_kernels import fuses_silu_mul, small_batch_matmul
 
-    return small_batch_matmul(_unit_stride(x), weight, scale, config, silu_mul=True)
+    config = _config_for(kernels, x)
+    if config is None or not fuses_silu_mul(config):
+        return None
+    return small_batch_matmul(_unit_stride(x), weight, scale, config, silu_mul=True, prefetch=prefetch)
 
 
 def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
                        scale: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       eps: float, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for ``y = x @ (weight * scale).T``, the norm computed
     by the kernel's last program to finish, where ``kernels`` chose a GEMV for one row of ``x`` (a decode step of
     one request: the layer's next norm needs no kernel of its own); None otherwise."""
@@ -142,7 +142,27 @@ def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weigh
     from treadle.plugins.models.small_batch_kernels import small_batch_matmul
 
     return small_batch_matmul(_unit_stride(x), weight, scale, config,
-                              add_rmsnorm=(residual.contiguous(), norm_weight, eps))
+                              add_rmsnorm=(residual.contiguous(), norm_weight, eps), prefetch=prefetch)
+
+
+def chain_l2_prefetch(layers: Sequence[Any]) -> None:
+    """Give each of ``layers`` (linear layers in the order a forward runs them) the head of the next one's weight
+    to prefetch into L2 from its decode kernels (``layer.l2_prefetch``; the last layer's next is the first, for the
+    next step). ``TREADLE_L2_PREFETCH_MB`` (default 8, 0: off) sets how much of each weight."""
+    limit = int(float(os.environ.get("TREADLE_L2_PREFETCH_MB", "8")) * 2**20)
+    for layer, following in zip(layers, list(layers[1:]) + list(layers[:1])):
+        layer.l2_prefetch = l2_prefetch_bytes(following.weight, limit) if len(layers) > 1 else None
+
+
+def l2_prefetch_bytes(weight: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """The first ``limit`` bytes of a contiguous CUDA ``weight`` (whole 128-byte lines), as a uint8 view: what a
+    small-batch kernel asks L2 to fetch for the kernel after it. None off CUDA, where Triton runs interpreted
+    (no inline assembly there), or for less than a line."""
+    if not weight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or not weight.is_contiguous():
+        return None
+    flat = weight.detach().reshape(-1).view(torch.uint8)
+    lines = min(limit, flat.numel()) // 128
+    return flat[: lines * 128] if lines else None
 
 
 def _config_for(kernels: SmallBatchKernels | None, x: torch.Tensor) -> SmallBatchConfig | None:

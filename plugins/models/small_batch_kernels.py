@@ -9,6 +9,9 @@ FP8 with a float32 scale per output row, widened in registers; activations stay 
 times the configs per weight shape at load and keeps the fastest (or the library matmul when it wins). FP8
 layers use it up to 32 rows, 16-bit layers too wherever it times faster than cuBLAS at load.
 
+Given the head of the next layer's weight (``prefetch``), the kernel's last programs ask L2 for it as they finish,
+so the memory works through the gap between the two kernels (``small_batch.chain_l2_prefetch``).
+
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
 
@@ -28,8 +31,9 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
+                        Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
-                        BLOCK_ROW: tl.constexpr):
+                        BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -41,8 +45,14 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if SILU_MUL:
-        _silu_mul_row(X + pid_m.to(tl.int64) * stride_xm, W, Scale, Y + pid_m.to(tl.int64) * stride_ym, offs_n,
-                      n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N, BLOCK_K, EVEN, HAS_SCALE)
+        if GEMV:
+            gate, up = _gate_up_row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, N,
+                                    stride_wn, BLOCK_N, BLOCK_K, EVEN)
+            gate, up = gate[None, :], up[None, :]
+        else:
+            gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
+        _store_silu_mul(Y, Scale, gate, up, offs_m, offs_n, m_mask, n_mask, N, stride_ym, HAS_SCALE)
     else:
         if GEMV:
             acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
@@ -72,6 +82,27 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
             _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
             if ADD_RMSNORM:
                 _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N, BLOCK_ROW)
+    if PREFETCH:
+        _prefetch_share(Prefetch, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
+
+
+@triton.jit
+def _prefetch_share(Prefetch, lines, first_prefetcher, BLOCK: tl.constexpr):
+    """Programs from ``first_prefetcher`` on (in launch order) each ask L2 for their share of the ``lines``
+    128-byte lines at ``Prefetch`` (the next layer's weight) as they finish: the memory that this kernel's
+    last programs and the next launch leave idle fetches what the next kernel reads first."""
+    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    me = program - first_prefetcher
+    if me >= 0:
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        per = tl.cdiv(lines, programs - first_prefetcher)
+        start = me * per
+        end = tl.minimum(start + per, lines)
+        for first in range(start, end, BLOCK):
+            line = tl.minimum(first + tl.arange(0, BLOCK), end - 1)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [Prefetch + line.to(tl.int64) * 128], dtype=tl.int32, is_pure=False,
+                                      pack=1)
 
 
 @triton.jit
@@ -95,20 +126,20 @@ def _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_
 
 
 @triton.jit
-def _silu_mul_row(X_row, W, Scale, Y_row, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """``silu(gate) * up`` of one row of x for a weight ``[gate | up]`` of 2N rows: the program reads rows
-    ``offs_n`` of both halves."""
-    gate, up = _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N, BLOCK_K, EVEN)
+def _store_silu_mul(Y, Scale, gate, up, offs_m, offs_n, m_mask, n_mask, N, stride_ym, HAS_SCALE: tl.constexpr):
+    """Stores ``silu(gate) * up`` for the rows ``offs_m`` and columns ``offs_n`` of a weight ``[gate | up]`` of 2N
+    rows (``gate`` and ``up`` the float32 products with its two halves)."""
     if HAS_SCALE:
-        gate = gate * tl.load(Scale + offs_n, mask=n_mask, other=0.0)
-        up = up * tl.load(Scale + N + offs_n, mask=n_mask, other=0.0)
+        gate = gate * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+        up = up * tl.load(Scale + N + offs_n, mask=n_mask, other=0.0)[None, :]
     # Rounded where the separate matmul and silu_mul kernels round, so the result is the same.
-    dtype = Y_row.dtype.element_ty
+    dtype = Y.dtype.element_ty
     g = gate.to(dtype).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype)
     out = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(Y_row + offs_n, out, mask=n_mask)
+    tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out,
+             mask=m_mask[:, None] & n_mask[None, :])
+
 
 @triton.jit
 def _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE: tl.constexpr):
@@ -136,6 +167,34 @@ def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, st
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
+    """``_rows`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of rows ``offs_m`` of x."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        k_mask = (k + tl.arange(0, BLOCK_K)) < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        if EVICT_FIRST:
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        else:
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        gate += tl.dot(x, tl.trans(w_gate.to(x.dtype)))
+        up += tl.dot(x, tl.trans(w_up.to(x.dtype)))
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    return gate, up
 
 
 @triton.jit
@@ -193,6 +252,12 @@ def _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr
         k_mask = (k + tl.arange(0, BLOCK_K)) < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
     return w.to(tl.float32)
+
+
+def fuses_silu_mul(config: SmallBatchConfig) -> bool:
+    """Whether ``config`` can compute a gated MLP's ``silu(gate) * up`` in its kernel: no split-K, and a
+    ``tl.dot`` tile that still has 16 columns of each half."""
+    return config.split_k == 1 and (config.gemv or config.block_n >= 32)
 
 
 class SmallBatchConfig(NamedTuple):
@@ -255,18 +320,21 @@ SIXTEEN_BIT_CONFIGS = (
 
 def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                        config: SmallBatchConfig, silu_mul: bool = False,
-                       add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
+                       add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                       prefetch: torch.Tensor | None = None) -> Any:
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
     16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype. ``silu_mul``: the
-    weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (GEMV
-    configs without split-K; each program reads ``block_n / 2`` rows of each half). ``add_rmsnorm`` =
+    weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (configs
+    without split-K, see :func:`fuses_silu_mul`; each program reads ``block_n / 2`` rows of each half). ``add_rmsnorm`` =
     ``(residual, norm_weight, eps)`` for one row of ``x`` and a GEMV config: returns ``(rmsnorm(y + residual) *
-    norm_weight, y + residual)`` instead, the norm computed by the program that finishes the row last."""
+    norm_weight, y + residual)`` instead, the norm computed by the program that finishes the row last.
+    ``prefetch``: bytes (a uint8 tensor, see :func:`l2_prefetch_bytes`) the kernel's last programs ask L2 to
+    fetch as they finish, for the kernel that runs next."""
     m, k = x.shape
     n = weight.shape[0]
     if silu_mul:
-        if not config.gemv or config.split_k > 1:
-            raise ValueError(f"silu_mul runs GEMV configs without split-K, not {config}")
+        if not fuses_silu_mul(config):
+            raise ValueError(f"silu_mul runs configs without split-K (tl.dot tiles of 32+ columns), not {config}")
         n //= 2
         config = config._replace(block_n=max(config.block_n // 2, 1))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -287,6 +355,9 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # Tiles that cover N and every split's K range exactly need no bounds masks (the GEMV form then loads whole
     # vectors unpredicated).
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split_k == k
+    programs = grid[0] * grid[1] * grid[2]
+    lines = prefetch.numel() // 128 if prefetch is not None else 0
+    first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
     _small_batch_kernel[grid](
         # One counter per output tile, and one after them for the rows' norm.
         x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1] + 1),
@@ -298,6 +369,9 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         # slower with it on an H200 (docs/benchmarks.md).
         EVICT_ROWS=weight.element_size() == 2,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
+        Prefetch=prefetch if lines else weight, prefetch_lines=lines,
+        first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
+        PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)
@@ -315,3 +389,15 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     if counts is None or counts.numel() < tiles:
         counts = _arrival_counts[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
     return counts
+
+
+
+_prefetching: dict[torch.device, int] = {}
+
+
+def _prefetching_programs(device: torch.device) -> int:
+    """How many of a kernel's last programs share its L2 prefetch: twice the SMs, the programs of its last waves
+    (on an H100, 264 did better than 132, 528, 1024 or all, docs/benchmarks.md)."""
+    if device not in _prefetching:
+        _prefetching[device] = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _prefetching[device]

@@ -180,19 +180,56 @@ def test_one_kernel_kv_write_matches_the_torch_path():
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_fused_silu_mul_gemv_equals_the_matmul_then_silu_mul(weights):
-    """A gated MLP's one-token ``gate_up_proj`` with ``silu_mul`` in the GEMV: the same bits as the GEMV's output
-    through the separate ``silu_mul`` kernel (Llama-3.1-8B's 28672 x 4096 and a ragged 2 x 1000 x 4096)."""
+def test_fused_silu_mul_equals_the_matmul_then_silu_mul(weights):
+    """A gated MLP's ``gate_up_proj`` with ``silu_mul`` in its kernel (the one-token GEMV, and the tl.dot tiles at
+    20 and 32 rows): the same bits as the kernel's output through the separate ``silu_mul`` kernel
+    (Llama-3.1-8B's 28672 x 4096 and a ragged 2 x 1000 x 4096)."""
     from treadle.plugins.models.fp8_ops import quantize_per_channel
     from treadle.plugins.models.fused_kernels import silu_mul
-    from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
+    from treadle.plugins.models.small_batch_kernels import (FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, fuses_silu_mul,
+                                                          small_batch_matmul)
 
     for n, k in ((28672, 4096), (2000, 4096)):
         gen = torch.Generator(device=DEVICE).manual_seed(n)
         weight = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
-        x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        inputs = torch.randn(32, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         weight, scale, configs = (weight, None, SIXTEEN_BIT_CONFIGS) if weights == "bf16" else (
             *quantize_per_channel(weight), FP8_CONFIGS)
-        for config in (c for c in configs if c.gemv and c.split_k == 1):
-            fused = small_batch_matmul(x, weight, scale, config, silu_mul=True)
-            assert torch.equal(fused, silu_mul(small_batch_matmul(x, weight, scale, config))), config
+        for config in filter(fuses_silu_mul, configs):
+            for rows in (1,) if config.gemv else (20, 32):
+                x = inputs[:rows]
+                fused = small_batch_matmul(x, weight, scale, config, silu_mul=True)
+                assert torch.equal(fused, silu_mul(small_batch_matmul(x, weight, scale, config))), (config, rows)
+
+
+def test_l2_prefetch_changes_no_result():
+    """Asking L2 for the next layer's weight as a kernel finishes is invisible in its output: the GEMV (with the
+    norm after it, and with SiLU·mul), the tl.dot tiles and split-K, eagerly and replayed from a CUDA graph."""
+    from treadle.plugins.models.small_batch import l2_prefetch_bytes
+    from treadle.plugins.models.small_batch_kernels import SIXTEEN_BIT_CONFIGS, small_batch_matmul
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    weight, following = (torch.randn(2, 4096, 4096, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+    prefetch = l2_prefetch_bytes(following, 8 << 20)
+    assert prefetch is not None and prefetch.numel() == 8 << 20 and prefetch.data_ptr() == following.data_ptr()
+    x = torch.randn(32, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
+    residual, norm_weight = x[:1] * 0.5, torch.rand(4096, device=DEVICE, generator=gen).to(torch.bfloat16) + 0.5
+    cases = []
+    for config in SIXTEEN_BIT_CONFIGS:
+        for rows in (1,) if config.gemv else (3, 32):
+            cases.append((x[:rows], config, {}))
+            if config.gemv and config.split_k == 1:
+                cases += [(x[:1], config, {"silu_mul": True}), (x[:1], config, {"add_rmsnorm": (residual, norm_weight, 1e-5)})]
+    expected = [small_batch_matmul(rows, weight, None, config, **options) for rows, config, options in cases]
+    eager = [small_batch_matmul(rows, weight, None, config, prefetch=prefetch, **options)
+             for rows, config, options in cases]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = [small_batch_matmul(rows, weight, None, config, prefetch=prefetch, **options)
+                    for rows, config, options in cases]
+    graph.replay()
+    torch.cuda.synchronize()
+    for want, *got in zip(expected, eager, replayed):
+        for result in got:
+            pairs = zip(want, result) if isinstance(want, tuple) else [(want, result)]
+            assert all(torch.equal(a, b) for a, b in pairs)

@@ -40,17 +40,19 @@ def test_matmul_defers_to_the_library_where_no_config_applies():
     assert small_batch.matmul(SmallBatchKernels((FP8_CONFIGS[4],) * 3), x[:0], weight, None) is None
 
 
-def test_silu_mul_fuses_only_into_one_pass_gemvs():
-    from treadle.plugins.models.small_batch_kernels import SmallBatchConfig, small_batch_matmul
+def test_silu_mul_fuses_only_into_one_pass_kernels():
+    from treadle.plugins.models.small_batch_kernels import SmallBatchConfig, fuses_silu_mul, small_batch_matmul
 
     x, weight = torch.randn(1, 32), torch.randn(16, 32)
-    tile, split_gemv = SmallBatchConfig(32, 256, 4, 3), SmallBatchConfig(8, 1024, 4, 4, split_k=2, gemv=True)
-    # Where the chosen kernel is not a one-pass GEMV (a tl.dot tile, split-K partials, the library), the layer
-    # runs its matmul and then silu_mul.
-    for config in (tile, split_gemv, None):
+    narrow_tile, split_gemv = SmallBatchConfig(16, 256, 4, 3), SmallBatchConfig(8, 1024, 4, 4, split_k=2, gemv=True)
+    split_tile = SmallBatchConfig(32, 128, 4, 4, split_k=4)
+    # Where the chosen kernel sums split-K partials, has tiles too narrow to halve for tl.dot, or is the library,
+    # the layer runs its matmul and then silu_mul.
+    for config in (narrow_tile, split_gemv, split_tile, None):
         assert small_batch.silu_mul_matmul(SmallBatchKernels((config,) * 3), x, weight, None) is None
     assert small_batch.silu_mul_matmul(None, x, weight, None) is None
-    with pytest.raises(ValueError, match="GEMV configs without split-K"):
+    assert fuses_silu_mul(SmallBatchConfig(32, 256, 4, 3)) and fuses_silu_mul(SmallBatchConfig(4, 2048, 8, 4, gemv=True))
+    with pytest.raises(ValueError, match="configs without split-K"):
         small_batch_matmul(x, weight, None, split_gemv, silu_mul=True)
 
 
@@ -132,3 +134,37 @@ def test_buckets_with_only_the_library_time_nothing(monkeypatch):
                                 lambda x, w: ("library", x.shape[0]), [gemv])
     assert chosen == SmallBatchKernels((gemv, None, None))
     assert timed == [("library", 1), (gemv, 1)]
+
+
+def test_llama_links_each_linear_layer_to_the_next_ones_weight(tmp_path, monkeypatch):
+    """After loading, every linear layer (forward order: each layer's qkv, o, gate_up, down, then lm_head) holds
+    the head of the next one's weight for its decode kernel to prefetch; lm_head's is layer 0's qkv (next step)."""
+    from treadle.core.config import ModelConfig
+    from treadle.core.model_loader import load_model
+    from treadle.core.registry import build_registry
+    from treadle.testing.models import make_tiny_llama
+
+    limits = []
+    monkeypatch.setattr(small_batch, "l2_prefetch_bytes", lambda weight, limit: limits.append(limit) or weight)
+    monkeypatch.setenv("TREADLE_L2_PREFETCH_MB", "0.5")
+    registry = build_registry(plugin_modules=["treadle.plugins.models.llama"], load_entry_points=False)
+    model, _, _ = load_model(ModelConfig(path=make_tiny_llama(tmp_path / "llama"), device="cpu", dtype="float32"),
+                             registry)
+    layers = model.model.layers
+    expected = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for layer in layers]
+    order = [linear for group in expected for linear in group] + [model.lm_head]
+    for linear, following in zip(order, order[1:] + order[:1]):
+        assert linear.l2_prefetch is following.weight
+    assert set(limits) == {2**19} and len(limits) == len(order)
+
+
+def test_l2_prefetch_is_off_on_the_cpu_and_at_zero_megabytes(monkeypatch):
+    weight = torch.zeros(64, 64)
+    assert small_batch.l2_prefetch_bytes(weight, 2**20) is None  # a CPU tensor
+    layers = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)]
+    monkeypatch.setenv("TREADLE_L2_PREFETCH_MB", "0")
+    monkeypatch.setattr(small_batch, "l2_prefetch_bytes",
+                        lambda weight, limit: None if limit < 128 else pytest.fail("prefetch asked at 0 MB"))
+    small_batch.chain_l2_prefetch(layers)
+    assert all(layer.l2_prefetch is None for layer in layers)

@@ -36,7 +36,8 @@ import json, sys
 import torch
 from treadle.plugins.models.fp8_ops import dequantize, quantize_per_channel
 from treadle.plugins.models.fused_ops import rmsnorm_reference
-from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
+from treadle.plugins.models.small_batch_kernels import (FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, fuses_silu_mul,
+                                                      small_batch_matmul)
 
 errors = {}
 gen = torch.Generator().manual_seed(0)
@@ -71,7 +72,7 @@ for n, k in json.loads(sys.argv[1]):
                                     ((summed.float() - expected_sum.float()).norm() / expected_sum.float().norm()).item()
                                     ) if ok else float("inf")
                         errors[f"{kind}-{index}-{n}x{k}-{rows}-{str(dtype)[6:]}-add_rmsnorm"] = error
-                    if config.gemv and config.split_k == 1:  # the weight as [gate | up]: silu(gate) * up
+                    if fuses_silu_mul(config):  # the weight as [gate | up]: silu(gate) * up
                         y = small_batch_matmul(x, weight, weight_scale, config, silu_mul=True)
                         gate, up = reference.chunk(2, dim=-1)
                         expected = torch.nn.functional.silu(gate) * up

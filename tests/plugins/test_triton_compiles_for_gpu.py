@@ -39,6 +39,7 @@ def _compile(kernel, pointers: dict[str, str], floats: set[str], constexprs: dic
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]
+    return compiled
 
 
 def _attention_kernels() -> dict:
@@ -112,6 +113,15 @@ def _model_kernels() -> dict:
         "small_batch[fp8,gemv,split_k,add_rmsnorm]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024,
                                                                   SPLIT_K=2, GEMV=True, HAS_SCALE=True, EVEN=True,
                                                                   ADD_RMSNORM=True, BLOCK_ROW=4096),
+        "small_batch[bf16,silu_mul]": _small_batch("*bf16", BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1,
+                                                   GEMV=False, HAS_SCALE=False, SILU_MUL=True),
+        # The L2 prefetch of the next layer's weight must reach the PTX as an instruction (not optimized away).
+        "small_batch[bf16,gemv,prefetch]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1,
+                                                        GEMV=True, HAS_SCALE=False, EVEN=True, PREFETCH=True,
+                                                        PREFETCH_BLOCK=256, expect_in_ptx="prefetch.global.L2"),
+        "small_batch[fp8,split_k,prefetch]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256,
+                                                          SPLIT_K=4, GEMV=False, HAS_SCALE=True, PREFETCH=True,
+                                                          PREFETCH_BLOCK=64, expect_in_ptx="prefetch.global.L2"),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -124,17 +134,23 @@ def _model_kernels() -> dict:
     }
 
 
-def _small_batch(weight_type: str, **constexprs: object):
+def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexprs: object):
     """The small-batch matmul kernel with these constexprs (split-K variants also write float32 partials; bounds
-    masks unless EVEN is given; SILU_MUL: the gated-MLP GEMV; 16-bit weights' tiles load with evict_first)."""
+    masks unless EVEN is given; SILU_MUL: the gated-MLP epilogue; 16-bit weights' tiles load with evict_first;
+    PREFETCH: the L2 prefetch of the next weight), whose PTX holds ``expect_in_ptx`` if given."""
     from treadle.plugins.models import small_batch_kernels
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
-                  "BLOCK_ROW": 1, **constexprs}
-    return lambda: _compile(small_batch_kernels._small_batch_kernel,
+                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, **constexprs}
+
+    def check() -> None:
+        compiled = _compile(small_batch_kernels._small_batch_kernel,
                             {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
                              "Arrivals": "*i32", "Residual": "*bf16", "Norm_weight": "*bf16", "Normed": "*bf16",
-                             "Residual_out": "*bf16"}, {"eps"}, constexprs)
+                             "Residual_out": "*bf16", "Prefetch": "*u8"}, {"eps"}, constexprs)
+        assert expect_in_ptx is None or expect_in_ptx in compiled.asm["ptx"], f"no {expect_in_ptx} in the PTX"
+
+    return check
 
 
 KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
@@ -144,7 +160,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,even]",
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
-           "small_batch[fp8,gemv,split_k,add_rmsnorm]",
+           "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
+           "small_batch[fp8,split_k,prefetch]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
