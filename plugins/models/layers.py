@@ -127,8 +127,22 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._activated(x))
+
+    def forward_into_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``(*norm(self(x), residual), True)`` where ``down_proj``'s kernel can add the residual and run the norm
+        (``norm`` an RMSNorm; one-token GEMVs on a GPU: a kernel launch less per layer), else
+        ``(self(x), residual, False)``."""
+        activated = self._activated(x)
+        fused = self.down_proj.forward_add_rmsnorm(activated, residual, norm)
+        if fused is not None:
+            return fused[0], fused[1], True
+        return self.down_proj(activated), residual, False
+
+    def _activated(self, x: torch.Tensor) -> torch.Tensor:
         activated = self.gate_up_proj.forward_silu_mul(x)
-        return self.down_proj(activated if activated is not None else silu_mul(self.gate_up_proj(x)))
+        return activated if activated is not None else silu_mul(self.gate_up_proj(x))
 
 
 class SelfAttention(nn.Module):
@@ -249,7 +263,26 @@ class DecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; the caller adds them (fused into the next norm)."""
-        if residual is None:
+        hidden_states, residual, _ = self.forward_into_norm(hidden_states, residual, cos, sin, forward_batch)
+        return hidden_states, residual
+
+    def forward_into_norm(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        forward_batch: ForwardBatch,
+        normed: bool = False,
+        next_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """:meth:`forward` for a stack of layers: ``normed`` says ``hidden_states`` is already this layer's normed
+        input (the layer before ran this layer's ``input_layernorm``, ``residual`` being the sum); given the next
+        layer's ``next_norm``, the MLP's last kernel may run it (one-token decode on a GPU: a kernel launch less per
+        layer). Returns ``(hidden_states, residual, whether hidden_states is next_norm's output)``."""
+        if normed:
+            pass
+        elif residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
@@ -260,8 +293,9 @@ class DecoderLayer(nn.Module):
         if fused is None:
             fused = self.post_attention_layernorm(self.self_attn.o_proj(attended), residual)
         hidden_states, residual = fused
-        return self.mlp(hidden_states), residual
-
+        if next_norm is not None and isinstance(self.mlp, GatedMLP):
+            return self.mlp.forward_into_norm(hidden_states, residual, next_norm)
+        return self.mlp(hidden_states), residual, False
 
 def head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

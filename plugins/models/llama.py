@@ -40,6 +40,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(config, layer_id) for layer_id in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config))
+        # Per layer: False (run it as a module), or the next layer's input norm it may run in its last kernel
+        # (one-token decode on a GPU: a kernel launch less per layer; None for the last decoder layer of a run).
+        stacked = [_runs_into_next_norm(layer) for layer in self.layers] + [False]
+        self._next_norms: list[nn.Module | None | bool] = [
+            (self.layers[index + 1].input_layernorm if stacked[index + 1] else None) if stacked[index] else False
+            for index in range(len(self.layers))]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -47,10 +53,20 @@ class LlamaModel(nn.Module):
         """``(last layer's output, residual stream)``; their sum is the final hidden state."""
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos, sin, forward_batch)
+        residual, normed = None, False
+        for layer, next_norm in zip(self.layers, self._next_norms):
+            if next_norm is False:
+                hidden_states, residual = layer(hidden_states, residual, cos, sin, forward_batch)
+            else:
+                hidden_states, residual, normed = layer.forward_into_norm(hidden_states, residual, cos, sin,
+                                                                          forward_batch, normed, next_norm)
         return hidden_states, residual
+
+
+def _runs_into_next_norm(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a :class:`DecoderLayer` whose ``forward`` is its own (a subclass that overrides it is
+    run through that override)."""
+    return isinstance(layer, DecoderLayer) and type(layer).forward is DecoderLayer.forward
 
 
 class LlamaForCausalLM(nn.Module):

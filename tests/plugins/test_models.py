@@ -359,3 +359,42 @@ def test_smollm2_answers_capital_of_france(smollm2_dir, registry):
     eos = hf_config.eos_token_id
     assert eos in tokens, tokenizer.decode(tokens)
     assert tokenizer.decode(tokens[: tokens.index(eos)]) == "The capital of France is Paris."
+
+
+def test_decoder_layers_that_run_the_next_layers_norm_give_the_same_logits(tmp_path, registry, monkeypatch):
+    """On a GPU, a one-token decode's o_proj and down_proj kernels add the residual and run the norm after them
+    (the post-attention norm, and the next layer's input norm, which that layer then skips). Emulated here with the
+    same torch ops, the layer stack must give the unfused logits exactly: each norm runs once, on the right sum."""
+    from treadle.plugins.models.linear import RowParallelLinear
+
+    path = make_tiny_llama(tmp_path / "llama", num_hidden_layers=3)
+    model, hf_config = _load(path, registry)
+    layers = model.model.layers
+    assert model.model._next_norms == [layers[1].input_layernorm, layers[2].input_layernorm, None]
+    prompts = _prompts(hf_config.vocab_size, [7, 12], seed=3)
+    expected = Harness(model, hf_config, registry).greedy(prompts, max_new_tokens=6)
+    calls = []
+
+    def fused(self, x, residual, norm):
+        calls.append(norm)
+        return norm(self(x), residual)
+
+    monkeypatch.setattr(RowParallelLinear, "forward_add_rmsnorm", fused)
+    assert Harness(model, hf_config, registry).greedy(prompts, max_new_tokens=6) == expected
+    assert any(norm is layers[1].input_layernorm for norm in calls)  # the down_proj of layer 0 ran layer 1's norm
+
+
+def test_a_decoder_layer_subclass_with_its_own_forward_is_run_through_it(tmp_path, registry):
+    from treadle.plugins.models.layers import DecoderLayer
+    from treadle.plugins.models.llama import LlamaModel
+
+    class Custom(DecoderLayer):
+        def forward(self, hidden_states, residual, cos, sin, forward_batch):
+            return super().forward(hidden_states, residual, cos, sin, forward_batch)
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(make_tiny_llama(tmp_path / "llama", num_hidden_layers=3))
+    model = LlamaModel(config, lambda config, layer_id: (Custom if layer_id == 1 else DecoderLayer)(config, layer_id))
+    # Layer 1 runs as a module (its own forward, with its own input norm), so layer 0 leaves that norm to it.
+    assert model._next_norms == [None, False, None]
