@@ -280,12 +280,10 @@ class DecoderLayer(nn.Module):
         input (the layer before ran this layer's ``input_layernorm``, ``residual`` being the sum); given the next
         layer's ``next_norm``, the MLP's last kernel may run it (one-token decode on a GPU: a kernel launch less per
         layer). Returns ``(hidden_states, residual, whether hidden_states is next_norm's output)``."""
-        if normed:
-            pass
-        elif residual is None:
+        if not normed and residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
-        else:
+        elif not normed:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         attended = self.self_attn.attend(hidden_states, cos, sin, forward_batch)
         # o_proj's one-token GEMV can add the residual and norm in its last program: one kernel less.
@@ -296,6 +294,7 @@ class DecoderLayer(nn.Module):
         if next_norm is not None and isinstance(self.mlp, GatedMLP):
             return self.mlp.forward_into_norm(hidden_states, residual, next_norm)
         return self.mlp(hidden_states), residual, False
+
 
 def head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
