@@ -247,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="client processes sharing the requests (one Python process parses ~10k events/s)")
     parser.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workload>_<date>.json)")
+    parser.add_argument("--keep-token-gaps", action="store_true",
+                        help="write each request's inter-token gaps (itl_s, seconds) into the JSON, to see which "
+                             "steps make the ITL tail (~1 MB per 100k tokens); without it they are left out")
     add_soak_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -292,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": {k: info.get(k) for k in ("model_path", "served_model_name", "context_len", "device", "dtype")},
         "workload": workload.summary(),
         "summary": summary,
-        "requests": [asdict(r) | {"itl_s": None} for r in results],
+        "requests": [asdict(r) if args.keep_token_gaps else asdict(r) | {"itl_s": None} for r in results],
     }
     out = Path(args.output) if args.output else RESULTS_DIR / (
         f"serving_{args.workload}_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")

@@ -492,6 +492,22 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert "ITL (ms)" in capsys.readouterr().out
     assert record["command"].startswith("treadle bench serving --base-url") and record["machine"]["cpu_count"]
     assert API_KEY not in out.read_text() and "--api-key ***" in record["command"]
+    assert all(request["itl_s"] is None for request in record["requests"])  # left out unless asked for
+
+
+def test_bench_serving_keeps_each_requests_token_gaps_when_asked(server: ServerHandle, tmp_path) -> None:
+    from treadle.bench.serving import main
+
+    out = tmp_path / "serving.json"
+    assert main(["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "3", "--input-len", "4:8",
+                 "--output-len", "5:5", "--keep-token-gaps", "--output", str(out)]) == 0
+    requests = json.loads(out.read_text())["requests"]
+    for request in requests:
+        # At most one gap per token after the first (a chunk of several tokens splits its gap among them), all
+        # of them inside the time from the first token to the last.
+        gaps = request["itl_s"]
+        assert 0 < len(gaps) <= request["output_tokens"] - 1 and all(gap > 0 for gap in gaps)
+        assert sum(gaps) <= request["latency_s"] - request["ttft_s"] + 1e-6
 
 
 def test_bench_serving_runs_as_a_module_with_several_client_processes(server: ServerHandle, tmp_path) -> None:
