@@ -325,9 +325,10 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
     16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype. ``silu_mul``: the
     weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (configs
-    without split-K, see :func:`fuses_silu_mul`; each program reads ``block_n / 2`` rows of each half). ``add_rmsnorm`` =
-    ``(residual, norm_weight, eps)`` for one row of ``x`` and a GEMV config: returns ``(rmsnorm(y + residual) *
-    norm_weight, y + residual)`` instead, the norm computed by the program that finishes the row last.
+    without split-K, see :func:`fuses_silu_mul`; each program reads ``block_n / 2`` rows of each half).
+    ``add_rmsnorm`` = ``(residual, norm_weight, eps)`` for one row of ``x`` and a GEMV config: returns
+    ``(rmsnorm(y + residual) * norm_weight, y + residual)`` instead, the norm computed by the program that finishes
+    the row last.
     ``prefetch``: bytes (a uint8 tensor, see :func:`l2_prefetch_bytes`) the kernel's last programs ask L2 to
     fetch as they finish, for the kernel that runs next."""
     m, k = x.shape
@@ -391,13 +392,12 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     return counts
 
 
-
 _prefetching: dict[torch.device, int] = {}
 
 
 def _prefetching_programs(device: torch.device) -> int:
     """How many of a kernel's last programs share its L2 prefetch: twice the SMs, the programs of its last waves
-    (on an H100, 264 did better than 132, 528, 1024 or all, docs/benchmarks.md)."""
+    (on an H100, 264 did as well as 132 and better than 528, 1024 or all, docs/benchmarks.md)."""
     if device not in _prefetching:
         _prefetching[device] = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return _prefetching[device]

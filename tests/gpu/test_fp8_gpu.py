@@ -219,7 +219,8 @@ def test_l2_prefetch_changes_no_result():
         for rows in (1,) if config.gemv else (3, 32):
             cases.append((x[:rows], config, {}))
             if config.gemv and config.split_k == 1:
-                cases += [(x[:1], config, {"silu_mul": True}), (x[:1], config, {"add_rmsnorm": (residual, norm_weight, 1e-5)})]
+                cases += [(x[:1], config, {"silu_mul": True}),
+                          (x[:1], config, {"add_rmsnorm": (residual, norm_weight, 1e-5)})]
     expected = [small_batch_matmul(rows, weight, None, config, **options) for rows, config, options in cases]
     eager = [small_batch_matmul(rows, weight, None, config, prefetch=prefetch, **options)
              for rows, config, options in cases]
