@@ -98,8 +98,7 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, bias)
         leading = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        y = small_batch.matmul(getattr(layer, "small_batch", None), x2, layer.weight, layer.weight_scale,
-                               getattr(layer, "l2_prefetch", None))
+        y = small_batch.matmul(layer.small_batch, x2, layer.weight, layer.weight_scale, layer.l2_prefetch)
         if y is None:
             if self.static_input:
                 xq, x_scale = quantize_static(x2, layer.input_scale)
@@ -113,16 +112,14 @@ class Fp8LinearMethod(LinearMethod):
     def apply_silu_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         if self.config.dequantize:
             return None
-        return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, layer.weight_scale,
-                                           getattr(layer, "l2_prefetch", None))
+        return small_batch.silu_mul_matmul(layer.small_batch, x, layer.weight, layer.weight_scale, layer.l2_prefetch)
 
     def apply_add_rmsnorm(self, layer: LinearBase, x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.config.dequantize:
             return None
-        return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight,
-                                              layer.weight_scale, residual, norm_weight, eps,
-                                              getattr(layer, "l2_prefetch", None))
+        return small_batch.add_rmsnorm_matmul(layer.small_batch, x, layer.weight, layer.weight_scale, residual,
+                                              norm_weight, eps, layer.l2_prefetch)
 
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
         from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS

@@ -108,20 +108,18 @@ class UnquantizedLinearMethod(LinearMethod):
                                                    SIXTEEN_BIT_CONFIGS)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = small_batch.matmul(getattr(layer, "small_batch", None), x, layer.weight, None,
-                               getattr(layer, "l2_prefetch", None))
+        y = small_batch.matmul(layer.small_batch, x, layer.weight, None, layer.l2_prefetch)
         if y is not None:
             return y if bias is None else y + bias
         return F.linear(x, layer.weight, bias)
 
     def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
-        return small_batch.silu_mul_matmul(getattr(layer, "small_batch", None), x, layer.weight, None,
-                                           getattr(layer, "l2_prefetch", None))
+        return small_batch.silu_mul_matmul(layer.small_batch, x, layer.weight, None, layer.l2_prefetch)
 
     def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return small_batch.add_rmsnorm_matmul(getattr(layer, "small_batch", None), x, layer.weight, None, residual,
-                                              norm_weight, eps, getattr(layer, "l2_prefetch", None))
+        return small_batch.add_rmsnorm_matmul(layer.small_batch, x, layer.weight, None, residual, norm_weight, eps,
+                                              layer.l2_prefetch)
 
 
 def quant_method_for(layer: nn.Module, quant_config: Any, prefix: str) -> LinearMethod:
@@ -143,6 +141,11 @@ def quant_method_for(layer: nn.Module, quant_config: Any, prefix: str) -> Linear
 
 class LinearBase(nn.Module):
     """A linear layer whose matmul is ``self.quant_method.apply``; subclasses decide the sharding."""
+
+    # Set once loaded: the Triton kernels its quant method chose for decode-sized batches (small_batch.choose), and
+    # the head of the next layer's weight those kernels prefetch into L2 (small_batch.chain_l2_prefetch).
+    small_batch: small_batch.SmallBatchKernels | None = None
+    l2_prefetch: torch.Tensor | None = None
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, quant_config: Any = None, prefix: str = ""
@@ -372,6 +375,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     With a ``quant_config`` that asks for it (``model.quantize_lm_head``) the weight is quantized to FP8 once
     loaded, through ``quant_method`` like a linear layer's; a tied embedding keeps its own 16-bit weight.
     """
+
+    small_batch: small_batch.SmallBatchKernels | None = None  # as on LinearBase
+    l2_prefetch: torch.Tensor | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: Any = None) -> None:
         super().__init__(num_embeddings, embedding_dim)

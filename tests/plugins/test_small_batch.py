@@ -3,6 +3,8 @@ their validation. Timing itself needs a GPU (tests/gpu/test_fp8_gpu.py runs FP8 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -145,7 +147,9 @@ def test_llama_links_each_linear_layer_to_the_next_ones_weight(tmp_path, monkeyp
     from treadle.testing.models import make_tiny_llama
 
     limits = []
-    monkeypatch.setattr(small_batch, "l2_prefetch_bytes", lambda weight, limit: limits.append(limit) or weight)
+    # A stand-in for the uint8 view of the weight's head (a Parameter would be registered on the layer).
+    monkeypatch.setattr(small_batch, "l2_prefetch_bytes",
+                        lambda weight, limit: limits.append(limit) or SimpleNamespace(of=weight))
     monkeypatch.setenv("TREADLE_L2_PREFETCH_MB", "0.5")
     registry = build_registry(plugin_modules=["treadle.plugins.models.llama"], load_entry_points=False)
     model, _, _ = load_model(ModelConfig(path=make_tiny_llama(tmp_path / "llama"), device="cpu", dtype="float32"),
@@ -155,7 +159,7 @@ def test_llama_links_each_linear_layer_to_the_next_ones_weight(tmp_path, monkeyp
                 for layer in layers]
     order = [linear for group in expected for linear in group] + [model.lm_head]
     for linear, following in zip(order, order[1:] + order[:1]):
-        assert linear.l2_prefetch is following.weight
+        assert linear.l2_prefetch.of is following.weight
     assert set(limits) == {2**19} and len(limits) == len(order)
 
 
