@@ -18,7 +18,6 @@ from torch import nn
 
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch
-from treadle.plugins.models.decode_mlp import fused_mlp_step
 from treadle.plugins.models.fused_ops import add_rmsnorm, rotary_qkv, silu_mul
 from treadle.plugins.models.linear import (  # noqa: F401  (CheckpointError is re-exported)
     CheckpointError,
@@ -287,12 +286,6 @@ class DecoderLayer(nn.Module):
         elif not normed:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         attended = self.self_attn.attend(hidden_states, cos, sin, forward_batch)
-        if next_norm is not None and isinstance(self.mlp, GatedMLP):
-            # One token on a GPU: o_proj through the next norm in one kernel (decode_mlp.py), where it applies.
-            stepped = fused_mlp_step(attended, residual, self.self_attn.o_proj, self.post_attention_layernorm,
-                                     self.mlp, next_norm)
-            if stepped is not None:
-                return stepped[0], stepped[1], True
         # o_proj's one-token GEMV can add the residual and norm in its last program: one kernel less.
         fused = self.self_attn.o_proj.forward_add_rmsnorm(attended, residual, self.post_attention_layernorm)
         if fused is None:

@@ -122,10 +122,6 @@ def _model_kernels() -> dict:
         "small_batch[fp8,split_k,prefetch]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256,
                                                           SPLIT_K=4, GEMV=False, HAS_SCALE=True, PREFETCH=True,
                                                           PREFETCH_BLOCK=64, expect_in_ptx="prefetch.global.L2"),
-        "decode_mlp[fp8]": _decode_mlp("*fp8e4nv", PHASE=0, HAS_SCALE=True, PREFETCH_NEXT_PHASE=True, PREFETCH=True),
-        "decode_mlp[bf16]": _decode_mlp("*bf16", PHASE=0, HAS_SCALE=False, PREFETCH_NEXT_PHASE=True, PREFETCH=True),
-        "decode_mlp[bf16,phase 2]": _decode_mlp("*bf16", PHASE=2, HAS_SCALE=False, PREFETCH_NEXT_PHASE=False,
-                                                PREFETCH=False),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -157,28 +153,6 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
     return check
 
 
-def _decode_mlp(weight_type: str, **constexprs: object):
-    """The one-token MLP-step kernel (PHASE 0: all phases in one launch, with its grid-wide waits), Llama-3.1-8B's
-    tiles for that weight type."""
-    from treadle.plugins.models import decode_mlp_kernels
-
-    tiles = decode_mlp_kernels.FP8_TILES if weight_type == "*fp8e4nv" else decode_mlp_kernels.SIXTEEN_BIT_TILES
-
-    def check() -> None:
-        weights = {name: weight_type for name in ("W_o", "W_gu", "W_d")}
-        compiled = _compile(decode_mlp_kernels._decode_mlp_kernel,
-                            {"Attended": "*bf16", "S_o": "*fp32", "Residual": "*bf16", "Post_norm": "*bf16",
-                             "S_gu": "*fp32", "S_d": "*fp32", "Next_norm": "*bf16", "Y_o": "*bf16", "Summed": "*bf16",
-                             "Normed_rows": "*bf16", "Act": "*bf16", "Y_d": "*bf16", "Normed_out": "*bf16",
-                             "Residual_out": "*bf16", "Counters": "*i32", "Prefetch": "*u8", **weights},
-                            {"post_eps", "next_eps"},
-                            dict(BLOCK_ROW=4096, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                                 GATE_UP_BLOCK_N=tiles.gate_up_block_n, **constexprs))
-        assert constexprs["PHASE"] != 0 or "atom.global" in compiled.asm["ptx"]
-
-    return check
-
-
 KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
            "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]", "decode[fp8e4nv,store_kv=True,rotary]",
            "extend[bf16]", "extend[fp8e4nv]",
@@ -188,7 +162,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]",
-           "decode_mlp[fp8]", "decode_mlp[bf16]", "decode_mlp[bf16,phase 2]", "moe_grouped_gemm", "store_kv[fp8e4nv]"]
+           "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
 def _compile_all() -> dict[str, str | None]:
