@@ -155,10 +155,6 @@ class RadixAttention(nn.Module):
     ``i - sliding_window_size < j <= i`` (HF's definition); None means full causal.
     """
 
-    # Set by a model once loaded (None: nothing): bytes (a uint8 view of whole 128-byte lines of the weight the layer
-    # reads after attention) that a backend's decode kernel may ask the GPU's L2 cache to fetch while it attends.
-    l2_prefetch: torch.Tensor | None = None
-
     def __init__(
         self,
         num_heads: int,

@@ -14,7 +14,6 @@ from treadle.plugins.models.layers import (
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
-    SelfAttention,
     check_activation,
     head_dim,
     load_checkpoint,
@@ -120,9 +119,6 @@ class LlamaForCausalLM(nn.Module):
         """Called once every weight is loaded and quantized: each linear layer's decode kernel prefetches the head
         of the next one's weight into L2 (small_batch.chain_l2_prefetch)."""
         small_batch.chain_l2_prefetch([m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))])
-        for attention in self.modules():
-            if isinstance(attention, SelfAttention):
-                attention.attn.l2_prefetch = small_batch.attention_prefetch(attention.o_proj.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())

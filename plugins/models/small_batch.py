@@ -149,30 +149,18 @@ def chain_l2_prefetch(layers: Sequence[Any]) -> None:
     """Give each of ``layers`` (linear layers in the order a forward runs them) the head of the next one's weight
     to prefetch into L2 from its decode kernels (``layer.l2_prefetch``; the last layer's next is the first, for the
     next step). ``TREADLE_L2_PREFETCH_MB`` (default 8, 0: off) sets how much of each weight."""
-    limit = prefetch_limit()
+    limit = int(float(os.environ.get("TREADLE_L2_PREFETCH_MB", "8")) * 2**20)
     for layer, following in zip(layers, list(layers[1:]) + list(layers[:1])):
         layer.l2_prefetch = l2_prefetch_bytes(following.weight, limit) if len(layers) > 1 else None
 
 
-def prefetch_limit() -> int:
-    """Bytes of each weight a small-batch kernel prefetches for the next (``TREADLE_L2_PREFETCH_MB``, default 8)."""
-    return int(float(os.environ.get("TREADLE_L2_PREFETCH_MB", "8")) * 2**20)
-
-
-def attention_prefetch(o_proj_weight: torch.Tensor) -> torch.Tensor | None:
-    """What a layer's decode attention asks L2 for while it attends: ``TREADLE_ATTN_L2_PREFETCH_MB`` (default 0)
-    of ``o_proj``'s weight after the head that the qkv kernel already prefetched."""
-    limit = int(float(os.environ.get("TREADLE_ATTN_L2_PREFETCH_MB", "0")) * 2**20)
-    return l2_prefetch_bytes(o_proj_weight, limit, prefetch_limit()) if limit else None
-
-
-def l2_prefetch_bytes(weight: torch.Tensor, limit: int, start: int = 0) -> torch.Tensor | None:
-    """``limit`` bytes of a contiguous CUDA ``weight`` from byte ``start`` on (whole 128-byte lines), as a uint8
-    view: what a small-batch kernel asks L2 to fetch for the kernel after it. None off CUDA, where Triton runs
-    interpreted (no inline assembly there), or for less than a line."""
+def l2_prefetch_bytes(weight: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """The first ``limit`` bytes of a contiguous CUDA ``weight`` (whole 128-byte lines), as a uint8 view: what a
+    small-batch kernel asks L2 to fetch for the kernel after it. None off CUDA, where Triton runs interpreted
+    (no inline assembly there), or for less than a line."""
     if not weight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or not weight.is_contiguous():
         return None
-    flat = weight.detach().reshape(-1).view(torch.uint8)[start // 128 * 128:]
+    flat = weight.detach().reshape(-1).view(torch.uint8)
     lines = min(limit, flat.numel()) // 128
     return flat[: lines * 128] if lines else None
 

@@ -56,11 +56,10 @@ def _attention_kernels() -> dict:
                 {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "New_loc": "*i64", "K_cache": f"*{kv}",
                  "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Seq_lens": "*i64",
                  "Mid_o": "*fp32", "Mid_lse": "*fp32", "Arrivals": "*i32", "O": "*bf16", "Cos": "*bf16",
-                 "Sin": "*bf16", "Prefetch": "*u8"},
+                 "Sin": "*bf16"},
                 {"qk_scale", "k_scale", "v_scale", "fp8_max"},
                 dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary,
-                     PREFETCH=rotary))
+                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary))
         checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
             extend._extend_kernel,
             {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",

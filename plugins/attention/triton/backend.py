@@ -210,7 +210,6 @@ class TritonAttnBackend(AttentionBackend):
             *kv_scales(kv_cache, layer.layer_id),
             new_kv=new_kv,
             rotary=rotary,
-            prefetch=layer.l2_prefetch,
             **self._decode_launch(),
         )
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)

@@ -57,18 +57,14 @@ def _decode_kernel(
     stride_mo_req, stride_mo_head, stride_mo_split,
     stride_ml_req, stride_ml_head,
     stride_o_tok, stride_o_head,
-    Prefetch, prefetch_lines,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, STORE_KV: tl.constexpr, ROTARY: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:
-        _prefetch_share(Prefetch, prefetch_lines)
 
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
     # The grid's third dimension is the chunk cap.
@@ -113,21 +109,6 @@ def _decode_kernel(
                                     BLOCK_H, BLOCK_D)
                 tl.atomic_xchg(arrival, 0, sem="relaxed")
                 tl.store(o_ptrs, combined.to(O.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _prefetch_share(Prefetch, lines):
-    """This program's share of the ``lines`` 128-byte lines at ``Prefetch``, asked of L2 before it attends: the
-    weight the layer reads next streams in while attention waits on its chain of dependent loads."""
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    per = tl.cdiv(lines, programs)
-    start = program * per
-    end = tl.minimum(start + per, lines)
-    for first in range(start, end, 128):
-        line = tl.minimum(first + tl.arange(0, 128), end - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [Prefetch + line.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -262,7 +243,6 @@ def decode_attention(
     num_stages: int = 2,
     target_programs: int = 0,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request over its cached keys, written into ``out``.
 
@@ -279,8 +259,6 @@ def decode_attention(
     cache holds ``k / k_scale`` and ``v / v_scale`` (one scale per layer). ``rotary`` = ``(cos, sin)``, each
     ``[bs, head_dim]`` (HF's ``rotate_half`` layout, q's dtype, unit stride on head_dim): q and the new k (which
     ``new_kv`` must then hold) are not rotated yet, and the kernel applies the embedding as it loads them.
-    ``prefetch``: bytes (uint8, whole 128-byte lines) the programs ask L2 for as they start (the layer's next
-    weight).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -310,11 +288,10 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        prefetch if prefetch is not None else seq_lens, prefetch.numel() // 128 if prefetch is not None else 0,
         GROUP=group, BLOCK_H=max(triton.next_power_of_2(group), 16),
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_N=block_n, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        KV_FP8=kv_fp8, STORE_KV=new_kv is not None, ROTARY=rotary is not None, PREFETCH=prefetch is not None,
+        KV_FP8=kv_fp8, STORE_KV=new_kv is not None, ROTARY=rotary is not None,
         num_warps=4, num_stages=num_stages,
     )
