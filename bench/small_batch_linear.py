@@ -30,7 +30,7 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
 
 def explore_configs(weight_bytes: int, rows: int = 1) -> list:
     """A grid around the shipped configs: tile sizes moving 4-16 KB of weight per loop step (for more than one
-    row: ``tl.dot`` tiles of 4-32 KB with split-K)."""
+    row: ``tl.dot`` tiles of 4-32 KB with split-K; FP8 weights also as W8A8 tiles of up to 64 KB)."""
     from treadle.plugins.models.small_batch_kernels import SmallBatchConfig
 
     configs = []
@@ -38,6 +38,11 @@ def explore_configs(weight_bytes: int, rows: int = 1) -> list:
         for block_n, block_k, split_k in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4)):
             if 4096 <= block_n * block_k * weight_bytes <= 32768:
                 configs.append(SmallBatchConfig(block_n, block_k, 4, 4, split_k))
+        if weight_bytes == 1:
+            for block_n, block_k, split_k in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4)):
+                if 8192 <= block_n * block_k <= 65536:  # shared memory: 4 stages up to 32 KB tiles, then 3
+                    stages = 4 if block_n * block_k <= 32768 else 3
+                    configs.append(SmallBatchConfig(block_n, block_k, 4, stages, split_k, w8a8=True))
         return configs
     for block_n, block_k, split_k in itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024), (1, 2, 4, 8)):
         if not 4096 <= block_n * block_k * weight_bytes <= 16384:

@@ -33,7 +33,8 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
-                        BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
+                        BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
+                        X_scale, W8A8: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -52,6 +53,9 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
         else:
             gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
                                      BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
+        if W8A8:
+            row_scale = tl.load(X_scale + offs_m, mask=m_mask, other=0.0)[:, None]
+            gate, up = gate * row_scale, up * row_scale
         _store_silu_mul(Y, Scale, gate, up, offs_m, offs_n, m_mask, n_mask, N, stride_ym, HAS_SCALE)
     else:
         if GEMV:
@@ -61,6 +65,8 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
         tile_mask = m_mask[:, None] & n_mask[None, :]
+        if W8A8:  # the FP8 rows' own scales; a split's partial is scaled alike, so the sum needs nothing more
+            acc = acc * tl.load(X_scale + offs_m, mask=m_mask, other=0.0)[:, None]
         if SPLIT_K > 1:
             # Every split stores its float32 partial tile [SPLIT_K, M, N] and counts itself in; the last of the
             # tile's splits to arrive sums them (the release/acquire of the count makes the others' stores
@@ -267,7 +273,9 @@ class SmallBatchConfig(NamedTuple):
     separate programs into float32 partials, which the last of them to finish sums, scales and casts; 1 has
     no partials. ``gemv`` runs each row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
     along K), one program per row and tile: meant for one row, as more rows read each weight tile once per row.
-    Other configs use ``tl.dot`` (16 rows of ``x`` per program, 32 for batches of 17 to 32).
+    Other configs use ``tl.dot`` (16 rows of ``x`` per program, 32 for batches of 17 to 32). ``w8a8`` (FP8 weights
+    only): ``x`` is quantized per token to FP8 first (one more launch) and the tiles multiply FP8 by FP8 on 64-row
+    tiles, with both scales applied to the float32 result; the others widen an FP8 weight to 16 bits.
     """
 
     block_n: int
@@ -276,23 +284,28 @@ class SmallBatchConfig(NamedTuple):
     num_stages: int
     split_k: int = 1
     gemv: bool = False
+    w8a8: bool = False
 
     def __str__(self) -> str:
         label = f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}"
         if self.split_k > 1:
             label += f" split-k {self.split_k}"
-        return label + (" gemv" if self.gemv else "")
+        return label + (" gemv" if self.gemv else "") + (" w8a8" if self.w8a8 else "")
 
 
 # Tried at load per weight shape (small_batch.py). On an H100 the GEMVs win at one row for Llama-3.1-8B's FP8
 # projections (docs/benchmarks.md, FP8: tiles of 4-8 rows x 1-2k columns, split-K 2 for the 14336-wide
-# down_proj), split-K tl.dot at 16 rows for all but the widest (28672 x 4096): the narrow shapes fill too few
-# waves of programs over the SMs without splitting K.
+# down_proj); at 2-32 rows the W8A8 tiles win for qkv, o_proj and gate_up (64 x 256, 32 x 512, 128 x 256) and
+# split-K tiles that widen the weight for down_proj (32 x 256 split-K 4 at 16 rows, 64 x 128 split-K 4 at 32).
 FP8_CONFIGS = (
     SmallBatchConfig(32, 256, 4, 3, split_k=4),
     SmallBatchConfig(32, 256, 4, 4),
+    SmallBatchConfig(64, 128, 4, 4, split_k=4),
     SmallBatchConfig(64, 128, 4, 3, split_k=8),
     SmallBatchConfig(32, 512, 4, 3, split_k=2),
+    SmallBatchConfig(64, 256, 4, 4, w8a8=True),
+    SmallBatchConfig(32, 512, 4, 4, w8a8=True),
+    SmallBatchConfig(128, 256, 4, 4, w8a8=True),
     SmallBatchConfig(4, 2048, 4, 3, gemv=True),
     SmallBatchConfig(8, 2048, 8, 4, gemv=True),
     SmallBatchConfig(8, 1024, 4, 4, gemv=True),
@@ -330,16 +343,28 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     ``(rmsnorm(y + residual) * norm_weight, y + residual)`` instead, the norm computed by the program that finishes
     the row last.
     ``prefetch``: bytes (a uint8 tensor, see :func:`l2_prefetch_bytes`) the kernel's last programs ask L2 to
-    fetch as they finish, for the kernel that runs next."""
+    fetch as they finish, for the kernel that runs next. A ``w8a8`` config quantizes ``x`` per token first
+    (:func:`fp8_ops.quantize_per_token`)."""
     m, k = x.shape
     n = weight.shape[0]
+    out_dtype = x.dtype
+    x_scale = None
+    if config.w8a8:
+        if config.gemv or weight.element_size() != 1:
+            raise ValueError(f"w8a8 runs FP8 weights through tl.dot tiles, not {config} on {weight.dtype}")
+        from treadle.plugins.models.fp8_ops import quantize_per_token
+
+        x, x_scale = quantize_per_token(x)
     if silu_mul:
         if not fuses_silu_mul(config):
             raise ValueError(f"silu_mul runs configs without split-K (tl.dot tiles of 32+ columns), not {config}")
         n //= 2
         config = config._replace(block_n=max(config.block_n // 2, 1))
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = 1 if config.gemv else (16 if m <= 16 else 32)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    # W8A8 tiles pad the rows to 64, the least a Hopper warpgroup multiplies FP8 by (wgmma; narrower tiles
+    # widen both operands to 16 bits first): the padding costs tensor-core time, which a bandwidth-bound
+    # matmul has to spare.
+    block_m = 1 if config.gemv else 64 if config.w8a8 else (16 if m <= 16 else 32)
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
@@ -373,6 +398,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         Prefetch=prefetch if lines else weight, prefetch_lines=lines,
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
+        X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)

@@ -122,6 +122,12 @@ def _model_kernels() -> dict:
         "small_batch[fp8,split_k,prefetch]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256,
                                                           SPLIT_K=4, GEMV=False, HAS_SCALE=True, PREFETCH=True,
                                                           PREFETCH_BLOCK=64, expect_in_ptx="prefetch.global.L2"),
+        "small_batch[fp8,w8a8]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, GEMV=False,
+                                              HAS_SCALE=True, W8A8=True),
+        "small_batch[fp8,w8a8,split_k,32 rows]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
+                                                              SPLIT_K=4, GEMV=False, HAS_SCALE=True, W8A8=True),
+        "small_batch[fp8,w8a8,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1,
+                                                       GEMV=False, HAS_SCALE=True, W8A8=True, SILU_MUL=True),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -141,13 +147,14 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
     from treadle.plugins.models import small_batch_kernels
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
-                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, **constexprs}
+                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, **constexprs}
 
     def check() -> None:
         compiled = _compile(small_batch_kernels._small_batch_kernel,
-                            {"X": "*bf16", "W": weight_type, "Scale": "*fp32", "Y": "*bf16", "Partials": "*fp32",
-                             "Arrivals": "*i32", "Residual": "*bf16", "Norm_weight": "*bf16", "Normed": "*bf16",
-                             "Residual_out": "*bf16", "Prefetch": "*u8"}, {"eps"}, constexprs)
+                            {"X": "*fp8e4nv" if constexprs["W8A8"] else "*bf16", "W": weight_type, "Scale": "*fp32",
+                             "Y": "*bf16", "Partials": "*fp32", "Arrivals": "*i32", "Residual": "*bf16",
+                             "Norm_weight": "*bf16", "Normed": "*bf16", "Residual_out": "*bf16", "Prefetch": "*u8",
+                             "X_scale": "*fp32"}, {"eps"}, constexprs)
         assert expect_in_ptx is None or expect_in_ptx in compiled.asm["ptx"], f"no {expect_in_ptx} in the PTX"
 
     return check
@@ -161,7 +168,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
-           "small_batch[fp8,split_k,prefetch]",
+           "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k,32 rows]",
+           "small_batch[fp8,w8a8,silu_mul]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
