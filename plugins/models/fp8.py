@@ -124,13 +124,9 @@ class Fp8LinearMethod(LinearMethod):
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
         from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS
 
-        import os  # EXPERIMENT (A/B only)
-        configs = FP8_CONFIGS if os.environ.get("TREADLE_SWAP_AB", "1") != "0" else tuple(
-            c for c in FP8_CONFIGS if not c.swap_ab)
-        kind = "fp8" if len(configs) == len(FP8_CONFIGS) else "fp8-no-swap"
         weight, scale, dtype = layer.weight.data, layer.weight_scale.data, layer.fp8_out_dtype
-        return small_batch.choose(kind, weight, scale, dtype,
-                                  lambda x, w: fp8_matmul(*quantize_per_token(x), w, scale, dtype), configs)
+        return small_batch.choose("fp8", weight, scale, dtype,
+                                  lambda x, w: fp8_matmul(*quantize_per_token(x), w, scale, dtype), FP8_CONFIGS)
 
 
 def lm_head_method() -> Fp8LinearMethod:

@@ -104,11 +104,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if weight.is_cuda and weight.dtype in (torch.float16, torch.bfloat16) and use_triton(weight):
             from treadle.plugins.models.small_batch_kernels import SIXTEEN_BIT_CONFIGS
 
-            import os  # EXPERIMENT (A/B only)
-            configs = SIXTEEN_BIT_CONFIGS if os.environ.get("TREADLE_SWAP_AB", "1") != "0" else tuple(
-                c for c in SIXTEEN_BIT_CONFIGS if not c.swap_ab)
-            kind = "16-bit" if len(configs) == len(SIXTEEN_BIT_CONFIGS) else "16-bit-no-swap"
-            layer.small_batch = small_batch.choose(kind, weight, None, weight.dtype, F.linear, configs)
+            layer.small_batch = small_batch.choose("16-bit", weight, None, weight.dtype, F.linear,
+                                                   SIXTEEN_BIT_CONFIGS)
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = small_batch.matmul(layer.small_batch, x, layer.weight, None, layer.l2_prefetch)

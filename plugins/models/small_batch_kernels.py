@@ -34,7 +34,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
                         BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
-                        X_scale, W8A8: tl.constexpr, SWAP_AB: tl.constexpr):
+                        X_scale, W8A8: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -52,7 +52,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
             gate, up = gate[None, :], up[None, :]
         else:
             gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS, SWAP_AB)
+                                     BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
         if W8A8:
             row_scale = tl.load(X_scale + offs_m, mask=m_mask, other=0.0)[:, None]
             gate, up = gate * row_scale, up * row_scale
@@ -63,7 +63,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                        BLOCK_N, BLOCK_K, EVEN)[None, :]
         else:
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS, SWAP_AB)
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if W8A8:  # the FP8 rows' own scales; a split's partial is scaled alike, so the sum needs nothing more
             acc = acc * tl.load(X_scale + offs_m, mask=m_mask, other=0.0)[:, None]
@@ -157,12 +157,11 @@ def _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS
 
 @triton.jit
 def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr,
-          SWAP_AB: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         k_mask = (k + tl.arange(0, BLOCK_K)) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -170,23 +169,22 @@ def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, st
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot_acc(acc, x, w, SWAP_AB)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    return _untransposed(acc, SWAP_AB)
+    return acc
 
 
 @triton.jit
 def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr,
-                  SWAP_AB: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """``_rows`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of rows ``offs_m`` of x."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
-    gate = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
-    up = _zero_tile(BLOCK_M, BLOCK_N, SWAP_AB)
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         k_mask = (k + tl.arange(0, BLOCK_K)) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -197,41 +195,12 @@ def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, st
         else:
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        gate = _dot_acc(gate, x, w_gate, SWAP_AB)
-        up = _dot_acc(up, x, w_up, SWAP_AB)
+        gate += tl.dot(x, tl.trans(w_gate.to(x.dtype)))
+        up += tl.dot(x, tl.trans(w_up.to(x.dtype)))
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    return _untransposed(gate, SWAP_AB), _untransposed(up, SWAP_AB)
-
-
-@triton.jit
-def _zero_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """The float32 accumulator of a tile: ``[BLOCK_M, BLOCK_N]``, or its transpose with ``SWAP_AB``."""
-    if SWAP_AB:
-        tile = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    return tile
-
-
-@triton.jit
-def _dot_acc(acc, x, w, SWAP_AB: tl.constexpr):
-    """``acc + x @ w.T`` (the weight widened to x's dtype); with ``SWAP_AB`` ``acc + w @ x.T``: the weight tile is
-    the left operand, so its rows fill a Hopper warpgroup's 64-row ``wgmma`` and the few rows of x its 16-32
-    columns (otherwise the tile runs ``mma.sync`` on 16 rows, or 64 of them mostly padding)."""
-    if SWAP_AB:
-        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
-    else:
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    return acc
-
-
-@triton.jit
-def _untransposed(acc, SWAP_AB: tl.constexpr):
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    return acc
+    return gate, up
 
 
 @triton.jit
@@ -294,7 +263,7 @@ def _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr
 def fuses_silu_mul(config: SmallBatchConfig) -> bool:
     """Whether ``config`` can compute a gated MLP's ``silu(gate) * up`` in its kernel: no split-K, and a
     ``tl.dot`` tile that still has 16 columns of each half."""
-    return config.split_k == 1 and (config.gemv or config.block_n >= (128 if config.swap_ab else 32))
+    return config.split_k == 1 and (config.gemv or config.block_n >= 32)
 
 
 class SmallBatchConfig(NamedTuple):
@@ -316,14 +285,12 @@ class SmallBatchConfig(NamedTuple):
     split_k: int = 1
     gemv: bool = False
     w8a8: bool = False
-    swap_ab: bool = False
 
     def __str__(self) -> str:
         label = f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}"
         if self.split_k > 1:
             label += f" split-k {self.split_k}"
-        return label + (" gemv" if self.gemv else "") + (" w8a8" if self.w8a8 else "") + (
-            " swap-ab" if self.swap_ab else "")
+        return label + (" gemv" if self.gemv else "") + (" w8a8" if self.w8a8 else "")
 
 
 # Tried at load per weight shape (small_batch.py). On an H100 the GEMVs win at one row for Llama-3.1-8B's FP8
@@ -339,10 +306,6 @@ FP8_CONFIGS = (
     SmallBatchConfig(64, 256, 4, 4, w8a8=True),
     SmallBatchConfig(32, 512, 4, 4, w8a8=True),
     SmallBatchConfig(128, 256, 4, 4, w8a8=True),
-    SmallBatchConfig(64, 256, 4, 4, swap_ab=True),
-    SmallBatchConfig(128, 128, 4, 4, swap_ab=True),
-    SmallBatchConfig(64, 256, 4, 4, split_k=2, swap_ab=True),
-    SmallBatchConfig(128, 256, 4, 3, w8a8=True, swap_ab=True),
     SmallBatchConfig(4, 2048, 4, 3, gemv=True),
     SmallBatchConfig(8, 2048, 8, 4, gemv=True),
     SmallBatchConfig(8, 1024, 4, 4, gemv=True),
@@ -354,10 +317,6 @@ FP8_CONFIGS = (
 # read Llama-3.1-8B's gate_up and down_proj faster than cuBLAS at 32 rows on an H100 (128 x 128 and 32 x 256 tiles,
 # docs/benchmarks.md), and the one-row GEMVs, which read 16 KB tiles of 4 rows (10% faster than cuBLAS per layer).
 SIXTEEN_BIT_CONFIGS = (
-    SmallBatchConfig(64, 128, 4, 4, swap_ab=True),
-    SmallBatchConfig(128, 128, 4, 4, swap_ab=True),
-    SmallBatchConfig(64, 128, 4, 4, split_k=2, swap_ab=True),
-    SmallBatchConfig(128, 64, 4, 4, swap_ab=True),
     SmallBatchConfig(32, 128, 4, 4, split_k=4),
     SmallBatchConfig(32, 128, 4, 4),
     SmallBatchConfig(128, 128, 4, 4),
@@ -405,7 +364,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # W8A8 tiles pad the rows to 64, the least a Hopper warpgroup multiplies FP8 by (wgmma; narrower tiles
     # widen both operands to 16 bits first): the padding costs tensor-core time, which a bandwidth-bound
     # matmul has to spare.
-    block_m = 1 if config.gemv else 64 if config.w8a8 and not config.swap_ab else (16 if m <= 16 else 32)
+    block_m = 1 if config.gemv else 64 if config.w8a8 else (16 if m <= 16 else 32)
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
@@ -439,7 +398,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         Prefetch=prefetch if lines else weight, prefetch_lines=lines,
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
-        X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8, SWAP_AB=config.swap_ab,
+        X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)

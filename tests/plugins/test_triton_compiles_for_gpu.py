@@ -128,14 +128,6 @@ def _model_kernels() -> dict:
                                                               SPLIT_K=4, GEMV=False, HAS_SCALE=True, W8A8=True),
         "small_batch[fp8,w8a8,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1,
                                                        GEMV=False, HAS_SCALE=True, W8A8=True, SILU_MUL=True),
-        "small_batch[fp8,swap_ab]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2,
-                                                 GEMV=False, HAS_SCALE=True, SWAP_AB=True,
-                                                 expect_in_ptx="wgmma.mma_async.sync.aligned.m64n16k16"),
-        "small_batch[bf16,swap_ab,silu_mul]": _small_batch("*bf16", BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1,
-                                                           GEMV=False, HAS_SCALE=False, SWAP_AB=True, SILU_MUL=True),
-        "small_batch[fp8,w8a8,swap_ab]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=128, BLOCK_K=256, SPLIT_K=1,
-                                                      GEMV=False, HAS_SCALE=True, W8A8=True, SWAP_AB=True,
-                                                      expect_in_ptx="e4m3.e4m3"),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -155,8 +147,7 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
     from treadle.plugins.models import small_batch_kernels
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
-                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "SWAP_AB": False,
-                  **constexprs}
+                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, **constexprs}
 
     def check() -> None:
         compiled = _compile(small_batch_kernels._small_batch_kernel,
@@ -178,8 +169,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k,32 rows]",
-           "small_batch[fp8,w8a8,silu_mul]", "small_batch[fp8,swap_ab]", "small_batch[bf16,swap_ab,silu_mul]",
-           "small_batch[fp8,w8a8,swap_ab]",
+           "small_batch[fp8,w8a8,silu_mul]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
