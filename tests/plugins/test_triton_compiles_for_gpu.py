@@ -122,11 +122,12 @@ def _model_kernels() -> dict:
         "small_batch[fp8,split_k,prefetch]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256,
                                                           SPLIT_K=4, GEMV=False, HAS_SCALE=True, PREFETCH=True,
                                                           PREFETCH_BLOCK=64, expect_in_ptx="prefetch.global.L2"),
-        "small_batch[fp8,w8a8]": _small_batch("*fp8e4nv", BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, GEMV=False,
-                                              HAS_SCALE=True, W8A8=True),
-        "small_batch[fp8,w8a8,split_k,32 rows]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=128,
-                                                              SPLIT_K=4, GEMV=False, HAS_SCALE=True, W8A8=True),
-        "small_batch[fp8,w8a8,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1,
+        # W8A8 tiles run 64 rows (small_batch_matmul pads to them): FP8 x FP8 on Hopper's wgmma.
+        "small_batch[fp8,w8a8]": _small_batch("*fp8e4nv", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, GEMV=False,
+                                              HAS_SCALE=True, W8A8=True, expect_in_ptx="f32.e4m3.e4m3"),
+        "small_batch[fp8,w8a8,split_k]": _small_batch("*fp8e4nv", BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4,
+                                                      GEMV=False, HAS_SCALE=True, W8A8=True),
+        "small_batch[fp8,w8a8,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1,
                                                        GEMV=False, HAS_SCALE=True, W8A8=True, SILU_MUL=True),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
@@ -168,7 +169,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
-           "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k,32 rows]",
+           "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
