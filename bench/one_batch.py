@@ -35,7 +35,8 @@ comma-separated list of ``;``-separated ``KEY=VALUE`` overrides, e.g.
 counts each parameter's real bytes, so FP8 weights halve it); ``small_batch_matmul=library`` (or ``triton``)
 forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py);
 a ``TREADLE_*=VALUE`` item sets that environment variable for the variant only (e.g.
-``TREADLE_SMALL_BATCH_MATMUL=triton``), for switches read while a runner is built.
+``TREADLE_SMALL_BATCH_MATMUL=triton``), for switches read while a runner is built. Where a batch size has several
+treadle systems, an ``x first`` column gives each one's tok/s over the first's (FP8 over bf16 above).
 
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
@@ -65,8 +66,9 @@ import torch
 
 from treadle.bench.hf_peers import run_hf
 from treadle.bench.one_batch_profile import PROFILE_PREFILL_TOKENS, profile_decode, profile_prefill
-from treadle.bench.one_batch_report import (Measurement, default_output_name, fill_baseline_ratios, format_profile,
-                                            format_row, format_table, machine_info, measurement)
+from treadle.bench.one_batch_report import (Measurement, default_output_name, fill_baseline_ratios,
+                                            fill_first_ratios, format_profile, format_row, format_table,
+                                            machine_info, measurement)
 from treadle.bench.one_batch_steps import decode_step, place_batch, prefill, round_up
 from treadle.bench.roofline import free_memory, measure_copy_bandwidth, roofline_seconds, synchronize
 from treadle.bench.shapes import SHAPES, TINY, write_config
@@ -175,6 +177,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             runner = _release(runner)
     if args.baseline:
         fill_baseline_ratios(results, json.loads(Path(args.baseline).read_text()))
+    fill_first_ratios(results)
     print()
     print(format_table(results))
     for profile in profiles.values():

@@ -31,6 +31,7 @@ class Measurement:
     roofline_fraction: float
     first_tokens: list[int] = field(default_factory=list)
     ratio_vs_baseline: float | None = None  # tok/s vs the same system and batch size of an earlier run
+    ratio_vs_first: float | None = None  # tok/s vs the run's first treadle system at this batch size
 
 
 def measurement(system: str, backend: str | None, graph: bool | None, bs: int, prefill_s: float,
@@ -59,13 +60,26 @@ def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]
             r.ratio_vs_baseline = r.decode_tokens_per_s / before[(r.system, r.batch_size)]
 
 
+def fill_first_ratios(results: Sequence[Measurement]) -> None:
+    """Where a batch size has several treadle systems (backends, ``--compare`` variants), each one's tok/s over
+    the first of them: FP8 against bf16 weights with ``--compare "model.quantization=null,model.quantization=fp8"``."""
+    treadle = [r for r in results if r.backend not in (None, HF_COMPILED)]
+    for bs in {r.batch_size for r in treadle}:
+        same = [r for r in treadle if r.batch_size == bs]
+        if len(same) > 1:
+            for r in same:
+                r.ratio_vs_first = r.decode_tokens_per_s / same[0].decode_tokens_per_s
+
+
 def format_table(results: Sequence[Measurement]) -> str:
     hf = {r.batch_size: r for r in results if r.backend is None}
     compiled = {r.batch_size: r for r in results if r.backend == HF_COMPILED}
     with_baseline = any(r.ratio_vs_baseline is not None for r in results)
+    with_first = any(r.ratio_vs_first is not None for r in results)
     header = (f"{'system':<42}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'tok/s':>10}"
               f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}"
-              + (f"{'x hf-compiled':>15}" if compiled else "") + (f"{'x baseline':>12}" if with_baseline else ""))
+              + (f"{'x hf-compiled':>15}" if compiled else "") + (f"{'x baseline':>12}" if with_baseline else "")
+              + (f"{'x first':>9}" if with_first else ""))
     lines = [header, "-" * len(header)]
     for r in results:
         ref = hf.get(r.batch_size)
@@ -77,6 +91,8 @@ def format_table(results: Sequence[Measurement]) -> str:
             line += f"{r.decode_tokens_per_s / peer.decode_tokens_per_s:>15.2f}" if peer else f"{'-':>15}"
         if with_baseline:
             line += f"{r.ratio_vs_baseline:>12.2f}" if r.ratio_vs_baseline is not None else f"{'-':>12}"
+        if with_first:
+            line += f"{r.ratio_vs_first:>9.2f}" if r.ratio_vs_first is not None else f"{'-':>9}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -58,7 +58,7 @@ def test_hf_compiled_peer_uses_a_static_cache_and_matches_hf(tmp_path):
     assert "x hf-compiled" in format_table([eager, compiled])
 
 
-def test_one_batch_compares_bf16_and_fp8_weights(tmp_path):
+def test_one_batch_compares_bf16_and_fp8_weights(tmp_path, capsys):
     output = tmp_path / "fp8.json"
     assert main(["--tiny", "--device", "cpu", "--batch-sizes", "1", "--decode-steps", "2", "--input-len", "8",
                  "--backends", "torch_native", "--no-hf", "--no-profile", "--output", str(output),
@@ -68,6 +68,24 @@ def test_one_batch_compares_bf16_and_fp8_weights(tmp_path):
     fp8 = rows["treadle torch_native graphs=off [model.quantization=fp8]"]
     # The roofline counts FP8 weights at one byte: the decoder's linear layers halve, the embeddings do not.
     assert 0.5 * plain["roofline_ms"] < fp8["roofline_ms"] < 0.8 * plain["roofline_ms"]
+    # Each variant against the first, at the same batch size: the table's "x first" column.
+    assert plain["ratio_vs_first"] == 1.0
+    assert fp8["ratio_vs_first"] == pytest.approx(fp8["decode_tokens_per_s"] / plain["decode_tokens_per_s"])
+    assert "x first" in capsys.readouterr().out
+
+
+def test_first_ratios_only_where_a_batch_size_has_several_treadle_systems():
+    from treadle.bench.one_batch_report import fill_first_ratios, format_table, measurement
+
+    hf = measurement("HF generate", None, None, 1, 0.1, [0.04], [], 0.01)
+    only = measurement("treadle triton graphs=on", "triton", True, 1, 0.1, [0.02], [], 0.01)
+    fill_first_ratios([hf, only])
+    assert only.ratio_vs_first is None and "x first" not in format_table([hf, only])
+    a, b = (measurement(f"treadle triton graphs=on [{v}]", "triton", True, 32, 0.1, [t], [], 0.01)
+            for v, t in (("bf16", 0.008), ("fp8", 0.005)))
+    fill_first_ratios([hf, only, a, b])
+    assert only.ratio_vs_first is None and hf.ratio_vs_first is None
+    assert a.ratio_vs_first == 1.0 and b.ratio_vs_first == pytest.approx(1.6)
 
 
 def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
