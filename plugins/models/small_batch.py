@@ -122,10 +122,12 @@ def silu_mul_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: 
     """``silu(gate) * up`` of ``x @ (weight * scale).T`` = ``[gate | up]`` in one kernel where ``kernels`` chose a
     Triton config without split-K for M rows (on an H100 a gated MLP's one-token GEMV and its 128-column tiles at
     17-32 rows); None otherwise (the caller runs :func:`matmul` or its library matmul, then ``silu_mul``)."""
+    config = _config_for(kernels, x)
+    if config is None:  # before the import: off a GPU (no kernels chosen) Triton need not be installed
+        return None
     from treadle.plugins.models.small_batch_kernels import fuses_silu_mul, small_batch_matmul
 
-    config = _config_for(kernels, x)
-    if config is None or not fuses_silu_mul(config):
+    if not fuses_silu_mul(config):
         return None
     return small_batch_matmul(_unit_stride(x), weight, scale, config, silu_mul=True, prefetch=prefetch)
 

@@ -3,6 +3,8 @@ their validation. Timing itself needs a GPU (tests/gpu/test_fp8_gpu.py runs FP8 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -172,3 +174,14 @@ def test_l2_prefetch_is_off_on_the_cpu_and_at_zero_megabytes(monkeypatch):
                         lambda weight, limit: None if limit < 128 else pytest.fail("prefetch asked at 0 MB"))
     small_batch.chain_l2_prefetch(layers)
     assert all(layer.l2_prefetch is None for layer in layers)
+
+
+def test_a_cpu_forward_needs_no_triton():
+    """Triton is an optional extra: off a GPU no small-batch kernel is chosen, so a gated MLP (whose gate_up asks
+    for the fused SiLU·mul first) runs without importing it."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from treadle.plugins.models.layers import GatedMLP\n"
+            "print(tuple(GatedMLP(64, 128)(torch.randn(3, 64)).shape))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "(3, 64)", proc.stderr[-2000:]
