@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.plugins.models.fp8_ops import quantize_per_token
 from treadle.plugins.models.fused_kernels import rmsnorm_row, rounded_add
 
 
@@ -352,8 +353,6 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if config.w8a8:
         if config.gemv or weight.element_size() != 1:
             raise ValueError(f"w8a8 runs FP8 weights through tl.dot tiles, not {config} on {weight.dtype}")
-        from treadle.plugins.models.fp8_ops import quantize_per_token
-
         x, x_scale = quantize_per_token(x)
     if silu_mul:
         if not fuses_silu_mul(config):
