@@ -6,8 +6,7 @@ from CUDA graphs.
 Per shape (N x K, lm_head included) and number of rows M: bfloat16 ``F.linear`` (cuBLAS) and the Triton
 small-batch kernel on bfloat16 weights (every config of ``SIXTEEN_BIT_CONFIGS``); FP8 W8A8 (per-token quantization
 kernel + ``torch._scaled_mm``) and the Triton kernel on FP8 weights (``FP8_CONFIGS``). One-row GEMV configs run
-at one row only, as the engine runs them. ``--explore`` times a wider grid of configs (to pick the lists),
-``--pipelined`` the shipped configs and their GEMVs pipelined through 2-4 shared-memory stages. Each
+at one row only, as the engine runs them. ``--explore`` times a wider grid of configs (to pick the lists). Each
 line gives microseconds and weight bytes read per second; a summary per shape and M gives the winner, which is
 what ``small_batch.choose`` picks at load.
 """
@@ -54,13 +53,6 @@ def explore_configs(weight_bytes: int, rows: int = 1) -> list:
     return configs
 
 
-def pipelined_configs(shipped: Sequence) -> list:
-    """``shipped`` and, for each of its GEMVs, the same tile pipelined through 2, 3 and 4 stages with 4 and 8
-    warps."""
-    return list(shipped) + [config._replace(pipelined=True, num_stages=stages, num_warps=warps)
-                            for config in shipped if config.gemv for stages in (2, 3, 4) for warps in (4, 8)]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from treadle.plugins.models.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
     from treadle.plugins.models.small_batch import graph_seconds, weight_copies
@@ -71,7 +63,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--weights", default="bf16,fp8")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--explore", action="store_true")
-    parser.add_argument("--pipelined", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -89,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timings: dict[str, tuple[float, int]] = {}
             if "bf16" in kinds:
                 timings["bf16 F.linear"] = (graph_seconds(lambda i: F.linear(x, w16[i % len(w16)])), 2 * n * k)
-                for config in _configs(args, 2, rows, SIXTEEN_BIT_CONFIGS):
+                for config in explore_configs(2, rows) if args.explore else SIXTEEN_BIT_CONFIGS:
                     if rows == 1 or not config.gemv:
                         seconds = _seconds(lambda i, config=config: small_batch_matmul(x, w16[i % len(w16)], None,
                                                                                       config))
@@ -98,14 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timings["fp8 w8a8 _scaled_mm"] = (
                     graph_seconds(lambda i: fp8_matmul(*quantize_per_token(x), w8[i % len(w8)], ws, torch.bfloat16)),
                     n * k)
-                for config in _configs(args, 1, rows, FP8_CONFIGS):
+                for config in explore_configs(1, rows) if args.explore else FP8_CONFIGS:
                     if rows == 1 or not config.gemv:
                         seconds = _seconds(lambda i, config=config: small_batch_matmul(x, w8[i % len(w8)], ws, config))
                         timings[f"fp8 triton {config}"] = (seconds, n * k)
             for kernel, (seconds, weight_bytes) in timings.items():
                 results.append({"shape": name, "n": n, "k": k, "rows": rows, "kernel": kernel, "us": seconds * 1e6,
                                 "weight_GBps": weight_bytes / seconds / 1e9})
-                if not args.explore and not args.pipelined:
+                if not args.explore:
                     print(f"{name:13s} M={rows:3d} {kernel:42s} {seconds * 1e6:8.1f} us "
                           f"{weight_bytes / seconds / 1e9:7.0f} GB/s")
             for kind in kinds:
@@ -128,12 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-def _configs(args: argparse.Namespace, weight_bytes: int, rows: int, shipped: Sequence) -> list:
-    if args.explore:
-        return explore_configs(weight_bytes, rows)
-    return pipelined_configs(shipped) if args.pipelined else list(shipped)
 
 
 def _seconds(run) -> float:

@@ -89,13 +89,6 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
         return None
     if chosen_mode == "triton":
         return SmallBatchKernels((configs[0],) * len(ROW_BUCKETS))
-    experiment = os.environ.get("TREADLE_X_PIPELINED", "")  # EXPERIMENT: add / only the pipelined GEMVs
-    if experiment:
-        pipelined = [c._replace(pipelined=True, num_stages=s, num_warps=w) for c in configs if c.gemv
-                     for s in (2, 3, 4) for w in (4, 8)]
-        configs = list(configs) + pipelined if experiment == "add" else (
-            [c for c in configs if not c.gemv] + pipelined)
-        kind = f"{kind}+pipelined-{experiment}"
     key = (kind, weight.shape[0], weight.shape[1], weight.dtype, dtype, str(weight.device))
     if key not in _choices:
         from tqdm.auto import tqdm

@@ -35,7 +35,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
                         BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
-                        X_scale, W8A8: tl.constexpr, GEMV_STAGES: tl.constexpr):
+                        X_scale, W8A8: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -49,7 +49,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     if SILU_MUL:
         if GEMV:
             gate, up = _gate_up_row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, N,
-                                    stride_wn, BLOCK_N, BLOCK_K, EVEN, GEMV_STAGES)
+                                    stride_wn, BLOCK_N, BLOCK_K, EVEN)
             gate, up = gate[None, :], up[None, :]
         else:
             gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
@@ -61,7 +61,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     else:
         if GEMV:
             acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
-                       BLOCK_N, BLOCK_K, EVEN, GEMV_STAGES)[None, :]
+                       BLOCK_N, BLOCK_K, EVEN)[None, :]
         else:
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
@@ -206,15 +206,12 @@ def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, st
 
 @triton.jit
 def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         EVEN: tl.constexpr, STAGES: tl.constexpr):
-    """One row of x times the weight rows ``offs_n`` over ``k_start:k_end``. ``STAGES`` (None: a plain loop) has
-    Triton pipeline the loop's loads through shared memory (``cp.async``), which it does for loads that feed no
-    ``tl.dot`` only when asked."""
+         EVEN: tl.constexpr):
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+    for k in range(k_start, k_end, BLOCK_K):
         x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
         acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
         x_ptrs += BLOCK_K
@@ -224,7 +221,7 @@ def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.con
 
 @triton.jit
 def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """``_row`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of one row of x."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
@@ -232,7 +229,7 @@ def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOC
     up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
     gate = tl.zeros([BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_N], tl.float32)
-    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+    for k in range(k_start, k_end, BLOCK_K):
         x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
         gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
         up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
@@ -280,9 +277,6 @@ class SmallBatchConfig(NamedTuple):
     Other configs use ``tl.dot`` (16 rows of ``x`` per program, 32 for batches of 17 to 32). ``w8a8`` (FP8 weights
     only): ``x`` is quantized per token to FP8 first (one more launch) and the tiles multiply FP8 by FP8 on 64-row
     tiles, with both scales applied to the float32 result; the others widen an FP8 weight to 16 bits.
-    ``pipelined`` (GEMV only): the K loop streams the weight through ``num_stages`` shared-memory buffers with
-    asynchronous copies, so each program keeps that many steps of loads in flight (the plain GEMV issues a step's
-    loads when the previous step's sum needs them).
     """
 
     block_n: int
@@ -292,14 +286,12 @@ class SmallBatchConfig(NamedTuple):
     split_k: int = 1
     gemv: bool = False
     w8a8: bool = False
-    pipelined: bool = False
 
     def __str__(self) -> str:
         label = f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}"
         if self.split_k > 1:
             label += f" split-k {self.split_k}"
-        return (label + (" gemv" if self.gemv else "") + (" w8a8" if self.w8a8 else "")
-                + (" pipelined" if self.pipelined else ""))
+        return label + (" gemv" if self.gemv else "") + (" w8a8" if self.w8a8 else "")
 
 
 # Tried at load per weight shape (small_batch.py). On an H100 the GEMVs win at one row for Llama-3.1-8B's FP8
@@ -406,7 +398,6 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
         X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
-        GEMV_STAGES=config.num_stages if config.pipelined else None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)
