@@ -41,10 +41,15 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Added to the logits of these token ids before sampling (as OpenAI's ``logit_bias``: -100 bans a token,
+    # +100 all but forces it); keys may be given as strings of digits, as JSON objects carry them.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, (dict, bool)):
             self.json_schema = json.dumps(self.json_schema)
+        if self.logit_bias is not None:
+            self.logit_bias = _token_bias(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -66,6 +71,10 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -100 <= bias <= 100:
+                raise InvalidRequestError(f"logit_bias of token {token_id} must be in [-100, 100], got {bias!r}",
+                                          param="logit_bias")
         from treadle.core.grammar import validate_constraint_fields
 
         validate_constraint_fields(self)
@@ -89,6 +98,25 @@ class SamplingParams:
         if isinstance(value, SamplingParams):
             return value
         return cls(**value)
+
+
+def _token_bias(bias: Any) -> dict[int, float]:
+    """``bias`` as {token id: float}; InvalidRequestError for anything that is not a map of ids >= 0 to numbers."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}",
+                                  param="logit_bias")
+    normalized = {}
+    for key, value in bias.items():
+        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
+                                      param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(f"logit_bias of token {key} must be a number, got {value!r}", param="logit_bias")
+        if int(key) < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
+                                      param="logit_bias")
+        normalized[int(key)] = float(value)
+    return normalized
 
 
 class FinishReason:

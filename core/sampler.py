@@ -1,4 +1,4 @@
-"""Batched sampling: temperature, top-k, top-p, min-p, penalties, per-request seeds, log-probabilities.
+"""Batched sampling: temperature, top-k, top-p, min-p, penalties, logit bias, per-request seeds, log-probabilities.
 
 Every request draws its noise from a counter-based hash of (seed, output
 position, token id), so a seeded request samples the same tokens whatever
@@ -24,7 +24,8 @@ class SamplingBatch:
     An all-greedy batch carries no tensors at all (argmax needs none). Otherwise the
     parameters travel in two host-to-device copies (one float, one int64 table).
     Penalties are built by the Sampler from its :class:`PenaltyPool` (token counts
-    kept on the device across steps) for ``penalty_reqs``.
+    kept on the device across steps) for ``penalty_reqs``. Requests' ``logit_bias`` entries
+    travel as one sparse (rows, token ids, biases) triple, greedy batches included.
     """
 
     temperatures: torch.Tensor | None  # [bs, 1] float32 (greedy rows hold 1.0)
@@ -42,6 +43,7 @@ class SamplingBatch:
     return_logprob: bool
     top_logprobs_num: int
     penalty_reqs: list[Req] | None = None  # the batch's requests, when any of them uses penalties
+    logit_bias: "LogitBias | None" = None
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
@@ -50,9 +52,10 @@ class SamplingBatch:
         penalty_reqs = reqs if any(p.has_penalties for p in params) else None
         return_logprob = any(req.return_logprob for req in reqs)
         top_logprobs_num = max((req.top_logprobs_num for req in reqs), default=0)
+        logit_bias = LogitBias.from_params(params, device)
         if all_greedy:
             return cls(None, None, None, None, None, None, None, True, False, False, False, None,
-                       return_logprob, top_logprobs_num, penalty_reqs)
+                       return_logprob, top_logprobs_num, penalty_reqs, logit_bias)
         floats, ints = [], []
         need_top_p = need_top_k = need_min_p = False
         for req, p in zip(reqs, params):
@@ -82,7 +85,33 @@ class SamplingBatch:
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             penalty_reqs=penalty_reqs,
+            logit_bias=logit_bias,
         )
+
+
+@dataclass
+class LogitBias:
+    """The ``logit_bias`` entries of one step's rows: ``logits[rows[i], token_ids[i]] += biases[i]``."""
+
+    rows: torch.Tensor  # [entries] int64
+    token_ids: torch.Tensor  # [entries] int64
+    biases: torch.Tensor  # [entries] float32
+
+    @classmethod
+    def from_params(cls, params: list, device: torch.device) -> "LogitBias | None":
+        """The entries of the rows whose parameters have a ``logit_bias`` (None when none has): two host-to-device
+        copies for the whole batch."""
+        if not any(p.logit_bias for p in params):
+            return None
+        indices = [(row, token_id) for row, p in enumerate(params) for token_id in (p.logit_bias or {})]
+        biases = [bias for p in params for bias in (p.logit_bias or {}).values()]
+        index_table = _to_device(torch.tensor(indices, dtype=torch.int64), device)
+        return cls(index_table[:, 0], index_table[:, 1], _to_device(torch.tensor(biases, dtype=torch.float32), device))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of ``logits`` with the biases added (``logits`` itself is left as it was: the raw
+        distribution gives the log-probabilities)."""
+        return logits.float().index_put((self.rows, self.token_ids), self.biases, accumulate=True)
 
 
 @dataclass
@@ -217,6 +246,8 @@ class Sampler:
             penalties = self.penalty_pool.batch(batch.penalty_reqs)
         if penalties is not None:
             logits = penalties.apply(logits.float())
+        if batch.logit_bias is not None:
+            logits = batch.logit_bias.apply(logits)
         if batch.all_greedy:
             # No float32 copy: widening a 16-bit logit is exact, so its argmax is the same token.
             next_ids = argmax_last_dim(logits)

@@ -125,6 +125,10 @@ class Scheduler(BatchBuilding, OutputProcessing):
         vocab = self.runner.vocab_size
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
+        bias = req.sampling_params.logit_bias
+        if bias and max(bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias names token {max(bias)}, but token ids must be in [0, {vocab})",
+                                      param="logit_bias")
         if not 0 <= req.top_logprobs_num <= vocab:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), "
                                       f"got {req.top_logprobs_num}", param="top_logprobs_num")

@@ -306,6 +306,7 @@ def _sampling_params(manager: TokenizerManager, body: _SamplingFields, prompt_le
         min_p=body.min_p, repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, stop=body.stop, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
+        logit_bias=body.logit_bias,
     )
 
 

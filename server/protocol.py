@@ -6,9 +6,13 @@ Unknown fields are ignored, as OpenAI's own API does for fields it does not use.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+
+# ``logit_bias``: token id (a JSON object's keys are strings of digits) -> bias added to its logit.
+LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]]
 
 
 class _Body(BaseModel):
@@ -50,6 +54,7 @@ class _SamplingFields(_Body):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # treadle / SGLang extras
     top_k: int = -1
@@ -91,6 +96,16 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Without this, an image part fails every member of the union and the 400 lists their three complaints.
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -160,6 +175,7 @@ class NativeSamplingParams(_Body):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    logit_bias: LogitBias | None = None
 
 
 class GenerateRequest(_Body):

@@ -266,6 +266,9 @@ class TokenizerManager:
             raise RequestError("the prompt is empty", param=param)
         if self.vocab_size and any(not 0 <= t < self.vocab_size for t in input_ids):
             raise RequestError(f"token ids must be in [0, {self.vocab_size})", param=param)
+        if self.vocab_size and params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise RequestError(f"logit_bias names token {max(params.logit_bias)}, but token ids must be in "
+                               f"[0, {self.vocab_size})", param="logit_bias")
         if self.context_len and len(input_ids) >= self.context_len:
             raise RequestError(
                 f"the prompt has {len(input_ids)} tokens but this model's context length is {self.context_len}; "

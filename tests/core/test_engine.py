@@ -166,6 +166,21 @@ def test_penalties_and_min_p_change_the_distribution_but_stay_valid(tiny_llama_d
     assert_kv_accounted(engine)
 
 
+def test_logit_bias_bans_and_forces_tokens_batched_with_unbiased_requests(tiny_llama_dir, llama_reference):
+    engine = make_engine(tiny_llama_dir)
+    banned = llama_reference[0][0]
+    params = [{**vars(GREEDY), "logit_bias": {str(banned): -100}}, GREEDY,
+              {**vars(GREEDY), "logit_bias": {7: 100}}, GREEDY]
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert banned not in outs[0].token_ids and outs[0].token_ids != llama_reference[0]
+    assert outs[2].token_ids == [7] * NEW_TOKENS
+    assert [outs[1].token_ids, outs[3].token_ids] == [llama_reference[1], llama_reference[3]]
+    vocab = engine.scheduler.runner.vocab_size
+    with pytest.raises(InvalidRequestError, match=f"logit_bias names token {vocab}"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params={**vars(GREEDY), "logit_bias": {vocab: 1}})
+    assert_kv_accounted(engine)
+
+
 def test_stop_token_ids_and_max_new_tokens(tiny_llama_dir, llama_reference):
     engine = make_engine(tiny_llama_dir)
     target = llama_reference[0][4]

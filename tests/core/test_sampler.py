@@ -1,4 +1,4 @@
-"""The sampler's tables: greedy batches carry no tensors, penalties match a from-scratch count."""
+"""The sampler's tables: greedy batches carry no tensors, penalties match a from-scratch count, logit bias."""
 
 from __future__ import annotations
 
@@ -80,6 +80,46 @@ def test_sampler_applies_pooled_penalties_like_the_reference() -> None:
     logits[:, 3] = 10.0  # the favourite, until a's frequency penalty (3 x 5) pushes it below 0
     ids = Sampler()(logits, SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))).next_token_ids
     assert ids[0].item() != 3 and ids[1].item() == 3
+
+
+def test_logit_bias_moves_only_its_rows_tokens_and_leaves_the_logprobs_raw() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB).to(torch.bfloat16)
+    favourite = logits.float().argmax(-1)
+    reqs = [_req("ban", [1], [], 0, temperature=0.0, logit_bias={int(favourite[0]): -100}),
+            _req("force", [1], [], 1, temperature=0.0, logit_bias={"7": 100.0, 8: -3}),
+            _req("plain", [1], [], 2, temperature=0.0),
+            _req("sampled", [1], [2], 3, temperature=0.8, seed=4, logit_bias={11: 100})]
+    for req in reqs:
+        req.return_logprob = True
+    batch = SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))
+    assert batch.logit_bias.rows.tolist() == [0, 1, 1, 3]
+    assert batch.logit_bias.token_ids.tolist() == [int(favourite[0]), 7, 8, 11]
+    raw = logits.clone()
+    result = Sampler()(logits, batch)
+    ids = result.next_token_ids.tolist()
+    biased = logits.float()
+    biased[0, favourite[0]] -= 100
+    assert ids[0] == biased[0].argmax().item() != favourite[0].item()
+    assert ids[1:] == [7, favourite[2].item(), 11]
+    assert torch.equal(logits, raw)  # the model's logits are not changed in place
+    chosen = torch.log_softmax(raw.float(), -1).gather(1, result.next_token_ids[:, None]).squeeze(1)
+    assert torch.equal(result.logprobs, chosen)
+    # Without any bias the batch carries none.
+    assert SamplingBatch.from_reqs(reqs[2:3], VOCAB, torch.device("cpu")).logit_bias is None
+
+
+def test_logit_bias_is_checked_and_normalized() -> None:
+    import pytest
+
+    from treadle.core.request import InvalidRequestError
+
+    assert SamplingParams(logit_bias={"12": 1, 3: -2.5}).logit_bias == {12: 1.0, 3: -2.5}
+    for bad in ({"x": 1}, {-1: 1}, {3: "a"}, {True: 1}, [3]):
+        with pytest.raises(InvalidRequestError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={3: 100.5}).verify()
 
 
 def test_16_bit_logits_sample_what_their_float32_widening_samples() -> None:

@@ -297,6 +297,23 @@ def test_native_generate_follows_regex_and_json_schema(http: httpx.Client) -> No
     assert list(json.loads(results[2]["text"])) == ["n"]
 
 
+def test_logit_bias_bans_and_forces_tokens_on_every_route(client: openai.OpenAI, http: httpx.Client) -> None:
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    first = http.post("/generate", json={"text": "Hello", "sampling_params": greedy}).json()["output_ids"][0]
+    banned = http.post("/generate", json={"text": "Hello", "sampling_params": {
+        **greedy, "logit_bias": {str(first): -100}}}).json()
+    forced = http.post("/generate", json={"text": "Hello", "sampling_params": {
+        **greedy, "logit_bias": {str(first): 100}}}).json()
+    assert first not in banned["output_ids"] and forced["output_ids"] == [first] * 3
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                           logit_bias={str(first): 100}, extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == forced["text"]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0.7, seed=1,
+                                          logit_bias={str(first): 100}, extra_body={"ignore_eos": True},
+                                          logprobs=True)
+    assert chat.choices[0].message.content == forced["text"]
+
+
 def test_native_generate_logprobs(http: httpx.Client) -> None:
     result = http.post("/generate", json={
         "input_ids": [1, 10, 11, 12], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
@@ -391,6 +408,14 @@ BAD_REQUESTS = [
     ("schema not json", "/generate", {"text": "x", "sampling_params": {"json_schema": "{"}}, 400, "json_schema"),
     ("two constraints", "/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
      400, "ebnf"),
+    ("image content part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages.0.content"),
+    ("logit_bias key not a token id", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"a": 1}}, 400,
+     "logit_bias.a.[key]"),
+    ("logit_bias out of range", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    ("logit_bias beyond the vocabulary", "/generate",
+     {"text": "x", "sampling_params": {"logit_bias": {"99999999": 1}}}, 400, "logit_bias"),
 ]
 
 
