@@ -146,6 +146,10 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         _check_model(manager, body.model)
         if body.suffix:
             raise RequestError("`suffix` is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            # Choosing the best of several server-side is not implemented: say so rather than return n choices.
+            raise RequestError(f"`best_of` is not supported (only best_of == n, got {body.best_of} with n = {body.n})",
+                               param="best_of")
         prompts = _completion_prompts(manager, body.prompt)
         params = [_sampling_params(manager, body, len(p), _COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts]
         constraint = constraint_fields(body)

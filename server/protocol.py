@@ -152,6 +152,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
 class NativeSamplingParams(_Body):

@@ -408,6 +408,7 @@ BAD_REQUESTS = [
     ("schema not json", "/generate", {"text": "x", "sampling_params": {"json_schema": "{"}}, 400, "json_schema"),
     ("two constraints", "/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
      400, "ebnf"),
+    ("best_of above n", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("image content part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      400, "messages.0.content"),
