@@ -107,14 +107,13 @@ def _token_bias(bias: Any) -> dict[int, float]:
                                   param="logit_bias")
     normalized = {}
     for key, value in bias.items():
-        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+        is_id = (isinstance(key, int) and not isinstance(key, bool) and key >= 0) or (
+            isinstance(key, str) and key.isdigit())
+        if not is_id:
             raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
                                       param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError(f"logit_bias of token {key} must be a number, got {value!r}", param="logit_bias")
-        if int(key) < 0:
-            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
-                                      param="logit_bias")
         normalized[int(key)] = float(value)
     return normalized
 
