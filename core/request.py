@@ -188,6 +188,12 @@ class Req:
         self._kv_tail: list[int] = []
         seed = self.sampling_params.seed
         self.sample_seed = seed if seed is not None else (uuid.uuid4().int & 0x7FFFFFFF)
+        # (token ids, biases) of the request's logit_bias as CPU tensors, built once: the sampler concatenates
+        # a step's rows from them instead of walking every entry of every request again each step.
+        bias = self.sampling_params.logit_bias
+        self.logit_bias_table: tuple[torch.Tensor, torch.Tensor] | None = (
+            torch.tensor(list(bias), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32)
+        ) if bias else None
 
     @staticmethod
     def new_rid() -> str:

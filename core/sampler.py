@@ -52,7 +52,7 @@ class SamplingBatch:
         penalty_reqs = reqs if any(p.has_penalties for p in params) else None
         return_logprob = any(req.return_logprob for req in reqs)
         top_logprobs_num = max((req.top_logprobs_num for req in reqs), default=0)
-        logit_bias = LogitBias.from_params(params, device)
+        logit_bias = LogitBias.from_reqs(reqs, device)
         if all_greedy:
             return cls(None, None, None, None, None, None, None, True, False, False, False, None,
                        return_logprob, top_logprobs_num, penalty_reqs, logit_bias)
@@ -98,15 +98,18 @@ class LogitBias:
     biases: torch.Tensor  # [entries] float32
 
     @classmethod
-    def from_params(cls, params: list, device: torch.device) -> "LogitBias | None":
-        """The entries of the rows whose parameters have a ``logit_bias`` (None when none has): two host-to-device
-        copies for the whole batch."""
-        if not any(p.logit_bias for p in params):
+    def from_reqs(cls, reqs: list[Req], device: torch.device) -> "LogitBias | None":
+        """The entries of the rows whose requests have a ``logit_bias`` (None when none has), from each request's
+        ``logit_bias_table``: two host-to-device copies for the whole batch."""
+        biased = [(row, req.logit_bias_table) for row, req in enumerate(reqs) if req.logit_bias_table is not None]
+        if not biased:
             return None
-        indices = [(row, token_id) for row, p in enumerate(params) for token_id in (p.logit_bias or {})]
-        biases = [bias for p in params for bias in (p.logit_bias or {}).values()]
-        index_table = _to_device(torch.tensor(indices, dtype=torch.int64), device)
-        return cls(index_table[:, 0], index_table[:, 1], _to_device(torch.tensor(biases, dtype=torch.float32), device))
+        token_ids = torch.cat([ids for _, (ids, _) in biased])
+        rows = torch.repeat_interleave(torch.tensor([row for row, _ in biased]),
+                                       torch.tensor([len(ids) for _, (ids, _) in biased]))
+        index_table = _to_device(torch.stack([rows, token_ids]), device)
+        biases = _to_device(torch.cat([values for _, (_, values) in biased]), device)
+        return cls(index_table[0], index_table[1], biases)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``logits`` with the biases added (``logits`` itself is left as it was: the raw

@@ -42,6 +42,10 @@ def _generate(config: dict) -> tuple[list[list[int]], list[list[int]], Engine]:
 def _run(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
     first = [out.token_ids for out in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     again = [out.token_ids for out in engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)]
+    # Every rank samples with the request's logit bias (it travels inside the pickled request).
+    banned = {**GREEDY, "logit_bias": {first[0][0]: -100}}
+    again.append(engine.generate(input_ids=PROMPTS[0], sampling_params=banned).token_ids)
+    assert first[0][0] not in again[-1]
     return first, again
 
 
