@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 
 # ``logit_bias``: token id (a JSON object's keys are strings of digits) -> bias added to its logit.
-LogitBias = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]]
+LogitBiasMap = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]]
 
 
 class _Body(BaseModel):
@@ -54,7 +54,7 @@ class _SamplingFields(_Body):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: LogitBias | None = None
+    logit_bias: LogitBiasMap | None = None
     user: str | None = None
     # treadle / SGLang extras
     top_k: int = -1
@@ -176,7 +176,7 @@ class NativeSamplingParams(_Body):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
-    logit_bias: LogitBias | None = None
+    logit_bias: LogitBiasMap | None = None
 
 
 class GenerateRequest(_Body):

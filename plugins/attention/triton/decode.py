@@ -107,22 +107,21 @@ def _decode_kernel(
                                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req,
                                  kv_head, start, end, offs_d, d_mask, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, KV_FP8)
         o_ptrs = O + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
-        o_mask = q_mask
         if num_splits == 1:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
         else:
             mo_ptrs = Mid_o + req * stride_mo_req + heads[:, None] * stride_mo_head + offs_d[None, :]
             ml_ptrs = Mid_lse + req * stride_ml_req + heads * stride_ml_head
-            tl.store(mo_ptrs + split * stride_mo_split, out, mask=o_mask)
+            tl.store(mo_ptrs + split * stride_mo_split, out, mask=q_mask)
             tl.store(ml_ptrs + split, lse, mask=head_mask)
             tl.debug_barrier()  # every thread's partial is stored before the count releases them
             arrival = Arrivals + req * tl.num_programs(1) + kv_head
             # The release/acquire of the count makes the other chunks' partials visible to the last one.
             if tl.atomic_add(arrival, 1, sem="acq_rel") == num_splits - 1:
-                combined = _combine(mo_ptrs, ml_ptrs, num_splits, stride_mo_split, head_mask, o_mask,
+                combined = _combine(mo_ptrs, ml_ptrs, num_splits, stride_mo_split, head_mask, q_mask,
                                     BLOCK_H, BLOCK_D)
                 tl.atomic_xchg(arrival, 0, sem="relaxed")
-                tl.store(o_ptrs, combined.to(O.dtype.element_ty), mask=o_mask)
+                tl.store(o_ptrs, combined.to(O.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
