@@ -10,7 +10,9 @@ times the configs per weight shape at load and keeps the fastest (or the library
 layers use it up to 32 rows, 16-bit layers too wherever it times faster than cuBLAS at load.
 
 Given the head of the next layer's weight (``prefetch``), the kernel's last programs ask L2 for it as they finish,
-so the memory works through the gap between the two kernels (``small_batch.chain_l2_prefetch``).
+so the memory works through the gap between the two kernels (``small_batch.chain_l2_prefetch``). The one-row
+GEMV is launched with programmatic dependent launch on Hopper (``core/pdl.py``): it loads its first weight block
+while the kernel before it finishes, and lets the next kernel start once its own weight loop is done.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
@@ -23,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.core.pdl import allow_next, wait_for_previous
+from treadle.core.pdl import enabled as pdl_enabled
 from treadle.plugins.models.fp8_ops import quantize_per_token
 from treadle.plugins.models.fused_kernels import rmsnorm_row, rounded_add
 
@@ -35,7 +39,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
                         BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
-                        X_scale, W8A8: tl.constexpr):
+                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -46,10 +50,13 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     # Each split's range is a multiple of BLOCK_K, so masking against K alone never reads the next split.
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if not GEMV:
+        wait_for_previous(PDL)
+        allow_next(PDL)
     if SILU_MUL:
         if GEMV:
             gate, up = _gate_up_row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, N,
-                                    stride_wn, BLOCK_N, BLOCK_K, EVEN)
+                                    stride_wn, BLOCK_N, BLOCK_K, EVEN, PDL)
             gate, up = gate[None, :], up[None, :]
         else:
             gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
@@ -61,7 +68,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     else:
         if GEMV:
             acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
-                       BLOCK_N, BLOCK_K, EVEN)[None, :]
+                       BLOCK_N, BLOCK_K, EVEN, PDL)[None, :]
         else:
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
@@ -206,36 +213,45 @@ def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, st
 
 @triton.jit
 def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         EVEN: tl.constexpr):
+         EVEN: tl.constexpr, PDL: tl.constexpr):
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
-        acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+    # The first weight block is read before waiting for the kernel before (core/pdl.py): the weight is not its.
+    w = _weight_tile(w_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
+    wait_for_previous(PDL)
+    acc = tl.sum(w * _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN)[None, :], axis=1)
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
+        acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+    allow_next(PDL)  # after the weight loop: an earlier go-ahead measured slower (docs/benchmarks.md)
     return acc
 
 
 @triton.jit
 def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """``_row`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of one row of x."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
-    gate = tl.zeros([BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
-        gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
-        up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+    w_gate = _weight_tile(gate_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
+    w_up = _weight_tile(up_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
+    wait_for_previous(PDL)
+    x = _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN)
+    gate = tl.sum(w_gate * x[None, :], axis=1)
+    up = tl.sum(w_up * x[None, :], axis=1)
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
+        gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+        up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+    allow_next(PDL)
     return gate, up
 
 
@@ -381,6 +397,9 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # vectors unpredicated).
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split_k == k
     programs = grid[0] * grid[1] * grid[2]
+    # One token: the GEMV launches with PDL (core/pdl.py) and reads its first weight block while the kernel
+    # before it finishes.
+    pdl = config.gemv and m == 1 and pdl_enabled(x.device)
     lines = prefetch.numel() // 128 if prefetch is not None else 0
     first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
     _small_batch_kernel[grid](
@@ -398,6 +417,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
         X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
+        PDL=pdl, launch_pdl=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)

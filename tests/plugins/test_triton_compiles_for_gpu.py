@@ -49,9 +49,10 @@ def _attention_kernels() -> dict:
     checks = {}
     for kv in KV_TYPES:
         fp8 = kv != "bf16"
-        for store, rotary in ((False, False), (True, False), (True, True)):
-            name = f"decode[{kv},store_kv={store}" + (",rotary]" if rotary else "]")
-            checks[name] = lambda kv=kv, fp8=fp8, store=store, rotary=rotary: _compile(
+        for store, rotary, pdl in ((False, False, False), (True, False, False), (True, True, False),
+                                   (True, True, True)):
+            name = f"decode[{kv},store_kv={store}" + (",rotary" if rotary else "") + (",pdl]" if pdl else "]")
+            checks[name] = lambda kv=kv, fp8=fp8, store=store, rotary=rotary, pdl=pdl: _check_pdl(pdl, _compile(
                 decode._decode_kernel,
                 {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "New_loc": "*i64", "K_cache": f"*{kv}",
                  "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Seq_lens": "*i64",
@@ -59,7 +60,8 @@ def _attention_kernels() -> dict:
                  "Sin": "*bf16"},
                 {"qk_scale", "k_scale", "v_scale", "fp8_max"},
                 dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary))
+                     MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary,
+                     PDL=pdl)), triggers=False)
         checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
             extend._extend_kernel,
             {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
@@ -97,6 +99,11 @@ def _model_kernels() -> dict:
                                                  GEMV=False, HAS_SCALE=True),
         "small_batch[fp8,gemv]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
                                               GEMV=True, HAS_SCALE=True),
+        "small_batch[fp8,gemv,pdl]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1,
+                                                  GEMV=True, HAS_SCALE=True, PDL=True),
+        "small_batch[bf16,gemv,silu_mul,pdl]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048,
+                                                                 SPLIT_K=1, GEMV=True, HAS_SCALE=False, EVEN=True,
+                                                                 SILU_MUL=True, PDL=True),
         "small_batch[fp8,gemv,even]": _small_batch("*fp8e4nv", BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1,
                                                    GEMV=True, HAS_SCALE=True, EVEN=True),
         "small_batch[bf16,gemv,split_k]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=32, BLOCK_K=256,
@@ -141,6 +148,14 @@ def _model_kernels() -> dict:
     }
 
 
+def _check_pdl(pdl: bool, compiled, triggers: bool = True) -> None:
+    """A kernel compiled for PDL waits for the kernel before it and (``triggers``) lets the next one start
+    (core/pdl.py); compiled without, it does neither."""
+    ptx = compiled.asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == pdl
+    assert ("griddepcontrol.launch_dependents" in ptx) == (pdl and triggers)
+
+
 def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexprs: object):
     """The small-batch matmul kernel with these constexprs (split-K variants also write float32 partials; bounds
     masks unless EVEN is given; SILU_MUL: the gated-MLP epilogue; 16-bit weights' tiles load with evict_first;
@@ -148,7 +163,8 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
     from treadle.plugins.models import small_batch_kernels
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
-                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, **constexprs}
+                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "PDL": False,
+                  **constexprs}
 
     def check() -> None:
         compiled = _compile(small_batch_kernels._small_batch_kernel,
@@ -157,15 +173,18 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
                              "Norm_weight": "*bf16", "Normed": "*bf16", "Residual_out": "*bf16", "Prefetch": "*u8",
                              "X_scale": "*fp32"}, {"eps"}, constexprs)
         assert expect_in_ptx is None or expect_in_ptx in compiled.asm["ptx"], f"no {expect_in_ptx} in the PTX"
+        _check_pdl(constexprs["PDL"], compiled)
 
     return check
 
 
 KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
-           "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]", "decode[fp8e4nv,store_kv=True,rotary]",
+           "decode[bf16,store_kv=True,rotary,pdl]", "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]",
+           "decode[fp8e4nv,store_kv=True,rotary]", "decode[fp8e4nv,store_kv=True,rotary,pdl]",
            "extend[bf16]", "extend[fp8e4nv]",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
-           "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,even]",
+           "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,pdl]",
+           "small_batch[bf16,gemv,silu_mul,pdl]", "small_batch[fp8,gemv,even]",
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",

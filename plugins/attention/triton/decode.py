@@ -23,11 +23,14 @@ CUDA graph captured for a batch size replays for any lengths. Programs past a
 request's chunk count exit after their first loads: a batch of short requests
 pays for its chunks, not for the cap.
 
-Every load that does not depend on the request's length (q, the new K/V, the
-request's row of ``req_to_token``) is issued before the branch on it, and each
-block's V with its K: at one request the kernel is a chain of dependent loads,
-and this takes links out of it (7.28 -> 7.07 us a layer at 576 keys on an H100,
-docs/benchmarks.md).
+At one request the kernel is a chain of dependent loads (the length, the
+request's row of ``req_to_token``, the slots, K and V, the partials). Where it
+stores the new K/V itself, everything up to the chunk's first block of cached
+K/V was written before the step, so it is loaded first, and on Hopper the kernel
+is launched with programmatic dependent launch (``core/pdl.py``): those loads run
+while the q/k/v matmul before it finishes, and the kernel waits for it only
+before it reads q and the new K/V (the new token's slot in that first block is
+patched in registers). Each block's V is loaded with its K.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import triton
 import triton.language as tl
 
 from treadle.core.kv_store import saturate_to_fp8
+from treadle.core.pdl import wait_for_previous
+from treadle.core.pdl import enabled as pdl_enabled
 
 _LOG2E = 1.4426950408889634
 
@@ -67,19 +72,38 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, STORE_KV: tl.constexpr, ROTARY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Everything that does not depend on the request's length is loaded before the branch on it, so these loads
-    # fly together with the length's: at one request the kernel is a chain of dependent loads, ~1 us each.
+    # The request's length, row of req_to_token and cached keys were written before this step's kernels, so they
+    # are read before waiting for the kernel before (core/pdl.py): at one request the kernel is a chain of
+    # dependent loads, ~1 us each, and this takes the chain off the step's critical path.
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
     pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     head_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
+    # The grid's third dimension is the chunk cap.
+    kv_begin, visible, num_splits = _num_splits(seq_len, window, tl.num_programs(2), MIN_SPLIT_TOKENS)
+    # Chunks are whole blocks of BLOCK_N keys, so the last ones may be empty.
+    split_len = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_begin + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    first_pos = start + tl.arange(0, BLOCK_N)
+    if STORE_KV:
+        # The chunk's first block, but for the new token's slot, which this kernel writes (patched in below).
+        first_end = tl.where(split < num_splits, end, start)  # nothing read past the request's chunks
+        first_k, first_v = _kv_block(K_cache, V_cache, Req_to_token, pool_row, first_pos, first_pos < first_end,
+                                     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req, kv_head,
+                                     offs_d, d_mask)
+    else:  # the new token's K/V is in the cache, written by a kernel before: nothing read early
+        first_k, first_v = Q, Q
+    wait_for_previous(PDL)
+
     heads = kv_head * GROUP + offs_h
     q_ptrs = Q + req.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
     q_mask = head_mask[:, None] & d_mask[None, :]
@@ -91,21 +115,19 @@ def _decode_kernel(
         new_slot, new_k, new_v = _new_kv(K_new, V_new, New_loc, K_cache, V_cache, Cos, Sin, k_scale, v_scale,
                                          fp8_max, stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
                                          stride_cos, req, kv_head, offs_d, d_mask, HEAD_DIM, KV_FP8, ROTARY)
-    # The grid's third dimension is the chunk cap.
-    kv_begin, visible, num_splits = _num_splits(seq_len, window, tl.num_programs(2), MIN_SPLIT_TOKENS)
     if split < num_splits:  # past the request's chunks: nothing to do, and nothing reads it
-        # Chunks are whole blocks of BLOCK_N keys, so the last ones may be empty.
-        split_len = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
-        start = kv_begin + split * split_len
-        end = tl.minimum(start + split_len, seq_len)
         if STORE_KV:
             if (start < seq_len) & (end >= seq_len):  # the chunk that reads the new token's slot
                 tl.store(K_cache + new_slot * stride_k_slot + kv_head * stride_k_head + offs_d, new_k, mask=d_mask)
                 tl.store(V_cache + new_slot * stride_v_slot + kv_head * stride_v_head + offs_d, new_v, mask=d_mask)
                 tl.debug_barrier()  # the whole program sees the stored slot before reading it
-        out, lse = _decode_chunk(q, K_cache, V_cache, Req_to_token, pool_row, qk_scale, v_scale,
+            is_new = (first_pos == seq_len - 1)[:, None] & d_mask[None, :]
+            first_k = tl.where(is_new, new_k[None, :], first_k)
+            first_v = tl.where(is_new, new_v[None, :], first_v)
+        out, lse = _decode_chunk(q, first_k, first_v, K_cache, V_cache, Req_to_token, pool_row, qk_scale, v_scale,
                                  stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req,
-                                 kv_head, start, end, offs_d, d_mask, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, KV_FP8)
+                                 kv_head, start, end, offs_d, d_mask, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION, KV_FP8,
+                                 STORE_KV)
         o_ptrs = O + req.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
         if num_splits == 1:
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
@@ -122,6 +144,19 @@ def _decode_kernel(
                                     BLOCK_H, BLOCK_D)
                 tl.atomic_xchg(arrival, 0, sem="relaxed")
                 tl.store(o_ptrs, combined.to(O.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot, stride_k_head,
+              stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask):
+    """K and V ``[BLOCK_N, BLOCK_D]`` of one request's positions ``pos`` (zeros where masked) for one KV head."""
+    slots = tl.load(Req_to_token + pool_row * stride_req + pos, mask=pos_mask, other=0).to(tl.int64)
+    kv_mask = pos_mask[:, None] & d_mask[None, :]
+    k = tl.load(K_cache + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V_cache + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -161,43 +196,50 @@ def _new_kv(K_new, V_new, New_loc, K_cache, V_cache, Cos, Sin, k_scale, v_scale,
 
 @triton.jit
 def _decode_chunk(
-    q, K_cache, V_cache, Req_to_token, pool_row, qk_scale, v_scale,
+    q, first_k, first_v, K_cache, V_cache, Req_to_token, pool_row, qk_scale, v_scale,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req,
     kv_head, start, end, offs_d, d_mask,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_FIRST: tl.constexpr,
 ):
     """Keys ``[start, end)`` of one request (row ``pool_row`` of ``Req_to_token``) for one KV head and its query
     heads ``q``: the output normalised by its own softmax sum, and that sum's log (base 2; -inf for a chunk without
-    keys, whose output is zeros)."""
+    keys, whose output is zeros). ``HAS_FIRST``: the first block's K and V are ``first_k`` and ``first_v``."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-
-    for block_start in range(start, end, BLOCK_N):
+    loop_start = start
+    if HAS_FIRST:
+        if start < end:  # an empty chunk (past the keys) folds in nothing
+            pos = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _attend(q, first_k, first_v, pos < end, m_i, l_i, acc, qk_scale, PRECISION, KV_FP8)
+        loop_start = start + BLOCK_N
+    for block_start in range(loop_start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
-        slots = tl.load(Req_to_token + pool_row * stride_req + pos, mask=pos_mask, other=0).to(tl.int64)
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(K_cache + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V_cache + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k, v = _kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot, stride_k_head,
+                         stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask)
+        m_i, l_i, acc = _attend(q, k, v, pos_mask, m_i, l_i, acc, qk_scale, PRECISION, KV_FP8)
 
     has_keys = l_i > 0
     out = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     return out, lse
+
+
+@triton.jit
+def _attend(q, k, v, pos_mask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """One block of keys folded into the running softmax (max ``m_i``, sum ``l_i``) and output ``acc``."""
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -273,6 +315,9 @@ def decode_attention(
         raise ValueError("decode_attention applies the rotary embedding only with new_kv (the k to rotate)")
     cos, sin = rotary if rotary is not None else (q, q)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # Launched with PDL (core/pdl.py) where the kernel stores the new K/V itself, so that everything it reads
+    # before waiting was written before the step.
+    pdl = new_kv is not None and pdl_enabled(q.device)
     splits = max_kv_splits
     if target_programs > 0:
         splits = max(1, min(max_kv_splits, target_programs // (bs * num_kv_heads)))
@@ -293,6 +338,6 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_N=block_n, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        KV_FP8=kv_fp8, STORE_KV=new_kv is not None, ROTARY=rotary is not None,
+        KV_FP8=kv_fp8, STORE_KV=new_kv is not None, ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl,
         num_warps=4, num_stages=num_stages,
     )
