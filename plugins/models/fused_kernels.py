@@ -6,18 +6,23 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.core.pdl import enabled as pdl_enabled
+from treadle.core.pdl import wait_for_previous
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     n_cols, eps, stride_x, stride_residual,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 elements in prefills of a few 100k tokens
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    # Issued first: at a few rows the kernel is a chain of dependent steps, and this load depends on none.
+    # Issued first: at a few rows the kernel is a chain of dependent steps, and this load depends on none (it is
+    # read even before waiting for the kernel before, core/pdl.py).
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = rounded_add(x, tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0))
@@ -47,10 +52,12 @@ def add_rmsnorm(x, residual, weight, eps):
     out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out)
     block = triton.next_power_of_2(n_cols)
+    pdl = pdl_enabled(x.device)
     _add_rmsnorm_kernel[(n_rows,)](
         x, residual if residual is not None else x, weight, out, residual_out,
         n_cols, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        PDL=pdl, launch_pdl=pdl,
     )
     return out, residual_out
 

@@ -51,8 +51,13 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if not GEMV:
+        # Launched with PDL, the tile asks L2 for its first weight blocks while the kernel before it finishes.
+        if PDL:
+            _prefetch_tile_head(W, offs_n, n_mask, k_start, k_end, stride_wn, BLOCK_K)
+            if SILU_MUL:
+                _prefetch_tile_head(W + N.to(tl.int64) * stride_wn, offs_n, n_mask, k_start, k_end, stride_wn,
+                                    BLOCK_K)
         wait_for_previous(PDL)
-        allow_next(PDL)
     if SILU_MUL:
         if GEMV:
             gate, up = _gate_up_row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, N,
@@ -61,6 +66,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
         else:
             gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
                                      BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
+            allow_next(PDL)
         if W8A8:
             row_scale = tl.load(X_scale + offs_m, mask=m_mask, other=0.0)[:, None]
             gate, up = gate * row_scale, up * row_scale
@@ -72,6 +78,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
         else:
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
+            allow_next(PDL)
         tile_mask = m_mask[:, None] & n_mask[None, :]
         if W8A8:  # the FP8 rows' own scales; a split's partial is scaled alike, so the sum needs nothing more
             acc = acc * tl.load(X_scale + offs_m, mask=m_mask, other=0.0)[:, None]
@@ -117,6 +124,18 @@ def _prefetch_share(Prefetch, lines, first_prefetcher, BLOCK: tl.constexpr):
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                       [Prefetch + line.to(tl.int64) * 128], dtype=tl.int32, is_pure=False,
                                       pack=1)
+
+
+@triton.jit
+def _prefetch_tile_head(W, offs_n, n_mask, k_start, k_end, stride_wn, BLOCK_K: tl.constexpr):
+    """Asks L2 for the first two K blocks of weight rows ``offs_n`` (one request per 128-byte line)."""
+    ELEMS_PER_LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth
+    LINES: tl.constexpr = 2 * BLOCK_K // ELEMS_PER_LINE
+    cols = k_start + tl.arange(0, LINES) * ELEMS_PER_LINE
+    lines = W + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    lines = tl.where(n_mask[:, None] & (cols < k_end)[None, :], lines, W)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -397,9 +416,10 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # vectors unpredicated).
     even = n % config.block_n == 0 and k % config.block_k == 0 and k_per_split * split_k == k
     programs = grid[0] * grid[1] * grid[2]
-    # One token: the GEMV launches with PDL (core/pdl.py) and reads its first weight block while the kernel
-    # before it finishes.
-    pdl = config.gemv and m == 1 and pdl_enabled(x.device)
+    # Launched with PDL (core/pdl.py): the kernel reads (the GEMV) or asks L2 for (the tiles) its first weight
+    # blocks while the kernel before it finishes. Not FP8's tiles: with PDL FP8 decode of 16-32 requests was
+    # 3-6% slower on the H100, 16-bit tiles 1-3% faster (docs/benchmarks.md).
+    pdl = pdl_enabled(x.device) and (config.gemv or weight.element_size() == 2)
     lines = prefetch.numel() // 128 if prefetch is not None else 0
     first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
     _small_batch_kernel[grid](

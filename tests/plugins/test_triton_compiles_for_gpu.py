@@ -80,10 +80,10 @@ def _model_kernels() -> dict:
     from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
 
     return {
-        "add_rmsnorm": lambda: _compile(
+        "add_rmsnorm": lambda: _check_pdl(True, _compile(
             fused_kernels._add_rmsnorm_kernel,
             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096)),
+             "residual_out_ptr": "*bf16"}, {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=4096, PDL=True)), triggers=False),
         "rotary_qkv": lambda: _compile(
             fused_kernels._rotary_qkv_kernel,
             {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
@@ -136,6 +136,12 @@ def _model_kernels() -> dict:
                                                       GEMV=False, HAS_SCALE=True, W8A8=True),
         "small_batch[fp8,w8a8,silu_mul]": _small_batch("*fp8e4nv", BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1,
                                                        GEMV=False, HAS_SCALE=True, W8A8=True, SILU_MUL=True),
+        # Launched with PDL, a tile asks L2 for its first weight blocks before it waits for the kernel before.
+        "small_batch[bf16,silu_mul,pdl]": _small_batch("*bf16", BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1,
+                                                       GEMV=False, HAS_SCALE=False, SILU_MUL=True, PDL=True,
+                                                       expect_in_ptx="prefetch.global.L2"),
+        "small_batch[fp8,w8a8,split_k,pdl]": _small_batch("*fp8e4nv", BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                                                          SPLIT_K=4, GEMV=False, HAS_SCALE=True, W8A8=True, PDL=True),
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
@@ -189,7 +195,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[bf16,gemv,silu_mul]", "small_batch[bf16,gemv,add_rmsnorm]",
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
-           "small_batch[fp8,w8a8,silu_mul]",
+           "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]"]
 
 
