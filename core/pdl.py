@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the decode kernels (imported only where Triton runs).
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (imported only where Triton runs).
 
 A one-token decode step replays ~160 of treadle's kernels back to back from a CUDA graph: weight GEMVs and the
 attention between them. Stream-ordered, each one starts after the one before has finished and flushed its memory,
@@ -16,10 +16,12 @@ The contract for a kernel launched with ``launch_pdl=True``:
 - it calls :func:`allow_next` (if at all) only after :func:`wait_for_previous`, so that the kernel after it starts
   only once everything before this one has completed: that is what makes the first rule hold for the next kernel.
 
-The GEMVs give the go-ahead after their weight loop, the attention not at all (it ends on its own): on the H100,
-earlier go-aheads (as soon as a GEMV or the attention has waited, or after a GEMV's first block or the
-attention's chunk) were slower, the next kernel's early programs taking SM slots and bandwidth from the one still
-running (docs/benchmarks.md). Kernels that do not use PDL (cuBLAS, PyTorch's) are ordered as usual.
+Launched with PDL: the small-batch GEMVs and 16-bit tiles (a tile asks L2 for its first weight blocks before it
+waits), the add + RMSNorm kernel (it loads its weight first) and the Triton decode attention. The matmuls give the
+go-ahead after their weight loop, the others not at all (they end on their own): on the H100, earlier go-aheads
+(as soon as a GEMV or the attention has waited, or after a GEMV's first block or the attention's chunk) were
+slower, the next kernel's early programs taking SM slots and bandwidth from the one still running, and so were
+FP8's tiles with PDL (docs/benchmarks.md). Kernels that do not use PDL (cuBLAS, PyTorch's) are ordered as usual.
 ``TREADLE_PDL=0`` turns it off for A/B runs; it is off before Hopper and under the Triton interpreter.
 """
 

@@ -10,9 +10,10 @@ times the configs per weight shape at load and keeps the fastest (or the library
 layers use it up to 32 rows, 16-bit layers too wherever it times faster than cuBLAS at load.
 
 Given the head of the next layer's weight (``prefetch``), the kernel's last programs ask L2 for it as they finish,
-so the memory works through the gap between the two kernels (``small_batch.chain_l2_prefetch``). The one-row
-GEMV is launched with programmatic dependent launch on Hopper (``core/pdl.py``): it loads its first weight block
-while the kernel before it finishes, and lets the next kernel start once its own weight loop is done.
+so the memory works through the gap between the two kernels (``small_batch.chain_l2_prefetch``). The GEMV and
+the 16-bit tiles are launched with programmatic dependent launch on Hopper (``core/pdl.py``): while the kernel
+before finishes, the GEMV loads its first weight block and a tile asks L2 for its first two; each lets the next
+kernel start once its own weight loop is done.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
