@@ -97,9 +97,9 @@ def _decode_kernel(
     if STORE_KV:
         # The chunk's first block, but for the new token's slot, which this kernel writes (patched in below).
         first_end = tl.where(split < num_splits, end, start)  # nothing read past the request's chunks
-        first_k, first_v = _kv_block(K_cache, V_cache, Req_to_token, pool_row, first_pos, first_pos < first_end,
-                                     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_req, kv_head,
-                                     offs_d, d_mask)
+        first_k, first_v = cached_kv_block(K_cache, V_cache, Req_to_token, pool_row, first_pos,
+                                           first_pos < first_end, stride_k_slot, stride_k_head, stride_v_slot,
+                                           stride_v_head, stride_req, kv_head, offs_d, d_mask)
     else:  # the new token's K/V is in the cache, written by a kernel before: nothing read early
         first_k, first_v = Q, Q
     wait_for_previous(PDL)
@@ -147,9 +147,10 @@ def _decode_kernel(
 
 
 @triton.jit
-def _kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot, stride_k_head,
-              stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask):
-    """K and V ``[BLOCK_N, BLOCK_D]`` of one request's positions ``pos`` (zeros where masked) for one KV head."""
+def cached_kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot, stride_k_head,
+                    stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask):
+    """Cached K and V ``[BLOCK_N, BLOCK_D]`` of one request's positions ``pos`` (row ``pool_row`` of
+    ``Req_to_token``; zeros where masked) for one KV head (the extend kernel reads its cached prefix with it too)."""
     slots = tl.load(Req_to_token + pool_row * stride_req + pos, mask=pos_mask, other=0).to(tl.int64)
     kv_mask = pos_mask[:, None] & d_mask[None, :]
     k = tl.load(K_cache + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
@@ -217,8 +218,8 @@ def _decode_chunk(
     for block_start in range(loop_start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_mask = pos < end
-        k, v = _kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot, stride_k_head,
-                         stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask)
+        k, v = cached_kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot, stride_k_head,
+                               stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask)
         m_i, l_i, acc = _attend(q, k, v, pos_mask, m_i, l_i, acc, qk_scale, PRECISION, KV_FP8)
 
     has_keys = l_i > 0

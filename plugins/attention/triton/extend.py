@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.plugins.attention.triton.decode import cached_kv_block
+
 _LOG2E = 1.4426950408889634
 
 
@@ -79,12 +81,8 @@ def _extend_kernel(
         for block_start in range(lowest_visible, prefix_len, BLOCK_N):
             pos = block_start + tl.arange(0, BLOCK_N)
             pos_mask = pos < prefix_len
-            slots = tl.load(Req_to_token + pool_row * stride_req + pos, mask=pos_mask, other=0).to(tl.int64)
-            kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(K_cache + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(V_cache + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+            k, v = cached_kv_block(K_cache, V_cache, Req_to_token, pool_row, pos, pos_mask, stride_k_slot,
+                                   stride_k_head, stride_v_slot, stride_v_head, stride_req, kv_head, offs_d, d_mask)
             if KV_FP8:  # the cache holds k / k_scale, v / v_scale
                 v = (v.to(tl.float32) * v_scale).to(q.dtype)
                 scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (qk_scale * k_scale)
