@@ -290,10 +290,15 @@ _ARGMAX_GROUPS = (256, 128, 64)
 
 def argmax_last_dim(x: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` of a ``[rows, vocab]`` tensor, the same index (the lowest among equal maxima, a
-    NaN counting as the maximum) in two passes where the vocabulary splits into groups of 64-256: each group's max,
-    then the best group. One argmax over a 128k vocabulary ran as a single 30 µs reduction per decode step on an
-    H100 (docs/benchmarks.md)."""
+    NaN counting as the maximum). On a GPU one Triton launch (core/argmax_kernel.py); elsewhere two passes where the
+    vocabulary splits into groups of 64-256: each group's max, then the best group. One argmax over a 128k
+    vocabulary ran as a single 30 µs reduction per decode step on an H100, the two passes as five launches
+    (docs/benchmarks.md)."""
     rows, vocab = x.shape
+    if x.is_cuda and x.stride(-1) == 1:
+        from treadle.core.argmax_kernel import argmax_rows
+
+        return argmax_rows(x)
     group = next((g for g in _ARGMAX_GROUPS if vocab % g == 0 and vocab >= 16 * g), None)
     if group is None or not x.is_contiguous():
         return torch.argmax(x, dim=-1)

@@ -100,13 +100,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, params)
+        # Each frequency twice (rotate_half's layout), so one multiply gives every angle: a decode step launches
+        # five small kernels here instead of seven.
+        self._inv_freq_per_dim = torch.cat((self.inv_freq, self.inv_freq))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, computed in float32 then cast to ``dtype``."""
-        if self.inv_freq.device != positions.device:
+        if self._inv_freq_per_dim.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            self._inv_freq_per_dim = self._inv_freq_per_dim.to(positions.device)
+        # int64 x float32 promotes to float32: the same products as converting the positions first.
+        angles = (positions[:, None] * self._inv_freq_per_dim)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

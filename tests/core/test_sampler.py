@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from treadle.core.request import Req, SamplingParams
@@ -157,3 +162,30 @@ def test_two_pass_argmax_picks_what_torch_argmax_picks() -> None:
     for logits in (x, x.float(), x[:, : 128 * 64 - 32].contiguous(), x[:, ::2]):  # grouped, plain, strided
         assert torch.equal(argmax_last_dim(logits), torch.argmax(logits, dim=-1)), logits.shape
     assert argmax_last_dim(x)[3] == 5000 and argmax_last_dim(x)[5] == 128 * 64 - 1
+
+
+_ARGMAX_KERNEL_CHECK = """
+import torch
+from treadle.core.argmax_kernel import argmax_rows
+gen = torch.Generator().manual_seed(0)
+x = torch.randint(0, 6, (9, 4096 * 2 + 37), generator=gen).to(torch.bfloat16)  # bf16 small integers: many ties
+x[3, 5000] = x[3, 7000] = float("nan")  # the first NaN wins
+x[4] = 0.0  # every column ties
+x[5, -1] = 10.0  # the last, partial block
+x[6] = float("-inf")
+x[7, 100] = float("nan"); x[7, 8000] = float("inf")
+x[8, 4096 + 3] = x[8, 3] = 50.0  # equal maxima in the same lane of different blocks
+for logits in (x, x.float(), x.half(), x[:, 1:], torch.randn(3, 100), torch.randn(0, 10)):
+    got, want = argmax_rows(logits), torch.argmax(logits, dim=-1)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (logits.shape, got, want)
+print("OK")
+"""
+
+
+def test_argmax_kernel_picks_what_torch_argmax_picks() -> None:
+    """The GPU's one-launch argmax (core/argmax_kernel.py) under the Triton interpreter."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _ARGMAX_KERNEL_CHECK], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""The sampler's two-pass argmax on the GPU picks what ``torch.argmax`` picks, ties and NaN included."""
+"""The sampler's argmax on the GPU (one Triton launch, core/argmax_kernel.py) picks what ``torch.argmax`` picks,
+ties, NaN and rows of -inf included."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ pytestmark = [
 
 @pytest.mark.parametrize("rows", [1, 32, 512])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_two_pass_argmax_matches_torch_argmax_at_llama3_vocab(rows: int, dtype: torch.dtype) -> None:
+def test_argmax_matches_torch_argmax_at_llama3_vocab(rows: int, dtype: torch.dtype) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     # Small integers: many exact ties, so the tie rule (the lowest index) decides most rows.
     x = torch.randint(0, 8, (rows, 128256), generator=gen, device="cuda").to(dtype)
     x[0, 77_000] = x[0, 90_000] = float("nan")
+    x[-1] = float("-inf")
     assert torch.equal(argmax_last_dim(x), torch.argmax(x, dim=-1))
+    assert torch.equal(argmax_last_dim(x[:, 3:]), torch.argmax(x[:, 3:], dim=-1))  # rows not contiguous
     noisy = torch.randn(rows, 128256, generator=gen, device="cuda").to(dtype)
     assert torch.equal(argmax_last_dim(noisy), torch.argmax(noisy, dim=-1))

@@ -76,7 +76,7 @@ def _attention_kernels() -> dict:
 
 
 def _model_kernels() -> dict:
-    from treadle.core import kv_store
+    from treadle.core import argmax_kernel, kv_store
     from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
 
     return {
@@ -151,6 +151,8 @@ def _model_kernels() -> dict:
             kv_store._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "K_cache": "*fp8e4nv", "V_cache": "*fp8e4nv",
                                         "Loc": "*i64"}, {"k_scale", "v_scale", "fp8_max"},
             dict(BLOCK=1024, TO_FP8=True)),
+        "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
+                                   dict(BLOCK=4096)),
     }
 
 
@@ -196,7 +198,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
-           "moe_grouped_gemm", "store_kv[fp8e4nv]"]
+           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax"]
 
 
 def _compile_all() -> dict[str, str | None]:
