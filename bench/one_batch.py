@@ -9,7 +9,10 @@ bfloat16. Each variant (backend x CUDA graphs on/off) gets a fresh ModelRunner
 and, per batch size, runs one EXTEND batch of ``--input-len`` random tokens per
 request, then ``--decode-steps`` greedy DECODE steps driven on the device
 (argmax feeds the next step; no host round trip), each step timed with a
-device synchronize — the latency a user of the batch sees.
+device synchronize — the latency a user of the batch sees (``step ms``; the
+host's share of it is ``decode_host_ms`` in the JSON) — then the same steps
+again back to back without a synchronize between them (``b2b ms``): the GPU's
+time per step, which is what the engine's overlap scheduling leaves.
 
 In the same run:
 - the bandwidth roofline: bytes a decode step must read (every weight except
@@ -291,16 +294,25 @@ def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts:
     next_ids = prefill(runner, batch, prompts)
     synchronize(device)
     prefill_s = time.perf_counter() - start
-    step_times, first_tokens = [], [int(next_ids[0])]
+    step_times, host_times, first_tokens = [], [], [int(next_ids[0])]
     for step in range(args.decode_steps):
         start = time.perf_counter()
         next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
+        host_times.append(time.perf_counter() - start)
         synchronize(device)
         step_times.append(time.perf_counter() - start)
         if step < 15:
             first_tokens.append(int(next_ids[0]))
+    # The same steps again without waiting for each: the host builds and launches the next step while the GPU
+    # runs this one, as the engine's overlap scheduling does, so this is the GPU's time per step.
+    start = time.perf_counter()
+    for step in range(args.decode_steps):
+        next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
+    synchronize(device)
+    back_to_back_s = (time.perf_counter() - start) / args.decode_steps
     return measurement(f"treadle {label}", backend, use_graph, bs, prefill_s, step_times, first_tokens,
-                       roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
+                       roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth),
+                       host_times, back_to_back_s)
 
 
 def _release(runner: Any) -> None:

@@ -32,10 +32,15 @@ class Measurement:
     first_tokens: list[int] = field(default_factory=list)
     ratio_vs_baseline: float | None = None  # tok/s vs the same system and batch size of an earlier run
     ratio_vs_first: float | None = None  # tok/s vs the run's first treadle system at this batch size
+    # treadle only: the median host time of a step until everything is launched, and the mean step when steps run
+    # back to back without waiting for each (the GPU's time: what an engine that builds the next step meanwhile sees)
+    decode_host_ms: float | None = None
+    decode_step_ms_back_to_back: float | None = None
 
 
 def measurement(system: str, backend: str | None, graph: bool | None, bs: int, prefill_s: float,
-                step_times: list[float], first_tokens: list[int], roofline_s: float) -> Measurement:
+                step_times: list[float], first_tokens: list[int], roofline_s: float,
+                host_times: list[float] | None = None, back_to_back_s: float | None = None) -> Measurement:
     """A row from raw timings: the median decode step sets tok/s and the fraction of the roofline."""
     median = statistics.median(step_times)
     return Measurement(
@@ -43,13 +48,19 @@ def measurement(system: str, backend: str | None, graph: bool | None, bs: int, p
         decode_step_ms=median * 1e3, decode_step_ms_mean=statistics.fmean(step_times) * 1e3,
         decode_tokens_per_s=bs / median, roofline_ms=roofline_s * 1e3, roofline_fraction=roofline_s / median,
         first_tokens=first_tokens,
+        decode_host_ms=statistics.median(host_times) * 1e3 if host_times else None,
+        decode_step_ms_back_to_back=back_to_back_s * 1e3 if back_to_back_s is not None else None,
     )
 
 
 def format_row(r: Measurement) -> str:
     """The progress line printed as each row is measured."""
-    return (f"{r.system} bs={r.batch_size}: prefill {r.prefill_ms:.1f} ms, decode {r.decode_step_ms:.2f} ms/step "
+    line = (f"{r.system} bs={r.batch_size}: prefill {r.prefill_ms:.1f} ms, decode {r.decode_step_ms:.2f} ms/step "
             f"({r.decode_tokens_per_s:.1f} tok/s, {100 * r.roofline_fraction:.1f}% of roofline)")
+    if r.decode_step_ms_back_to_back is not None:
+        line += (f"; back to back {r.decode_step_ms_back_to_back:.2f} ms/step, host {r.decode_host_ms:.2f} ms of each "
+                 "synchronized step")
+    return line
 
 
 def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]) -> None:
@@ -76,7 +87,7 @@ def format_table(results: Sequence[Measurement]) -> str:
     compiled = {r.batch_size: r for r in results if r.backend == HF_COMPILED}
     with_baseline = any(r.ratio_vs_baseline is not None for r in results)
     with_first = any(r.ratio_vs_first is not None for r in results)
-    header = (f"{'system':<42}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'tok/s':>10}"
+    header = (f"{'system':<42}{'bs':>4}{'prefill ms':>12}{'step ms':>10}{'b2b ms':>9}{'tok/s':>10}"
               f"{'roofline ms':>13}{'% roofline':>12}{'x HF':>8}"
               + (f"{'x hf-compiled':>15}" if compiled else "") + (f"{'x baseline':>12}" if with_baseline else "")
               + (f"{'x first':>9}" if with_first else ""))
@@ -84,7 +95,8 @@ def format_table(results: Sequence[Measurement]) -> str:
     for r in results:
         ref = hf.get(r.batch_size)
         vs_hf = f"{r.decode_tokens_per_s / ref.decode_tokens_per_s:.2f}" if ref else "-"
-        line = (f"{r.system:<42}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}"
+        b2b = f"{r.decode_step_ms_back_to_back:.2f}" if r.decode_step_ms_back_to_back is not None else "-"
+        line = (f"{r.system:<42}{r.batch_size:>4}{r.prefill_ms:>12.1f}{r.decode_step_ms:>10.2f}{b2b:>9}"
                 f"{r.decode_tokens_per_s:>10.1f}{r.roofline_ms:>13.2f}{100 * r.roofline_fraction:>11.1f}%{vs_hf:>8}")
         if compiled:
             peer = compiled.get(r.batch_size)

@@ -24,6 +24,9 @@ def test_one_batch_smoke_writes_results(tmp_path):
     rows = result["results"]
     assert {row["batch_size"] for row in rows} == {1, 2}
     assert all(row["decode_step_ms"] > 0 and row["decode_tokens_per_s"] > 0 for row in rows)
+    # The host's part of a synchronized step, and the steps again back to back (no synchronize between them).
+    assert all(0 < row["decode_host_ms"] <= row["decode_step_ms"] for row in rows)
+    assert all(row["decode_step_ms_back_to_back"] > 0 for row in rows)
     assert result["command"].startswith("treadle bench one-batch")
 
 
