@@ -3,11 +3,12 @@
 ``python -m treadle.bench.fused_moe [--tokens 1,8,64,512,4096] [--output PATH] [--engine] [--sweep]``
 
 For each token count: random bf16 activations routed top-2 over 8 experts (hidden 4096,
-intermediate 14336), the Triton grouped-GEMM path and the reference loop, each timed with CUDA
-events (median of 20 runs after warm-up), plus the bandwidth the kernel reaches on the expert
-weights it must read (the experts that received at least one token). ``--engine`` also serves a
-one-layer Mixtral-8x7B-shaped model (``load_format: dummy``) through the Engine with CUDA graphs
-and reports decode tokens/s. ``--sweep`` also times a grid of tile configs per token count and
+intermediate 14336), the Triton path ``fused_experts`` takes (the GEMVs for a few tokens, else the
+grouped GEMM), the grouped GEMM forced, and the reference loop, each timed with CUDA events (median
+of 20 runs after warm-up), plus the bandwidth the default path reaches on the expert weights it must
+read (the experts that received at least one token). ``--engine`` also serves a one-layer
+Mixtral-8x7B-shaped model (``load_format: dummy``) through the Engine with CUDA graphs and reports
+decode tokens/s for 32 requests and for one (with the GEMVs and with the grouped GEMM forced). ``--sweep`` also times a grid of tile configs per token count and
 reports the fastest (input for ``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json`` unless ``--output``).
 """
 
@@ -48,12 +49,15 @@ def main(argv: list[str] | None = None) -> dict:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
         weights, ids = fused_moe.route_top_k(torch.randn(tokens, EXPERTS, device="cuda", generator=generator), TOP_K)
         triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids))
+        grouped = fused_moe_kernels.default_config(tokens * TOP_K, torch.bfloat16)
+        grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped))
         torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids))
         got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids).float()
         want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids).float()
         active = int(torch.unique(ids).numel())
         row = {
-            "tokens": tokens, "triton_ms": round(triton_ms, 4), "torch_loop_ms": round(torch_ms, 4),
+            "tokens": tokens, "path": "gemv" if _takes_gemv(tokens) else "grouped", "triton_ms": round(triton_ms, 4),
+            "grouped_ms": round(grouped_ms, 4), "torch_loop_ms": round(torch_ms, 4),
             "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
             "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
             "max_rel_diff": float((got - want).abs().max() / want.abs().max()),
@@ -71,13 +75,26 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     if args.engine:
-        result["engine"] = _engine_run()
+        gemv_tokens = fused_moe_kernels.GEMV_MAX_TOKENS
+        fused_moe_kernels.GEMV_MAX_TOKENS = 0  # the grouped GEMM at every size, for the comparison
+        try:
+            grouped = _engine_run(1)
+        finally:
+            fused_moe_kernels.GEMV_MAX_TOKENS = gemv_tokens
+        result["engine"] = {"32 requests": _engine_run(32), "1 request": _engine_run(1),
+                            "1 request, grouped GEMM": grouped}
         print(json.dumps(result["engine"]), flush=True)
     output = Path(args.output) if args.output else RESULTS_DIR / (
         f"fused_moe_{_slug(result['gpu'])}_{dt.date.today():%Y%m%d}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
     return result
+
+
+def _takes_gemv(tokens: int) -> bool:
+    from treadle.plugins.models import fused_moe_kernels as kernels
+
+    return tokens * TOP_K <= kernels.GEMV_MAX_ROWS_PER_EXPERT * EXPERTS and tokens <= kernels.GEMV_MAX_TOKENS
 
 
 def _sweep(run, num_rows: int) -> list[dict]:
@@ -113,8 +130,9 @@ def _time(run, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def _engine_run() -> dict:
-    """One Mixtral-8x7B-shaped layer with dummy weights, served through the Engine (CUDA graphs on)."""
+def _engine_run(requests: int) -> dict:
+    """One Mixtral-8x7B-shaped layer with dummy weights, ``requests`` prompts served through the Engine (CUDA graphs
+    on)."""
     from treadle import Engine, SamplingParams
 
     config = {
@@ -133,12 +151,14 @@ def _engine_run() -> dict:
         "scheduler": {"max_running_requests": 32},
         "runtime": {"cuda_graph_max_bs": 32},
     })
-    prompts = [[(7 * i + j) % 32000 for j in range(128)] for i in range(32)]
+    prompts = [[(7 * i + j) % 32000 for j in range(128)] for i in range(requests)]
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
-    engine.generate(input_ids=prompts[:2], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.generate(input_ids=prompts, sampling_params=params)  # untimed: compiles what the timed pass runs
+    engine.flush_cache()
     start = time.perf_counter()
     outputs = engine.generate(input_ids=prompts, sampling_params=params)
     seconds = time.perf_counter() - start
+    engine.shutdown()
     generated = sum(len(o.token_ids) for o in outputs)
     return {"requests": len(prompts), "input_len": 128, "output_len": 64, "seconds": round(seconds, 3),
             "output_tok_per_s": round(generated / seconds, 1)}

@@ -6,6 +6,12 @@ belongs to one expert. One grouped-GEMM kernel then multiplies each block by its
 first ``x @ w13[e].T`` (the gate and up projections), then, after ``silu(gate) * up``,
 ``act @ w2[e].T`` scaled by the routing weight. Everything stays on the device: no host sync,
 so the layer can be captured in a CUDA graph.
+
+A decode step of a few tokens (at most ``GEMV_MAX_ROWS_PER_EXPERT`` assignments per expert on average) takes
+two GEMV kernels instead (:func:`fused_experts_gemv`): each program streams a few rows of one assignment's expert
+weight, the first with ``silu(gate) * up`` in its epilogue, the second summing the token's ``k`` routed outputs, so
+nothing is sorted or padded. A tile of 16 rows holding one token reads the weight at a third of the bandwidth;
+an expert hit twice is read twice, which the GEMV's speed repays while few experts repeat.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ def fused_experts(
     num_rows = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
+    if config is None and num_rows <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS:
+        return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids)
     config = config or default_config(num_rows, x.dtype)
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
     gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
@@ -67,6 +75,97 @@ def fused_experts(
     _grouped_gemm(activated, w2, down, sorted_rows, block_experts, config, a_row_divisor=1,
                   row_weights=topk_weights.reshape(-1).to(torch.float32))
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+GEMV_MAX_ROWS_PER_EXPERT = 2
+GEMV_MAX_TOKENS = 16
+_GEMV_ROWS = 4  # weight rows per program
+
+
+def fused_experts_gemv(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """:func:`fused_experts` for a few tokens as two GEMVs per (token, expert) assignment, rounded where the
+    grouped path rounds (the gate/up products, ``silu(gate) * up``, each routed output); no sorting."""
+    x = x.contiguous()
+    num_tokens, hidden_size = x.shape
+    _, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    activated = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    block_k = min(2048, triton.next_power_of_2(hidden_size))
+    _moe_gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, _GEMV_ROWS))](
+        x, w13, ids, activated, hidden_size, inter, top_k, w13.stride(0), w13.stride(1),
+        BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, num_warps=4,
+    )
+    out = torch.empty_like(x)
+    block_k = min(2048, triton.next_power_of_2(inter))
+    _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, _GEMV_ROWS))](
+        activated, w2, ids, topk_weights.reshape(-1).to(torch.float32).contiguous(), out, hidden_size, inter,
+        w2.stride(0), w2.stride(1), TOP_K=top_k, BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(X, W13, Ids, Out, K, inter, top_k, stride_we, stride_wn,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    assignment = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(Ids + assignment).to(tl.int64)
+    token = (assignment // top_k).to(tl.int64)
+    gate_ptrs = W13 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + inter.to(tl.int64) * stride_wn
+    x_ptrs = X + token * K + offs_k
+    gate = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        gate += tl.sum(tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x,
+                       axis=1)
+        up += tl.sum(tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x,
+                     axis=1)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    # Rounded as the grouped path's stored gate/up and its silu_mul kernel round them.
+    dtype = Out.dtype.element_ty
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    activated = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(Out + assignment.to(tl.int64) * inter + offs_n, activated, mask=n_mask)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(Act, W2, Ids, Route_weights, Out, hidden, K, stride_we, stride_wn,
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = Out.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        assignment = token * TOP_K + j
+        expert = tl.load(Ids + assignment).to(tl.int64)
+        w_ptrs = W2 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        a_ptrs = Act + assignment * K + offs_k
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += tl.sum(w.to(tl.float32) * a, axis=1)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # Each routed output rounded as the grouped path stores it, then summed in float32 as its sum over k does.
+        total += (acc * tl.load(Route_weights + assignment)).to(dtype).to(tl.float32)
+    tl.store(Out + token * hidden + offs_n, total.to(dtype), mask=n_mask)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,13 +22,21 @@ import json, torch
 from treadle.plugins.models import fused_moe as R
 from treadle.plugins.models import fused_moe_kernels as K
 
-def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, config=None):
+def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, config=None, gemv=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
     weights, ids = R.route_top_k(torch.randn(tokens, experts, generator=g), top_k)
-    got = K.fused_experts(x, w13, w2, weights, ids, config)
+    if gemv:
+        got = K.fused_experts_gemv(x, w13, w2, weights, ids)
+        # A few tokens take the GEMV path by default, and it is the same computation as the grouped path.
+        assert torch.equal(got, K.fused_experts(x, w13, w2, weights, ids))
+        grouped = K.fused_experts(x, w13, w2, weights, ids, K.default_config(tokens * top_k, dtype)).float()
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+        assert (got.float() - grouped).abs().max().item() <= tolerance * grouped.abs().max().item()
+    else:
+        got = K.fused_experts(x, w13, w2, weights, ids, config)
     want = R.fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     return (got.float() - want).abs().max().item() / want.abs().max().item()
 
@@ -43,7 +51,11 @@ def alignment(tokens, experts, top_k, block_m, seed=0):
     return ok
 
 results = {
-    "fp32_decode_one_token": case(1, 4, 2, 64, 96, torch.float32),
+    "fp32_decode_one_token": case(1, 4, 2, 64, 96, torch.float32, config=K.default_config(2, torch.float32)),
+    # The GEMV path of a few tokens: K and N not multiples of the blocks, top-3, and experts hit more than once.
+    "fp32_gemv_one_token": case(1, 8, 2, 64, 96, torch.float32, gemv=True),
+    "fp32_gemv_odd_sizes_top3": case(3, 8, 3, 48, 42, torch.float32, seed=7, gemv=True),
+    "fp16_gemv_repeated_experts": case(4, 4, 2, 64, 96, torch.float16, seed=8, gemv=True),
     "fp32_prefill_odd_sizes": case(37, 8, 2, 48, 40, torch.float32, seed=1),
     "fp32_top1_some_experts_idle": case(5, 8, 1, 64, 64, torch.float32, seed=2),
     "fp32_top3_many_blocks": case(70, 3, 3, 32, 24, torch.float32, seed=3),
@@ -72,7 +84,8 @@ def kernel_results() -> dict:
 
 @pytest.mark.parametrize(
     "name",
-    ["fp32_decode_one_token", "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
+    ["fp32_decode_one_token", "fp32_gemv_one_token", "fp32_gemv_odd_sizes_top3", "fp16_gemv_repeated_experts",
+     "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
      "fp16_prefill", "fp16_prefill_large_tiles"],
 )
 def test_triton_kernel_matches_torch_experts(kernel_results, name):

@@ -153,6 +153,13 @@ def _model_kernels() -> dict:
             dict(BLOCK=1024, TO_FP8=True)),
         "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
                                    dict(BLOCK=4096)),
+        "moe_gate_up_gemv": lambda: _compile(
+            fused_moe_kernels._moe_gate_up_gemv_kernel, {"X": "*bf16", "W13": "*bf16", "Ids": "*i64", "Out": "*bf16"},
+            set(), dict(BLOCK_N=4, BLOCK_K=2048)),
+        "moe_down_gemv": lambda: _compile(
+            fused_moe_kernels._moe_down_gemv_kernel, {"Act": "*bf16", "W2": "*bf16", "Ids": "*i64",
+                                                      "Route_weights": "*fp32", "Out": "*bf16"},
+            set(), dict(TOP_K=2, BLOCK_N=4, BLOCK_K=2048)),
     }
 
 
@@ -198,7 +205,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
-           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax"]
+           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "moe_gate_up_gemv", "moe_down_gemv"]
 
 
 def _compile_all() -> dict[str, str | None]:
