@@ -8,8 +8,10 @@ grouped GEMM), the grouped GEMM forced, and the reference loop, each timed with 
 of 20 runs after warm-up), plus the bandwidth the default path reaches on the expert weights it must
 read (the experts that received at least one token). ``--engine`` also serves a one-layer
 Mixtral-8x7B-shaped model (``load_format: dummy``) through the Engine with CUDA graphs and reports
-decode tokens/s for 32 requests and for one (with the GEMVs and with the grouped GEMM forced). ``--sweep`` also times a grid of tile configs per token count and
-reports the fastest (input for ``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json`` unless ``--output``).
+decode tokens/s for 32 requests and for one (with the GEMVs and with the grouped GEMM forced). ``--sweep``
+also times a grid of tile configs per token count and reports the fastest (input for
+``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json`` unless
+``--output``).
 """
 
 from __future__ import annotations

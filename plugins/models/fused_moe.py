@@ -1,8 +1,9 @@
 """Mixture-of-experts compute: route tokens to their top-k experts and run the experts' gated MLPs.
 
 On CUDA (with Triton) the experts run as two grouped GEMMs over the token rows sorted by expert, or as two
-GEMVs for a decode step of a few tokens (:mod:`treadle.plugins.models.fused_moe_kernels`); elsewhere a plain PyTorch loop over experts
-runs, which rounds exactly as HF transformers' Mixtral does and is the reference for the kernels.
+GEMVs for a decode step of a few tokens (:mod:`treadle.plugins.models.fused_moe_kernels`); elsewhere a plain
+PyTorch loop over experts runs, which rounds exactly as HF transformers' Mixtral does and is the reference for
+the kernels.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def fused_experts(
     num_rows = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
-    if config is None and num_rows <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS:
+    few_tokens = num_rows <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS
+    if config is None and few_tokens and w13.stride(2) == 1 and w2.stride(2) == 1:
         return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids)
     config = config or default_config(num_rows, x.dtype)
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
@@ -86,7 +87,8 @@ def fused_experts_gemv(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """:func:`fused_experts` for a few tokens as two GEMVs per (token, expert) assignment, rounded where the
-    grouped path rounds (the gate/up products, ``silu(gate) * up``, each routed output); no sorting."""
+    grouped path rounds (the gate/up products, ``silu(gate) * up``, each routed output); no sorting. The experts'
+    weights must have unit stride along their last dim."""
     x = x.contiguous()
     num_tokens, hidden_size = x.shape
     _, two_inter, _ = w13.shape

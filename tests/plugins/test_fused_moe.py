@@ -40,6 +40,17 @@ def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, config=None, gemv
     want = R.fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     return (got.float() - want).abs().max().item() / want.abs().max().item()
 
+def strided_experts(seed=9):
+    # Expert weights without unit stride along their last dim take the grouped path, which reads any strides.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 64, generator=g)
+    w13 = torch.randn(4, 64, 2 * 48, generator=g).transpose(1, 2) * 0.125
+    w2 = torch.randn(4, 48, 64, generator=g).transpose(1, 2) * 0.15
+    weights, ids = R.route_top_k(torch.randn(1, 4, generator=g), 2)
+    got = K.fused_experts(x, w13, w2, weights, ids)
+    want = R.fused_experts_reference(x, w13, w2, weights, ids)
+    return (got - want).abs().max().item() / want.abs().max().item()
+
 def alignment(tokens, experts, top_k, block_m, seed=0):
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(seed))
     rows, block_experts = K.align_by_expert(ids, experts, block_m)
@@ -56,6 +67,7 @@ results = {
     "fp32_gemv_one_token": case(1, 8, 2, 64, 96, torch.float32, gemv=True),
     "fp32_gemv_odd_sizes_top3": case(3, 8, 3, 48, 42, torch.float32, seed=7, gemv=True),
     "fp16_gemv_repeated_experts": case(4, 4, 2, 64, 96, torch.float16, seed=8, gemv=True),
+    "fp32_strided_experts": strided_experts(),
     "fp32_prefill_odd_sizes": case(37, 8, 2, 48, 40, torch.float32, seed=1),
     "fp32_top1_some_experts_idle": case(5, 8, 1, 64, 64, torch.float32, seed=2),
     "fp32_top3_many_blocks": case(70, 3, 3, 32, 24, torch.float32, seed=3),
@@ -85,6 +97,7 @@ def kernel_results() -> dict:
 @pytest.mark.parametrize(
     "name",
     ["fp32_decode_one_token", "fp32_gemv_one_token", "fp32_gemv_odd_sizes_top3", "fp16_gemv_repeated_experts",
+     "fp32_strided_experts",
      "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
      "fp16_prefill", "fp16_prefill_large_tiles"],
 )
