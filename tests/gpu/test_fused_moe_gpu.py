@@ -33,10 +33,22 @@ def test_kernel_matches_the_torch_loop(tokens, dtype, tolerance):
     assert ((got - want).abs().max() / want.abs().max()).item() <= tolerance
 
 
-def test_kernel_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("tokens", [1, 4, 16, 40])
+def test_qwen3_moe_shapes_match_the_torch_loop(tokens):
+    """128 experts, top-8, narrow experts (Qwen3-30B-A3B): 1-16 tokens take the GEMVs, 40 the grouped GEMM."""
+    w13, w2, generator = _experts(2048, 768, 128, torch.bfloat16)
+    x = torch.randn(tokens, 2048, device="cuda", generator=generator).to(torch.bfloat16)
+    weights, ids = fused_moe.route_top_k(torch.randn(tokens, 128, device="cuda", generator=generator), 8)
+    got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids).float()
+    want = fused_moe.fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2
+
+
+@pytest.mark.parametrize("tokens", [2, 16])  # the GEMVs, the grouped GEMM
+def test_kernel_replays_in_a_cuda_graph_with_new_routing(tokens):
     w13, w2, generator = _experts(256, 128, 8, torch.bfloat16)
-    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=generator)
-    logits = torch.randn(16, 8, device="cuda", generator=generator)
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16, generator=generator)
+    logits = torch.randn(tokens, 8, device="cuda", generator=generator)
 
     def step():
         weights, ids = fused_moe.route_top_k(logits, 2)
@@ -47,8 +59,8 @@ def test_kernel_replays_in_a_cuda_graph_with_new_routing():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    x.copy_(torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=generator))
-    logits.copy_(torch.randn(16, 8, device="cuda", generator=generator))
+    x.copy_(torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16, generator=generator))
+    logits.copy_(torch.randn(tokens, 8, device="cuda", generator=generator))
     graph.replay()
     torch.testing.assert_close(out, step(), atol=0, rtol=0)
 
