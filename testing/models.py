@@ -121,14 +121,28 @@ def make_tiny_fp8_llama(
     and, when ``input_scale`` is given, a static activation scale per projection; ``kv_scales`` adds each
     layer's ``self_attn.k_scale`` / ``self_attn.v_scale`` for an FP8 KV cache. The embeddings and
     lm_head stay float32."""
+    out = Path(make_tiny_llama(path, seed=seed, **overrides))
+    return _to_fp8_checkpoint(out, FP8_PROJECTIONS, per_tensor, input_scale, kv_scales)
+
+
+def make_tiny_fp8_mixtral(path: str | os.PathLike, *, per_tensor: bool = False, input_scale: float | None = None,
+                          seed: int = 0, **overrides: Any) -> str:
+    """:func:`make_tiny_mixtral` saved as an FP8 checkpoint like :func:`make_tiny_fp8_llama`: the attention
+    projections and every expert's ``w1``/``w2``/``w3`` in ``float8_e4m3fn`` with their scales (the router and
+    lm_head stay float32), as FP8 Mixtral checkpoints on the hub store them."""
+    out = Path(make_tiny_mixtral(path, seed=seed, **overrides))
+    return _to_fp8_checkpoint(out, FP8_PROJECTIONS + ("w1", "w2", "w3"), per_tensor, input_scale, None)
+
+
+def _to_fp8_checkpoint(out: Path, projections: tuple[str, ...], per_tensor: bool, input_scale: float | None,
+                       kv_scales: tuple[float, float] | None) -> str:
     import json
 
     from safetensors.torch import load_file, save_file
 
-    out = Path(make_tiny_llama(path, seed=seed, **overrides))
     tensors = load_file(str(out / "model.safetensors"))
     fp8 = torch.float8_e4m3fn
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in FP8_PROJECTIONS]:
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in projections]:
         weight = tensors[name].float()
         amax = weight.abs().amax() if per_tensor else weight.abs().amax(dim=1, keepdim=True)
         scale = (amax / torch.finfo(fp8).max).clamp(min=1e-12)

@@ -6,6 +6,11 @@ Expert weights live in two fused tensors, ``gate_up_proj`` ``[E, 2I, H]`` and ``
 the classic one-tensor-per-expert names (Mixtral's ``experts.{e}.w1/w2/w3``, Qwen-MoE's
 ``experts.{e}.gate_proj/up_proj/down_proj``) go into their slices. With tensor parallelism each
 rank holds a slice of every expert's intermediate dimension and the block all-reduces its output.
+
+Experts are not quantized. Per-expert FP8 weights of an FP8 checkpoint (``quant_method: fp8``: a
+``float8_e4m3fn`` ``weight`` with its ``weight_scale``, one per tensor or per output row) are dequantized at load
+into the model's dtype, rounded as a dense FP8 layer's are when it is dequantized; a static ``input_scale`` is
+read and ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from torch import nn
 
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_all_reduce
 from treadle.plugins.models.fused_moe import fused_experts, route_top_k
+from treadle.plugins.models.fp8_ops import dequantize
 from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Config keys of MoE variants this block does not implement; a config that sets one is refused.
 # (Which layers are sparse is the family's choice, e.g. Qwen3-MoE's mlp_only_layers.)
@@ -93,6 +101,9 @@ class FusedExperts(nn.Module):
         self.local_start = tp_rank * self.local_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size))
+        # FP8 checkpoints: an expert's weight and its scale may arrive in either order.
+        self._fp8_unscaled: set[tuple[int, str]] = set()
+        self._fp8_scales: dict[tuple[int, str], torch.Tensor] = {}
 
     def checkpoint_names(self) -> set[str]:
         return {f"{e}.{name}.weight" for e in range(self.num_experts) for name in ("w1", "w2", "w3")}
@@ -110,19 +121,49 @@ class FusedExperts(nn.Module):
             self._copy(self.down_proj.data, narrow_loaded(loaded, 2, start, local))
             return {f"{e}.w2.weight" for e in experts}
         parts = name.split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[2] != "weight" or parts[1] not in _EXPERT_SHARDS:
+        if (len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _EXPERT_SHARDS
+                or parts[2] not in ("weight", "weight_scale", "input_scale")):
             return None
         expert, shard = int(parts[0]), _EXPERT_SHARDS[parts[1]]
         if expert >= self.num_experts:
             return None
-        if shard == "down":
-            _check_shape(loaded, (hidden, inter))
-            self._copy(self.down_proj.data[expert], narrow_loaded(loaded, 1, start, local))
+        if parts[2] == "input_scale":
+            return set()  # a static activation scale: the experts run unquantized activations
+        key = (expert, shard)
+        if parts[2] == "weight_scale":
+            self._fp8_scales[key] = self._scale_rows(shard, loaded)
         else:
-            _check_shape(loaded, (inter, hidden))
-            rows = 0 if shard == "gate" else local
-            self._copy(self.gate_up_proj.data[expert, rows : rows + local], narrow_loaded(loaded, 0, start, local))
+            _check_shape(loaded, (hidden, inter) if shard == "down" else (inter, hidden))
+            source = narrow_loaded(loaded, 1 if shard == "down" else 0, start, local)
+            self._copy(self._slice(expert, shard), source)  # exact: every FP8 value is one of the model dtype's
+            if source.dtype in _FP8_DTYPES:
+                self._fp8_unscaled.add(key)
+        if key in self._fp8_unscaled and key in self._fp8_scales:
+            weight = self._slice(expert, shard)
+            self._copy(weight, dequantize(weight, self._fp8_scales.pop(key), weight.dtype))
+            self._fp8_unscaled.discard(key)
+        if key in self._fp8_unscaled or key in self._fp8_scales:
+            return set()  # its other half (weight or scale) is still to come; until then the weight counts as missing
         return {f"{expert}.{_CANONICAL_NAMES[shard]}.weight"}
+
+    def _slice(self, expert: int, shard: str) -> torch.Tensor:
+        """This rank's part of one expert's gate, up or down weight."""
+        if shard == "down":
+            return self.down_proj.data[expert]
+        rows = 0 if shard == "gate" else self.local_size
+        return self.gate_up_proj.data[expert, rows : rows + self.local_size]
+
+    def _scale_rows(self, shard: str, loaded: Any) -> torch.Tensor:
+        """An FP8 weight's scale (a scalar, or one per output row), as it applies to this rank's slice."""
+        scale = (loaded if isinstance(loaded, torch.Tensor) else loaded[...]).to(torch.float32)
+        out_rows = self.hidden_size if shard == "down" else self.intermediate_size
+        if scale.numel() == 1:
+            return scale.reshape(())
+        if tuple(scale.shape) not in ((out_rows, 1), (out_rows,)):
+            raise CheckpointError(f"FP8 weight_scale has shape {tuple(scale.shape)}; expected one value per tensor "
+                                  f"or one per output row ({out_rows})")
+        scale = scale.reshape(out_rows, 1)
+        return scale if shard == "down" else scale[self.local_start : self.local_start + self.local_size]
 
     @staticmethod
     def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:

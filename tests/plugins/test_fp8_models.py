@@ -237,3 +237,46 @@ def test_fp8_checkpoints_load_and_run_under_tensor_parallelism(tmp_path, registr
         # rounding differs (0.046 measured, about half of FP8's own error here; a wrong scale gives ~1).
         assert errors["static_per_tensor"] < 1e-5, out
         assert errors["dynamic_per_channel"] < 0.15, out
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp8_mixtral_checkpoint_dequantizes_its_experts_at_load(tmp_path, per_tensor):
+    from treadle.testing.models import make_tiny_fp8_mixtral, make_tiny_mixtral
+
+    registry = build_registry(plugin_modules=["treadle.plugins.models.mixtral"], load_entry_points=False)
+    checkpoint = make_tiny_fp8_mixtral(tmp_path / "fp8", per_tensor=per_tensor, input_scale=0.05)
+    stored = load_file(str(Path(checkpoint, "model.safetensors")))
+    model = _load(registry, checkpoint)
+    layer = 1
+    experts = model.model.layers[layer].mlp.experts
+    inter = experts.intermediate_size
+    for e in range(experts.num_experts):
+        stem = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+        w1, w2, w3 = (dequantize(stored[f"{stem}.{w}.weight"], stored[f"{stem}.{w}.weight_scale"], torch.float32)
+                      for w in ("w1", "w2", "w3"))
+        assert torch.equal(experts.gate_up_proj[e, :inter], w1) and torch.equal(experts.gate_up_proj[e, inter:], w3)
+        assert torch.equal(experts.down_proj[e], w2)
+    assert _fp8_params(model)  # the attention projections stay FP8
+    # Against the same model in float32: the FP8 roundings of every projection and the attention's static input
+    # scale (about 0.17), not a wrong scale (of the order of 1).
+    reference = _logits(_load(registry, make_tiny_mixtral(tmp_path / "f32")))
+    assert 0 < _relative_rms_error(_logits(model), reference) < 0.3
+
+
+def test_fp8_expert_weight_and_scale_load_in_either_order_on_each_tensor_parallel_rank():
+    from treadle.plugins.models.moe import FusedExperts
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 4, generator=generator).to(FP8_DTYPE)  # w1 of expert 1: [intermediate, hidden]
+    scale = torch.rand(6, 1, generator=generator) + 0.5
+    for rank in (0, 1):
+        want = dequantize(weight, scale, torch.float32)[3 * rank : 3 * rank + 3]
+        for order in (("weight", "weight_scale"), ("weight_scale", "weight")):
+            experts = FusedExperts(num_experts=2, hidden_size=4, intermediate_size=6, tp_rank=rank, tp_size=2)
+            tensors = {"weight": weight, "weight_scale": scale}
+            first, second = (experts.load_checkpoint_tensor(f"1.w1.{kind}", tensors[kind]) for kind in order)
+            assert first == set() and second == {"1.w1.weight"}  # the weight counts as loaded once both are in
+            assert torch.equal(experts.gate_up_proj.data[1, :3], want), (rank, order)
+        assert experts.load_checkpoint_tensor("1.w1.input_scale", torch.tensor(0.1)) == set()
+    with pytest.raises(Exception, match="weight_scale has shape"):
+        FusedExperts(2, 4, 6).load_checkpoint_tensor("0.w2.weight_scale", torch.ones(3, 1))
