@@ -1,9 +1,10 @@
-"""Fused-MoE kernel timing at Mixtral-8x7B's expert shapes, against the PyTorch expert loop.
+"""Fused-MoE kernel timing at Mixtral-8x7B's (or Qwen3-30B-A3B's) expert shapes, against the PyTorch expert loop.
 
-``python -m treadle.bench.fused_moe [--tokens 1,8,64,512,4096] [--output PATH] [--engine] [--sweep]``
+``python -m treadle.bench.fused_moe [--tokens 1,8,64,512,4096] [--shape mixtral-8x7b|qwen3-30b-a3b] [--output PATH]
+[--engine] [--sweep]``
 
-For each token count: random bf16 activations routed top-2 over 8 experts (hidden 4096,
-intermediate 14336), the Triton path ``fused_experts`` takes (the GEMVs for a few tokens, else the
+For each token count: random bf16 activations routed over the experts of ``--shape`` (Mixtral-8x7B: top-2 of 8,
+hidden 4096, intermediate 14336; Qwen3-30B-A3B: top-8 of 128, hidden 2048, intermediate 768), the Triton path ``fused_experts`` takes (the GEMVs for a few tokens, else the
 grouped GEMM), the grouped GEMM forced, and the reference loop, each timed with CUDA events (median
 of 20 runs after warm-up), plus the bandwidth the default path reaches on the expert weights it must
 read (the experts that received at least one token). ``--engine`` also serves a one-layer
@@ -29,11 +30,15 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 4096, 14336, 8, 2
+# (hidden, intermediate per expert, experts, experts per token)
+SHAPES = {"mixtral-8x7b": (HIDDEN, INTERMEDIATE, EXPERTS, TOP_K), "qwen3-30b-a3b": (2048, 768, 128, 8)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,8,64,512,4096")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b",
+                        help="expert shapes (--engine serves Mixtral-8x7B's whatever this is)")
     parser.add_argument("--output")
     parser.add_argument("--engine", action="store_true")
     parser.add_argument("--sweep", action="store_true")
@@ -43,22 +48,23 @@ def main(argv: list[str] | None = None) -> dict:
     from treadle.plugins.models import fused_moe, fused_moe_kernels
 
     generator = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
-    w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
-    expert_bytes = 3 * HIDDEN * INTERMEDIATE * 2
+    hidden, inter, experts, top_k = SHAPES[args.shape]
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    expert_bytes = 3 * hidden * inter * 2
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
-        weights, ids = fused_moe.route_top_k(torch.randn(tokens, EXPERTS, device="cuda", generator=generator), TOP_K)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+        weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
         triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids))
-        grouped = fused_moe_kernels.default_config(tokens * TOP_K, torch.bfloat16)
+        grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16)
         grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped))
         torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids))
         got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids).float()
         want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids).float()
         active = int(torch.unique(ids).numel())
         row = {
-            "tokens": tokens, "path": "gemv" if _takes_gemv(tokens) else "grouped", "triton_ms": round(triton_ms, 4),
+            "tokens": tokens, "path": "gemv" if _takes_gemv(tokens, experts, top_k) else "grouped", "triton_ms": round(triton_ms, 4),
             "grouped_ms": round(grouped_ms, 4), "torch_loop_ms": round(torch_ms, 4),
             "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
             "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
@@ -66,13 +72,13 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if args.sweep:
             row["sweep"] = _sweep(lambda config: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, config),
-                                  tokens * TOP_K)
+                                  tokens * top_k)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {
         "benchmark": "fused_moe", "gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
         "command": " ".join(["python -m treadle.bench.fused_moe", *(argv or sys.argv[1:])]),
-        "shapes": {"hidden": HIDDEN, "intermediate": INTERMEDIATE, "experts": EXPERTS, "top_k": TOP_K,
+        "shapes": {"name": args.shape, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": top_k,
                    "dtype": "bfloat16"},
         "rows": rows,
     }
@@ -93,10 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def _takes_gemv(tokens: int) -> bool:
+def _takes_gemv(tokens: int, experts: int, top_k: int) -> bool:
     from treadle.plugins.models import fused_moe_kernels as kernels
 
-    return tokens * TOP_K <= kernels.GEMV_MAX_ROWS_PER_EXPERT * EXPERTS and tokens <= kernels.GEMV_MAX_TOKENS
+    return tokens * top_k <= kernels.GEMV_MAX_ROWS_PER_EXPERT * experts and tokens <= kernels.GEMV_MAX_TOKENS
 
 
 def _sweep(run, num_rows: int) -> list[dict]:

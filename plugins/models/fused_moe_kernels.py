@@ -78,8 +78,10 @@ def fused_experts(
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
-GEMV_MAX_ROWS_PER_EXPERT = 2
-GEMV_MAX_TOKENS = 16
+# Where the GEMVs stop paying, on an H100 (docs/benchmarks.md, "Fused MoE"): Mixtral-8x7B's experts at ~10 tokens
+# (2.5 assignments per expert), Qwen3-30B-A3B's at ~48 (3 per expert).
+GEMV_MAX_ROWS_PER_EXPERT = 2.5
+GEMV_MAX_TOKENS = 64
 _GEMV_ROWS = 4  # weight rows per program
 
 
