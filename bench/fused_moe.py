@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b",
                         help="expert shapes (--engine serves Mixtral-8x7B's whatever this is)")
     parser.add_argument("--output")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 experts with a scale per weight row (as an FP8 checkpoint loads them)")
     parser.add_argument("--engine", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args(argv)
@@ -51,17 +53,23 @@ def main(argv: list[str] | None = None) -> dict:
     hidden, inter, experts, top_k = SHAPES[args.shape]
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
     w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
-    expert_bytes = 3 * hidden * inter * 2
+    scales: dict[str, torch.Tensor] = {}
+    if args.fp8:
+        s13, s2 = w13.float().abs().amax(dim=2) / 448, w2.float().abs().amax(dim=2) / 448
+        w13 = (w13.float() / s13[..., None]).to(torch.float8_e4m3fn)
+        w2 = (w2.float() / s2[..., None]).to(torch.float8_e4m3fn)
+        scales = {"w13_scale": s13, "w2_scale": s2}
+    expert_bytes = 3 * hidden * inter * w13.element_size()
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
-        triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids))
+        triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
         grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16)
-        grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped))
-        torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids))
-        got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids).float()
-        want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids).float()
+        grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
+        torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()))
+        got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales).float()
+        want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()).float()
         active = int(torch.unique(ids).numel())
         row = {
             "tokens": tokens, "path": "gemv" if _takes_gemv(tokens, experts, top_k) else "grouped", "triton_ms": round(triton_ms, 4),
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "fused_moe", "gpu": torch.cuda.get_device_name(), "date": dt.date.today().isoformat(),
         "command": " ".join(["python -m treadle.bench.fused_moe", *(argv or sys.argv[1:])]),
         "shapes": {"name": args.shape, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": top_k,
-                   "dtype": "bfloat16"},
+                   "dtype": "bfloat16", "experts_dtype": "float8_e4m3fn" if args.fp8 else "bfloat16"},
         "rows": rows,
     }
     if args.engine:

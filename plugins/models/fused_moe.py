@@ -27,21 +27,25 @@ def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool = Tru
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, k]``.
 
-    ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows then up rows); ``w2`` ``[E, H, I]``.
+    ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows then up rows); ``w2`` ``[E, H, I]``. FP8 experts come with
+    float32 scales per weight row, ``w13_scale`` ``[E, 2I]`` and ``w2_scale`` ``[E, H]``.
     """
     if use_triton(x):
-        return _kernels().fused_experts(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_reference(x, w13, w2, topk_weights, topk_ids)
+        return _kernels().fused_experts(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 def fused_experts_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The PyTorch path: one gated MLP per expert over the rows routed to it, summed in expert order."""
+    """The PyTorch path: one gated MLP per expert over the rows routed to it, summed in expert order (FP8 experts
+    dequantized to ``x``'s dtype as each one runs)."""
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros_like(x)
     flat_ids = topk_ids.flatten()
@@ -54,8 +58,12 @@ def fused_experts_reference(
     for expert, count in enumerate(counts):
         if count:
             rows = tokens[start : start + count]
-            hidden = silu_mul(F.linear(x[rows], w13[expert]))
-            expert_out = F.linear(hidden, w2[expert]) * weights[start : start + count, None]
+            gate_up, down = w13[expert], w2[expert]
+            if w13_scale is not None:
+                gate_up = (gate_up.float() * w13_scale[expert, :, None]).to(x.dtype)
+                down = (down.float() * w2_scale[expert, :, None]).to(x.dtype)
+            hidden = silu_mul(F.linear(x[rows], gate_up))
+            expert_out = F.linear(hidden, down) * weights[start : start + count, None]
             out.index_add_(0, rows, expert_out.to(out.dtype))
         start += count
     return out

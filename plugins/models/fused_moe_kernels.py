@@ -55,8 +55,12 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: BlockConfig | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`treadle.plugins.models.fused_moe.fused_experts`; ``config`` overrides the tiles."""
+    """Same contract as :func:`treadle.plugins.models.fused_moe.fused_experts`; ``config`` overrides the tiles.
+    FP8 experts come with float32 scales per output row (``w13_scale`` ``[E, 2I]``, ``w2_scale`` ``[E, H]``): the
+    kernels widen the weights in registers and scale each product row (W8A16)."""
     x = x.contiguous()
     num_tokens, hidden_size = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -66,15 +70,16 @@ def fused_experts(
         return torch.zeros_like(x)
     few_tokens = num_rows <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS
     if config is None and few_tokens and w13.stride(2) == 1 and w2.stride(2) == 1:
-        return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids)
+        return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     config = config or default_config(num_rows, x.dtype)
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
     gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_rows, block_experts, config, a_row_divisor=top_k, row_weights=None)
+    _grouped_gemm(x, w13, gate_up, sorted_rows, block_experts, config, a_row_divisor=top_k, row_weights=None,
+                  scale=w13_scale)
     activated = silu_mul(gate_up)
     down = torch.empty((num_rows, hidden_size), dtype=x.dtype, device=x.device)
     _grouped_gemm(activated, w2, down, sorted_rows, block_experts, config, a_row_divisor=1,
-                  row_weights=topk_weights.reshape(-1).to(torch.float32))
+                  row_weights=topk_weights.reshape(-1).to(torch.float32), scale=w2_scale)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
@@ -86,7 +91,8 @@ _GEMV_ROWS = 4  # weight rows per program
 
 
 def fused_experts_gemv(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`fused_experts` for a few tokens as two GEMVs per (token, expert) assignment, rounded where the
     grouped path rounds (the gate/up products, ``silu(gate) * up``, each routed output); no sorting. The experts'
@@ -100,21 +106,23 @@ def fused_experts_gemv(
     activated = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
     block_k = min(2048, triton.next_power_of_2(hidden_size))
     _moe_gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, _GEMV_ROWS))](
-        x, w13, ids, activated, hidden_size, inter, top_k, w13.stride(0), w13.stride(1),
-        BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, num_warps=4,
+        x, w13, w13_scale if w13_scale is not None else x, ids, activated, hidden_size, inter, top_k,
+        w13.stride(0), w13.stride(1), BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, HAS_SCALE=w13_scale is not None,
+        num_warps=4,
     )
     out = torch.empty_like(x)
     block_k = min(2048, triton.next_power_of_2(inter))
     _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, _GEMV_ROWS))](
-        activated, w2, ids, topk_weights.reshape(-1).to(torch.float32).contiguous(), out, hidden_size, inter,
-        w2.stride(0), w2.stride(1), TOP_K=top_k, BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, num_warps=4,
+        activated, w2, w2_scale if w2_scale is not None else x, ids,
+        topk_weights.reshape(-1).to(torch.float32).contiguous(), out, hidden_size, inter, w2.stride(0), w2.stride(1),
+        TOP_K=top_k, BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, HAS_SCALE=w2_scale is not None, num_warps=4,
     )
     return out
 
 
 @triton.jit
-def _moe_gate_up_gemv_kernel(X, W13, Ids, Out, K, inter, top_k, stride_we, stride_wn,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gate_up_gemv_kernel(X, W13, Scale, Ids, Out, K, inter, top_k, stride_we, stride_wn,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
     assignment = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
@@ -137,6 +145,10 @@ def _moe_gate_up_gemv_kernel(X, W13, Ids, Out, K, inter, top_k, stride_we, strid
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if HAS_SCALE:  # FP8 experts: one scale per weight row ([E, 2I])
+        scales = Scale + expert * 2 * inter
+        gate = gate * tl.load(scales + offs_n, mask=n_mask, other=0.0)
+        up = up * tl.load(scales + inter + offs_n, mask=n_mask, other=0.0)
     # Rounded as the grouped path's stored gate/up and its silu_mul kernel round them.
     dtype = Out.dtype.element_ty
     g = gate.to(dtype).to(tl.float32)
@@ -146,8 +158,8 @@ def _moe_gate_up_gemv_kernel(X, W13, Ids, Out, K, inter, top_k, stride_we, strid
 
 
 @triton.jit
-def _moe_down_gemv_kernel(Act, W2, Ids, Route_weights, Out, hidden, K, stride_we, stride_wn,
-                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_down_gemv_kernel(Act, W2, Scale, Ids, Route_weights, Out, hidden, K, stride_we, stride_wn,
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
@@ -167,6 +179,8 @@ def _moe_down_gemv_kernel(Act, W2, Ids, Route_weights, Out, hidden, K, stride_we
             acc += tl.sum(w.to(tl.float32) * a, axis=1)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if HAS_SCALE:  # FP8 experts: one scale per weight row ([E, H])
+            acc = acc * tl.load(Scale + expert * hidden + offs_n, mask=n_mask, other=0.0)
         # Each routed output rounded as the grouped path stores it, then summed in float32 as its sum over k does.
         total += (acc * tl.load(Route_weights + assignment)).to(dtype).to(tl.float32)
     tl.store(Out + token * hidden + offs_n, total.to(dtype), mask=n_mask)
@@ -209,15 +223,17 @@ def _grouped_gemm(
     config: BlockConfig,
     a_row_divisor: int,
     row_weights: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    """``out[r] = a[r // a_row_divisor] @ weights[expert(r)].T`` (times ``row_weights[r]``) for each sorted row ``r``."""
+    """``out[r] = a[r // a_row_divisor] @ weights[expert(r)].T`` (times ``row_weights[r]``) for each sorted row ``r``;
+    FP8 ``weights`` have a float32 ``scale`` ``[E, N]`` per weight row."""
     _, n, k = weights.shape
     grid = (block_experts.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, row_weights if row_weights is not None else out, sorted_rows, block_experts,
-        n, k, out.shape[0], a_row_divisor,
+        scale if scale is not None else out, n, k, out.shape[0], a_row_divisor,
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
-        MUL_ROW_WEIGHT=row_weights is not None,
+        MUL_ROW_WEIGHT=row_weights is not None, HAS_SCALE=scale is not None,
         # float32 models get true float32 products (no TF32), so the GPU path matches the reference.
         IEEE_FP32=a.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -227,10 +243,10 @@ def _grouped_gemm(
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr,
+    a_ptr, b_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr, scale_ptr,
     N, K, num_rows, a_row_divisor,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    MUL_ROW_WEIGHT: tl.constexpr, IEEE_FP32: tl.constexpr,
+    MUL_ROW_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -252,12 +268,16 @@ def _grouped_gemm_kernel(
         k_mask = offs_k < K - k_start
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if HAS_SCALE:
+            b = b.to(a.dtype)  # FP8 widened exactly; its row scale is applied to the sums below
         if IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)[None, :]
     if MUL_ROW_WEIGHT:
         row_weight = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * row_weight[:, None]

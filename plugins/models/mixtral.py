@@ -20,7 +20,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
         window = getattr(config, "sliding_window", None)
         return DecoderLayer(config, layer_id, int(window) if window else None, quant_config=self.quant_config,
-                            mlp=sparse_moe_from_config(config))
+                            mlp=sparse_moe_from_config(config, self.quant_config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_rename_moe(weights))

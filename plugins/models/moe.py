@@ -7,10 +7,12 @@ the classic one-tensor-per-expert names (Mixtral's ``experts.{e}.w1/w2/w3``, Qwe
 ``experts.{e}.gate_proj/up_proj/down_proj``) go into their slices. With tensor parallelism each
 rank holds a slice of every expert's intermediate dimension and the block all-reduces its output.
 
-Experts are not quantized. Per-expert FP8 weights of an FP8 checkpoint (``quant_method: fp8``: a
-``float8_e4m3fn`` ``weight`` with its ``weight_scale``, one per tensor or per output row) are dequantized at load
-into the model's dtype, rounded as a dense FP8 layer's are when it is dequantized; a static ``input_scale`` is
-read and ignored.
+FP8 checkpoints (``quant_method: fp8``: each expert's ``float8_e4m3fn`` ``weight`` with its ``weight_scale``, one
+per tensor or per output row) keep their experts in FP8, with a float32 scale per weight row
+(``gate_up_scale`` ``[E, 2I]``, ``down_scale`` ``[E, H]``) that the kernels apply (W8A16); a static
+``input_scale`` is read and ignored. Where the device has no FP8 matmuls (``QuantizationConfig.dequantize``) the
+experts are dequantized at load into the model dtype instead, rounded as a dense FP8 layer's are. ``model.quantization:
+fp8`` on a 16-bit checkpoint leaves the experts in the model dtype.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from torch import nn
 
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_all_reduce
 from treadle.plugins.models.fused_moe import fused_experts, route_top_k
+from treadle.core.quantization import FP8_DTYPE
 from treadle.plugins.models.fp8_ops import dequantize
-from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded
+from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded, set_weight_attrs
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -44,7 +47,8 @@ class SparseMoE(nn.Module):
     best run their gated MLPs, and their outputs are summed weighted by the (renormalised) softmax scores."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True,
+        fp8: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -54,17 +58,20 @@ class SparseMoE(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         # The router is small and every rank needs all its scores: replicated, never quantized.
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size, fp8=fp8)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_top_k(self.gate(hidden_states), self.top_k, self.renormalize)
-        out = fused_experts(hidden_states, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids)
+        experts = self.experts
+        out = fused_experts(hidden_states, experts.gate_up_proj, experts.down_proj, topk_weights, topk_ids,
+                            experts.gate_up_scale, experts.down_scale)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
-def sparse_moe_from_config(config: Any) -> SparseMoE:
+def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
     """A :class:`SparseMoE` from an HF config: ``num_local_experts`` (or ``num_experts``), ``num_experts_per_tok``,
-    ``moe_intermediate_size`` (or ``intermediate_size``), ``norm_topk_prob`` (default true).
+    ``moe_intermediate_size`` (or ``intermediate_size``), ``norm_topk_prob`` (default true); with the model's
+    ``quant_config`` of an FP8 checkpoint, FP8 experts (unless the device dequantizes FP8 weights).
     Refuses configs asking for MoE features this block lacks (e.g. shared experts), naming them."""
     for key, feature in _UNSUPPORTED_MOE_KEYS.items():
         if getattr(config, key, None):
@@ -81,14 +88,18 @@ def sparse_moe_from_config(config: Any) -> SparseMoE:
         num_experts=int(num_experts),
         top_k=int(config.num_experts_per_tok),
         renormalize=bool(getattr(config, "norm_topk_prob", True)),
+        fp8=bool(quant_config is not None and quant_config.checkpoint_quantized and not quant_config.dequantize),
     )
 
 
 class FusedExperts(nn.Module):
     """All experts' weights as two tensors: ``gate_up_proj`` ``[E, 2I/tp, H]`` (each expert's gate rows, then
-    its up rows) and ``down_proj`` ``[E, H, I/tp]``. Loads fused or per-expert checkpoint tensors itself."""
+    its up rows) and ``down_proj`` ``[E, H, I/tp]``. Loads fused or per-expert checkpoint tensors itself. With
+    ``fp8`` they are FP8, loaded as an FP8 checkpoint stores them, with float32 scales per weight row
+    (``gate_up_scale`` ``[E, 2I/tp]``, ``down_scale`` ``[E, H]``); otherwise the scales are None."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 fp8: bool = False):
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(
@@ -99,18 +110,32 @@ class FusedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.local_size = intermediate_size // tp_size
         self.local_start = tp_rank * self.local_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size))
+        self.fp8 = fp8
+        weight_dtype = FP8_DTYPE if fp8 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size, dtype=weight_dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size, dtype=weight_dtype),
+                                      requires_grad=False)
+        self.gate_up_scale: nn.Parameter | None = None
+        self.down_scale: nn.Parameter | None = None
+        if fp8:
+            self.gate_up_scale = nn.Parameter(torch.ones(num_experts, 2 * self.local_size), requires_grad=False)
+            self.down_scale = nn.Parameter(torch.ones(num_experts, hidden_size), requires_grad=False)
+            for param in (self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale):
+                set_weight_attrs(param, keep_dtype=True)
         # FP8 checkpoints: an expert's weight and its scale may arrive in either order.
         self._fp8_unscaled: set[tuple[int, str]] = set()
         self._fp8_scales: dict[tuple[int, str], torch.Tensor] = {}
 
     def checkpoint_names(self) -> set[str]:
-        return {f"{e}.{name}.weight" for e in range(self.num_experts) for name in ("w1", "w2", "w3")}
+        kinds = ("weight", "weight_scale") if self.fp8 else ("weight",)
+        return {f"{e}.{name}.{kind}" for e in range(self.num_experts) for name in ("w1", "w2", "w3") for kind in kinds}
 
     def load_checkpoint_tensor(self, name: str, loaded: Any) -> set[str] | None:
         experts = range(self.num_experts)
         inter, hidden, start, local = self.intermediate_size, self.hidden_size, self.local_start, self.local_size
+        if self.fp8 and name in ("gate_up_proj", "down_proj"):
+            raise CheckpointError("fused expert tensors in an FP8 checkpoint are not supported (per-expert ones are)")
         if name == "gate_up_proj":
             _check_shape(loaded, (self.num_experts, 2 * inter, hidden))
             self._copy(self.gate_up_proj.data[:, :local], narrow_loaded(loaded, 1, start, local))
@@ -129,6 +154,8 @@ class FusedExperts(nn.Module):
             return None
         if parts[2] == "input_scale":
             return set()  # a static activation scale: the experts run unquantized activations
+        if self.fp8:
+            return self._load_fp8(expert, shard, parts[2], loaded)
         key = (expert, shard)
         if parts[2] == "weight_scale":
             self._fp8_scales[key] = self._scale_rows(shard, loaded)
@@ -145,6 +172,24 @@ class FusedExperts(nn.Module):
         if key in self._fp8_unscaled or key in self._fp8_scales:
             return set()  # its other half (weight or scale) is still to come; until then the weight counts as missing
         return {f"{expert}.{_CANONICAL_NAMES[shard]}.weight"}
+
+    def _load_fp8(self, expert: int, shard: str, kind: str, loaded: Any) -> set[str]:
+        """An FP8 checkpoint's expert weight, as stored, or its scale, into this rank's rows."""
+        name = f"{expert}.{_CANONICAL_NAMES[shard]}.{kind}"
+        if kind == "weight_scale":
+            scales = self.down_scale if shard == "down" else self.gate_up_scale
+            rows = slice(None) if shard == "down" else slice(0, self.local_size) if shard == "gate" else slice(
+                self.local_size, None)
+            with torch.no_grad():
+                scales.data[expert, rows] = self._scale_rows(shard, loaded).reshape(-1)
+            return {name}
+        _check_shape(loaded, (self.hidden_size, self.intermediate_size) if shard == "down"
+                     else (self.intermediate_size, self.hidden_size))
+        source = narrow_loaded(loaded, 1 if shard == "down" else 0, self.local_start, self.local_size)
+        if source.dtype != FP8_DTYPE:
+            raise CheckpointError(f"is {source.dtype}, but the FP8 checkpoint's experts are stored as {FP8_DTYPE}")
+        self._copy(self._slice(expert, shard), source)
+        return {name}
 
     def _slice(self, expert: int, shard: str) -> torch.Tensor:
         """This rank's part of one expert's gate, up or down weight."""

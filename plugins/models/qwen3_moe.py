@@ -20,7 +20,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         sparse = layer_id not in (getattr(config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0
         return DecoderLayer(config, layer_id, layer_sliding_window(config, layer_id), quant_config=self.quant_config,
-                            qk_norm=True, mlp=sparse_moe_from_config(config) if sparse else None)
+                            qk_norm=True, mlp=sparse_moe_from_config(config, self.quant_config) if sparse else None)
 
 
 @hookimpl

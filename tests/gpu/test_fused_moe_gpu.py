@@ -44,6 +44,22 @@ def test_qwen3_moe_shapes_match_the_torch_loop(tokens):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 300])  # the GEMVs, the GEMVs, the grouped GEMM
+def test_fp8_experts_match_the_torch_loop_over_their_dequantized_weights(tokens):
+    """FP8 experts with a scale per weight row (an FP8 checkpoint's), Mixtral-8x7B's shapes, bf16 activations."""
+    w13, w2, generator = _experts(4096, 14336, 8, torch.bfloat16)
+    s13 = w13.float().abs().amax(dim=2) / 448
+    s2 = w2.float().abs().amax(dim=2) / 448
+    q13 = (w13.float() / s13[..., None]).to(torch.float8_e4m3fn)
+    q2 = (w2.float() / s2[..., None]).to(torch.float8_e4m3fn)
+    x = torch.randn(tokens, 4096, device="cuda", generator=generator).to(torch.bfloat16)
+    weights, ids = fused_moe.route_top_k(torch.randn(tokens, 8, device="cuda", generator=generator), 2)
+    got = fused_moe_kernels.fused_experts(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2).float()
+    want = fused_moe.fused_experts_reference(x.float(), q13.float() * s13[..., None], q2.float() * s2[..., None],
+                                             weights, ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-2
+
+
 @pytest.mark.parametrize("tokens", [2, 16])  # the GEMVs, the grouped GEMM
 def test_kernel_replays_in_a_cuda_graph_with_new_routing(tokens):
     w13, w2, generator = _experts(256, 128, 8, torch.bfloat16)

@@ -240,27 +240,40 @@ def test_fp8_checkpoints_load_and_run_under_tensor_parallelism(tmp_path, registr
 
 
 @pytest.mark.parametrize("per_tensor", [False, True])
-def test_fp8_mixtral_checkpoint_dequantizes_its_experts_at_load(tmp_path, per_tensor):
+def test_fp8_mixtral_checkpoint_keeps_its_experts_fp8_with_their_scales(tmp_path, per_tensor):
+    import copy
+
     from treadle.testing.models import make_tiny_fp8_mixtral, make_tiny_mixtral
 
     registry = build_registry(plugin_modules=["treadle.plugins.models.mixtral"], load_entry_points=False)
     checkpoint = make_tiny_fp8_mixtral(tmp_path / "fp8", per_tensor=per_tensor, input_scale=0.05)
     stored = load_file(str(Path(checkpoint, "model.safetensors")))
     model = _load(registry, checkpoint)
-    layer = 1
-    experts = model.model.layers[layer].mlp.experts
+    experts = model.model.layers[1].mlp.experts
     inter = experts.intermediate_size
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8_DTYPE
     for e in range(experts.num_experts):
-        stem = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
-        w1, w2, w3 = (dequantize(stored[f"{stem}.{w}.weight"], stored[f"{stem}.{w}.weight_scale"], torch.float32)
-                      for w in ("w1", "w2", "w3"))
-        assert torch.equal(experts.gate_up_proj[e, :inter], w1) and torch.equal(experts.gate_up_proj[e, inter:], w3)
-        assert torch.equal(experts.down_proj[e], w2)
-    assert _fp8_params(model)  # the attention projections stay FP8
+        stem = f"model.layers.1.block_sparse_moe.experts.{e}"
+        for rows, part in ((slice(0, inter), "w1"), (slice(inter, None), "w3")):
+            stored_weight = stored[f"{stem}.{part}.weight"]
+            assert torch.equal(experts.gate_up_proj[e, rows].view(torch.uint8), stored_weight.view(torch.uint8))
+            scale = stored[f"{stem}.{part}.weight_scale"].reshape(-1)
+            assert torch.equal(experts.gate_up_scale[e, rows], scale.expand(inter))
+        down_scale = stored[f"{stem}.w2.weight_scale"].reshape(-1)
+        assert torch.equal(experts.down_scale[e], down_scale.expand(experts.hidden_size))
+    # The same weights dequantized into float32 experts run the same numbers: the scales are where they belong.
+    widened = copy.deepcopy(model)
+    for layer in widened.model.layers:
+        moe = layer.mlp.experts
+        moe.gate_up_proj = torch.nn.Parameter(dequantize(moe.gate_up_proj, moe.gate_up_scale[..., None], torch.float32))
+        moe.down_proj = torch.nn.Parameter(dequantize(moe.down_proj, moe.down_scale[..., None], torch.float32))
+        moe.gate_up_scale = moe.down_scale = None
+    logits = _logits(model)
+    assert torch.equal(logits, _logits(widened))
     # Against the same model in float32: the FP8 roundings of every projection and the attention's static input
     # scale (about 0.17), not a wrong scale (of the order of 1).
     reference = _logits(_load(registry, make_tiny_mixtral(tmp_path / "f32")))
-    assert 0 < _relative_rms_error(_logits(model), reference) < 0.3
+    assert 0 < _relative_rms_error(logits, reference) < 0.3
 
 
 def test_fp8_expert_weight_and_scale_load_in_either_order_on_each_tensor_parallel_rank():
@@ -280,3 +293,27 @@ def test_fp8_expert_weight_and_scale_load_in_either_order_on_each_tensor_paralle
         assert experts.load_checkpoint_tensor("1.w1.input_scale", torch.tensor(0.1)) == set()
     with pytest.raises(Exception, match="weight_scale has shape"):
         FusedExperts(2, 4, 6).load_checkpoint_tensor("0.w2.weight_scale", torch.ones(3, 1))
+
+
+def test_fp8_experts_load_as_stored_into_each_tensor_parallel_rank():
+    from treadle.plugins.models.moe import FusedExperts
+
+    generator = torch.Generator().manual_seed(1)
+    up = torch.randn(6, 4, generator=generator).to(FP8_DTYPE)  # w3 of expert 0: [intermediate, hidden]
+    down = torch.randn(4, 6, generator=generator).to(FP8_DTYPE)  # w2: [hidden, intermediate]
+    up_scale, down_scale = torch.rand(6, 1, generator=generator), torch.tensor(0.25)
+    for rank in (0, 1):
+        experts = FusedExperts(num_experts=1, hidden_size=4, intermediate_size=6, tp_rank=rank, tp_size=2, fp8=True)
+        rows = slice(3 * rank, 3 * rank + 3)
+        assert experts.load_checkpoint_tensor("0.w3.weight", up) == {"0.w3.weight"}
+        assert experts.load_checkpoint_tensor("0.w3.weight_scale", up_scale) == {"0.w3.weight_scale"}
+        assert experts.load_checkpoint_tensor("0.w2.weight", down) == {"0.w2.weight"}
+        assert experts.load_checkpoint_tensor("0.w2.weight_scale", down_scale) == {"0.w2.weight_scale"}
+        assert experts.gate_up_proj.dtype == FP8_DTYPE
+        assert torch.equal(experts.gate_up_proj[0, 3:].view(torch.uint8), up[rows].view(torch.uint8))
+        assert torch.equal(experts.gate_up_scale[0, 3:], up_scale[rows, 0])
+        assert torch.equal(experts.down_proj[0].view(torch.uint8), down[:, rows].view(torch.uint8))
+        assert torch.equal(experts.down_scale[0], down_scale.expand(4))
+        assert "0.w1.weight_scale" in experts.checkpoint_names()  # a missing scale is a missing tensor
+    with pytest.raises(Exception, match="FP8 checkpoint's experts are stored as"):
+        FusedExperts(1, 4, 6, fp8=True).load_checkpoint_tensor("0.w1.weight", torch.ones(6, 4))

@@ -40,6 +40,22 @@ def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, config=None, gemv
     want = R.fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
     return (got.float() - want).abs().max().item() / want.abs().max().item()
 
+def fp8_experts(tokens, experts, top_k, hidden, inter, seed=10, config=None):
+    # FP8 experts with a scale per weight row, against the loop over the same weights dequantized.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    def quantize(w):
+        scale = w.abs().amax(dim=2) / 448
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+    (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
+    weights, ids = R.route_top_k(torch.randn(tokens, experts, generator=g), top_k)
+    got = K.fused_experts(x, q13, q2, weights, ids, config, w13_scale=s13, w2_scale=s2)
+    want = R.fused_experts_reference(x, q13.float() * s13[..., None], q2.float() * s2[..., None], weights, ids)
+    assert torch.equal(R.fused_experts_reference(x, q13, q2, weights, ids, s13, s2), want)
+    return (got - want).abs().max().item() / want.abs().max().item()
+
 def strided_experts(seed=9):
     # Expert weights without unit stride along their last dim take the grouped path, which reads any strides.
     g = torch.Generator().manual_seed(seed)
@@ -68,6 +84,8 @@ results = {
     "fp32_gemv_odd_sizes_top3": case(3, 8, 3, 48, 42, torch.float32, seed=7, gemv=True),
     "fp16_gemv_repeated_experts": case(4, 4, 2, 64, 96, torch.float16, seed=8, gemv=True),
     "fp32_strided_experts": strided_experts(),
+    "fp32_fp8_experts_gemv": fp8_experts(3, 8, 2, 64, 40),
+    "fp32_fp8_experts_grouped": fp8_experts(37, 8, 2, 48, 40, seed=11),
     "fp32_prefill_odd_sizes": case(37, 8, 2, 48, 40, torch.float32, seed=1),
     "fp32_top1_some_experts_idle": case(5, 8, 1, 64, 64, torch.float32, seed=2),
     "fp32_top3_many_blocks": case(70, 3, 3, 32, 24, torch.float32, seed=3),
@@ -97,7 +115,7 @@ def kernel_results() -> dict:
 @pytest.mark.parametrize(
     "name",
     ["fp32_decode_one_token", "fp32_gemv_one_token", "fp32_gemv_odd_sizes_top3", "fp16_gemv_repeated_experts",
-     "fp32_strided_experts",
+     "fp32_strided_experts", "fp32_fp8_experts_gemv", "fp32_fp8_experts_grouped",
      "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
      "fp16_prefill", "fp16_prefill_large_tiles"],
 )

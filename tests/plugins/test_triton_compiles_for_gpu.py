@@ -145,8 +145,8 @@ def _model_kernels() -> dict:
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
-             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}, set(),
-            dict(MUL_ROW_WEIGHT=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32"}, set(),
+            dict(MUL_ROW_WEIGHT=True, HAS_SCALE=False, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
         "store_kv[fp8e4nv]": lambda: _compile(
             kv_store._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "K_cache": "*fp8e4nv", "V_cache": "*fp8e4nv",
                                         "Loc": "*i64"}, {"k_scale", "v_scale", "fp8_max"},
@@ -154,12 +154,22 @@ def _model_kernels() -> dict:
         "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
                                    dict(BLOCK=4096)),
         "moe_gate_up_gemv": lambda: _compile(
-            fused_moe_kernels._moe_gate_up_gemv_kernel, {"X": "*bf16", "W13": "*bf16", "Ids": "*i64", "Out": "*bf16"},
-            set(), dict(BLOCK_N=4, BLOCK_K=2048)),
-        "moe_down_gemv": lambda: _compile(
-            fused_moe_kernels._moe_down_gemv_kernel, {"Act": "*bf16", "W2": "*bf16", "Ids": "*i64",
-                                                      "Route_weights": "*fp32", "Out": "*bf16"},
-            set(), dict(TOP_K=2, BLOCK_N=4, BLOCK_K=2048)),
+            fused_moe_kernels._moe_gate_up_gemv_kernel,
+            {"X": "*bf16", "W13": "*bf16", "Scale": "*fp32", "Ids": "*i64", "Out": "*bf16"},
+            set(), dict(BLOCK_N=4, BLOCK_K=2048, HAS_SCALE=False)),
+        "moe_down_gemv[fp8]": lambda: _compile(
+            fused_moe_kernels._moe_down_gemv_kernel, {"Act": "*bf16", "W2": "*fp8e4nv", "Scale": "*fp32",
+                                                      "Ids": "*i64", "Route_weights": "*fp32", "Out": "*bf16"},
+            set(), dict(TOP_K=2, BLOCK_N=4, BLOCK_K=2048, HAS_SCALE=True)),
+        "moe_gate_up_gemv[fp8]": lambda: _compile(
+            fused_moe_kernels._moe_gate_up_gemv_kernel,
+            {"X": "*bf16", "W13": "*fp8e4nv", "Scale": "*fp32", "Ids": "*i64", "Out": "*bf16"},
+            set(), dict(BLOCK_N=4, BLOCK_K=2048, HAS_SCALE=True)),
+        "moe_grouped_gemm[fp8]": lambda: _compile(
+            fused_moe_kernels._grouped_gemm_kernel,
+            {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "row_weight_ptr": "*fp32",
+             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32"}, set(),
+            dict(MUL_ROW_WEIGHT=True, HAS_SCALE=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
     }
 
 
@@ -205,7 +215,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
-           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "moe_gate_up_gemv", "moe_down_gemv"]
+           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
+           "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]"]
 
 
 def _compile_all() -> dict[str, str | None]:
