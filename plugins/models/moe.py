@@ -11,8 +11,8 @@ FP8 checkpoints (``quant_method: fp8``: each expert's ``float8_e4m3fn`` ``weight
 per tensor or per output row) keep their experts in FP8, with a float32 scale per weight row
 (``gate_up_scale`` ``[E, 2I]``, ``down_scale`` ``[E, H]``) that the kernels apply (W8A16); a static
 ``input_scale`` is read and ignored. Where the device has no FP8 matmuls (``QuantizationConfig.dequantize``) the
-experts are dequantized at load into the model dtype instead, rounded as a dense FP8 layer's are. ``model.quantization:
-fp8`` on a 16-bit checkpoint leaves the experts in the model dtype.
+experts are dequantized at load into the model dtype instead, rounded as a dense FP8 layer's are.
+``model.quantization: fp8`` on a 16-bit checkpoint leaves the experts in the model dtype.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_all_reduce
-from treadle.plugins.models.fused_moe import fused_experts, route_top_k
 from treadle.core.quantization import FP8_DTYPE
+from treadle.plugins.models.fused_moe import fused_experts, route_top_k
 from treadle.plugins.models.fp8_ops import dequantize
 from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded, set_weight_attrs
 
