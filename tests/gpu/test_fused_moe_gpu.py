@@ -97,3 +97,24 @@ def test_tiny_mixtral_on_the_gpu_matches_hf(tmp_path, engine_config):
     outputs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0,
                                                                                 ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
+
+
+def test_fp8_mixtral_checkpoint_serves_with_fp8_experts(tmp_path, engine_config):
+    """A tiny FP8 Mixtral checkpoint (attention and experts FP8, as on the hub) through the Engine: the experts stay
+    FP8 and greedy tokens are the same with CUDA graphs on and off."""
+    from treadle import Engine, SamplingParams
+    from treadle.testing.models import make_tiny_fp8_mixtral
+
+    path = make_tiny_fp8_mixtral(tmp_path / "fp8")
+    prompts = [[5, 17, 42, 8, 99, 3, 250, 11], [300, 301, 9], [7] * 30]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for graphs in (False, True):
+        engine = Engine(engine_config(path, "triton", "bfloat16", graphs=graphs))
+        try:
+            moe = [m for m in engine.scheduler.runner.model.modules() if type(m).__name__ == "FusedExperts"]
+            assert moe and all(m.gate_up_proj.dtype == torch.float8_e4m3fn for m in moe)
+            tokens.append([o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)])
+        finally:
+            engine.shutdown()
+    assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[0])
