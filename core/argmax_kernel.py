@@ -39,7 +39,8 @@ def _argmax_kernel(X, Out, stride_row, vocab, BLOCK: tl.constexpr):
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` (int64) of a ``[rows, vocab]`` tensor with unit stride along the vocabulary."""
+    """``torch.argmax(x, dim=-1)`` (int64) of a 16- or 32-bit float ``[rows, vocab]`` tensor with unit stride along
+    the vocabulary (values are compared in float32)."""
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:

@@ -295,7 +295,7 @@ def argmax_last_dim(x: torch.Tensor) -> torch.Tensor:
     vocabulary ran as a single 30 µs reduction per decode step on an H100, the two passes as five launches
     (docs/benchmarks.md)."""
     rows, vocab = x.shape
-    if x.is_cuda and x.stride(-1) == 1:
+    if x.is_cuda and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
         from treadle.core.argmax_kernel import argmax_rows
 
         return argmax_rows(x)
