@@ -10,9 +10,10 @@ rank holds a slice of every expert's intermediate dimension and the block all-re
 FP8 checkpoints (``quant_method: fp8``: each expert's ``float8_e4m3fn`` ``weight`` with its ``weight_scale``, one
 per tensor or per output row) keep their experts in FP8, with a float32 scale per weight row
 (``gate_up_scale`` ``[E, 2I]``, ``down_scale`` ``[E, H]``) that the kernels apply (W8A16); a static
-``input_scale`` is read and ignored. Where the device has no FP8 matmuls (``QuantizationConfig.dequantize``) the
-experts are dequantized at load into the model dtype instead, rounded as a dense FP8 layer's are.
-``model.quantization: fp8`` on a 16-bit checkpoint leaves the experts in the model dtype.
+``input_scale`` is read and ignored. ``model.quantization: fp8`` on a 16-bit checkpoint quantizes the experts
+once they are loaded, one scale per weight row, as it does the dense layers. Where the device has no FP8 matmuls
+(``QuantizationConfig.dequantize``) an FP8 checkpoint's experts are dequantized at load into the model dtype
+instead, rounded as a dense FP8 layer's are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_all_reduce
 from treadle.core.quantization import FP8_DTYPE
 from treadle.plugins.models.fused_moe import fused_experts, route_top_k
-from treadle.plugins.models.fp8_ops import dequantize
+from treadle.plugins.models.fp8_ops import dequantize, quantize_per_channel
 from treadle.plugins.models.linear import CheckpointError, loaded_shape, narrow_loaded, set_weight_attrs
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -48,7 +49,7 @@ class SparseMoE(nn.Module):
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True,
-        fp8: bool = False,
+        fp8: bool = False, quantize_at_load: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -59,6 +60,8 @@ class SparseMoE(nn.Module):
         # The router is small and every rank needs all its scores: replicated, never quantized.
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size, fp8=fp8)
+        if quantize_at_load:
+            self.experts.quant_method = _QuantizeExpertsAtLoad()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_top_k(self.gate(hidden_states), self.top_k, self.renormalize)
@@ -70,8 +73,9 @@ class SparseMoE(nn.Module):
 
 def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
     """A :class:`SparseMoE` from an HF config: ``num_local_experts`` (or ``num_experts``), ``num_experts_per_tok``,
-    ``moe_intermediate_size`` (or ``intermediate_size``), ``norm_topk_prob`` (default true); with the model's
-    ``quant_config`` of an FP8 checkpoint, FP8 experts (unless the device dequantizes FP8 weights).
+    ``moe_intermediate_size`` (or ``intermediate_size``), ``norm_topk_prob`` (default true). With the model's
+    ``quant_config``: an FP8 checkpoint's experts stay FP8 (unless the device dequantizes FP8 weights), and
+    ``model.quantization: fp8`` quantizes 16-bit experts once loaded.
     Refuses configs asking for MoE features this block lacks (e.g. shared experts), naming them."""
     for key, feature in _UNSUPPORTED_MOE_KEYS.items():
         if getattr(config, key, None):
@@ -89,6 +93,7 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
         top_k=int(config.num_experts_per_tok),
         renormalize=bool(getattr(config, "norm_topk_prob", True)),
         fp8=bool(quant_config is not None and quant_config.checkpoint_quantized and not quant_config.dequantize),
+        quantize_at_load=bool(quant_config is not None and not quant_config.checkpoint_quantized),
     )
 
 
@@ -214,6 +219,26 @@ class FusedExperts(nn.Module):
     def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
         with torch.no_grad():
             destination.copy_(source)
+
+
+class _QuantizeExpertsAtLoad:
+    """``model.quantization: fp8`` for the experts of a 16-bit checkpoint: once every weight is loaded (the model
+    loader calls :meth:`process_weights_after_loading` on a module's ``quant_method``), each expert's rows become
+    FP8 with one float32 scale per row, as the dense layers are quantized."""
+
+    def process_weights_after_loading(self, experts: FusedExperts) -> None:
+        scales = []
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name).data
+            quantized = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for expert in range(weight.shape[0]):  # one expert at a time: no float32 copy of them all
+                q, s = quantize_per_channel(weight[expert])
+                quantized[expert], scale[expert] = q, s.reshape(-1)
+            setattr(experts, name, nn.Parameter(quantized, requires_grad=False))
+            scales.append(nn.Parameter(scale, requires_grad=False))
+        experts.gate_up_scale, experts.down_scale = scales
+        experts.fp8 = True
 
 
 def _check_shape(loaded: Any, expected: tuple[int, ...]) -> None:

@@ -317,3 +317,25 @@ def test_fp8_experts_load_as_stored_into_each_tensor_parallel_rank():
         assert "0.w1.weight_scale" in experts.checkpoint_names()  # a missing scale is a missing tensor
     with pytest.raises(Exception, match="FP8 checkpoint's experts are stored as"):
         FusedExperts(1, 4, 6, fp8=True).load_checkpoint_tensor("0.w1.weight", torch.ones(6, 4))
+
+
+def test_quantize_at_load_makes_the_experts_fp8_with_a_scale_per_row(tmp_path):
+    from treadle.plugins.models.fp8_ops import quantize_per_channel
+    from treadle.testing.models import make_tiny_mixtral
+
+    registry = build_registry(plugin_modules=["treadle.plugins.models.mixtral"], load_entry_points=False)
+    path = make_tiny_mixtral(tmp_path / "f32")
+    reference_model = _load(registry, path)
+    model = _load(registry, path, quantization="fp8")
+    for layer, original in zip(model.model.layers, reference_model.model.layers):
+        experts, widened = layer.mlp.experts, original.mlp.experts
+        assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8_DTYPE
+        for e in range(experts.num_experts):
+            q, scale = quantize_per_channel(widened.gate_up_proj[e])
+            assert torch.equal(experts.gate_up_proj[e].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(experts.gate_up_scale[e], scale.reshape(-1))
+            q, scale = quantize_per_channel(widened.down_proj[e])
+            assert torch.equal(experts.down_proj[e].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(experts.down_scale[e], scale.reshape(-1))
+    # The FP8 roundings of every projection (about 0.16 on this tiny MoE), not a wrong scale (of the order of 1).
+    assert 0 < _relative_rms_error(_logits(model), _logits(reference_model)) < 0.3
