@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()).float()
         active = int(torch.unique(ids).numel())
         row = {
-            "tokens": tokens, "path": "gemv" if _takes_gemv(tokens, experts, top_k) else "grouped", "triton_ms": round(triton_ms, 4),
+            "tokens": tokens, "path": "gemv" if fused_moe_kernels.takes_gemv(tokens, top_k, experts) else "grouped", "triton_ms": round(triton_ms, 4),
             "grouped_ms": round(grouped_ms, 4), "torch_loop_ms": round(torch_ms, 4),
             "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
             "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
@@ -105,12 +105,6 @@ def main(argv: list[str] | None = None) -> dict:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
     return result
-
-
-def _takes_gemv(tokens: int, experts: int, top_k: int) -> bool:
-    from treadle.plugins.models import fused_moe_kernels as kernels
-
-    return tokens * top_k <= kernels.GEMV_MAX_ROWS_PER_EXPERT * experts and tokens <= kernels.GEMV_MAX_TOKENS
 
 
 def _sweep(run, num_rows: int) -> list[dict]:

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from treadle.plugins.models.fused_ops import silu_mul
+from treadle.plugins.models.small_batch_kernels import _gate_up_row, _row, _store_silu_mul
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def fused_experts(
     num_rows = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
-    few_tokens = num_rows <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS
-    if config is None and few_tokens and w13.stride(2) == 1 and w2.stride(2) == 1:
+    if config is None and takes_gemv(num_tokens, top_k, num_experts) and w13.stride(2) == 1 and w2.stride(2) == 1:
         return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     config = config or default_config(num_rows, x.dtype)
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
@@ -90,6 +90,11 @@ GEMV_MAX_TOKENS = 64
 _GEMV_ROWS = 4  # weight rows per program
 
 
+def takes_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a batch of ``num_tokens`` runs the GEMVs (:func:`fused_experts_gemv`) rather than the grouped GEMM."""
+    return num_tokens * top_k <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS
+
+
 def fused_experts_gemv(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
@@ -107,78 +112,52 @@ def fused_experts_gemv(
     block_k = min(2048, triton.next_power_of_2(hidden_size))
     _moe_gate_up_gemv_kernel[(num_tokens * top_k, triton.cdiv(inter, _GEMV_ROWS))](
         x, w13, w13_scale if w13_scale is not None else x, ids, activated, hidden_size, inter, top_k,
-        w13.stride(0), w13.stride(1), BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, HAS_SCALE=w13_scale is not None,
-        num_warps=4,
+        w13.stride(0), w13.stride(1), BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k,
+        EVEN=hidden_size % block_k == 0 and inter % _GEMV_ROWS == 0, HAS_SCALE=w13_scale is not None, num_warps=4,
     )
     out = torch.empty_like(x)
     block_k = min(2048, triton.next_power_of_2(inter))
     _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, _GEMV_ROWS))](
         activated, w2, w2_scale if w2_scale is not None else x, ids,
         topk_weights.reshape(-1).to(torch.float32).contiguous(), out, hidden_size, inter, w2.stride(0), w2.stride(1),
-        TOP_K=top_k, BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k, HAS_SCALE=w2_scale is not None, num_warps=4,
+        TOP_K=top_k, BLOCK_N=_GEMV_ROWS, BLOCK_K=block_k,
+        EVEN=inter % block_k == 0 and hidden_size % _GEMV_ROWS == 0, HAS_SCALE=w2_scale is not None, num_warps=4,
     )
     return out
 
 
 @triton.jit
 def _moe_gate_up_gemv_kernel(X, W13, Scale, Ids, Out, K, inter, top_k, stride_we, stride_wn,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                             HAS_SCALE: tl.constexpr):
+    # The dense one-token GEMV's loop and gated epilogue (small_batch_kernels), on this assignment's expert.
     assignment = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
     expert = tl.load(Ids + assignment).to(tl.int64)
     token = (assignment // top_k).to(tl.int64)
-    gate_ptrs = W13 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + inter.to(tl.int64) * stride_wn
-    x_ptrs = X + token * K + offs_k
-    gate = tl.zeros([BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        gate += tl.sum(tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x,
-                       axis=1)
-        up += tl.sum(tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x,
-                     axis=1)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    if HAS_SCALE:  # FP8 experts: one scale per weight row ([E, 2I])
-        scales = Scale + expert * 2 * inter
-        gate = gate * tl.load(scales + offs_n, mask=n_mask, other=0.0)
-        up = up * tl.load(scales + inter + offs_n, mask=n_mask, other=0.0)
-    # Rounded as the grouped path's stored gate/up and its silu_mul kernel round them.
-    dtype = Out.dtype.element_ty
-    g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-    activated = (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(Out + assignment.to(tl.int64) * inter + offs_n, activated, mask=n_mask)
+    gate, up = _gate_up_row(X + token * K, W13 + expert * stride_we, offs_n, n_mask, 0, K, K, inter, stride_wn,
+                            BLOCK_N, BLOCK_K, EVEN, False)
+    # FP8 experts: one scale per weight row ([E, 2I], gate rows then up rows, as the dense kernel reads them).
+    one_row = tl.arange(0, 1)
+    _store_silu_mul(Out + assignment.to(tl.int64) * inter, Scale + expert * 2 * inter, gate[None, :], up[None, :],
+                    one_row, offs_n, one_row < 1, n_mask, inter, inter, HAS_SCALE)
 
 
 @triton.jit
 def _moe_down_gemv_kernel(Act, W2, Scale, Ids, Route_weights, Out, hidden, K, stride_we, stride_wn,
-                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                          HAS_SCALE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
     dtype = Out.dtype.element_ty
     total = tl.zeros([BLOCK_N], tl.float32)
     for j in tl.static_range(TOP_K):
         assignment = token * TOP_K + j
         expert = tl.load(Ids + assignment).to(tl.int64)
-        w_ptrs = W2 + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        a_ptrs = Act + assignment * K + offs_k
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k
-            a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            acc += tl.sum(w.to(tl.float32) * a, axis=1)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        acc = _row(Act + assignment * K, W2 + expert * stride_we, offs_n, n_mask, 0, K, K, stride_wn, BLOCK_N,
+                   BLOCK_K, EVEN, False)
         if HAS_SCALE:  # FP8 experts: one scale per weight row ([E, H])
             acc = acc * tl.load(Scale + expert * hidden + offs_n, mask=n_mask, other=0.0)
         # Each routed output rounded as the grouped path stores it, then summed in float32 as its sum over k does.

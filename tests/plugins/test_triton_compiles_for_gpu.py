@@ -156,15 +156,15 @@ def _model_kernels() -> dict:
         "moe_gate_up_gemv": lambda: _compile(
             fused_moe_kernels._moe_gate_up_gemv_kernel,
             {"X": "*bf16", "W13": "*bf16", "Scale": "*fp32", "Ids": "*i64", "Out": "*bf16"},
-            set(), dict(BLOCK_N=4, BLOCK_K=2048, HAS_SCALE=False)),
+            set(), dict(BLOCK_N=4, BLOCK_K=2048, EVEN=False, HAS_SCALE=False)),
         "moe_down_gemv[fp8]": lambda: _compile(
             fused_moe_kernels._moe_down_gemv_kernel, {"Act": "*bf16", "W2": "*fp8e4nv", "Scale": "*fp32",
                                                       "Ids": "*i64", "Route_weights": "*fp32", "Out": "*bf16"},
-            set(), dict(TOP_K=2, BLOCK_N=4, BLOCK_K=2048, HAS_SCALE=True)),
+            set(), dict(TOP_K=2, BLOCK_N=4, BLOCK_K=2048, EVEN=True, HAS_SCALE=True)),
         "moe_gate_up_gemv[fp8]": lambda: _compile(
             fused_moe_kernels._moe_gate_up_gemv_kernel,
             {"X": "*bf16", "W13": "*fp8e4nv", "Scale": "*fp32", "Ids": "*i64", "Out": "*bf16"},
-            set(), dict(BLOCK_N=4, BLOCK_K=2048, HAS_SCALE=True)),
+            set(), dict(BLOCK_N=4, BLOCK_K=2048, EVEN=True, HAS_SCALE=True)),
         "moe_grouped_gemm[fp8]": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "row_weight_ptr": "*fp32",
