@@ -99,18 +99,26 @@ def test_tiny_mixtral_on_the_gpu_matches_hf(tmp_path, engine_config):
     assert [o.token_ids for o in outputs] == expected
 
 
-def test_fp8_mixtral_checkpoint_serves_with_fp8_experts(tmp_path, engine_config):
-    """A tiny FP8 Mixtral checkpoint (attention and experts FP8, as on the hub) through the Engine: the experts stay
-    FP8 and greedy tokens are the same with CUDA graphs on and off."""
+@pytest.mark.parametrize("source", ["fp8_checkpoint", "quantize_at_load"])
+def test_fp8_mixtral_serves_with_fp8_experts(tmp_path, engine_config, source):
+    """A tiny FP8 Mixtral checkpoint (attention and experts FP8, as on the hub), or a bf16 one with
+    ``model.quantization: fp8``, through the Engine: the experts are FP8 and greedy tokens are the same with CUDA
+    graphs on and off."""
     from treadle import Engine, SamplingParams
-    from treadle.testing.models import make_tiny_fp8_mixtral
+    from treadle.testing.models import make_tiny_fp8_mixtral, make_tiny_mixtral
 
-    path = make_tiny_fp8_mixtral(tmp_path / "fp8")
+    if source == "fp8_checkpoint":
+        path = make_tiny_fp8_mixtral(tmp_path / "fp8")
+    else:
+        path = make_tiny_mixtral(tmp_path / "bf16")
     prompts = [[5, 17, 42, 8, 99, 3, 250, 11], [300, 301, 9], [7] * 30]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = []
     for graphs in (False, True):
-        engine = Engine(engine_config(path, "triton", "bfloat16", graphs=graphs))
+        config = engine_config(path, "triton", "bfloat16", graphs=graphs)
+        if source == "quantize_at_load":
+            config["model"]["quantization"] = "fp8"
+        engine = Engine(config)
         try:
             moe = [m for m in engine.scheduler.runner.model.modules() if type(m).__name__ == "FusedExperts"]
             assert moe and all(m.gate_up_proj.dtype == torch.float8_e4m3fn for m in moe)
