@@ -26,6 +26,10 @@ In the same run:
   on which ``generate`` compiles the decode forward with ``torch.compile``
   (mode ``reduce-overhead``: CUDA graphs); its compilation happens in an untimed
   warm-up (skip it with ``--no-hf-compiled``);
+- with a GPU and CUDA graphs on, treadle's own ``Engine.generate`` per variant (``one_batch_engine.py``;
+  skip it with ``--no-engine``), timed exactly as the HF peers' ``generate`` are, with the scheduler as
+  a user runs it (overlap scheduling: the host's work per step hidden behind the GPU's); its rows
+  are the like-for-like comparison with ``hf-compiled``;
 - with a GPU, a torch.profiler summary of graph decode per backend at bs=1 (``--profile-batch-sizes``: others; top
   kernels, time by kind, and how much of the step the GPU is busy), and one of an
   eager 300-token prefill (GPU busy against wall and the host's launch time: the
@@ -68,6 +72,7 @@ from typing import Any, Sequence
 import torch
 
 from treadle.bench.hf_peers import run_hf
+from treadle.bench.one_batch_engine import run_engine
 from treadle.bench.one_batch_profile import PROFILE_PREFILL_TOKENS, profile_decode, profile_prefill
 from treadle.bench.one_batch_report import (Measurement, default_output_name, fill_baseline_ratios,
                                             fill_first_ratios, format_profile, format_row, format_table,
@@ -178,6 +183,14 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                             continue
                         print(format_row(results[-1]))
             runner = _release(runner)
+            if use_graph and device.type == "cuda" and not args.no_engine:
+                if options:
+                    skipped[f"Engine.generate {label}"] = "backend tunables are not applied to an Engine"
+                    continue
+                for row in run_engine(model_dir, backend, _variant_overrides(variant), label, prompts, args, device,
+                                      bandwidth):
+                    results.append(row)
+                    print(format_row(row))
     if args.baseline:
         fill_baseline_ratios(results, json.loads(Path(args.baseline).read_text()))
     fill_first_ratios(results)
@@ -383,6 +396,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf-compiled", action="store_true",
                         help="skip the hf-compiled peer (static cache + torch.compile; GPU only)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summary")
+    parser.add_argument("--no-engine", action="store_true",
+                        help="skip the Engine.generate rows (GPU, graphs on: treadle timed as the HF peers are)")
     parser.add_argument("--profile-batch-sizes", default="1", metavar="BS,...",
                         help="decode batch sizes the profiler summarizes (default 1; each must be in --batch-sizes)")
     parser.add_argument("--prefill-profile", default=f"1x{PROFILE_PREFILL_TOKENS}", metavar="PROMPTSxTOKENS,...",

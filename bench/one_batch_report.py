@@ -36,11 +36,14 @@ class Measurement:
     # back to back without waiting for each (the GPU's time: what an engine that builds the next step meanwhile sees)
     decode_host_ms: float | None = None
     decode_step_ms_back_to_back: float | None = None
+    # treadle's Engine.generate timed whole, as the HF peers' generate is (one_batch_engine.py)
+    engine: bool = False
 
 
 def measurement(system: str, backend: str | None, graph: bool | None, bs: int, prefill_s: float,
                 step_times: list[float], first_tokens: list[int], roofline_s: float,
-                host_times: list[float] | None = None, back_to_back_s: float | None = None) -> Measurement:
+                host_times: list[float] | None = None, back_to_back_s: float | None = None,
+                engine: bool = False) -> Measurement:
     """A row from raw timings: the median decode step sets tok/s and the fraction of the roofline."""
     median = statistics.median(step_times)
     return Measurement(
@@ -49,7 +52,7 @@ def measurement(system: str, backend: str | None, graph: bool | None, bs: int, p
         decode_tokens_per_s=bs / median, roofline_ms=roofline_s * 1e3, roofline_fraction=roofline_s / median,
         first_tokens=first_tokens,
         decode_host_ms=statistics.median(host_times) * 1e3 if host_times else None,
-        decode_step_ms_back_to_back=back_to_back_s * 1e3 if back_to_back_s is not None else None,
+        decode_step_ms_back_to_back=back_to_back_s * 1e3 if back_to_back_s is not None else None, engine=engine,
     )
 
 
@@ -73,10 +76,11 @@ def fill_baseline_ratios(results: Sequence[Measurement], earlier: dict[str, Any]
 
 def fill_first_ratios(results: Sequence[Measurement]) -> None:
     """Where a batch size has several treadle systems (backends, ``--compare`` variants), each one's tok/s over
-    the first of them: FP8 against bf16 weights with ``--compare "model.quantization=null,model.quantization=fp8"``."""
+    the first of them: FP8 against bf16 weights with ``--compare "model.quantization=null,model.quantization=fp8"``.
+    Engine.generate rows are compared among themselves."""
     treadle = [r for r in results if r.backend not in (None, HF_COMPILED)]
-    for bs in {r.batch_size for r in treadle}:
-        same = [r for r in treadle if r.batch_size == bs]
+    for bs, engine in {(r.batch_size, r.engine) for r in treadle}:
+        same = [r for r in treadle if r.batch_size == bs and r.engine == engine]
         if len(same) > 1:
             for r in same:
                 r.ratio_vs_first = r.decode_tokens_per_s / same[0].decode_tokens_per_s

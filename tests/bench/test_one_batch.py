@@ -166,3 +166,30 @@ def test_variants_set_treadle_environment_variables_for_themselves_only(monkeypa
         assert _variant_overrides("") == {}
     assert os.environ["TREADLE_SMALL_BATCH_MATMUL"] == "library"  # the value from before the variants
     assert "TREADLE_TEST_ONLY_SWITCH" not in os.environ
+
+
+def test_engine_rows_time_engine_generate_like_the_hf_peers_and_give_the_runners_tokens(tmp_path):
+    """The Engine.generate row (on the GPU it runs per graphs-on variant) on the CPU: same dummy weights, same greedy
+    tokens as the runner's steps, a decode step from two timed generate calls, ratios only among engine rows."""
+    from treadle.bench import one_batch
+    from treadle.bench.one_batch_engine import run_engine
+    from treadle.bench.one_batch_report import fill_first_ratios
+
+    args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "5", "--input-len", "8"])
+    model_dir = write_config(tmp_path, TINY)
+    prompts = {bs: torch.randint(100, 1000, (bs, 8)) for bs in (1, 2)}
+    runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu"))
+    stepped = one_batch.run_treadle(runner, "torch_native graphs=off", "torch_native", False, prompts[2], args, 1e9)
+    one_batch._release(runner)
+    rows = run_engine(model_dir, "torch_native", {}, "torch_native graphs=on", prompts, args, torch.device("cpu"),
+                      1e9)
+    assert [(r.batch_size, r.engine, r.system) for r in rows] == [
+        (bs, True, "treadle Engine.generate torch_native graphs=on") for bs in (1, 2)]
+    assert rows[1].first_tokens == stepped.first_tokens[:5]  # decode-steps tokens, the first from the prefill
+    assert all(r.decode_step_ms > 0 and r.decode_step_ms_back_to_back is None for r in rows)
+    fp8 = run_engine(model_dir, "torch_native", {"model.quantization": "fp8"}, "x", {2: prompts[2]}, args,
+                     torch.device("cpu"), 1e9)[0]
+    assert fp8.roofline_ms < rows[1].roofline_ms  # the variant's overrides reached the Engine
+    fill_first_ratios([stepped, rows[1], fp8])
+    assert stepped.ratio_vs_first is None and rows[1].ratio_vs_first == 1.0
+    assert fp8.ratio_vs_first == pytest.approx(fp8.decode_tokens_per_s / rows[1].decode_tokens_per_s)

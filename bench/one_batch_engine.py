@@ -1,0 +1,64 @@
+"""treadle's own ``Engine.generate`` on the one-batch workload, timed the way the HF peers' ``generate`` is.
+
+The runner rows of ``treadle bench one-batch`` time each decode step with a device synchronize, a stricter
+clock than the peers get: ``generate`` is timed whole, and a decode step is
+``(time for N new tokens - time for 1) / (N - 1)``. This row gives treadle the same clock through its public
+offline API, with the scheduler as a user runs it (overlap scheduling on unless the variant turns it off: the
+host builds step N+1 while the GPU runs step N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from treadle.bench.one_batch_report import Measurement, measurement
+from treadle.bench.roofline import free_memory, roofline_seconds, synchronize
+
+
+def run_engine(model_dir: str, backend: str, variant_overrides: dict[str, Any], label: str,
+               prompts_by_bs: dict[int, torch.Tensor], args: argparse.Namespace, device: torch.device,
+               bandwidth: float) -> list[Measurement]:
+    """One Engine for ``backend`` with the variant's overrides; a row per batch size in ``prompts_by_bs``."""
+    from treadle import Engine, SamplingParams
+    from treadle.core.config import load_config
+
+    max_bs = max(prompts_by_bs)
+    engine = Engine(load_config(overrides={
+        "model.path": model_dir, "model.load_format": "dummy", "model.dtype": args.dtype,
+        "model.device": device.type, "model.context_length": args.context_length, "attention.backend": backend,
+        # Graphs (and requests) only up to the largest batch timed: the same decode graphs, a shorter start.
+        "scheduler.max_running_requests": max_bs, "runtime.cuda_graph_max_bs": max_bs,
+        **variant_overrides,
+    }, use_env=False))
+    runner = engine.scheduler.runner
+    rows = []
+    try:
+        for bs, prompts in sorted(prompts_by_bs.items()):
+            token_lists = prompts.tolist()
+
+            def generate(new_tokens: int) -> tuple[float, list[int]]:
+                params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                engine.flush_cache()  # every call prefills the whole prompt, as HF's does
+                synchronize(device)
+                start = time.perf_counter()
+                outputs = engine.generate(input_ids=token_lists, sampling_params=params)
+                synchronize(device)
+                return time.perf_counter() - start, outputs[0].token_ids
+
+            generate(4)  # warm-up
+            one, _ = generate(1)
+            full, tokens = generate(args.decode_steps)
+            step = (full - one) / max(args.decode_steps - 1, 1)
+            rows.append(measurement(
+                f"treadle Engine.generate {label}", backend, True, bs, one, [step], tokens[:16],
+                roofline_seconds(runner.model, runner, bs, prompts.shape[1], args.decode_steps, bandwidth),
+                engine=True))
+    finally:
+        engine.shutdown()
+        free_memory()
+    return rows
+
