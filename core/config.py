@@ -69,12 +69,12 @@ class SchedulerConfig(Section):
     prefill_hold_steps: int | Literal["auto"] = Field(
         "auto", description="while half the running limit or more is decoding, a prefill of fewer waiting prompt "
                             "tokens than one chunk waits up to this many decode steps for more requests to join "
-                            "it; 0: never; auto: 8 on CUDA, 0 on the CPU")
+                            "it (unless every waiting request fits already); 0: never; auto: 8 on CUDA, 0 on the CPU")
     latency_chunk_size: int | Literal["auto"] = Field(
         "auto", description="while fewer requests decode than this and at most one chunk of prompt tokens "
                             "waits, each step carries at most this many prompt tokens mixed into the decode "
                             "batch, so a new prompt delays the streams by about one decode step; 0: off; "
-                            "auto: 512 on CUDA, 0 on the CPU")
+                            "auto: 512 on CUDA, 0 on the CPU and for the offline Engine")
     seed: int = 0
     new_token_ratio: float = Field(0.4, ge=0, le=1, description="share of max_new_tokens reserved at admission")
     disable_overlap: bool = Field(False, description="build and finish each step only after the device ran it")

@@ -68,10 +68,15 @@ class Engine:
 
     def _resolve_offline_defaults(self) -> None:
         """An offline batch has no stream waiting on each step, so ``scheduler.chunked_prefill_size: auto`` takes
-        the larger offline chunk on CUDA; resolved here, before any tensor-parallel rank starts, so all agree."""
+        the larger offline chunk on CUDA, and ``scheduler.latency_chunk_size: auto`` is 0: the last prompts of a
+        batch prefill in one chunk rather than a latency chunk a step, each step later than the one before.
+        Resolved here, before any tensor-parallel rank starts, so all agree."""
         from treadle.core.model_loader import resolve_device
 
         scheduler = self.config.scheduler
+        if scheduler.latency_chunk_size == "auto":
+            scheduler.latency_chunk_size = 0
+            logger.info("latency_chunk_size 0 (auto, offline Engine)")
         if scheduler.chunked_prefill_size != "auto":
             return
         on_cuda = resolve_device(self.config.model.device).type == "cuda"

@@ -161,12 +161,15 @@ class BatchBuilding:
         Every forward reads all the weights, so on a GPU a prefill of a few hundred tokens costs about as much
         as one of a few thousand, and it stalls the whole decode batch. While half the running limit or more is
         decoding, a prefill whose waiting prompts (as many as there is room for) hold less than one chunk waits
-        a few decode steps, during which more running requests finish and make room.
+        a few decode steps, during which more running requests finish and make room. When every waiting request
+        fits the room already, more room lets no more in, so nothing waits: the last requests of an offline batch
+        start at once rather than a hold apart.
         """
         cfg = self.config.scheduler
         limit = int(cfg.max_running_requests)
         room = limit - len(self.running)
-        if self.prefill_held_steps >= cfg.prefill_hold_steps or room <= 0 or len(self.running) < limit // 2:
+        if (self.prefill_held_steps >= cfg.prefill_hold_steps or room <= 0 or len(self.running) < limit // 2
+                or len(self.waiting) <= room):
             return False
         prompt_tokens = sum(req.seq_len for req in self.waiting[:room])
         if prompt_tokens >= self._chunk_tokens():

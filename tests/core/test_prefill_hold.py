@@ -31,7 +31,7 @@ def _decider(running: int, waiting_lens: list[int], held: int, hold_steps: int =
 
 
 def test_a_small_prefill_waits_only_while_the_decode_batch_is_large_and_at_most_the_hold_steps() -> None:
-    s = _decider(running=6, waiting_lens=[10, 10], held=0)
+    s = _decider(running=6, waiting_lens=[10, 10, 10], held=0)
     assert s.hold() and s.prefill_held_steps == 1
     assert s.hold() and s.hold() and s.prefill_held_steps == 3
     assert not s.hold(), "after prefill_hold_steps decode steps the prefill runs"
@@ -41,7 +41,9 @@ def test_a_small_prefill_waits_only_while_the_decode_batch_is_large_and_at_most_
     full = _decider(running=8, waiting_lens=[10], held=0)
     assert not full.hold() and full.prefill_held_steps == 0
     # Holding off: never held.
-    assert not _decider(running=6, waiting_lens=[10], held=0, hold_steps=0).hold()
+    assert not _decider(running=6, waiting_lens=[10, 10, 10], held=0, hold_steps=0).hold()
+    # Every waiting request fits the room (2): more room would let no more in, so nothing waits.
+    assert not _decider(running=6, waiting_lens=[10, 10], held=0).hold()
 
 
 def test_a_prefill_of_a_whole_chunk_runs_at_once() -> None:
@@ -50,8 +52,8 @@ def test_a_prefill_of_a_whole_chunk_runs_at_once() -> None:
     # Only the prompts that fit in the room count: 2 x 10 tokens is less than a chunk.
     assert _decider(running=6, waiting_lens=[10, 10, 50], held=0).hold()
     # Without chunking the threshold is max_prefill_tokens (100).
-    assert _decider(running=6, waiting_lens=[40, 40], held=0, chunk=None).hold()
-    assert not _decider(running=6, waiting_lens=[60, 40], held=0, chunk=None).hold()
+    assert _decider(running=6, waiting_lens=[40, 40, 40], held=0, chunk=None).hold()
+    assert not _decider(running=6, waiting_lens=[60, 40, 40], held=0, chunk=None).hold()
 
 
 PROMPTS = [[5 + i, 17, 42, 8, 99 + i, 3] for i in range(10)]
@@ -75,3 +77,30 @@ def test_holding_batches_admissions_without_changing_outputs(tiny_llama_dir, ove
     assert prefills[1] < prefills[0], f"holding must admit in fewer, fuller prefill steps: {prefills}"
     for engine in (eager_engine, held_engine):
         assert_kv_accounted(engine)
+
+
+def test_the_last_prompts_of_an_offline_batch_start_at_once(tiny_llama_dir) -> None:
+    """16 prompts in chunks of 3 beside a decode batch over half the limit: the last prompt fits the room, so it is
+    not held (a hold could gather no more), and the offline Engine's latency chunk is off (no streams to protect):
+    the batch takes its prefill chunks plus its new tokens in steps, no more."""
+    prompts = [[7 + i] + list(range(100, 115)) for i in range(16)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    scheduler = {"max_running_requests": 16, "chunked_prefill_size": 48, "enable_mixed_chunk": True,
+                 "prefill_hold_steps": 8}
+    outputs, modes, engine = generate_logged(tiny_llama_dir, scheduler, prompts, [params] * 16,
+                                             lambda batch: batch.forward_mode.name)
+    assert engine.scheduler.config.scheduler.latency_chunk_size == 0
+    assert all(len(tokens) == 12 for tokens, _ in outputs)
+    assert len(modes) <= 6 + 12, modes  # ceil(16 / 3) prefill steps, then the last prompt's 11 more decode steps
+    assert_kv_accounted(engine)
+
+
+def test_the_offline_engine_turns_the_latency_chunk_off_unless_it_is_set() -> None:
+    from treadle.core.config import load_config
+
+    for requested, resolved in (("auto", 0), (256, 256)):
+        engine = Engine.__new__(Engine)  # only the config resolution, on a CUDA config, without a model
+        engine.config = load_config(overrides={"model.device": "cuda", "scheduler.latency_chunk_size": requested,
+                                               "scheduler.chunked_prefill_size": 1024}, use_env=False)
+        engine._resolve_offline_defaults()
+        assert engine.config.scheduler.latency_chunk_size == resolved
