@@ -34,7 +34,6 @@ def run_engine(model_dir: str, backend: str, variant_overrides: dict[str, Any], 
         "scheduler.max_running_requests": max_bs, "runtime.cuda_graph_max_bs": max_bs,
         **variant_overrides,
     }, use_env=False))
-    runner = engine.scheduler.runner
     rows = []
     try:
         for bs, prompts in sorted(prompts_by_bs.items()):
@@ -53,10 +52,12 @@ def run_engine(model_dir: str, backend: str, variant_overrides: dict[str, Any], 
             one, _ = generate(1)
             full, tokens = generate(args.decode_steps)
             step = (full - one) / max(args.decode_steps - 1, 1)
+            runner = engine.scheduler.runner
             rows.append(measurement(
                 f"treadle Engine.generate {label}", backend, True, bs, one, [step], tokens[:16],
                 roofline_seconds(runner.model, runner, bs, prompts.shape[1], args.decode_steps, bandwidth),
                 engine=True))
+            del runner  # a reference left here would keep the model and KV pool alive past shutdown
     finally:
         engine.shutdown()
         free_memory()
