@@ -4,15 +4,18 @@
 [--engine] [--sweep]``
 
 For each token count: random bf16 activations routed over the experts of ``--shape`` (Mixtral-8x7B: top-2 of 8,
-hidden 4096, intermediate 14336; Qwen3-30B-A3B: top-8 of 128, hidden 2048, intermediate 768), the Triton path ``fused_experts`` takes (the GEMVs for a few tokens, else the
-grouped GEMM), the grouped GEMM forced, and the reference loop, each timed with CUDA events (median
-of 20 runs after warm-up), plus the bandwidth the default path reaches on the expert weights it must
-read (the experts that received at least one token). ``--engine`` also serves a one-layer
-Mixtral-8x7B-shaped model (``load_format: dummy``) through the Engine with CUDA graphs and reports
-decode tokens/s for 32 requests and for one (with the GEMVs and with the grouped GEMM forced). ``--sweep``
-also times a grid of tile configs per token count and reports the fastest (input for
-``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json`` unless
-``--output``).
+hidden 4096, intermediate 14336; Qwen3-30B-A3B: top-8 of 128, hidden 2048, intermediate 768), the Triton path
+``fused_experts`` takes (the GEMVs for a few tokens, else the grouped GEMM; ``triton_ms``), the same captured once
+in a CUDA graph and replayed (``graph_ms``: the GPU's time without the host's launches), the grouped GEMM
+forced (eager and replayed: ``grouped_ms``, ``grouped_graph_ms``), the GEMVs forced up to 128 tokens
+(replayed: ``gemv_graph_ms``; with ``grouped_graph_ms``, where ``takes_gemv``'s threshold comes from), the sort by expert alone (``align_ms``, and
+``align_torch_ms`` for its PyTorch reference), and the reference loop, each timed with CUDA events (median of 20 runs after warm-up), plus the
+bandwidth the default path reaches on the expert weights it must read (the experts that received at least one
+token). ``--engine`` also serves a one-layer Mixtral-8x7B-shaped model (``load_format: dummy``) through the
+Engine with CUDA graphs and reports decode tokens/s for 32 requests and for one (with the GEMVs and with the
+grouped GEMM forced). ``--sweep`` also times a grid of tile configs per token count and reports the fastest
+(input for ``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json``
+unless ``--output``).
 """
 
 from __future__ import annotations
@@ -65,16 +68,28 @@ def main(argv: list[str] | None = None) -> dict:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
         triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
+        graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
         grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16)
         grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
+        grouped_graph_ms = _time_graph(
+            lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
+        # The GEMVs forced (up to 128 tokens: their cost grows with every assignment), for the threshold.
+        gemv_graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts_gemv(
+            x, w13, w2, weights, ids, **scales)) if tokens <= 128 else None
+        align_ms = _time(lambda: fused_moe_kernels.align_by_expert(ids, experts, grouped.block_m))
+        align_torch_ms = _time(lambda: fused_moe_kernels.align_by_expert_reference(ids, experts, grouped.block_m))
         torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()))
         got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales).float()
         want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()).float()
         active = int(torch.unique(ids).numel())
         row = {
-            "tokens": tokens, "path": "gemv" if fused_moe_kernels.takes_gemv(tokens, top_k, experts) else "grouped", "triton_ms": round(triton_ms, 4),
-            "grouped_ms": round(grouped_ms, 4), "torch_loop_ms": round(torch_ms, 4),
-            "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
+            "tokens": tokens, "path": "gemv" if fused_moe_kernels.takes_gemv(tokens, top_k, experts, args.fp8) else "grouped",
+            "triton_ms": round(triton_ms, 4), "graph_ms": round(graph_ms, 4), "grouped_ms": round(grouped_ms, 4),
+            "grouped_graph_ms": round(grouped_graph_ms, 4),
+            "gemv_graph_ms": round(gemv_graph_ms, 4) if gemv_graph_ms is not None else None,
+            "align_ms": round(align_ms, 4),
+            "align_torch_ms": round(align_torch_ms, 4),
+            "torch_loop_ms": round(torch_ms, 4), "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
             "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
             "max_rel_diff": float((got - want).abs().max() / want.abs().max()),
         }
@@ -138,6 +153,15 @@ def _time(run, repeats: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _time_graph(run) -> float:
+    """:func:`_time` of ``run`` captured once in a CUDA graph and replayed (``run`` has run before, so its kernels
+    are compiled outside the capture)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return _time(graph.replay)
 
 
 def _engine_run(requests: int) -> dict:

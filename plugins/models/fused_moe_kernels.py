@@ -1,14 +1,14 @@
 """Triton fused-MoE kernels behind :func:`treadle.plugins.models.fused_moe.fused_experts`.
 
 The ``T * k`` (token, expert) assignments are sorted by expert and each expert's run is padded to
-a multiple of ``BLOCK_M`` (:func:`align_by_expert`), so every block of ``BLOCK_M`` sorted rows
-belongs to one expert. One grouped-GEMM kernel then multiplies each block by its expert's weight:
+a multiple of ``BLOCK_M`` (:func:`align_by_expert`, one or two small kernels), so every block of ``BLOCK_M``
+sorted rows belongs to one expert. One grouped-GEMM kernel then multiplies each block by its expert's weight:
 first ``x @ w13[e].T`` (the gate and up projections), then, after ``silu(gate) * up``,
 ``act @ w2[e].T`` scaled by the routing weight. Everything stays on the device: no host sync,
 so the layer can be captured in a CUDA graph.
 
-A decode step of a few tokens (at most ``GEMV_MAX_ROWS_PER_EXPERT`` assignments per expert on average) takes
-two GEMV kernels instead (:func:`fused_experts_gemv`): each program streams a few rows of one assignment's expert
+A decode step of a few tokens (fewer assignments than experts; FP8 experts up to 2.5 per expert: :func:`takes_gemv`)
+takes two GEMV kernels instead (:func:`fused_experts_gemv`): each program streams a few rows of one assignment's expert
 weight, the first with ``silu(gate) * up`` in its epilogue, the second summing the token's ``k`` routed outputs, so
 nothing is sorted or padded. A tile of 16 rows holding one token reads the weight at a third of the bandwidth;
 an expert hit twice is read twice, which the GEMV's speed repays while few experts repeat.
@@ -16,6 +16,7 @@ an expert hit twice is read twice, which the GEMV's speed repays while few exper
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,8 @@ def fused_experts(
     num_rows = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
-    if config is None and takes_gemv(num_tokens, top_k, num_experts) and w13.stride(2) == 1 and w2.stride(2) == 1:
+    if (config is None and takes_gemv(num_tokens, top_k, num_experts, fp8=w13_scale is not None)
+            and w13.stride(2) == 1 and w2.stride(2) == 1):
         return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     config = config or default_config(num_rows, x.dtype)
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
@@ -83,16 +85,23 @@ def fused_experts(
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
-# Where the GEMVs stop paying, on an H100 (docs/benchmarks.md, "Fused MoE"): Mixtral-8x7B's experts at ~10 tokens
-# (2.5 assignments per expert), Qwen3-30B-A3B's at ~48 (3 per expert).
-GEMV_MAX_ROWS_PER_EXPERT = 2.5
-GEMV_MAX_TOKENS = 64
+# Where the GEMVs stop paying, on an H100 (docs/benchmarks.md, "Fused MoE"; CUDA-graph replays): 16-bit experts once
+# there are as many assignments as experts (Mixtral-8x7B at 4 tokens, Qwen3-30B-A3B at 16); FP8 experts, whose
+# grouped GEMM widens every weight it reads, past 2.5 assignments per expert (Mixtral past 10 tokens) or 24 tokens
+# (Qwen3-30B-A3B at 24-32).
+GEMV_ROWS_PER_EXPERT_16BIT = 1.0  # fewer assignments per expert than this
+GEMV_ROWS_PER_EXPERT_FP8 = 2.5  # at most this many
+GEMV_MAX_TOKENS = 24
 _GEMV_ROWS = 4  # weight rows per program
 
 
-def takes_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
+def takes_gemv(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> bool:
     """Whether a batch of ``num_tokens`` runs the GEMVs (:func:`fused_experts_gemv`) rather than the grouped GEMM."""
-    return num_tokens * top_k <= GEMV_MAX_ROWS_PER_EXPERT * num_experts and num_tokens <= GEMV_MAX_TOKENS
+    if num_tokens > GEMV_MAX_TOKENS:
+        return False
+    if fp8:
+        return num_tokens * top_k <= GEMV_ROWS_PER_EXPERT_FP8 * num_experts
+    return num_tokens * top_k < GEMV_ROWS_PER_EXPERT_16BIT * num_experts
 
 
 def fused_experts_gemv(
@@ -165,13 +174,55 @@ def _moe_down_gemv_kernel(Act, W2, Scale, Ids, Route_weights, Out, hidden, K, st
     tl.store(Out + token * hidden + offs_n, total.to(dtype), mask=n_mask)
 
 
+# Assignments per program of the align kernels: one program sorts up to _ALIGN_CHUNK (512 tokens at top-8); above,
+# a first launch counts each chunk's experts. Every program of the second reads all chunks' counts, so chunks stay
+# large. One chunk size for every batch, so each BLOCK_M compiles the kernels once (a fewer-row batch masks the rest:
+# a single program's histogram, far cheaper than another JIT compile on the first batch of each size).
+_ALIGN_CHUNK = 4096
+_ALIGN_TILE = 4096  # elements of the (blocks x experts) and (blocks x slots) tiles that place the blocks
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the flattened assignments by expert, padding each expert's run to a multiple of ``block_m``.
 
     Returns ``sorted_rows`` (assignment index ``t * k + j`` per sorted slot; ``T * k`` marks padding) and
-    ``block_experts`` (the expert of each block of ``block_m`` slots; -1 for blocks past the end).
-    Sizes are upper bounds known without reading the routing on the host.
+    ``block_experts`` (the expert of each block of ``block_m`` slots; -1 for blocks past the end), both int64.
+    Sizes are upper bounds known without reading the routing on the host, so a CUDA graph can capture it.
+
+    On CUDA (or under the Triton interpreter) Triton kernels sort: one launch up to 4096 assignments, two above.
+    They claim the slots of an expert's run with atomic adds, so the rows within one run come in any order (each
+    row of a grouped-GEMM tile is computed on its own); the set of rows in each block is the one
+    :func:`align_by_expert_reference` (the PyTorch path, run elsewhere) puts there.
     """
+    if not topk_ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return align_by_expert_reference(topk_ids, num_experts, block_m)
+    flat_ids = topk_ids.reshape(-1).contiguous()
+    num_rows = flat_ids.numel()
+    device = flat_ids.device
+    max_blocks = triton.cdiv(num_rows, block_m) + min(num_experts, num_rows)
+    chunk = _ALIGN_CHUNK
+    num_chunks = max(1, triton.cdiv(num_rows, chunk))
+    # At least a bin per lane of a warp, which the GPU's histogram lowering assumes.
+    experts_pow2 = max(32, triton.next_power_of_2(num_experts))
+    cursors = torch.empty((num_chunks, experts_pow2), dtype=torch.int32, device=device)
+    chunk_counts = cursors
+    if num_chunks > 1:
+        chunk_counts = torch.empty_like(cursors)
+        _count_experts_kernel[(num_chunks,)](flat_ids, chunk_counts, num_rows, CHUNK=chunk, EXPERTS_POW2=experts_pow2)
+    sorted_rows = torch.empty(max_blocks * block_m, dtype=torch.int64, device=device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int64, device=device)
+    _align_kernel[(num_chunks,)](
+        flat_ids, chunk_counts, cursors, sorted_rows, block_experts, num_rows, num_experts, num_chunks, max_blocks,
+        BLOCK_M=block_m, CHUNK=chunk, EXPERTS_POW2=experts_pow2, SINGLE_CHUNK=num_chunks == 1,
+        BLOCKS=max(1, _ALIGN_TILE // max(experts_pow2, block_m)),
+    )
+    return sorted_rows, block_experts
+
+
+def align_by_expert_reference(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align_by_expert` in PyTorch ops, each expert's rows in assignment order (a stable sort)."""
     flat_ids = topk_ids.reshape(-1)
     num_rows = flat_ids.numel()
     device = flat_ids.device
@@ -191,6 +242,64 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     return sorted_rows, block_experts
+
+
+@triton.jit
+def _count_experts_kernel(Ids, Chunk_counts, num_rows, CHUNK: tl.constexpr, EXPERTS_POW2: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < num_rows
+    ids = tl.load(Ids + offs, mask=mask, other=0).to(tl.int32)
+    counts = tl.histogram(ids, EXPERTS_POW2, mask=mask)
+    tl.store(Chunk_counts + chunk * EXPERTS_POW2 + tl.arange(0, EXPERTS_POW2), counts)
+
+
+@triton.jit
+def _align_kernel(Ids, Chunk_counts, Cursors, Sorted_rows, Block_experts, num_rows, num_experts, num_chunks,
+                  max_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+                  SINGLE_CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
+    # Each program places its chunk's assignments in their experts' runs, then writes the expert and the
+    # padding of every num_programs-th group of BLOCKS blocks. The two write disjoint slots of Sorted_rows.
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_POW2)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < num_rows
+    ids = tl.load(Ids + offs, mask=mask, other=0).to(tl.int32)
+    if SINGLE_CHUNK:
+        counts = tl.histogram(ids, EXPERTS_POW2, mask=mask)
+        earlier = tl.zeros_like(counts)
+    else:
+        counts = tl.zeros([EXPERTS_POW2], tl.int32)
+        earlier = tl.zeros([EXPERTS_POW2], tl.int32)  # each expert's assignments in the chunks before this one
+        for first in range(0, num_chunks, 16):  # 16 chunks' counts per load
+            chunks = first + tl.arange(0, 16)
+            tile = tl.load(Chunk_counts + chunks[:, None] * EXPERTS_POW2 + experts[None, :],
+                           mask=(chunks < num_chunks)[:, None], other=0)
+            counts += tl.sum(tile, 0)
+            earlier += tl.sum(tl.where((chunks < chunk)[:, None], tile, 0), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_ends = tl.cumsum(padded, 0)
+    starts = padded_ends - padded
+    cursors = Cursors + chunk * EXPERTS_POW2  # this chunk's next free slot per expert
+    tl.store(cursors + experts, starts + earlier)
+    tl.debug_barrier()  # every thread's cursor is stored before any claims a slot from it
+    # Relaxed: the claim only needs to be atomic; the default acq_rel fences the GPU's memory at every add.
+    slots = tl.atomic_add(cursors + ids, 1, mask=mask, sem="relaxed")
+    tl.store(Sorted_rows + slots, offs.to(tl.int64), mask=mask)
+
+    # A block's expert is the number of padded runs ending at or before it (EXPERTS_POW2 past the last run, where
+    # the empty experts beyond num_experts end); its slots past that expert's rows are padding.
+    block_ends = padded_ends // BLOCK_M
+    row_ends = starts + counts
+    for first in range(chunk * BLOCKS, max_blocks, tl.num_programs(0) * BLOCKS):
+        blocks = first + tl.arange(0, BLOCKS)
+        block_mask = blocks < max_blocks
+        expert = tl.sum((block_ends[None, :] <= blocks[:, None]).to(tl.int32), 1)
+        rows_end = tl.sum(tl.where(experts[None, :] == expert[:, None], row_ends[None, :], 0), 1)
+        tl.store(Block_experts + blocks, tl.where(expert < num_experts, expert, -1).to(tl.int64), mask=block_mask)
+        block_slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(Sorted_rows + block_slots, tl.full([BLOCKS, BLOCK_M], num_rows, tl.int64),
+                 mask=block_mask[:, None] & (block_slots >= rows_end[:, None]))
 
 
 def _grouped_gemm(

@@ -77,12 +77,45 @@ def alignment(tokens, experts, top_k, block_m, seed=0):
     ok &= bool((slot_expert[rows < flat.numel()] == flat[real]).all())  # each in a block of its own expert
     return ok
 
+def triton_sort(tokens, experts, top_k, block_m, seed=0, every=1):
+    # The Triton sort against the PyTorch one: int64 outputs of the same sizes, the same expert per block and, per
+    # block, the same rows in any order. every > 1 leaves the experts between multiples of it without rows.
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(seed)) // every * every
+    rows, block_experts = K.align_by_expert(ids, experts, block_m)
+    want_rows, want_experts = K.align_by_expert_reference(ids, experts, block_m)
+    ok = rows.dtype == block_experts.dtype == torch.int64 and rows.shape == want_rows.shape
+    ok = ok and torch.equal(block_experts, want_experts)
+    return ok and torch.equal(rows.view(-1, block_m).sort(dim=1).values, want_rows.view(-1, block_m).sort(dim=1).values)
+
+def row_order_within_runs(tokens, experts, top_k, seed=12):
+    # fused_experts through the Triton sort equals it through the PyTorch sort, also with each block's rows reversed
+    # (padding first): a tile computes every row on its own.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=g).half()
+    w13 = (torch.randn(experts, 2 * 48, 64, generator=g) * 0.125).half()
+    w2 = (torch.randn(experts, 64, 48, generator=g) * 0.15).half()
+    weights, ids = R.route_top_k(torch.randn(tokens, experts, generator=g), top_k)
+    config = K.default_config(tokens * top_k, torch.float16)
+    got = K.fused_experts(x, w13, w2, weights, ids, config)
+    triton_align = K.align_by_expert
+    outputs = []
+    for reverse in (False, True):
+        def torch_align(topk_ids, num_experts, block_m, reverse=reverse):
+            rows, block_experts = K.align_by_expert_reference(topk_ids, num_experts, block_m)
+            return (rows.view(-1, block_m).flip(1).reshape(-1) if reverse else rows), block_experts
+        K.align_by_expert = torch_align
+        try:
+            outputs.append(K.fused_experts(x, w13, w2, weights, ids, config))
+        finally:
+            K.align_by_expert = triton_align
+    return all(torch.equal(got, out) for out in outputs)
+
 results = {
     "fp32_decode_one_token": case(1, 4, 2, 64, 96, torch.float32, config=K.default_config(2, torch.float32)),
     # The GEMV path of a few tokens: K and N not multiples of the blocks, top-3, and experts hit more than once.
     "fp32_gemv_one_token": case(1, 8, 2, 64, 96, torch.float32, gemv=True),
-    "fp32_gemv_odd_sizes_top3": case(3, 8, 3, 48, 42, torch.float32, seed=7, gemv=True),
-    "fp16_gemv_repeated_experts": case(4, 4, 2, 64, 96, torch.float16, seed=8, gemv=True),
+    "fp32_gemv_odd_sizes_top3": case(3, 10, 3, 48, 42, torch.float32, seed=7, gemv=True),
+    "fp16_gemv_repeated_experts": case(3, 8, 2, 64, 96, torch.float16, seed=8, gemv=True),
     "fp32_strided_experts": strided_experts(),
     "fp32_fp8_experts_gemv": fp8_experts(3, 8, 2, 64, 40),
     "fp32_fp8_experts_grouped": fp8_experts(37, 8, 2, 48, 40, seed=11),
@@ -93,8 +126,20 @@ results = {
     # The large-prefill tiles of default_config (4096 rows or more), on rows the interpreter can afford.
     "fp16_prefill_large_tiles": case(150, 4, 2, 128, 160, torch.float16, seed=6,
                                      config=K.default_config(4096, torch.float16)),
+    # Qwen3-30B-A3B's routing (top-8 of 128 experts) through the grouped GEMM.
+    "fp16_prefill_128_experts_top8": case(40, 128, 8, 32, 16, torch.float16, seed=13),
     "alignment_small": alignment(3, 8, 2, 16),
     "alignment_many": alignment(200, 5, 2, 16, seed=5),
+    "triton_sort_one_token_128_experts_top8": triton_sort(1, 128, 8, 16),
+    "triton_sort_one_program_at_its_limit": triton_sort(512, 128, 8, 64, seed=1),
+    "triton_sort_two_launches": triton_sort(600, 128, 8, 64, seed=2),
+    "triton_sort_60_experts": triton_sort(37, 60, 4, 16, seed=3),
+    "triton_sort_idle_experts": triton_sort(5, 20, 2, 16, seed=4, every=3),
+    "triton_sort_idle_experts_two_launches": triton_sort(700, 20, 8, 16, seed=5, every=3),
+    "triton_sort_fewer_rows_than_experts": triton_sort(1, 256, 1, 128, seed=6),
+    # 16384 prefill tokens at top-8 (131072 assignments, 32 chunks) over 256 experts.
+    "triton_sort_large_prefill": triton_sort(16384, 256, 8, 128, seed=7),
+    "row_order_within_runs": row_order_within_runs(40, 16, 4),
 }
 print("RESULTS " + json.dumps(results))
 '''
@@ -117,7 +162,7 @@ def kernel_results() -> dict:
     ["fp32_decode_one_token", "fp32_gemv_one_token", "fp32_gemv_odd_sizes_top3", "fp16_gemv_repeated_experts",
      "fp32_strided_experts", "fp32_fp8_experts_gemv", "fp32_fp8_experts_grouped",
      "fp32_prefill_odd_sizes", "fp32_top1_some_experts_idle", "fp32_top3_many_blocks",
-     "fp16_prefill", "fp16_prefill_large_tiles"],
+     "fp16_prefill", "fp16_prefill_large_tiles", "fp16_prefill_128_experts_top8"],
 )
 def test_triton_kernel_matches_torch_experts(kernel_results, name):
     assert kernel_results[name] <= TOLERANCE[name.split("_")[0]], f"{name}: relative error {kernel_results[name]}"
@@ -126,6 +171,20 @@ def test_triton_kernel_matches_torch_experts(kernel_results, name):
 @pytest.mark.parametrize("name", ["alignment_small", "alignment_many"])
 def test_sorting_puts_every_assignment_once_in_a_block_of_its_expert(kernel_results, name):
     assert kernel_results[name]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["triton_sort_one_token_128_experts_top8", "triton_sort_one_program_at_its_limit", "triton_sort_two_launches",
+     "triton_sort_60_experts", "triton_sort_idle_experts", "triton_sort_idle_experts_two_launches",
+     "triton_sort_fewer_rows_than_experts", "triton_sort_large_prefill"],
+)
+def test_triton_sort_puts_the_torch_sorts_rows_in_each_block(kernel_results, name):
+    assert kernel_results[name]
+
+
+def test_grouped_experts_do_not_depend_on_the_row_order_within_a_run(kernel_results):
+    assert kernel_results["row_order_within_runs"]
 
 
 def test_router_renormalises_the_top_k_softmax():
@@ -156,6 +215,18 @@ def test_reference_equals_a_dense_loop_over_tokens():
             fused_experts_reference(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids), expected,
             atol=1e-5, rtol=1e-5,
         )
+
+
+def test_the_gemvs_take_the_batch_sizes_where_they_measured_faster():
+    """The crossovers measured on an H100 (docs/benchmarks.md, "Fused MoE"): 16-bit experts run the GEMVs while there
+    are fewer assignments than experts, FP8 experts up to 2.5 per expert and 24 tokens."""
+    from treadle.plugins.models import fused_moe_kernels as K
+
+    mixtral, qwen3 = (8, 2), (128, 8)  # (experts, top-k)
+    assert [t for t in range(1, 40) if K.takes_gemv(t, mixtral[1], mixtral[0])] == [1, 2, 3]
+    assert [t for t in range(1, 40) if K.takes_gemv(t, qwen3[1], qwen3[0])] == list(range(1, 16))
+    assert [t for t in range(1, 40) if K.takes_gemv(t, mixtral[1], mixtral[0], fp8=True)] == list(range(1, 11))
+    assert [t for t in range(1, 40) if K.takes_gemv(t, qwen3[1], qwen3[0], fp8=True)] == list(range(1, 25))
 
 
 def test_too_many_experts_per_token_is_refused():

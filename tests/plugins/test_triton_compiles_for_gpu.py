@@ -165,6 +165,12 @@ def _model_kernels() -> dict:
             fused_moe_kernels._moe_gate_up_gemv_kernel,
             {"X": "*bf16", "W13": "*fp8e4nv", "Scale": "*fp32", "Ids": "*i64", "Out": "*bf16"},
             set(), dict(BLOCK_N=4, BLOCK_K=2048, EVEN=True, HAS_SCALE=True)),
+        "moe_count_experts": lambda: _compile(
+            fused_moe_kernels._count_experts_kernel, {"Ids": "*i64", "Chunk_counts": "*i32"}, set(),
+            dict(CHUNK=4096, EXPERTS_POW2=256)),
+        # One program sorting a few assignments (it counts them itself), and one chunk of a large prefill.
+        "moe_align[single_chunk]": _moe_align(CHUNK=256, EXPERTS_POW2=128, SINGLE_CHUNK=True, BLOCK_M=16, BLOCKS=32),
+        "moe_align": _moe_align(CHUNK=4096, EXPERTS_POW2=256, SINGLE_CHUNK=False, BLOCK_M=128, BLOCKS=16),
         "moe_grouped_gemm[fp8]": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "row_weight_ptr": "*fp32",
@@ -179,6 +185,20 @@ def _check_pdl(pdl: bool, compiled, triggers: bool = True) -> None:
     ptx = compiled.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl
     assert ("griddepcontrol.launch_dependents" in ptx) == (pdl and triggers)
+
+
+def _moe_align(**constexprs: object):
+    """The fused-MoE align kernel with these constexprs; its slot claims are relaxed atomics (no fence per add)."""
+    from treadle.plugins.models import fused_moe_kernels
+
+    def check() -> None:
+        compiled = _compile(fused_moe_kernels._align_kernel,
+                            {"Ids": "*i64", "Chunk_counts": "*i32", "Cursors": "*i32", "Sorted_rows": "*i64",
+                             "Block_experts": "*i64"}, set(), constexprs)
+        ptx = compiled.asm["ptx"]
+        assert "atom.global.gpu.relaxed.add" in ptx and "fence" not in ptx and "membar" not in ptx
+
+    return check
 
 
 def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexprs: object):
@@ -216,7 +236,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
-           "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]"]
+           "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
+           "moe_align"]
 
 
 def _compile_all() -> dict[str, str | None]:
