@@ -41,6 +41,36 @@ LLAMA_3_1_70B: dict[str, Any] = {
     "num_attention_heads": 64, "num_key_value_heads": 8,
 }
 SHAPES = {"llama-3.1-8b": LLAMA_3_1_8B, "llama-3.1-70b": LLAMA_3_1_70B}
+# Qwen3-30B-A3B's shape (48 layers of 128 experts, top-8; 61 GB in bf16), for offline and serving runs of an MoE
+# model (tests/gpu/device.sh: OFFLINE_SHAPE=qwen3-30b-a3b). Not in SHAPES: one-batch's roofline counts every
+# weight, and a decode step of one token reads 8 of each layer's 128 experts.
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+MODEL_SHAPES = {**SHAPES, "qwen3-30b-a3b": QWEN3_30B_A3B}  # every shape a run may write with write_config
 # A few-layer model of the same kind, for smoke tests on the CPU.
 TINY: dict[str, Any] = {
     **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

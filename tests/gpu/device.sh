@@ -13,8 +13,9 @@
 # `soak` runs the serving soak (bench/soak.py) on Llama-3.1-8B shapes at 80% of its saturated request rate;
 # `soak_bg` starts it in the background and `soak_wait` (a later call) collects it, for soaks past one call.
 # `offline` runs `treadle bench offline` on Llama-3.1-8B shapes (dummy weights, bf16, the folder /tmp/l8b
-# holding only its config.json) with the 1000-request `random` workload of docs/benchmarks.md and the
-# default config; OFFLINE_ARGS adds variants (--compare / --backends) and options (--profile-steps 20).
+# holding only its config.json; OFFLINE_SHAPE=qwen3-30b-a3b for another of bench/shapes.py's MODEL_SHAPES) with
+# the 1000-request `random` workload of docs/benchmarks.md and the default config; OFFLINE_ARGS adds variants
+# (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
 # and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once; SERVING_SAT_PROMPTS=0
@@ -48,6 +49,11 @@ l8b() {
   mkdir -p /tmp/l8b && python3 -c "import json; from treadle.bench.shapes import LLAMA_3_1_8B as c; \
 json.dump(c, open('/tmp/l8b/config.json', 'w'))"
 }
+shape_dir() {  # the folder of a bench/shapes.py MODEL_SHAPES entry's config.json (llama-3.1-8b: /tmp/l8b)
+  if [ "${1:-llama-3.1-8b}" = llama-3.1-8b ]; then l8b; echo /tmp/l8b; return; fi
+  mkdir -p "/tmp/$1" && python3 -c "import json, sys; from treadle.bench.shapes import MODEL_SHAPES as m; \
+json.dump(m[sys.argv[1]], open('/tmp/' + sys.argv[1] + '/config.json', 'w'))" "$1" && echo "/tmp/$1"
+}
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
@@ -56,10 +62,10 @@ for stage in "$@"; do
     tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs tests/gpu/ 2>&1 | tee "$OUT/tests_gpu.log" | tail -40 ;;
     gputests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -x ${GPU_TESTS:-tests/gpu/} 2>&1 | tee "$OUT/gputests.log" | tail -25 ;;
     offline)
-      l8b
+      model_dir=$(shape_dir "${OFFLINE_SHAPE:-llama-3.1-8b}")
       timeout ${OFFLINE_TIMEOUT:-400} python3 -m treadle.bench.offline_throughput --workload random \
         --num-prompts ${OFFLINE_PROMPTS:-1000} --input-len 16:600 --output-len 16:400 \
-        --set model.path=/tmp/l8b --set model.load_format=dummy --dtype bfloat16 --device cuda \
+        --set model.path=$model_dir --set model.load_format=dummy --dtype bfloat16 --device cuda \
         --no-progress --output "$OUT/${OFFLINE_NAME:-offline}.json" ${OFFLINE_ARGS:-} 2>&1 \
         | grep -v "Warning\|warn(" | tee "$OUT/${OFFLINE_NAME:-offline}.log" | tail -20 ;;
     serving)

@@ -1,0 +1,21 @@
+"""The benchmark shapes are the published models' configs: HF transformers builds each with its known size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.bench.shapes import MODEL_SHAPES
+
+
+@pytest.mark.parametrize(("name", "billions"), [("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.55),
+                                                ("qwen3-30b-a3b", 30.53)])
+def test_each_shape_builds_the_published_model_size(name, billions):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(MODEL_SHAPES[name])
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == config.architectures[0]
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
