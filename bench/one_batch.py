@@ -108,7 +108,8 @@ def _tensor_parallel_rank(rank: int, tp_size: int, store: str, argv: list[str]) 
     from treadle.core.parallel import destroy_tensor_parallel, init_tensor_parallel
 
     args = _parser().parse_args(argv)
-    args.no_hf = args.no_profile = True  # HF and the profiler see one rank's shard only
+    # HF and the profiler see one rank's shard only; an Engine row would start its own tensor-parallel ranks.
+    args.no_hf = args.no_profile = args.no_engine = True
     device = _device(args)
     init_tensor_parallel(rank, tp_size, f"file://{store}",
                          torch.device("cuda", rank) if device.type == "cuda" else device, timeout_s=1800)
