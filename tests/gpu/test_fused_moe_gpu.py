@@ -33,10 +33,10 @@ def test_kernel_matches_the_torch_loop(tokens, dtype, tolerance):
     assert ((got - want).abs().max() / want.abs().max()).item() <= tolerance
 
 
-@pytest.mark.parametrize("tokens", [1, 12, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 12, 16, 64, 1024])
 def test_qwen3_moe_shapes_match_the_torch_loop(tokens):
     """128 experts, top-8, narrow experts (Qwen3-30B-A3B): up to 15 tokens take the GEMVs, 16 and more the grouped
-    GEMM."""
+    GEMM; 1024 tokens (8192 assignments) sort in two launches."""
     w13, w2, generator = _experts(2048, 768, 128, torch.bfloat16)
     x = torch.randn(tokens, 2048, device="cuda", generator=generator).to(torch.bfloat16)
     weights, ids = fused_moe.route_top_k(torch.randn(tokens, 128, device="cuda", generator=generator), 8)
