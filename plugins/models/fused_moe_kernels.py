@@ -244,7 +244,10 @@ def align_by_expert_reference(
     return sorted_rows, block_experts
 
 
-@triton.jit
+# The sizes that change from batch to batch are not specialized on (divisible by 16 or not, 1 or not): prefill runs
+# eagerly at any size above the piecewise graphs' largest, and each new specialization compiled mid-run (0.4-1.6 s
+# for a step of Qwen3-30B-A3B's 1,189 tokens on the H100, docs/benchmarks.md). They only bound masks and loops.
+@triton.jit(do_not_specialize=["num_rows"])
 def _count_experts_kernel(Ids, Chunk_counts, num_rows, CHUNK: tl.constexpr, EXPERTS_POW2: tl.constexpr):
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -254,7 +257,7 @@ def _count_experts_kernel(Ids, Chunk_counts, num_rows, CHUNK: tl.constexpr, EXPE
     tl.store(Chunk_counts + chunk * EXPERTS_POW2 + tl.arange(0, EXPERTS_POW2), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_chunks", "max_blocks"])
 def _align_kernel(Ids, Chunk_counts, Cursors, Sorted_rows, Block_experts, num_rows, num_experts, num_chunks,
                   max_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERTS_POW2: tl.constexpr,
                   SINGLE_CHUNK: tl.constexpr, BLOCKS: tl.constexpr):
@@ -329,7 +332,7 @@ def _grouped_gemm(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr, scale_ptr,
     N, K, num_rows, a_row_divisor,

@@ -169,7 +169,7 @@ def _model_kernels() -> dict:
             fused_moe_kernels._count_experts_kernel, {"Ids": "*i64", "Chunk_counts": "*i32"}, set(),
             dict(CHUNK=4096, EXPERTS_POW2=256)),
         # One program sorting a few assignments (it counts them itself), and one chunk of a large prefill.
-        "moe_align[single_chunk]": _moe_align(CHUNK=256, EXPERTS_POW2=128, SINGLE_CHUNK=True, BLOCK_M=16, BLOCKS=32),
+        "moe_align[single_chunk]": _moe_align(CHUNK=4096, EXPERTS_POW2=128, SINGLE_CHUNK=True, BLOCK_M=16, BLOCKS=32),
         "moe_align": _moe_align(CHUNK=4096, EXPERTS_POW2=256, SINGLE_CHUNK=False, BLOCK_M=128, BLOCKS=16),
         "moe_grouped_gemm[fp8]": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
