@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from treadle.plugins.models.fp8_ops import dequantize
 from treadle.plugins.models.fused_ops import silu_mul, use_triton
 
 
@@ -60,8 +61,8 @@ def fused_experts_reference(
             rows = tokens[start : start + count]
             gate_up, down = w13[expert], w2[expert]
             if w13_scale is not None:
-                gate_up = (gate_up.float() * w13_scale[expert, :, None]).to(x.dtype)
-                down = (down.float() * w2_scale[expert, :, None]).to(x.dtype)
+                gate_up = dequantize(gate_up, w13_scale[expert, :, None], x.dtype)
+                down = dequantize(down, w2_scale[expert, :, None], x.dtype)
             hidden = silu_mul(F.linear(x[rows], gate_up))
             expert_out = F.linear(hidden, down) * weights[start : start + count, None]
             out.index_add_(0, rows, expert_out.to(out.dtype))

@@ -179,6 +179,7 @@ def _moe_down_gemv_kernel(Act, W2, Scale, Ids, Route_weights, Out, hidden, K, st
 # large. One chunk size for every batch, so each BLOCK_M compiles the kernels once (a fewer-row batch masks the rest:
 # a single program's histogram, far cheaper than another JIT compile on the first batch of each size).
 _ALIGN_CHUNK = 4096
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors run the kernels too (the CPU tests)
 _ALIGN_TILE = 4096  # elements of the (blocks x experts) and (blocks x slots) tiles that place the blocks
 
 
@@ -194,7 +195,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     row of a grouped-GEMM tile is computed on its own); the set of rows in each block is the one
     :func:`align_by_expert_reference` (the PyTorch path, run elsewhere) puts there.
     """
-    if not topk_ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not topk_ids.is_cuda and not _INTERPRETED:
         return align_by_expert_reference(topk_ids, num_experts, block_m)
     flat_ids = topk_ids.reshape(-1).contiguous()
     num_rows = flat_ids.numel()

@@ -92,25 +92,24 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in HF's ``rotate_half`` layout.
 
-    ``inv_freq`` is a plain float32 attribute rather than a buffer so that
+    ``inv_freq_per_dim`` is a plain float32 attribute rather than a buffer so that
     casting the model to bf16/fp16 never rounds it; it follows the positions' device.
     """
 
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.inv_freq = rope_inv_freq(head_dim, params)
+        inv_freq = rope_inv_freq(head_dim, params)
         # Each frequency twice (rotate_half's layout), so one multiply gives every angle: a decode step launches
         # five small kernels here instead of seven.
-        self._inv_freq_per_dim = torch.cat((self.inv_freq, self.inv_freq))
+        self.inv_freq_per_dim = torch.cat((inv_freq, inv_freq))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, computed in float32 then cast to ``dtype``."""
-        if self._inv_freq_per_dim.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-            self._inv_freq_per_dim = self._inv_freq_per_dim.to(positions.device)
+        if self.inv_freq_per_dim.device != positions.device:
+            self.inv_freq_per_dim = self.inv_freq_per_dim.to(positions.device)
         # int64 x float32 promotes to float32: the same products as converting the positions first.
-        angles = (positions[:, None] * self._inv_freq_per_dim)[:, None, :]
+        angles = (positions[:, None] * self.inv_freq_per_dim)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
