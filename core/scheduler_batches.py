@@ -116,7 +116,7 @@ class BatchBuilding:
             if len(self.running) + len(entries) >= self.oom_backoff.running_limit(cfg.max_running_requests) \
                     or budget <= 0:
                 break
-            if self.req_to_token_pool.free_count <= len(entries):
+            if self.req_to_token_pool.free_count == 0:  # rows are taken as requests are admitted below
                 break
             if req.pending_tokens:
                 continue  # retracted with a token in flight: admitted once that token is known

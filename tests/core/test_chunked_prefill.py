@@ -72,3 +72,20 @@ def test_out_of_kv_a_chunked_prompt_goes_back_to_the_queue_before_a_running_requ
     assert produced["a"] == _solo(tiny_llama_dir, prompt_a, 30)
     assert produced["b"] == _solo(tiny_llama_dir, prompt_b, 2)
     assert_kv_accounted(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_prefill_admits_up_to_the_running_limit(tiny_llama_dir, overlap) -> None:
+    """8 prompts of 16 tokens, 4 to a 64-token chunk, a running limit of 8: the second step admits the other 4. The
+    request rows (the limit plus one) are taken as each request is admitted, and they were once also counted against
+    the requests admitted so far, so the second step admitted 3 and a third prefill step carried the last prompt."""
+    prompts = [[3 + i] + [(7 * i + j) % 97 + 5 for j in range(15)] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=4, **GREEDY)] * 8
+    scheduler = {"max_running_requests": 8, "chunked_prefill_size": 64, "enable_mixed_chunk": True,
+                 "prefill_hold_steps": 0, "disable_overlap": not overlap}
+    outputs, log, engine = generate_logged(tiny_llama_dir, scheduler, prompts, params, lambda batch: sum(
+        e.extend_len for e in batch.entries if not e.input_on_device and e.kv_start < len(e.req.origin_input_ids)))
+    prefill_tokens = [tokens for tokens in log if tokens]
+    assert prefill_tokens == [64, 64]
+    assert [tokens for tokens, _ in outputs] == [_solo(tiny_llama_dir, p, 4) for p in prompts]
+    assert_kv_accounted(engine)
