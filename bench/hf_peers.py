@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from treadle.bench.one_batch_report import HF_COMPILED, Measurement, measurement
+from treadle.bench.one_batch_report import HF_COMPILED, Measurement, measurement, whole_call_steps
 from treadle.bench.roofline import free_memory, roofline_seconds, synchronize
 
 
@@ -53,12 +53,10 @@ def run_hf(runner: Any, prompts: torch.Tensor, args: argparse.Namespace, bandwid
         generate(4)  # warm-up (compiles the decode step)
         if compiled:
             generate(8)
-        one, _ = generate(1)
-        full, out = generate(args.decode_steps)
-    step = (full - one) / max(args.decode_steps - 1, 1)
+        one, steps, out = whole_call_steps(generate, args.decode_steps, args.generate_repeats)
     first_tokens = out[0, input_len:input_len + 16].tolist()
     name = "HF generate, static cache + torch.compile" if compiled else "HF transformers generate"
-    result = measurement(name, HF_COMPILED if compiled else None, None, bs, one, [step], first_tokens,
+    result = measurement(name, HF_COMPILED if compiled else None, None, bs, one, steps, first_tokens,
                          roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
     del model
     free_memory()

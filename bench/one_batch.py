@@ -21,7 +21,8 @@ In the same run:
   measured here (a 1 GiB copy, counting bytes read + written);
 - HF transformers ``generate`` on the same weights (treadle's copied into
   ``LlamaForCausalLM``), bf16, default dynamic cache, eager: decode per step
-  = (time for ``decode-steps`` tokens - time for 1 token) / (steps - 1);
+  = (time for ``decode-steps`` tokens - time for 1 token) / (steps - 1), the median
+  over ``--generate-repeats`` such pairs of calls (default 3);
 - ``hf-compiled``: the same with a ``StaticCache`` (``cache_implementation="static"``),
   on which ``generate`` compiles the decode forward with ``torch.compile``
   (mode ``reduce-overhead``: CUDA graphs); its compilation happens in an untimed
@@ -397,6 +398,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf-compiled", action="store_true",
                         help="skip the hf-compiled peer (static cache + torch.compile; GPU only)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summary")
+    parser.add_argument("--generate-repeats", type=int, default=3, metavar="N",
+                        help="pairs of whole generate calls (1 token, then --decode-steps) behind each HF and "
+                             "Engine.generate row; the row takes the median step (default 3)")
     parser.add_argument("--no-engine", action="store_true",
                         help="skip the Engine.generate rows (GPU, graphs on: treadle timed as the HF peers are)")
     parser.add_argument("--profile-batch-sizes", default="1", metavar="BS,...",

@@ -2,7 +2,8 @@
 
 The runner rows of ``treadle bench one-batch`` time each decode step with a device synchronize, a stricter
 clock than the peers get: ``generate`` is timed whole, and a decode step is
-``(time for N new tokens - time for 1) / (N - 1)``. This row gives treadle the same clock through its public
+``(time for N new tokens - time for 1) / (N - 1)``, the median over ``--generate-repeats`` pairs of calls
+(``whole_call_steps``). This row gives treadle the same clock through its public
 offline API, with the scheduler as a user runs it (overlap scheduling on unless the variant turns it off: the
 host builds step N+1 while the GPU runs step N).
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from treadle.bench.one_batch_report import Measurement, measurement
+from treadle.bench.one_batch_report import Measurement, measurement, whole_call_steps
 from treadle.bench.roofline import free_memory, roofline_seconds, synchronize
 
 
@@ -49,12 +50,10 @@ def run_engine(model_dir: str, backend: str, variant_overrides: dict[str, Any], 
                 return time.perf_counter() - start, outputs[0].token_ids
 
             generate(4)  # warm-up
-            one, _ = generate(1)
-            full, tokens = generate(args.decode_steps)
-            step = (full - one) / max(args.decode_steps - 1, 1)
+            one, steps, tokens = whole_call_steps(generate, args.decode_steps, args.generate_repeats)
             runner = engine.scheduler.runner
             rows.append(measurement(
-                f"treadle Engine.generate {label}", backend, True, bs, one, [step], tokens[:16],
+                f"treadle Engine.generate {label}", backend, True, bs, one, steps, tokens[:16],
                 roofline_seconds(runner.model, runner, bs, prompts.shape[1], args.decode_steps, bandwidth),
                 engine=True))
             del runner  # a reference left here would keep the model and KV pool alive past shutdown

@@ -7,7 +7,7 @@ import platform
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -54,6 +54,24 @@ def measurement(system: str, backend: str | None, graph: bool | None, bs: int, p
         decode_host_ms=statistics.median(host_times) * 1e3 if host_times else None,
         decode_step_ms_back_to_back=back_to_back_s * 1e3 if back_to_back_s is not None else None, engine=engine,
     )
+
+
+def whole_call_steps(generate: Callable[[int], tuple[float, Any]], new_tokens: int,
+                     repeats: int) -> tuple[float, list[float], Any]:
+    """A decode step of a ``generate`` timed whole: ``generate(n)`` returns (seconds, output) for n new tokens.
+
+    Calls for 1 token and for ``new_tokens`` alternate ``repeats`` times; each pair gives a step
+    ``(time for N - time for 1) / (N - 1)``, whose median the row reports (one pair's host hiccup or a prefill
+    that ran slower moves a single sample by tenths of a millisecond a step at 32 requests). Returns the median
+    time for 1 token (the prefill), the steps of every pair, and the output of the last call for N.
+    """
+    ones, steps, output = [], [], None
+    for _ in range(repeats):
+        one, _ = generate(1)
+        full, output = generate(new_tokens)
+        ones.append(one)
+        steps.append((full - one) / max(new_tokens - 1, 1))
+    return statistics.median(ones), steps, output
 
 
 def format_row(r: Measurement) -> str:

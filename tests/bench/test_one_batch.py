@@ -193,3 +193,22 @@ def test_engine_rows_time_engine_generate_like_the_hf_peers_and_give_the_runners
     fill_first_ratios([stepped, rows[1], fp8])
     assert stepped.ratio_vs_first is None and rows[1].ratio_vs_first == 1.0
     assert fp8.ratio_vs_first == pytest.approx(fp8.decode_tokens_per_s / rows[1].decode_tokens_per_s)
+
+
+def test_whole_call_steps_alternate_the_calls_and_take_the_median_pair():
+    from treadle.bench.one_batch_report import measurement, whole_call_steps
+
+    calls = []
+    # 1 token takes 0.1 s; N = 11 tokens take 0.1 + 10 steps of 0.01 s, except one call with a 0.05 s hiccup.
+    times = iter([0.1, 0.2, 0.1, 0.25, 0.1, 0.2])
+
+    def generate(n):
+        calls.append(n)
+        return next(times), f"output {len(calls)}"
+
+    prefill, steps, output = whole_call_steps(generate, 11, repeats=3)
+    assert calls == [1, 11, 1, 11, 1, 11] and output == "output 6"
+    assert prefill == pytest.approx(0.1)
+    assert steps == pytest.approx([0.01, 0.015, 0.01])
+    row = measurement("x", None, None, 1, prefill, steps, [], 0.005)
+    assert row.decode_step_ms == pytest.approx(10.0), "the hiccup's pair does not move the median"
