@@ -143,12 +143,17 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bool,
                                  chunked_prefill_size: int | None, tp_size: int = 1,
-                                 mixed_decode_rows: int = 0, latency_chunk_size: int = 0) -> int:
+                                 mixed_decode_rows: int = 0, latency_chunk_size: int = 0,
+                                 launch_bound_prefill: bool = False) -> int:
     """``runtime.piecewise_cuda_graph_max_tokens`` for this device: ``auto`` is
     ``GPU_PIECEWISE_GRAPH_MAX_TOKENS`` on one GPU (no larger than the largest extend step: one prefill chunk
     plus ``mixed_decode_rows``, the decode rows a mixed step carries beside it, or a latency chunk with
     fewer decode rows than its size beside it), and 0 (off) on the CPU and under tensor parallelism (not
-    measured there yet; a token count turns them on, docs/parallel.md)."""
+    measured there yet; a token count turns them on, docs/parallel.md).
+
+    A model whose prefill is bound by the host's launches even at a whole chunk (``launch_bound_prefill``: many
+    kernels per layer and little arithmetic per token, as a mixture of experts with small experts) has graphs
+    up to its largest extend step."""
     if piecewise_max_tokens != "auto":
         return int(piecewise_max_tokens)
     if not on_cuda or tp_size > 1:
@@ -156,7 +161,7 @@ def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bo
     if chunked_prefill_size is None:
         return GPU_PIECEWISE_GRAPH_MAX_TOKENS
     largest = max(chunked_prefill_size + mixed_decode_rows, 2 * latency_chunk_size - 1)
-    return min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, largest)
+    return largest if launch_bound_prefill else min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, largest)
 
 
 def piecewise_token_sizes(max_tokens: int) -> list[int]:

@@ -110,7 +110,8 @@ class ModelRunner:
             requested_piecewise, on_cuda=on_cuda,
             chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
             mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
-            latency_chunk_size=config.scheduler.latency_chunk_size)
+            latency_chunk_size=config.scheduler.latency_chunk_size,
+            launch_bound_prefill=bool(getattr(self.model, "launch_bound_prefill", False)))
         self.piecewise_graph_runner = self._maybe_piecewise_graphs()
         if on_cuda:
             self._warm_up_prefill()

@@ -16,6 +16,11 @@ from treadle.plugins.models.moe import sparse_moe_from_config
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE causal LM (e.g. Qwen3-30B-A3B); the router's top-k weights are renormalised per ``norm_topk_prob``."""
 
+    # ~3B active parameters a token across 48 layers of router, sort and expert kernels: an eager prefill of
+    # 2-4k tokens took as long to launch as to run on an H100, so its prefill graphs cover whole chunks
+    # (runtime.piecewise_cuda_graph_max_tokens: auto; docs/benchmarks.md, "Fused MoE").
+    launch_bound_prefill = True
+
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         sparse = layer_id not in (getattr(config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0

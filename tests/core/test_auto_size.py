@@ -101,6 +101,12 @@ def test_prefill_graphs_are_on_for_cuda_only_and_never_exceed_a_chunk() -> None:
     # A latency chunk rides beside fewer decode rows than its size.
     assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=128, latency_chunk_size=256) == 511
     assert resolve_piecewise_max_tokens("auto", on_cuda=False, chunked_prefill_size=2048) == 0
+    # A model whose whole prefill chunks are launch-bound gets graphs up to its largest extend step.
+    assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=4096, mixed_decode_rows=368,
+                                        launch_bound_prefill=True) == 4464
+    assert resolve_piecewise_max_tokens("auto", on_cuda=False, chunked_prefill_size=4096,
+                                        launch_bound_prefill=True) == 0
+    assert resolve_piecewise_max_tokens(2048, on_cuda=True, chunked_prefill_size=4096, launch_bound_prefill=True) == 2048
     assert resolve_piecewise_max_tokens(4096, on_cuda=True, chunked_prefill_size=2048) == 4096
     assert resolve_piecewise_max_tokens(0, on_cuda=True, chunked_prefill_size=2048) == 0
     assert resolve_piecewise_max_tokens("auto", on_cuda=True, chunked_prefill_size=2048, tp_size=2) == 0
