@@ -127,3 +127,28 @@ def test_fp8_mixtral_serves_with_fp8_experts(tmp_path, engine_config, source):
         finally:
             engine.shutdown()
     assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[0])
+
+
+def test_qwen3_moe_prefills_whole_chunks_through_graphs_with_the_eager_tokens(tmp_path, engine_config):
+    """Qwen3-MoE declares its prefill launch-bound, so ``piecewise_cuda_graph_max_tokens: auto`` covers its whole
+    chunk (here 2048 tokens) rather than 1024; in float32 a 1500-token prompt's greedy tokens are the eager ones."""
+    from treadle import Engine, SamplingParams
+    from treadle.testing.models import make_tiny_qwen3_moe
+
+    path = make_tiny_qwen3_moe(tmp_path / "qwen3moe", max_position_embeddings=2048)
+    prompts = [torch.randint(3, 500, (1500,), generator=torch.Generator().manual_seed(0)).tolist(), [300, 301, 9]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for piecewise in ("auto", 0):
+        config = engine_config(path, "triton", "float32")
+        config["scheduler"]["chunked_prefill_size"] = 2048
+        config["runtime"]["piecewise_cuda_graph_max_tokens"] = piecewise
+        engine = Engine(config)
+        try:
+            resolved = engine.scheduler.config.runtime.piecewise_cuda_graph_max_tokens
+            assert resolved == (0 if piecewise == 0 else 2048 + engine.scheduler.config.scheduler.max_running_requests
+                                * engine.scheduler.config.scheduler.enable_mixed_chunk)
+            tokens[piecewise] = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        finally:
+            engine.shutdown()
+    assert tokens["auto"] == tokens[0]
