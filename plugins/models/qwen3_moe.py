@@ -18,7 +18,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     # ~3B active parameters a token across 48 layers of router, sort and expert kernels: an eager prefill of
     # 2-4k tokens took as long to launch as to run on an H100, so its prefill graphs cover whole chunks
-    # (runtime.piecewise_cuda_graph_max_tokens: auto; docs/benchmarks.md, "Fused MoE").
+    # (runtime.piecewise_cuda_graph_max_tokens: auto; docs/scheduling.md, "Prefill CUDA graphs").
     launch_bound_prefill = True
 
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
