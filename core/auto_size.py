@@ -24,7 +24,8 @@ TOKENS_PER_RUNNING_REQUEST = 256
 # host's per-request work grows: larger limits stop paying (measured on an H100).
 _GPU_RUNNING_CAPS = ((24 * GiB, 128), (48 * GiB, 256))
 _LARGE_GPU_RUNNING_CAP = 512
-# Mixed prefill+decode batches on CUDA: see docs/benchmarks.md for the A/B.
+# Mixed prefill+decode batches on CUDA: see docs/benchmarks.md for the A/B (dense 8B shapes: 0.96-0.99x). A model
+# may prefer them (``prefers_mixed_chunks``: Qwen3-30B-A3B, 1.17x).
 MIXED_CHUNK_ON_CUDA = False
 # While a trickle of requests arrives (fewer decoding than this, and at most one chunk of prompts waiting),
 # each step carries at most this many prompt tokens mixed into the decode batch: on an H100 a step of a few
@@ -92,11 +93,14 @@ def resolve_batch_sizes(
     on_cuda: bool,
     kv_tokens: int,
     gpu_memory_bytes: int = 0,
+    prefers_mixed_chunks: bool = False,
 ) -> BatchSizes:
     """Replace each ``"auto"`` by its value for this device; explicit values are kept.
 
     The graph limit never exceeds the running limit (a decode batch is at most
     every running request), so an ``auto`` graph limit covers every decode batch.
+    Mixed chunks are on on CUDA for a model that ``prefers_mixed_chunks`` (its decode
+    step reads the weights a prefill chunk reads: a mixture of experts).
     """
     if max_running_requests == "auto":
         running = auto_max_running_requests(kv_tokens, gpu_memory_bytes) if on_cuda else CPU_MAX_RUNNING_REQUESTS
@@ -107,7 +111,7 @@ def resolve_batch_sizes(
     else:
         graph_bs = int(cuda_graph_max_bs)
     if enable_mixed_chunk == "auto":
-        mixed = MIXED_CHUNK_ON_CUDA if on_cuda else False
+        mixed = (MIXED_CHUNK_ON_CUDA or prefers_mixed_chunks) if on_cuda else False
     else:
         mixed = bool(enable_mixed_chunk)
     return BatchSizes(running, min(graph_bs, running), mixed)

@@ -141,7 +141,8 @@ class ModelRunner:
 
         def resolve(kv_tokens: int) -> BatchSizes:
             return resolve_batch_sizes(*self._requested, on_cuda=on_cuda, kv_tokens=kv_tokens,
-                                       gpu_memory_bytes=total)
+                                       gpu_memory_bytes=total,
+                                       prefers_mixed_chunks=bool(getattr(self.model, "prefers_mixed_chunks", False)))
 
         if requested is None and on_cuda:
             free, total = torch.cuda.mem_get_info(self.device)

@@ -20,6 +20,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     # 2-4k tokens took as long to launch as to run on an H100, so its prefill graphs cover whole chunks
     # (runtime.piecewise_cuda_graph_max_tokens: auto; docs/scheduling.md, "Prefill CUDA graphs").
     launch_bound_prefill = True
+    # A decode batch of a few hundred tokens reads every expert, as a prefill chunk does: a prefill chunk riding in
+    # a decode step saves one read of the experts (~20 ms in bf16 on an H100). Offline, 1000 requests: 1.17x
+    # (scheduler.enable_mixed_chunk: auto; docs/scheduling.md, "Mixed chunks for a mixture of experts").
+    prefers_mixed_chunks = True
 
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)

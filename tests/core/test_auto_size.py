@@ -56,6 +56,17 @@ def test_explicit_values_win_and_graphs_never_exceed_the_running_limit() -> None
     assert resolve_batch_sizes(16, 64, "auto", on_cuda=True, kv_tokens=10**6).cuda_graph_max_bs == 16
 
 
+def test_a_model_that_prefers_mixed_chunks_gets_them_on_cuda_unless_they_are_set() -> None:
+    """A mixture of experts, whose decode steps read the weights a prefill chunk reads, mixes on CUDA only."""
+    assert not resolve_batch_sizes(16, 16, "auto", on_cuda=True, kv_tokens=10**6).enable_mixed_chunk
+    assert resolve_batch_sizes(16, 16, "auto", on_cuda=True, kv_tokens=10**6, prefers_mixed_chunks=True
+                               ).enable_mixed_chunk
+    assert not resolve_batch_sizes(16, 16, "auto", on_cuda=False, kv_tokens=10**6, prefers_mixed_chunks=True
+                                   ).enable_mixed_chunk
+    assert not resolve_batch_sizes(16, 16, False, on_cuda=True, kv_tokens=10**6, prefers_mixed_chunks=True
+                                   ).enable_mixed_chunk
+
+
 def test_cpu_keeps_the_fixed_defaults() -> None:
     sizes = resolve_batch_sizes("auto", "auto", "auto", on_cuda=False, kv_tokens=10**6)
     assert sizes.max_running_requests == CPU_MAX_RUNNING_REQUESTS == 64

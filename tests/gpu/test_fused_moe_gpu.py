@@ -130,8 +130,9 @@ def test_fp8_mixtral_serves_with_fp8_experts(tmp_path, engine_config, source):
 
 
 def test_qwen3_moe_prefills_whole_chunks_through_graphs_with_the_eager_tokens(tmp_path, engine_config):
-    """Qwen3-MoE declares its prefill launch-bound, so ``piecewise_cuda_graph_max_tokens: auto`` covers its whole
-    chunk (here 2048 tokens) rather than 1024; in float32 a 1500-token prompt's greedy tokens are the eager ones."""
+    """Qwen3-MoE declares its prefill launch-bound and prefers mixed chunks, so on CUDA ``enable_mixed_chunk: auto``
+    is on and ``piecewise_cuda_graph_max_tokens: auto`` covers its largest extend step (a 2048-token chunk plus the
+    decode rows beside it) rather than 1024; in float32 a 1500-token prompt's greedy tokens are the eager ones."""
     from treadle import Engine, SamplingParams
     from treadle.testing.models import make_tiny_qwen3_moe
 
@@ -145,9 +146,9 @@ def test_qwen3_moe_prefills_whole_chunks_through_graphs_with_the_eager_tokens(tm
         config["runtime"]["piecewise_cuda_graph_max_tokens"] = piecewise
         engine = Engine(config)
         try:
-            resolved = engine.scheduler.config.runtime.piecewise_cuda_graph_max_tokens
-            assert resolved == (0 if piecewise == 0 else 2048 + engine.scheduler.config.scheduler.max_running_requests
-                                * engine.scheduler.config.scheduler.enable_mixed_chunk)
+            resolved = engine.scheduler.config
+            assert resolved.scheduler.enable_mixed_chunk is True
+            assert resolved.runtime.piecewise_cuda_graph_max_tokens == (0 if piecewise == 0 else 2048 + 16)
             tokens[piecewise] = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
         finally:
             engine.shutdown()
