@@ -145,6 +145,9 @@ class ModelRunner:
                                        prefers_mixed_chunks=bool(getattr(self.model, "prefers_mixed_chunks", False)))
 
         if requested is None and on_cuda:
+            # Loading may have freed memory into torch's cache (16-bit weights quantized at load to FP8):
+            # handed back, it counts as free for the pool.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.cache.mem_fraction - (total - free)
             # The per-request tables grow with the running limit, which grows with the pool: size the
