@@ -206,3 +206,30 @@ def test_cuda_only_settings_are_on_for_cuda_with_auto_and_explicit_values_win(ke
     assert resolve_cuda_only(0, on_cuda=True, cuda_value=cuda_value) == 0
     with pytest.raises(ConfigError, match=key):
         load_config(overrides=[f"scheduler.{key}=-1"])
+
+
+def test_the_runner_passes_the_models_hints_to_the_sizing(tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    """A model's ``prefers_mixed_chunks`` and ``launch_bound_prefill`` reach the ``auto`` resolution (which acts on
+    them on CUDA only): Qwen3-MoE declares both, Llama neither."""
+    from treadle import Engine
+    from treadle.core import model_runner
+    from treadle.testing.models import make_tiny_qwen3_moe
+
+    seen: dict[str, list] = {"mixed": [], "launch": []}
+    resolve_sizes, resolve_piecewise = model_runner.resolve_batch_sizes, model_runner.resolve_piecewise_max_tokens
+
+    def sizes(*args, prefers_mixed_chunks=False, **kwargs):
+        seen["mixed"].append(prefers_mixed_chunks)
+        return resolve_sizes(*args, prefers_mixed_chunks=prefers_mixed_chunks, **kwargs)
+
+    def piecewise(*args, launch_bound_prefill=False, **kwargs):
+        seen["launch"].append(launch_bound_prefill)
+        return resolve_piecewise(*args, launch_bound_prefill=launch_bound_prefill, **kwargs)
+
+    monkeypatch.setattr(model_runner, "resolve_batch_sizes", sizes)
+    monkeypatch.setattr(model_runner, "resolve_piecewise_max_tokens", piecewise)
+    for path, hinted in ((make_tiny_qwen3_moe(tmp_path / "qwen3moe"), True), (tiny_llama_dir, False)):
+        seen["mixed"].clear(), seen["launch"].clear()
+        engine = Engine({"model": {"path": path}, "cache": {"max_total_tokens": 256}})
+        engine.shutdown()
+        assert seen["mixed"] and set(seen["mixed"]) == {hinted} and seen["launch"] == [hinted]
