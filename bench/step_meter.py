@@ -36,8 +36,10 @@ class StepMeter:
 
     def __init__(self, scheduler: Any, profile_steps: int = 0, profile_fill: float = 0.75,
                  step_trace: bool = False) -> None:
-        self.scheduler = scheduler
-        self.runner = scheduler.runner
+        # Under tensor parallelism the engine's scheduler is rank 0's LeaderScheduler: meter the local scheduler it
+        # drives (hooks set on the wrapper would never run).
+        self.scheduler = getattr(scheduler, "local_scheduler", scheduler)
+        self.runner = self.scheduler.runner
         self.on_cuda = self.runner.device.type == "cuda"
         self.profile_steps = profile_steps
         self.profile_fill = profile_fill

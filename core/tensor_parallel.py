@@ -154,6 +154,12 @@ class LeaderScheduler:
         return getattr(self.scheduler, name)
 
     @property
+    def local_scheduler(self) -> Any:
+        """Rank 0's own ``Scheduler``, which this wrapper drives: patch its attributes (a meter's hooks) there, since
+        attributes set on the wrapper do not reach it."""
+        return self.scheduler
+
+    @property
     def model_info(self) -> dict[str, Any]:
         return {**self.scheduler.model_info, "tp_size": self.ranks.layout.tp_size,
                 "tp_rank_pids": {rank: process.pid for rank, process in self.ranks.processes.items()}}

@@ -89,3 +89,21 @@ def test_the_progress_line_names_the_host_frames_behind_gpu_stalls() -> None:
     assert "2 steps, 0.01 s" in line
     assert line.index("sampler.py:9(__call__) 23 ms") < line.index("linear.py:87(apply) 20 ms")
     assert _stall_lines([]) == ""
+
+
+def test_under_tensor_parallelism_the_meter_hooks_rank_zeros_own_scheduler() -> None:
+    """The Engine's scheduler at tp > 1 is a LeaderScheduler; hooks set on it would never run (the offline bench
+    then reported 0% GPU busy at tp=2), so the meter patches the scheduler it wraps."""
+    from treadle.core.tensor_parallel import LeaderScheduler
+
+    def sampler(*args, **kwargs):
+        return "tokens"
+
+    runner = SimpleNamespace(device=SimpleNamespace(type="cpu"), forward=lambda batch: batch)
+    local = SimpleNamespace(runner=runner, sampler=sampler)
+    leader = LeaderScheduler(local, ranks=None, watcher=None)
+    meter = StepMeter(leader)
+    meter.install()
+    assert meter.scheduler is local and local.sampler is not sampler and "sampler" not in vars(leader)
+    meter.uninstall()
+    assert local.sampler is sampler
