@@ -5,8 +5,8 @@
 Per BLAS library (``torch.backends.cuda.preferred_blas_library``), row count M and projection (N x K): bfloat16
 ``F.linear`` timed with CUDA events over 30 calls, each on another of three weight copies, in TFLOP/s; the
 ``layer`` column is the four projections of one decoder layer together. A prefill step of M tokens and a decode
-step of M requests run these matmuls, so this is the rate their weight FLOPs can reach (docs/benchmarks.md, "What
-12,000 out tok/s would need").
+step of M requests run these matmuls, so this is the rate their weight FLOPs can reach (docs/benchmarks-history.md,
+"What 12,000 out tok/s would need").
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class BlockConfig:
 
 def default_config(num_rows: int, dtype: torch.dtype) -> BlockConfig:
     """Tiles by the number of (token, expert) rows. ``bench/fused_moe.py --sweep`` at Mixtral-8x7B's shapes on an
-    H100 (docs/benchmarks.md): 128-row tiles take 8192 rows in 6.7 ms against 9.5 ms with 64; the smaller
+    H100 (docs/benchmarks-history.md): 128-row tiles take 8192 rows in 6.7 ms against 9.5 ms with 64; the smaller
     sizes keep their first guesses (the sweep found at most ~10% there, within one run's noise)."""
     block_k = 32 if dtype == torch.float32 else 64
     if num_rows <= 512:
@@ -85,10 +85,10 @@ def fused_experts(
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
-# Where the GEMVs stop paying, on an H100 (docs/benchmarks.md, "Fused MoE"; CUDA-graph replays): 16-bit experts once
-# there are as many assignments as experts (Mixtral-8x7B at 4 tokens, Qwen3-30B-A3B at 16); FP8 experts, whose
-# grouped GEMM widens every weight it reads, past 2.5 assignments per expert (Mixtral past 10 tokens) or 24 tokens
-# (Qwen3-30B-A3B at 24-32).
+# Where the GEMVs stop paying, on an H100 (docs/benchmarks-history.md, "Fused MoE"; CUDA-graph replays): 16-bit
+# experts once there are as many assignments as experts (Mixtral-8x7B at 4 tokens, Qwen3-30B-A3B at 16); FP8
+# experts, whose grouped GEMM widens every weight it reads, past 2.5 assignments per expert (Mixtral past 10 tokens)
+# or 24 tokens (Qwen3-30B-A3B at 24-32).
 GEMV_ROWS_PER_EXPERT_16BIT = 1.0  # fewer assignments per expert than this
 GEMV_ROWS_PER_EXPERT_FP8 = 2.5  # at most this many
 GEMV_MAX_TOKENS = 24
@@ -247,7 +247,7 @@ def align_by_expert_reference(
 
 # The sizes that change from batch to batch are not specialized on (divisible by 16 or not, 1 or not): prefill runs
 # eagerly at any size above the piecewise graphs' largest, and each new specialization compiled mid-run (0.4-1.6 s
-# for a step of Qwen3-30B-A3B's 1,189 tokens on the H100, docs/benchmarks.md). They only bound masks and loops.
+# for a step of Qwen3-30B-A3B's 1,189 tokens on the H100, docs/benchmarks-history.md). They only bound masks and loops.
 @triton.jit(do_not_specialize=["num_rows"])
 def _count_experts_kernel(Ids, Chunk_counts, num_rows, CHUNK: tl.constexpr, EXPERTS_POW2: tl.constexpr):
     chunk = tl.program_id(0)

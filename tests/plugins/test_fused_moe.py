@@ -218,8 +218,8 @@ def test_reference_equals_a_dense_loop_over_tokens():
 
 
 def test_the_gemvs_take_the_batch_sizes_where_they_measured_faster():
-    """The crossovers measured on an H100 (docs/benchmarks.md, "Fused MoE"): 16-bit experts run the GEMVs while there
-    are fewer assignments than experts, FP8 experts up to 2.5 per expert and 24 tokens."""
+    """The crossovers measured on an H100 (docs/benchmarks-history.md, "Fused MoE"): 16-bit experts run the GEMVs
+    while there are fewer assignments than experts, FP8 experts up to 2.5 per expert and 24 tokens."""
     from treadle.plugins.models import fused_moe_kernels as K
 
     mixtral, qwen3 = (8, 2), (128, 8)  # (experts, top-k)
