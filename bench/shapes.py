@@ -1,14 +1,16 @@
 """Model shapes that `treadle bench one-batch` builds with ``load_format: dummy`` weights.
 
 Each is an HF ``config.json`` as a dict; ``write_config`` puts one in a folder that
-``model.path`` can name. GPU test scripts write ``LLAMA_3_1_8B`` the same way.
+``model.path`` can name. The GPU scripts (tests/gpu/*.sh) do it with
+``python -m treadle.bench.shapes NAME FOLDER``, which prints the folder.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 LLAMA_3_1_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -81,3 +83,16 @@ TINY: dict[str, Any] = {
 def write_config(folder: Path, config: dict[str, Any]) -> str:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return str(folder)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``NAME FOLDER``: write the ``MODEL_SHAPES`` entry NAME as FOLDER/config.json (creating FOLDER); print FOLDER."""
+    name, folder = argv if argv is not None else sys.argv[1:]
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    print(write_config(path, MODEL_SHAPES[name]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

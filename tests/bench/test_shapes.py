@@ -19,3 +19,14 @@ def test_each_shape_builds_the_published_model_size(name, billions):
         model = AutoModelForCausalLM.from_config(config)
     assert type(model).__name__ == config.architectures[0]
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_the_gpu_scripts_write_a_shape_into_a_folder_a_model_path_can_name(tmp_path, capsys):
+    import json
+
+    from treadle.bench.shapes import main
+
+    folder = tmp_path / "qwen3-30b-a3b"
+    assert main(["qwen3-30b-a3b", str(folder)]) == 0
+    assert capsys.readouterr().out.strip() == str(folder)
+    assert json.loads((folder / "config.json").read_text()) == MODEL_SHAPES["qwen3-30b-a3b"]

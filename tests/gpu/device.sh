@@ -46,13 +46,11 @@ setup() {
   echo "SETUP took $(( $(date +%s) - t0 )) s"
 }
 l8b() {
-  mkdir -p /tmp/l8b && python3 -c "import json; from treadle.bench.shapes import LLAMA_3_1_8B as c; \
-json.dump(c, open('/tmp/l8b/config.json', 'w'))"
+  python3 -m treadle.bench.shapes llama-3.1-8b /tmp/l8b > /dev/null
 }
 shape_dir() {  # the folder of a bench/shapes.py MODEL_SHAPES entry's config.json (llama-3.1-8b: /tmp/l8b)
   if [ "${1:-llama-3.1-8b}" = llama-3.1-8b ]; then l8b; echo /tmp/l8b; return; fi
-  mkdir -p "/tmp/$1" && python3 -c "import json, sys; from treadle.bench.shapes import MODEL_SHAPES as m; \
-json.dump(m[sys.argv[1]], open('/tmp/' + sys.argv[1] + '/config.json', 'w'))" "$1" && echo "/tmp/$1"
+  python3 -m treadle.bench.shapes "$1" "/tmp/$1"
 }
 for stage in "$@"; do
   t0=$(date +%s)

@@ -15,8 +15,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
 BACKENDS=${BACKENDS:-triton,flashinfer}
-shape_dir() {  # write an HF config.json of a bench shape into $OUT/<shape> and print the folder
-  python3 -c "import json,os,sys; from treadle.bench.shapes import SHAPES; d=os.path.join('$OUT', sys.argv[1]); os.makedirs(d, exist_ok=True); json.dump(SHAPES[sys.argv[1]], open(os.path.join(d, 'config.json'), 'w')); print(d)" "$1"
+shape_dir() {  # write an HF config.json of a bench shape into /tmp/<shape> and print the folder
+  python3 -m treadle.bench.shapes "$1" "/tmp/$1"
 }
 serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at once) then saturation
   local dir; dir=$(shape_dir llama-3.1-8b); local port=$((31000 + $1))
