@@ -20,7 +20,6 @@ Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
@@ -41,7 +40,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
                         BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
-                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr, FP8_BITS: tl.constexpr):
+                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -63,9 +62,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     if SILU_MUL:
         if GEMV:
             gate, up = _gate_up_row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, N,
-                                    stride_wn, BLOCK_N, BLOCK_K, EVEN, PDL, FP8_BITS)
-            if FP8_BITS:
-                gate, up = gate * _FP8_BITS_RESCALE, up * _FP8_BITS_RESCALE
+                                    stride_wn, BLOCK_N, BLOCK_K, EVEN, PDL)
             gate, up = gate[None, :], up[None, :]
         else:
             gate, up = _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
@@ -78,9 +75,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
     else:
         if GEMV:
             acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
-                       BLOCK_N, BLOCK_K, EVEN, PDL, FP8_BITS)[None, :]
-            if FP8_BITS:
-                acc = acc * _FP8_BITS_RESCALE
+                       BLOCK_N, BLOCK_K, EVEN, PDL)[None, :]
         else:
             acc = _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVICT_ROWS)
@@ -238,89 +233,68 @@ def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, st
 
 @triton.jit
 def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         EVEN: tl.constexpr, PDL: tl.constexpr, FP8_BITS: tl.constexpr):
+         EVEN: tl.constexpr, PDL: tl.constexpr):
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first weight block is read before waiting for the kernel before (core/pdl.py): the weight is not its.
-    w = _weight_tile(w_ptrs, n_mask, k_start, K, BLOCK_K, EVEN, FP8_BITS)
+    w = _weight_tile(w_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
     wait_for_previous(PDL)
-    acc = tl.sum(w * _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN, FP8_BITS)[None, :], axis=1)
+    acc = tl.sum(w * _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN)[None, :], axis=1)
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN, FP8_BITS)
-        acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN, FP8_BITS) * x[None, :], axis=1)
+        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
+        acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
     allow_next(PDL)  # after the weight loop: an earlier go-ahead measured slower (docs/benchmarks-history.md)
     return acc
 
 
 @triton.jit
 def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, FP8_BITS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """``_row`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of one row of x."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X_row + offs_k
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
-    w_gate = _weight_tile(gate_ptrs, n_mask, k_start, K, BLOCK_K, EVEN, FP8_BITS)
-    w_up = _weight_tile(up_ptrs, n_mask, k_start, K, BLOCK_K, EVEN, FP8_BITS)
+    w_gate = _weight_tile(gate_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
+    w_up = _weight_tile(up_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
     wait_for_previous(PDL)
-    x = _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN, FP8_BITS)
+    x = _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN)
     gate = tl.sum(w_gate * x[None, :], axis=1)
     up = tl.sum(w_up * x[None, :], axis=1)
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN, FP8_BITS)
-        gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN, FP8_BITS) * x[None, :], axis=1)
-        up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN, FP8_BITS) * x[None, :], axis=1)
+        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
+        gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
+        up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
     allow_next(PDL)
     return gate, up
 
 
 @triton.jit
-def _x_slice(x_ptrs, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP8_BITS: tl.constexpr):
-    """One K step of a GEMV's row of x, in float32 (unmasked where the tiles fit the shape exactly); times 2^60 for
-    a weight widened by :func:`_fp8_bits`."""
+def _x_slice(x_ptrs, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of a GEMV's row of x, in float32 (unmasked where the tiles fit the shape exactly)."""
     if EVEN:
         x = tl.load(x_ptrs)
     else:
         x = tl.load(x_ptrs, mask=(k + tl.arange(0, BLOCK_K)) < K, other=0.0)
-    if FP8_BITS:
-        return x.to(tl.float32) * _FP8_BITS_HALF
     return x.to(tl.float32)
 
 
 @triton.jit
-def _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, FP8_BITS: tl.constexpr):
+def _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """One K step of a GEMV's weight tile, in float32. The weight is read once per step: evict_first keeps it
     from pushing x and the partials out of L2."""
     if EVEN:
         w = tl.load(w_ptrs, eviction_policy="evict_first")
     else:
         k_mask = (k + tl.arange(0, BLOCK_K)) < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0, eviction_policy="evict_first")
-    if FP8_BITS:
-        return _fp8_bits(w)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
     return w.to(tl.float32)
-
-
-# An e4m3 byte's bits moved into a float32 (sign to the top, exponent and mantissa to the exponent's low bits and
-# the mantissa's top) give its value times 2^-120, subnormals included, with two integer operations instead of the
-# two conversions (e4m3 -> f16 -> f32) the cast compiles to. x is scaled by 2^60 and the sum by 2^60 again: powers
-# of two, so every product and sum rounds as the cast's would (unless it falls below float32's normal range).
-_FP8_BITS_HALF = tl.constexpr(2.0 ** 60)
-_FP8_BITS_RESCALE = tl.constexpr(2.0 ** 60)
-_FP8_BITS_MASK = tl.constexpr(-2014314496)  # 0x87F00000 as int32: the sign and the 7 bits below it
-
-
-@triton.jit
-def _fp8_bits(w):
-    """int8 FP8 (e4m3) bit patterns -> float32 values times 2^-120 (see above)."""
-    bits = (w.to(tl.int32) << 20) & _FP8_BITS_MASK
-    return bits.to(tl.float32, bitcast=True)
 
 
 def fuses_silu_mul(config: SmallBatchConfig) -> bool:
@@ -448,9 +422,6 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # blocks while the kernel before it finishes. Not FP8's tiles: with PDL FP8 decode of 16-32 requests was
     # 3-6% slower on the H100, 16-bit tiles 1-3% faster (docs/benchmarks-history.md).
     pdl = pdl_enabled(x.device) and (config.gemv or weight.element_size() == 2)
-    fp8_bits = config.gemv and weight.dtype == torch.float8_e4m3fn and os.environ.get("TREADLE_FP8_BITS", "1") == "1"
-    if fp8_bits:
-        weight = weight.view(torch.int8)
     lines = prefetch.numel() // 128 if prefetch is not None else 0
     first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
     _small_batch_kernel[grid](
@@ -468,7 +439,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
         X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
-        PDL=pdl, launch_pdl=pdl, FP8_BITS=fp8_bits,
+        PDL=pdl, launch_pdl=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)
