@@ -72,7 +72,30 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "eos_token_id": 151645,
     "torch_dtype": "bfloat16",
 }
-MODEL_SHAPES = {**SHAPES, "qwen3-30b-a3b": QWEN3_30B_A3B}  # every shape a run may write with write_config
+# Mixtral-8x7B's shape (32 layers of 8 experts, top-2; 93 GB in bf16, 47 GB with FP8 experts: its bf16 weights
+# need an H200 before `model.quantization: fp8` quantizes them at load), for offline and serving runs.
+MIXTRAL_8X7B: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+MODEL_SHAPES = {**SHAPES, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}  # what write_config may write
 # A few-layer model of the same kind, for smoke tests on the CPU.
 TINY: dict[str, Any] = {
     **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

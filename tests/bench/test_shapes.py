@@ -9,7 +9,7 @@ from treadle.bench.shapes import MODEL_SHAPES
 
 
 @pytest.mark.parametrize(("name", "billions"), [("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.55),
-                                                ("qwen3-30b-a3b", 30.53)])
+                                                ("qwen3-30b-a3b", 30.53), ("mixtral-8x7b", 46.70)])
 def test_each_shape_builds_the_published_model_size(name, billions):
     from transformers import AutoConfig, AutoModelForCausalLM
 
