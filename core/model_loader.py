@@ -3,7 +3,8 @@
 The model class comes from the ``models`` registry by ``config.architectures[0]``.
 It is built directly on the target device in the target dtype, then weights are
 streamed in tensor by tensor (``model.load_weights``) so peak memory stays near
-the model's own size.
+the model's own size. Layers quantized at load take memory only while they load
+(core/lazy_weights.py): the peak is the quantized model's size plus a layer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from treadle.core.lazy_weights import (
+    LoadTracker,
+    finish_module,
+    lazy_modules,
+    materialize,
+    unloaded_parameters,
+)
 from treadle.core.registry import PluginError
 
 if TYPE_CHECKING:
@@ -223,21 +231,30 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
 
     sharded = get_tp_size() > 1
     generators: dict[torch.device, torch.Generator] = {}
+    # A layer quantized at load is quantized once its parameters are filled (core/lazy_weights.py).
+    tracker = LoadTracker((module, {id(p) for p in module.parameters(recurse=False)}) for module in lazy_modules(model))
     with torch.no_grad():
         for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            generator = generators.get(param.device)
-            if generator is None:
-                generator = torch.Generator(device=param.device).manual_seed(seed)
-                generators[param.device] = generator
-            loader = getattr(param, "weight_loader", None)
-            if param.dtype not in _DTYPES.values():  # e.g. FP8 weights, which have no uniform_
-                noise = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-                param.copy_(noise.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator))
-                continue
-            if not sharded or loader is None:
-                param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
-                continue
-            _fill_full_then_shard(param, loader, generator)
+            materialize(param)
+            _fill_dummy(param, generators, seed, sharded)
+            tracker.loaded((id(param),))
+
+
+def _fill_dummy(param: nn.Parameter, generators: dict[torch.device, torch.Generator], seed: int,
+                sharded: bool) -> None:
+    generator = generators.get(param.device)
+    if generator is None:
+        generator = torch.Generator(device=param.device).manual_seed(seed)
+        generators[param.device] = generator
+    loader = getattr(param, "weight_loader", None)
+    if param.dtype not in _DTYPES.values():  # e.g. FP8 weights, which have no uniform_
+        noise = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        param.copy_(noise.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator))
+        return
+    if not sharded or loader is None:
+        param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
+        return
+    _fill_full_then_shard(param, loader, generator)
 
 
 def _fill_full_then_shard(param: nn.Parameter, loader: Any, generator: torch.Generator) -> None:
@@ -253,11 +270,17 @@ def _fill_full_then_shard(param: nn.Parameter, loader: Any, generator: torch.Gen
 
 
 def _finish_weights(model: nn.Module) -> None:
-    # Quantization methods (plugins/models/linear.py) repack or quantize once every weight is in place.
+    unloaded = unloaded_parameters(model)
+    if unloaded:
+        shown = ", ".join(unloaded[:8]) + (f" (+{len(unloaded) - 8} more)" if len(unloaded) > 8 else "")
+        raise ModelLoadError(
+            f"{type(model).__name__}: nothing was loaded into {shown}; a model's load_weights must copy every "
+            "tensor through its parameter's weight_loader (treadle.plugins.models.layers.load_checkpoint does)"
+        )
+    # Quantization methods (plugins/models/linear.py) repack or quantize once every weight is in place (those
+    # quantized while loading are done already).
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+        finish_module(module)
     # Then the model's own step, if it has one (Llama's links each layer to the next's weight).
     finish = getattr(model, "weights_loaded", None)
     if callable(finish):

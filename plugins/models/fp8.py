@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.core.lazy_weights import lazy_parameter
 from treadle.core.quantization import FP8_DTYPE, QuantizationConfig, QuantizationError
 from treadle.plugins.models import small_batch
 from treadle.plugins.models.fp8_ops import (
@@ -55,7 +56,8 @@ class Fp8LinearMethod(LinearMethod):
         rows = sum(output_partition_sizes)
         layer.fp8_out_dtype = params_dtype
         if not self.config.checkpoint_quantized:
-            layer.register_parameter("weight", _param(torch.empty(rows, input_size_per_partition, dtype=params_dtype)))
+            # Quantized once loaded: no memory until the checkpoint fills it (core/lazy_weights.py).
+            layer.register_parameter("weight", lazy_parameter((rows, input_size_per_partition), params_dtype))
             return
         layer.register_parameter("weight", _param(torch.empty(rows, input_size_per_partition, dtype=FP8_DTYPE)))
         weight_scale = _param(torch.ones(rows, 1, dtype=torch.float32))

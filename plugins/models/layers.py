@@ -18,6 +18,7 @@ from torch import nn
 
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch
+from treadle.core.lazy_weights import LoadTracker, lazy_modules, materialize
 from treadle.plugins.models.fused_ops import add_rmsnorm, rotary_qkv, silu_mul
 from treadle.plugins.models.linear import (  # noqa: F401  (CheckpointError is re-exported)
     CheckpointError,
@@ -350,6 +351,7 @@ def load_checkpoint(
     pending = {name for name in targets if not name.startswith(owned)}
     for prefix, owner in owners.items():
         pending.update(f"{prefix}.{name}" for name in owner.checkpoint_names())
+    tracker = _quantize_as_loaded(model, targets, owners)
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(ignored_suffixes):
@@ -358,12 +360,14 @@ def load_checkpoint(
             covered = _load_owned(name, tensor, owners) if name.startswith(owned) else None
             if covered is not None:
                 pending.difference_update(covered)
+                tracker.loaded(covered)
                 continue
             target = targets.get(name)
             if target is None:
                 unexpected.append(name)
                 continue
             param, shard_id = target
+            materialize(param)
             loader = getattr(param, "weight_loader", default_weight_loader)
             if shard_id is None:
                 loader(param, tensor)
@@ -374,6 +378,7 @@ def load_checkpoint(
                 f"checkpoint tensor '{name}' {exc}; does config.json match the weights?"
             ) from None
         pending.discard(name)
+        tracker.loaded((name,))
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
         raise CheckpointError(f"unexpected tensors in the checkpoint for {type(model).__name__}: {shown}")
@@ -399,12 +404,30 @@ class LoadsOwnCheckpoint(Protocol):
         ...
 
 
+def _quantize_as_loaded(model: nn.Module, targets: dict[str, tuple[nn.Parameter, str | None]],
+                        owners: dict[str, Any]) -> LoadTracker:
+    """Each module with weights quantized at load (core/lazy_weights.py) is quantized as soon as the last of its
+    checkpoint tensors is in, so the 16-bit model never exists whole."""
+    lazy = {id(module): module for module in lazy_modules(model)}
+    waits: dict[int, set[str]] = {}
+    owner_of = {id(param): id(module) for module in lazy.values() for param in module.parameters(recurse=False)}
+    for name, (param, _) in targets.items():
+        if id(param) in owner_of:
+            waits.setdefault(owner_of[id(param)], set()).add(name)
+    for prefix, owner in owners.items():
+        if id(owner) in lazy:
+            waits.setdefault(id(owner), set()).update(f"{prefix}.{name}" for name in owner.checkpoint_names())
+    return LoadTracker((lazy[module_id], names) for module_id, names in waits.items())
+
+
 def _load_owned(name: str, loaded: Any, owners: dict[str, Any]) -> set[str] | None:
     parts = name.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         prefix = ".".join(parts[:cut])
         owner = owners.get(prefix)
         if owner is not None:
+            for param in owner.parameters(recurse=False):
+                materialize(param)
             covered = owner.load_checkpoint_tensor(".".join(parts[cut:]), loaded)
             return None if covered is None else {f"{prefix}.{n}" for n in covered}
     return None

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from treadle.core.lazy_weights import lazy_parameter
 from treadle.core.parallel import get_tp_rank, get_tp_size, tp_all_reduce
 from treadle.core.quantization import FP8_DTYPE
 from treadle.plugins.models.fused_moe import fused_experts, route_top_k
@@ -59,7 +60,8 @@ class SparseMoE(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         # The router is small and every rank needs all its scores: replicated, never quantized.
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size, fp8=fp8)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size, fp8=fp8,
+                                    lazy=quantize_at_load)
         if quantize_at_load:
             self.experts.quant_method = _QuantizeExpertsAtLoad()
 
@@ -101,10 +103,12 @@ class FusedExperts(nn.Module):
     """All experts' weights as two tensors: ``gate_up_proj`` ``[E, 2I/tp, H]`` (each expert's gate rows, then
     its up rows) and ``down_proj`` ``[E, H, I/tp]``. Loads fused or per-expert checkpoint tensors itself. With
     ``fp8`` they are FP8, loaded as an FP8 checkpoint stores them, with float32 scales per weight row
-    (``gate_up_scale`` ``[E, 2I/tp]``, ``down_scale`` ``[E, H]``); otherwise the scales are None."""
+    (``gate_up_scale`` ``[E, 2I/tp]``, ``down_scale`` ``[E, H]``); otherwise the scales are None. ``lazy``: the
+    16-bit weights take memory only once the checkpoint's first expert tensor arrives (they are quantized at load,
+    core/lazy_weights.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 fp8: bool = False):
+                 fp8: bool = False, lazy: bool = False):
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(
@@ -117,10 +121,9 @@ class FusedExperts(nn.Module):
         self.local_start = tp_rank * self.local_size
         self.fp8 = fp8
         weight_dtype = FP8_DTYPE if fp8 else None
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local_size, hidden_size, dtype=weight_dtype),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_size, dtype=weight_dtype),
-                                      requires_grad=False)
+        make = lazy_parameter if lazy and not fp8 else _parameter
+        self.gate_up_proj = make((num_experts, 2 * self.local_size, hidden_size), weight_dtype)
+        self.down_proj = make((num_experts, hidden_size, self.local_size), weight_dtype)
         self.gate_up_scale: nn.Parameter | None = None
         self.down_scale: nn.Parameter | None = None
         if fp8:
@@ -239,6 +242,10 @@ class _QuantizeExpertsAtLoad:
             scales.append(nn.Parameter(scale, requires_grad=False))
         experts.gate_up_scale, experts.down_scale = scales
         experts.fp8 = True
+
+
+def _parameter(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 def _check_shape(loaded: Any, expected: tuple[int, ...]) -> None:
