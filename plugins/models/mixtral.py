@@ -17,6 +17,11 @@ from treadle.plugins.models.moe import sparse_moe_from_config
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral causal LM; ``config.sliding_window`` (None for full attention) applies to every layer."""
 
+    # A decode batch of a few hundred tokens reads all 8 experts of every layer: a prefill chunk riding in a decode
+    # step saves one read of them. Offline, 1000 requests, FP8 on an H100: 3,182 -> 3,463 out tok/s (1.09x;
+    # scheduler.enable_mixed_chunk: auto; docs/scheduling.md, "Mixed chunks for a mixture of experts").
+    prefers_mixed_chunks = True
+
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
         window = getattr(config, "sliding_window", None)
         return DecoderLayer(config, layer_id, int(window) if window else None, quant_config=self.quant_config,
