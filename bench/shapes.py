@@ -72,8 +72,8 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "eos_token_id": 151645,
     "torch_dtype": "bfloat16",
 }
-# Mixtral-8x7B's shape (32 layers of 8 experts, top-2; 93 GB in bf16, 47 GB with FP8 experts: its bf16 weights
-# need an H200 before `model.quantization: fp8` quantizes them at load), for offline and serving runs.
+# Mixtral-8x7B's shape (32 layers of 8 experts, top-2; 93 GB in bf16, 47 GB with FP8 experts: bf16 needs an H200,
+# `model.quantization: fp8` fits one H100, quantizing layer by layer at load), for offline and serving runs.
 MIXTRAL_8X7B: dict[str, Any] = {
     "architectures": ["MixtralForCausalLM"],
     "model_type": "mixtral",

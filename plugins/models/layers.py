@@ -348,10 +348,10 @@ def load_checkpoint(
     targets = checkpoint_targets(model)
     owners = {prefix: module for prefix, module in model.named_modules() if prefix and isinstance(module, LoadsOwnCheckpoint)}
     owned = tuple(f"{prefix}." for prefix in owners)
-    pending = {name for name in targets if not name.startswith(owned)}
-    for prefix, owner in owners.items():
-        pending.update(f"{prefix}.{name}" for name in owner.checkpoint_names())
-    tracker = _quantize_as_loaded(model, targets, owners)
+    owned_names = {prefix: {f"{prefix}.{name}" for name in owner.checkpoint_names()}
+                   for prefix, owner in owners.items()}
+    pending = {name for name in targets if not name.startswith(owned)}.union(*owned_names.values())
+    tracker = _quantize_as_loaded(model, targets, owners, owned_names)
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(ignored_suffixes):
@@ -405,7 +405,7 @@ class LoadsOwnCheckpoint(Protocol):
 
 
 def _quantize_as_loaded(model: nn.Module, targets: dict[str, tuple[nn.Parameter, str | None]],
-                        owners: dict[str, Any]) -> LoadTracker:
+                        owners: dict[str, Any], owned_names: dict[str, set[str]]) -> LoadTracker:
     """Each module with weights quantized at load (core/lazy_weights.py) is quantized as soon as the last of its
     checkpoint tensors is in, so the 16-bit model never exists whole."""
     lazy = {id(module): module for module in lazy_modules(model)}
@@ -416,7 +416,7 @@ def _quantize_as_loaded(model: nn.Module, targets: dict[str, tuple[nn.Parameter,
             waits.setdefault(owner_of[id(param)], set()).add(name)
     for prefix, owner in owners.items():
         if id(owner) in lazy:
-            waits.setdefault(id(owner), set()).update(f"{prefix}.{name}" for name in owner.checkpoint_names())
+            waits.setdefault(id(owner), set()).update(owned_names[prefix])
     return LoadTracker((lazy[module_id], names) for module_id, names in waits.items())
 
 
