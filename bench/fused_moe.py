@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
         weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
         triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
         graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
-        grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16)
+        grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16,
+                                                   fp8_rows=args.fp8 and fused_moe_kernels.w8a8_enabled())
         grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
         grouped_graph_ms = _time_graph(
             lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))

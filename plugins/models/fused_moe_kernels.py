@@ -7,7 +7,14 @@ first ``x @ w13[e].T`` (the gate and up projections), then, after ``silu(gate) *
 ``act @ w2[e].T`` scaled by the routing weight. Everything stays on the device: no host sync,
 so the layer can be captured in a CUDA graph.
 
-A decode step of a few tokens (fewer assignments than experts; FP8 experts up to 2.5 per expert: :func:`takes_gemv`)
+FP8 experts on a GPU multiply FP8 by FP8 in the grouped GEMM (W8A8): the rows it reads (the tokens, then the
+activated intermediate) are quantized per row first (``fp8_ops.quantize_per_token``: dynamic scales, as the dense
+FP8 layers' ``torch._scaled_mm`` takes them) and each tile's float32 sums are scaled by both scales. Tiles of 64+
+rows run on Hopper's FP8 tensor cores; Triton widens 16-row tiles' operands to f16 (exactly) for its mma. Widening the
+weights to 16 bits instead (W8A16: the GEMVs below, the interpreter, ``TREADLE_MOE_W8A8=0``) made a Mixtral-8x7B
+prefill compute-bound on the conversions (docs/benchmarks-history.md).
+
+A decode step of a few tokens (fewer assignments than experts; FP8 experts up to 0.75 per expert: :func:`takes_gemv`)
 takes two GEMV kernels instead (:func:`fused_experts_gemv`): each program streams a few rows of one assignment's expert
 weight, the first with ``silu(gate) * up`` in its epilogue, the second summing the token's ``k`` routed outputs, so
 nothing is sorted or padded. A tile of 16 rows holding one token reads the weight at a third of the bandwidth;
@@ -38,11 +45,12 @@ class BlockConfig:
     num_stages: int = 3
 
 
-def default_config(num_rows: int, dtype: torch.dtype) -> BlockConfig:
+def default_config(num_rows: int, dtype: torch.dtype, fp8_rows: bool = False) -> BlockConfig:
     """Tiles by the number of (token, expert) rows. ``bench/fused_moe.py --sweep`` at Mixtral-8x7B's shapes on an
     H100 (docs/benchmarks-history.md): 128-row tiles take 8192 rows in 6.7 ms against 9.5 ms with 64; the smaller
-    sizes keep their first guesses (the sweep found at most ~10% there, within one run's noise)."""
-    block_k = 32 if dtype == torch.float32 else 64
+    sizes keep their first guesses (the sweep found at most ~10% there, within one run's noise). ``fp8_rows``: the
+    W8A8 GEMM, whose K steps load as many bytes at twice the elements."""
+    block_k = 128 if fp8_rows else 32 if dtype == torch.float32 else 64
     if num_rows <= 512:
         return BlockConfig(16, 64, block_k)
     if num_rows < 4096:
@@ -62,7 +70,8 @@ def fused_experts(
 ) -> torch.Tensor:
     """Same contract as :func:`treadle.plugins.models.fused_moe.fused_experts`; ``config`` overrides the tiles.
     FP8 experts come with float32 scales per output row (``w13_scale`` ``[E, 2I]``, ``w2_scale`` ``[E, H]``): the
-    kernels widen the weights in registers and scale each product row (W8A16)."""
+    GEMVs widen the weights in registers and scale each product row (W8A16), the grouped GEMM on a GPU quantizes
+    its rows per row and multiplies FP8 by FP8 (W8A8, see the module docstring)."""
     x = x.contiguous()
     num_tokens, hidden_size = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -73,24 +82,41 @@ def fused_experts(
     if (config is None and takes_gemv(num_tokens, top_k, num_experts, fp8=w13_scale is not None)
             and w13.stride(2) == 1 and w2.stride(2) == 1):
         return fused_experts_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    config = config or default_config(num_rows, x.dtype)
+    w8a8 = w13_scale is not None and x.is_cuda and w8a8_enabled()
+    config = config or default_config(num_rows, x.dtype, fp8_rows=w8a8)
     sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
     gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_rows, block_experts, config, a_row_divisor=top_k, row_weights=None,
-                  scale=w13_scale)
+    _grouped_gemm(*_rows_for(x, w8a8), w13, gate_up, sorted_rows, block_experts, config, a_row_divisor=top_k,
+                  row_weights=None, scale=w13_scale)
     activated = silu_mul(gate_up)
     down = torch.empty((num_rows, hidden_size), dtype=x.dtype, device=x.device)
-    _grouped_gemm(activated, w2, down, sorted_rows, block_experts, config, a_row_divisor=1,
+    _grouped_gemm(*_rows_for(activated, w8a8), w2, down, sorted_rows, block_experts, config, a_row_divisor=1,
                   row_weights=topk_weights.reshape(-1).to(torch.float32), scale=w2_scale)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
+def w8a8_enabled() -> bool:
+    """Whether FP8 experts' grouped GEMM multiplies FP8 by FP8 on a GPU (``TREADLE_MOE_W8A8=0``: widen the weights
+    instead, for A/B runs)."""
+    return os.environ.get("TREADLE_MOE_W8A8", "1") != "0"
+
+
+def _rows_for(a: torch.Tensor, w8a8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The grouped GEMM's rows: ``a`` as it is, or (W8A8) quantized per row with its float32 scales ``[M, 1]``."""
+    if not w8a8:
+        return a, None
+    from treadle.plugins.models.fp8_ops import quantize_per_token
+
+    return quantize_per_token(a)
+
+
 # Where the GEMVs stop paying, on an H100 (docs/benchmarks-history.md, "Fused MoE"; CUDA-graph replays): 16-bit
 # experts once there are as many assignments as experts (Mixtral-8x7B at 4 tokens, Qwen3-30B-A3B at 16); FP8
-# experts, whose grouped GEMM widens every weight it reads, past 2.5 assignments per expert (Mixtral past 10 tokens)
-# or 24 tokens (Qwen3-30B-A3B at 24-32).
+# experts, whose grouped GEMM is W8A8, past 0.75 assignments per expert (`bench/fused_moe.py --fp8`, JSON
+# `fused_moe_..._20261126_fp8_threshold_*.json`: Mixtral-8x7B's GEMVs 0.235 against 0.274 ms at 2 tokens, even at 4,
+# 0.419 against 0.336 at 6; Qwen3-30B-A3B's 0.114 against 0.120 at 8 tokens, even at 10, 0.151 against 0.144 at 12).
 GEMV_ROWS_PER_EXPERT_16BIT = 1.0  # fewer assignments per expert than this
-GEMV_ROWS_PER_EXPERT_FP8 = 2.5  # at most this many
+GEMV_ROWS_PER_EXPERT_FP8 = 0.75  # at most this many
 GEMV_MAX_TOKENS = 24
 _GEMV_ROWS = 4  # weight rows per program
 
@@ -308,6 +334,7 @@ def _align_kernel(Ids, Chunk_counts, Cursors, Sorted_rows, Block_experts, num_ro
 
 def _grouped_gemm(
     a: torch.Tensor,
+    a_scale: torch.Tensor | None,
     weights: torch.Tensor,
     out: torch.Tensor,
     sorted_rows: torch.Tensor,
@@ -318,14 +345,15 @@ def _grouped_gemm(
     scale: torch.Tensor | None = None,
 ) -> None:
     """``out[r] = a[r // a_row_divisor] @ weights[expert(r)].T`` (times ``row_weights[r]``) for each sorted row ``r``;
-    FP8 ``weights`` have a float32 ``scale`` ``[E, N]`` per weight row."""
+    FP8 ``weights`` have a float32 ``scale`` ``[E, N]`` per weight row, and FP8 rows ``a`` (then FP8 ``weights``
+    too) a float32 ``a_scale`` ``[M, 1]`` per row."""
     _, n, k = weights.shape
     grid = (block_experts.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
         a, weights, out, row_weights if row_weights is not None else out, sorted_rows, block_experts,
-        scale if scale is not None else out, n, k, out.shape[0], a_row_divisor,
-        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
-        MUL_ROW_WEIGHT=row_weights is not None, HAS_SCALE=scale is not None,
+        scale if scale is not None else out, a_scale if a_scale is not None else out, n, k, out.shape[0],
+        a_row_divisor, a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
+        MUL_ROW_WEIGHT=row_weights is not None, HAS_SCALE=scale is not None, FP8_ROWS=a_scale is not None,
         # float32 models get true float32 products (no TF32), so the GPU path matches the reference.
         IEEE_FP32=a.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -335,10 +363,10 @@ def _grouped_gemm(
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr, scale_ptr,
+    a_ptr, b_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr, scale_ptr, a_scale_ptr,
     N, K, num_rows, a_row_divisor,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    MUL_ROW_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE_FP32: tl.constexpr,
+    MUL_ROW_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, FP8_ROWS: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -360,16 +388,22 @@ def _grouped_gemm_kernel(
         k_mask = offs_k < K - k_start
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if HAS_SCALE:
+        if HAS_SCALE and not FP8_ROWS:
             b = b.to(a.dtype)  # FP8 widened exactly; its row scale is applied to the sums below
         if IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
+            # FP8 rows: Hopper's FP8 tensor cores keep ~14 bits of the running sums (Triton's default on sm_90).
+            # Promoting each K step's sums to float32 on the CUDA cores (max_num_imprecise_acc=BLOCK_K) cut the
+            # error against exact sums from 1.8% to 0.6% on Mixtral's shapes but made the GEMM 14-42% slower
+            # (docs/quantization.md).
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)[None, :]
+    if FP8_ROWS:
+        acc = acc * tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)[:, None]
     if MUL_ROW_WEIGHT:
         row_weight = tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * row_weight[:, None]

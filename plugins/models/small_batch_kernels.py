@@ -197,10 +197,21 @@ def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, st
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = _dot(x, w, acc, BLOCK_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def _dot(x, w, acc, BLOCK_K: tl.constexpr):
+    """``acc + x @ w.T`` (w widened to x's dtype). FP8 by FP8 adds each K step's tensor-core sums to the float32
+    ``acc`` on the CUDA cores: Hopper's FP8 sums keep ~14 bits otherwise (Triton's default on sm_90). On the H100 the
+    W8A8 tiles came within 0.07-0.12% of cuBLAS's precise sums over Llama-3.1-8B's projections instead of 0.23-0.24%,
+    and FP8 decode of 16 / 32 requests took 4.64 / 5.21 ms a step against 4.61 / 5.18 (docs/quantization.md)."""
+    if x.dtype.is_fp8():
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc, max_num_imprecise_acc=BLOCK_K)
+    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
 
 
 @triton.jit
@@ -223,8 +234,8 @@ def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, st
         else:
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        gate += tl.dot(x, tl.trans(w_gate.to(x.dtype)))
-        up += tl.dot(x, tl.trans(w_up.to(x.dtype)))
+        gate = _dot(x, w_gate, gate, BLOCK_K)
+        up = _dot(x, w_up, up, BLOCK_K)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K

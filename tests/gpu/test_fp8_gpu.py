@@ -36,8 +36,12 @@ def test_fp8_linear_is_close_to_bf16(n, k, rows):
         from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
 
         for config in FP8_CONFIGS:
-            w8a16 = small_batch_matmul(x, wq, ws, config)
-            assert _relative_error(w8a16, reference) < 0.04, config
+            y = small_batch_matmul(x, wq, ws, config)
+            assert _relative_error(y, reference) < (0.05 if config.w8a8 else 0.04), config
+            if config.w8a8:  # the same FP8 rows as cuBLAS's: the sums as precise as its (~0.1%: bf16 outputs)
+                error = _relative_error(y, w8a8)
+                print(f"{n} x {k}, {rows} rows, {config}: off cuBLAS by {error:.4f}")
+                assert error < 2e-3, config  # without promoting the tensor cores' sums: 2.4e-3 at K=4096
         for config in SIXTEEN_BIT_CONFIGS:  # the same kernel on the bf16 weight: as close as cuBLAS
             assert _relative_error(small_batch_matmul(x, weight, None, config), reference) < 0.01, config
 

@@ -145,8 +145,9 @@ def _model_kernels() -> dict:
         "moe_grouped_gemm": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "row_weight_ptr": "*bf16",
-             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32"}, set(),
-            dict(MUL_ROW_WEIGHT=True, HAS_SCALE=False, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32", "a_scale_ptr": "*fp32"},
+            set(), dict(MUL_ROW_WEIGHT=True, HAS_SCALE=False, FP8_ROWS=False, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64,
+                        BLOCK_K=64)),
         "store_kv[fp8e4nv]": lambda: _compile(
             kv_store._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "K_cache": "*fp8e4nv", "V_cache": "*fp8e4nv",
                                         "Loc": "*i64"}, {"k_scale", "v_scale", "fp8_max"},
@@ -174,9 +175,23 @@ def _model_kernels() -> dict:
         "moe_grouped_gemm[fp8]": lambda: _compile(
             fused_moe_kernels._grouped_gemm_kernel,
             {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "row_weight_ptr": "*fp32",
-             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32"}, set(),
-            dict(MUL_ROW_WEIGHT=True, HAS_SCALE=True, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32", "a_scale_ptr": "*fp32"},
+            set(), dict(MUL_ROW_WEIGHT=True, HAS_SCALE=True, FP8_ROWS=False, IEEE_FP32=False, BLOCK_M=64, BLOCK_N=64,
+                        BLOCK_K=64)),
+        # W8A8: FP8 rows times FP8 experts, on the FP8 tensor cores (wgmma) in 64+-row tiles; 16-row tiles (mma)
+        # widen both to f16, exactly.
+        **{f"moe_grouped_gemm[w8a8,{block_m}]": lambda block_m=block_m: _expect_in_ptx(_compile(
+            fused_moe_kernels._grouped_gemm_kernel,
+            {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "row_weight_ptr": "*fp32",
+             "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64", "scale_ptr": "*fp32", "a_scale_ptr": "*fp32"},
+            set(), dict(MUL_ROW_WEIGHT=True, HAS_SCALE=True, FP8_ROWS=True, IEEE_FP32=False, BLOCK_M=block_m,
+                        BLOCK_N=128, BLOCK_K=128)), "f32.e4m3.e4m3" if block_m >= 64 else "mma")
+           for block_m in (16, 128)},
     }
+
+
+def _expect_in_ptx(compiled, text: str) -> None:
+    assert text in compiled.asm["ptx"], f"{text!r} not in the PTX"
 
 
 def _check_pdl(pdl: bool, compiled, triggers: bool = True) -> None:
@@ -237,7 +252,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
            "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
-           "moe_align"]
+           "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]"]
 
 
 def _compile_all() -> dict[str, str | None]:
