@@ -85,8 +85,7 @@ def _w8a8_reference(x, q13, s13, q2, s2, weights, ids):
     for expert in range(q2.shape[0]):
         hit = ids == expert
         down[hit] = act_rows[hit] @ (q2[expert].float() * s2[expert, :, None]).T
-    out = (down * weights[..., None]).to(torch.bfloat16).float().sum(dim=1)
-    return out
+    return (down * weights[..., None]).to(torch.bfloat16).float().sum(dim=1)
 
 
 @pytest.mark.parametrize("tokens", [8, 40, 300])  # the grouped GEMM (W8A8), 16- and 64-row tiles
