@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
         w2 = (w2.float() / s2[..., None]).to(torch.float8_e4m3fn)
         scales = {"w13_scale": s13, "w2_scale": s2}
     expert_bytes = 3 * hidden * inter * w13.element_size()
+    fp8_rows = args.fp8 and fused_moe_kernels.w8a8_enabled()  # the grouped GEMM's W8A8 tiles
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
         weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
         triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
         graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
-        grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16,
-                                                   fp8_rows=args.fp8 and fused_moe_kernels.w8a8_enabled())
+        grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16, fp8_rows=fp8_rows)
         grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
         grouped_graph_ms = _time_graph(
             lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.sweep:
             row["sweep"] = _sweep(
                 lambda config: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, config, **scales),
-                tokens * top_k)
+                tokens * top_k, fp8_rows)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {
@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def _sweep(run, num_rows: int) -> list[dict]:
+def _sweep(run, num_rows: int, fp8_rows: bool = False) -> list[dict]:
     """The five fastest tile configs for ``num_rows`` (token, expert) rows, each replayed from a CUDA graph (the
     GPU's time; configs that fail to compile are skipped), and the default config's time for reference."""
     from treadle.plugins.models.fused_moe_kernels import BlockConfig, default_config
 
     block_ms = (16,) if num_rows <= 64 else (16, 32, 64) if num_rows <= 4096 else (64, 128)
-    default = default_config(num_rows, torch.bfloat16)
+    default = default_config(num_rows, torch.bfloat16, fp8_rows=fp8_rows)
     timings = []
     for block_m in block_ms:
         for block_n in (64, 128):
