@@ -28,7 +28,7 @@ def lazy_parameter(shape: tuple[int, ...], dtype: torch.dtype | None = None) -> 
 
 def materialize(param: nn.Parameter) -> None:
     """Give a :func:`lazy_parameter` its (uninitialized) memory; nothing for any other parameter."""
-    if param.is_meta and hasattr(param, "materialize_on"):
+    if _is_lazy(param):
         attributes = dict(param.__dict__)  # weight_loader and the like; the swap exchanges them too
         # A meta tensor's data cannot be replaced by a real one; swapping keeps the object that modules and the
         # checkpoint loader refer to.

@@ -269,12 +269,17 @@ def _fill_full_then_shard(param: nn.Parameter, loader: Any, generator: torch.Gen
             loader(param, piece, shard_id)
 
 
+def listed_names(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` of ``names``, comma-separated, and how many more there are (for load errors)."""
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def _finish_weights(model: nn.Module) -> None:
     unloaded = unloaded_parameters(model)
     if unloaded:
-        shown = ", ".join(unloaded[:8]) + (f" (+{len(unloaded) - 8} more)" if len(unloaded) > 8 else "")
         raise ModelLoadError(
-            f"{type(model).__name__}: nothing was loaded into {shown}; a model's load_weights must copy every "
+            f"{type(model).__name__}: nothing was loaded into {listed_names(unloaded)}; a model's load_weights must copy every "
             "tensor through its parameter's weight_loader (treadle.plugins.models.layers.load_checkpoint does)"
         )
     # Quantization methods (plugins/models/linear.py) repack or quantize once every weight is in place (those

@@ -19,6 +19,7 @@ from torch import nn
 from treadle.core.attention import RadixAttention
 from treadle.core.forward_batch import ForwardBatch
 from treadle.core.lazy_weights import LoadTracker, lazy_modules, materialize
+from treadle.core.model_loader import listed_names
 from treadle.plugins.models.fused_ops import add_rmsnorm, rotary_qkv, silu_mul
 from treadle.plugins.models.linear import (  # noqa: F401  (CheckpointError is re-exported)
     CheckpointError,
@@ -380,12 +381,11 @@ def load_checkpoint(
         pending.discard(name)
         tracker.loaded((name,))
     if unexpected:
-        shown = ", ".join(unexpected[:8]) + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
-        raise CheckpointError(f"unexpected tensors in the checkpoint for {type(model).__name__}: {shown}")
+        raise CheckpointError(
+            f"unexpected tensors in the checkpoint for {type(model).__name__}: {listed_names(unexpected)}")
     if pending:
-        missing = sorted(pending)
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise CheckpointError(f"tensors missing from the checkpoint for {type(model).__name__}: {shown}")
+        raise CheckpointError(
+            f"tensors missing from the checkpoint for {type(model).__name__}: {listed_names(sorted(pending))}")
 
 
 @runtime_checkable
