@@ -5,8 +5,10 @@
 1. Logits: a tiny random Llama (4 layers, hidden 512, 16-aligned shapes) in bfloat16, loaded
    three ways — bfloat16, ``model.quantization: fp8`` and float32 (the reference) — runs one
    prefill of 8 prompts x 64 tokens; reported: max and RMS abs difference of the logits and
-   the share of positions whose argmax agrees; and FP8 with the lm_head quantized too
-   (``model.quantize_lm_head``). On a GPU the same FP8 model also runs on the
+   the share of positions whose argmax agrees; FP8 with the default FP8 lm_head (each row's 8 best logits
+   recomputed from the 16-bit weight, ``model.lm_head_exact_top``), with a 16-bit head
+   (``model.quantize_lm_head: false``) and with a plain FP8 head (``lm_head_exact_top: 0``). On a GPU the same
+   FP8 model also runs on the
    CPU where torch has a CPU ``_scaled_mm`` (CPU builds do; CUDA builds may not).
 2. Greedy agreement: the embedded SmolLM2-135M-Instruct with FP8 vs bfloat16 weights (W8A8, and
    FP8 weights with 16-bit activations; as a yardstick, bfloat16 vs float32 weights), 20 chat
@@ -56,6 +58,8 @@ PROMPTS = [
     "Describe the water cycle.",
     "What is 17 multiplied by 23?",
 ]
+SIXTEEN_BIT_HEAD = {"quantize_lm_head": False}
+PLAIN_FP8_HEAD = {"lm_head_exact_top": 0}  # the FP8 head's logits as they come
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,7 +94,8 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
         reference = _prefill_logits(path, device, "float32", None, tokens)
         bf16 = _prefill_logits(path, device, "bfloat16", None, tokens)
         fp8 = _prefill_logits(path, device, "bfloat16", "fp8", tokens)
-        fp8_head = _prefill_logits(path, device, "bfloat16", "fp8", tokens, lm_head=True)
+        fp8_16_bit_head = _prefill_logits(path, device, "bfloat16", "fp8", tokens, **SIXTEEN_BIT_HEAD)
+        fp8_plain_head = _prefill_logits(path, device, "bfloat16", "fp8", tokens, **PLAIN_FP8_HEAD)
         result = {
             "model": f"random Llama {TINY}",
             "tokens": list(tokens.shape),
@@ -98,8 +103,10 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
             "bf16_vs_fp32": _compare(bf16, reference),
             "fp8_vs_fp32": _compare(fp8, reference),
             "fp8_vs_bf16": _compare(fp8, bf16),
-            "fp8_with_lm_head_vs_fp32": _compare(fp8_head, reference),
-            "fp8_with_lm_head_vs_bf16": _compare(fp8_head, bf16),
+            "fp8_16_bit_head_vs_fp32": _compare(fp8_16_bit_head, reference),
+            "fp8_16_bit_head_vs_bf16": _compare(fp8_16_bit_head, bf16),
+            "fp8_plain_fp8_head_vs_fp32": _compare(fp8_plain_head, reference),
+            "fp8_plain_fp8_head_vs_bf16": _compare(fp8_plain_head, bf16),
         }
         if device.type == "cuda":
             from treadle.core.quantization import fp8_matmul_unsupported
@@ -111,7 +118,7 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
 
 
 def _prefill_logits(path: str, device: torch.device, dtype: str, quantization: str | None,
-                    tokens: torch.Tensor, lm_head: bool = False) -> torch.Tensor:
+                    tokens: torch.Tensor, **model_fields: Any) -> torch.Tensor:
     """Float32 logits at every position of each row of ``tokens``, one EXTEND batch."""
     from treadle.core.config import load_config
     from treadle.core.forward_batch import ForwardBatch, ForwardMode
@@ -121,7 +128,7 @@ def _prefill_logits(path: str, device: torch.device, dtype: str, quantization: s
     bs, length = tokens.shape
     config = load_config(overrides={
         "model.path": path, "model.device": device.type, "model.dtype": dtype, "model.quantization": quantization,
-        "model.quantize_lm_head": lm_head,
+        **{f"model.{key}": value for key, value in model_fields.items()},
         "attention.backend": "torch_native", "cache.max_total_tokens": bs * length + 8,
         "scheduler.max_running_requests": bs, "runtime.disable_cuda_graph": True,
     }, use_env=False)
@@ -166,7 +173,8 @@ def smollm2_agreement(device: torch.device, new_tokens: int) -> dict[str, Any]:
         return {"skipped": str(exc)}
     bf16 = _greedy(device, "bfloat16", None, new_tokens)
     fp8 = _greedy(device, "bfloat16", "fp8", new_tokens)
-    fp8_head = _greedy(device, "bfloat16", "fp8", new_tokens, lm_head=True)
+    fp8_16_bit_head = _greedy(device, "bfloat16", "fp8", new_tokens, **SIXTEEN_BIT_HEAD)
+    fp8_plain_head = _greedy(device, "bfloat16", "fp8", new_tokens, **PLAIN_FP8_HEAD)
     with _weights_only():
         fp8_weights_only = _greedy(device, "bfloat16", "fp8", new_tokens)
     return {
@@ -174,7 +182,10 @@ def smollm2_agreement(device: torch.device, new_tokens: int) -> dict[str, Any]:
         "prompts": len(PROMPTS),
         "new_tokens": new_tokens,
         "fp8_vs_bf16": _agreement(fp8, bf16, new_tokens),
-        "fp8_with_lm_head_vs_bf16": _agreement(fp8_head, bf16, new_tokens),
+        "fp8_16_bit_head_vs_bf16": _agreement(fp8_16_bit_head, bf16, new_tokens),
+        "fp8_plain_fp8_head_vs_bf16": _agreement(fp8_plain_head, bf16, new_tokens),
+        "fp8_vs_fp8_16_bit_head": _agreement(fp8, fp8_16_bit_head, new_tokens),
+        "fp8_plain_fp8_head_vs_fp8_16_bit_head": _agreement(fp8_plain_head, fp8_16_bit_head, new_tokens),
         "fp8_weights_only_vs_bf16": _agreement(fp8_weights_only, bf16, new_tokens),
         "bf16_vs_fp32": _agreement(bf16, reference, new_tokens),
     }
@@ -209,11 +220,11 @@ def _agreement(outputs: list[list[int]], reference: list[list[int]], new_tokens:
 
 
 def _greedy(device: torch.device, dtype: str, quantization: str | None, new_tokens: int,
-            lm_head: bool = False) -> list[list[int]]:
+            **model_fields: Any) -> list[list[int]]:
     from treadle.core.engine import Engine
 
     engine = Engine({
-        "model": {"device": device.type, "dtype": dtype, "quantization": quantization, "quantize_lm_head": lm_head},
+        "model": {"device": device.type, "dtype": dtype, "quantization": quantization, **model_fields},
         "cache": {"max_total_tokens": 8192}, "runtime": {"disable_cuda_graph": True},
     })
     try:

@@ -36,9 +36,14 @@ class ModelConfig(Section):
     seed: int = Field(0, description="seed for dummy weights")
     quantization: Literal["fp8"] | None = Field(
         None, description="fp8: quantize linear weights to FP8 at load; FP8 checkpoints are detected without it")
-    quantize_lm_head: bool = Field(
-        False, description="with FP8 weights, quantize the output projection (lm_head) too: faster decode, "
-                           "logits change more than elsewhere")
+    quantize_lm_head: bool | Literal["auto"] = Field(
+        "auto", description="the output projection (lm_head) in FP8 too. auto: whenever the model's weights are FP8 "
+                            "on a device that multiplies FP8 and the head's shape allows it; true: the same, an "
+                            "error without FP8 weights; false: a 16-bit head")
+    lm_head_exact_top: int = Field(
+        8, ge=0, le=64, description="with an FP8 lm_head, how many of each row's best FP8 logits are recomputed "
+                                    "from the 16-bit weight (kept for it), so greedy tokens and top log-probs stay "
+                                    "the 16-bit head's; 0: none, and an untied 16-bit weight is freed")
 
 
 class CacheConfig(Section):

@@ -128,7 +128,8 @@ def _quantization(model_config: "ModelConfig", hf_config: Any, model_cls: Any, d
 
     try:
         quant_config = resolve_quantization(model_config.quantization, hf_config, device,
-                                            lm_head=model_config.quantize_lm_head)
+                                            lm_head=model_config.quantize_lm_head,
+                                            lm_head_exact_top=model_config.lm_head_exact_top)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from None
     if quant_config is not None and "quant_config" not in inspect.signature(model_cls).parameters:

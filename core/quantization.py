@@ -42,7 +42,9 @@ class QuantizationConfig:
     ``checkpoint_quantized``: the checkpoint stores FP8 weights (+ ``weight_scale``) to load as they are;
     otherwise weights are quantized after loading. ``dequantize``: no FP8 matmul on this device, so FP8
     checkpoint weights are widened to the model dtype at load. ``ignored_layers``: module names kept in
-    the model dtype (lm_head and the embeddings are never quantized).
+    the model dtype (the embeddings are never quantized). ``lm_head``: the output projection is FP8 too (True), or
+    where its shape allows (``"auto"``); ``lm_head_exact_top``: how many of each row's best FP8 logits it
+    recomputes from its 16-bit weight (``plugins/models/exact_top_logits.py``).
     """
 
     method: Literal["fp8"] = "fp8"
@@ -50,7 +52,8 @@ class QuantizationConfig:
     activation_scheme: Literal["dynamic", "static"] = "dynamic"
     ignored_layers: tuple[str, ...] = field(default_factory=tuple)
     dequantize: bool = False
-    lm_head: bool = False
+    lm_head: bool | Literal["auto"] = False
+    lm_head_exact_top: int = 0
 
     def is_ignored(self, prefix: str) -> bool:
         """Whether the layer named ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``) stays unquantized."""
@@ -70,12 +73,13 @@ class QuantizationConfig:
 
 
 def resolve_quantization(requested: str | None, hf_config: Any, device: torch.device,
-                         lm_head: bool = False) -> QuantizationConfig | None:
-    """The quantization for ``model.quantization`` = ``requested`` (and ``model.quantize_lm_head`` = ``lm_head``)
-    and the checkpoint's ``quantization_config``."""
+                         lm_head: bool | Literal["auto"] = False, lm_head_exact_top: int = 0
+                         ) -> QuantizationConfig | None:
+    """The quantization for ``model.quantization`` = ``requested`` (and ``model.quantize_lm_head`` = ``lm_head``,
+    ``model.lm_head_exact_top``) and the checkpoint's ``quantization_config``."""
     stored = _stored_quantization(hf_config)
     if stored is None and requested is None:
-        if lm_head:
+        if lm_head is True:
             raise QuantizationError("model.quantize_lm_head needs FP8 weights: set model.quantization: fp8 "
                                     "(or load an FP8 checkpoint), or drop model.quantize_lm_head")
         return None
@@ -85,13 +89,13 @@ def resolve_quantization(requested: str | None, hf_config: Any, device: torch.de
     if stored is None:
         if reason is not None:
             raise QuantizationError(f"model.quantization: fp8 {reason}; leave model.quantization empty on this device")
-        return QuantizationConfig(lm_head=lm_head)
+        return QuantizationConfig(lm_head=lm_head, lm_head_exact_top=lm_head_exact_top)
     config = _checkpoint_config(stored)
     if reason is not None:
         logger.warning("FP8 checkpoint: this device %s, so its weights are dequantized at load", reason)
         return QuantizationConfig(checkpoint_quantized=True, activation_scheme=config.activation_scheme,
                                   ignored_layers=config.ignored_layers, dequantize=True)
-    return replace(config, lm_head=lm_head)
+    return replace(config, lm_head=lm_head, lm_head_exact_top=lm_head_exact_top)
 
 
 def fp8_matmul_unsupported(device: torch.device | str) -> str | None:

@@ -24,6 +24,7 @@ from torch import nn
 from treadle.core.lazy_weights import lazy_parameter
 from treadle.core.quantization import FP8_DTYPE, QuantizationConfig, QuantizationError
 from treadle.plugins.models import small_batch
+from treadle.plugins.models.exact_top_logits import recompute_top_logits
 from treadle.plugins.models.fp8_ops import (
     dequantize,
     fp8_matmul,
@@ -131,10 +132,32 @@ class Fp8LinearMethod(LinearMethod):
                                   lambda x, w: fp8_matmul(*quantize_per_token(x), w, scale, dtype), FP8_CONFIGS)
 
 
-def lm_head_method() -> Fp8LinearMethod:
+class Fp8LmHeadMethod(Fp8LinearMethod):
     """The method of an lm_head quantized at load (``model.quantize_lm_head``): its 16-bit weight becomes FP8
-    with a scale per vocabulary row, whatever the checkpoint stores for the other layers."""
-    return Fp8LinearMethod(QuantizationConfig())
+    with a scale per vocabulary row, whatever the checkpoint stores for the other layers. With ``exact_top`` > 0
+    the 16-bit weight is kept (a tied embedding's is the embedding itself) and each row's ``exact_top`` best logits
+    are recomputed from it (``exact_top_logits.py``)."""
+
+    def __init__(self, exact_top: int) -> None:
+        super().__init__(QuantizationConfig())
+        self.exact_top = exact_top
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        sixteen_bit = layer.weight.data
+        super().process_weights_after_loading(layer)
+        layer.exact_weight = sixteen_bit if self.exact_top else None
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().apply(layer, x, bias)
+        if self.exact_top:
+            recompute_top_logits(logits.view(-1, logits.shape[-1]), x.reshape(-1, x.shape[-1]), layer.exact_weight,
+                                 self.exact_top)
+        return logits
+
+
+def lm_head_method(exact_top: int) -> Fp8LmHeadMethod:
+    """The method of an lm_head quantized at load (see :class:`Fp8LmHeadMethod`)."""
+    return Fp8LmHeadMethod(exact_top)
 
 
 def linear_method(config: QuantizationConfig, layer: nn.Module, prefix: str) -> LinearMethod | None:

@@ -141,14 +141,50 @@ def _greedy(model_dir: str, engine_config, backend: str, graphs: bool, **section
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 @pytest.mark.parametrize("fp8", [{"model": {"quantization": "fp8"}}, {"cache": {"kv_dtype": "fp8_e4m3"}},
-                                 {"model": {"quantization": "fp8", "quantize_lm_head": True}}],
-                         ids=["fp8-weights", "fp8-kv-cache", "fp8-weights-and-lm-head"])
+                                 {"model": {"quantization": "fp8", "quantize_lm_head": False}},
+                                 {"model": {"quantization": "fp8", "lm_head_exact_top": 0}}],
+                         ids=["fp8-weights", "fp8-kv-cache", "fp8-weights-16-bit-head", "fp8-weights-plain-fp8-head"])
 def test_fp8_gives_the_same_tokens_with_and_without_cuda_graphs(real_shape_llama_dir, engine_config, backend, fp8):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     eager = _greedy(real_shape_llama_dir, engine_config, backend, False, **fp8)
     graphed = _greedy(real_shape_llama_dir, engine_config, backend, True, **fp8)
     assert eager == graphed and all(len(tokens) == 12 for tokens in eager)
+
+
+def test_the_fp8_heads_greedy_tokens_are_the_16_bit_heads(real_shape_llama_dir, engine_config):
+    """FP8 weights with the default FP8 head (each row's 8 best logits recomputed from the 16-bit weight) pick the
+    tokens the 16-bit head picks over the same FP8 decoder, under CUDA graphs."""
+    sixteen_bit = _greedy(real_shape_llama_dir, engine_config, "triton", True,
+                          model={"quantization": "fp8", "quantize_lm_head": False})
+    default = _greedy(real_shape_llama_dir, engine_config, "triton", True, model={"quantization": "fp8"})
+    plain = _greedy(real_shape_llama_dir, engine_config, "triton", True,
+                    model={"quantization": "fp8", "lm_head_exact_top": 0})
+    print(f"prompts identical to the 16-bit head's: recomputed {sum(a == b for a, b in zip(default, sixteen_bit))}"
+          f" / 5, plain FP8 head {sum(a == b for a, b in zip(plain, sixteen_bit))} / 5")
+    assert default == sixteen_bit
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_exact_top_logits_at_llama_3_vocabulary(rows):
+    """The two recompute kernels on an FP8 head of Llama-3.1-8B's shape (128256 x 4096): each row's 8 best FP8
+    logits (ties to the lower column) become the bf16 head's within one bf16 step; nothing else moves."""
+    from treadle.plugins.models.exact_top_logits import recompute_top_logits
+    from treadle.plugins.models.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    weight = (torch.randn(128256, 4096, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(rows, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
+    wq, ws = quantize_per_channel(weight)
+    approximate = fp8_matmul(*quantize_per_token(x), wq, ws, torch.bfloat16)
+    logits = approximate.clone()
+    recompute_top_logits(logits, x, weight, 8)
+    exact = (x.float() @ weight.float().t()).to(torch.bfloat16)
+    best = torch.sort(-approximate.float(), dim=-1, stable=True).indices[:, :8]
+    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, best, True)
+    assert torch.equal(logits[~chosen], approximate[~chosen])
+    assert torch.allclose(logits[chosen].float(), exact[chosen].float(), rtol=2**-7, atol=0)
+    assert not torch.equal(logits[chosen], approximate[chosen])
 
 
 # Like test_attention_conformance_gpu.py: GQA 32/8 heads of 128 dims, requests up to 3000 tokens.

@@ -71,7 +71,7 @@ def _fp8_params(model) -> dict[str, torch.Tensor]:
 
 def test_quantize_at_load_makes_every_decoder_projection_fp8_and_stays_close(tiny, registry):
     reference = _logits(_load(registry, tiny))
-    model = _load(registry, tiny, quantization="fp8")
+    model = _load(registry, tiny, quantization="fp8", quantize_lm_head=False)
     fp8 = _fp8_params(model)
     assert len(fp8) == 2 * 4  # qkv, o, gate_up, down in each of the 2 layers
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
@@ -86,10 +86,11 @@ def _relative_rms_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
 
 def test_quantize_lm_head_makes_the_output_projection_fp8_too(tiny, registry, tmp_path):
     reference = _logits(_load(registry, tiny))
-    decoder_only = _load(registry, tiny, quantization="fp8")
-    model = _load(registry, tiny, quantization="fp8", quantize_lm_head=True)
+    decoder_only = _load(registry, tiny, quantization="fp8", quantize_lm_head=False)
+    model = _load(registry, tiny, quantization="fp8", quantize_lm_head=True, lm_head_exact_top=0)
     head = model.lm_head
     assert head.weight.dtype == FP8_DTYPE and head.weight_scale.shape == (head.weight.shape[0], 1)
+    assert head.exact_weight is None  # nothing recomputed, so the 16-bit weight is not kept
     assert len(_fp8_params(model)) == 2 * 4 + 1
     expected = dequantize(head.weight, head.weight_scale, torch.float32)
     assert torch.allclose(expected, decoder_only.lm_head.weight, rtol=2**-3, atol=1e-6)  # one FP8 step per value
@@ -102,6 +103,31 @@ def test_quantize_lm_head_makes_the_output_projection_fp8_too(tiny, registry, tm
     assert model.lm_head.weight.dtype == FP8_DTYPE
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert _relative_rms_error(_logits(model), _logits(_load(registry, tied))) < 0.2
+    # ... which is also the weight its best logits are recomputed from: no second 16-bit copy.
+    assert model.lm_head.exact_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_fp8_weights_get_an_fp8_head_whose_best_logits_are_the_16_bit_heads(tiny, registry):
+    decoder_only = _load(registry, tiny, quantization="fp8", quantize_lm_head=False)
+    plain_head = _load(registry, tiny, quantization="fp8", lm_head_exact_top=0)
+    model = _load(registry, tiny, quantization="fp8")  # the defaults: an FP8 head, its 8 best logits recomputed
+    assert model.lm_head.weight.dtype == FP8_DTYPE
+    assert torch.equal(model.lm_head.exact_weight, decoder_only.lm_head.weight)
+    logits, plain, reference = _logits(model), _logits(plain_head), _logits(decoder_only)
+    best = plain.topk(8, dim=-1).indices
+    recomputed = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, best, True)
+    assert torch.allclose(logits[recomputed], reference[recomputed], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain[recomputed], reference[recomputed], rtol=1e-3, atol=1e-3)
+    assert torch.equal(logits[~recomputed], plain[~recomputed])  # the rest keep the FP8 head's values
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+def test_the_fp8_head_follows_the_weights_and_the_heads_shape(tmp_path, registry):
+    plain = _load(registry, make_tiny_llama(tmp_path / "bf"))
+    assert plain.lm_head.weight.dtype == torch.float32  # no FP8 weights: a 16-bit head, and no error
+    odd = make_tiny_llama(tmp_path / "odd", vocab_size=500)  # 500 rows: not a multiple of 16
+    assert _load(registry, odd, quantization="fp8").lm_head.weight.dtype == torch.float32
+    assert _load(registry, odd, quantization="fp8", quantize_lm_head=True).lm_head.weight.dtype == FP8_DTYPE
 
 
 def test_quantize_lm_head_needs_fp8_weights(tiny, registry):
@@ -198,7 +224,7 @@ rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
 registry = build_registry(plugin_modules=["treadle.plugins.models.llama"], load_entry_points=False)
 for name in ("static_per_tensor", "dynamic_per_channel"):
-    model = _load(registry, f"{folder}/{name}")
+    model = _load(registry, f"{folder}/{name}", lm_head_exact_top=0)  # each rank would recompute its own best 8
     assert model.model.layers[0].mlp.down_proj.weight.shape == (64, 64)  # half of the 128 input columns
     expected = torch.load(f"{folder}/{name}.pt")
     logits = _logits(model)
@@ -220,7 +246,7 @@ def test_fp8_checkpoints_load_and_run_under_tensor_parallelism(tmp_path, registr
         "dynamic_per_channel": make_tiny_fp8_llama(tmp_path / "dynamic_per_channel"),
     }
     for name, path in checkpoints.items():
-        torch.save(_logits(_load(registry, path)), tmp_path / f"{name}.pt")
+        torch.save(_logits(_load(registry, path, lm_head_exact_top=0)), tmp_path / f"{name}.pt")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

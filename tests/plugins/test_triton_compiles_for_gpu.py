@@ -77,7 +77,7 @@ def _attention_kernels() -> dict:
 
 def _model_kernels() -> dict:
     from treadle.core import argmax_kernel, kv_store
-    from treadle.plugins.models import fp8_kernels, fused_kernels, fused_moe_kernels
+    from treadle.plugins.models import exact_top_logits_kernels, fp8_kernels, fused_kernels, fused_moe_kernels
 
     return {
         "add_rmsnorm": lambda: _check_pdl(True, _compile(
@@ -154,6 +154,13 @@ def _model_kernels() -> dict:
             dict(BLOCK=1024, TO_FP8=True)),
         "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
                                    dict(BLOCK=4096)),
+        "exact_top_chunks": lambda: _compile(
+            exact_top_logits_kernels._chunk_top_kernel, {"Logits": "*bf16", "Values": "*fp32", "Columns": "*i32"},
+            set(), dict(K=8, CHUNK=2048)),
+        "exact_top_recompute": lambda: _compile(
+            exact_top_logits_kernels._recompute_kernel,
+            {"Values": "*fp32", "Columns": "*i32", "X": "*bf16", "W": "*bf16", "Logits": "*bf16"}, set(),
+            dict(CANDIDATES=512, BLOCK_H=4096)),
         "moe_gate_up_gemv": lambda: _compile(
             fused_moe_kernels._moe_gate_up_gemv_kernel,
             {"X": "*bf16", "W13": "*bf16", "Scale": "*fp32", "Ids": "*i64", "Out": "*bf16"},
@@ -250,7 +257,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
-           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
+           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "exact_top_chunks", "exact_top_recompute", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]"]
 
