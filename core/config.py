@@ -42,8 +42,8 @@ class ModelConfig(Section):
                             "error without FP8 weights; false: a 16-bit head")
     lm_head_exact_top: int = Field(
         8, ge=0, le=64, description="with an FP8 lm_head, how many of each row's best FP8 logits are recomputed "
-                                    "from the 16-bit weight (kept for it), so greedy tokens and top log-probs stay "
-                                    "the 16-bit head's; 0: none, and an untied 16-bit weight is freed")
+                                    "from the 16-bit weight (kept for it), so greedy tokens and each row's best "
+                                    "logits stay the 16-bit head's; 0: none, and an untied 16-bit weight is freed")
 
 
 class CacheConfig(Section):

@@ -2,7 +2,7 @@
 
 An FP8 lm_head reads half the bytes of a 16-bit one (0.5 of Llama-3.1-8B's 1.05 GB each decode step) but moves
 every logit by its weight's rounding, enough to swap near-equal tokens. The tokens that matter to greedy decoding,
-to top log-probs and to most of a sampling distribution's mass are each row's few best, and the FP8 logits rank
+to the top log-probs and to most of a sampling distribution's mass are each row's few best, and the FP8 logits rank
 the right ones among their best few: so each row's ``k`` largest FP8 logits are recomputed as ``x @ weight.T`` from
 the 16-bit weight (``k`` rows of it, a few kilobytes) and written back over the FP8 values. Greedy tokens are then
 the 16-bit head's unless its best token ranks below ``k`` in FP8 (or an FP8 logit outside the ``k`` rises above the
