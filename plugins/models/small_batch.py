@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 4, 16, 32)
+ROW_BUCKETS = (1, 16, 32)
 SMALL_BATCH_ROWS = ROW_BUCKETS[-1]
 MODES = ("auto", "library", "triton")
 
@@ -93,8 +93,8 @@ def choose(kind: str, weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
     if key not in _choices:
         from tqdm.auto import tqdm
 
-        # A GEMV config runs gemv_rows rows a program (more read the weight again): timed at that bucket only.
-        per_bucket = {rows: [c for c in configs if not c.gemv or c.gemv_rows == rows] for rows in ROW_BUCKETS}
+        # GEMV configs read the weight once per row: they are timed at one row only.
+        per_bucket = {rows: [c for c in configs if rows == 1 or not c.gemv] for rows in ROW_BUCKETS}
         # The first start on a machine compiles every config (Triton caches them on disk for the next).
         with tqdm(total=sum(len(c) + 1 for c in per_bucket.values()), unit="config", leave=False,
                   desc=f"timing decode matmuls for {kind} {key[1]} x {key[2]}") as progress:

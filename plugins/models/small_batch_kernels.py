@@ -60,11 +60,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                                     BLOCK_K)
         wait_for_previous(PDL)
     if SILU_MUL:
-        if GEMV and BLOCK_M > 1:
-            gate, up = _gate_up_gemv_rows(X + (pid_m * BLOCK_M).to(tl.int64) * stride_xm, M - pid_m * BLOCK_M, W,
-                                          offs_n, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
-                                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN, PDL)
-        elif GEMV:
+        if GEMV:
             gate, up = _gate_up_row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, N,
                                     stride_wn, BLOCK_N, BLOCK_K, EVEN, PDL)
             gate, up = gate[None, :], up[None, :]
@@ -77,10 +73,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
             gate, up = gate * row_scale, up * row_scale
         _store_silu_mul(Y, Scale, gate, up, offs_m, offs_n, m_mask, n_mask, N, stride_ym, HAS_SCALE)
     else:
-        if GEMV and BLOCK_M > 1:
-            acc = _gemv_rows(X + (pid_m * BLOCK_M).to(tl.int64) * stride_xm, M - pid_m * BLOCK_M, W, offs_n, n_mask,
-                             k_start, k_end, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, PDL)
-        elif GEMV:
+        if GEMV:
             acc = _row(X + pid_m.to(tl.int64) * stride_xm, W, offs_n, n_mask, k_start, k_end, K, stride_wn,
                        BLOCK_N, BLOCK_K, EVEN, PDL)[None, :]
         else:
@@ -294,63 +287,6 @@ def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOC
 
 
 @triton.jit
-def _gemv_rows(X_rows, rows_left, W, offs_n, n_mask, k_start, k_end, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """``_row`` for the ``BLOCK_M`` rows of x at ``X_rows`` (those from ``rows_left`` on read as zeros): each
-    weight block is read once and multiplied by every row on the CUDA cores, so a step of a few tokens reads the
-    weight once, not once per row, with no tensor-core tile to pad to 16 or 64 rows."""
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
-    w = _weight_tile(w_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
-    wait_for_previous(PDL)
-    acc = _add_rows(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), w, X_rows, rows_left, k_start, K, stride_xm,
-                    BLOCK_M, BLOCK_K)
-    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        w_ptrs += BLOCK_K
-        acc = _add_rows(acc, _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN), X_rows, rows_left, k, K, stride_xm,
-                        BLOCK_M, BLOCK_K)
-    allow_next(PDL)
-    return acc
-
-
-@triton.jit
-def _gate_up_gemv_rows(X_rows, rows_left, W, offs_n, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       PDL: tl.constexpr):
-    """``_gemv_rows`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of the rows of x."""
-    gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
-    up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
-    w_gate = _weight_tile(gate_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
-    w_up = _weight_tile(up_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
-    wait_for_previous(PDL)
-    gate = _add_rows(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), w_gate, X_rows, rows_left, k_start, K, stride_xm,
-                     BLOCK_M, BLOCK_K)
-    up = _add_rows(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), w_up, X_rows, rows_left, k_start, K, stride_xm,
-                   BLOCK_M, BLOCK_K)
-    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-        gate = _add_rows(gate, _weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN), X_rows, rows_left, k, K,
-                         stride_xm, BLOCK_M, BLOCK_K)
-        up = _add_rows(up, _weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN), X_rows, rows_left, k, K, stride_xm,
-                       BLOCK_M, BLOCK_K)
-    allow_next(PDL)
-    return gate, up
-
-
-@triton.jit
-def _add_rows(acc, w, X_rows, rows_left, k, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc[m] += w @ x[m, k:k + BLOCK_K]`` for each of the ``BLOCK_M`` rows (a float32 weight block ``w``)."""
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    cols = k + tl.arange(0, BLOCK_K)
-    for m in tl.static_range(BLOCK_M):
-        # A row past the batch has no columns to read.
-        x = tl.load(X_rows + m * stride_xm + cols, mask=cols < tl.where(m < rows_left, K, 0), other=0.0)
-        x = x.to(tl.float32)
-        acc = tl.where(rows == m, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
-    return acc
-
-
-@triton.jit
 def _x_slice(x_ptrs, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """One K step of a GEMV's row of x, in float32 (unmasked where the tiles fit the shape exactly)."""
     if EVEN:
@@ -383,9 +319,8 @@ class SmallBatchConfig(NamedTuple):
 
     ``split_k`` > 1 splits K into that many contiguous ranges (each a multiple of ``block_k``) reduced by
     separate programs into float32 partials, which the last of them to finish sums, scales and casts; 1 has
-    no partials. ``gemv`` runs rows of ``x`` without ``tl.dot`` (weights widened to float32, products summed
-    along K), one program per ``gemv_rows`` rows and tile: ``gemv_rows`` 1 is meant for one row (more rows read each
-    weight tile once per row), 4 for steps of 2-4 tokens (each weight block multiplied by the 4 rows in registers).
+    no partials. ``gemv`` runs each row of ``x`` without ``tl.dot`` (weights widened to float32, products summed
+    along K), one program per row and tile: meant for one row, as more rows read each weight tile once per row.
     Other configs use ``tl.dot`` (16 rows of ``x`` per program, 32 for batches of 17 to 32). ``w8a8`` (FP8 weights
     only): ``x`` is quantized per token to FP8 first (one more launch) and the tiles multiply FP8 by FP8 on 64-row
     tiles, with both scales applied to the float32 result; the others widen an FP8 weight to 16 bits.
@@ -398,14 +333,12 @@ class SmallBatchConfig(NamedTuple):
     split_k: int = 1
     gemv: bool = False
     w8a8: bool = False
-    gemv_rows: int = 1
 
     def __str__(self) -> str:
         label = f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}"
         if self.split_k > 1:
             label += f" split-k {self.split_k}"
-        gemv = (" gemv" + (f" x{self.gemv_rows} rows" if self.gemv_rows > 1 else "")) if self.gemv else ""
-        return label + gemv + (" w8a8" if self.w8a8 else "")
+        return label + (" gemv" if self.gemv else "") + (" w8a8" if self.w8a8 else "")
 
 
 # Tried at load per weight shape (small_batch.py). On an H100 the GEMVs win at one row for Llama-3.1-8B's FP8
@@ -426,9 +359,6 @@ FP8_CONFIGS = (
     SmallBatchConfig(8, 1024, 4, 4, gemv=True),
     SmallBatchConfig(8, 1024, 4, 4, split_k=2, gemv=True),
     SmallBatchConfig(16, 512, 4, 4, split_k=4, gemv=True),
-    SmallBatchConfig(4, 1024, 4, 3, gemv=True, gemv_rows=4),
-    SmallBatchConfig(8, 512, 4, 3, gemv=True, gemv_rows=4),
-    SmallBatchConfig(8, 512, 4, 3, split_k=2, gemv=True, gemv_rows=4),
 )
 
 # 16-bit weights: tl.dot tiles with half the elements of FP8's, so each load moves as many bytes, the two that
@@ -447,9 +377,6 @@ SIXTEEN_BIT_CONFIGS = (
     SmallBatchConfig(2, 2048, 8, 4, gemv=True),
     SmallBatchConfig(8, 512, 4, 3, split_k=2, gemv=True),
     SmallBatchConfig(16, 256, 4, 3, split_k=4, gemv=True),
-    SmallBatchConfig(4, 512, 4, 3, gemv=True, gemv_rows=4),
-    SmallBatchConfig(2, 1024, 4, 3, gemv=True, gemv_rows=4),
-    SmallBatchConfig(8, 256, 4, 3, split_k=2, gemv=True, gemv_rows=4),
 )
 
 
@@ -484,15 +411,15 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # W8A8 tiles pad the rows to 64, the least a Hopper warpgroup multiplies FP8 by (wgmma; narrower tiles
     # widen both operands to 16 bits first): the padding costs tensor-core time, which a bandwidth-bound
     # matmul has to spare.
-    block_m = config.gemv_rows if config.gemv else 64 if config.w8a8 else (16 if m <= 16 else 32)
+    block_m = 1 if config.gemv else 64 if config.w8a8 else (16 if m <= 16 else 32)
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
     if add_rmsnorm is not None:
-        if m != 1 or not config.gemv or config.gemv_rows != 1 or silu_mul:
-            raise ValueError(f"add_rmsnorm runs one row through a one-row GEMV config, not {m} rows through {config}")
+        if m != 1 or not config.gemv or silu_mul:
+            raise ValueError(f"add_rmsnorm runs one row through a GEMV config, not {m} rows through {config}")
         residual, norm_weight, eps = add_rmsnorm
         normed, residual_out = torch.empty_like(y), torch.empty_like(y)
     else:
