@@ -27,11 +27,17 @@ def _chunk_top_kernel(Logits, Values, Columns, vocab, stride_row, chunks,
     x = tl.load(Logits + row * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     out = (row * chunks + chunk) * K
     for j in tl.static_range(K):
-        best = tl.max(x, 0)
-        at = tl.min(tl.where(x == best, cols, 2147483647), 0)
+        best, at = _best(x, cols)
         tl.store(Values + out + j, best)
         tl.store(Columns + out + j, at)
         x = tl.where(cols == at, float("-inf"), x)
+
+
+@triton.jit
+def _best(values, columns):
+    """The largest of ``values`` and its column (the lowest column among equal values)."""
+    best = tl.max(values, 0)
+    return best, tl.min(tl.where(values == best, columns, 2147483647), 0)
 
 
 @triton.jit
@@ -44,10 +50,10 @@ def _recompute_kernel(Values, Columns, X, W, Logits, candidates, vocab, hidden, 
     values = tl.load(Values + row * candidates + offs, mask=mask, other=float("-inf"))
     columns = tl.load(Columns + row * candidates + offs, mask=mask, other=2147483647)
     for _ in range(rank):  # drop the better ones, in the first launch's order
-        best = tl.max(values, 0)
-        values = tl.where(columns == tl.min(tl.where(values == best, columns, 2147483647), 0), float("-inf"), values)
-    best = tl.max(values, 0)
-    column = tl.minimum(tl.min(tl.where(values == best, columns, 2147483647), 0), vocab - 1).to(tl.int64)
+        _, better = _best(values, columns)
+        values = tl.where(columns == better, float("-inf"), values)
+    _, column = _best(values, columns)
+    column = tl.minimum(column, vocab - 1).to(tl.int64)
     acc = tl.zeros([BLOCK_H], tl.float32)
     for start in range(0, hidden, BLOCK_H):
         h = start + tl.arange(0, BLOCK_H)
