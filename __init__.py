@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from treadle import moved
+
+moved.install()  # old import paths of moved modules keep working, with a DeprecationWarning
+
 __version__ = "0.1.0"
 __all__ = ["Engine", "SamplingParams", "ServerConfig", "GenerateOutput", "default_model", "__version__"]
 
@@ -16,7 +20,7 @@ _LAZY = {
     "GenerateOutput": ("treadle.core.engine", "GenerateOutput"),
     "SamplingParams": ("treadle.core.request", "SamplingParams"),
     "ServerConfig": ("treadle.core.config", "ServerConfig"),
-    "default_model": ("treadle.core.default_model", "default_model"),
+    "default_model": ("treadle.core.loading.default_model", "default_model"),
 }
 
 

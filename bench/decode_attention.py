@@ -81,7 +81,7 @@ class DecodeCase:
 def seconds_per_layer(case: DecodeCase, settings: dict[str, int], device: torch.device) -> float:
     layers = len(case.caches)
     if device.type == "cuda":
-        from treadle.plugins.models.small_batch import graph_seconds
+        from treadle.layers.small_batch import graph_seconds
 
         return graph_seconds(lambda i: case.run(i, settings), per_graph=layers)
     case.run(0, settings)  # compiles

@@ -109,7 +109,7 @@ def tiny_logits(device: torch.device) -> dict[str, Any]:
             "fp8_plain_fp8_head_vs_bf16": _compare(fp8_plain_head, bf16),
         }
         if device.type == "cuda":
-            from treadle.core.quantization import fp8_matmul_unsupported
+            from treadle.core.loading.quantization import fp8_matmul_unsupported
 
             if fp8_matmul_unsupported("cpu") is None:  # CUDA builds of torch may lack the CPU _scaled_mm
                 fp8_cpu = _prefill_logits(path, torch.device("cpu"), "bfloat16", "fp8", tokens)
@@ -121,8 +121,8 @@ def _prefill_logits(path: str, device: torch.device, dtype: str, quantization: s
                     tokens: torch.Tensor, **model_fields: Any) -> torch.Tensor:
     """Float32 logits at every position of each row of ``tokens``, one EXTEND batch."""
     from treadle.core.config import load_config
-    from treadle.core.forward_batch import ForwardBatch, ForwardMode
-    from treadle.core.model_runner import ModelRunner
+    from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+    from treadle.core.execution.model_runner import ModelRunner
     from treadle.core.registry import build_registry
 
     bs, length = tokens.shape
@@ -165,7 +165,7 @@ def _compare(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
 def smollm2_agreement(device: torch.device, new_tokens: int) -> dict[str, Any]:
     """Greedy outputs of SmolLM2-135M-Instruct (chat template) with FP8 vs bfloat16 weights, and, for scale,
     bfloat16 vs float32 weights, prompt by prompt."""
-    from treadle.core.default_model import DefaultModelError
+    from treadle.core.loading.default_model import DefaultModelError
 
     try:
         reference = _greedy(device, "float32", None, new_tokens)
@@ -197,8 +197,8 @@ def _weights_only() -> Iterator[None]:
     widening each FP8 weight at every call."""
     import torch.nn.functional as F
 
-    from treadle.plugins.models.fp8 import Fp8LinearMethod
-    from treadle.plugins.models.fp8_ops import dequantize
+    from treadle.layers.fp8 import Fp8LinearMethod
+    from treadle.kernels.fp8_ops import dequantize
 
     original = Fp8LinearMethod.apply
     Fp8LinearMethod.apply = lambda self, layer, x, bias=None: F.linear(

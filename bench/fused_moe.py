@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the fused-MoE benchmark needs a CUDA GPU")
-    from treadle.plugins.models import fused_moe, fused_moe_kernels
+    from treadle.layers import fused_moe
+    from treadle.kernels import fused_moe as fused_moe_kernels
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter, experts, top_k = SHAPES[args.shape]
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _sweep(run, num_rows: int, fp8_rows: bool = False) -> list[dict]:
     """The five fastest tile configs for ``num_rows`` (token, expert) rows, each replayed from a CUDA graph (the
     GPU's time; configs that fail to compile are skipped), and the default config's time for reference."""
-    from treadle.plugins.models.fused_moe_kernels import BlockConfig, default_config
+    from treadle.kernels.fused_moe import BlockConfig, default_config
 
     block_ms = (16,) if num_rows <= 64 else (16, 32, 64) if num_rows <= 4096 else (64, 128)
     default = default_config(num_rows, torch.bfloat16, fp8_rows=fp8_rows)

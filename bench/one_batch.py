@@ -41,7 +41,7 @@ A backend may be given tunables: ``--backends flashinfer:use_tensor_cores=false`
 comma-separated list of ``;``-separated ``KEY=VALUE`` overrides, e.g.
 ``--compare "model.quantization=null,model.quantization=fp8"`` (bf16 vs FP8 weights; the roofline
 counts each parameter's real bytes, so FP8 weights halve it); ``small_batch_matmul=library`` (or ``triton``)
-forces the matmul of decode-sized batches instead of timing it at load (plugins/models/small_batch.py);
+forces the matmul of decode-sized batches instead of timing it at load (layers/small_batch.py);
 a ``TREADLE_*=VALUE`` item sets that environment variable for the variant only (e.g.
 ``TREADLE_SMALL_BATCH_MATMUL=triton``), for switches read while a runner is built. Where a batch size has several
 treadle systems, an ``x first`` column gives each one's tok/s over the first's (FP8 over bf16 above).
@@ -106,7 +106,7 @@ def _tensor_parallel_rank(rank: int, tp_size: int, store: str, argv: list[str]) 
     import contextlib
     import io
 
-    from treadle.core.parallel import destroy_tensor_parallel, init_tensor_parallel
+    from treadle.core.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
 
     args = _parser().parse_args(argv)
     # HF and the profiler see one rank's shard only; an Engine row would start its own tensor-parallel ranks.
@@ -132,7 +132,7 @@ def _device(args: argparse.Namespace) -> torch.device:
 def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     device = _device(args)
     if device.type == "cuda":
-        from treadle.core.parallel import get_tp_rank
+        from treadle.core.distributed.parallel import get_tp_rank
 
         device = torch.device("cuda", get_tp_rank())
     torch.manual_seed(0)
@@ -264,9 +264,9 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
     """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
     is ``KEY=VALUE;...`` config overrides (plus ``small_batch_matmul``)."""
     from treadle.core.config import load_config
-    from treadle.core.cuda_graph import CudaGraphRunner
-    from treadle.core.model_runner import ModelRunner
-    from treadle.core.piecewise_graph import PiecewiseGraphRunner
+    from treadle.core.execution.cuda_graph import CudaGraphRunner
+    from treadle.core.execution.model_runner import ModelRunner
+    from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
     from treadle.core.registry import build_registry
 
     slots_per_request = round_up(args.input_len + args.decode_steps + 1, args.page_size)
@@ -346,7 +346,7 @@ _variant_env: dict[str, str | None] = {}
 def _variant_overrides(variant: str) -> dict[str, Any]:
     import yaml
 
-    from treadle.plugins.models import small_batch
+    from treadle.layers import small_batch
 
     overrides: dict[str, Any] = {}
     small_batch.set_mode(None)
@@ -369,7 +369,7 @@ def _variant_overrides(variant: str) -> dict[str, Any]:
 
 
 def _small_batch_choices() -> dict[str, str]:
-    from treadle.plugins.models.small_batch import choices
+    from treadle.layers.small_batch import choices
 
     return choices()
 

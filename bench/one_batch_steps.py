@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from treadle.core.sampler import argmax_last_dim
+from treadle.core.execution.sampler import argmax_last_dim
 
 
 @dataclass
@@ -35,7 +35,7 @@ def place_batch(runner: Any, bs: int, max_len: int) -> PlacedBatch:
 
 def prefill(runner: Any, batch: PlacedBatch, prompts: torch.Tensor) -> torch.Tensor:
     """Prefill ``prompts`` [bs, length] (no cached prefix) and return each request's greedy next token."""
-    from treadle.core.forward_batch import ForwardBatch, ForwardMode
+    from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
     bs, length = prompts.shape
     device = runner.device
@@ -56,7 +56,7 @@ def prefill(runner: Any, batch: PlacedBatch, prompts: torch.Tensor) -> torch.Ten
 
 def decode_step(runner: Any, batch: PlacedBatch, next_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One greedy decode step for every request at sequence length ``seq_len`` (this token included)."""
-    from treadle.core.forward_batch import ForwardBatch, ForwardMode
+    from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
     bs = int(next_ids.shape[0])
     device = runner.device

@@ -31,7 +31,7 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
 def explore_configs(weight_bytes: int, rows: int = 1) -> list:
     """A grid around the shipped configs: tile sizes moving 4-16 KB of weight per loop step (for more than one
     row: ``tl.dot`` tiles of 4-32 KB with split-K; FP8 weights also as W8A8 tiles of up to 64 KB)."""
-    from treadle.plugins.models.small_batch_kernels import SmallBatchConfig
+    from treadle.kernels.small_batch import SmallBatchConfig
 
     configs = []
     if rows > 1:
@@ -54,9 +54,9 @@ def explore_configs(weight_bytes: int, rows: int = 1) -> list:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from treadle.plugins.models.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
-    from treadle.plugins.models.small_batch import graph_seconds, weight_copies
-    from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
+    from treadle.kernels.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
+    from treadle.layers.small_batch import graph_seconds, weight_copies
+    from treadle.kernels.small_batch import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
 
     parser = argparse.ArgumentParser(prog="python -m treadle.bench.small_batch_linear")
     parser.add_argument("--rows", default="1,16,32")
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _seconds(run) -> float:
     """Like ``graph_seconds``, but a config that does not compile (too many registers, ...) is infinitely slow."""
-    from treadle.plugins.models.small_batch import graph_seconds
+    from treadle.layers.small_batch import graph_seconds
 
     try:
         return graph_seconds(run)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from treadle.bench.host_sampler import HostSampler
-from treadle.core.forward_batch import ForwardMode
+from treadle.core.execution.forward_batch import ForwardMode
 
 
 class StepMeter:

@@ -58,7 +58,7 @@ class Engine:
     """
 
     def __init__(self, config: ConfigLike = None, registry: Registry | None = None) -> None:
-        from treadle.core.tensor_parallel import start_scheduler
+        from treadle.core.distributed.tensor_parallel import start_scheduler
 
         self.config = resolve_config(config)
         self._resolve_offline_defaults()
@@ -71,7 +71,7 @@ class Engine:
         the larger offline chunk on CUDA, and ``scheduler.latency_chunk_size: auto`` is 0: the last prompts of a
         batch prefill in one chunk rather than a latency chunk a step, each step later than the one before.
         Resolved here, before any tensor-parallel rank starts, so all agree."""
-        from treadle.core.model_loader import resolve_device
+        from treadle.core.loading.model_loader import resolve_device
 
         scheduler = self.config.scheduler
         if scheduler.latency_chunk_size == "auto":
@@ -155,7 +155,7 @@ class Engine:
         self.scheduler = None  # type: ignore[assignment]
         import gc
 
-        from treadle.core.gc_freeze import release_startup_objects
+        from treadle.core.loading.gc_freeze import release_startup_objects
 
         release_startup_objects()  # what start_scheduler froze, this engine included, can be collected again
         gc.collect()
@@ -184,7 +184,7 @@ class Engine:
         return single, [self.tokenizer.encode(text) for text in texts]
 
     def _to_output(self, req: Req, final: ReqOutput) -> GenerateOutput:
-        from treadle.core.incremental_decode import stopped_by_token, trim_at_stop
+        from treadle.text.incremental_decode import stopped_by_token, trim_at_stop
 
         text = ""
         if self.tokenizer is not None:

@@ -35,11 +35,11 @@ class Spec:
 
     @hookspec
     def treadle_register_tool_parsers(self, register: Register) -> None:
-        """Register ToolParser factories (``treadle.core.tool_parser``): ``register("name", factory())``."""
+        """Register ToolParser factories (``treadle.text.tool_parser``): ``register("name", factory())``."""
 
     @hookspec
     def treadle_register_reasoning_parsers(self, register: Register) -> None:
-        """Register ReasoningParser factories (``treadle.core.reasoning_parser``): ``register("name", factory())``."""
+        """Register ReasoningParser factories (``treadle.text.reasoning_parser``): ``register("name", factory())``."""
 
     @hookspec
     def treadle_register_grammar_backends(self, register: Register) -> None:

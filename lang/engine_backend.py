@@ -68,7 +68,7 @@ class EngineBackend(Backend):
     def _stream_from_scheduler(
         self, scheduler: Any, input_ids: list[int], sampling_params: dict[str, Any]
     ) -> Iterator[str | Completion]:
-        from treadle.core.incremental_decode import IncrementalDecoder
+        from treadle.text.incremental_decode import IncrementalDecoder
         from treadle.core.request import Req, SamplingParams
 
         params = SamplingParams.from_any(dict(sampling_params))

@@ -119,7 +119,7 @@ class RuntimeEndpoint(Backend):
         model_config = (info.get("config") or {}).get("model") or {}
         path = model_config.get("tokenizer_path") or model_info.get("model_path") or info.get("model_path")
         if path is None and "model" in (info.get("config") or {}) and model_config.get("path") is None:
-            from treadle.core.default_model import default_model
+            from treadle.core.loading.default_model import default_model
 
             path = default_model()  # the server runs the embedded model
         if not path:

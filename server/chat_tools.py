@@ -7,7 +7,7 @@ then turns each choice's text into ``reasoning_content``, ``content`` and
 
 Tool-call modes: ``auto`` reads free text with the configured parser (``tools.parser``);
 ``required`` and a named function are enforced by a JSON-schema grammar over
-treadle's own call format (:mod:`treadle.core.forced_tools`), so any model makes a valid call.
+treadle's own call format (:mod:`treadle.text.forced_tools`), so any model makes a valid call.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.core.config import ServerConfig
-from treadle.core.forced_tools import ForcedCallFormat, forced_call_schema
-from treadle.core.reasoning_parser import ReasoningParser, ReasoningStreamer
+from treadle.text.forced_tools import ForcedCallFormat, forced_call_schema
+from treadle.text.reasoning_parser import ReasoningParser, ReasoningStreamer
 from treadle.core.registry import Registry, build_registry
-from treadle.core.tool_parser import ToolCall, ToolCallStreamer, ToolParser, default_tool_parser
+from treadle.text.tool_parser import ToolCall, ToolCallStreamer, ToolParser, default_tool_parser
 from treadle.server.protocol import ChatCompletionRequest, ChatMessage, _SamplingFields
 from treadle.server.tokenizer_manager import RequestError
 

@@ -1,6 +1,6 @@
 """The detokenizer process: scheduler token ids in, text deltas out.
 
-It keeps one :class:`~treadle.core.incremental_decode.IncrementalDecoder` per
+It keeps one :class:`~treadle.text.incremental_decode.IncrementalDecoder` per
 running request (created on ``RegisterDecode``, dropped when the request
 finishes), so the main process never spends time decoding.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import zmq
 
-from treadle.core.gc_freeze import freeze_startup_objects
-from treadle.core.incremental_decode import IncrementalDecoder, stopped_by_token
+from treadle.core.loading.gc_freeze import freeze_startup_objects
+from treadle.text.incremental_decode import IncrementalDecoder, stopped_by_token
 from treadle.core.request import ReqOutput
 from treadle.server.ipc import (
     BatchStrOut,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -180,3 +180,11 @@ def connect_push(context: zmq.Context, address: str) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
+
+
+def finish_detail(out: StrOutput, stop: list[str]) -> str | int | None:
+    """The matched stop string, or the stop token id as an int."""
+    detail = out.finished_detail
+    if isinstance(detail, str) and detail not in stop and detail.lstrip("-").isdigit():
+        return int(detail)
+    return detail

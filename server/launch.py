@@ -95,9 +95,9 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: d
                     listen_socket: socket.socket, children: "_Children") -> int:
     import uvicorn
 
-    from treadle.core.gc_freeze import freeze_startup_objects
+    from treadle.core.loading.gc_freeze import freeze_startup_objects
     from treadle.server.draining import DrainingServer
-    from treadle.server.http import build_app
+    from treadle.server.app import build_app
     from treadle.server.metrics import ServerMetrics
     from treadle.server.tokenizer_manager import TokenizerManager
 
@@ -224,7 +224,7 @@ class _Children:
 
 
 def _serve_node_ranks(config: ServerConfig) -> None:
-    from treadle.core.tensor_parallel import run_node_ranks
+    from treadle.core.distributed.tensor_parallel import run_node_ranks
 
     # SIGTERM/SIGINT here stop the ranks (they die with this process); the group on node 0 then fails.
     previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -246,7 +246,7 @@ def _preload_http_stack() -> None:
     import transformers  # noqa: F401
     import uvicorn  # noqa: F401
 
-    import treadle.server.http  # noqa: F401
+    import treadle.server.app  # noqa: F401
     import treadle.server.openai_routes  # noqa: F401
 
 

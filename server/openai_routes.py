@@ -25,8 +25,8 @@ from treadle.server.chat_tools import (
     plan_chat,
     template_messages,
 )
-from treadle.server.http import collect, finish_detail, first_event, sse_response
-from treadle.server.ipc import StrOutput, TokenizedGenerateReq
+from treadle.server.ipc import StrOutput, TokenizedGenerateReq, finish_detail
+from treadle.server.streaming import collect, first_event, sse_response
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
 

@@ -1,6 +1,6 @@
 """Request bodies of the HTTP API (OpenAI-compatible and native), as pydantic models.
 
-Validation failures become OpenAI-shaped 400 errors in ``server/http.py``.
+Validation failures become OpenAI-shaped 400 errors in ``server/app.py``.
 Unknown fields are ignored, as OpenAI's own API does for fields it does not use.
 """
 

@@ -53,7 +53,7 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
     """
     parent_pid = configure_child_process(config.server.log_level)
     try:
-        from treadle.core.tensor_parallel import start_scheduler
+        from treadle.core.distributed.tensor_parallel import start_scheduler
 
         # At parallel.tp_size > 1 this process is rank 0; it starts this node's other ranks.
         scheduler = start_scheduler(config, in_server=True)

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from treadle.core.kv_allocator import KVAllocator
+from treadle.core.memory.allocator import KVAllocator
 
 AllocatorFactory = Callable[[int, int, str], KVAllocator]
 

@@ -33,9 +33,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from treadle.core.attention import RadixAttention
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.memory_pool import FP8_KV_DTYPES, KVCache, ReqToTokenPool
+from treadle.core.execution.attention import RadixAttention
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.memory.pools import FP8_KV_DTYPES, KVCache, ReqToTokenPool
 
 _TOLERANCES = {  # (atol, rtol) against the float32 reference
     torch.float32: (1e-3, 1e-3),

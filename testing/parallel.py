@@ -48,5 +48,5 @@ def check_tensor_parallel(
     for i, (want, have) in enumerate(zip(expected, got)):
         assert want == have, (
             f"prompt {i}: tp={tp_size} generated {have} but tp=1 generated {want}; the model's layers do not "
-            "split exactly (build it from treadle.plugins.models.linear's parallel blocks)")
+            "split exactly (build it from treadle.layers.linear's parallel blocks)")
     return got

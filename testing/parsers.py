@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from treadle.core.reasoning_parser import ReasoningParser
-from treadle.core.tool_parser import ToolCall, ToolParser
+from treadle.text.reasoning_parser import ReasoningParser
+from treadle.text.tool_parser import ToolCall, ToolParser
 
 # Arguments chosen to trip naive scanners: braces and quotes inside strings, nesting, unicode, numbers.
 _CALL_SETS: list[list[ToolCall]] = [

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from treadle.core.kv_allocator import KVAllocator
-from treadle.core.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from treadle.core.memory.allocator import KVAllocator
+from treadle.core.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.request import Req, SamplingParams
-from treadle.core.schedule_policy import SchedulePolicy
+from treadle.core.scheduling.policy import SchedulePolicy
 
 PolicyFactory = Callable[[int], SchedulePolicy]
 

@@ -9,7 +9,7 @@ def record_batches(engine: Any, describe: Callable[[Any], Any]) -> list[Any]:
     """Wraps the engine scheduler's ``_launch_forward``; the returned list gets ``describe(batch)`` per launch.
 
     Under tensor parallelism it wraps rank 0's own scheduler: the leader that wraps it only delegates to it."""
-    from treadle.core.tensor_parallel import LeaderScheduler
+    from treadle.core.distributed.tensor_parallel import LeaderScheduler
 
     log: list[Any] = []
     scheduler = engine.scheduler.scheduler if isinstance(engine.scheduler, LeaderScheduler) else engine.scheduler

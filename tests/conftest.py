@@ -41,6 +41,6 @@ def tiny_mistral_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from treadle.core.default_model import default_model
+    from treadle.core.loading.default_model import default_model
 
     return default_model()

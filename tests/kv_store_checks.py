@@ -4,8 +4,8 @@ tests/gpu/test_fp8_gpu.py (CUDA, FP8 caches too); run as ``python -c CHECKS <dev
 CHECKS = r"""
 import sys
 import torch
-from treadle.core.kv_store import store_kv
-from treadle.core.memory_pool import KVCache
+from treadle.kernels.kv_store import store_kv
+from treadle.core.memory.pools import KVCache
 
 gen = torch.Generator().manual_seed(0)
 device = sys.argv[1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from treadle.core.registry import build_registry
-from treadle.core.schedule_policy import SchedulePolicy
+from treadle.core.scheduling.policy import SchedulePolicy
 from treadle.plugins.kv_allocators.paged import PagedKVAllocator
 from treadle.plugins.kv_allocators.token import TokenKVAllocator
 from treadle.testing import check_kv_allocator, check_schedule_policy

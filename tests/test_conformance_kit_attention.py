@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from treadle.core.forward_batch import ForwardBatch
+from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.plugins.attention.torch_native import TorchNativeAttnBackend
 from treadle.testing import check_attention_backend
 

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.attention import AttentionBackend, head_layout
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.attention import AttentionBackend, head_layout
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 
 if TYPE_CHECKING:
-    from treadle.core.attention import RadixAttention
+    from treadle.core.execution.attention import RadixAttention
 
 _SUPPORTED_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 # Split-KV decode keeps partial outputs here: 128 MiB overflowed at 512 running requests (168 MB needed).

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.attention import AttentionBackend
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.attention import AttentionBackend
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.plugins.attention.flashinfer import FlashInferAttnBackend
 from treadle.plugins.attention.triton.backend import TritonAttnBackend
 
 if TYPE_CHECKING:
-    from treadle.core.attention import RadixAttention
+    from treadle.core.execution.attention import RadixAttention
 
 
 class FlashInferTritonAttnBackend(AttentionBackend):

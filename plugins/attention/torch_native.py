@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from treadle.core.attention import AttentionBackend, RadixAttention, head_layout
-from treadle.core.forward_batch import ForwardBatch
+from treadle.core.execution.attention import AttentionBackend, RadixAttention, head_layout
+from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.hookspecs import Register, hookimpl
 
 # A decode request starts a new bucket when padding it to its bucket's longest request

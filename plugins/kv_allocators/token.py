@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.kv_allocator import KVAllocator
+from treadle.core.memory.allocator import KVAllocator
 
 
 class TokenKVAllocator(KVAllocator):

@@ -7,20 +7,15 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from treadle.core.forward_batch import ForwardBatch
+from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.hookspecs import Register, hookimpl
-from treadle.plugins.models import small_batch
-from treadle.plugins.models.layers import (
-    DecoderLayer,
-    RMSNorm,
-    RotaryEmbedding,
-    check_activation,
-    head_dim,
-    load_checkpoint,
-    rope_parameters,
-)
-from treadle.plugins.models.fp8 import split_kv_cache_scales
-from treadle.plugins.models.linear import LinearBase, ParallelLMHead, VocabParallelEmbedding
+from treadle.layers import small_batch
+from treadle.layers.checkpoint import load_checkpoint
+from treadle.layers.decoder import DecoderLayer, check_activation, head_dim
+from treadle.layers.fp8 import split_kv_cache_scales
+from treadle.layers.linear import LinearBase, ParallelLMHead, VocabParallelEmbedding
+from treadle.layers.norm import RMSNorm
+from treadle.layers.rotary import RotaryEmbedding, rope_parameters
 
 # Older checkpoints store the rotary table; it is recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -99,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's ``(last layer's output, residual stream)``: the part of the forward that piecewise
-        CUDA graphs capture (see treadle.core.piecewise_graph)."""
+        CUDA graphs capture (see treadle.core.execution.piecewise_graph)."""
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: tuple[torch.Tensor, torch.Tensor], forward_batch: ForwardBatch) -> torch.Tensor:

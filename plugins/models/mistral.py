@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from treadle.core.hookspecs import Register, hookimpl
-from treadle.plugins.models.layers import DecoderLayer
+from treadle.layers.decoder import DecoderLayer
 from treadle.plugins.models.llama import LlamaForCausalLM
 
 

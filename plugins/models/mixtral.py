@@ -1,5 +1,5 @@
 """Mixtral, registered as ``MixtralForCausalLM``: Mistral's attention with a sparse mixture of experts
-(:class:`~treadle.plugins.models.moe.SparseMoE`) in place of every layer's MLP."""
+(:class:`~treadle.layers.moe.SparseMoE`) in place of every layer's MLP."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from treadle.core.hookspecs import Register, hookimpl
-from treadle.plugins.models.layers import DecoderLayer
+from treadle.layers.decoder import DecoderLayer
 from treadle.plugins.models.llama import LlamaForCausalLM
-from treadle.plugins.models.moe import sparse_moe_from_config
+from treadle.layers.moe import sparse_moe_from_config
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from treadle.core.hookspecs import Register, hookimpl
-from treadle.plugins.models.layers import DecoderLayer, layer_sliding_window
+from treadle.layers.decoder import DecoderLayer, layer_sliding_window
 from treadle.plugins.models.llama import LlamaForCausalLM
 
 

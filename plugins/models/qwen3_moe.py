@@ -8,9 +8,9 @@ from typing import Any
 from torch import nn
 
 from treadle.core.hookspecs import Register, hookimpl
-from treadle.plugins.models.layers import DecoderLayer, layer_sliding_window
+from treadle.layers.decoder import DecoderLayer, layer_sliding_window
 from treadle.plugins.models.llama import LlamaForCausalLM
-from treadle.plugins.models.moe import sparse_moe_from_config
+from treadle.layers.moe import sparse_moe_from_config
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -9,8 +9,8 @@ the block is all reasoning.
 from __future__ import annotations
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.reasoning_parser import ReasoningParser, ReasoningStreamer
-from treadle.core.tool_parser import could_start, held_suffix
+from treadle.text.reasoning_parser import ReasoningParser, ReasoningStreamer
+from treadle.text.tool_parser import could_start, held_suffix
 
 START, END = "<think>", "</think>"
 

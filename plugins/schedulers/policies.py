@@ -15,9 +15,9 @@ from collections import defaultdict
 from typing import Any
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.radix_cache import PrefixCache
+from treadle.core.memory.radix_cache import PrefixCache
 from treadle.core.request import Req
-from treadle.core.schedule_policy import SchedulePolicy
+from treadle.core.scheduling.policy import SchedulePolicy
 
 # Matching every waiting request against the tree costs a walk each; past this
 # many waiting requests the prefix-aware policies fall back to arrival order.

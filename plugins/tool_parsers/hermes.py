@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.tool_parser import (
+from treadle.text.tool_parser import (
     Snapshot,
     ToolCall,
     ToolParser,

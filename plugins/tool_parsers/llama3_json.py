@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.tool_parser import Snapshot, ToolCall, ToolParser, could_start, describe_tools, scan_call_list
+from treadle.text.tool_parser import Snapshot, ToolCall, ToolParser, could_start, describe_tools, scan_call_list
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -11,7 +11,7 @@ import string
 from typing import Any
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.tool_parser import Snapshot, ToolCall, ToolParser, describe_tools, held_suffix, scan_call_list
+from treadle.text.tool_parser import Snapshot, ToolCall, ToolParser, describe_tools, held_suffix, scan_call_list
 
 MARKER = "[TOOL_CALLS]"
 

@@ -97,7 +97,7 @@ def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
     from treadle.bench import one_batch
     from treadle.bench.hf_peers import hf_named_weights
     from treadle.bench.shapes import TINY, write_config
-    from treadle.plugins.models.fp8_ops import dequantize
+    from treadle.kernels.fp8_ops import dequantize
 
     args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "2", "--input-len", "8"])
     model_dir = write_config(tmp_path, TINY)
@@ -142,7 +142,7 @@ def test_prefill_profile_shapes_are_capped_at_the_prompt_length_and_checked_agai
 
 def test_variants_set_the_small_batch_matmul_and_reset_it_for_the_next():
     from treadle.bench.one_batch import _variant_overrides
-    from treadle.plugins.models import small_batch
+    from treadle.layers import small_batch
 
     try:
         assert _variant_overrides("model.quantization=fp8;small_batch_matmul=library") == {"model.quantization": "fp8"}

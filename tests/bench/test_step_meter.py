@@ -94,7 +94,7 @@ def test_the_progress_line_names_the_host_frames_behind_gpu_stalls() -> None:
 def test_under_tensor_parallelism_the_meter_hooks_rank_zeros_own_scheduler() -> None:
     """The Engine's scheduler at tp > 1 is a LeaderScheduler; hooks set on it would never run (the offline bench
     then reported 0% GPU busy at tp=2), so the meter patches the scheduler it wraps."""
-    from treadle.core.tensor_parallel import LeaderScheduler
+    from treadle.core.distributed.tensor_parallel import LeaderScheduler
 
     def sampler(*args, **kwargs):
         return "tokens"

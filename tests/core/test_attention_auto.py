@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.core.attention import AttentionBackend, RadixAttention, build_attention_backend, model_sliding_windows
+from treadle.core.execution.attention import AttentionBackend, RadixAttention, build_attention_backend, model_sliding_windows
 from treadle.core.registry import build_registry
 
 
@@ -71,7 +71,7 @@ def test_auto_takes_the_highest_ranked_backend_on_the_device() -> None:
 
 
 def test_auto_skips_a_backend_that_refuses_the_model_and_logs_why(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="treadle.core.attention"):
+    with caplog.at_level(logging.INFO, logger="treadle.core.execution.attention"):
         _, name = build_attention_backend(_registry(fast=True), "auto", SimpleNamespace(device="cuda"))
     assert name == "fallback"
     assert "skipped fast (Fast does not take this model)" in caplog.text

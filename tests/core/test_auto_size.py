@@ -152,12 +152,12 @@ def test_config_accepts_ints_or_auto() -> None:
 def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llama_dir, caplog) -> None:
     import logging
 
-    from treadle.core.model_runner import ModelRunner
+    from treadle.core.execution.model_runner import ModelRunner
     from treadle.core.registry import build_registry
 
     config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
                                     "cache.max_total_tokens": 256}, use_env=False)
-    with caplog.at_level(logging.INFO, logger="treadle.core.model_runner"):
+    with caplog.at_level(logging.INFO, logger="treadle.core.execution.model_runner"):
         runner = ModelRunner(config, build_registry())
     assert "max_running_requests 64 (auto)" in caplog.text
     assert "enable_mixed_chunk False (auto)" in caplog.text
@@ -212,7 +212,7 @@ def test_the_runner_passes_the_models_hints_to_the_sizing(tiny_llama_dir, tmp_pa
     """A model's ``prefers_mixed_chunks`` and ``launch_bound_prefill`` reach the ``auto`` resolution (which acts on
     them on CUDA only): Qwen3-MoE declares both, Llama neither."""
     from treadle import Engine
-    from treadle.core import model_runner
+    from treadle.core.execution import model_runner
     from treadle.testing.models import make_tiny_qwen3_moe
 
     seen: dict[str, list] = {"mixed": [], "launch": []}

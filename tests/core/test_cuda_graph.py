@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.core.cuda_graph import capture_batch_sizes, faster_sizes
+from treadle.core.execution.cuda_graph import capture_batch_sizes, faster_sizes
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ def test_a_zero_maximum_is_refused() -> None:
 
 def test_cpu_runner_has_no_graph_runner(tiny_llama_dir) -> None:
     from treadle.core.config import load_config
-    from treadle.core.model_runner import ModelRunner
+    from treadle.core.execution.model_runner import ModelRunner
     from treadle.core.registry import build_registry
 
     config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
@@ -68,7 +68,7 @@ def test_every_built_in_model_splits_for_piecewise_prefill_graphs() -> None:
 def test_release_graphs_frees_both_runners_and_later_forwards_run_eagerly():
     from types import SimpleNamespace
 
-    from treadle.core.model_runner import ModelRunner
+    from treadle.core.execution.model_runner import ModelRunner
 
     released = []
     runner = SimpleNamespace(device=torch.device("cpu"),

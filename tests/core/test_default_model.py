@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle.core import default_model as embedded
+from treadle.core.loading import default_model as embedded
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 from treadle import Engine
-from treadle.core.gc_freeze import YOUNG_COLLECTION_THRESHOLD, freeze_startup_objects, release_startup_objects
+from treadle.core.loading.gc_freeze import YOUNG_COLLECTION_THRESHOLD, freeze_startup_objects, release_startup_objects
 
 
 def test_freezing_raises_the_young_threshold_and_releasing_restores_it() -> None:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from treadle.core.config import ModelConfig
-from treadle.core.hub import HubId, default_served_name, parse_hub_id
-from treadle.core.model_loader import ModelLoadError, load_model
+from treadle.core.loading.hub import HubId, default_served_name, parse_hub_id
+from treadle.core.loading.model_loader import ModelLoadError, load_model
 from treadle.core.registry import build_registry
 from treadle.testing.models import make_tiny_llama
 
@@ -64,7 +64,7 @@ def test_uncached_hub_id_offline_fails_with_one_line(tmp_path):
     """A fresh process with HF_HUB_OFFLINE=1 and an empty HF_HOME, as a user would run it."""
     script = (
         "from treadle.core.config import ModelConfig\n"
-        "from treadle.core.model_loader import ModelLoadError, resolve_model_path\n"
+        "from treadle.core.loading.model_loader import ModelLoadError, resolve_model_path\n"
         "try:\n"
         "    resolve_model_path(ModelConfig(path='someorg/not-downloaded@v2'))\n"
         "except ModelLoadError as exc:\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.core.incremental_decode import IncrementalDecoder, trim_at_stop
+from treadle.text.incremental_decode import IncrementalDecoder, trim_at_stop
 
 
 @pytest.fixture(scope="module")

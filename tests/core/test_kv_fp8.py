@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from treadle.core.config import load_config
-from treadle.core.memory_pool import KVCache
-from treadle.core.model_runner import ModelRunner
+from treadle.core.memory.pools import KVCache
+from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.registry import build_registry
 from treadle.testing.models import make_tiny_llama
 

@@ -1,4 +1,4 @@
-"""The one-kernel KV write (core/kv_store.py) under the Triton interpreter against KVCache's torch path: the
+"""The one-kernel KV write (kernels/kv_store.py) under the Triton interpreter against KVCache's torch path: the
 same slots written, bit for bit, in 16/32-bit caches. (The interpreter's FP8 conversion does not round to
 nearest, so the FP8 cache is checked on the GPU: tests/gpu/test_fp8_gpu.py.)"""
 

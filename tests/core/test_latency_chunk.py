@@ -10,8 +10,8 @@ import pytest
 from batch_log import generate_logged
 
 from treadle import Engine, SamplingParams
-from treadle.core.forward_batch import ForwardMode
-from treadle.core.scheduler_batches import BatchBuilding
+from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.scheduling.batch_building import BatchBuilding
 from treadle.testing.engine import assert_kv_accounted
 
 

@@ -1,5 +1,5 @@
 """Quantizing at load one layer at a time: a 16-bit checkpoint loaded with ``model.quantization: fp8`` never holds
-more than the layers being loaded in 16 bits (core/lazy_weights.py)."""
+more than the layers being loaded in 16 bits (core/loading/lazy_weights.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import gc
 import pytest
 import torch
 
-from treadle.core import model_loader
+from treadle.core.loading import model_loader
 from treadle.core.config import ModelConfig
-from treadle.core.model_loader import ModelLoadError, load_model
-from treadle.core.quantization import FP8_DTYPE
+from treadle.core.loading.model_loader import ModelLoadError, load_model
+from treadle.core.loading.quantization import FP8_DTYPE
 from treadle.core.registry import build_registry
 from treadle.plugins.models.llama import LlamaForCausalLM
-from treadle.plugins.models.moe import FusedExperts
+from treadle.layers.moe import FusedExperts
 from treadle.testing.models import make_tiny_llama, make_tiny_mixtral
 
 LAYERS = 4
@@ -73,7 +73,7 @@ def test_a_checkpoint_is_quantized_layer_by_layer_as_it_loads(tmp_path, registry
 
 
 def test_the_same_weights_result_as_quantizing_the_whole_16_bit_model(tmp_path, registry):
-    from treadle.core.lazy_weights import finish_module
+    from treadle.core.loading.lazy_weights import finish_module
 
     path = make_tiny_llama(tmp_path / "llama", num_hidden_layers=2)
     streamed, _, _ = load_model(ModelConfig(path=path, device="cpu", dtype="float32", quantization="fp8"), registry)

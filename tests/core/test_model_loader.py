@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treadle.core.config import ModelConfig
-from treadle.core.model_loader import ModelLoadError, load_model, resolve_dtype
+from treadle.core.loading.model_loader import ModelLoadError, load_model, resolve_dtype
 from treadle.core.registry import build_registry
 from treadle.testing.models import make_tiny_llama
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from treadle import Engine, SamplingParams
-from treadle.core.forward_batch import ForwardMode
-from treadle.core.oom import OomBackoff
+from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.scheduling.oom import OomBackoff
 from treadle.testing.engine import assert_kv_accounted
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11, 7, 64, 31, 2, 150, 77, 45, 18, 6, 21, 22, 23],

@@ -183,7 +183,7 @@ def test_a_request_that_stops_in_flight_pays_one_discarded_step(tiny_llama_dir):
 
 
 def test_token_owners_maps_every_token_to_its_run_and_offset() -> None:
-    from treadle.core.schedule_batch import token_owners
+    from treadle.core.scheduling.schedule_batch import token_owners
 
     owner, offset = token_owners([2, 0, 3, 1])
     assert owner.tolist() == [0, 0, 2, 2, 2, 3]

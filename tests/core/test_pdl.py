@@ -1,11 +1,11 @@
-"""core/pdl.py decides where kernels launch with programmatic dependent launch: only on a Hopper-or-newer CUDA
+"""kernels/pdl.py decides where kernels launch with programmatic dependent launch: only on a Hopper-or-newer CUDA
 GPU, never on the CPU, under the Triton interpreter or with ``TREADLE_PDL=0``."""
 
 from __future__ import annotations
 
 import torch
 
-from treadle.core import pdl
+from treadle.kernels import pdl
 
 
 def test_pdl_is_off_on_the_cpu():

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.core import quantization
-from treadle.core.quantization import QuantizationConfig, QuantizationError, gpu_fp8_unsupported, resolve_quantization
+from treadle.core.loading import quantization
+from treadle.core.loading.quantization import QuantizationConfig, QuantizationError, gpu_fp8_unsupported, resolve_quantization
 
 CPU = torch.device("cpu")
 

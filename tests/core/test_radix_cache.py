@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.core.radix_cache import NoPrefixCache, RadixCache
+from treadle.core.memory.radix_cache import NoPrefixCache, RadixCache
 from treadle.core.request import Req, SamplingParams
 from treadle.plugins.kv_allocators.paged import PagedKVAllocator
 from treadle.plugins.kv_allocators.token import TokenKVAllocator

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treadle.core.request import Req, SamplingParams
-from treadle.core.sampler import PenaltyBatch, PenaltyPool, Sampler, SamplingBatch
+from treadle.core.execution.sampler import PenaltyBatch, PenaltyPool, Sampler, SamplingBatch
 
 VOCAB = 50
 
@@ -151,7 +151,7 @@ def test_16_bit_logits_sample_what_their_float32_widening_samples() -> None:
 
 
 def test_two_pass_argmax_picks_what_torch_argmax_picks() -> None:
-    from treadle.core.sampler import argmax_last_dim
+    from treadle.core.execution.sampler import argmax_last_dim
 
     gen = torch.Generator().manual_seed(0)
     # bf16 rounding of small integers makes many ties; a NaN counts as the maximum (first NaN wins).
@@ -166,7 +166,7 @@ def test_two_pass_argmax_picks_what_torch_argmax_picks() -> None:
 
 _ARGMAX_KERNEL_CHECK = """
 import torch
-from treadle.core.argmax_kernel import argmax_rows
+from treadle.kernels.argmax import argmax_rows
 gen = torch.Generator().manual_seed(0)
 x = torch.randint(0, 6, (9, 4096 * 2 + 37), generator=gen).to(torch.bfloat16)  # bf16 small integers: many ties
 x[3, 5000] = x[3, 7000] = float("nan")  # the first NaN wins
@@ -183,7 +183,7 @@ print("OK")
 
 
 def test_argmax_kernel_picks_what_torch_argmax_picks() -> None:
-    """The GPU's one-launch argmax (core/argmax_kernel.py) under the Triton interpreter."""
+    """The GPU's one-launch argmax (kernels/argmax.py) under the Triton interpreter."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", _ARGMAX_KERNEL_CHECK], capture_output=True, text=True, env=env,

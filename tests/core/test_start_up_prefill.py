@@ -5,7 +5,7 @@ touch no KV slot or request row a request can own."""
 from __future__ import annotations
 
 from treadle.core.config import load_config
-from treadle.core.model_runner import ModelRunner
+from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.registry import build_registry
 from treadle.plugins.attention.torch_native import TorchNativeAttnBackend
 from treadle.testing.models import make_tiny_llama

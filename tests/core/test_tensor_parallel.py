@@ -18,8 +18,8 @@ from batch_log import record_batches
 
 from treadle.core.config import ConfigError, load_config
 from treadle.core.engine import Engine
-from treadle.core.forward_batch import ForwardMode
-from treadle.core.tensor_parallel import TensorParallelError, start_scheduler
+from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.distributed.tensor_parallel import TensorParallelError, start_scheduler
 from treadle.testing import check_tensor_parallel
 from treadle.testing.engine import assert_kv_accounted
 from treadle.testing.models import make_tiny_llama, make_tiny_mistral

@@ -11,7 +11,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from treadle.core.parallel import _all_gather_single
+from treadle.core.distributed.parallel import _all_gather_single
 
 
 def main() -> None:

@@ -66,7 +66,7 @@ def test_batches_larger_than_the_graphs_run_eagerly(real_shape_llama_dir, engine
 
 
 def test_pruned_sizes_are_timed_and_a_dropped_size_pads_up(real_shape_llama_dir, engine_config, monkeypatch) -> None:
-    import treadle.core.cuda_graph as cuda_graph
+    import treadle.core.execution.cuda_graph as cuda_graph
     from treadle.bench.offline_treadle import decode_graphs
 
     engine = Engine(engine_config(real_shape_llama_dir, "triton", "bfloat16"))

@@ -23,7 +23,7 @@ def _relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 7, 16, 20, 33, 256])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_fp8_linear_is_close_to_bf16(n, k, rows):
-    from treadle.plugins.models.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
+    from treadle.kernels.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k + rows)
     weight = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
@@ -33,7 +33,7 @@ def test_fp8_linear_is_close_to_bf16(n, k, rows):
     w8a8 = fp8_matmul(*quantize_per_token(x), wq, ws, torch.bfloat16)
     assert w8a8.dtype == torch.bfloat16 and _relative_error(w8a8, reference) < 0.05
     if rows <= 32:
-        from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
+        from treadle.kernels.small_batch import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, small_batch_matmul
 
         for config in FP8_CONFIGS:
             y = small_batch_matmul(x, wq, ws, config)
@@ -50,8 +50,8 @@ def test_fp8_linear_is_close_to_bf16(n, k, rows):
 def test_split_k_matmul_replayed_from_a_graph_matches_eager(rows):
     """The split-K configs' last-arriving program sums the partials: replayed back to back from a CUDA graph,
     every call gives the eager result bit for bit and leaves the counts at zero."""
-    from treadle.plugins.models.fp8_ops import quantize_per_channel
-    from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, _arrival_counts, small_batch_matmul
+    from treadle.kernels.fp8_ops import quantize_per_channel
+    from treadle.kernels.small_batch import FP8_CONFIGS, _arrival_counts, small_batch_matmul
 
     gen = torch.Generator(device=DEVICE).manual_seed(rows)
     wq, ws = quantize_per_channel((torch.randn(4096, 14336, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16))
@@ -75,9 +75,9 @@ def test_gemv_with_the_norm_after_it_matches_the_separate_kernels(weights):
     """One row through every GEMV config with ``add_rmsnorm``: the residual sum is the separate add's bit for bit,
     the norm within a bfloat16 rounding of the separate kernel's (its float32 sum of squares may add in another
     order); replayed from a CUDA graph, the same again, and the counters left at zero."""
-    from treadle.plugins.models.fp8_ops import quantize_per_channel
-    from treadle.plugins.models.fused_ops import add_rmsnorm
-    from treadle.plugins.models.small_batch_kernels import (
+    from treadle.kernels.fp8_ops import quantize_per_channel
+    from treadle.kernels.fused_ops import add_rmsnorm
+    from treadle.kernels.small_batch import (
         FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, _arrival_counts, small_batch_matmul)
 
     gen = torch.Generator(device=DEVICE).manual_seed(7)
@@ -104,8 +104,8 @@ def test_gemv_with_the_norm_after_it_matches_the_separate_kernels(weights):
 
 
 def test_per_token_quant_kernel_matches_torch_rounding():
-    from treadle.core.quantization import FP8_DTYPE, FP8_MAX
-    from treadle.plugins.models.fp8_kernels import per_token_quant
+    from treadle.core.loading.quantization import FP8_DTYPE, FP8_MAX
+    from treadle.kernels.fp8 import per_token_quant
 
     for k in (4096, 14336):  # one pass and two passes over the row
         x = torch.randn(9, k, device=DEVICE).to(torch.bfloat16) * torch.logspace(-2, 2, 9, device=DEVICE)[:, None]
@@ -169,8 +169,8 @@ def test_the_fp8_heads_greedy_tokens_are_the_16_bit_heads(real_shape_llama_dir, 
 def test_exact_top_logits_at_llama_3_vocabulary(rows):
     """The two recompute kernels on an FP8 head of Llama-3.1-8B's shape (128256 x 4096): each row's 8 best FP8
     logits (ties to the lower column) become the bf16 head's within one bf16 step; nothing else moves."""
-    from treadle.plugins.models.exact_top_logits import recompute_top_logits
-    from treadle.plugins.models.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
+    from treadle.layers.exact_top_logits import recompute_top_logits
+    from treadle.kernels.fp8_ops import fp8_matmul, quantize_per_channel, quantize_per_token
 
     gen = torch.Generator(device=DEVICE).manual_seed(rows)
     weight = (torch.randn(128256, 4096, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
@@ -208,7 +208,7 @@ def test_fp8_kv_cache_with_scales_attends_exactly_like_torch_native_over_16_bits
 
 
 def test_one_kernel_kv_write_matches_the_torch_path():
-    """core/kv_store.py on the GPU, FP8 caches with and without a scale included (the CPU test runs 16/32-bit
+    """kernels/kv_store.py on the GPU, FP8 caches with and without a scale included (the CPU test runs 16/32-bit
     caches under the Triton interpreter, whose FP8 conversion does not round to nearest)."""
     import subprocess
     import sys
@@ -224,9 +224,9 @@ def test_fused_silu_mul_equals_the_matmul_then_silu_mul(weights):
     """A gated MLP's ``gate_up_proj`` with ``silu_mul`` in its kernel (the one-token GEMV, and the tl.dot tiles at
     20 and 32 rows): the same bits as the kernel's output through the separate ``silu_mul`` kernel
     (Llama-3.1-8B's 28672 x 4096 and a ragged 2 x 1000 x 4096)."""
-    from treadle.plugins.models.fp8_ops import quantize_per_channel
-    from treadle.plugins.models.fused_kernels import silu_mul
-    from treadle.plugins.models.small_batch_kernels import (FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, fuses_silu_mul,
+    from treadle.kernels.fp8_ops import quantize_per_channel
+    from treadle.kernels.fused import silu_mul
+    from treadle.kernels.small_batch import (FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, fuses_silu_mul,
                                                           small_batch_matmul)
 
     for n, k in ((28672, 4096), (2000, 4096)):
@@ -245,8 +245,8 @@ def test_fused_silu_mul_equals_the_matmul_then_silu_mul(weights):
 def test_l2_prefetch_changes_no_result():
     """Asking L2 for the next layer's weight as a kernel finishes is invisible in its output: the GEMV (with the
     norm after it, and with SiLU·mul), the tl.dot tiles and split-K, eagerly and replayed from a CUDA graph."""
-    from treadle.plugins.models.small_batch import l2_prefetch_bytes
-    from treadle.plugins.models.small_batch_kernels import SIXTEEN_BIT_CONFIGS, small_batch_matmul
+    from treadle.layers.small_batch import l2_prefetch_bytes
+    from treadle.kernels.small_batch import SIXTEEN_BIT_CONFIGS, small_batch_matmul
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     weight, following = (torch.randn(2, 4096, 4096, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)

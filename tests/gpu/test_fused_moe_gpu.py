@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.plugins.models import fused_moe, fused_moe_kernels
+from treadle.layers import fused_moe
+from treadle.kernels import fused_moe as fused_moe_kernels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +70,7 @@ def test_fp8_experts_match_the_torch_loop_over_their_dequantized_weights(tokens)
 def _w8a8_reference(x, q13, s13, q2, s2, weights, ids):
     """The grouped GEMM's W8A8 arithmetic in PyTorch: tokens and the activated rows quantized per row (the same
     quantizer), each product of dequantized FP8 in float32, rounded to bf16 where the kernels store."""
-    from treadle.plugins.models.fp8_ops import quantize_per_token
+    from treadle.kernels.fp8_ops import quantize_per_token
 
     xq, xs = quantize_per_token(x)
     rows = xq.float() * xs

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.plugins.models.fused_ops import apply_rotary_reference, rmsnorm_reference
+from treadle.kernels.fused_ops import apply_rotary_reference, rmsnorm_reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +27,7 @@ def _rows_past_limit(row_elements: int) -> int:
 
 
 def test_silu_mul_past_two_to_the_31_elements() -> None:
-    from treadle.plugins.models.fused_kernels import silu_mul
+    from treadle.kernels.fused import silu_mul
 
     width = 2 * 14336
     gate_up = torch.randn(_rows_past_limit(width), width, device="cuda", dtype=torch.bfloat16)
@@ -37,7 +37,7 @@ def test_silu_mul_past_two_to_the_31_elements() -> None:
 
 
 def test_add_rmsnorm_past_two_to_the_31_elements() -> None:
-    from treadle.plugins.models.fused_kernels import add_rmsnorm
+    from treadle.kernels.fused import add_rmsnorm
 
     hidden = 4096
     rows = _rows_past_limit(hidden)
@@ -51,7 +51,7 @@ def test_add_rmsnorm_past_two_to_the_31_elements() -> None:
 
 
 def test_rotary_qkv_past_two_to_the_31_elements() -> None:
-    from treadle.plugins.models.fused_kernels import rotary_qkv
+    from treadle.kernels.fused import rotary_qkv
 
     heads, kv_heads, head_dim = 32, 8, 128
     width = (heads + 2 * kv_heads) * head_dim

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (core/pdl.py) changes no result: a chain of one-token GEMVs that each read the
+"""Programmatic dependent launch (kernels/pdl.py) changes no result: a chain of one-token GEMVs that each read the
 one before, replayed from a CUDA graph, and whole models' greedy tokens, with PDL on and off."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ DEVICE = torch.device("cuda")
 
 def _chain(weights: torch.Tensor, x: torch.Tensor, configs) -> list[torch.Tensor]:
     """Each GEMV multiplies the previous one's output: a missing wait would read it before it is written."""
-    from treadle.plugins.models.small_batch_kernels import small_batch_matmul
+    from treadle.kernels.small_batch import small_batch_matmul
 
     outputs = []
     for i, config in enumerate(configs):
@@ -26,8 +26,8 @@ def _chain(weights: torch.Tensor, x: torch.Tensor, configs) -> list[torch.Tensor
 
 
 def test_a_chain_of_gemvs_replayed_with_pdl_matches_eager_without(monkeypatch):
-    from treadle.core import pdl
-    from treadle.plugins.models.small_batch_kernels import SIXTEEN_BIT_CONFIGS
+    from treadle.kernels import pdl
+    from treadle.kernels.small_batch import SIXTEEN_BIT_CONFIGS
 
     assert pdl.enabled(DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(0)

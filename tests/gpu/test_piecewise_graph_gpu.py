@@ -114,7 +114,7 @@ def test_padded_replay_logits_match_eager(real_shape_llama_dir, engine_config, b
 
 
 def _extend_batch(runner, prompt: torch.Tensor):
-    from treadle.core.forward_batch import ForwardBatch, ForwardMode
+    from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
     device, n = runner.device, prompt.numel()
     slots = torch.arange(1, n + 1, dtype=torch.int64, device=device)

@@ -1,4 +1,4 @@
-"""The sampler's argmax on the GPU (one Triton launch, core/argmax_kernel.py) picks what ``torch.argmax`` picks,
+"""The sampler's argmax on the GPU (one Triton launch, kernels/argmax.py) picks what ``torch.argmax`` picks,
 ties, NaN and rows of -inf included."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.core.sampler import argmax_last_dim
+from treadle.core.execution.sampler import argmax_last_dim
 
 pytestmark = [
     pytest.mark.gpu,

@@ -147,7 +147,7 @@ def _generate_piecewise(config: dict, tp_size: int) -> tuple[list, int, int]:
     from batch_log import record_batches
     from graph_replays import ReplayCounter
 
-    from treadle.core.forward_batch import ForwardMode
+    from treadle.core.execution.forward_batch import ForwardMode
 
     config = {**config, "parallel": {"tp_size": tp_size},
               "runtime": {**config["runtime"], "piecewise_cuda_graph_max_tokens": 1024},

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.core.attention import RadixAttention
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.execution.attention import RadixAttention
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.memory.pools import KVCache, ReqToTokenPool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 from treadle.core.config import ServerConfig
-from treadle.core.default_model import default_model
+from treadle.core.loading.default_model import default_model
 from treadle.lang import EngineBackend, RuntimeEndpoint
 
 ENDPOINT_FIXTURE = "endpoint_backend"

@@ -1,4 +1,4 @@
-"""Each row's best logits of an FP8 head recomputed from the 16-bit weight (plugins/models/exact_top_logits.py):
+"""Each row's best logits of an FP8 head recomputed from the 16-bit weight (layers/exact_top_logits.py):
 the torch path, and the Triton kernels under the interpreter against it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from treadle.plugins.models.exact_top_logits import recompute_top_logits
+from treadle.layers.exact_top_logits import recompute_top_logits
 
 
 def _case(rows: int, vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0):
@@ -44,7 +44,7 @@ def test_k_larger_than_the_vocabulary_and_empty_batches():
 
 _KERNEL_CHECK = r"""
 import torch
-from treadle.plugins.models import exact_top_logits_kernels as kernels
+from treadle.kernels import exact_top_logits as kernels
 
 def case(rows, vocab, hidden, dtype, seed):
     g = torch.Generator().manual_seed(seed)

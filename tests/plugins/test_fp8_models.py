@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treadle.core import quantization
+from treadle.core.loading import quantization
 from treadle.core.config import ModelConfig
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.model_loader import ModelLoadError, load_model
-from treadle.core.quantization import FP8_DTYPE
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.loading.model_loader import ModelLoadError, load_model
+from treadle.core.loading.quantization import FP8_DTYPE
 from treadle.core.registry import build_registry
-from treadle.plugins.models.fp8_ops import dequantize
+from treadle.kernels.fp8_ops import dequantize
 from treadle.testing.models import make_tiny_fp8_llama, make_tiny_llama
 
 TOKENS = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9]
@@ -217,7 +217,7 @@ TP_WORKER = r'''
 import sys, torch
 sys.path.insert(0, sys.argv[4])
 from test_fp8_models import _load, _logits
-from treadle.core.parallel import destroy_tensor_parallel, init_tensor_parallel
+from treadle.core.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
 from treadle.core.registry import build_registry
 
 rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -303,7 +303,7 @@ def test_fp8_mixtral_checkpoint_keeps_its_experts_fp8_with_their_scales(tmp_path
 
 
 def test_fp8_expert_weight_and_scale_load_in_either_order_on_each_tensor_parallel_rank():
-    from treadle.plugins.models.moe import FusedExperts
+    from treadle.layers.moe import FusedExperts
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(6, 4, generator=generator).to(FP8_DTYPE)  # w1 of expert 1: [intermediate, hidden]
@@ -322,7 +322,7 @@ def test_fp8_expert_weight_and_scale_load_in_either_order_on_each_tensor_paralle
 
 
 def test_fp8_experts_load_as_stored_into_each_tensor_parallel_rank():
-    from treadle.plugins.models.moe import FusedExperts
+    from treadle.layers.moe import FusedExperts
 
     generator = torch.Generator().manual_seed(1)
     up = torch.randn(6, 4, generator=generator).to(FP8_DTYPE)  # w3 of expert 0: [intermediate, hidden]
@@ -346,7 +346,7 @@ def test_fp8_experts_load_as_stored_into_each_tensor_parallel_rank():
 
 
 def test_quantize_at_load_makes_the_experts_fp8_with_a_scale_per_row(tmp_path):
-    from treadle.plugins.models.fp8_ops import quantize_per_channel
+    from treadle.kernels.fp8_ops import quantize_per_channel
     from treadle.testing.models import make_tiny_mixtral
 
     registry = build_registry(plugin_modules=["treadle.plugins.models.mixtral"], load_entry_points=False)

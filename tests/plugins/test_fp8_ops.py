@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from treadle.core.quantization import FP8_DTYPE, FP8_MAX
-from treadle.plugins.models.fp8_ops import dequantize, fp8_matmul, quantize_per_channel, quantize_static
+from treadle.core.loading.quantization import FP8_DTYPE, FP8_MAX
+from treadle.kernels.fp8_ops import dequantize, fp8_matmul, quantize_per_channel, quantize_static
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normal values, and within
 # half the smallest subnormal step (2^-10 of the scale) below 2^-6.
@@ -69,8 +69,8 @@ def test_scaled_matmul_equals_the_dequantized_product():
 
 SCRIPT = r"""
 import torch
-from treadle.core.quantization import FP8_DTYPE, FP8_MAX
-from treadle.plugins.models.fp8_kernels import per_token_quant
+from treadle.core.loading.quantization import FP8_DTYPE, FP8_MAX
+from treadle.kernels.fp8 import per_token_quant
 # Rows built from values FP8 represents exactly (times a per-row factor), so the kernel's result is
 # exact: the interpreter's own FP8 rounding is not what is tested here (it mis-rounds values that
 # carry into the next binade), the scale and layout are.

@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-from treadle.plugins.models.fused_moe import fused_experts_reference, route_top_k
-from treadle.plugins.models.moe import SparseMoE, sparse_moe_from_config
+from treadle.layers.fused_moe import fused_experts_reference, route_top_k
+from treadle.layers.moe import SparseMoE, sparse_moe_from_config
 
 CHECKS = r'''
 import json, torch
-from treadle.plugins.models import fused_moe as R
-from treadle.plugins.models import fused_moe_kernels as K
+from treadle.layers import fused_moe as R
+from treadle.kernels import fused_moe as K
 
 def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, config=None, gemv=False):
     g = torch.Generator().manual_seed(seed)
@@ -221,7 +221,7 @@ def test_the_gemvs_take_the_batch_sizes_where_they_measured_faster():
     """The crossovers measured on an H100 (docs/benchmarks-history.md, "Fused MoE", and fused_moe_kernels.py): 16-bit
     experts run the GEMVs while there are fewer assignments than experts, FP8 experts (against the W8A8 grouped
     GEMM) up to 0.75 per expert."""
-    from treadle.plugins.models import fused_moe_kernels as K
+    from treadle.kernels import fused_moe as K
 
     mixtral, qwen3 = (8, 2), (128, 8)  # (experts, top-k)
     assert [t for t in range(1, 40) if K.takes_gemv(t, mixtral[1], mixtral[0])] == [1, 2, 3]
@@ -240,8 +240,8 @@ def test_too_many_experts_per_token_is_refused():
 TP_WORKER = r'''
 import sys, torch
 from safetensors import safe_open
-from treadle.core.parallel import destroy_tensor_parallel, init_tensor_parallel
-from treadle.plugins.models.moe import SparseMoE
+from treadle.core.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
+from treadle.layers.moe import SparseMoE
 
 rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)

@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 
 CHECKS = r'''
 import json, torch
-from treadle.plugins.models import fused_kernels as K
-from treadle.plugins.models import fused_ops as R
+from treadle.kernels import fused as K
+from treadle.kernels import fused_ops as R
 
 torch.manual_seed(0)
 results = {}
@@ -68,7 +68,7 @@ def test_kernel_matches_reference(kernel_results, op, dtype):
 def test_cpu_tensors_use_the_reference_path():
     import torch
 
-    from treadle.plugins.models import fused_ops
+    from treadle.kernels import fused_ops
 
     gate_up = torch.randn(2, 8)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from treadle.core.forward_batch import ForwardMode
+from treadle.core.execution.forward_batch import ForwardMode
 from treadle.plugins.attention import hybrid
 
 

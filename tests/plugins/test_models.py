@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from treadle.core.config import ModelConfig
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.memory_pool import KVCache, ReqToTokenPool
-from treadle.core.model_loader import load_model
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.memory.pools import KVCache, ReqToTokenPool
+from treadle.core.loading.model_loader import load_model
 from treadle.core.registry import build_registry
 from treadle.testing.models import (
     make_tiny_llama,
@@ -341,7 +341,7 @@ def test_unsupported_config_feature_fails_at_load_naming_it(tmp_path, registry, 
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> str:
-    from treadle.core.default_model import default_model
+    from treadle.core.loading.default_model import default_model
 
     return default_model()  # converted once into the cache (~30 s the first time)
 
@@ -365,7 +365,7 @@ def test_decoder_layers_that_run_the_next_layers_norm_give_the_same_logits(tmp_p
     """On a GPU, a one-token decode's o_proj and down_proj kernels add the residual and run the norm after them
     (the post-attention norm, and the next layer's input norm, which that layer then skips). Emulated here with the
     same torch ops, the layer stack must give the unfused logits exactly: each norm runs once, on the right sum."""
-    from treadle.plugins.models.linear import RowParallelLinear
+    from treadle.layers.linear import RowParallelLinear
 
     path = make_tiny_llama(tmp_path / "llama", num_hidden_layers=3)
     model, hf_config = _load(path, registry)
@@ -385,7 +385,7 @@ def test_decoder_layers_that_run_the_next_layers_norm_give_the_same_logits(tmp_p
 
 
 def test_a_decoder_layer_subclass_with_its_own_forward_is_run_through_it(tmp_path, registry):
-    from treadle.plugins.models.layers import DecoderLayer
+    from treadle.layers.decoder import DecoderLayer
     from treadle.plugins.models.llama import LlamaModel
 
     class Custom(DecoderLayer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.core.radix_cache import NoPrefixCache, RadixCache
+from treadle.core.memory.radix_cache import NoPrefixCache, RadixCache
 from treadle.core.registry import build_registry
 from treadle.core.request import Req, SamplingParams
 from treadle.plugins.kv_allocators.token import TokenKVAllocator

@@ -1,4 +1,4 @@
-"""Choosing the decode-sized-batch matmul (plugins/models/small_batch.py): the row buckets, the forced modes and
+"""Choosing the decode-sized-batch matmul (layers/small_batch.py): the row buckets, the forced modes and
 their validation. Timing itself needs a GPU (tests/gpu/test_fp8_gpu.py runs FP8 models through it)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.plugins.models import small_batch
-from treadle.plugins.models.small_batch import ROW_BUCKETS, SmallBatchKernels
+from treadle.layers import small_batch
+from treadle.layers.small_batch import ROW_BUCKETS, SmallBatchKernels
 
 pytest.importorskip("triton")
 
-from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS  # noqa: E402
+from treadle.kernels.small_batch import FP8_CONFIGS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_matmul_defers_to_the_library_where_no_config_applies():
 
 
 def test_silu_mul_fuses_only_into_one_pass_kernels():
-    from treadle.plugins.models.small_batch_kernels import SmallBatchConfig, fuses_silu_mul, small_batch_matmul
+    from treadle.kernels.small_batch import SmallBatchConfig, fuses_silu_mul, small_batch_matmul
 
     x, weight = torch.randn(1, 32), torch.randn(16, 32)
     narrow_tile, split_gemv = SmallBatchConfig(16, 256, 4, 3), SmallBatchConfig(8, 1024, 4, 4, split_k=2, gemv=True)
@@ -88,7 +88,7 @@ def test_the_environment_picks_the_mode_and_a_bad_value_names_the_choices(monkey
 
 def test_auto_keeps_the_fastest_per_bucket_and_times_gemv_configs_at_one_row_only(monkeypatch):
     """The timing itself is faked (it needs a GPU): each candidate's 'device time' comes from a table."""
-    from treadle.plugins.models import small_batch_kernels
+    from treadle.kernels import small_batch as small_batch_kernels
 
     gemv = next(c for c in FP8_CONFIGS if c.gemv)
     tiles = [c for c in FP8_CONFIGS if not c.gemv][:2]
@@ -128,7 +128,7 @@ def test_buckets_with_only_the_library_time_nothing(monkeypatch):
         timed.append(run(0))
         return {"library": 2.0, gemv: 1.0}[run(0)[0]]
 
-    from treadle.plugins.models import small_batch_kernels
+    from treadle.kernels import small_batch as small_batch_kernels
 
     monkeypatch.setattr(small_batch, "graph_seconds", fake_seconds)
     monkeypatch.setattr(small_batch, "weight_copies", lambda weight: [weight])
@@ -144,7 +144,7 @@ def test_llama_links_each_linear_layer_to_the_next_ones_weight(tmp_path, monkeyp
     """After loading, every linear layer (forward order: each layer's qkv, o, gate_up, down, then lm_head) holds
     the head of the next one's weight for its decode kernel to prefetch; lm_head's is layer 0's qkv (next step)."""
     from treadle.core.config import ModelConfig
-    from treadle.core.model_loader import load_model
+    from treadle.core.loading.model_loader import load_model
     from treadle.core.registry import build_registry
     from treadle.testing.models import make_tiny_llama
 
@@ -181,7 +181,7 @@ def test_a_cpu_forward_needs_no_triton():
     for the fused SiLU·mul first) runs without importing it."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
-            "from treadle.plugins.models.layers import GatedMLP\n"
+            "from treadle.layers.mlp import GatedMLP\n"
             "print(tuple(GatedMLP(64, 128)(torch.randn(3, 64)).shape))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "(3, 64)", proc.stderr[-2000:]

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from treadle.plugins.models.small_batch_kernels import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS  # noqa: E402
+from treadle.kernels.small_batch import FP8_CONFIGS, SIXTEEN_BIT_CONFIGS  # noqa: E402
 
 CONFIGS = {"fp8": FP8_CONFIGS, "16bit": SIXTEEN_BIT_CONFIGS}
 
@@ -34,9 +34,9 @@ SILU_MUL_MAX_RELATIVE_ERROR = 2e-2
 CHECKS = r"""
 import json, sys
 import torch
-from treadle.plugins.models.fp8_ops import dequantize, quantize_per_channel, quantize_per_token
-from treadle.plugins.models.fused_ops import rmsnorm_reference
-from treadle.plugins.models.small_batch_kernels import (FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, fuses_silu_mul,
+from treadle.kernels.fp8_ops import dequantize, quantize_per_channel, quantize_per_token
+from treadle.kernels.fused_ops import rmsnorm_reference
+from treadle.kernels.small_batch import (FP8_CONFIGS, SIXTEEN_BIT_CONFIGS, fuses_silu_mul,
                                                       small_batch_matmul)
 
 errors = {}
@@ -82,7 +82,7 @@ for n, k in json.loads(sys.argv[1]):
                         ok = y.dtype == dtype and y.shape == (rows, n // 2)
                         error = ((y.float() - expected).norm() / expected.norm()).item() if ok else float("inf")
                         errors[f"{kind}-{index}-{n}x{k}-{rows}-{str(dtype)[6:]}-silu_mul"] = error
-from treadle.plugins.models.small_batch_kernels import _arrival_counts
+from treadle.kernels.small_batch import _arrival_counts
 errors["arrival counts left nonzero"] = sum(int(counts.count_nonzero()) for counts in _arrival_counts.values())
 print("RESULTS " + json.dumps(errors))
 """

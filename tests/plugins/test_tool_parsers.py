@@ -8,10 +8,10 @@ import jsonschema
 import pytest
 
 from treadle.core.config import ConfigError, load_config, validate_plugin_choices
-from treadle.core.forced_tools import ForcedCallFormat, forced_call_schema
+from treadle.text.forced_tools import ForcedCallFormat, forced_call_schema
 from treadle.core.hookspecs import hookimpl
 from treadle.core.registry import PluginError, build_registry
-from treadle.core.tool_parser import ToolCall, ToolParser, default_tool_parser
+from treadle.text.tool_parser import ToolCall, ToolParser, default_tool_parser
 from treadle.testing import check_reasoning_parser, check_tool_parser
 
 
@@ -173,7 +173,7 @@ def test_tool_call_to_openai_shape():
 
 
 def test_conformance_check_catches_a_reasoning_parser_that_ignores_the_prompt(registry):
-    from treadle.core.reasoning_parser import ReasoningParser
+    from treadle.text.reasoning_parser import ReasoningParser
 
     think_tags = registry.get("reasoning_parsers", "think_tags")()
 

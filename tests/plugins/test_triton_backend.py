@@ -28,9 +28,9 @@ if __name__ == "__main__":
 import pytest
 import torch
 
-from treadle.core.attention import RadixAttention
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.memory_pool import KVCache, ReqToTokenPool
+from treadle.core.execution.attention import RadixAttention
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.memory.pools import KVCache, ReqToTokenPool
 
 RESULT_MARKER = "TRITON_CHECKS_JSON="
 LAYER_ID = 1  # a layer other than 0, so the backend must pick the right buffers
@@ -261,7 +261,7 @@ def _rotary_fused(**kwargs):
     """Decode with q and k passed before the rotary embedding (the kernel rotates them): the output and the
     stored K/V are identical to rotating first (``fused_ops``' torch reference, as the model does) — 0.0, else inf."""
     def run() -> float:
-        from treadle.plugins.models.fused_ops import apply_rotary_reference
+        from treadle.kernels.fused_ops import apply_rotary_reference
 
         seq_lens = [1, 19, 40]
         rotated, backend = make_batch(DECODE, [s - 1 for s in seq_lens], [1] * 3, page_size=4, **kwargs)

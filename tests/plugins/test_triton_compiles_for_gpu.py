@@ -76,8 +76,8 @@ def _attention_kernels() -> dict:
 
 
 def _model_kernels() -> dict:
-    from treadle.core import argmax_kernel, kv_store
-    from treadle.plugins.models import exact_top_logits_kernels, fp8_kernels, fused_kernels, fused_moe_kernels
+    from treadle.kernels import argmax as argmax_kernel, kv_store
+    from treadle.kernels import exact_top_logits as exact_top_logits_kernels, fp8 as fp8_kernels, fused as fused_kernels, fused_moe as fused_moe_kernels
 
     return {
         "add_rmsnorm": lambda: _check_pdl(True, _compile(
@@ -203,7 +203,7 @@ def _expect_in_ptx(compiled, text: str) -> None:
 
 def _check_pdl(pdl: bool, compiled, triggers: bool = True) -> None:
     """A kernel compiled for PDL waits for the kernel before it and (``triggers``) lets the next one start
-    (core/pdl.py); compiled without, it does neither."""
+    (kernels/pdl.py); compiled without, it does neither."""
     ptx = compiled.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl
     assert ("griddepcontrol.launch_dependents" in ptx) == (pdl and triggers)
@@ -211,7 +211,7 @@ def _check_pdl(pdl: bool, compiled, triggers: bool = True) -> None:
 
 def _moe_align(**constexprs: object):
     """The fused-MoE align kernel with these constexprs; its slot claims are relaxed atomics (no fence per add)."""
-    from treadle.plugins.models import fused_moe_kernels
+    from treadle.kernels import fused_moe as fused_moe_kernels
 
     def check() -> None:
         compiled = _compile(fused_moe_kernels._align_kernel,
@@ -227,7 +227,7 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
     """The small-batch matmul kernel with these constexprs (split-K variants also write float32 partials; bounds
     masks unless EVEN is given; SILU_MUL: the gated-MLP epilogue; 16-bit weights' tiles load with evict_first;
     PREFETCH: the L2 prefetch of the next weight), whose PTX holds ``expect_in_ptx`` if given."""
-    from treadle.plugins.models import small_batch_kernels
+    from treadle.kernels import small_batch as small_batch_kernels
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
                   "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "PDL": False,

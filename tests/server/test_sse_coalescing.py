@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from treadle.server.http import sse_response
+from treadle.server.streaming import sse_response
 from treadle.server.ipc import StrOutput
 from treadle.server.tokenizer_manager import GenerationStream, StreamEvent
 
@@ -106,7 +106,7 @@ def test_an_event_is_one_line_for_readers_that_split_on_unicode_line_breaks() ->
 def test_native_stream_chunks_serialize_like_the_response_dict() -> None:
     import json
 
-    from treadle.server.http import _NativeResult
+    from treadle.server.native_routes import _NativeResult
     from treadle.server.ipc import StrOutput
     from treadle.server.protocol import GenerateRequest
 

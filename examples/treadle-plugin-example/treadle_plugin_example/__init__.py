@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.schedule_policy import SchedulePolicy
+from treadle.core.scheduling.policy import SchedulePolicy
 
 
 class ShortestPromptFirst(SchedulePolicy):

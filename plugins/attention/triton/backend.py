@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.attention import AttentionBackend, head_layout
-from treadle.core.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.attention import AttentionBackend, head_layout
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 
 if TYPE_CHECKING:
-    from treadle.core.attention import RadixAttention
+    from treadle.core.execution.attention import RadixAttention
 
 _SUPPORTED_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 # Decode batches of up to this many requests read 128 keys per kernel iteration, larger ones 64 (see _decode_block).

@@ -27,7 +27,7 @@ At one request the kernel is a chain of dependent loads (the length, the
 request's row of ``req_to_token``, the slots, K and V, the partials). Where it
 stores the new K/V itself, everything up to the chunk's first block of cached
 K/V was written before the step, so it is loaded first, and on Hopper the kernel
-is launched with programmatic dependent launch (``core/pdl.py``): those loads run
+is launched with programmatic dependent launch (``kernels/pdl.py``): those loads run
 while the q/k/v matmul before it finishes, and the kernel waits for it only
 before it reads q and the new K/V (the new token's slot in that first block is
 patched in registers). Each block's V is loaded with its K.
@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.core.kv_store import saturate_to_fp8
-from treadle.core.pdl import wait_for_previous
-from treadle.core.pdl import enabled as pdl_enabled
+from treadle.kernels.kv_store import saturate_to_fp8
+from treadle.kernels.pdl import wait_for_previous
+from treadle.kernels.pdl import enabled as pdl_enabled
 
 _LOG2E = 1.4426950408889634
 
@@ -79,7 +79,7 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     # The request's length, row of req_to_token and cached keys were written before this step's kernels, so they
-    # are read before waiting for the kernel before (core/pdl.py): at one request the kernel is a chain of
+    # are read before waiting for the kernel before (kernels/pdl.py): at one request the kernel is a chain of
     # dependent loads, ~1 us each, and this takes the chain off the step's critical path.
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
     pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
@@ -316,7 +316,7 @@ def decode_attention(
         raise ValueError("decode_attention applies the rotary embedding only with new_kv (the k to rotate)")
     cos, sin = rotary if rotary is not None else (q, q)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    # Launched with PDL (core/pdl.py) where the kernel stores the new K/V itself, so that everything it reads
+    # Launched with PDL (kernels/pdl.py) where the kernel stores the new K/V itself, so that everything it reads
     # before waiting was written before the step.
     pdl = new_kv is not None and pdl_enabled(q.device)
     splits = max_kv_splits

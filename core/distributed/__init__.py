@@ -1,0 +1,1 @@
+"""Distributed: process groups and the tensor-parallel rank processes."""

@@ -1,0 +1,1 @@
+"""Execution: forward batches, the model runner, CUDA graphs, attention, sampling."""

@@ -1,0 +1,257 @@
+"""ModelRunner: loads the model, sizes and owns the KV memory, builds the attention backend, runs forwards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from treadle.core.execution.attention import build_attention_backend, model_sliding_windows
+from treadle.core.auto_size import (
+    GPU_LATENCY_CHUNK_SIZE,
+    GPU_PREFILL_HOLD_STEPS,
+    BatchSizes,
+    request_table_bytes,
+    resolve_batch_sizes,
+    resolve_chunked_prefill_size,
+    resolve_cuda_only,
+    resolve_piecewise_max_tokens,
+)
+from treadle.core.config import ServerConfig
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.memory.allocator import KVAllocator
+from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
+from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
+from treadle.core.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+# Without a GPU there is no device memory to size from: cap the default KV pool.
+_CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+_CPU_DEFAULT_MAX_TOKENS = 65536
+
+
+class ModelRunner:
+    """Owns the model, the KV pools, the KV allocator and the attention backend of one GPU (or the CPU).
+
+    Attention backends read these attributes: ``device``, ``dtype``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``page_size``, ``req_to_token_pool``,
+    ``kv_cache``, ``sliding_window``, ``context_len``. Under tensor parallelism the head
+    counts and the KV cache are this rank's share (``tp_rank`` of ``tp_size``).
+    """
+
+    def __init__(self, config: ServerConfig, registry: Registry) -> None:
+        from treadle.core.loading.model_loader import load_model
+
+        self.config = config
+        self.model, self.hf_config, self.model_dir = load_model(config.model, registry)
+        first_param = next(self.model.parameters())
+        self.device: torch.device = first_param.device
+        # FP8 weights and their float32 scales keep their dtype; the model dtype is that of the rest.
+        self.dtype: torch.dtype = next(
+            (p.dtype for p in self.model.parameters() if not getattr(p, "keep_dtype", False)), first_param.dtype
+        )
+
+        hf = self.hf_config
+        self.num_layers: int = hf.num_hidden_layers
+        # This rank's share of the heads (all of them at tp 1); KV heads replicate past their count.
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_heads, self.num_kv_heads = tp_head_counts(
+            hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, self.tp_size
+        )
+        self.head_dim: int = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.vocab_size: int = hf.vocab_size
+        # What the layers were built with (a config's sliding_window may be switched off for some or all).
+        self.layer_sliding_windows = model_sliding_windows(self.model) or (getattr(hf, "sliding_window", None) or None,)
+        shared = set(self.layer_sliding_windows)
+        self.sliding_window: int | None = shared.pop() if len(shared) == 1 else None
+        max_positions = getattr(hf, "max_position_embeddings", 4096)
+        self.context_len: int = config.model.context_length or max_positions
+        self.page_size: int = config.cache.page_size
+        self.kv_dtype: torch.dtype = KV_DTYPES.get(config.cache.kv_dtype, self.dtype)
+
+        self._requested = (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs,
+                           config.scheduler.enable_mixed_chunk)
+        self.max_total_tokens, sizes = self._kv_pool_and_batch_sizes()
+        self.kv_cache = KVCache(
+            self.max_total_tokens, self.page_size, self.num_layers, self.num_kv_heads,
+            self.head_dim, self.kv_dtype, self.device,
+        )
+        self._use_checkpoint_kv_scales()
+        # "auto" is replaced by the chosen value in the live config, so the scheduler,
+        # the CUDA-graph runner and /get_server_info all read one number.
+        config.scheduler.max_running_requests = sizes.max_running_requests
+        config.runtime.cuda_graph_max_bs = sizes.cuda_graph_max_bs
+        config.scheduler.enable_mixed_chunk = sizes.enable_mixed_chunk
+        on_cuda = self.device.type == "cuda"
+        requested_hold = config.scheduler.prefill_hold_steps
+        config.scheduler.prefill_hold_steps = resolve_cuda_only(requested_hold, on_cuda=on_cuda,
+                                                                cuda_value=GPU_PREFILL_HOLD_STEPS)
+        requested_latency = config.scheduler.latency_chunk_size
+        config.scheduler.latency_chunk_size = resolve_cuda_only(requested_latency, on_cuda=on_cuda,
+                                                                cuda_value=GPU_LATENCY_CHUNK_SIZE)
+        requested_chunk = config.scheduler.chunked_prefill_size  # Engine resolves its "auto" before this
+        config.scheduler.chunked_prefill_size = resolve_chunked_prefill_size(requested_chunk, on_cuda=on_cuda,
+                                                                             offline=False)
+        self.max_running_requests = sizes.max_running_requests
+        # One spare row so a retracted request can be re-admitted while others still hold theirs.
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, self.context_len + self.page_size, self.device
+        )
+        allocator_factory = registry.get("kv_allocators", config.cache.kv_allocator)
+        self.allocator: KVAllocator = allocator_factory(self.max_total_tokens, self.page_size, "cpu")
+        # "auto" becomes the backend chosen, in the live config as the sizes above.
+        self.attn_backend, config.attention.backend = build_attention_backend(registry, config.attention.backend,
+                                                                              self)
+        self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
+        requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
+        config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
+            requested_piecewise, on_cuda=on_cuda,
+            chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
+            mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
+            latency_chunk_size=config.scheduler.latency_chunk_size,
+            launch_bound_prefill=bool(getattr(self.model, "launch_bound_prefill", False)))
+        self.piecewise_graph_runner = self._maybe_piecewise_graphs()
+        if on_cuda:
+            self._warm_up_prefill()
+        logger.info(
+            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
+            "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
+            "enable_mixed_chunk %s%s, chunked_prefill_size %s%s, latency_chunk_size %d%s, prefill_hold_steps %d%s",
+            self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
+            f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
+            sizes.max_running_requests, _auto(self._requested[0]),
+            sizes.cuda_graph_max_bs if self.cuda_graph_runner is not None else "- (no CUDA graphs)",
+            _auto(self._requested[1]),
+            self.piecewise_graph_runner.max_tokens if self.piecewise_graph_runner is not None else "- (prefill eager)",
+            _auto(requested_piecewise), sizes.enable_mixed_chunk, _auto(self._requested[2]),
+            config.scheduler.chunked_prefill_size, _auto(requested_chunk),
+            config.scheduler.latency_chunk_size, _auto(requested_latency),
+            config.scheduler.prefill_hold_steps, _auto(requested_hold),
+        )
+
+    def _kv_pool_and_batch_sizes(self) -> tuple[int, BatchSizes]:
+        """KV pool size in tokens, and the batch sizes with every ``auto`` resolved for this device."""
+        cfg = self.config
+        requested = cfg.cache.max_total_tokens
+        per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        on_cuda = self.device.type == "cuda"
+        total = torch.cuda.mem_get_info(self.device)[1] if on_cuda else 0
+
+        def resolve(kv_tokens: int) -> BatchSizes:
+            return resolve_batch_sizes(*self._requested, on_cuda=on_cuda, kv_tokens=kv_tokens,
+                                       gpu_memory_bytes=total,
+                                       prefers_mixed_chunks=bool(getattr(self.model, "prefers_mixed_chunks", False)))
+
+        if requested is None and on_cuda:
+            # Loading may have freed memory into torch's cache (16-bit weights quantized at load to FP8):
+            # handed back, it counts as free for the pool.
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.cache.mem_fraction - (total - free)
+            # The per-request tables grow with the running limit, which grows with the pool: size the
+            # limit from the whole budget, then give the pool what the tables leave.
+            sizes = resolve(max(int(budget // per_token), 1))
+            budget -= request_table_bytes(sizes.max_running_requests, self.context_len, self.page_size)
+            if budget <= per_token * 64:
+                raise RuntimeError(
+                    f"not enough GPU memory for the KV cache: cache.mem_fraction={cfg.cache.mem_fraction} "
+                    f"of {total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
+                    f"{sizes.max_running_requests} request rows; lower scheduler.max_running_requests or "
+                    "model.context_length, or raise cache.mem_fraction"
+                )
+            requested = int(budget // per_token)
+        elif requested is None:
+            requested = min(int(_CPU_DEFAULT_KV_BYTES * cfg.cache.mem_fraction // per_token),
+                            _CPU_DEFAULT_MAX_TOKENS)
+        # Every rank must make the same scheduling decisions, so all use the smallest pool.
+        requested = tp_min_int(requested)
+        size = requested - requested % self.page_size
+        if size < self.page_size:
+            raise ValueError(f"cache.max_total_tokens={requested} is smaller than one page ({self.page_size})")
+        return size, resolve(size)
+
+    def _use_checkpoint_kv_scales(self) -> None:
+        # A model that found per-layer KV-cache scales in its checkpoint lists them in `kv_cache_scales`.
+        scales: dict[int, dict[str, float]] = getattr(self.model, "kv_cache_scales", None) or {}
+        if not scales:
+            return
+        if not self.kv_cache.is_fp8:
+            logger.info("the checkpoint's KV-cache scales are unused: cache.kv_dtype is auto")
+            return
+        for layer_id, layer_scales in scales.items():
+            self.kv_cache.k_scales[layer_id] = layer_scales.get("k", 1.0)
+            self.kv_cache.v_scales[layer_id] = layer_scales.get("v", 1.0)
+
+    def _maybe_cuda_graphs(self, registry: Registry) -> Any:
+        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph:
+            return None
+        if not getattr(self.attn_backend, "supports_cuda_graph", False):
+            logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
+                        self.config.attention.backend)
+            return None
+        from treadle.core.execution.cuda_graph import CudaGraphRunner
+
+        return CudaGraphRunner(self)
+
+    def _maybe_piecewise_graphs(self) -> Any:
+        max_tokens = int(self.config.runtime.piecewise_cuda_graph_max_tokens)
+        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph or max_tokens == 0:
+            return None
+        from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner, SplitForwardModel
+
+        if not isinstance(self.model, SplitForwardModel):
+            logger.info("model %s has no forward_hidden/compute_logits; prefills run eagerly",
+                        type(self.model).__name__)
+            return None
+        pool = self.cuda_graph_runner.memory_pool if self.cuda_graph_runner is not None else None
+        return PiecewiseGraphRunner(self, max_tokens, pool)
+
+    def _warm_up_prefill(self, tokens: int = 16) -> None:
+        """One prefill of ``tokens`` dummy tokens through the real attention backend, its K/V written to the padding
+        slot, so that first-use costs land in start-up, not on the first request: FlashInfer loads (or JIT-builds)
+        its prefill module at first use, which took the first request of a fresh H100 server 17 s once no decode
+        graph of ``flashinfer_triton`` went through FlashInfer any more."""
+        device = self.device
+        lens = torch.tensor([tokens], dtype=torch.int64)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        padding = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.forward(ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=padding,
+            positions=torch.arange(tokens, device=device), req_pool_indices=zero, seq_lens=lens.to(device),
+            seq_lens_cpu=lens, out_cache_loc=padding, seq_lens_sum=tokens, logits_indices=zero + tokens - 1,
+            req_to_token_pool=self.req_to_token_pool, kv_cache=self.kv_cache, attn_backend=self.attn_backend,
+            extend_seq_lens=lens.to(device), extend_prefix_lens=zero, extend_start_loc=zero,
+            extend_seq_lens_cpu=[tokens], extend_prefix_lens_cpu=[0],
+        ))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def release_graphs(self) -> None:
+        """Free the decode and prefill CUDA graphs once the GPU is done with them; later forwards run eagerly.
+
+        Under tensor parallelism the graphs hold collectives captured on the group's NCCL communicator: rank 0
+        hung in ``destroy_process_group`` with the prefill graphs still alive (2 H200s), so each rank calls this
+        before leaving the group."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for runner in (self.cuda_graph_runner, self.piecewise_graph_runner):
+            if runner is not None:
+                runner.release()
+        self.cuda_graph_runner = None
+        self.piecewise_graph_runner = None
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
+        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
+            return self.piecewise_graph_runner.replay(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+
+def _auto(requested: object) -> str:
+    return " (auto)" if requested == "auto" else ""

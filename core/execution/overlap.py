@@ -1,0 +1,77 @@
+"""Device-side pieces of overlap scheduling: host-to-device copies that do not block, the per-request
+next-input-token buffer, and a step's results copied back to the host in the background.
+
+Nothing here synchronizes the device: host tensors bound for CUDA go through pinned memory with
+``non_blocking=True``; results come back into pinned memory behind a CUDA event that the host waits on
+only when it needs the values, one step later. On the CPU every copy is a no-op and no CUDA API is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from treadle.core.execution.forward_batch import ForwardBatch
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without waiting for the device (pinned staging on CUDA)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+class NextInputIds:
+    """The last sampled token of every request-table row, on the device.
+
+    After each sampling the step's tokens are scattered here by ``req_pool_idx``; the next step
+    gathers its decode rows' input ids from here, so a token never has to visit the host before
+    it is fed back to the model.
+    """
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.ids = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def record(self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
+        self.ids.index_copy_(0, req_pool_indices, next_token_ids)
+
+    def gather(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        return self.ids.index_select(0, req_pool_indices)
+
+
+class HostCopy:
+    """Device tensors on their way to the host; ``wait()`` returns them once the copy has finished."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._event = None
+        self._values: dict[str, Any] = {}
+        on_cuda = False
+        for name, value in tensors.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                # A non-blocking device-to-host to() allocates a pinned destination.
+                value = value.to("cpu", non_blocking=True)
+                on_cuda = True
+            self._values[name] = value
+        if on_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> dict[str, Any]:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._values
+
+
+@dataclass
+class LaunchedStep:
+    """One step whose forward (and then sampling) was queued on the device; the host reads it later."""
+
+    batch: "ScheduleBatch"
+    forward_batch: "ForwardBatch"
+    logits: torch.Tensor | None  # dropped once sampling has been queued
+    results: HostCopy | None = None  # the sampled ids (and log-probs) on their way to the host

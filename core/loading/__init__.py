@@ -1,0 +1,1 @@
+"""Loading: model weights, checkpoints, the embedded default model, the hub, quantization configs."""

@@ -1,0 +1,1 @@
+"""KV memory: the pools, the allocator interface and the radix prefix cache."""

@@ -1,0 +1,1 @@
+"""Scheduling: the scheduler, admission and decode batches, retraction, output processing."""

@@ -1,0 +1,153 @@
+"""Turning a finished step's sampled tokens into request state and ReqOutputs.
+
+Runs on the host one step late under overlap scheduling: by then the next step is already queued
+on the device. A request that finished (or was aborted) while its next step was in flight gets that
+step's token discarded here; its memory was released when it finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.core.execution.overlap import LaunchedStep, to_device
+from treadle.core.request import FinishReason, Req, ReqOutput
+from treadle.core.scheduling.schedule_batch import ScheduleBatch
+
+
+# What every step copies home; prompt log-probs add keys ``in{entry}`` (see _input_logprob_tensors).
+_SAMPLED_KEYS = ("next_ids", "logprobs", "top_values", "top_ids")
+
+
+class OutputProcessing:
+    """The Scheduler's output half (a mixin: it reads and updates the Scheduler's state)."""
+
+    def _process(self, step: LaunchedStep) -> None:
+        """Apply a step's tokens: append them, finish requests, queue outputs in ``self._pending``."""
+        host = step.results.wait()
+        next_ids = host["next_ids"].tolist()
+        token_logprobs = host["logprobs"].tolist() if host["logprobs"] is not None else None
+        top = None
+        if host["top_values"] is not None:
+            top = (host["top_values"].tolist(), host["top_ids"].tolist())
+        any_input_logprobs = len(host) > len(_SAMPLED_KEYS)
+
+        for i, entry in enumerate(step.batch.entries):
+            req = entry.req
+            if entry.completes_sequence:
+                req.pending_tokens -= 1
+            if req.finished:
+                continue  # aborted, or finished by the step before: this row's token is discarded
+            first_output = not req.output_ids and not req.input_logprobs_sent
+            if any_input_logprobs and f"in{i}" in host:
+                values, tops = self._input_logprob_lists(entry, host, i)
+                req.input_token_logprobs.extend(values)
+                req.input_top_logprobs.extend(tops)
+            if not entry.completes_sequence:
+                continue  # a middle chunk: nothing to sample yet
+            new_ids: list[int] = []
+            if self._remaining_new_tokens(req) > 0:
+                token = next_ids[i]
+                req.output_ids.append(token)
+                new_ids.append(token)
+                if req.return_logprob and token_logprobs is not None:
+                    req.output_token_logprobs.append(token_logprobs[i])
+                    if req.top_logprobs_num and top is not None:
+                        k = req.top_logprobs_num
+                        req.output_top_logprobs.append(list(zip(top[1][i][:k], top[0][i][:k])))
+                self._check_finished(req, token)
+            else:
+                req.finish(FinishReason.LENGTH, None)
+            if req.finished:
+                if req in self.running:
+                    self.running.remove(req)
+                self._finish(req)
+            self._pending.append(self._output(req, new_ids, include_input_logprobs=first_output))
+
+    # ------------------------------------------------------------ log-probs
+
+    def _input_logprob_tensors(self, batch: ScheduleBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Prompt-token log-probs for the entries that asked, as device tensors keyed ``in{entry}``."""
+        tensors: dict[str, torch.Tensor] = {}
+        row_start = 0
+        for i, entry in enumerate(batch.entries):
+            req = entry.req
+            rows_here = len(entry.logit_positions)
+            if self._wants_input_logprobs(req):
+                prompt_len = len(req.origin_input_ids)
+                positions = [p for p in entry.logit_positions if req.logprob_start_len <= p + 1 < prompt_len]
+                if positions:
+                    rows = torch.arange(row_start, row_start + len(positions))
+                    targets = torch.tensor([req.origin_input_ids[p + 1] for p in positions])
+                    log_probs = torch.log_softmax(logits.index_select(0, to_device(rows, logits.device)).float(), dim=-1)
+                    tensors[f"in{i}"] = log_probs.gather(1, to_device(targets, logits.device).unsqueeze(1)).squeeze(1)
+                    if req.top_logprobs_num:
+                        top = torch.topk(log_probs, req.top_logprobs_num, dim=-1)
+                        tensors[f"in{i}_top_ids"] = top.indices
+                        tensors[f"in{i}_top_values"] = top.values
+                else:
+                    tensors[f"in{i}"] = torch.empty(0)
+            row_start += rows_here
+        return tensors
+
+    def _input_logprob_lists(self, entry, host: dict, i: int) -> tuple[list, list]:
+        req = entry.req
+        values: list[float | None] = []
+        tops: list = []
+        if req.logprob_start_len == 0 and entry.kv_start == 0:
+            values.append(None)  # the first token has no context to be predicted from
+            tops.append(None)
+        computed = host[f"in{i}"].tolist()
+        values.extend(computed)
+        if f"in{i}_top_ids" in host:
+            ids, vals = host[f"in{i}_top_ids"].tolist(), host[f"in{i}_top_values"].tolist()
+            tops.extend(list(zip(row_ids, row_vals)) for row_ids, row_vals in zip(ids, vals))
+        else:
+            tops.extend([None] * len(computed))
+        return values, tops
+
+    # ------------------------------------------------------------ finishing
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        params = req.sampling_params
+        if self.grammar.accept(req, token):
+            req.finish(FinishReason.STOP, str(token) if token in self.eos_token_ids else None)
+        elif token in params.stop_token_ids:
+            req.finish(FinishReason.STOP, str(token))
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            req.finish(FinishReason.STOP, str(token))
+        elif params.stop and self.tokenizer is not None and (matched := self._matched_stop(req)) is not None:
+            req.finish(FinishReason.STOP, matched)
+        elif len(req.output_ids) >= params.max_new_tokens:
+            req.finish(FinishReason.LENGTH, None)
+        elif req.seq_len >= self.context_len:
+            req.finish(FinishReason.LENGTH, None)
+
+    def _matched_stop(self, req: Req) -> str | None:
+        stops = req.sampling_params.stop
+        longest = max(len(s) for s in stops)
+        tail = self.tokenizer.decode(req.output_ids[-(longest + 2):], skip_special_tokens=False)
+        for stop in stops:
+            if stop in tail:
+                return stop
+        return None
+
+    def _output(self, req: Req, new_ids: list[int], include_input_logprobs: bool = False) -> ReqOutput:
+        output = ReqOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            finished_reason=req.finished_reason,
+            finished_detail=req.finished_detail,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+        )
+        if req.return_logprob:
+            count = len(new_ids)
+            output.new_output_logprobs = req.output_token_logprobs[len(req.output_token_logprobs) - count:] if count else []
+            if req.top_logprobs_num:
+                output.new_output_top_logprobs = req.output_top_logprobs[-count:] if count else []
+            if include_input_logprobs or (req.finished and not req.input_logprobs_sent):
+                output.input_token_logprobs = list(req.input_token_logprobs)
+                output.input_top_logprobs = list(req.input_top_logprobs)
+                req.input_logprobs_sent = True
+        return output

@@ -1,0 +1,244 @@
+"""The native routes (``/generate``, ``/abort_request``) and the admin and health routes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from treadle import __version__
+from treadle.core.request import SamplingParams
+from treadle.server.ipc import RESOLVED_CONFIG_KEY, StrOutput, TokenizedGenerateReq, finish_detail
+from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
+from treadle.server.streaming import collect, first_event, sse_response
+from treadle.server.tokenizer_manager import RequestError, StreamEvent, TokenizerManager
+
+
+class _NativeResult:
+    """Accumulates one prompt's outputs into the /generate response shape."""
+
+    def __init__(self, rid: str, input_ids: list[int], body: GenerateRequest) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.body = body
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[list[tuple[int, float]]] = []
+        self.input_logprobs: list[float | None] = []
+        self.input_top: list[Any] = []
+        self.last: StrOutput | None = None
+        # output_ids as the inside of a JSON array, grown with each output: a streamed event carries the
+        # whole list, and re-encoding it every event cost O(n) per token in the HTTP process.
+        self._ids_json = ""
+
+    def add(self, out: StrOutput) -> None:
+        self.text += out.text_delta
+        self.output_ids += out.new_token_ids
+        if out.new_token_ids:
+            piece = ",".join(map(str, out.new_token_ids))
+            self._ids_json = f"{self._ids_json},{piece}" if self._ids_json else piece
+        self.output_logprobs += out.new_output_logprobs
+        self.output_top += out.new_output_top_logprobs
+        if out.input_token_logprobs is not None:
+            self.input_logprobs = list(out.input_token_logprobs)
+            self.input_top = list(out.input_top_logprobs or [])
+        self.last = out
+
+    def to_json(self, stop: list[str]) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self._meta(stop)}
+
+    def to_json_text(self, stop: list[str], index: int | None = None) -> str:
+        """``to_json`` serialized (plus ``index`` for a batch), reusing the already encoded output ids."""
+        text = json.dumps(self.text, ensure_ascii=False)
+        meta = json.dumps(self._meta(stop), ensure_ascii=False)
+        tail = "" if index is None else f', "index": {index}'
+        return f'{{"text": {text}, "output_ids": [{self._ids_json}], "meta_info": {meta}{tail}}}'
+
+    def _meta(self, stop: list[str]) -> dict[str, Any]:
+        out = self.last
+        reason = None
+        if out is not None and out.finished_reason is not None:
+            reason = {"type": out.finished_reason, "matched": finish_detail(out, stop)}
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": reason,
+            "prompt_tokens": out.prompt_tokens if out else len(self.input_ids),
+            "completion_tokens": out.completion_tokens if out else 0,
+            "cached_tokens": out.cached_tokens if out else 0,
+        }
+        if self.body.return_logprob:
+            start = max(self.body.logprob_start_len, 0)
+            meta["input_token_logprobs"] = [
+                [lp, tid] for lp, tid in zip(self.input_logprobs, self.input_ids[start:])]
+            meta["output_token_logprobs"] = [[lp, tid] for lp, tid in zip(self.output_logprobs, self.output_ids)]
+            meta["input_top_logprobs"] = [_top_pairs(top) for top in self.input_top]
+            meta["output_top_logprobs"] = [_top_pairs(top) for top in self.output_top]
+        return meta
+
+
+def _top_pairs(top: list[tuple[int, float]] | None) -> list[list[Any]] | None:
+    return None if top is None else [[lp, tid] for tid, lp in top]
+
+
+def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("send exactly one of `text` and `input_ids`", param="text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if not texts:
+            raise RequestError("`text` is an empty list", param="text")
+        return [manager.tokenize(t, "text") for t in texts], isinstance(body.text, list)
+    ids = body.input_ids
+    if ids and isinstance(ids[0], list):
+        return [list(x) for x in ids], True  # type: ignore[arg-type]
+    if not ids:
+        raise RequestError("`input_ids` is empty", param="input_ids")
+    return [list(ids)], False  # type: ignore[arg-type]
+
+
+def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        prompts, is_batch = _native_prompts(manager, body)
+        param = "text" if body.text is not None else "input_ids"
+        params = SamplingParams(**body.sampling_params.model_dump())
+        if isinstance(body.rid, list):
+            if len(body.rid) != len(prompts):
+                raise RequestError(f"{len(body.rid)} rids for {len(prompts)} prompts", param="rid")
+            rids = list(body.rid)
+        elif body.rid is not None:
+            rids = [body.rid] if len(prompts) == 1 else [f"{body.rid}-{i}" for i in range(len(prompts))]
+        else:
+            rids = [manager.new_rid() for _ in prompts]
+        reqs = []
+        for rid, ids in zip(rids, prompts):
+            manager.check_request(ids, params, param)
+            reqs.append(TokenizedGenerateReq(rid, ids, params, body.return_logprob, body.logprob_start_len,
+                                             body.top_logprobs_num, body.priority))
+        results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]
+        stop = list(params.stop or [])
+        stream = manager.submit(reqs, timeout=body.timeout)
+
+        def add(event: StreamEvent) -> None:
+            results[event.index].add(event.output)  # type: ignore[arg-type]
+
+        if body.stream:
+            first = await first_event(stream)
+
+            def render(event: StreamEvent) -> list[str]:
+                return [results[event.index].to_json_text(stop, event.index if is_batch else None)]
+
+            return sse_response(stream, first, render, accumulate=add)
+        await collect(request, stream, add)
+        payload = [r.to_json(stop) for r in results]
+        return JSONResponse(payload if is_batch else payload[0])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if manager.dead_reason is not None:
+            return JSONResponse(error_body(manager.dead_reason, "server_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> JSONResponse:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        token = int(manager.model_info.get("bos_token_id") or 0)
+        stream = manager.submit([TokenizedGenerateReq(manager.new_rid(), [token], params)])
+        try:
+            await asyncio.wait_for(collect(request, stream, lambda event: None), timeout=60)
+        except asyncio.TimeoutError:
+            stream.abort()
+            raise RequestError("the model did not produce a token within 60 s", status_code=503,
+                               type_="server_error") from None
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        info = _public_model_info(manager)
+        info.setdefault("served_model_name", manager.served_model_name)
+        info["is_generation"] = True
+        info["has_tokenizer"] = manager.tokenizer is not None
+        return JSONResponse(info)
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        stats = await manager.control("stats")
+        pids = {"server": os.getpid(), **server_info.get("pids", {})}
+        return JSONResponse({
+            "version": __version__,
+            "config": resolved_config(manager.config.model_dump(mode="json"),  # secrets are SecretStr: masked
+                                      manager.model_info.get(RESOLVED_CONFIG_KEY)),
+            "kv": stats["kv"],
+            **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
+            "cached_tokens_total": manager.cached_tokens_total,
+            "running_requests": len(manager.states),
+            "max_inflight_requests": manager.max_inflight_requests,
+            "draining": manager.draining,
+            "model_info": _public_model_info(manager),
+            **server_info,
+            "pids": pids,
+            "memory": {"rss_bytes": {name: resident_bytes(pid) for name, pid in pids.items()}},
+        })
+
+    async def flush_cache() -> JSONResponse:
+        result = await manager.control("flush_cache")
+        if not result.get("success"):
+            body = error_body("cannot flush the cache while requests are running; retry when idle",
+                              "invalid_request_error", None, "requests_in_flight")
+            return JSONResponse({"success": False, **body}, status_code=409)
+        return JSONResponse({"success": True})
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["POST", "GET"])
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> JSONResponse:
+        targets = [rid for rid in list(manager.states) if rid == body.rid or rid.startswith(body.rid + "-")]
+        for rid in targets:
+            manager.abort(rid, keep_waiting=True)
+        return JSONResponse({"success": bool(targets), "aborted": targets})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = await manager.control("stats", timeout=2.0)
+            manager.metrics.set_scheduler_stats(stats["kv"], stats.get("replicas"))
+        except RequestError:
+            pass  # still serve the counters when the scheduler is busy or gone
+        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def resident_bytes(pid: int | None) -> int | None:
+    """Resident memory of a process from /proc (None off Linux or once it is gone)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def resolved_config(config: dict[str, Any], resolved: dict[str, Any] | None) -> dict[str, Any]:
+    """The HTTP process's config dump with each ``auto`` setting replaced by the value the scheduler chose."""
+    for section, values in (resolved or {}).items():
+        ours = config.get(section)
+        if not isinstance(values, dict) or not isinstance(ours, dict):
+            continue
+        for key, value in values.items():
+            if ours.get(key) == "auto" and value != "auto":
+                ours[key] = value
+    return config
+
+
+def _public_model_info(manager: TokenizerManager) -> dict[str, Any]:
+    """``model_info`` as the info routes show it: without the scheduler's config copy (``config`` shows that)."""
+    return _jsonable({key: value for key, value in manager.model_info.items() if key != RESOLVED_CONFIG_KEY})
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(values, default=str))
