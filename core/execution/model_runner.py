@@ -1,9 +1,12 @@
-"""ModelRunner: loads the model, sizes and owns the KV memory, builds the attention backend, runs forwards."""
+"""ModelRunner: loads the model, sizes and owns the KV memory, builds the attention backend, runs eager forwards.
+
+The model worker (core/execution/worker.py) owns a runner, and the CUDA graphs that replay its forwards.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +23,7 @@ from treadle.core.auto_size import (
 )
 from treadle.core.config import ServerConfig
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.piecewise_graph import SplitForwardModel
 from treadle.core.memory.allocator import KVAllocator
 from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
@@ -35,10 +39,10 @@ _CPU_DEFAULT_MAX_TOKENS = 65536
 class ModelRunner:
     """Owns the model, the KV pools, the KV allocator and the attention backend of one GPU (or the CPU).
 
-    Attention backends read these attributes: ``device``, ``dtype``, ``num_heads``,
-    ``num_kv_heads``, ``head_dim``, ``page_size``, ``req_to_token_pool``,
-    ``kv_cache``, ``sliding_window``, ``context_len``. Under tensor parallelism the head
-    counts and the KV cache are this rank's share (``tp_rank`` of ``tp_size``).
+    Attention backends see it through an :class:`~treadle.core.execution.attention_context.AttentionContext`
+    (``AttentionContext.of(runner)``). Under tensor parallelism the head counts and the KV cache are this
+    rank's share (``tp_rank`` of ``tp_size``). ``forward`` runs eagerly; whether CUDA graphs may replay its
+    steps is ``uses_decode_graphs`` / ``piecewise_graph_tokens``, and the worker captures them.
     """
 
     def __init__(self, config: ServerConfig, registry: Registry) -> None:
@@ -104,7 +108,6 @@ class ModelRunner:
         # "auto" becomes the backend chosen, in the live config as the sizes above.
         self.attn_backend, config.attention.backend = build_attention_backend(registry, config.attention.backend,
                                                                               self)
-        self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
         requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
         config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
             requested_piecewise, on_cuda=on_cuda,
@@ -112,9 +115,6 @@ class ModelRunner:
             mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
             latency_chunk_size=config.scheduler.latency_chunk_size,
             launch_bound_prefill=bool(getattr(self.model, "launch_bound_prefill", False)))
-        self.piecewise_graph_runner = self._maybe_piecewise_graphs()
-        if on_cuda:
-            self._warm_up_prefill()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
             "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
@@ -122,9 +122,9 @@ class ModelRunner:
             self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
             f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
             sizes.max_running_requests, _auto(self._requested[0]),
-            sizes.cuda_graph_max_bs if self.cuda_graph_runner is not None else "- (no CUDA graphs)",
+            sizes.cuda_graph_max_bs if self.uses_decode_graphs else "- (no CUDA graphs)",
             _auto(self._requested[1]),
-            self.piecewise_graph_runner.max_tokens if self.piecewise_graph_runner is not None else "- (prefill eager)",
+            self.piecewise_graph_tokens or "- (prefill eager)",
             _auto(requested_piecewise), sizes.enable_mixed_chunk, _auto(self._requested[2]),
             config.scheduler.chunked_prefill_size, _auto(requested_chunk),
             config.scheduler.latency_chunk_size, _auto(requested_latency),
@@ -184,40 +184,35 @@ class ModelRunner:
             self.kv_cache.k_scales[layer_id] = layer_scales.get("k", 1.0)
             self.kv_cache.v_scales[layer_id] = layer_scales.get("v", 1.0)
 
-    def _maybe_cuda_graphs(self, registry: Registry) -> Any:
-        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph:
-            return None
-        if not getattr(self.attn_backend, "supports_cuda_graph", False):
-            logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
-                        self.config.attention.backend)
-            return None
-        from treadle.core.execution.cuda_graph import CudaGraphRunner
+    @property
+    def uses_decode_graphs(self) -> bool:
+        """Whether decode steps may replay CUDA graphs here: on CUDA, graphs not disabled, and a backend that
+        supports them."""
+        return (self.device.type == "cuda" and not self.config.runtime.disable_cuda_graph
+                and bool(getattr(self.attn_backend, "supports_cuda_graph", False)))
 
-        return CudaGraphRunner(self)
-
-    def _maybe_piecewise_graphs(self) -> Any:
+    @property
+    def piecewise_graph_tokens(self) -> int:
+        """The largest prefill step that replays piecewise CUDA graphs (0: prefills run eagerly): on CUDA, graphs
+        not disabled, ``runtime.piecewise_cuda_graph_max_tokens`` resolved above 0, and a model with
+        ``forward_hidden``/``compute_logits``."""
         max_tokens = int(self.config.runtime.piecewise_cuda_graph_max_tokens)
         if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph or max_tokens == 0:
-            return None
-        from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner, SplitForwardModel
+            return 0
+        return int(max_tokens) if isinstance(self.model, SplitForwardModel) else 0
 
-        if not isinstance(self.model, SplitForwardModel):
-            logger.info("model %s has no forward_hidden/compute_logits; prefills run eagerly",
-                        type(self.model).__name__)
-            return None
-        pool = self.cuda_graph_runner.memory_pool if self.cuda_graph_runner is not None else None
-        return PiecewiseGraphRunner(self, max_tokens, pool)
-
-    def _warm_up_prefill(self, tokens: int = 16) -> None:
+    def _warm_up_prefill(self, tokens: int = 16,
+                         forward: Callable[[ForwardBatch], torch.Tensor] | None = None) -> None:
         """One prefill of ``tokens`` dummy tokens through the real attention backend, its K/V written to the padding
         slot, so that first-use costs land in start-up, not on the first request: FlashInfer loads (or JIT-builds)
         its prefill module at first use, which took the first request of a fresh H100 server 17 s once no decode
-        graph of ``flashinfer_triton`` went through FlashInfer any more."""
+        graph of ``flashinfer_triton`` went through FlashInfer any more. ``forward``: the worker's (through its
+        graphs); default the eager one."""
         device = self.device
         lens = torch.tensor([tokens], dtype=torch.int64)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         padding = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.forward(ForwardBatch(
+        (forward or self.forward)(ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=padding,
             positions=torch.arange(tokens, device=device), req_pool_indices=zero, seq_lens=lens.to(device),
             seq_lens_cpu=lens, out_cache_loc=padding, seq_lens_sum=tokens, logits_indices=zero + tokens - 1,
@@ -228,27 +223,10 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def release_graphs(self) -> None:
-        """Free the decode and prefill CUDA graphs once the GPU is done with them; later forwards run eagerly.
-
-        Under tensor parallelism the graphs hold collectives captured on the group's NCCL communicator: rank 0
-        hung in ``destroy_process_group`` with the prefill graphs still alive (2 H200s), so each rank calls this
-        before leaving the group."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for runner in (self.cuda_graph_runner, self.piecewise_graph_runner):
-            if runner is not None:
-                runner.release()
-        self.cuda_graph_runner = None
-        self.piecewise_graph_runner = None
-
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``."""
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
-            return self.cuda_graph_runner.replay(forward_batch)
-        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
-            return self.piecewise_graph_runner.replay(forward_batch)
+        """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``,
+        computed eagerly (``ModelWorker.forward`` replays CUDA graphs where it captured them)."""
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

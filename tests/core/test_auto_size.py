@@ -163,7 +163,7 @@ def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llam
     assert "enable_mixed_chunk False (auto)" in caplog.text
     assert "piecewise_cuda_graph_max_tokens - (prefill eager) (auto)" in caplog.text
     assert f"chunked_prefill_size {SERVER_CHUNKED_PREFILL_SIZE} (auto)" in caplog.text
-    assert runner.piecewise_graph_runner is None and config.runtime.piecewise_cuda_graph_max_tokens == 0
+    assert runner.piecewise_graph_tokens == 0 and config.runtime.piecewise_cuda_graph_max_tokens == 0
     assert runner.max_running_requests == config.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
     assert config.scheduler.enable_mixed_chunk is False
