@@ -51,7 +51,7 @@ class StepTrace:
         self.scheduler = scheduler
         self.cprofile_steps = cprofile_steps
         self.cprofile = cProfile.Profile() if cprofile_steps > 0 else None
-        self.on_cuda = scheduler.runner.device.type == "cuda"
+        self.on_cuda = scheduler.worker.info.device.type == "cuda"
         self.steps: list[dict[str, Any]] = []
         self.current: dict[str, Any] = {}
 
@@ -111,7 +111,7 @@ class StepTrace:
         """Resolve the GPU times (one synchronize) and write the per-kind split and GPU busy share as JSON."""
         self.uninstall()
         vars(self.scheduler).pop("step", None)
-        synchronize(self.scheduler.runner.device)
+        synchronize(self.scheduler.worker.info.device)
         self.resolve_gpu_times()
         gpu = sum(s.get("gpu", 0.0) for s in self.steps)
         idle = sum(s.get("gpu_idle_before", 0.0) for s in self.steps)
@@ -195,7 +195,7 @@ def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - start
     if trace.on_cuda:
         torch.cuda.set_sync_debug_mode(0)
-    synchronize(scheduler.runner.device)
+    synchronize(scheduler.worker.info.device)
     trace.uninstall()
     trace.resolve_gpu_times()
     for warning in caught:

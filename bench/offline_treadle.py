@@ -145,7 +145,7 @@ def config_value(engine: Any, section: str, key: str) -> Any:
 def decode_graphs(engine: Any) -> dict[str, Any]:
     """The decode CUDA graphs' batch sizes kept after pruning and each captured size's ms per replay (empty
     on the CPU or with graphs off)."""
-    graphs = getattr(getattr(engine.scheduler, "runner", None), "cuda_graph_runner", None)
+    graphs = getattr(getattr(engine.scheduler, "worker", None), "cuda_graphs", None)
     if graphs is None:
         return {}
     ms_per_replay = {bs: round(1e3 * s, 3) for bs, s in sorted(graphs.seconds_per_replay.items())}

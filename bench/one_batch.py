@@ -49,7 +49,7 @@ treadle systems, an ``x first`` column gives each one's tok/s over the first's (
 Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
 unless ``--output``).
 
-This module builds treadle's runners and times them; the static batch's prefill and
+This module builds treadle's model workers and times them; the static batch's prefill and
 decode steps are in ``one_batch_steps.py``, the profiler summaries in
 ``one_batch_profile.py``, the model shapes in ``shapes.py``, the HF peers in
 ``hf_peers.py``, the roofline and copy bandwidth in ``roofline.py``, and the rows,
@@ -154,37 +154,37 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             backend, options = parse_backend_spec(spec)
             label = f"{spec} graphs={'on' if use_graph else 'off'}" + (f" [{variant}]" if variant else "")
             try:
-                runner = _build_runner(model_dir, backend, options, use_graph, max(batch_sizes), args, device,
+                worker = _build_worker(model_dir, backend, options, use_graph, max(batch_sizes), args, device,
                                        variant)
             except Exception as exc:  # a backend missing on this machine is reported, not fatal
                 skipped[label] = f"{type(exc).__name__}: {exc}"
                 print(f"skipped {label}: {skipped[label]}")
                 continue
-            if use_graph and runner.cuda_graph_runner is None:
+            if use_graph and worker.cuda_graphs is None:
                 skipped[label] = "no CUDA graphs here (CPU, or the backend does not support them)"
-                runner = _release(runner)
+                worker = _release(worker)
                 continue
             for bs in batch_sizes:
-                results.append(run_treadle(runner, label, backend, use_graph, prompts[bs], args, bandwidth))
+                results.append(run_treadle(worker, label, backend, use_graph, prompts[bs], args, bandwidth))
                 print(format_row(results[-1]))
             if use_graph and device.type == "cuda" and not args.no_profile:
                 for bs in profile_batch_sizes:
-                    profiles[label + ("" if bs == 1 else f" bs={bs}")] = profile_decode(runner, label, prompts[bs])
+                    profiles[label + ("" if bs == 1 else f" bs={bs}")] = profile_decode(worker, label, prompts[bs])
                 for count, length in prefill_shapes:
                     key = f"{label} prefill" + ("" if count == 1 else f" {count}x{length}")
-                    profiles[key] = profile_prefill(runner, label, length, prompts=count)
+                    profiles[key] = profile_prefill(worker, label, length, prompts=count)
             if not hf_done:
                 hf_done = True
                 for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
                     for bs in batch_sizes:
                         try:
-                            results.append(run_hf(runner, prompts[bs], args, bandwidth, compiled=compiled))
+                            results.append(run_hf(worker.runner, prompts[bs], args, bandwidth, compiled=compiled))
                         except Exception as exc:  # a compile failure is reported, not fatal
                             skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
                             print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
                             continue
                         print(format_row(results[-1]))
-            runner = _release(runner)
+            worker = _release(worker)
             if use_graph and device.type == "cuda" and not args.no_engine:
                 if options:
                     skipped[f"Engine.generate {label}"] = "backend tunables are not applied to an Engine"
@@ -259,14 +259,12 @@ def parse_backend_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, options
 
 
-def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_graph: bool, max_bs: int,
+def _build_worker(model_dir: str, backend: str, options: dict[str, Any], use_graph: bool, max_bs: int,
                   args: argparse.Namespace, device: torch.device, variant: str = "") -> Any:
-    """A ModelRunner whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
+    """A ModelWorker whose backend gets ``options`` set before any CUDA graph is captured; ``variant``
     is ``KEY=VALUE;...`` config overrides (plus ``small_batch_matmul``)."""
     from treadle.core.config import load_config
-    from treadle.core.execution.cuda_graph import CudaGraphRunner
-    from treadle.core.execution.model_runner import ModelRunner
-    from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
+    from treadle.core.execution.worker import ModelWorker
     from treadle.core.registry import build_registry
 
     slots_per_request = round_up(args.input_len + args.decode_steps + 1, args.page_size)
@@ -280,38 +278,36 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
         "runtime.disable_cuda_graph": True, "runtime.cuda_graph_max_bs": max_bs,
         **_variant_overrides(variant),
     }, use_env=False)
-    runner = ModelRunner(config, build_registry())
+    worker = ModelWorker(config, build_registry())  # graphs off: the tunables go in before the capture
+    backend_object = worker.runner.attn_backend
     for attr, value in options.items():
-        if not hasattr(runner.attn_backend, attr):
+        if not hasattr(backend_object, attr):
             raise ValueError(f"attention backend '{backend}' has no tunable '{attr}'")
-        setattr(runner.attn_backend, attr, value)
-    if use_graph and device.type == "cuda" and getattr(runner.attn_backend, "supports_cuda_graph", False):
-        runner.cuda_graph_runner = CudaGraphRunner(runner)
-        piecewise_tokens = runner.config.runtime.piecewise_cuda_graph_max_tokens
-        if piecewise_tokens:
-            runner.piecewise_graph_runner = PiecewiseGraphRunner(runner, piecewise_tokens,
-                                                                 runner.cuda_graph_runner.memory_pool)
-    return runner
+        setattr(backend_object, attr, value)
+    if use_graph and device.type == "cuda" and getattr(backend_object, "supports_cuda_graph", False):
+        worker.capture_graphs(force=True)  # decode graphs, and prefill pieces up to the resolved piecewise size
+    return worker
 
 
-def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts: torch.Tensor,
+def run_treadle(worker: Any, label: str, backend: str, use_graph: bool, prompts: torch.Tensor,
                 args: argparse.Namespace, bandwidth: float) -> Measurement:
     bs, input_len = prompts.shape
-    batch = place_batch(runner, bs, input_len + args.decode_steps + 1)
+    runner = worker.runner
+    batch = place_batch(worker, bs, input_len + args.decode_steps + 1)
     device = runner.device
     for _ in range(args.warmup):  # the warm-up pass also compiles kernels
-        next_ids = prefill(runner, batch, prompts)
+        next_ids = prefill(worker, batch, prompts)
         for step in range(min(4, args.decode_steps)):
-            next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
+            next_ids = decode_step(worker, batch, next_ids, input_len + step + 1)
     synchronize(device)
     start = time.perf_counter()
-    next_ids = prefill(runner, batch, prompts)
+    next_ids = prefill(worker, batch, prompts)
     synchronize(device)
     prefill_s = time.perf_counter() - start
     step_times, host_times, first_tokens = [], [], [int(next_ids[0])]
     for step in range(args.decode_steps):
         start = time.perf_counter()
-        next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
+        next_ids = decode_step(worker, batch, next_ids, input_len + step + 1)
         host_times.append(time.perf_counter() - start)
         synchronize(device)
         step_times.append(time.perf_counter() - start)
@@ -321,7 +317,7 @@ def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts:
     # runs this one, as the engine's overlap scheduling does, so this is the GPU's time per step.
     start = time.perf_counter()
     for step in range(args.decode_steps):
-        next_ids = decode_step(runner, batch, next_ids, input_len + step + 1)
+        next_ids = decode_step(worker, batch, next_ids, input_len + step + 1)
     synchronize(device)
     back_to_back_s = (time.perf_counter() - start) / args.decode_steps
     return measurement(f"treadle {label}", backend, use_graph, bs, prefill_s, step_times, first_tokens,
@@ -329,12 +325,12 @@ def run_treadle(runner: Any, label: str, backend: str, use_graph: bool, prompts:
                        host_times, back_to_back_s)
 
 
-def _release(runner: Any) -> None:
-    """Drop the runner's graphs and free its memory; the caller rebinds its name to the None returned."""
-    runner.cuda_graph_runner = None
-    runner.piecewise_graph_runner = None
-    runner.model = None
-    runner.kv_cache = None
+def _release(worker: Any) -> None:
+    """Drop the worker's graphs and free its memory; the caller rebinds its name to the None returned."""
+    worker.release_graphs()
+    worker.runner.model = None
+    worker.runner.kv_cache = None
+    worker.context = None  # it holds the KV cache too
     free_memory()
     return None
 

@@ -51,7 +51,7 @@ def run_engine(model_dir: str, backend: str, variant_overrides: dict[str, Any], 
 
             generate(4)  # warm-up
             one, steps, tokens = whole_call_steps(generate, args.decode_steps, args.generate_repeats)
-            runner = engine.scheduler.runner
+            runner = engine.scheduler.worker.runner
             rows.append(measurement(
                 f"treadle Engine.generate {label}", backend, True, bs, one, steps, tokens[:16],
                 roofline_seconds(runner.model, runner, bs, prompts.shape[1], args.decode_steps, bandwidth),

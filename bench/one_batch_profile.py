@@ -1,5 +1,5 @@
 """The torch.profiler summaries of ``treadle bench one-batch``: kernels by category, GPU busy time against wall
-time, and the host time spent in the runner's methods, for bs=1 decode steps and for prefills."""
+time, and the host time spent in the worker's methods, for bs=1 decode steps and for prefills."""
 
 from __future__ import annotations
 
@@ -16,43 +16,44 @@ from treadle.bench.step_meter import kernel_category
 PROFILE_PREFILL_TOKENS = 300
 
 
-def profile_decode(runner: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
+def profile_decode(worker: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
     """torch.profiler over ``steps`` decode steps of the ``prompt`` rows [bs, length]: top kernels and GPU busy
     time per step."""
     bs, input_len = prompt.shape
-    batch = place_batch(runner, bs, input_len + steps + 2)
-    next_ids = prefill(runner, batch, prompt)
-    next_ids = decode_step(runner, batch, next_ids, input_len + 1)
+    batch = place_batch(worker, bs, input_len + steps + 2)
+    next_ids = prefill(worker, batch, prompt)
+    next_ids = decode_step(worker, batch, next_ids, input_len + 1)
     state = {"next_ids": next_ids, "step": 0}
 
     def step() -> None:
-        state["next_ids"] = decode_step(runner, batch, state["next_ids"], input_len + state["step"] + 2)
+        state["next_ids"] = decode_step(worker, batch, state["next_ids"], input_len + state["step"] + 2)
         state["step"] += 1
 
-    host = {"runner.forward (host, until the graph is launched)": (runner, "forward"),
-            "attention backend replay metadata (host)": (runner.attn_backend,
+    # The keys keep their names from before the worker held the graphs, so results stay comparable.
+    host = {"runner.forward (host, until the graph is launched)": (worker, "forward"),
+            "attention backend replay metadata (host)": (worker.runner.attn_backend,
                                                          "init_forward_metadata_replay_cuda_graph")}
-    return _profile_steps(runner, f"treadle {label}", f"bs={bs} decode", step, steps, host)
+    return _profile_steps(worker, f"treadle {label}", f"bs={bs} decode", step, steps, host)
 
 
-def profile_prefill(runner: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5,
+def profile_prefill(worker: Any, label: str, prompt_len: int = PROFILE_PREFILL_TOKENS, steps: int = 5,
                     prompts: int = 1) -> dict[str, Any]:
     """torch.profiler over ``steps`` prefills of ``prompts`` prompts of ``prompt_len`` tokens each (by default
     one: the small prefill steps that stall a large decode batch; 7 x 292 is a full 2048-token chunk of the offline
     workload): GPU busy time against wall time, and the host time to launch them."""
     prompt = torch.randint(100, 1000, (prompts, prompt_len))
-    batch = place_batch(runner, prompts, prompt_len + 1)
-    prefill(runner, batch, prompt)  # compiles whatever this length needs
+    batch = place_batch(worker, prompts, prompt_len + 1)
+    prefill(worker, batch, prompt)  # compiles whatever this length needs
 
     def step() -> None:
-        prefill(runner, batch, prompt)
+        prefill(worker, batch, prompt)
 
     what = f"prefill of {prompt_len} tokens" if prompts == 1 else f"prefill of {prompts} x {prompt_len} tokens"
-    host = {"runner.forward (host: builds metadata and launches every kernel)": (runner, "forward")}
-    return _profile_steps(runner, f"treadle {label}", what, step, steps, host)
+    host = {"runner.forward (host: builds metadata and launches every kernel)": (worker, "forward")}
+    return _profile_steps(worker, f"treadle {label}", what, step, steps, host)
 
 
-def _profile_steps(runner: Any, system: str, what: str, step: Any, steps: int,
+def _profile_steps(worker: Any, system: str, what: str, step: Any, steps: int,
                    host: dict[str, tuple[Any, str]]) -> dict[str, Any]:
     """Run ``step`` ``steps`` times (each followed by a synchronize) under torch.profiler, with the host time
     spent in each ``host`` method (an instance attribute wraps it for the window)."""
@@ -61,13 +62,13 @@ def _profile_steps(runner: Any, system: str, what: str, step: Any, steps: int,
     host_us = {key: 0.0 for key in host}
     for key, (obj, name) in host.items():
         setattr(obj, name, _host_timer(getattr(obj, name), host_us, key))
-    synchronize(runner.device)
+    synchronize(worker.info.device)
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             for _ in range(steps):
                 step()
-                synchronize(runner.device)
+                synchronize(worker.info.device)
             wall = (time.perf_counter() - start) / steps
     finally:
         for obj, name in host.values():

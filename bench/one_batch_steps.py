@@ -1,7 +1,8 @@
-"""Driving a model runner through one static batch: placing its requests, a prefill, greedy decode steps.
+"""Driving a model worker through one static batch: placing its requests, a prefill, greedy decode steps.
 
 ``treadle bench one-batch`` times these and its profiler replays them; no scheduler or radix cache is involved:
-a step is the model runner's forward and the greedy pick the engine's sampler makes (``argmax_last_dim``).
+a step is the model worker's forward (through its CUDA graphs where it captured them) and the greedy pick the
+engine's sampler makes (``argmax_last_dim``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ class PlacedBatch:
     slots: torch.Tensor  # [bs, max_len] device int64
 
 
-def place_batch(runner: Any, bs: int, max_len: int) -> PlacedBatch:
+def place_batch(worker: Any, bs: int, max_len: int) -> PlacedBatch:
     """Give ``bs`` requests of up to ``max_len`` tokens rows 0..bs-1 of ``req_to_token`` and contiguous slots."""
+    runner = worker.runner
     page = runner.page_size
     span = round_up(max_len, page)
     slots = page + torch.arange(bs)[:, None] * span + torch.arange(max_len)[None, :]
@@ -33,10 +35,11 @@ def place_batch(runner: Any, bs: int, max_len: int) -> PlacedBatch:
     return PlacedBatch(rows.to(runner.device), slots.to(runner.device))
 
 
-def prefill(runner: Any, batch: PlacedBatch, prompts: torch.Tensor) -> torch.Tensor:
+def prefill(worker: Any, batch: PlacedBatch, prompts: torch.Tensor) -> torch.Tensor:
     """Prefill ``prompts`` [bs, length] (no cached prefix) and return each request's greedy next token."""
     from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
+    runner = worker.runner
     bs, length = prompts.shape
     device = runner.device
     lens = torch.full((bs,), length, dtype=torch.int64)
@@ -51,13 +54,14 @@ def prefill(runner: Any, batch: PlacedBatch, prompts: torch.Tensor) -> torch.Ten
         extend_seq_lens=lens.to(device), extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=device),
         extend_start_loc=starts.to(device), extend_seq_lens_cpu=[length] * bs, extend_prefix_lens_cpu=[0] * bs,
     )
-    return argmax_last_dim(runner.forward(forward_batch))
+    return argmax_last_dim(worker.forward(forward_batch))
 
 
-def decode_step(runner: Any, batch: PlacedBatch, next_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+def decode_step(worker: Any, batch: PlacedBatch, next_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One greedy decode step for every request at sequence length ``seq_len`` (this token included)."""
     from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
+    runner = worker.runner
     bs = int(next_ids.shape[0])
     device = runner.device
     seq_lens_cpu = torch.full((bs,), seq_len, dtype=torch.int64)
@@ -69,7 +73,7 @@ def decode_step(runner: Any, batch: PlacedBatch, next_ids: torch.Tensor, seq_len
         seq_lens_sum=bs * seq_len, logits_indices=torch.arange(bs, device=device),
         req_to_token_pool=runner.req_to_token_pool, kv_cache=runner.kv_cache, attn_backend=runner.attn_backend,
     )
-    return argmax_last_dim(runner.forward(forward_batch))
+    return argmax_last_dim(worker.forward(forward_batch))
 
 
 def round_up(n: int, multiple: int) -> int:

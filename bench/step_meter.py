@@ -1,6 +1,6 @@
 """StepMeter: how busy the GPU is while a scheduler runs, the batch sizes it reached, and a profile window.
 
-It wraps one scheduler's ``runner.forward`` and ``sampler`` (instance attributes,
+It wraps one scheduler's model worker's ``forward`` and ``sampler`` (instance attributes,
 removed again by ``uninstall``), so it measures whatever step loop the scheduler
 runs. Per step it records a CUDA event just before the forward is launched and
 one after its sampling is launched. On the GPU's clock, the stream is idle
@@ -39,8 +39,8 @@ class StepMeter:
         # Under tensor parallelism the engine's scheduler is rank 0's LeaderScheduler: meter the local scheduler it
         # drives (hooks set on the wrapper would never run).
         self.scheduler = getattr(scheduler, "local_scheduler", scheduler)
-        self.runner = self.scheduler.runner
-        self.on_cuda = self.runner.device.type == "cuda"
+        self.worker = self.scheduler.worker  # its forward replays the graphs; its sampler samples
+        self.on_cuda = self.worker.info.device.type == "cuda"
         self.profile_steps = profile_steps
         self.profile_fill = profile_fill
         self.step_trace = step_trace
@@ -63,7 +63,7 @@ class StepMeter:
     # -------------------------------------------------------------------- wrapping
 
     def install(self) -> None:
-        forward, sampler = self.runner.forward, self.scheduler.sampler
+        forward, sampler = self.worker.forward, self.worker.sampler
 
         def metered_forward(forward_batch: Any) -> torch.Tensor:
             self._before_forward(forward_batch)
@@ -78,8 +78,8 @@ class StepMeter:
             return result
 
         self._original_sampler = sampler
-        self.runner.forward = metered_forward
-        self.scheduler.sampler = metered_sampler
+        self.worker.forward = metered_forward
+        self.worker.sampler = metered_sampler
         if self.step_trace:
             gc.callbacks.append(self._on_gc)
             settle = self.scheduler._settle
@@ -97,9 +97,9 @@ class StepMeter:
             self.sampler.start()
 
     def uninstall(self) -> None:
-        if "forward" in vars(self.runner):
-            del self.runner.forward
-        self.scheduler.sampler = self._original_sampler
+        if "forward" in vars(self.worker):
+            del self.worker.forward
+        self.worker.sampler = self._original_sampler
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         if "_settle" in vars(self.scheduler):

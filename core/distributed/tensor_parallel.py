@@ -200,7 +200,7 @@ class LeaderScheduler:
             pass
         self.ranks.join_or_kill()
         if self.ranks.failed is None:  # after a failure a collective may never finish: no waiting on the GPU
-            self.scheduler.runner.release_graphs()
+            self.scheduler.worker.release_graphs()
         destroy_tensor_parallel()
         remove_file_store(self.ranks.init_method)
 
@@ -414,7 +414,7 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str, offline:
         scheduler = Scheduler(config, None, offline=offline)
         freeze_startup_objects()
         follow_leader(scheduler)
-        scheduler.runner.release_graphs()
+        scheduler.worker.release_graphs()
     except LeaderGone as exc:
         logger.warning("tensor-parallel rank %d: the group ended while waiting for rank 0 (its server stopped, "
                        "or a rank failed: see node 0's log); exiting (%s)", rank, exc)

@@ -1,1 +1,1 @@
-"""Execution: forward batches, the model runner, CUDA graphs, attention, sampling."""
+"""Execution: the model worker, forward batches, the model runner, CUDA graphs, attention, sampling."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -17,24 +18,30 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def head_layout(model_runner: "ModelRunner", backend_name: str) -> tuple[int, int, int]:
+def head_layout(context: AttentionContext, backend_name: str) -> tuple[int, int, int]:
     """``(num_heads, num_kv_heads, head_dim)`` of the model; raises unless query heads group evenly over KV heads."""
-    num_heads, num_kv_heads = int(model_runner.num_heads), int(model_runner.num_kv_heads)
+    num_heads, num_kv_heads = int(context.num_heads), int(context.num_kv_heads)
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"{backend_name} attention needs num_heads ({num_heads}) to be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    return num_heads, num_kv_heads, int(model_runner.head_dim)
+    return num_heads, num_kv_heads, int(context.head_dim)
 
 
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache for one ForwardBatch.
 
-    A backend is built by its registered factory as ``factory(model_runner)``
-    and may read: ``model_runner.device``, ``.dtype``, ``.num_heads``,
-    ``.num_kv_heads``, ``.head_dim``, ``.page_size``, ``.req_to_token_pool``,
-    ``.kv_cache``, ``.sliding_window`` (the window every layer shares; None: full attention, or layers that
-    differ), ``.layer_sliding_windows`` (each layer's) and ``.context_len``.
+    A backend is built by its registered factory as ``factory(context)``, ``context`` an
+    :class:`~treadle.core.execution.attention_context.AttentionContext`: ``device``, ``dtype``, ``kv_dtype``,
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``page_size``, ``req_to_token_pool``,
+    ``kv_cache``, ``sliding_window`` (the window every layer shares; None: full attention, or layers that
+    differ), ``layer_sliding_windows`` (each layer's) and ``context_len`` (the attribute names a backend
+    written for the old ``factory(model_runner)`` form read; other runner attributes still resolve, with a
+    DeprecationWarning).
+
+    Modes: DECODE batches go to ``forward_decode``; every extend-shaped mode (EXTEND, MIXED, TARGET_VERIFY,
+    DRAFT_EXTEND: ``ForwardMode.is_extend()``) to ``forward_extend``. A TARGET_VERIFY batch is an extend whose
+    requests all carry ``forward_batch.tokens_per_req`` new tokens, each producing logits.
 
     q is ``[num_tokens, num_heads * head_dim]``; k, v are
     ``[num_tokens, num_kv_heads * head_dim]``; the result has q's shape.
@@ -44,6 +51,9 @@ class AttentionBackend(ABC):
     """
 
     supports_cuda_graph: bool = False
+    # Whether TARGET_VERIFY steps may be captured too: the capture hook is then also called with
+    # ``mode=TARGET_VERIFY`` and ``num_tokens = bs * tokens_per_req``, the replay hook with ``num_tokens=`` the same.
+    supports_verify_cuda_graph: bool = False
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
@@ -57,6 +67,8 @@ class AttentionBackend(ABC):
         """Prepare per-step metadata before the layers run (no host-device sync)."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate what captured graphs will point at, once, before any capture: up to ``max_bs`` requests and
+        ``max_num_tokens`` new tokens per step (``max_bs`` when only decode is captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_capture_cuda_graph(
@@ -72,7 +84,10 @@ class AttentionBackend(ABC):
         seq_lens_sum: int,
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> None:
+        """Point the captured graph of ``bs`` at this step's lengths (no host-device sync). ``num_tokens``
+        is passed (as a keyword) for TARGET_VERIFY replays only: ``bs * tokens_per_req``."""
         raise NotImplementedError
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -118,14 +133,16 @@ def model_sliding_windows(model: nn.Module) -> tuple[int | None, ...]:
     return tuple(m.sliding_window_size or None for m in model.modules() if isinstance(m, RadixAttention))
 
 
-def build_attention_backend(registry: Any, name: str, model_runner: "ModelRunner") -> tuple[AttentionBackend, str]:
-    """``(backend, its registered name)`` for ``attention.backend`` = ``name``. ``auto``: the registered
-    backends that rank themselves on the runner's device (``AttentionBackend.auto_priority``), highest first;
-    one whose constructor refuses the model (a missing package, an unsupported dtype or window) is skipped,
-    with its reason logged."""
+def build_attention_backend(registry: Any, name: str,
+                            model_runner: "ModelRunner | AttentionContext") -> tuple[AttentionBackend, str]:
+    """``(backend, its registered name)`` for ``attention.backend`` = ``name``, built from the runner's
+    :class:`AttentionContext`. ``auto``: the registered backends that rank themselves on the device
+    (``AttentionBackend.auto_priority``), highest first; one whose constructor refuses the model (a missing
+    package, an unsupported dtype or window) is skipped, with its reason logged."""
+    context = model_runner if isinstance(model_runner, AttentionContext) else AttentionContext.of(model_runner)
     if name != AUTO_BACKEND:
-        return registry.get("attention", name)(model_runner), name
-    device = torch.device(model_runner.device)
+        return registry.get("attention", name)(context), name
+    device = context.device
     ranked = []
     for candidate in registry.names("attention"):
         rank = getattr(registry.get("attention", candidate), "auto_priority", None)
@@ -135,7 +152,7 @@ def build_attention_backend(registry: Any, name: str, model_runner: "ModelRunner
     refusals = []
     for _, candidate in sorted(ranked):
         try:
-            backend = registry.get("attention", candidate)(model_runner)
+            backend = registry.get("attention", candidate)(context)
         except Exception as exc:  # any refusal: the next candidate may accept the model
             refusals.append(f"{candidate}: {exc}")
             logger.info("attention.backend auto: skipped %s (%s)", candidate, exc)

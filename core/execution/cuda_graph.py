@@ -14,23 +14,31 @@ slower than the next larger one kept is dropped (:func:`faster_sizes`): the libr
 picks its kernel per row count: on an H100 an 8B Llama layer's projections took 1.4 times as
 long at 448 rows as at 480 (``python -m treadle.bench.matmul_rate``). Larger batches and every
 extend batch run eagerly here (small extend batches replay piecewise graphs:
-:mod:`treadle.core.execution.piecewise_graph`). All graphs share one memory pool, captured largest
-first so the smaller ones reuse its blocks.
+:mod:`treadle.core.execution.piecewise_graph`).
+
+A worker that verifies draft tokens (speculative decoding) asks for TARGET_VERIFY graphs too
+(``verify_tokens_per_req``): for each ``tokens_per_req`` t a graph per batch size of the same ladder, whose
+``bs * t`` new tokens all produce logits; padding rows attend over ``fill + t - 1`` keys, so their prefix
+is never negative. Verify graphs are not pruned. Plain decode is captured and replayed exactly as without
+them. All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from treadle.core.auto_size import graph_batch_sizes
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from treadle.core.execution.model_runner import ModelRunner
+    from treadle.core.execution.attention import AttentionBackend
+    from treadle.core.execution.attention_context import AttentionContext
 
 logger = logging.getLogger(__name__)
 
@@ -73,24 +81,31 @@ def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 class CudaGraphRunner:
     """Decode through captured CUDA graphs: static padded inputs, one graph per batch size.
 
-    ``can_run(forward_batch)`` says whether a batch can replay; ``replay(forward_batch)``
+    ``can_run(forward_batch)`` says whether a decode batch can replay; ``replay(forward_batch)``
     copies its inputs into the static buffers (device-to-device, no host sync), lets
     the attention backend update its metadata, replays, and returns the logits
     rows of the real requests. The returned tensor is a view into the graph's
-    output and is overwritten by the next replay.
+    output and is overwritten by the next replay. ``can_run_verify``/``replay_verify`` do the same for
+    TARGET_VERIFY batches of a captured ``tokens_per_req``.
+
+    It needs the model, the attention backend and the pools (``context``), and ``max_bs``: decode never
+    holds more requests than the scheduler runs at once, nor more than ``runtime.cuda_graph_max_bs``.
     """
 
-    def __init__(self, model_runner: "ModelRunner") -> None:
-        self.model_runner = model_runner
-        self.model = model_runner.model
-        self.attn_backend = model_runner.attn_backend
-        self.device = model_runner.device
-        requested = model_runner.config.runtime.cuda_graph_max_bs
-        # Decode never holds more requests than the scheduler runs at once.
-        max_bs = min(requested, model_runner.max_running_requests)
+    def __init__(self, model: nn.Module, attn_backend: "AttentionBackend", context: "AttentionContext",
+                 max_bs: int, *, prune: bool = True, verify_tokens_per_req: Sequence[int] = ()) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.context = context
+        self.device = context.device
+        self.prune = prune
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.seq_len_fill_value = int(self.attn_backend.get_cuda_graph_seq_len_fill_value())
+        verify_sizes = sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}, reverse=True)
+        if verify_sizes and not getattr(attn_backend, "supports_verify_cuda_graph", False):
+            raise ValueError(f"attention backend {type(attn_backend).__name__} cannot capture TARGET_VERIFY steps "
+                             "in CUDA graphs (supports_verify_cuda_graph is False); verify steps run eagerly there")
 
         device, max_bs = self.device, self.max_bs
         with torch.inference_mode():
@@ -106,24 +121,34 @@ class CudaGraphRunner:
         self.seconds_per_replay: dict[int, float] = {}  # per captured size, when pruned
         self.outputs: dict[int, torch.Tensor] = {}
         self.memory_pool = None
-        self.attn_backend.init_cuda_graph_state(max_bs, max_bs)
+        # Once, before any capture: every graph points at what this allocates.
+        self.attn_backend.init_cuda_graph_state(max_bs, max_bs * max([1, *verify_sizes]))
+        self.verify = {t: _VerifyGraphs(self, t) for t in verify_sizes}  # by tokens_per_req, captured largest first
         self.capture()
 
     # ------------------------------------------------------------------ capture
 
     def capture(self) -> None:
-        """Capture one decode graph per batch size, largest first, sharing one memory pool."""
+        """Capture the verify graphs asked for, then one decode graph per batch size, largest first, sharing one
+        memory pool."""
         from tqdm.auto import tqdm
 
         stream = torch.cuda.Stream(device=self.device)
         sizes = sorted(self.batch_sizes, reverse=True)
         with torch.inference_mode(), torch.cuda.device(self.device):
+            for verify in self.verify.values():
+                for bs in tqdm(sizes, desc=f"capturing verify CUDA graphs ({verify.tokens_per_req} tokens)",
+                               unit="graph", leave=False):
+                    verify.capture(bs, stream)
             for bs in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", leave=False):
                 self.graphs[bs], self.outputs[bs] = self._capture_one(bs, stream)
         torch.cuda.synchronize(self.device)
-        if self.model_runner.config.runtime.cuda_graph_prune and len(sizes) > 1:
+        if self.prune and len(sizes) > 1:
             self._prune()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+        if self.verify:
+            logger.info("captured TARGET_VERIFY CUDA graphs for %s tokens per request, batch sizes %s",
+                        sorted(self.verify), sizes[::-1])
 
     def _prune(self) -> None:
         """Drop the sizes whose graph is slower than a larger one's (``faster_sizes``); every rank of a
@@ -161,6 +186,11 @@ class CudaGraphRunner:
         def run() -> torch.Tensor:
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
+        return self.record(run, stream)
+
+    def record(self, run: Callable[[], torch.Tensor], stream: torch.cuda.Stream
+               ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture ``run()`` (after two warm-up runs) into a graph of the shared pool; returns it and its output."""
         # Warm-up outside the capture: lazy initialisation (cuBLAS handles, Triton
         # compilation, rotary tables moving to the device) must not be recorded.
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -178,7 +208,7 @@ class CudaGraphRunner:
         return graph, output
 
     def _static_forward_batch(self, bs: int) -> ForwardBatch:
-        runner = self.model_runner
+        context = self.context
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -190,8 +220,8 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs],
             seq_lens_sum=bs * self.seq_len_fill_value,
             logits_indices=self.logits_indices[:bs],
-            req_to_token_pool=runner.req_to_token_pool,
-            kv_cache=runner.kv_cache,
+            req_to_token_pool=context.req_to_token_pool,
+            kv_cache=context.kv_cache,
             attn_backend=self.attn_backend,
         )
 
@@ -202,6 +232,9 @@ class CudaGraphRunner:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        for verify in self.verify.values():
+            verify.release()
+        self.verify = {}
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return (
@@ -216,25 +249,8 @@ class CudaGraphRunner:
         raw_bs = forward_batch.batch_size
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw_bs)]
         padding = bs - raw_bs
-        if padding:
-            # Padding rows write their K/V to padding slot 0 and attend over fill-length sequences.
-            self.seq_lens[raw_bs:bs].fill_(self.seq_len_fill_value)
-            self.out_cache_loc[raw_bs:bs].zero_()
-            self.req_pool_indices[raw_bs:bs].zero_()
-            self.input_ids[raw_bs:bs].zero_()
-            self.positions[raw_bs:bs].zero_()
-        # One multi-tensor copy: a synchronous decode step waits for the host to get here, and five separate
-        # copies cost ~45 µs of it on an H100 host. The logits rows of a decode batch are every row in order
-        # (can_run), which the static arange already holds.
-        torch._foreach_copy_(
-            [self.input_ids[:raw_bs], self.positions[:raw_bs], self.req_pool_indices[:raw_bs],
-             self.seq_lens[:raw_bs], self.out_cache_loc[:raw_bs]],
-            [forward_batch.input_ids, forward_batch.positions, forward_batch.req_pool_indices,
-             forward_batch.seq_lens, forward_batch.out_cache_loc])
-
-        seq_lens_cpu = self.seq_lens_cpu[:bs]
-        seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
-        seq_lens_cpu[raw_bs:].fill_(self.seq_len_fill_value)
+        # The logits rows of a decode batch are every row in order (can_run): the static arange holds them.
+        seq_lens_cpu = _copy_inputs(self, forward_batch, raw_bs, bs, 1, self.seq_len_fill_value)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(
             bs,
             self.req_pool_indices[:bs],
@@ -245,3 +261,113 @@ class CudaGraphRunner:
         )
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_bs]
+
+    # ------------------------------------------------------------ verify steps
+
+    def can_run_verify(self, forward_batch: ForwardBatch) -> bool:
+        return (
+            forward_batch.forward_mode.is_verify()
+            and forward_batch.tokens_per_req in self.verify
+            and 0 < forward_batch.batch_size <= self.max_bs
+        )
+
+    def replay_verify(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[batch_size * tokens_per_req, vocab]`` of a TARGET_VERIFY batch, through its captured graph."""
+        return self.verify[forward_batch.tokens_per_req].replay(forward_batch)
+
+
+class _VerifyGraphs:
+    """The TARGET_VERIFY graphs of one ``tokens_per_req`` t: static inputs for ``max_bs * t`` tokens (every
+    one's logits wanted) and one graph per batch size, in the owner's memory pool."""
+
+    def __init__(self, owner: CudaGraphRunner, tokens_per_req: int) -> None:
+        self.owner = owner
+        self.tokens_per_req = t = tokens_per_req
+        # A padding row attends over its own t tokens after a prefix of fill - 1 keys.
+        self.seq_len_fill_value = owner.seq_len_fill_value + t - 1
+        self.batch_sizes = list(owner.batch_sizes)  # all captured: decode pruning leaves them
+        max_bs, device = owner.max_bs, owner.device
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(max_bs * t, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_bs * t, dtype=torch.int64, device=device)
+            self.out_cache_loc = torch.zeros(max_bs * t, dtype=torch.int64, device=device)
+            self.logits_indices = torch.arange(max_bs * t, dtype=torch.int64, device=device)
+            self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.seq_lens = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64, device=device)
+            self.prefix_lens = self.seq_lens - t
+            self.extend_lens = torch.full((max_bs,), t, dtype=torch.int64, device=device)
+            self.extend_starts = torch.arange(max_bs, dtype=torch.int64, device=device) * t
+        self.seq_lens_cpu = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def capture(self, bs: int, stream: torch.cuda.Stream) -> None:
+        owner, n = self.owner, bs * self.tokens_per_req
+        forward_batch = self._static_forward_batch(bs)
+        owner.attn_backend.init_forward_metadata_capture_cuda_graph(
+            bs, n, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.TARGET_VERIFY)
+
+        def run() -> torch.Tensor:
+            return owner.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+        self.graphs[bs], self.outputs[bs] = owner.record(run, stream)
+
+    def _static_forward_batch(self, bs: int) -> ForwardBatch:
+        t, n = self.tokens_per_req, bs * self.tokens_per_req
+        fill = self.seq_len_fill_value
+        context = self.owner.context
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs,
+            input_ids=self.input_ids[:n], positions=self.positions[:n],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=self.seq_lens_cpu[:bs], out_cache_loc=self.out_cache_loc[:n], seq_lens_sum=bs * fill,
+            logits_indices=self.logits_indices[:n],
+            req_to_token_pool=context.req_to_token_pool, kv_cache=context.kv_cache,
+            attn_backend=self.owner.attn_backend,
+            extend_seq_lens=self.extend_lens[:bs], extend_prefix_lens=self.prefix_lens[:bs],
+            extend_start_loc=self.extend_starts[:bs], extend_seq_lens_cpu=[t] * bs,
+            extend_prefix_lens_cpu=[fill - t] * bs, tokens_per_req=t,
+        )
+
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        t = self.tokens_per_req
+        sizes = self.batch_sizes
+        raw_bs = forward_batch.batch_size
+        bs = sizes[bisect.bisect_left(sizes, raw_bs)]
+        raw_n, n, fill = raw_bs * t, bs * t, self.seq_len_fill_value
+        seq_lens_cpu = _copy_inputs(self, forward_batch, raw_bs, bs, t, fill)
+        torch.sub(self.seq_lens[:bs], t, out=self.prefix_lens[:bs])
+        self.owner.attn_backend.init_forward_metadata_replay_cuda_graph(
+            bs, self.req_pool_indices[:bs], self.seq_lens[:bs], forward_batch.seq_lens_sum + (bs - raw_bs) * fill,
+            ForwardMode.TARGET_VERIFY, seq_lens_cpu=seq_lens_cpu, num_tokens=n)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:raw_n]
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
+
+def _copy_inputs(static: CudaGraphRunner | _VerifyGraphs, forward_batch: ForwardBatch, raw_bs: int, bs: int,
+                 tokens_per_req: int, fill: int) -> torch.Tensor:
+    """Copy a batch of ``raw_bs`` requests into the static inputs of the ``bs`` graph; returns its host lengths.
+    Padding rows write their K/V to padding slot 0 and attend over ``fill``-length sequences."""
+    raw_n, n = raw_bs * tokens_per_req, bs * tokens_per_req
+    if bs > raw_bs:
+        static.seq_lens[raw_bs:bs].fill_(fill)
+        static.out_cache_loc[raw_n:n].zero_()
+        static.req_pool_indices[raw_bs:bs].zero_()
+        static.input_ids[raw_n:n].zero_()
+        static.positions[raw_n:n].zero_()
+    # One multi-tensor copy: a synchronous decode step waits for the host to get here, and five separate
+    # copies cost ~45 µs of it on an H100 host.
+    torch._foreach_copy_(
+        [static.input_ids[:raw_n], static.positions[:raw_n], static.req_pool_indices[:raw_bs],
+         static.seq_lens[:raw_bs], static.out_cache_loc[:raw_n]],
+        [forward_batch.input_ids, forward_batch.positions, forward_batch.req_pool_indices,
+         forward_batch.seq_lens, forward_batch.out_cache_loc])
+    seq_lens_cpu = static.seq_lens_cpu[:bs]
+    seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+    seq_lens_cpu[raw_bs:].fill_(fill)
+    return seq_lens_cpu

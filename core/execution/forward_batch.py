@@ -14,18 +14,52 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(IntEnum):
-    """What kind of step a batch is."""
+    """What kind of step a batch is.
+
+    Every mode but DECODE (and IDLE) is *extend-shaped*: each request carries ``extend_seq_lens[i]`` new tokens
+    that attend causally to its prefix and to each other, and the ``extend_*`` fields are set. A backend that
+    handles extend batches therefore runs a TARGET_VERIFY or DRAFT_EXTEND step eagerly as it is.
+    """
 
     EXTEND = 1  # prefill new tokens after a (possibly cached) prefix
     DECODE = 2  # one new token per request
     MIXED = 3  # prefill chunks and decodes in one extend-shaped batch
     IDLE = 4  # nothing to run
+    # Speculative decoding: the target model checks k draft tokens of every request in one step, each request
+    # carrying the same ``tokens_per_req`` = k + 1 new tokens (its last accepted token, then the drafts), every
+    # one of which produces logits.
+    TARGET_VERIFY = 5
+    DRAFT_EXTEND = 6  # an extend-shaped step of a draft model (the tokens the target just accepted)
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        """Extend-shaped: new tokens after a prefix, the ``extend_*`` fields set (every mode but DECODE, IDLE)."""
+        return self in _EXTEND_SHAPED
 
     def is_decode(self) -> bool:
+        """One new token per request (the ``extend_*`` fields are None)."""
         return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_verify(self) -> bool:
+        """A TARGET_VERIFY step: ``tokens_per_req`` new tokens per request, every one with logits."""
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_cuda_graph(self) -> bool:
+        """The same number of new tokens per request (DECODE: 1, TARGET_VERIFY: ``tokens_per_req``): a shape that
+        CUDA graphs captured per ``(batch size, tokens_per_req)`` can replay."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+
+_EXTEND_SHAPED = frozenset(
+    (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND))
 
 
 @dataclass
@@ -39,7 +73,11 @@ class ForwardBatch:
     written. ``logits_indices`` picks the token rows whose logits the model
     returns (the last token of each request, plus input positions that want
     log-probabilities), in increasing order: as many rows as tokens (every
-    decode step) means every row.
+    decode and verify step) means every row.
+
+    ``tokens_per_req`` is how many new tokens every request carries in a step where they all carry the same
+    number: 1 in DECODE, k + 1 in TARGET_VERIFY (where the extend fields say it too). In other extend-shaped
+    steps the counts are ``extend_seq_lens`` and it stays 1.
     """
 
     forward_mode: ForwardMode
@@ -63,6 +101,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] | None = None
     # Backend-private metadata, set by init_forward_metadata.
     attn_metadata: Any = None
+    tokens_per_req: int = 1  # new tokens of every request (DECODE: 1, TARGET_VERIFY: k + 1)
 
     @property
     def num_tokens(self) -> int:

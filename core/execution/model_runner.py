@@ -1,9 +1,12 @@
-"""ModelRunner: loads the model, sizes and owns the KV memory, builds the attention backend, runs forwards."""
+"""ModelRunner: loads the model, sizes and owns the KV memory, builds the attention backend, runs eager forwards.
+
+The model worker (core/execution/worker.py) owns a runner, and the CUDA graphs that replay its forwards.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -11,6 +14,7 @@ from treadle.core.config import ServerConfig
 from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
 from treadle.core.execution.attention import build_attention_backend, model_sliding_windows
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.piecewise_graph import SplitForwardModel
 from treadle.core.memory.allocator import KVAllocator
 from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.registry import Registry
@@ -22,10 +26,10 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the model, the KV pools, the KV allocator and the attention backend of one GPU (or the CPU).
 
-    Attention backends read these attributes: ``device``, ``dtype``, ``num_heads``,
-    ``num_kv_heads``, ``head_dim``, ``page_size``, ``req_to_token_pool``,
-    ``kv_cache``, ``sliding_window``, ``context_len``. Under tensor parallelism the head
-    counts and the KV cache are this rank's share (``tp_rank`` of ``tp_size``).
+    Attention backends see it through an :class:`~treadle.core.execution.attention_context.AttentionContext`
+    (``AttentionContext.of(runner)``). Under tensor parallelism the head counts and the KV cache are this
+    rank's share (``tp_rank`` of ``tp_size``). ``forward`` runs eagerly; whether CUDA graphs may replay its
+    steps is ``uses_decode_graphs`` / ``piecewise_graph_tokens``, and the worker captures them.
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, offline: bool = False) -> None:
@@ -74,16 +78,10 @@ class ModelRunner:
         self.config: ResolvedConfig = resolved
         self.attn_backend, backend_name = build_attention_backend(registry, resolved.attention.backend, self)
         self.config = resolved = resolved.with_attention_backend(backend_name)
-        self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
-        self.piecewise_graph_runner = self._maybe_piecewise_graphs()
-        if self.device.type == "cuda":
-            self._warm_up_prefill()
         logger.info(
-            "model %s loaded%s; %s; decode CUDA graphs %s, prefill CUDA graphs %s",
+            "model %s loaded%s; %s",
             self.model_dir, f" (tensor-parallel rank {self.tp_rank} of {self.tp_size})" if self.tp_size > 1 else "",
             describe_resolution(config, resolved),
-            "on" if self.cuda_graph_runner is not None else "off",
-            "on" if self.piecewise_graph_runner is not None else "off",
         )
 
     def _runtime_facts(self, offline: bool) -> RuntimeFacts:
@@ -124,40 +122,34 @@ class ModelRunner:
             self.kv_cache.k_scales[layer_id] = layer_scales.get("k", 1.0)
             self.kv_cache.v_scales[layer_id] = layer_scales.get("v", 1.0)
 
-    def _maybe_cuda_graphs(self, registry: Registry) -> Any:
-        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph:
-            return None
-        if not getattr(self.attn_backend, "supports_cuda_graph", False):
-            logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
-                        self.config.attention.backend)
-            return None
-        from treadle.core.execution.cuda_graph import CudaGraphRunner
+    @property
+    def uses_decode_graphs(self) -> bool:
+        """Whether decode steps can replay CUDA graphs here: on CUDA, with a backend that supports them
+        (``runtime.disable_cuda_graph`` is the worker's to apply)."""
+        return self.device.type == "cuda" and bool(getattr(self.attn_backend, "supports_cuda_graph", False))
 
-        return CudaGraphRunner(self)
-
-    def _maybe_piecewise_graphs(self) -> Any:
+    @property
+    def piecewise_graph_tokens(self) -> int:
+        """The largest prefill step that can replay piecewise CUDA graphs (0: prefills run eagerly): on CUDA,
+        ``runtime.piecewise_cuda_graph_max_tokens`` resolved above 0, and a model with
+        ``forward_hidden``/``compute_logits``."""
         max_tokens = self.config.runtime.piecewise_cuda_graph_max_tokens
-        if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph or max_tokens == 0:
-            return None
-        from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner, SplitForwardModel
+        if self.device.type != "cuda" or max_tokens == 0:
+            return 0
+        return max_tokens if isinstance(self.model, SplitForwardModel) else 0
 
-        if not isinstance(self.model, SplitForwardModel):
-            logger.info("model %s has no forward_hidden/compute_logits; prefills run eagerly",
-                        type(self.model).__name__)
-            return None
-        pool = self.cuda_graph_runner.memory_pool if self.cuda_graph_runner is not None else None
-        return PiecewiseGraphRunner(self, max_tokens, pool)
-
-    def _warm_up_prefill(self, tokens: int = 16) -> None:
+    def _warm_up_prefill(self, tokens: int = 16,
+                         forward: Callable[[ForwardBatch], torch.Tensor] | None = None) -> None:
         """One prefill of ``tokens`` dummy tokens through the real attention backend, its K/V written to the padding
         slot, so that first-use costs land in start-up, not on the first request: FlashInfer loads (or JIT-builds)
         its prefill module at first use, which took the first request of a fresh H100 server 17 s once no decode
-        graph of ``flashinfer_triton`` went through FlashInfer any more."""
+        graph of ``flashinfer_triton`` went through FlashInfer any more. ``forward``: the worker's (through its
+        graphs); default the eager one."""
         device = self.device
         lens = torch.tensor([tokens], dtype=torch.int64)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         padding = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.forward(ForwardBatch(
+        (forward or self.forward)(ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=padding,
             positions=torch.arange(tokens, device=device), req_pool_indices=zero, seq_lens=lens.to(device),
             seq_lens_cpu=lens, out_cache_loc=padding, seq_lens_sum=tokens, logits_indices=zero + tokens - 1,
@@ -168,26 +160,9 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def release_graphs(self) -> None:
-        """Free the decode and prefill CUDA graphs once the GPU is done with them; later forwards run eagerly.
-
-        Under tensor parallelism the graphs hold collectives captured on the group's NCCL communicator: rank 0
-        hung in ``destroy_process_group`` with the prefill graphs still alive (2 H200s), so each rank calls this
-        before leaving the group."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for runner in (self.cuda_graph_runner, self.piecewise_graph_runner):
-            if runner is not None:
-                runner.release()
-        self.cuda_graph_runner = None
-        self.piecewise_graph_runner = None
-
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``."""
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
-            return self.cuda_graph_runner.replay(forward_batch)
-        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
-            return self.piecewise_graph_runner.replay(forward_batch)
+        """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``,
+        computed eagerly (``ModelWorker.forward`` replays CUDA graphs where it captured them)."""
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

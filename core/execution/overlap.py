@@ -30,7 +30,8 @@ class NextInputIds:
 
     After each sampling the step's tokens are scattered here by ``req_pool_idx``; the next step
     gathers its decode rows' input ids from here, so a token never has to visit the host before
-    it is fed back to the model.
+    it is fed back to the model. A verify step of ``k + 1`` tokens per request records the token
+    that follows its accepted drafts (``record_accepted``).
     """
 
     def __init__(self, rows: int, device: torch.device) -> None:
@@ -38,6 +39,12 @@ class NextInputIds:
 
     def record(self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
         self.ids.index_copy_(0, req_pool_indices, next_token_ids)
+
+    def record_accepted(self, req_pool_indices: torch.Tensor, token_ids: torch.Tensor,
+                        accepted: torch.Tensor) -> None:
+        """``token_ids``: ``[bs, k + 1]`` the step's tokens at each position; ``accepted``: ``[bs]`` how many
+        drafts each request kept, so its next input is ``token_ids[i, accepted[i]]`` (on the device)."""
+        self.record(req_pool_indices, token_ids.gather(1, accepted.unsqueeze(1)).squeeze(1))
 
     def gather(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
         return self.ids.index_select(0, req_pool_indices)
@@ -75,3 +82,4 @@ class LaunchedStep:
     forward_batch: "ForwardBatch"
     logits: torch.Tensor | None  # dropped once sampling has been queued
     results: HostCopy | None = None  # the sampled ids (and log-probs) on their way to the host
+    draft_ids: torch.Tensor | None = None  # a TARGET_VERIFY step's drafts, [bs, k] on the device

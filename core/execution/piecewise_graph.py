@@ -37,8 +37,8 @@ from treadle.core.auto_size import piecewise_token_sizes
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from treadle.core.execution.attention import RadixAttention
-    from treadle.core.execution.model_runner import ModelRunner
+    from treadle.core.execution.attention import AttentionBackend, RadixAttention
+    from treadle.core.execution.attention_context import AttentionContext
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +118,17 @@ class PiecewiseGraphRunner:
 
     ``can_run(forward_batch)`` says whether a batch can replay; ``replay(forward_batch)``
     copies its token ids and positions into the static inputs, prepares the attention
-    backend's metadata for the real batch and returns its logits.
+    backend's metadata for the real batch and returns its logits. It needs the model, the attention
+    backend, the pools (``context``) and the largest token count to capture; ``memory_pool`` may be the
+    decode graphs' (``CudaGraphRunner.memory_pool``), to share their blocks.
     """
 
-    def __init__(self, model_runner: "ModelRunner", max_tokens: int, memory_pool: Any = None) -> None:
-        self.model_runner = model_runner
-        self.model: SplitForwardModel = model_runner.model
-        self.attn_backend = model_runner.attn_backend
-        self.device = model_runner.device
+    def __init__(self, model: SplitForwardModel, attn_backend: "AttentionBackend", context: "AttentionContext",
+                 max_tokens: int, memory_pool: Any = None) -> None:
+        self.model: SplitForwardModel = model
+        self.attn_backend = attn_backend
+        self.context = context
+        self.device = context.device
         self.sizes = piecewise_token_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
         with torch.inference_mode():
@@ -203,7 +206,7 @@ class PiecewiseGraphRunner:
         return pieces
 
     def _static_forward_batch(self, size: int, attention: _AttentionCut) -> ForwardBatch:
-        runner = self.model_runner
+        context = self.context
         device = self.device
         lengths = torch.tensor([size], dtype=torch.int64)
         return ForwardBatch(
@@ -217,8 +220,8 @@ class PiecewiseGraphRunner:
             out_cache_loc=self.out_cache_loc[:size],
             seq_lens_sum=size,
             logits_indices=torch.tensor([size - 1], dtype=torch.int64, device=device),
-            req_to_token_pool=runner.req_to_token_pool,
-            kv_cache=runner.kv_cache,
+            req_to_token_pool=context.req_to_token_pool,
+            kv_cache=context.kv_cache,
             attn_backend=attention,  # type: ignore[arg-type]
             extend_seq_lens=lengths.to(device),
             extend_prefix_lens=torch.zeros(1, dtype=torch.int64, device=device),

@@ -2,7 +2,9 @@
 
 Every request draws its noise from a counter-based hash of (seed, output
 position, token id), so a seeded request samples the same tokens whatever
-batch it shares a step with.
+batch it shares a step with, and whether its tokens come one per step or
+several per step (a verify step samples ``tokens_per_req`` positions per
+request, position j as the request's output position ``len(output_ids) + j``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ class SamplingBatch:
     Penalties are built by the Sampler from its :class:`PenaltyPool` (token counts
     kept on the device across steps) for ``penalty_reqs``. Requests' ``logit_bias`` entries
     travel as one sparse (rows, token ids, biases) triple, greedy batches included.
+
+    With ``tokens_per_req`` t > 1 (a verify step) the rows are every position of every request, request i's
+    at ``i * t + j``; its parameters repeat per position and ``steps`` counts on. Penalties then count the tokens
+    produced before the step (not the drafts before position j).
     """
 
     temperatures: torch.Tensor | None  # [bs, 1] float32 (greedy rows hold 1.0)
@@ -44,18 +50,20 @@ class SamplingBatch:
     top_logprobs_num: int
     penalty_reqs: list[Req] | None = None  # the batch's requests, when any of them uses penalties
     logit_bias: "LogitBias | None" = None
+    tokens_per_req: int = 1  # rows per request (a verify step's k + 1)
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
+                  tokens_per_req: int = 1) -> "SamplingBatch":
         params = [req.sampling_params for req in reqs]
         all_greedy = all(p.is_greedy for p in params)
         penalty_reqs = reqs if any(p.has_penalties for p in params) else None
         return_logprob = any(req.return_logprob for req in reqs)
         top_logprobs_num = max((req.top_logprobs_num for req in reqs), default=0)
-        logit_bias = LogitBias.from_reqs(reqs, device)
+        logit_bias = LogitBias.from_reqs(reqs, device, tokens_per_req)
         if all_greedy:
             return cls(None, None, None, None, None, None, None, True, False, False, False, None,
-                       return_logprob, top_logprobs_num, penalty_reqs, logit_bias)
+                       return_logprob, top_logprobs_num, penalty_reqs, logit_bias, tokens_per_req)
         floats, ints = [], []
         need_top_p = need_top_k = need_min_p = False
         for req, p in zip(reqs, params):
@@ -67,8 +75,11 @@ class SamplingBatch:
                 need_top_p |= p.top_p < 1.0
                 need_top_k |= top_k < vocab_size
                 need_min_p |= p.min_p > 0
-        float_table = _to_device(torch.tensor(floats, dtype=torch.float32), device)
-        int_table = _to_device(torch.tensor(ints, dtype=torch.int64), device)
+        float_host, int_host = torch.tensor(floats, dtype=torch.float32), torch.tensor(ints, dtype=torch.int64)
+        if tokens_per_req > 1:
+            float_host, int_host = _per_position(float_host, int_host, tokens_per_req)
+        float_table = _to_device(float_host, device)
+        int_table = _to_device(int_host, device)
         return cls(
             temperatures=float_table[:, 0:1],
             greedy=int_table[:, 3].bool(),
@@ -86,7 +97,16 @@ class SamplingBatch:
             top_logprobs_num=top_logprobs_num,
             penalty_reqs=penalty_reqs,
             logit_bias=logit_bias,
+            tokens_per_req=tokens_per_req,
         )
+
+
+def _per_position(floats: torch.Tensor, ints: torch.Tensor, tokens_per_req: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's row repeated for its ``tokens_per_req`` positions, the output step (column 2) counting on."""
+    floats = floats.repeat_interleave(tokens_per_req, dim=0)
+    ints = ints.repeat_interleave(tokens_per_req, dim=0)
+    ints[:, 2] += torch.arange(tokens_per_req).repeat(ints.shape[0] // tokens_per_req)
+    return floats, ints
 
 
 @dataclass
@@ -98,18 +118,22 @@ class LogitBias:
     biases: torch.Tensor  # [entries] float32
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], device: torch.device) -> "LogitBias | None":
+    def from_reqs(cls, reqs: list[Req], device: torch.device, tokens_per_req: int = 1) -> "LogitBias | None":
         """The entries of the rows whose requests have a ``logit_bias`` (None when none has), from each request's
-        ``logit_bias_table``: two host-to-device copies for the whole batch."""
+        ``logit_bias_table``: two host-to-device copies for the whole batch. With ``tokens_per_req`` t, request
+        i's entries apply to each of its rows ``i * t .. i * t + t - 1``."""
         biased = [(row, req.logit_bias_table) for row, req in enumerate(reqs) if req.logit_bias_table is not None]
         if not biased:
             return None
         token_ids = torch.cat([ids for _, (ids, _) in biased])
         rows = torch.repeat_interleave(torch.tensor([row for row, _ in biased]),
                                        torch.tensor([len(ids) for _, (ids, _) in biased]))
+        biases = torch.cat([values for _, (_, values) in biased])
+        if tokens_per_req > 1:
+            rows = (rows[None, :] * tokens_per_req + torch.arange(tokens_per_req)[:, None]).flatten()
+            token_ids, biases = token_ids.repeat(tokens_per_req), biases.repeat(tokens_per_req)
         index_table = _to_device(torch.stack([rows, token_ids]), device)
-        biases = _to_device(torch.cat([values for _, (_, values) in biased]), device)
-        return cls(index_table[0], index_table[1], biases)
+        return cls(index_table[0], index_table[1], _to_device(biases, device))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``logits`` with the biases added (``logits`` itself is left as it was: the raw
@@ -126,6 +150,11 @@ class PenaltyBatch:
     repetition: torch.Tensor  # [bs, 1]
     frequency: torch.Tensor  # [bs, 1]
     presence: torch.Tensor  # [bs, 1]
+
+    def per_position(self, tokens_per_req: int) -> "PenaltyBatch":
+        """Each row repeated for a request's ``tokens_per_req`` positions (a verify step)."""
+        return PenaltyBatch(*(t.repeat_interleave(tokens_per_req, dim=0) for t in (
+            self.output_counts, self.seen_in_sequence, self.repetition, self.frequency, self.presence)))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         # Repetition penalty (CTRL): shrink positive logits, grow negative ones, of seen tokens.
@@ -235,7 +264,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
                  vocab_mask: torch.Tensor | None = None) -> SampleResult:
-        """``logits``: ``[bs, vocab]``, float32 or 16-bit (widened here wherever probabilities are computed).
+        """``logits``: ``[bs * batch.tokens_per_req, vocab]``, float32 or 16-bit (widened here wherever
+        probabilities are computed).
 
         ``vocab_mask``: an int32 bitmask ``[bs, ceil(vocab / 32)]`` of allowed tokens (constrained decoding).
         """
@@ -247,6 +277,8 @@ class Sampler:
             if self.penalty_pool is None or self.penalty_pool.device != logits.device:
                 self.penalty_pool = PenaltyPool(logits.shape[-1], logits.device)
             penalties = self.penalty_pool.batch(batch.penalty_reqs)
+            if batch.tokens_per_req > 1:
+                penalties = penalties.per_position(batch.tokens_per_req)
         if penalties is not None:
             logits = penalties.apply(logits.float())
         if batch.logit_bias is not None:

@@ -7,14 +7,12 @@ step's token discarded here; its memory was released when it finished.
 
 from __future__ import annotations
 
-import torch
-
-from treadle.core.execution.overlap import LaunchedStep, to_device
+from treadle.core.execution.overlap import LaunchedStep
 from treadle.core.request import FinishReason, Req, ReqOutput
-from treadle.core.scheduling.schedule_batch import ScheduleBatch
 
 
-# What every step copies home; prompt log-probs add keys ``in{entry}`` (see _input_logprob_tensors).
+# What every step copies home; prompt log-probs add keys ``in{entry}`` (see core/execution/worker.py's
+# prompt_logprob_tensors).
 _SAMPLED_KEYS = ("next_ids", "logprobs", "top_values", "top_ids")
 
 
@@ -64,30 +62,6 @@ class OutputProcessing:
             self._pending.append(self._output(req, new_ids, include_input_logprobs=first_output))
 
     # ------------------------------------------------------------ log-probs
-
-    def _input_logprob_tensors(self, batch: ScheduleBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Prompt-token log-probs for the entries that asked, as device tensors keyed ``in{entry}``."""
-        tensors: dict[str, torch.Tensor] = {}
-        row_start = 0
-        for i, entry in enumerate(batch.entries):
-            req = entry.req
-            rows_here = len(entry.logit_positions)
-            if self._wants_input_logprobs(req):
-                prompt_len = len(req.origin_input_ids)
-                positions = [p for p in entry.logit_positions if req.logprob_start_len <= p + 1 < prompt_len]
-                if positions:
-                    rows = torch.arange(row_start, row_start + len(positions))
-                    targets = torch.tensor([req.origin_input_ids[p + 1] for p in positions])
-                    log_probs = torch.log_softmax(logits.index_select(0, to_device(rows, logits.device)).float(), dim=-1)
-                    tensors[f"in{i}"] = log_probs.gather(1, to_device(targets, logits.device).unsqueeze(1)).squeeze(1)
-                    if req.top_logprobs_num:
-                        top = torch.topk(log_probs, req.top_logprobs_num, dim=-1)
-                        tensors[f"in{i}_top_ids"] = top.indices
-                        tensors[f"in{i}_top_values"] = top.values
-                else:
-                    tensors[f"in{i}"] = torch.empty(0)
-            row_start += rows_here
-        return tensors
 
     def _input_logprob_lists(self, entry, host: dict, i: int) -> tuple[list, list]:
         req = entry.req

@@ -17,6 +17,7 @@ scheduler_output.py; docs/scheduling.md describes the loop.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -25,12 +26,12 @@ from treadle.core.config import ServerConfig, validate_plugin_choices
 from treadle.core.grammar import GrammarManager
 from treadle.core.loading.hub import default_served_name
 from treadle.core.execution.model_runner import ModelRunner
+from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.scheduling.oom import OomBackoff, retract_after_oom
-from treadle.core.execution.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
+from treadle.core.execution.overlap import LaunchedStep
 from treadle.core.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.registry import Registry, build_registry
 from treadle.core.request import FinishReason, InvalidRequestError, Req, ReqOutput, next_arrival
-from treadle.core.execution.sampler import Sampler, SamplingBatch
 from treadle.core.scheduling.schedule_batch import ScheduleBatch
 from treadle.core.scheduling.batch_building import IN_BATCH_PREFIX_TOKENS, BatchBuilding
 from treadle.core.scheduling.output import OutputProcessing
@@ -44,25 +45,27 @@ __all__ = ["IN_BATCH_PREFIX_TOKENS", "Scheduler"]
 class Scheduler(BatchBuilding, OutputProcessing):
     """Admits, batches, runs and finishes requests; the same object backs Engine and the server."""
 
-    def __init__(self, config: ServerConfig, registry: Registry | None = None, offline: bool = False) -> None:
+    def __init__(self, config: ServerConfig, registry: Registry | None = None, worker: Worker | None = None,
+                 offline: bool = False) -> None:
         self.registry = registry if registry is not None else build_registry(config.plugins)
         validate_plugin_choices(config, self.registry)
-        self.runner = ModelRunner(config, self.registry, offline=offline)
-        self.config = self.runner.config  # every "auto" resolved; the caller's config stays as it was
-        self.allocator = self.runner.allocator
-        self.req_to_token_pool = self.runner.req_to_token_pool
-        self.page_size = self.runner.page_size
+        # The model side (core/execution/worker.py); another Worker (a speculative one) may be handed in.
+        self.worker: Worker = worker if worker is not None else ModelWorker(config, self.registry, offline=offline)
+        self.config = self.worker.config  # every "auto" resolved; the caller's config stays as it was
+        info = self.worker.info
+        self.allocator = info.allocator
+        self.req_to_token_pool = info.req_to_token_pool
+        self.page_size = info.page_size
         self.tree_cache: PrefixCache = (
             NoPrefixCache(self.allocator) if config.cache.disable_radix_cache
             else RadixCache(self.allocator, self.page_size)
         )
         self.policy = self.registry.get("schedule_policies", config.scheduler.policy)(config.scheduler.seed)
-        self.sampler = Sampler()
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or self.runner.model_dir)
-        self.eos_token_ids = eos_token_ids(self.runner.hf_config, self.runner.model_dir, self.tokenizer)
-        self.context_len = self.runner.context_len
-        self.grammar = GrammarManager.from_config(config, self.registry, self.tokenizer, self.runner.vocab_size,
-                                                  self.eos_token_ids, self.runner.device)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or info.model_dir)
+        self.eos_token_ids = eos_token_ids(info.hf_config, info.model_dir, self.tokenizer)
+        self.context_len = info.context_len
+        self.grammar = GrammarManager.from_config(config, self.registry, self.tokenizer, info.vocab_size,
+                                                  self.eos_token_ids, info.device)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -75,24 +78,31 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.num_finished = 0
         self.cached_tokens_total = 0
         self.overlap = not config.scheduler.disable_overlap
-        self.next_input_ids = NextInputIds(self.req_to_token_pool.size, self.runner.device)
         self._inflight: LaunchedStep | None = None  # queued on the device, its tokens not read yet
         self.oom_backoff = OomBackoff()
 
     # ----------------------------------------------------------------- public API
 
     @property
+    def runner(self) -> ModelRunner:
+        """Deprecated (kept for a release): the model runner behind the worker. Read ``worker.info`` for the model
+        and memory facts, ``worker.runner`` for the runner itself."""
+        warnings.warn("Scheduler.runner is deprecated: read scheduler.worker.info (model and memory facts) or "
+                      "scheduler.worker.runner", DeprecationWarning, stacklevel=2)
+        return self.worker.runner  # type: ignore[attr-defined]
+
+    @property
     def model_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.runner.model_dir,
+            "model_path": self.worker.info.model_dir,
             "served_model_name": (self.config.model.served_model_name
-                                  or default_served_name(self.config.model.path, self.runner.model_dir)),
-            "architecture": self.runner.hf_config.architectures[0],
+                                  or default_served_name(self.config.model.path, self.worker.info.model_dir)),
+            "architecture": self.worker.info.hf_config.architectures[0],
             "context_len": self.context_len,
-            "vocab_size": self.runner.vocab_size,
+            "vocab_size": self.worker.info.vocab_size,
             "eos_token_ids": sorted(self.eos_token_ids),
-            "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "device": str(self.runner.device),
+            "dtype": str(self.worker.info.dtype).removeprefix("torch."),
+            "device": str(self.worker.info.device),
             "has_tokenizer": self.tokenizer is not None,
         }
 
@@ -122,7 +132,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
             raise InvalidRequestError(
                 f"the prompt has {prompt_len} tokens but the KV cache holds only {self.allocator.total_slots}; "
                 "raise cache.max_total_tokens", param="prompt")
-        vocab = self.runner.vocab_size
+        vocab = self.worker.info.vocab_size
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
         bias = req.sampling_params.logit_bias
@@ -216,17 +226,15 @@ class Scheduler(BatchBuilding, OutputProcessing):
 
         None when the device ran out of memory: the batch was undone, to be retried smaller.
         """
-        batch.write_req_to_token(self.req_to_token_pool.req_to_token)
-        forward_batch = batch.to_forward_batch(self.runner, self.next_input_ids)
         try:
-            logits = self.runner.forward(forward_batch)
+            step = self.worker.launch_forward(batch)
         except torch.cuda.OutOfMemoryError as exc:
             retract_after_oom(self, batch, exc)
             return None
         self.oom_backoff.on_success()
         # After the forward is queued: sharing a prompt may re-point its table row at cached copies.
         self._commit(batch)
-        return LaunchedStep(batch, forward_batch, logits)
+        return step
 
     def _launch_sampling(self, step: LaunchedStep) -> None:
         """Queue sampling for a launched step, feed its tokens to the next step, start their copy home.
@@ -234,22 +242,9 @@ class Scheduler(BatchBuilding, OutputProcessing):
         Runs after the previous step's tokens were processed, so penalties, seeds and constraint
         masks see every earlier token of each request.
         """
-        batch, logits = step.batch, step.logits
-        with torch.inference_mode():
-            last_logits = logits
-            rows = batch.last_logit_rows()
-            if rows != list(range(logits.shape[0])):  # not one row per request, as in decode: select them
-                last_logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
-            sampling = SamplingBatch.from_reqs(batch.reqs, self.runner.vocab_size, self.runner.device)
-            result = self.sampler(last_logits, sampling, vocab_mask=self._vocab_mask(batch))
-            self.next_input_ids.record(step.forward_batch.req_pool_indices, result.next_token_ids)
-            tensors = {"next_ids": result.next_token_ids, "logprobs": result.logprobs,
-                       "top_values": None, "top_ids": None}
-            if result.top_logprobs is not None:
-                tensors["top_values"], tensors["top_ids"] = result.top_logprobs
-            tensors.update(self._input_logprob_tensors(batch, logits))
-        step.results = HostCopy(tensors)
-        step.logits = None
+        batch = step.batch
+        prompt_logprobs = [i for i, entry in enumerate(batch.entries) if self._wants_input_logprobs(entry.req)]
+        self.worker.launch_sampling(step, self._vocab_mask(batch), prompt_logprobs)
 
     def _vocab_mask(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Hook right before sampling: the allowed-token mask of constrained rows (None: no constraints).

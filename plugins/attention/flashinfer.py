@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from treadle.core.execution.attention import AttentionBackend, head_layout
+from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 
@@ -39,39 +40,41 @@ class FlashInferAttnBackend(AttentionBackend):
     """Attention through FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (extend, mixed) and
     ``BatchDecodeWithPagedKVCacheWrapper`` (decode, also inside CUDA graphs).
 
-    Supports GQA, a sliding window (``model_runner.sliding_window``, the same for every
+    Supports GQA, a sliding window (``context.sliding_window``, the same for every
     layer), any page size, and float16/bfloat16 KV caches, or FP8 (e4m3) caches with per-layer
     scales under a float16/bfloat16 model (``cache.kv_dtype: fp8_e4m3``). Tunables, plain attributes
     read when a wrapper is first built (the first step, or CUDA-graph capture):
     ``prefill_backend`` (FlashInfer's ``backend`` argument; ``"fa2"`` by default so
     prefill and tensor-core decode share one JIT module) and ``use_tensor_cores``
     (decode through FlashInfer's prefill kernel; default when a KV head serves 4 or
-    more query heads).
+    more query heads). TARGET_VERIFY steps go through the prefill wrapper, and are captured in CUDA graphs
+    through a CUDA-graph prefill wrapper per ``(batch size, tokens_per_req)``.
     """
 
     supports_cuda_graph = True
+    supports_verify_cuda_graph = True
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
         # After flashinfer_triton (its large-batch half): the fastest decode at hundreds of requests here.
         return 20 if device.type == "cuda" else None
 
-    def __init__(self, model_runner: Any) -> None:
-        windows = set(getattr(model_runner, "layer_sliding_windows", ()))
+    def __init__(self, context: AttentionContext) -> None:
+        windows = set(getattr(context, "layer_sliding_windows", ()))
         if len(windows) > 1:
             raise ValueError(
                 f"the flashinfer backend plans one sliding window for every layer; this model's layers use "
                 f"{sorted(windows, key=lambda w: w or 0)} (None: full attention); use attention.backend: triton"
             )
         self._flashinfer = _import_flashinfer()
-        self.device = torch.device(model_runner.device)
+        self.device = torch.device(context.device)
         if self.device.type != "cuda":
             raise RuntimeError(
                 f"the flashinfer attention backend runs on a CUDA device, not '{self.device}'; "
                 "use attention.backend: torch_native there"
             )
-        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "flashinfer")
-        kv_cache = model_runner.kv_cache
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(context, "flashinfer")
+        kv_cache = context.kv_cache
         self.kv_dtype: torch.dtype = kv_cache.dtype
         if self.kv_dtype not in _SUPPORTED_KV_DTYPES:
             raise ValueError(
@@ -81,15 +84,15 @@ class FlashInferAttnBackend(AttentionBackend):
         # Queries stay in the model dtype over an FP8 cache; otherwise they match the cache.
         self.q_dtype: torch.dtype = self.kv_dtype
         if getattr(kv_cache, "is_fp8", False):
-            self.q_dtype = model_runner.dtype
+            self.q_dtype = context.dtype
             if self.q_dtype not in (torch.float16, torch.bfloat16):
                 raise ValueError(
                     f"flashinfer attention over an FP8 KV cache needs a float16 or bfloat16 model, not {self.q_dtype}"
                 )
-        self.page_size = int(model_runner.page_size)
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.context_len = int(model_runner.context_len)
-        window = getattr(model_runner, "sliding_window", None)
+        self.page_size = int(context.page_size)
+        self.req_to_token_pool = context.req_to_token_pool
+        self.context_len = int(context.context_len)
+        window = getattr(context, "sliding_window", None)
         self.sliding_window: int | None = int(window) if window else None
         # HF's window W shows keys i - W < j <= i; FlashInfer's window_left counts keys left of i.
         self.window_left = self.sliding_window - 1 if self.sliding_window else -1
@@ -102,7 +105,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self._decode_wrapper: Any = None
         self._page_table_kernel = _page_table_kernel()
         self._forward_wrapper: Any = None  # the wrapper planned for the current step
+        self._forward_decodes = False  # whether that wrapper is a decode one
         self._graph_wrappers: dict[int, Any] = {}
+        self._graph_verify_wrappers: dict[tuple[int, int], Any] = {}  # by (batch size, tokens_per_req)
+        self._verify_qo_indptrs: dict[tuple[int, int], torch.Tensor] = {}  # pinned host, likewise
+        self._graph_qo_indptr: torch.Tensor | None = None
         self._graph_kv_indptr: torch.Tensor | None = None
         self._graph_kv_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
@@ -143,15 +150,18 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_kv_indices = torch.zeros(max_bs * pages_per_request, dtype=torch.int32, device=self.device)
+        self._graph_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._graph_wrappers = {}
+        self._graph_verify_wrappers = {}
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
     ) -> None:
-        if not mode.is_decode():
-            raise NotImplementedError(f"the flashinfer backend captures CUDA graphs for DECODE only, not {mode.name}")
         if self._graph_kv_indptr is None or self._graph_last_page_len is None or self._graph_kv_indices is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
+        if not mode.is_decode():
+            self._capture_verify(bs, num_tokens, req_pool_indices, seq_lens, mode)
+            return
         wrapper = self._new_decode_wrapper(
             use_cuda_graph=True,
             paged_kv_indptr_buffer=self._graph_kv_indptr[: bs + 1],
@@ -170,11 +180,13 @@ class FlashInferAttnBackend(AttentionBackend):
         seq_lens_sum: int,
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        if not mode.is_decode():
-            raise NotImplementedError(f"the flashinfer backend replays CUDA graphs for DECODE only, not {mode.name}")
         if seq_lens_cpu is None:
             raise ValueError("the flashinfer backend needs seq_lens_cpu to plan a CUDA-graph replay without a sync")
+        if not mode.is_decode():
+            self._replay_verify(bs, req_pool_indices, seq_lens, seq_lens_cpu, mode, num_tokens)
+            return
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             raise ValueError(f"no CUDA graph was captured for batch size {bs}; captured: {sorted(self._graph_wrappers)}")
@@ -203,13 +215,13 @@ class FlashInferAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch, save_kv_cache: bool, expect_decode: bool,
     ) -> torch.Tensor:
         wrapper = self._forward_wrapper
-        if wrapper is None or (wrapper is self._prefill_wrapper) == expect_decode:
+        if wrapper is None or self._forward_decodes != expect_decode:
             kind = "decode" if expect_decode else "extend"
             raise RuntimeError(f"forward_{kind} ran without {kind} metadata; call init_forward_metadata first")
         if (layer.sliding_window_size or None) != self.sliding_window:
             raise ValueError(
                 f"layer {layer.layer_id} has sliding window {layer.sliding_window_size} but the flashinfer backend "
-                f"was planned for {self.sliding_window} (model_runner.sliding_window); per-layer windows are "
+                f"was planned for {self.sliding_window} (context.sliding_window); per-layer windows are "
                 "not supported"
             )
         kv_cache = forward_batch.kv_cache
@@ -240,21 +252,64 @@ class FlashInferAttnBackend(AttentionBackend):
             window_left=self.window_left, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
         )
         self._forward_wrapper = wrapper
+        self._forward_decodes = True
 
     def _plan_extend(self, forward_batch: ForwardBatch, extend_lens_cpu: torch.Tensor,
                      seq_lens_cpu: torch.Tensor) -> None:
         qo_indptr_cpu = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
         torch.cumsum(extend_lens_cpu, 0, out=qo_indptr_cpu[1:])
-        qo_indptr_cpu = qo_indptr_cpu.pin_memory()
+        self._plan_prefill(self.prefill_wrapper, qo_indptr_cpu.pin_memory(), forward_batch.req_pool_indices,
+                           forward_batch.seq_lens, seq_lens_cpu)
+
+    def _plan_prefill(self, wrapper: Any, qo_indptr_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
+                      seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor) -> None:
         kv_indptr_cpu, last_page_len_cpu = self._page_counts(seq_lens_cpu)
         kv_indices = self._page_indices_scratch(seq_lens_cpu)
-        self._fill_page_indices(kv_indices, forward_batch.req_pool_indices, forward_batch.seq_lens)
-        self.prefill_wrapper.plan(
+        self._fill_page_indices(kv_indices, req_pool_indices, seq_lens)
+        wrapper.plan(
             qo_indptr_cpu, kv_indptr_cpu, kv_indices, last_page_len_cpu,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             causal=True, window_left=self.window_left, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
         )
-        self._forward_wrapper = self.prefill_wrapper
+        self._forward_wrapper = wrapper
+        self._forward_decodes = False
+
+    # -- TARGET_VERIFY under CUDA graphs --------------------------------------------------------
+
+    def _capture_verify(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                        mode: ForwardMode) -> None:
+        tokens_per_req = _tokens_per_req(bs, num_tokens, mode)
+        assert self._graph_qo_indptr is not None and self._graph_kv_indptr is not None
+        wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=self._graph_qo_indptr[: bs + 1],
+            paged_kv_indptr_buf=self._graph_kv_indptr[: bs + 1],
+            paged_kv_indices_buf=self._graph_kv_indices,
+            paged_kv_last_page_len_buf=self._graph_last_page_len[:bs],
+            backend=self.prefill_backend,
+        )
+        self._graph_verify_wrappers[(bs, tokens_per_req)] = wrapper
+        seq_lens_cpu = seq_lens.to("cpu")  # capture time: a sync here is harmless
+        self._plan_prefill(wrapper, self._verify_qo_indptr(bs, tokens_per_req), req_pool_indices, seq_lens,
+                           seq_lens_cpu)
+
+    def _replay_verify(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                       seq_lens_cpu: torch.Tensor, mode: ForwardMode, num_tokens: int | None) -> None:
+        tokens_per_req = _tokens_per_req(bs, num_tokens, mode)
+        wrapper = self._graph_verify_wrappers.get((bs, tokens_per_req))
+        if wrapper is None:
+            raise ValueError(f"no TARGET_VERIFY CUDA graph was captured for batch size {bs} and {tokens_per_req} "
+                             f"tokens per request; captured: {sorted(self._graph_verify_wrappers)}")
+        self._plan_prefill(wrapper, self._verify_qo_indptr(bs, tokens_per_req), req_pool_indices, seq_lens,
+                           seq_lens_cpu)
+
+    def _verify_qo_indptr(self, bs: int, tokens_per_req: int) -> torch.Tensor:
+        """Pinned host ``[0, t, 2t, ..., bs * t]`` (int32), built once per shape."""
+        key = (bs, tokens_per_req)
+        if key not in self._verify_qo_indptrs:
+            indptr = torch.arange(bs + 1, dtype=torch.int32) * tokens_per_req
+            self._verify_qo_indptrs[key] = indptr.pin_memory()
+        return self._verify_qo_indptrs[key]
 
     def _page_counts(self, seq_lens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host ``kv_indptr`` [bs + 1] and ``last_page_len`` [bs] (int32) from host sequence lengths."""
@@ -290,6 +345,15 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, **graph_buffers
         )
+
+
+def _tokens_per_req(bs: int, num_tokens: int | None, mode: ForwardMode) -> int:
+    if not mode.is_verify():
+        raise NotImplementedError(f"the flashinfer backend captures CUDA graphs for DECODE and TARGET_VERIFY, "
+                                  f"not {mode.name}")
+    if not num_tokens or num_tokens % bs:
+        raise ValueError(f"a TARGET_VERIFY graph needs num_tokens = bs * tokens_per_req, got {num_tokens} for bs={bs}")
+    return num_tokens // bs
 
 
 def _kv_scales(kv_cache: Any, layer_id: int) -> tuple[float | None, float | None]:

@@ -11,11 +11,12 @@ can go to either: ``attention.backend: auto`` picks this backend where both are 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from treadle.core.execution.attention import AttentionBackend
+from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.plugins.attention.flashinfer import FlashInferAttnBackend
@@ -33,18 +34,20 @@ class FlashInferTritonAttnBackend(AttentionBackend):
 
     Accepts what both accept (16-bit or FP8 KV caches, one sliding window for every layer). The tunables of the
     two are on ``.small`` and ``.large``; ``small_decode_batch`` must not change once CUDA graphs are captured.
+    TARGET_VERIFY steps, extend-shaped, go to FlashInfer as extend steps do, captured in graphs or not.
     """
 
     supports_cuda_graph = True
+    supports_verify_cuda_graph = True
     small_decode_batch: int | None = None
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
         return 30 if device.type == "cuda" else None
 
-    def __init__(self, model_runner: Any) -> None:
-        self.large = FlashInferAttnBackend(model_runner)
-        self.small = TritonAttnBackend(model_runner)
+    def __init__(self, context: AttentionContext) -> None:
+        self.large = FlashInferAttnBackend(context)
+        self.small = TritonAttnBackend(context)
         if self.small.get_cuda_graph_seq_len_fill_value() != self.large.get_cuda_graph_seq_len_fill_value():
             raise ValueError("flashinfer_triton needs both backends to pad CUDA-graph batches with one length")
 
@@ -60,15 +63,16 @@ class FlashInferTritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         small = max_bs if self.small_decode_batch is None else min(max_bs, self.small_decode_batch)
         self.small.init_cuda_graph_state(small, min(max_num_tokens, small))
-        # FlashInfer's graph page table holds max_bs requests at full context (Llama-3.1-8B: 0.5 MB each).
-        if small < max_bs:
+        # FlashInfer's graph page table holds max_bs requests at full context (Llama-3.1-8B: 0.5 MB each); it is
+        # built when it captures decode batches or, with several tokens per request, verify steps.
+        if small < max_bs or max_num_tokens > max_bs:
             self.large.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
     ) -> None:
-        self._decode_backend(bs).init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices,
-                                                                          seq_lens, mode)
+        backend = self._decode_backend(bs) if mode.is_decode() else self.large
+        backend.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, mode)
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -78,9 +82,14 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         seq_lens_sum: int,
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        self._decode_backend(bs).init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens,
-                                                                         seq_lens_sum, mode, seq_lens_cpu)
+        if mode.is_decode():
+            self._decode_backend(bs).init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens,
+                                                                             seq_lens_sum, mode, seq_lens_cpu)
+        else:
+            self.large.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum, mode,
+                                                               seq_lens_cpu, num_tokens=num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.large.get_cuda_graph_seq_len_fill_value()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.core.execution.attention import AttentionBackend, RadixAttention, head_layout
+from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.hookspecs import Register, hookimpl
 
@@ -45,15 +46,14 @@ class TorchNativeAttnBackend(AttentionBackend):
     def auto_priority(cls, device: torch.device) -> int | None:
         return 0  # runs anywhere: the CPU's choice, and the GPU's last resort
 
-    def __init__(self, model_runner: Any) -> None:
-        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "torch_native")
-        kv_cache = getattr(model_runner, "kv_cache", None)
-        if kv_cache is not None and getattr(kv_cache, "is_fp8", False):
+    def __init__(self, context: AttentionContext) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(context, "torch_native")
+        if getattr(context.kv_cache, "is_fp8", False):
             raise ValueError(
                 "torch_native attention does not read FP8 KV caches; use attention.backend: triton or "
                 "flashinfer with cache.kv_dtype: fp8_e4m3, or cache.kv_dtype: auto"
             )
-        self.device = torch.device(model_runner.device)
+        self.device = torch.device(context.device)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         forward_batch.attn_metadata = _step_index(forward_batch)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treadle.bench.one_batch import _build_runner, main
+from treadle.bench.one_batch import _build_worker, main
 from treadle.bench.one_batch_profile import profile_decode, profile_prefill
 from treadle.bench.shapes import TINY, write_config
 
@@ -52,7 +52,7 @@ def test_hf_compiled_peer_uses_a_static_cache_and_matches_hf(tmp_path):
 
     args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "4", "--input-len", "8"])
     model_dir = write_config(tmp_path, TINY)
-    runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu"))
+    runner = one_batch._build_worker(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu")).runner
     prompts = torch.randint(100, 1000, (2, 8))
     eager = run_hf(runner, prompts, args, 1e9)
     compiled = run_hf(runner, prompts, args, 1e9, compiled=True)
@@ -101,8 +101,8 @@ def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
 
     args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "2", "--input-len", "8"])
     model_dir = write_config(tmp_path, TINY)
-    runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 1, args, torch.device("cpu"),
-                                     "model.quantization=fp8")
+    runner = one_batch._build_worker(model_dir, "torch_native", {}, False, 1, args, torch.device("cpu"),
+                                     "model.quantization=fp8").runner
     named = dict(hf_named_weights(runner.model))
     down = runner.model.model.layers[0].mlp.down_proj
     assert not any(name.endswith("weight_scale") for name in named)
@@ -111,22 +111,22 @@ def test_hf_peer_of_an_fp8_runner_gets_the_widened_fp8_weights(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
-def test_profiles_of_decode_and_of_a_small_prefill_time_the_host_and_restore_the_runner():
+def test_profiles_of_decode_and_of_a_small_prefill_time_the_host_and_restore_the_worker():
     """The profile windows (run on the GPU by default) work on the CPU too: host time is measured through
     wrappers that are removed afterwards."""
     args = argparse.Namespace(input_len=16, decode_steps=8, page_size=1, dtype="float32", context_length=256)
     with tempfile.TemporaryDirectory() as scratch:
-        runner = _build_runner(write_config(Path(scratch), TINY), "torch_native", {}, False, 2, args,
+        worker = _build_worker(write_config(Path(scratch), TINY), "torch_native", {}, False, 2, args,
                                torch.device("cpu"))
-        decode = profile_decode(runner, "torch_native", torch.randint(100, 1000, (1, 8)), steps=3)
-        prefill = profile_prefill(runner, "torch_native", prompt_len=16, steps=2)
-        chunk = profile_prefill(runner, "torch_native", prompt_len=8, steps=1, prompts=2)
+        decode = profile_decode(worker, "torch_native", torch.randint(100, 1000, (1, 8)), steps=3)
+        prefill = profile_prefill(worker, "torch_native", prompt_len=16, steps=2)
+        chunk = profile_prefill(worker, "torch_native", prompt_len=8, steps=1, prompts=2)
     assert decode["what"] == "bs=1 decode" and prefill["what"] == "prefill of 16 tokens"
     assert chunk["what"] == "prefill of 2 x 8 tokens"
     for profile in (decode, prefill, chunk):
         assert profile["wall_us_per_step_profiled"] > 0
         assert all(us > 0 for key, us in profile["host_us_per_step"].items() if "forward" in key)
-    assert "forward" not in vars(runner), "the host timer must be removed after the window"
+    assert "forward" not in vars(worker), "the host timer must be removed after the window"
 
 
 
@@ -178,9 +178,9 @@ def test_engine_rows_time_engine_generate_like_the_hf_peers_and_give_the_runners
     args = one_batch._parser().parse_args(["--tiny", "--device", "cpu", "--decode-steps", "5", "--input-len", "8"])
     model_dir = write_config(tmp_path, TINY)
     prompts = {bs: torch.randint(100, 1000, (bs, 8)) for bs in (1, 2)}
-    runner = one_batch._build_runner(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu"))
-    stepped = one_batch.run_treadle(runner, "torch_native graphs=off", "torch_native", False, prompts[2], args, 1e9)
-    one_batch._release(runner)
+    worker = one_batch._build_worker(model_dir, "torch_native", {}, False, 2, args, torch.device("cpu"))
+    stepped = one_batch.run_treadle(worker, "torch_native graphs=off", "torch_native", False, prompts[2], args, 1e9)
+    one_batch._release(worker)
     rows = run_engine(model_dir, "torch_native", {}, "torch_native graphs=on", prompts, args, torch.device("cpu"),
                       1e9)
     assert [(r.batch_size, r.engine, r.system) for r in rows] == [

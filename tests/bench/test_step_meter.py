@@ -18,7 +18,7 @@ class _Event:
 
 
 def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
-    scheduler = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    scheduler = SimpleNamespace(worker=SimpleNamespace(info=SimpleNamespace(device=SimpleNamespace(type="cpu"))))
     meter = StepMeter(scheduler)
     meter._t0, meter._t1 = _Event(0), _Event(13)
     meter.steps = [  # idle 1 ms before each of the first two steps and 1 ms at the end; none before the third
@@ -51,15 +51,15 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
 def test_step_trace_times_garbage_collection_and_settling_between_launches() -> None:
     import gc
 
-    class Runner:
-        device = SimpleNamespace(type="cpu")
+    class Worker:
+        info = SimpleNamespace(device=SimpleNamespace(type="cpu"))
+        sampler = None
 
         def forward(self, forward_batch):
             return forward_batch
 
     class Scheduler:
-        runner = Runner()
-        sampler = None
+        worker = Worker()
         _inflight = None
         settled = 0
 
@@ -99,11 +99,12 @@ def test_under_tensor_parallelism_the_meter_hooks_rank_zeros_own_scheduler() -> 
     def sampler(*args, **kwargs):
         return "tokens"
 
-    runner = SimpleNamespace(device=SimpleNamespace(type="cpu"), forward=lambda batch: batch)
-    local = SimpleNamespace(runner=runner, sampler=sampler)
+    worker = SimpleNamespace(info=SimpleNamespace(device=SimpleNamespace(type="cpu")), forward=lambda batch: batch,
+                             sampler=sampler)
+    local = SimpleNamespace(worker=worker)
     leader = LeaderScheduler(local, ranks=None, watcher=None)
     meter = StepMeter(leader)
     meter.install()
-    assert meter.scheduler is local and local.sampler is not sampler and "sampler" not in vars(leader)
+    assert meter.scheduler is local and worker.sampler is not sampler and "worker" not in vars(leader)
     meter.uninstall()
-    assert local.sampler is sampler
+    assert worker.sampler is sampler

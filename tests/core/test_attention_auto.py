@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from treadle.core.execution.attention import AttentionBackend, RadixAttention, build_attention_backend, model_sliding_windows
+from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.registry import build_registry
+
+
+def _context(device: str) -> AttentionContext:
+    """A backend's view of a model on ``device`` (the refusals below never reach the pools)."""
+    return AttentionContext(device=torch.device(device), dtype=torch.float16, kv_dtype=torch.float16, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_dim=8, page_size=1, context_len=16,
+                            req_to_token_pool=None, kv_cache=None)  # type: ignore[arg-type]
 
 
 class _Backend(AttentionBackend):
@@ -21,7 +29,7 @@ class _Backend(AttentionBackend):
     def auto_priority(cls, device: torch.device) -> int | None:
         return cls.priority.get(device.type)
 
-    def __init__(self, model_runner) -> None:
+    def __init__(self, context) -> None:
         if self.refuses:
             raise ValueError(f"{type(self).__name__} does not take this model")
 
@@ -64,28 +72,28 @@ def _registry(**refusing: bool) -> _Registry:
 
 
 def test_auto_takes_the_highest_ranked_backend_on_the_device() -> None:
-    backend, name = build_attention_backend(_registry(), "auto", SimpleNamespace(device="cuda:0"))
+    backend, name = build_attention_backend(_registry(), "auto", _context("cuda:0"))
     assert name == "fast" and type(backend).__name__ == "Fast"
-    _, name = build_attention_backend(_registry(), "auto", SimpleNamespace(device="cpu"))
+    _, name = build_attention_backend(_registry(), "auto", _context("cpu"))
     assert name == "anywhere"  # the GPU-only backends do not rank themselves on the CPU
 
 
 def test_auto_skips_a_backend_that_refuses_the_model_and_logs_why(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="treadle.core.execution.attention"):
-        _, name = build_attention_backend(_registry(fast=True), "auto", SimpleNamespace(device="cuda"))
+        _, name = build_attention_backend(_registry(fast=True), "auto", _context("cuda"))
     assert name == "fallback"
     assert "skipped fast (Fast does not take this model)" in caplog.text
 
 
 def test_auto_without_any_accepting_backend_says_what_each_refused() -> None:
     with pytest.raises(RuntimeError) as exc:
-        build_attention_backend(_registry(anywhere=True), "auto", SimpleNamespace(device="cpu"))
+        build_attention_backend(_registry(anywhere=True), "auto", _context("cpu"))
     assert "anywhere: Anywhere does not take this model" in str(exc.value)
     assert "set attention.backend" in str(exc.value)
 
 
 def test_an_explicit_name_is_built_even_when_unranked() -> None:
-    backend, name = build_attention_backend(_registry(), "unranked", SimpleNamespace(device="cpu"))
+    backend, name = build_attention_backend(_registry(), "unranked", _context("cpu"))
     assert name == "unranked" and type(backend).__name__ == "Unranked"
 
 

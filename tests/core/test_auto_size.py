@@ -164,11 +164,11 @@ def test_the_cpu_runner_resolves_auto_into_a_frozen_config_and_logs_it(tiny_llam
         runner = ModelRunner(config, build_registry())
     assert "max_running_requests 64 (auto)" in caplog.text
     assert "enable_mixed_chunk False (auto)" in caplog.text
-    assert "piecewise_cuda_graph_max_tokens 0 (auto)" in caplog.text and "prefill CUDA graphs off" in caplog.text
+    assert "piecewise_cuda_graph_max_tokens 0 (auto)" in caplog.text
     assert f"chunked_prefill_size {SERVER_CHUNKED_PREFILL_SIZE} (auto)" in caplog.text
     assert "cache.max_total_tokens 256," in caplog.text  # set by the user: no "(auto)"
     resolved = runner.config
-    assert runner.piecewise_graph_runner is None and resolved.runtime.piecewise_cuda_graph_max_tokens == 0
+    assert runner.piecewise_graph_tokens == 0 and resolved.runtime.piecewise_cuda_graph_max_tokens == 0
     assert runner.max_running_requests == resolved.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
     assert resolved.scheduler.enable_mixed_chunk is False

@@ -21,15 +21,16 @@ def test_a_zero_maximum_is_refused() -> None:
         capture_batch_sizes(0)
 
 
-def test_cpu_runner_has_no_graph_runner(tiny_llama_dir) -> None:
+def test_a_cpu_worker_captures_no_graphs(tiny_llama_dir) -> None:
     from treadle.core.config import load_config
-    from treadle.core.execution.model_runner import ModelRunner
+    from treadle.core.execution.worker import ModelWorker
     from treadle.core.registry import build_registry
 
     config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
                                     "cache.max_total_tokens": 256}, use_env=False)
-    runner = ModelRunner(config, build_registry())
-    assert runner.cuda_graph_runner is None
+    worker = ModelWorker(config, build_registry(), verify_tokens_per_req=[3])
+    assert worker.cuda_graphs is None and worker.piecewise_graphs is None
+    assert not worker.runner.uses_decode_graphs and worker.runner.piecewise_graph_tokens == 0
 
 
 def test_large_maxima_use_coarser_buckets() -> None:
@@ -68,12 +69,14 @@ def test_every_built_in_model_splits_for_piecewise_prefill_graphs() -> None:
 def test_release_graphs_frees_both_runners_and_later_forwards_run_eagerly():
     from types import SimpleNamespace
 
-    from treadle.core.execution.model_runner import ModelRunner
+    from treadle.core.execution.worker import ModelWorker
 
-    released = []
-    runner = SimpleNamespace(device=torch.device("cpu"),
-                             cuda_graph_runner=SimpleNamespace(release=lambda: released.append("decode")),
-                             piecewise_graph_runner=SimpleNamespace(release=lambda: released.append("prefill")))
-    ModelRunner.release_graphs(runner)  # type: ignore[arg-type]
+    released, eager = [], []
+    worker = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu"),
+                                                    forward=lambda batch: eager.append(batch) or "logits"),
+                             cuda_graphs=SimpleNamespace(release=lambda: released.append("decode")),
+                             piecewise_graphs=SimpleNamespace(release=lambda: released.append("prefill")))
+    ModelWorker.release_graphs(worker)  # type: ignore[arg-type]
     assert released == ["decode", "prefill"]
-    assert runner.cuda_graph_runner is None and runner.piecewise_graph_runner is None
+    assert worker.cuda_graphs is None and worker.piecewise_graphs is None
+    assert ModelWorker.forward(worker, "batch") == "logits" and eager == ["batch"]  # type: ignore[arg-type]

@@ -175,7 +175,7 @@ def test_logit_bias_bans_and_forces_tokens_batched_with_unbiased_requests(tiny_l
     assert banned not in outs[0].token_ids and outs[0].token_ids != llama_reference[0]
     assert outs[2].token_ids == [7] * NEW_TOKENS
     assert [outs[1].token_ids, outs[3].token_ids] == [llama_reference[1], llama_reference[3]]
-    vocab = engine.scheduler.runner.vocab_size
+    vocab = engine.scheduler.worker.info.vocab_size
     with pytest.raises(InvalidRequestError, match=f"logit_bias names token {vocab}"):
         engine.generate(input_ids=PROMPTS[0], sampling_params={**vars(GREEDY), "logit_bias": {vocab: 1}})
     assert_kv_accounted(engine)
@@ -210,7 +210,7 @@ def test_input_logprobs_match_a_direct_forward(tiny_llama_dir, start, chunk):
 
 def test_top_logprobs_beyond_the_vocabulary_fail_clearly(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
-    vocab = engine.scheduler.runner.vocab_size
+    vocab = engine.scheduler.worker.info.vocab_size
     with pytest.raises(InvalidRequestError, match=f"top_logprobs_num must be in \\[0, {vocab}\\]"):
         engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=vocab + 1)
     assert_kv_accounted(engine)  # nothing was left queued

@@ -1,6 +1,6 @@
 """A device out-of-memory during a forward retracts the batch and retries smaller instead of crashing.
 
-The OOM is injected on the CPU: the model runner's forward raises ``torch.cuda.OutOfMemoryError``
+The OOM is injected on the CPU: the model worker's forward raises ``torch.cuda.OutOfMemoryError``
 for batches over a size. Greedy outputs must equal a run without OOMs and every KV slot must come back.
 """
 
@@ -36,9 +36,9 @@ def _engine(model_dir: str, overlap: bool, paged: bool) -> Engine:
 
 
 def _inject_oom(engine: Engine, max_requests: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Make forward raise for batches over the limits; returns the (requests, tokens) of each OOM."""
-    runner = engine.scheduler.runner
-    forward = runner.forward
+    """Make the worker's forward raise for batches over the limits; returns the (requests, tokens) of each OOM."""
+    worker = engine.scheduler.worker
+    forward = worker.forward
     ooms: list[tuple[int, int]] = []
 
     def limited(forward_batch):
@@ -47,7 +47,7 @@ def _inject_oom(engine: Engine, max_requests: int, max_tokens: int) -> list[tupl
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return forward(forward_batch)
 
-    runner.forward = limited
+    worker.forward = limited
     return ooms
 
 

@@ -189,3 +189,37 @@ def test_argmax_kernel_picks_what_torch_argmax_picks() -> None:
     proc = subprocess.run([sys.executable, "-c", _ARGMAX_KERNEL_CHECK], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_verify_step_samples_each_position_as_a_one_token_step_at_that_output_position_would() -> None:
+    """Rows ``i * t + j`` of a step of t tokens per request are request i's position j: its parameters, its logit
+    bias, and the seeded noise of output position ``len(output_ids) + j`` (so speculation does not change what a
+    seeded request samples)."""
+    t = 3
+    reqs = [_req("a", [1], [5, 6], 0, temperature=0.0, logit_bias={7: 50.0}),
+            _req("b", [2], [7], 1, temperature=0.7, top_p=0.9, top_k=20, seed=11),
+            _req("c", [3, 4], [], 2, temperature=1.3, min_p=0.05, seed=5, logit_bias={3: 2.0})]
+    logits = torch.randn(len(reqs) * t, VOCAB, generator=torch.Generator().manual_seed(0))
+    batch = SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"), tokens_per_req=t)
+    result = Sampler()(logits, batch)
+    assert result.next_token_ids.shape == (len(reqs) * t,)
+    for i, req in enumerate(reqs):
+        for j in range(t):
+            alone = _req(req.rid, req.origin_input_ids, req.output_ids + [0] * j, i, temperature=1.0)
+            alone.sampling_params, alone.sample_seed = req.sampling_params, req.sample_seed
+            alone.logit_bias_table = req.logit_bias_table
+            one = Sampler()(logits[i * t + j:i * t + j + 1], SamplingBatch.from_reqs([alone], VOCAB, torch.device("cpu")))
+            assert int(result.next_token_ids[i * t + j]) == int(one.next_token_ids[0]), (req.rid, j)
+    assert result.next_token_ids[:t].tolist() == [7] * t  # the bias reaches every row of request a
+
+
+def test_penalties_repeat_for_every_position_of_a_verify_step() -> None:
+    reqs = [_req("a", [1], [4, 4], 0, temperature=0.0, frequency_penalty=0.5),
+            _req("b", [2], [9], 1, temperature=0.0, repetition_penalty=1.5)]
+    one_token = PenaltyPool(VOCAB, "cpu").batch(reqs)
+    per_position = one_token.per_position(2)
+    assert per_position.output_counts.shape == (4, VOCAB)
+    for j in range(2):
+        assert torch.equal(per_position.output_counts[j::2], one_token.output_counts)
+        assert torch.equal(per_position.seen_in_sequence[j::2], one_token.seen_in_sequence)
+        assert torch.equal(per_position.frequency[j::2], one_token.frequency)

@@ -116,7 +116,7 @@ def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_c
         assert ForwardMode.MIXED in modes
         assert first == expected_first and again == expected_again
         assert len({tuple(ids) for ids in first}) == len(first)  # real, distinct continuations
-        assert engine.scheduler.runner.num_kv_heads == 1
+        assert engine.scheduler.worker.runner.num_kv_heads == 1
         assert_kv_accounted(engine)
     finally:
         engine.shutdown()

@@ -22,7 +22,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _generate(config: dict, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
     engine = Engine(config)
-    replays = ReplayCounter(engine.scheduler.runner.cuda_graph_runner)
+    replays = ReplayCounter(engine.scheduler.worker.cuda_graphs)
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -71,7 +71,7 @@ def test_pruned_sizes_are_timed_and_a_dropped_size_pads_up(real_shape_llama_dir,
 
     engine = Engine(engine_config(real_shape_llama_dir, "triton", "bfloat16"))
     try:
-        runner = engine.scheduler.runner.cuda_graph_runner
+        runner = engine.scheduler.worker.cuda_graphs
         ladder = cuda_graph.capture_batch_sizes(16)
         assert sorted(runner.seconds_per_replay) == ladder and all(s > 0 for s in runner.seconds_per_replay.values())
         assert runner.batch_sizes == cuda_graph.faster_sizes(runner.seconds_per_replay)
@@ -85,7 +85,7 @@ def test_pruned_sizes_are_timed_and_a_dropped_size_pads_up(real_shape_llama_dir,
     monkeypatch.setattr(cuda_graph, "faster_sizes", lambda seconds: [8, 16])
     engine = Engine(engine_config(real_shape_llama_dir, "triton", "bfloat16"))
     try:
-        runner = engine.scheduler.runner.cuda_graph_runner
+        runner = engine.scheduler.worker.cuda_graphs
         assert runner.batch_sizes == [8, 16] and sorted(runner.graphs) == [8, 16]
         replays = ReplayCounter(runner)
         prompts = _prompts(3, seed=3)

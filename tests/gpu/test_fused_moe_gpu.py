@@ -173,7 +173,7 @@ def test_fp8_mixtral_serves_with_fp8_experts(tmp_path, engine_config, source):
             config["model"]["quantization"] = "fp8"
         engine = Engine(config)
         try:
-            moe = [m for m in engine.scheduler.runner.model.modules() if type(m).__name__ == "FusedExperts"]
+            moe = [m for m in engine.scheduler.worker.runner.model.modules() if type(m).__name__ == "FusedExperts"]
             assert moe and all(m.gate_up_proj.dtype == torch.float8_e4m3fn for m in moe)
             tokens.append([o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)])
         finally:

@@ -69,7 +69,7 @@ def test_greedy_matches_hf(real_shape_llama_dir, engine_config, hf_reference, ba
     engine = Engine(engine_config(real_shape_llama_dir, backend, dtype, graphs=True))
     try:
         if backend != "torch_native":
-            assert engine.scheduler.runner.cuda_graph_runner is not None
+            assert engine.scheduler.worker.cuda_graphs is not None
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         outputs = engine.generate(input_ids=_prompts(), sampling_params=params, return_logprob=True,
                                   top_logprobs_num=5)

@@ -34,7 +34,7 @@ def _config(engine_config, model_dir: str, backend: str, dtype: str, page_size: 
 def _generate(config: dict, batches: list[list[list[int]]]) -> tuple[list[list[int]], int]:
     """Each inner list is submitted at once (one after the other), so later ones extend cached prefixes."""
     engine = Engine(config)
-    replays = ReplayCounter(engine.scheduler.runner.piecewise_graph_runner)
+    replays = ReplayCounter(engine.scheduler.worker.piecewise_graphs)
     try:
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         tokens = []
@@ -89,14 +89,15 @@ def test_padded_replay_logits_match_eager(real_shape_llama_dir, engine_config, b
         pytest.importorskip("flashinfer")
     engine = Engine(_config(engine_config, real_shape_llama_dir, backend, dtype, 1, piecewise=True))
     try:
-        runner = engine.scheduler.runner
-        assert 128 in runner.piecewise_graph_runner.sizes
+        worker = engine.scheduler.worker
+        runner = worker.runner
+        assert 128 in worker.piecewise_graphs.sizes
         prompt = torch.randint(10, 8000, (100,), generator=torch.Generator().manual_seed(7))
         with torch.inference_mode():
             batch = _extend_batch(runner, prompt)
-            assert runner.piecewise_graph_runner.can_run(batch)
-            runner.forward(batch)  # twice: a replay must not depend on what the one before left
-            graphed = runner.forward(batch).clone()
+            assert worker.piecewise_graphs.can_run(batch)
+            worker.forward(batch)  # twice: a replay must not depend on what the one before left
+            graphed = worker.forward(batch).clone()
             last = runner.num_layers - 1
             kv_graphed = runner.kv_cache.get_key_buffer(last)[batch.out_cache_loc].clone()
             runner.attn_backend.init_forward_metadata(batch)

@@ -103,8 +103,7 @@ def _generate(config: dict, tp_size: int, prompts: list[list[int]] | None = None
     config = {**config, "parallel": {"tp_size": tp_size}}
     prompts = prompts or _prompts()
     with Engine(config) as engine:
-        runner = engine.scheduler.runner
-        assert runner.cuda_graph_runner is not None, "CUDA graphs must be on (they capture the NCCL all-reduce)"
+        assert engine.scheduler.worker.cuda_graphs is not None, "CUDA graphs must be on (they capture the NCCL all-reduce)"
         return _run(engine, [NEW_TOKENS] * len(prompts), prompts)
 
 
@@ -154,9 +153,9 @@ def _generate_piecewise(config: dict, tp_size: int) -> tuple[list, int, int]:
               "scheduler": {**config["scheduler"], "max_running_requests": 2, "latency_chunk_size": 64,
                             "prefill_hold_steps": 0}}
     with Engine(config) as engine:
-        runner = engine.scheduler.runner
-        assert runner.piecewise_graph_runner is not None
-        replays = ReplayCounter(runner.piecewise_graph_runner)
+        worker = engine.scheduler.worker
+        assert worker.piecewise_graphs is not None
+        replays = ReplayCounter(worker.piecewise_graphs)
         modes = record_batches(engine, lambda batch: batch.forward_mode)
         outputs = _run(engine, PIECEWISE_NEW_TOKENS)
         return outputs, replays.count, modes.count(ForwardMode.MIXED)

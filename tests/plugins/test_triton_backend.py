@@ -436,19 +436,27 @@ def test_unsupported_kv_dtype_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
         TritonAttnBackend(_tiny_runner(torch.float64))
 
 
-def test_cuda_graphs_capture_decode_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_graphs_capture_decode_and_verify_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
-    from treadle.plugins.attention.triton.backend import TritonAttnBackend
+    from treadle.plugins.attention.triton.backend import ExtendMetadata, TritonAttnBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     backend = TritonAttnBackend(_tiny_runner())
-    assert backend.supports_cuda_graph and backend.get_cuda_graph_seq_len_fill_value() == 1
-    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    assert backend.supports_cuda_graph and backend.supports_verify_cuda_graph
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+    backend.init_cuda_graph_state(max_bs=2, max_num_tokens=8)
     indices, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
-    with pytest.raises(NotImplementedError, match="DECODE only"):
+    with pytest.raises(NotImplementedError, match="DECODE and TARGET_VERIFY, not EXTEND"):
         backend.init_forward_metadata_capture_cuda_graph(2, 2, indices, lens, ForwardMode.EXTEND)
     with pytest.raises(ValueError, match="max_bs=2"):
         backend.init_forward_metadata_capture_cuda_graph(3, 3, indices, lens, ForwardMode.DECODE)
+    # A verify step runs the extend kernel over tokens_per_req = num_tokens / bs new tokens per request.
+    backend.init_forward_metadata_capture_cuda_graph(2, 8, indices, lens + 3, ForwardMode.TARGET_VERIFY)
+    assert backend.forward_metadata == ExtendMetadata(max_extend_len=4)
+    backend.init_forward_metadata_replay_cuda_graph(2, indices, lens + 2, 6, ForwardMode.TARGET_VERIFY, num_tokens=6)
+    assert backend.forward_metadata == ExtendMetadata(max_extend_len=3)
+    with pytest.raises(ValueError, match="num_tokens = bs \\* tokens_per_req"):
+        backend.init_forward_metadata_replay_cuda_graph(2, indices, lens, 2, ForwardMode.TARGET_VERIFY)
 
 
 @pytest.mark.parametrize("dtype, head_dim, wide", [(torch.bfloat16, 128, True), (torch.float16, 64, True),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from treadle.core.execution.attention import AttentionBackend, head_layout
+from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
 
@@ -58,7 +59,9 @@ class TritonAttnBackend(AttentionBackend):
     batches run the extend kernel for their prompt chunks and the decode kernel
     for their trailing one-token requests (``split_mixed_decodes``). CUDA graphs are supported for decode: the
     grid is ``(bs, num_kv_heads, max_kv_splits)`` whatever the lengths, and
-    each request's split count is derived on the device from ``seq_lens``.
+    each request's split count is derived on the device from ``seq_lens``. TARGET_VERIFY steps (every request
+    ``tokens_per_req`` new tokens) run the extend kernel, whose grid depends only on the batch size and
+    ``tokens_per_req``, so they are captured too.
 
     Tunables (plain attributes, read at each launch): ``max_kv_splits``,
     ``min_split_tokens`` (a request uses ``min(max_kv_splits,
@@ -74,23 +77,24 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     supports_cuda_graph = True
+    supports_verify_cuda_graph = True
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
         return 10 if device.type == "cuda" else None
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, context: AttentionContext) -> None:
         self._decode, self._extend = _import_kernels()
-        self.device = torch.device(model_runner.device)
+        self.device = torch.device(context.device)
         if self.device.type != "cuda" and not _interpreting():
             raise RuntimeError(
                 f"the triton attention backend runs on a CUDA device, not '{self.device}'; use "
                 "attention_backend: torch_native there (or set TRITON_INTERPRET=1 to run the kernels "
                 "slowly on the CPU for testing)"
             )
-        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(model_runner, "triton")
-        kv_cache = getattr(model_runner, "kv_cache", None)
-        kv_dtype = kv_cache.dtype if kv_cache is not None else model_runner.dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = head_layout(context, "triton")
+        kv_cache = getattr(context, "kv_cache", None)
+        kv_dtype = kv_cache.dtype if kv_cache is not None else context.dtype
         if kv_dtype not in _SUPPORTED_KV_DTYPES:
             raise ValueError(
                 f"triton attention supports KV caches of float32, float16, bfloat16 or float8_e4m3fn, not {kv_dtype}"
@@ -149,7 +153,7 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
     ) -> None:
-        self.forward_metadata = self._graph_decode_metadata(bs, mode)
+        self.forward_metadata = self._graph_decode_metadata(bs, mode, num_tokens)
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -159,10 +163,12 @@ class TritonAttnBackend(AttentionBackend):
         seq_lens_sum: int,
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        # The captured kernels read req_pool_indices and seq_lens from the runner's static buffers
-        # and derive split counts from them on the device, so only the scratch needs re-pointing.
-        self.forward_metadata = self._graph_decode_metadata(bs, mode)
+        # The captured kernels read req_pool_indices and seq_lens (and a verify step's extend fields) from the
+        # runner's static buffers and derive split counts from them on the device, so only the scratch needs
+        # re-pointing.
+        self.forward_metadata = self._graph_decode_metadata(bs, mode, num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -304,9 +310,10 @@ class TritonAttnBackend(AttentionBackend):
             arrivals=self._arrivals,
         )
 
-    def _graph_decode_metadata(self, bs: int, mode: ForwardMode) -> DecodeMetadata:
+    def _graph_decode_metadata(self, bs: int, mode: ForwardMode,
+                               num_tokens: int | None = None) -> DecodeMetadata | ExtendMetadata:
         if not mode.is_decode():
-            raise NotImplementedError(f"the triton backend captures CUDA graphs for DECODE only, not {mode.name}")
+            return _graph_verify_metadata(bs, mode, num_tokens)
         if self._graph_mid_o is None or self._graph_mid_lse is None or self._graph_arrivals is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
         if bs > self._graph_mid_o.shape[0] or self._graph_mid_o.shape[2] != self.max_kv_splits:
@@ -316,6 +323,15 @@ class TritonAttnBackend(AttentionBackend):
             )
         return DecodeMetadata(mid_o=self._graph_mid_o[:bs], mid_lse=self._graph_mid_lse[:bs],
                               arrivals=self._graph_arrivals)
+
+
+def _graph_verify_metadata(bs: int, mode: ForwardMode, num_tokens: int | None) -> ExtendMetadata:
+    """A captured TARGET_VERIFY step: the extend kernel over ``num_tokens // bs`` new tokens per request."""
+    if not mode.is_verify():
+        raise NotImplementedError(f"the triton backend captures CUDA graphs for DECODE and TARGET_VERIFY, not {mode.name}")
+    if not num_tokens or num_tokens % bs:
+        raise ValueError(f"a TARGET_VERIFY graph needs num_tokens = bs * tokens_per_req, got {num_tokens} for bs={bs}")
+    return ExtendMetadata(max_extend_len=num_tokens // bs)
 
 
 def _heads_view(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:

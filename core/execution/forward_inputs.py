@@ -1,0 +1,152 @@
+"""The device inputs of one step: a ForwardBatch built from the scheduler's ScheduleBatch.
+
+The schedule batch says, per request, which positions ``[kv_start, kv_start + extend_len)`` are computed, at
+which new KV slots, and which positions want logits. Token ids come from the host (prompt tokens), from the
+device buffer of last sampled tokens (``input_on_device``: under overlap scheduling a decode row's token may not
+have reached the host yet) or, in a TARGET_VERIFY step, from the draft tokens the caller hands over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from treadle.core.execution.forward_batch import ForwardBatch
+from treadle.core.execution.overlap import to_device
+
+if TYPE_CHECKING:
+    from treadle.core.execution.attention import AttentionBackend
+    from treadle.core.execution.attention_context import AttentionContext
+    from treadle.core.execution.overlap import NextInputIds
+    from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
+
+
+def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", attn_backend: "AttentionBackend",
+                        next_input_ids: "NextInputIds", draft_ids: torch.Tensor | None = None) -> ForwardBatch:
+    """The device inputs of ``batch``. Decode rows take their input token from ``next_input_ids``; a
+    TARGET_VERIFY batch (every entry ``extend_len = k + 1`` tokens, ``input_on_device``) takes its first token
+    per request from there and the other ``k`` from ``draft_ids`` (``[bs, k]`` on the device)."""
+    device = context.device
+    entries = batch.entries
+    mode = batch.forward_mode
+    seq_lens = torch.tensor([e.kv_start + e.extend_len for e in entries], dtype=torch.int64)
+    req_pool_indices = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)
+    req_pool_indices_dev = to_device(req_pool_indices, device)
+    out_cache_loc = torch.cat([e.new_slots for e in entries])
+    extra: dict[str, Any] = {}
+    if mode.is_decode():
+        input_ids_dev = next_input_ids.gather(req_pool_indices_dev)
+        positions = seq_lens - 1
+        logits_indices = torch.arange(len(entries), dtype=torch.int64)
+    elif mode.is_verify():
+        input_ids_dev, positions, extra = _verify_inputs(entries, req_pool_indices_dev, next_input_ids, draft_ids,
+                                                         device)
+        logits_indices = torch.arange(int(positions.shape[0]), dtype=torch.int64)
+    else:
+        input_ids_dev = _extend_input_ids(entries, next_input_ids, device)
+        positions, logits_indices, extra = _extend_positions(entries, device)
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(entries),
+        input_ids=input_ids_dev,
+        positions=to_device(positions, device),
+        req_pool_indices=req_pool_indices_dev,
+        seq_lens=to_device(seq_lens, device),
+        seq_lens_cpu=seq_lens,
+        out_cache_loc=to_device(out_cache_loc, device),
+        seq_lens_sum=int(seq_lens.sum()),
+        logits_indices=to_device(logits_indices, device),
+        req_to_token_pool=context.req_to_token_pool,
+        kv_cache=context.kv_cache,
+        attn_backend=attn_backend,
+        **extra,
+    )
+
+
+def _extend_positions(entries: list["BatchEntry"], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Host positions and logits rows of an extend-shaped batch, and its ``extend_*`` fields."""
+    extend_lens = [e.extend_len for e in entries]
+    prefix_lens = [e.kv_start for e in entries]
+    starts = torch.tensor([0] + extend_lens[:-1], dtype=torch.int64).cumsum(0)
+    owner, offset = token_owners(extend_lens)
+    prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+    positions = prefix[owner] + offset
+    logit_owner, logit_offset = token_owners([len(e.logit_positions) for e in entries])
+    # Row of a logit position p of entry i: starts[i] + p - kv_start[i].
+    first_logit = torch.tensor([e.logit_positions.start for e in entries], dtype=torch.int64)
+    logits_indices = (starts - prefix + first_logit)[logit_owner] + logit_offset
+    return positions, logits_indices, _extend_fields(extend_lens, prefix_lens, starts, device)
+
+
+def _extend_fields(extend_lens: list[int], prefix_lens: list[int], starts: torch.Tensor,
+                   device: torch.device) -> dict[str, Any]:
+    return dict(
+        extend_seq_lens=to_device(torch.tensor(extend_lens, dtype=torch.int64), device),
+        extend_prefix_lens=to_device(torch.tensor(prefix_lens, dtype=torch.int64), device),
+        extend_start_loc=to_device(starts, device),
+        extend_seq_lens_cpu=extend_lens,
+        extend_prefix_lens_cpu=prefix_lens,
+    )
+
+
+def _extend_input_ids(entries: list["BatchEntry"], next_input_ids: "NextInputIds",
+                      device: torch.device) -> torch.Tensor:
+    """Prompt tokens from the host; the first token of each ``input_on_device`` entry (a mixed batch's decode
+    rows) from the device buffer, the rest of such an entry from the host."""
+    ids: list[int] = []
+    fed_at: list[int] = []
+    fed_rows: list[int] = []
+    for e in entries:
+        if e.input_on_device:
+            fed_at.append(len(ids))
+            fed_rows.append(e.req.req_pool_idx)
+            ids.append(0)
+            if e.extend_len > 1:
+                ids.extend(e.req.all_ids[e.kv_start + 1:e.kv_start + e.extend_len])
+        else:
+            ids.extend(e.req.all_ids[e.kv_start:e.kv_start + e.extend_len])
+    input_ids = to_device(torch.tensor(ids, dtype=torch.int64), device)
+    if fed_at:
+        rows = to_device(torch.tensor(fed_rows, dtype=torch.int64), device)
+        input_ids.index_copy_(0, to_device(torch.tensor(fed_at, dtype=torch.int64), device),
+                              next_input_ids.gather(rows))
+    return input_ids
+
+
+def _verify_inputs(entries: list["BatchEntry"], req_pool_indices: torch.Tensor, next_input_ids: "NextInputIds",
+                   draft_ids: torch.Tensor | None, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Input ids (device), host positions and the extend fields of a TARGET_VERIFY batch."""
+    tokens_per_req = entries[0].extend_len
+    if any(e.extend_len != tokens_per_req or not e.input_on_device for e in entries):
+        raise ValueError("a TARGET_VERIFY batch needs the same extend_len (k + 1) for every entry, each with "
+                         "input_on_device (its first token is the last one sampled)")
+    bs = len(entries)
+    if draft_ids is None or tuple(draft_ids.shape) != (bs, tokens_per_req - 1):
+        shape = None if draft_ids is None else tuple(draft_ids.shape)
+        raise ValueError(f"a TARGET_VERIFY batch of {bs} requests with {tokens_per_req} tokens each needs "
+                         f"draft_ids of shape ({bs}, {tokens_per_req - 1}), got {shape}")
+    first = next_input_ids.gather(req_pool_indices)
+    input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
+    prefix_lens = [e.kv_start for e in entries]
+    positions = (torch.tensor(prefix_lens, dtype=torch.int64)[:, None] + torch.arange(tokens_per_req)).flatten()
+    starts = torch.arange(bs, dtype=torch.int64) * tokens_per_req
+    extra = _extend_fields([tokens_per_req] * bs, prefix_lens, starts, device)
+    extra["tokens_per_req"] = tokens_per_req
+    return input_ids, positions, extra
+
+
+def token_owners(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of ``lengths`` laid end to end: each element's run index and its offset inside the run.
+
+    One vectorized pass in numpy: torch's CPU ``searchsorted`` and ``repeat_interleave`` wake OpenMP
+    threads at any size, which cost 0.5-2 ms per call on a 16-core GPU host, three times per prefill step.
+    """
+    counts = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    offset = np.arange(owner.size, dtype=np.int64) - starts[owner]
+    return torch.from_numpy(owner), torch.from_numpy(offset)

@@ -1,0 +1,273 @@
+"""The model worker: the scheduler hands it a batch and gets the sampled tokens back.
+
+A :class:`Worker` is the model side of one rank (SGLang's ``TpModelWorker`` idea): the scheduler decides
+which requests run and where their KV goes, the worker turns that into device work. Its API is two calls per
+step, both queued on the device without waiting for it (overlap scheduling reads the results one step late):
+
+- ``launch_forward(batch)`` -> a :class:`LaunchedStep` whose logits are on their way (it may raise
+  ``torch.cuda.OutOfMemoryError``; the scheduler then retracts and retries smaller);
+- ``launch_sampling(step, vocab_mask, prompt_logprob_entries)``: samples, feeds the tokens to the next step
+  on the device, and starts copying the sampled ids, log-probs and the prompt log-probs asked for to the host
+  (``step.results``).
+
+What the scheduler needs to know about the model and the memory is ``worker.info`` (:class:`WorkerInfo`).
+:class:`ModelWorker` is the one implementation: a model runner, a sampler, the CUDA-graph runners and the
+device-side next-input-token buffer. Under tensor parallelism every rank runs a scheduler with its own
+ModelWorker. A speculative decoder is a Worker that wraps a target ModelWorker and a draft one: it runs the
+draft's steps, then the target's TARGET_VERIFY step (``launch_forward(batch, draft_ids)``), whose sampling
+returns the target's token at every position and how many drafts each request keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from treadle.core.config import ServerConfig
+from treadle.core.execution.attention_context import AttentionContext
+from treadle.core.execution.cuda_graph import CudaGraphRunner
+from treadle.core.execution.forward_batch import ForwardBatch
+from treadle.core.execution.forward_inputs import build_forward_batch
+from treadle.core.execution.model_runner import ModelRunner
+from treadle.core.execution.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
+from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
+from treadle.core.execution.sampler import Sampler, SamplingBatch
+from treadle.core.registry import Registry
+
+if TYPE_CHECKING:
+    from treadle.core.memory.allocator import KVAllocator
+    from treadle.core.memory.pools import ReqToTokenPool
+    from treadle.core.resolved_config import ResolvedConfig
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a scheduler reads about its worker's model and KV memory, fixed once the worker is built."""
+
+    model_dir: str
+    hf_config: Any
+    vocab_size: int
+    context_len: int
+    device: torch.device
+    dtype: torch.dtype
+    page_size: int
+    max_running_requests: int  # request-table rows the scheduler may fill (one spare row beyond)
+    max_total_tokens: int  # KV slots
+    allocator: "KVAllocator"
+    req_to_token_pool: "ReqToTokenPool"
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> "WorkerInfo":
+        return cls(
+            model_dir=runner.model_dir, hf_config=runner.hf_config, vocab_size=runner.vocab_size,
+            context_len=runner.context_len, device=runner.device, dtype=runner.dtype, page_size=runner.page_size,
+            max_running_requests=int(runner.max_running_requests), max_total_tokens=int(runner.max_total_tokens),
+            allocator=runner.allocator, req_to_token_pool=runner.req_to_token_pool,
+        )
+
+
+class Worker(ABC):
+    """The model side of one rank, as the scheduler sees it (see the module docstring)."""
+
+    info: WorkerInfo
+    config: "ResolvedConfig"  # the user's config with every "auto" resolved for this model and device
+
+    @abstractmethod
+    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Write the batch's KV slots into the request table and queue its forward. ``draft_ids``
+        (``[bs, k]`` on the device): the drafts of a TARGET_VERIFY batch, whose entries carry ``k + 1`` tokens."""
+
+    @abstractmethod
+    def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
+                        prompt_logprob_entries: Sequence[int] = ()) -> None:
+        """Queue sampling for ``step`` and start its results' copy to the host (``step.results``).
+        ``prompt_logprob_entries``: the entries whose prompt log-probs were asked for."""
+
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs before the device (or a tensor-parallel group) goes away; later steps run eagerly."""
+
+
+class ModelWorker(Worker):
+    """A model runner, a sampler, the CUDA graphs that replay the runner's steps and the next-input-token buffer.
+
+    ``verify_tokens_per_req``: the ``k + 1`` of the TARGET_VERIFY steps to capture in CUDA graphs (a speculative
+    worker asks for its own; empty: verify steps run eagerly or through the prefill graphs). Plain decode is
+    captured as it is without them.
+    """
+
+    def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
+                 verify_tokens_per_req: Sequence[int] = ()) -> None:
+        self.runner = ModelRunner(config, registry, offline=offline)
+        self.config = self.runner.config
+        self.context = AttentionContext.of(self.runner)
+        self.info = WorkerInfo.of(self.runner)
+        self.sampler = Sampler()
+        self.next_input_ids = NextInputIds(self.runner.req_to_token_pool.size, self.runner.device)
+        self.verify_tokens_per_req = tuple(sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}))
+        self.cuda_graphs: CudaGraphRunner | None = None
+        self.piecewise_graphs: PiecewiseGraphRunner | None = None
+        self.capture_graphs()
+        if self.runner.device.type == "cuda":
+            self.runner._warm_up_prefill(forward=self.forward)
+
+    # ------------------------------------------------------------------ graphs
+
+    def capture_graphs(self, force: bool = False) -> None:
+        """Capture the CUDA graphs the config and the device allow (decode, the verify steps asked for, the
+        prefill pieces); nothing on the CPU or with ``runtime.disable_cuda_graph`` (unless ``force``: a
+        benchmark that sets a backend's tunables first, on a worker built without graphs). Graphs captured
+        before are released first."""
+        self.release_graphs()
+        runner, runtime = self.runner, self.runner.config.runtime
+        if runner.device.type != "cuda" or (runtime.disable_cuda_graph and not force):
+            return
+        backend = runner.attn_backend
+        if runner.uses_decode_graphs:
+            verify = self.verify_tokens_per_req
+            if verify and not getattr(backend, "supports_verify_cuda_graph", False):
+                logger.info("attention backend %s captures no TARGET_VERIFY graphs; verify steps run without them",
+                            runner.config.attention.backend)
+                verify = ()
+            max_bs = min(runtime.cuda_graph_max_bs, runner.max_running_requests)
+            self.cuda_graphs = CudaGraphRunner(runner.model, backend, self.context, max_bs,
+                                               prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify)
+        else:
+            logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
+                        runner.config.attention.backend)
+        tokens = runner.piecewise_graph_tokens
+        if tokens:
+            pool = self.cuda_graphs.memory_pool if self.cuda_graphs is not None else None
+            self.piecewise_graphs = PiecewiseGraphRunner(runner.model, backend, self.context, tokens, pool)
+        elif runtime.piecewise_cuda_graph_max_tokens:
+            logger.info("model %s has no forward_hidden/compute_logits; prefills run eagerly",
+                        type(runner.model).__name__)
+
+    def release_graphs(self) -> None:
+        """Free the decode and prefill CUDA graphs once the GPU is done with them; later forwards run eagerly.
+
+        Under tensor parallelism the graphs hold collectives captured on the group's NCCL communicator: rank 0
+        hung in ``destroy_process_group`` with the prefill graphs still alive (2 H200s), so each rank calls this
+        before leaving the group."""
+        graphs = [runner for runner in (self.cuda_graphs, self.piecewise_graphs) if runner is not None]
+        if graphs and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+        for runner in graphs:
+            runner.release()
+        self.cuda_graphs = None
+        self.piecewise_graphs = None
+
+    # ------------------------------------------------------------------ steps
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits for ``forward_batch.logits_indices``: through a captured graph where one fits, else eagerly."""
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            if graphs.can_run(forward_batch):
+                return graphs.replay(forward_batch)
+            if graphs.verify and graphs.can_run_verify(forward_batch):
+                return graphs.replay_verify(forward_batch)
+        piecewise = self.piecewise_graphs
+        if piecewise is not None and piecewise.can_run(forward_batch):
+            return piecewise.replay(forward_batch)
+        return self.runner.forward(forward_batch)
+
+    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
+        runner = self.runner
+        batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
+        forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
+                                            draft_ids)
+        return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids)
+
+    def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
+                        prompt_logprob_entries: Sequence[int] = ()) -> None:
+        """Sample each request's last logits row (a verify step: every row; ``vocab_mask`` then has a row per
+        position), feed the tokens to the next step and start their copy home. The host copy holds
+        ``next_ids`` (``[bs]``; verify: ``[bs, k + 1]``), ``logprobs``, ``top_values``/``top_ids``, for a verify
+        step ``accepted`` (drafts kept per request), and ``in{i}`` (and ``in{i}_top_ids``/``in{i}_top_values``)
+        per entry of ``prompt_logprob_entries``."""
+        with torch.inference_mode():
+            if step.forward_batch.tokens_per_req == 1:
+                tensors = self._sample_last_rows(step, vocab_mask)
+            else:
+                tensors = self._sample_every_position(step, vocab_mask)
+            if prompt_logprob_entries:
+                tensors.update(prompt_logprob_tensors(step.batch, step.logits, prompt_logprob_entries))
+        step.results = HostCopy(tensors)
+        step.logits = None
+
+    def _sample_last_rows(self, step: LaunchedStep, vocab_mask: torch.Tensor | None) -> dict[str, Any]:
+        batch, logits = step.batch, step.logits
+        last_logits = logits
+        rows = batch.last_logit_rows()
+        if rows != list(range(logits.shape[0])):  # not one row per request, as in decode: select them
+            last_logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
+        sampling = SamplingBatch.from_reqs(batch.reqs, self.info.vocab_size, self.info.device)
+        result = self.sampler(last_logits, sampling, vocab_mask=vocab_mask)
+        self.next_input_ids.record(step.forward_batch.req_pool_indices, result.next_token_ids)
+        tensors = {"next_ids": result.next_token_ids, "logprobs": result.logprobs, "top_values": None, "top_ids": None}
+        if result.top_logprobs is not None:
+            tensors["top_values"], tensors["top_ids"] = result.top_logprobs
+        return tensors
+
+    def _sample_every_position(self, step: LaunchedStep, vocab_mask: torch.Tensor | None) -> dict[str, Any]:
+        forward_batch = step.forward_batch
+        bs, per_req = forward_batch.batch_size, forward_batch.tokens_per_req
+        sampling = SamplingBatch.from_reqs(step.batch.reqs, self.info.vocab_size, self.info.device,
+                                           tokens_per_req=per_req)
+        result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask)
+        token_ids = result.next_token_ids.view(bs, per_req)
+        tensors: dict[str, Any] = {"next_ids": token_ids, "top_values": None, "top_ids": None,
+                                   "logprobs": result.logprobs.view(bs, per_req) if result.logprobs is not None
+                                   else None}
+        if result.top_logprobs is not None:
+            values, ids = result.top_logprobs
+            tensors["top_values"], tensors["top_ids"] = values.view(bs, per_req, -1), ids.view(bs, per_req, -1)
+        if step.draft_ids is not None:
+            accepted = accepted_draft_counts(step.draft_ids, token_ids)
+            self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
+            tensors["accepted"] = accepted
+        return tensors
+
+
+def accepted_draft_counts(draft_ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """How many of each request's drafts ``[bs, k]`` the target kept: the leading ones equal to the target's own
+    tokens ``[bs, k + 1]`` at the same positions (so ``token_ids[i, count]`` is the request's next token)."""
+    matches = draft_ids.to(token_ids.dtype) == token_ids[:, :-1]
+    return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def prompt_logprob_tensors(batch: "ScheduleBatch", logits: torch.Tensor,
+                           entries: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Prompt-token log-probs of the batch entries ``entries`` (indices), as device tensors keyed ``in{entry}``
+    (with ``in{entry}_top_ids``/``in{entry}_top_values`` where the request wants top log-probs); an entry with no
+    prompt position in this step gets an empty tensor."""
+    wanted = set(entries)
+    tensors: dict[str, torch.Tensor] = {}
+    row_start = 0
+    for i, entry in enumerate(batch.entries):
+        req = entry.req
+        if i in wanted:
+            prompt_len = len(req.origin_input_ids)
+            positions = [p for p in entry.logit_positions if req.logprob_start_len <= p + 1 < prompt_len]
+            if positions:
+                rows = torch.arange(row_start, row_start + len(positions))
+                targets = torch.tensor([req.origin_input_ids[p + 1] for p in positions])
+                log_probs = torch.log_softmax(logits.index_select(0, to_device(rows, logits.device)).float(), dim=-1)
+                tensors[f"in{i}"] = log_probs.gather(1, to_device(targets, logits.device).unsqueeze(1)).squeeze(1)
+                if req.top_logprobs_num:
+                    top = torch.topk(log_probs, req.top_logprobs_num, dim=-1)
+                    tensors[f"in{i}_top_ids"] = top.indices
+                    tensors[f"in{i}_top_values"] = top.values
+            else:
+                tensors[f"in{i}"] = torch.empty(0)
+        row_start += len(entry.logit_positions)
+    return tensors

@@ -1,0 +1,96 @@
+"""A TARGET_VERIFY step (a speculative decoder's check of k draft tokens per request in one forward) through the
+model worker: at each of its k + 1 positions, the logits equal those of feeding the same tokens one decode step at
+a time, and HF's on the whole sequence; for k = 1..4, in one batch of a request computed from scratch and one
+whose prompt starts on another request's KV (a prefix-cache hit). Its sampling keeps the drafts that match the
+target's greedy tokens and feeds the next token on the device.
+
+torch_native runs in this process; triton runs its kernels under the interpreter in a fresh process (this file
+as a script, TRITON_INTERPRET=1 set before anything imports triton: see tests/plugins/test_triton_backend.py).
+The same check under CUDA graphs is tests/gpu/test_verify_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pytest
+import torch
+
+from verify_steps import hf_logits, verify_against_decode
+
+K_VALUES = (1, 2, 3, 4)
+SHARED = 6  # request 1's prompt starts with request 0's first SHARED tokens, on request 0's KV
+
+
+def build_worker(model_dir: str, backend: str):
+    from treadle.core.config import load_config
+    from treadle.core.execution.worker import ModelWorker
+    from treadle.core.registry import build_registry
+
+    config = load_config(overrides={"model.path": model_dir, "model.device": "cpu", "model.dtype": "float32",
+                                    "attention.backend": backend, "cache.max_total_tokens": 1024}, use_env=False)
+    return ModelWorker(config, build_registry())
+
+
+def prompts(vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.randint(3, vocab, (9,), generator=generator).tolist()
+    return [first, first[:SHARED] + torch.randint(3, vocab, (7,), generator=generator).tolist()]
+
+
+def check_verify(worker, hf_model, k: int, atol: float = 1e-4) -> None:
+    """Raise AssertionError unless a verify step of k drafts agrees with decode steps, HF and its own argmax."""
+    run = verify_against_decode(worker, prompts(worker.info.vocab_size, seed=k), k, SHARED, seed=k)
+    assert run.twins_agree
+    torch.testing.assert_close(run.verify_logits, run.decode_logits, atol=atol, rtol=atol)
+    for i, sequence in enumerate(run.sequences):
+        torch.testing.assert_close(run.verify_logits[i], hf_logits(hf_model, sequence, k + 1), atol=atol, rtol=atol)
+    greedy = run.verify_logits.argmax(-1)
+    assert torch.equal(run.next_ids, greedy)
+    kept = (run.drafts == greedy[:, :-1]).to(torch.int64).cumprod(1).sum(1)
+    assert torch.equal(run.accepted, kept) and int(kept[1]) >= 1
+    assert torch.equal(run.next_input, greedy.gather(1, kept[:, None]).squeeze(1))
+
+
+def _hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def torch_native_worker(tiny_llama_dir):
+    return build_worker(tiny_llama_dir, "torch_native")
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return _hf(tiny_llama_dir)
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_verify_logits_equal_decode_steps_and_hf_with_torch_native(torch_native_worker, hf_model, k: int) -> None:
+    check_verify(torch_native_worker, hf_model, k)
+
+
+def test_verify_logits_equal_decode_steps_and_hf_with_triton_interpreted(tiny_llama_dir) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.split() == [f"verified-k={k}" for k in K_VALUES]
+
+
+if __name__ == "__main__":
+    model_dir = sys.argv[1]
+    worker, hf = build_worker(model_dir, "triton"), _hf(model_dir)
+    for k in K_VALUES:
+        check_verify(worker, hf, k)
+        print(f"verified-k={k}", flush=True)
