@@ -45,6 +45,7 @@ class OutputProcessing:
         if host["top_values"] is not None:
             top = (host["top_values"].tolist(), host["top_ids"].tolist())
         any_input_logprobs = len(host) > len(_SAMPLED_KEYS)
+        outputs, finish = self.state.outputs, self.lifecycle.finish
 
         for i, entry in enumerate(step.batch.entries):
             req = entry.req
@@ -73,8 +74,8 @@ class OutputProcessing:
             else:
                 req.finish(FinishReason.LENGTH, None)
             if req.finished:
-                self.lifecycle.finish(req)
-            self.state.outputs.append(req_output(req, new_ids, include_input_logprobs=first_output))
+                finish(req)
+            outputs.append(req_output(req, new_ids, include_input_logprobs=first_output))
 
     @staticmethod
     def _wants_input_logprobs(req: Req) -> bool:
