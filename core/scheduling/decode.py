@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from treadle.core.config import ServerConfig
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.request import FinishReason, Req
+from treadle.core.resolved_config import ResolvedConfig
 from treadle.core.scheduling.kv_memory import EMPTY_SLOTS, KVMemory
 from treadle.core.scheduling.lifecycle import RequestLifecycle
 from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
@@ -23,7 +23,7 @@ class DecodeManager:
     ``settle`` reads the step in flight, if any, and says whether there was one (``Scheduler.settle``).
     """
 
-    def __init__(self, config: ServerConfig, state: SchedulerState, memory: KVMemory, lifecycle: RequestLifecycle,
+    def __init__(self, config: ResolvedConfig, state: SchedulerState, memory: KVMemory, lifecycle: RequestLifecycle,
                  context_len: int, settle: Callable[[], bool]) -> None:
         self.config = config
         self.state = state

@@ -6,9 +6,9 @@ Everything here works from what the host knows when the batch is built (docs/sch
 
 from __future__ import annotations
 
-from treadle.core.config import ServerConfig
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.request import Req
+from treadle.core.resolved_config import ResolvedConfig
 from treadle.core.scheduling.decode import DecodeManager
 from treadle.core.scheduling.kv_memory import EMPTY_SLOTS, KVMemory
 from treadle.core.scheduling.oom import OomBackoff
@@ -24,7 +24,7 @@ IN_BATCH_PREFIX_TOKENS = 32
 class PrefillManager:
     """Builds prefill (extend) batches, with the running decodes mixed in when configured, and undoes an admission."""
 
-    def __init__(self, config: ServerConfig, state: SchedulerState, memory: KVMemory, decode: DecodeManager,
+    def __init__(self, config: ResolvedConfig, state: SchedulerState, memory: KVMemory, decode: DecodeManager,
                  policy: SchedulePolicy, oom_backoff: OomBackoff) -> None:
         self.config = config
         self.state = state

@@ -54,12 +54,12 @@ __all__ = ["IN_BATCH_PREFIX_TOKENS", "Scheduler"]
 class Scheduler:
     """Admits, batches, runs and finishes requests; the same object backs Engine and the server."""
 
-    def __init__(self, config: ServerConfig, registry: Registry | None = None) -> None:
-        self.config = config
+    def __init__(self, config: ServerConfig, registry: Registry | None = None, offline: bool = False) -> None:
         self.registry = registry if registry is not None else build_registry(config.plugins)
         validate_plugin_choices(config, self.registry)
-        self.runner = ModelRunner(config, self.registry)
-        self.memory = KVMemory.for_runner(self.runner, config.cache.disable_radix_cache)
+        self.runner = ModelRunner(config, self.registry, offline=offline)
+        self.config = self.runner.config  # every "auto" resolved; the caller's config stays as it was
+        self.memory = KVMemory.for_runner(self.runner, self.config.cache.disable_radix_cache)
         self.policy = self.registry.get("schedule_policies", config.scheduler.policy)(config.scheduler.seed)
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or self.runner.model_dir)
@@ -70,7 +70,7 @@ class Scheduler:
         self.next_input_ids = NextInputIds(self.req_to_token_pool.size, self.runner.device)
         self.oom_backoff = OomBackoff()
 
-        self.state = SchedulerState(new_token_ratio=config.scheduler.new_token_ratio)
+        self.state = SchedulerState(new_token_ratio=self.config.scheduler.new_token_ratio)
         self.lifecycle = RequestLifecycle(self.state, self.memory, self.grammar)
         self.decode_manager = DecodeManager(self.config, self.state, self.memory, self.lifecycle, self.context_len,
                                             settle=self.settle)
