@@ -148,7 +148,7 @@ class StepMeter(StepObserver):
         if self.profile_steps <= 0 or self._phase == "done":
             return
         if self._phase == "wait":
-            limit = int(self.scheduler.config.scheduler.max_running_requests)
+            limit = self.scheduler.config.scheduler.max_running_requests
             live = len(self.scheduler.running) + len(self.scheduler.waiting)
             if mode == ForwardMode.DECODE and bs >= self.profile_fill * min(limit, live):
                 self._start_torch_profile(bs)
