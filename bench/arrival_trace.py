@@ -26,7 +26,6 @@ import io
 import pstats
 import json
 import random
-import statistics
 import sys
 import time
 import warnings
@@ -40,104 +39,43 @@ from treadle.bench.offline_throughput import add_config_args, base_overrides
 from treadle.bench.roofline import synchronize
 from treadle.bench.workloads import parse_len_range, random_workload, usable_token_ids
 from treadle.core.config import load_config
+from treadle.core.scheduling.step_timer import StepTimer, percentile, step_kinds
 
 
-class StepTrace:
-    """Wraps a scheduler's step phases (instance attributes, removed by ``uninstall``) and records each step."""
-
-    PHASES = ("_prefill_batch", "_decode_batch", "_launch_forward", "_settle", "_launch_sampling")
+class StepTrace(StepTimer):
+    """The runtime's step timer on one scheduler, and a cProfile of its first prefill/mixed forward launches."""
 
     def __init__(self, scheduler: Any, cprofile_steps: int = 0) -> None:
+        super().__init__(scheduler.worker.info.device)
         self.scheduler = scheduler
         self.cprofile_steps = cprofile_steps
         self.cprofile = cProfile.Profile() if cprofile_steps > 0 else None
-        self.on_cuda = scheduler.worker.info.device.type == "cuda"
-        self.steps: list[dict[str, Any]] = []
-        self.current: dict[str, Any] = {}
+        self._profiling = False
 
     def install(self) -> None:
-        for name in self.PHASES:
-            setattr(self.scheduler, name, self._timed(name, getattr(self.scheduler, name)))
+        self.scheduler.add_observer(self)
 
     def uninstall(self) -> None:
-        for name in self.PHASES:
-            vars(self.scheduler).pop(name, None)
+        self.scheduler.remove_observer(self)
 
-    def _event(self) -> Any:
-        if not self.on_cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def forward_launching(self, batch: Any) -> None:
+        super().forward_launching(batch)
+        if self.cprofile is not None and self.cprofile_steps > 0 and self.current["mode"] != "DECODE":
+            self.cprofile_steps -= 1
+            self._profiling = True
+            self.cprofile.enable()
 
-    def _timed(self, name: str, fn: Any) -> Any:
-        key = {"_prefill_batch": "build", "_decode_batch": "build"}.get(name, name.strip("_").split("_")[-1])
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if name == "_launch_forward":
-                batch = args[0]
-                self.current.update(mode=batch.forward_mode.name, bs=len(batch.entries),
-                                    tokens=sum(e.extend_len for e in batch.entries), gpu_start=self._event())
-            profiled = (name == "_launch_forward" and self.cprofile is not None and self.cprofile_steps > 0
-                        and self.current["mode"] != "DECODE")
-            if profiled:
-                self.cprofile_steps -= 1
-                self.cprofile.enable()
-            start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - start
-            if profiled:
-                self.cprofile.disable()
-            if name == "_launch_sampling":
-                self.current["gpu_end"] = self._event()
-            return result
-
-        return wrapper
-
-    def wrap_step(self) -> None:
-        """Also time every ``scheduler.step()`` (for a loop this module does not drive, such as the server's)."""
-        step = self.scheduler.step
-
-        def traced_step() -> Any:
-            self.begin_step()
-            try:
-                return step()
-            finally:
-                self.end_step()
-
-        self.scheduler.step = traced_step
+    def forward_launched(self, batch: Any, step: Any) -> None:
+        if self._profiling:
+            self.cprofile.disable()
+            self._profiling = False
+        super().forward_launched(batch, step)
 
     def dump(self, path: str) -> None:
-        """Resolve the GPU times (one synchronize) and write the per-kind split and GPU busy share as JSON."""
+        """Stop observing, resolve the GPU times (one synchronize) and write the per-kind split and GPU busy share
+        as JSON."""
         self.uninstall()
-        vars(self.scheduler).pop("step", None)
-        synchronize(self.scheduler.worker.info.device)
-        self.resolve_gpu_times()
-        gpu = sum(s.get("gpu", 0.0) for s in self.steps)
-        idle = sum(s.get("gpu_idle_before", 0.0) for s in self.steps)
-        Path(path).write_text(json.dumps({
-            "steps": len(self.steps), "gpu_s": gpu, "gpu_idle_between_steps_s": idle,
-            "gpu_busy_share": gpu / (gpu + idle) if gpu + idle else None,
-            "per_step_kind": step_kinds(self.steps)}, indent=1))
-
-    def begin_step(self) -> None:
-        self.current = {"host_start": time.perf_counter()}
-
-    def end_step(self) -> dict[str, Any]:
-        self.current["host_end"] = time.perf_counter()
-        self.steps.append(self.current)
-        return self.current
-
-    def resolve_gpu_times(self) -> None:
-        """After a synchronize: each step's GPU span and the GPU idle gap before it, in seconds."""
-        previous_end = None
-        for step in self.steps:
-            start, end = step.pop("gpu_start", None), step.pop("gpu_end", None)
-            if start is None or end is None:
-                continue
-            step["gpu"] = start.elapsed_time(end) / 1e3
-            step["gpu_idle_before"] = previous_end.elapsed_time(start) / 1e3 if previous_end is not None else 0.0
-            previous_end = end
+        super().dump(path)
 
 
 def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -185,9 +123,8 @@ def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
             if not scheduler.has_work():
                 time.sleep(max(0.0, start + offsets[next_req] - time.perf_counter()))
                 continue
-            trace.begin_step()
             outputs = scheduler.step()
-            step = trace.end_step()
+            step = trace.steps[-1]
             for output in outputs:
                 if output.new_token_ids:
                     token_times.setdefault(output.rid, []).append((step["host_end"], len(trace.steps) - 1))
@@ -209,25 +146,6 @@ def run(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
-def step_kinds(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per step kind: count, mean tokens, and mean / p90 milliseconds of every timed phase."""
-    kinds: dict[str, dict[str, float]] = {}
-    for mode in sorted({s.get("mode", "NONE") for s in steps}):
-        chosen = [s for s in steps if s.get("mode", "NONE") == mode]
-        kinds[mode] = {"steps": len(chosen), "mean_tokens": statistics.fmean(s.get("tokens", 0) for s in chosen)}
-        for name in ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before"):
-            values = [s[name] for s in chosen if name in s]
-            if values:
-                kinds[mode][f"{name}_mean_ms"] = 1e3 * statistics.fmean(values)
-                kinds[mode][f"{name}_p90_ms"] = 1e3 * _pct(values, 0.9)
-    return kinds
-
-
 def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_times: dict[str, list[tuple[float, int]]],
               syncs: Counter[str], wall: float, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
     ttft = [times[0][0] - arrival[rid] for rid, times in token_times.items()]
@@ -244,10 +162,10 @@ def summarize(steps: list[dict[str, Any]], arrival: dict[str, float], token_time
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "workload": workload.summary(), "request_rate": args.request_rate, "wall_s": wall,
-        "ttft_ms": {"p50": 1e3 * _pct(ttft, 0.5), "p99": 1e3 * _pct(ttft, 0.99)},
+        "ttft_ms": {"p50": 1e3 * percentile(ttft, 0.5), "p99": 1e3 * percentile(ttft, 0.99)},
         "gaps": len(gap_values),
-        "itl_ms": {"p50": 1e3 * _pct(gap_values, 0.5), "p90": 1e3 * _pct(gap_values, 0.9),
-                   "p99": 1e3 * _pct(gap_values, 0.99),
+        "itl_ms": {"p50": 1e3 * percentile(gap_values, 0.5), "p90": 1e3 * percentile(gap_values, 0.9),
+                   "p99": 1e3 * percentile(gap_values, 0.99),
                    f"share_over_{args.slow_gap_ms:g}ms": slow_share},
         "per_step_kind": kinds, "slow_gap_steps": len(slow), "slow_gap_windows": windows,
         "syncs": dict(syncs.most_common()),

@@ -1,13 +1,12 @@
 """StepMeter: how busy the GPU is while a scheduler runs, the batch sizes it reached, and a profile window.
 
-It wraps one scheduler's model worker's ``forward`` and ``sampler`` (instance attributes,
-removed again by ``uninstall``), so it measures whatever step loop the scheduler
-runs. Per step it records a CUDA event just before the forward is launched and
-one after its sampling is launched. On the GPU's clock, the stream is idle
-between the end of one step's work and the start of the next one's; the busy
-fraction is ``1 - idle / wall`` over the timed window (gaps inside a step, such as
-kernel-launch gaps of an eager prefill, count as busy; the few copies before a
-forward count as idle). Events cost a few microseconds each and never synchronize.
+A step observer (core/scheduling/observers.py) registered with one scheduler by ``install`` and removed by
+``uninstall``, so it measures whatever step loop the scheduler runs. Per step it records a CUDA event just
+before the forward is launched (before the batch's device inputs are built) and one after its sampling is
+launched. On the GPU's clock, the stream is idle between the end of one step's work and the start of the
+next one's; the busy fraction is ``1 - idle / wall`` over the timed window (gaps inside a step, such as
+kernel-launch gaps of an eager prefill, count as busy). Events cost a few microseconds each and never
+synchronize.
 
 With ``profile_steps > 0`` it also profiles one saturated stretch: the first
 decode step whose batch holds at least ``profile_fill`` of the running limit
@@ -29,18 +28,18 @@ import torch
 
 from treadle.bench.host_sampler import HostSampler
 from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.scheduling.observers import StepObserver
 
 
-class StepMeter:
+class StepMeter(StepObserver):
     """GPU busy fraction, peak batch sizes and an optional profile of one scheduler's timed run."""
 
     def __init__(self, scheduler: Any, profile_steps: int = 0, profile_fill: float = 0.75,
                  step_trace: bool = False) -> None:
-        # Under tensor parallelism the engine's scheduler is rank 0's LeaderScheduler: meter the local scheduler it
-        # drives (hooks set on the wrapper would never run).
+        # Under tensor parallelism the engine's scheduler is rank 0's LeaderScheduler: observe the local scheduler
+        # it drives, whose steps are the ones launched here.
         self.scheduler = getattr(scheduler, "local_scheduler", scheduler)
-        self.worker = self.scheduler.worker  # its forward replays the graphs; its sampler samples
-        self.on_cuda = self.worker.info.device.type == "cuda"
+        self.on_cuda = self.scheduler.worker.info.device.type == "cuda"
         self.profile_steps = profile_steps
         self.profile_fill = profile_fill
         self.step_trace = step_trace
@@ -55,55 +54,25 @@ class StepMeter:
         self._phase_start = 0.0
         self.profile: dict[str, Any] = {}
         self._gc_started = 0.0
+        self._launch_started = 0.0
+        self._settle_started = 0.0
         # Host ms since the last step was launched, by kind (step_trace only): cyclic GC, waiting for a step's
-        # tokens, and reading a step (the wait included: Scheduler._settle).
+        # tokens, and reading a step (the wait included).
         self._host_ms = dict.fromkeys(HOST_PHASES, 0.0)
         self.sampler = HostSampler() if step_trace else None  # where the host was before a stalled step
 
-    # -------------------------------------------------------------------- wrapping
+    # -------------------------------------------------------------------- observing
 
     def install(self) -> None:
-        forward, sampler = self.worker.forward, self.worker.sampler
-
-        def metered_forward(forward_batch: Any) -> torch.Tensor:
-            self._before_forward(forward_batch)
-            started = time.perf_counter()
-            logits = forward(forward_batch)
-            self.steps[-1]["launch_ms"] = (time.perf_counter() - started) * 1e3
-            return logits
-
-        def metered_sampler(*args: Any, **kwargs: Any) -> Any:
-            result = sampler(*args, **kwargs)
-            self._after_sampling()
-            return result
-
-        self._original_sampler = sampler
-        self.worker.forward = metered_forward
-        self.worker.sampler = metered_sampler
+        self.scheduler.add_observer(self)
         if self.step_trace:
             gc.callbacks.append(self._on_gc)
-            settle = self.scheduler._settle
-
-            def metered_settle() -> None:
-                started = time.perf_counter()
-                inflight = self.scheduler._inflight
-                if inflight is not None and inflight.results is not None:
-                    inflight.results.wait()  # the wait alone; _settle's own wait() then returns at once
-                    self._host_ms["wait_ms"] += (time.perf_counter() - started) * 1e3
-                settle()
-                self._host_ms["settle_ms"] += (time.perf_counter() - started) * 1e3
-
-            self.scheduler._settle = metered_settle
             self.sampler.start()
 
     def uninstall(self) -> None:
-        if "forward" in vars(self.worker):
-            del self.worker.forward
-        self.worker.sampler = self._original_sampler
+        self.scheduler.remove_observer(self)
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-        if "_settle" in vars(self.scheduler):
-            del self.scheduler._settle
         if self.sampler is not None:
             self.sampler.stop()
         if self._phase == "torch":
@@ -129,19 +98,43 @@ class StepMeter:
         event.record()
         return event
 
-    def _before_forward(self, forward_batch: Any) -> None:
-        mode = forward_batch.forward_mode
-        bs = int(forward_batch.batch_size)
+    def forward_launching(self, batch: Any) -> None:
+        mode = batch.forward_mode
+        bs = len(batch.entries)
         if mode == ForwardMode.DECODE:
             self.peak_decode_batch = max(self.peak_decode_batch, bs)
-        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        scheduler = self.scheduler
+        self.peak_running = max(self.peak_running, len(scheduler.running))
         self._advance_profile(mode, bs)
-        self.steps.append({"mode": mode.name, "bs": bs, "tokens": forward_batch.num_tokens,
-                           "waiting": len(self.scheduler.waiting),
-                           "running": len(self.scheduler.running), "free_kv": self.scheduler.allocator.free_slots,
+        self.steps.append({"mode": mode.name, "bs": bs, "tokens": bs, "waiting": len(scheduler.waiting),
+                           "running": len(scheduler.running), "free_kv": scheduler.allocator.free_slots,
                            "host": time.perf_counter(), **self._host_ms, "launch_ms": 0.0,
                            "start": self._event(), "end": None})
         self._host_ms = dict.fromkeys(HOST_PHASES, 0.0)
+        self._launch_started = time.perf_counter()
+
+    def forward_launched(self, batch: Any, step: Any) -> None:
+        record = self.steps[-1]
+        record["launch_ms"] = (time.perf_counter() - self._launch_started) * 1e3
+        if step is not None:
+            record["tokens"] = step.forward_batch.num_tokens
+        elif not batch.forward_mode.is_decode():
+            record["tokens"] = sum(e.extend_len for e in batch.entries)
+
+    def results_waiting(self, step: Any) -> None:
+        self._settle_started = time.perf_counter()
+
+    def results_arrived(self, step: Any) -> None:
+        if self.step_trace:
+            self._host_ms["wait_ms"] += (time.perf_counter() - self._settle_started) * 1e3
+
+    def step_settled(self, step: Any) -> None:
+        if self.step_trace:
+            self._host_ms["settle_ms"] += (time.perf_counter() - self._settle_started) * 1e3
+
+    def sampling_launched(self, step: Any) -> None:
+        if self.steps and self.steps[-1]["end"] is None:
+            self.steps[-1]["end"] = self._event()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -149,17 +142,13 @@ class StepMeter:
         else:
             self._host_ms["gc_ms"] += (time.perf_counter() - self._gc_started) * 1e3
 
-    def _after_sampling(self) -> None:
-        if self.steps and self.steps[-1]["end"] is None:
-            self.steps[-1]["end"] = self._event()
-
     # -------------------------------------------------------------------- profile
 
     def _advance_profile(self, mode: ForwardMode, bs: int) -> None:
         if self.profile_steps <= 0 or self._phase == "done":
             return
         if self._phase == "wait":
-            limit = int(self.scheduler.config.scheduler.max_running_requests)
+            limit = self.scheduler.config.scheduler.max_running_requests
             live = len(self.scheduler.running) + len(self.scheduler.waiting)
             if mode == ForwardMode.DECODE and bs >= self.profile_fill * min(limit, live):
                 self._start_torch_profile(bs)

@@ -17,9 +17,11 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import zmq
 
 from treadle.core.config import ServerConfig
+from treadle.core.scheduling.step_timer import StepTimer
 from treadle.server.ipc import (
     RESOLVED_CONFIG_KEY,
     AbortReq,
@@ -80,22 +82,21 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
 
 
 # A diagnostic: with this set to a file path, the scheduler times every step's host phases and GPU span
-# (bench/arrival_trace.py's StepTrace) and writes the split per step kind there when the server stops.
+# (core/scheduling/step_timer.py's StepTimer) and writes the split per step kind there when the server stops.
 STEP_TRACE_ENV = "TREADLE_STEP_TRACE"
 
 
 def _install_step_trace(scheduler: Any) -> None:
-    if not os.environ.get(STEP_TRACE_ENV):
+    path = os.environ.get(STEP_TRACE_ENV)
+    if not path:
         return
-    from treadle.bench.arrival_trace import StepTrace
-
-    trace = StepTrace(scheduler)
-    trace.install()
-    trace.wrap_step()
+    timer = StepTimer(torch.device(scheduler.model_info["device"]))
+    scheduler.add_observer(timer)
     on_sigterm = signal.getsignal(signal.SIGTERM)
 
     def dump_then_stop(signum: int, frame: Any) -> None:  # the server stops its children with SIGTERM
-        trace.dump(os.environ[STEP_TRACE_ENV])
+        scheduler.remove_observer(timer)
+        timer.dump(path)
         if callable(on_sigterm):
             on_sigterm(signum, frame)
 

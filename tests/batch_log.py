@@ -4,23 +4,30 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from treadle.core.scheduling.observers import StepObserver
+
+
+class BatchLog(StepObserver):
+    """A step observer that keeps ``describe(batch)`` of every batch whose forward is launched."""
+
+    def __init__(self, describe: Callable[[Any], Any]) -> None:
+        self.describe = describe
+        self.log: list[Any] = []
+
+    def forward_launching(self, batch: Any) -> None:
+        self.log.append(self.describe(batch))
+
 
 def record_batches(engine: Any, describe: Callable[[Any], Any]) -> list[Any]:
-    """Wraps the engine scheduler's ``_launch_forward``; the returned list gets ``describe(batch)`` per launch.
+    """Observes the engine scheduler's steps; the returned list gets ``describe(batch)`` per launch.
 
-    Under tensor parallelism it wraps rank 0's own scheduler: the leader that wraps it only delegates to it."""
+    Under tensor parallelism it observes rank 0's own scheduler: the leader that wraps it only delegates to it."""
     from treadle.core.distributed.tensor_parallel import LeaderScheduler
 
-    log: list[Any] = []
     scheduler = engine.scheduler.scheduler if isinstance(engine.scheduler, LeaderScheduler) else engine.scheduler
-    launch = scheduler._launch_forward
-
-    def recording_launch(batch: Any) -> Any:
-        log.append(describe(batch))
-        return launch(batch)
-
-    scheduler._launch_forward = recording_launch
-    return log
+    observer = BatchLog(describe)
+    scheduler.add_observer(observer)
+    return observer.log
 
 
 def generate_logged(model_dir: str, scheduler: dict[str, Any], prompts: list[list[int]], params: list[Any],

@@ -1,1 +1,2 @@
-"""Scheduling: the scheduler, admission and decode batches, retraction, output processing."""
+"""Scheduling: the scheduler and its parts (admission, decode, request lifecycle, KV bookkeeping, output processing),
+and the step observers that follow its steps."""

@@ -22,7 +22,7 @@ from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.request import FinishReason
 
 if TYPE_CHECKING:
-    from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
     from treadle.core.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger("treadle.core.scheduling.scheduler")
@@ -92,48 +92,26 @@ def retract_after_oom(scheduler: "Scheduler", batch: "ScheduleBatch", error: Bas
     """Undo ``batch`` (its forward ran out of device memory) and lower the scheduler's caps."""
     entries = batch.entries
     extend_tokens = sum(e.extend_len for e in entries if not e.input_on_device)
-    shrinks = scheduler.oom_backoff.on_oom(batch.forward_mode, len(entries), extend_tokens)
+    backoff = scheduler.oom_backoff
+    shrinks = backoff.on_oom(batch.forward_mode, len(entries), extend_tokens)
     logger.warning("device out of memory in a %s batch of %d requests (%d prefill tokens); retrying smaller "
                    "(running cap %s, prefill cap %s): %s", batch.forward_mode.name, len(entries), extend_tokens,
-                   scheduler.oom_backoff.max_running, scheduler.oom_backoff.max_prefill_tokens, error)
+                   backoff.max_running, backoff.max_prefill_tokens, error)
     for entry in entries:
-        _drop_new_slots(scheduler, entry)
+        scheduler.memory.drop_new_slots(entry)
     if not shrinks:
-        _fail(scheduler, entries[0].req, error)
+        # Nothing smaller to try: end this request (its KV freed) so the others can go on.
+        req = entries[0].req
+        logger.error("request %s does not fit in device memory even alone; aborting it", req.rid)
+        scheduler.lifecycle.end(req, FinishReason.ABORT, f"out of device memory: {error}")
     else:
         admitted = [e for e in entries if e.req not in scheduler.running]
         for entry in admitted:
             entry.req.retractions += 1  # its cached prefix is not counted twice when it is admitted again
-        scheduler._undo_admission(admitted)
-        scheduler._settle()  # read the step in flight, so retraction acts on exact state
-        limit = scheduler.oom_backoff.running_limit(len(scheduler.running))
+        scheduler.prefill_manager.undo_admission(admitted)
+        scheduler.settle()  # read the step in flight, so retraction acts on exact state
+        limit = backoff.running_limit(len(scheduler.running))
         while len(scheduler.running) > limit:
-            scheduler._retract(max(scheduler.running, key=lambda r: r.arrival))
+            scheduler.lifecycle.retract(max(scheduler.running, key=lambda r: r.arrival))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _drop_new_slots(scheduler: "Scheduler", entry: "BatchEntry") -> None:
-    """Give back the KV slots allocated for this batch; the request keeps what it had before."""
-    req = entry.req
-    kept = req.kv_slots[:entry.kv_start]
-    new = entry.new_slots
-    if kept.numel() and scheduler.page_size > 1:
-        # The paged allocator frees whole pages: keep the request's partly filled last page.
-        new = new[new // scheduler.page_size != int(kept[-1]) // scheduler.page_size]
-    scheduler.allocator.free(new)
-    req.kv_slots = kept
-
-
-def _fail(scheduler: "Scheduler", req, error: BaseException) -> None:
-    """Nothing smaller to try: end this request (its KV freed) so the others can go on."""
-    logger.error("request %s does not fit in device memory even alone; aborting it", req.rid)
-    if req is scheduler.chunked_req:
-        scheduler.chunked_req = None
-    if req in scheduler.running:
-        scheduler.running.remove(req)
-    elif req in scheduler.waiting:
-        scheduler.waiting.remove(req)
-    req.finish(FinishReason.ABORT, f"out of device memory: {error}")
-    scheduler._finish(req)
-    scheduler._pending.append(scheduler._output(req, []))

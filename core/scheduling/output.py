@@ -7,8 +7,16 @@ step's token discarded here; its memory was released when it finished.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+
 from treadle.core.execution.overlap import LaunchedStep
 from treadle.core.request import FinishReason, Req, ReqOutput
+from treadle.core.scheduling.schedule_batch import BatchEntry
+from treadle.core.scheduling.state import SchedulerState, remaining_new_tokens, wants_input_logprobs
+
+if TYPE_CHECKING:
+    from treadle.core.scheduling.lifecycle import RequestLifecycle
 
 
 # What every step copies home; prompt log-probs add keys ``in{entry}`` (see core/execution/worker.py's
@@ -17,17 +25,27 @@ _SAMPLED_KEYS = ("next_ids", "logprobs", "top_values", "top_ids")
 
 
 class OutputProcessing:
-    """The Scheduler's output half (a mixin: it reads and updates the Scheduler's state)."""
+    """Applies a step's tokens once they are on the host: appends them, checks stops and limits, ends finished
+    requests and queues the outputs in ``state.outputs``."""
 
-    def _process(self, step: LaunchedStep) -> None:
-        """Apply a step's tokens: append them, finish requests, queue outputs in ``self._pending``."""
-        host = step.results.wait()
+    def __init__(self, state: SchedulerState, lifecycle: "RequestLifecycle", grammar, eos_token_ids: set[int],
+                 tokenizer, context_len: int) -> None:
+        self.state = state
+        self.lifecycle = lifecycle
+        self.grammar = grammar
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+
+    def process(self, step: LaunchedStep, host: dict[str, Any]) -> None:
+        """Apply ``step``'s tokens (``host``: its results, waited for) and queue the outputs."""
         next_ids = host["next_ids"].tolist()
         token_logprobs = host["logprobs"].tolist() if host["logprobs"] is not None else None
         top = None
         if host["top_values"] is not None:
             top = (host["top_values"].tolist(), host["top_ids"].tolist())
         any_input_logprobs = len(host) > len(_SAMPLED_KEYS)
+        outputs, finish = self.state.outputs, self.lifecycle.finish
 
         for i, entry in enumerate(step.batch.entries):
             req = entry.req
@@ -43,7 +61,7 @@ class OutputProcessing:
             if not entry.completes_sequence:
                 continue  # a middle chunk: nothing to sample yet
             new_ids: list[int] = []
-            if self._remaining_new_tokens(req) > 0:
+            if remaining_new_tokens(req) > 0:
                 token = next_ids[i]
                 req.output_ids.append(token)
                 new_ids.append(token)
@@ -56,14 +74,17 @@ class OutputProcessing:
             else:
                 req.finish(FinishReason.LENGTH, None)
             if req.finished:
-                if req in self.running:
-                    self.running.remove(req)
-                self._finish(req)
-            self._pending.append(self._output(req, new_ids, include_input_logprobs=first_output))
+                finish(req)
+            outputs.append(req_output(req, new_ids, include_input_logprobs=first_output))
+
+    @staticmethod
+    def _wants_input_logprobs(req: Req) -> bool:
+        return wants_input_logprobs(req)
 
     # ------------------------------------------------------------ log-probs
 
-    def _input_logprob_lists(self, entry, host: dict, i: int) -> tuple[list, list]:
+    @staticmethod
+    def _input_logprob_lists(entry: BatchEntry, host: dict[str, Any], i: int) -> tuple[list, list]:
         req = entry.req
         values: list[float | None] = []
         tops: list = []
@@ -105,23 +126,26 @@ class OutputProcessing:
                 return stop
         return None
 
-    def _output(self, req: Req, new_ids: list[int], include_input_logprobs: bool = False) -> ReqOutput:
-        output = ReqOutput(
-            rid=req.rid,
-            new_token_ids=new_ids,
-            finished_reason=req.finished_reason,
-            finished_detail=req.finished_detail,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-        )
-        if req.return_logprob:
-            count = len(new_ids)
-            output.new_output_logprobs = req.output_token_logprobs[len(req.output_token_logprobs) - count:] if count else []
-            if req.top_logprobs_num:
-                output.new_output_top_logprobs = req.output_top_logprobs[-count:] if count else []
-            if include_input_logprobs or (req.finished and not req.input_logprobs_sent):
-                output.input_token_logprobs = list(req.input_token_logprobs)
-                output.input_top_logprobs = list(req.input_top_logprobs)
-                req.input_logprobs_sent = True
-        return output
+
+def req_output(req: Req, new_ids: list[int], include_input_logprobs: bool = False) -> ReqOutput:
+    """What the caller hears of ``req`` now: ``new_ids``, its finish reason, its token counts and log-probs (the
+    prompt's once: with its first output, else when it finishes)."""
+    output = ReqOutput(
+        rid=req.rid,
+        new_token_ids=new_ids,
+        finished_reason=req.finished_reason,
+        finished_detail=req.finished_detail,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+    )
+    if req.return_logprob:
+        count = len(new_ids)
+        output.new_output_logprobs = req.output_token_logprobs[len(req.output_token_logprobs) - count:] if count else []
+        if req.top_logprobs_num:
+            output.new_output_top_logprobs = req.output_top_logprobs[-count:] if count else []
+        if include_input_logprobs or (req.finished and not req.input_logprobs_sent):
+            output.input_token_logprobs = list(req.input_token_logprobs)
+            output.input_top_logprobs = list(req.input_top_logprobs)
+            req.input_logprobs_sent = True
+    return output

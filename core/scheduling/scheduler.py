@@ -1,4 +1,4 @@
-"""Scheduler: continuous batching over one ModelRunner, with overlap scheduling.
+"""Scheduler: continuous batching over one model worker, with overlap scheduling.
 
 Each ``step()`` either admits waiting requests into an extend (prefill) batch —
 in the order the schedule policy picks, reusing radix-cache prefixes, chunking
@@ -10,8 +10,15 @@ Overlap (on unless ``scheduler.disable_overlap``): a step builds and queues
 batch N+1 while the device still runs batch N, then reads N's sampled tokens
 (they were copied to the host in the background), then queues N+1's sampling.
 Decode inputs come from the device, so no token waits for the host before it
-is fed back. Batch building lives in scheduler_batches.py, output handling in
-scheduler_output.py; docs/scheduling.md describes the loop.
+is fed back. The device work is the worker's (core/execution/worker.py): the scheduler hands it
+each batch and reads back the sampled ids.
+
+The scheduler is composed of parts that each own one job, sharing the request
+queues through one ``SchedulerState`` (state.py): ``PrefillManager``
+(prefill.py: admission), ``DecodeManager`` (decode.py), ``RequestLifecycle``
+(lifecycle.py: start, retract, finish, abort), ``KVMemory`` (kv_memory.py) and
+``OutputProcessing`` (output.py). Step observers (observers.py) follow a step's
+events; docs/scheduling.md describes the loop.
 """
 
 from __future__ import annotations
@@ -23,18 +30,22 @@ from typing import Any
 import torch
 
 from treadle.core.config import ServerConfig, validate_plugin_choices
+from treadle.core.execution.model_runner import ModelRunner
+from treadle.core.execution.overlap import LaunchedStep
+from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.grammar import GrammarManager
 from treadle.core.loading.hub import default_served_name
-from treadle.core.execution.model_runner import ModelRunner
-from treadle.core.execution.worker import ModelWorker, Worker
-from treadle.core.scheduling.oom import OomBackoff, retract_after_oom
-from treadle.core.execution.overlap import LaunchedStep
-from treadle.core.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.registry import Registry, build_registry
-from treadle.core.request import FinishReason, InvalidRequestError, Req, ReqOutput, next_arrival
-from treadle.core.scheduling.schedule_batch import ScheduleBatch
-from treadle.core.scheduling.batch_building import IN_BATCH_PREFIX_TOKENS, BatchBuilding
+from treadle.core.request import InvalidRequestError, Req, ReqOutput, next_arrival
+from treadle.core.scheduling.decode import DecodeManager
+from treadle.core.scheduling.kv_memory import KVMemory
+from treadle.core.scheduling.lifecycle import RequestLifecycle
+from treadle.core.scheduling.observers import StepObserver
+from treadle.core.scheduling.oom import OomBackoff, retract_after_oom
 from treadle.core.scheduling.output import OutputProcessing
+from treadle.core.scheduling.prefill import IN_BATCH_PREFIX_TOKENS, PrefillManager
+from treadle.core.scheduling.schedule_batch import ScheduleBatch
+from treadle.core.scheduling.state import SchedulerState, wants_input_logprobs
 from treadle.text.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["IN_BATCH_PREFIX_TOKENS", "Scheduler"]
 
 
-class Scheduler(BatchBuilding, OutputProcessing):
+class Scheduler:
     """Admits, batches, runs and finishes requests; the same object backs Engine and the server."""
 
     def __init__(self, config: ServerConfig, registry: Registry | None = None, worker: Worker | None = None,
@@ -53,33 +64,24 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.worker: Worker = worker if worker is not None else ModelWorker(config, self.registry, offline=offline)
         self.config = self.worker.config  # every "auto" resolved; the caller's config stays as it was
         info = self.worker.info
-        self.allocator = info.allocator
-        self.req_to_token_pool = info.req_to_token_pool
-        self.page_size = info.page_size
-        self.tree_cache: PrefixCache = (
-            NoPrefixCache(self.allocator) if config.cache.disable_radix_cache
-            else RadixCache(self.allocator, self.page_size)
-        )
+        self.memory = KVMemory.for_worker(info, self.config.cache.disable_radix_cache)
         self.policy = self.registry.get("schedule_policies", config.scheduler.policy)(config.scheduler.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or info.model_dir)
         self.eos_token_ids = eos_token_ids(info.hf_config, info.model_dir, self.tokenizer)
         self.context_len = info.context_len
         self.grammar = GrammarManager.from_config(config, self.registry, self.tokenizer, info.vocab_size,
                                                   self.eos_token_ids, info.device)
-
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
-        self.live_by_rid: dict[str, Req] = {}  # every queued or running request; finished ones leave it
-        self._pending: list[ReqOutput] = []
-        self.new_token_ratio = config.scheduler.new_token_ratio
-        self.num_retractions = 0
-        self.prefill_held_steps = 0  # decode steps the waiting requests were held back (see _hold_prefill)
-        self.num_finished = 0
-        self.cached_tokens_total = 0
-        self.overlap = not config.scheduler.disable_overlap
-        self._inflight: LaunchedStep | None = None  # queued on the device, its tokens not read yet
         self.oom_backoff = OomBackoff()
+
+        self.state = SchedulerState(new_token_ratio=self.config.scheduler.new_token_ratio)
+        self.lifecycle = RequestLifecycle(self.state, self.memory, self.grammar)
+        self.decode_manager = DecodeManager(self.config, self.state, self.memory, self.lifecycle, self.context_len,
+                                            settle=self.settle)
+        self.prefill_manager = PrefillManager(self.config, self.state, self.memory, self.decode_manager,
+                                              self.policy, self.oom_backoff)
+        self.output_processing = OutputProcessing(self.state, self.lifecycle, self.grammar, self.eos_token_ids,
+                                                  self.tokenizer, self.context_len)
+        self._inflight: LaunchedStep | None = None  # queued on the device, its tokens not read yet
 
     # ----------------------------------------------------------------- public API
 
@@ -93,16 +95,17 @@ class Scheduler(BatchBuilding, OutputProcessing):
 
     @property
     def model_info(self) -> dict[str, Any]:
+        info = self.worker.info
         return {
-            "model_path": self.worker.info.model_dir,
+            "model_path": info.model_dir,
             "served_model_name": (self.config.model.served_model_name
-                                  or default_served_name(self.config.model.path, self.worker.info.model_dir)),
-            "architecture": self.worker.info.hf_config.architectures[0],
+                                  or default_served_name(self.config.model.path, info.model_dir)),
+            "architecture": info.hf_config.architectures[0],
             "context_len": self.context_len,
-            "vocab_size": self.worker.info.vocab_size,
+            "vocab_size": info.vocab_size,
             "eos_token_ids": sorted(self.eos_token_ids),
-            "dtype": str(self.worker.info.dtype).removeprefix("torch."),
-            "device": str(self.worker.info.device),
+            "dtype": str(info.dtype).removeprefix("torch."),
+            "device": str(info.device),
             "has_tokenizer": self.tokenizer is not None,
         }
 
@@ -152,72 +155,139 @@ class Scheduler(BatchBuilding, OutputProcessing):
         req = self.live_by_rid.get(rid)
         if req is None or req.finished:
             return None
-        self.grammar.release(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        else:
-            if req is self.chunked_req:
-                self.chunked_req = None
-            if req in self.running:
-                self.running.remove(req)
-            # A step in flight may still write this request's KV; the device runs it before any
-            # step that reuses the slots, so they can be freed now. Its token will be discarded.
-            self._release(req)
-        req.finish(FinishReason.ABORT, "aborted")
-        self._forget(req)
+        output = self.lifecycle.abort(req)
         if self._inflight is not None and all(e.req.finished for e in self._inflight.batch.entries):
             self._inflight = None  # every token it computes would be discarded: nothing left to read
-        return self._output(req, [])
+        return output
 
     def step(self) -> list[ReqOutput]:
         """Run one batch; outputs for every request that produced tokens or finished.
 
         With overlap the outputs are those of the previous batch: this one is still on the device.
         """
-        batch = self._prefill_batch()
-        if batch is None and self.running:
-            batch = self._decode_batch()
-        launched = self._launch_forward(batch) if batch is not None else None
-        self._settle()
+        observers = self.state.observers
+        if observers:
+            observers.step_started()
+        batch = self.prefill_manager.build_batch()
+        if batch is None and self.state.running:
+            batch = self.decode_manager.build_batch()
+        if observers:
+            observers.batch_built(batch)
+        launched = None
+        if batch is not None:
+            if observers:
+                observers.forward_launching(batch)
+            launched = self._launch_forward(batch)
+            if observers:
+                observers.forward_launched(batch, launched)
+        self.settle()
         if launched is not None:
+            if observers:
+                observers.sampling_launching(launched)
             self._launch_sampling(launched)
+            if observers:
+                observers.sampling_launched(launched)
             self._inflight = launched
             if not self.overlap:
-                self._settle()
-        outputs, self._pending = self._pending, []
+                self.settle()
+        outputs = self.state.take_outputs()
+        if observers:
+            observers.step_ended(outputs)
         return outputs
 
+    def settle(self) -> bool:
+        """Read the step in flight (waiting for its tokens) and queue its outputs; False when none was in flight."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return False
+        observers = self.state.observers
+        if observers:
+            observers.results_waiting(step)
+        host = step.results.wait()
+        if observers:
+            observers.results_arrived(step)
+        self.output_processing.process(step, host)
+        if observers:
+            observers.step_settled(step)
+        return True
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._pending or self._inflight)
+        state = self.state
+        return bool(state.waiting or state.running or state.chunked_req or state.outputs or self._inflight)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests hold memory."""
-        self._settle()
-        if self.running or self.chunked_req:
+        self.settle()
+        if self.state.running or self.state.chunked_req:
             return False
-        self.tree_cache.reset()
-        self.allocator.clear()
-        self.req_to_token_pool.clear()
+        self.memory.clear()
         return True
 
     def kv_stats(self) -> dict[str, int]:
-        total = self.allocator.total_slots
-        free = self.allocator.free_slots
-        cached = self.tree_cache.evictable_size() + self.tree_cache.protected_size()
+        state = self.state
         return {
-            "total_slots": total,
-            "free_slots": free,
-            "cached_slots": cached,
-            "used_slots": total - free - cached,
-            "page_size": self.page_size,
-            "running": len(self.running) + (1 if self.chunked_req else 0),
-            "live_requests": len(self.live_by_rid),
-            "waiting": len(self.waiting),
-            "retractions": self.num_retractions,
-            "finished": self.num_finished,
-            "cached_tokens_total": self.cached_tokens_total,
+            **self.memory.stats(),
+            "running": len(state.running) + (1 if state.chunked_req else 0),
+            "live_requests": len(state.live_by_rid),
+            "waiting": len(state.waiting),
+            "retractions": state.num_retractions,
+            "finished": state.num_finished,
+            "cached_tokens_total": state.cached_tokens_total,
             "oom_retries": self.oom_backoff.count,
         }
+
+    def add_observer(self, observer: StepObserver) -> None:
+        """Tell ``observer`` of every step's events from now on (core/scheduling/observers.py)."""
+        self.state.observers.append(observer)
+
+    def remove_observer(self, observer: StepObserver) -> None:
+        """Stop telling ``observer`` (nothing happens when it is not registered)."""
+        if observer in self.state.observers:
+            self.state.observers.remove(observer)
+
+    # ------------------------------------------------------------ state the API and callers read
+
+    @property
+    def overlap(self) -> bool:
+        return not self.config.scheduler.disable_overlap
+
+    @property
+    def waiting(self) -> list[Req]:
+        return self.state.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        return self.state.running
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.state.chunked_req
+
+    @property
+    def live_by_rid(self) -> dict[str, Req]:
+        """Every queued or running request by id; finished ones leave it."""
+        return self.state.live_by_rid
+
+    @property
+    def inflight(self) -> LaunchedStep | None:
+        """The step queued on the device whose tokens were not read yet."""
+        return self._inflight
+
+    @property
+    def allocator(self):
+        return self.memory.allocator
+
+    @property
+    def req_to_token_pool(self):
+        return self.memory.req_to_token_pool
+
+    @property
+    def tree_cache(self):
+        return self.memory.tree_cache
+
+    @property
+    def page_size(self) -> int:
+        return self.memory.page_size
 
     # ------------------------------------------------------------------ running
 
@@ -233,7 +303,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
             return None
         self.oom_backoff.on_success()
         # After the forward is queued: sharing a prompt may re-point its table row at cached copies.
-        self._commit(batch)
+        self.lifecycle.commit(batch)
         return step
 
     def _launch_sampling(self, step: LaunchedStep) -> None:
@@ -243,7 +313,7 @@ class Scheduler(BatchBuilding, OutputProcessing):
         masks see every earlier token of each request.
         """
         batch = step.batch
-        prompt_logprobs = [i for i, entry in enumerate(batch.entries) if self._wants_input_logprobs(entry.req)]
+        prompt_logprobs = [i for i, entry in enumerate(batch.entries) if wants_input_logprobs(entry.req)]
         self.worker.launch_sampling(step, self._vocab_mask(batch), prompt_logprobs)
 
     def _vocab_mask(self, batch: ScheduleBatch) -> torch.Tensor | None:
@@ -253,9 +323,3 @@ class Scheduler(BatchBuilding, OutputProcessing):
         the mask is built on the host while the device still runs this step's forward.
         """
         return self.grammar.vocab_mask(batch.reqs)
-
-    def _settle(self) -> None:
-        """Read the step in flight (waiting for its tokens) and queue its outputs."""
-        step, self._inflight = self._inflight, None
-        if step is not None:
-            self._process(step)

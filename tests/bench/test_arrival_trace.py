@@ -40,11 +40,14 @@ def test_step_trace_of_a_loop_it_does_not_drive_is_dumped_per_step_kind(tiny_lla
     engine = Engine({"model": {"path": tiny_llama_dir, "device": "cpu"}})
     trace = arrival_trace.StepTrace(engine.scheduler)
     trace.install()
-    trace.wrap_step()
     engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
     path = tmp_path / "steps.json"
     trace.dump(str(path))
     dumped = json.loads(path.read_text())
     assert dumped["steps"] == len(trace.steps) >= 4
     assert dumped["per_step_kind"]["EXTEND"]["steps"] == 1 and dumped["per_step_kind"]["DECODE"]["steps"] >= 3
-    assert "step" not in vars(engine.scheduler) and "_settle" not in vars(engine.scheduler)  # unwrapped again
+    for name in ("build", "forward", "settle", "sampling"):
+        assert dumped["per_step_kind"]["DECODE"][f"{name}_mean_ms"] > 0
+    assert "step" not in vars(engine.scheduler) and "_settle" not in vars(engine.scheduler)  # nothing patched
+    engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert len(trace.steps) == dumped["steps"]  # dump stopped observing

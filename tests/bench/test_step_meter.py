@@ -48,35 +48,33 @@ def test_busy_fractions_and_time_per_step_kind_from_the_step_events() -> None:
                                        ["D", 200, 200, 8, 5, 40, 2, 0, 4.5, 0, 4.0, 4.25, 0.1]]
 
 
-def test_step_trace_times_garbage_collection_and_settling_between_launches() -> None:
+def test_step_trace_times_garbage_collection_and_settling_between_launches(tiny_llama_dir) -> None:
     import gc
 
-    class Worker:
-        info = SimpleNamespace(device=SimpleNamespace(type="cpu"))
-        sampler = None
+    from treadle import Engine, SamplingParams
 
-        def forward(self, forward_batch):
-            return forward_batch
-
-    class Scheduler:
-        worker = Worker()
-        _inflight = None
-        settled = 0
-
-        def _settle(self) -> None:
-            self.settled += 1
-
-    scheduler = Scheduler()
+    engine = Engine({"model": {"path": tiny_llama_dir, "device": "cpu"}})
+    scheduler = engine.scheduler
     meter = StepMeter(scheduler, step_trace=True)
     meter.install()
     try:
         assert meter._on_gc in gc.callbacks
-        gc.collect()
-        scheduler._settle()
-        assert meter._host_ms["gc_ms"] > 0 and meter._host_ms["settle_ms"] > 0 and scheduler.settled == 1
+        gc.collect()  # before the first launch: counted in the first step's gc_ms
+        engine.generate(input_ids=[[5, 6, 7], [8, 9]],
+                        sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
     finally:
         meter.uninstall()
+    steps = meter.steps
+    assert [s["mode"] for s in steps] == ["EXTEND", "DECODE", "DECODE", "DECODE"]
+    assert [s["tokens"] for s in steps] == [5, 2, 2, 2] and all(s["end"] is not None for s in steps)
+    assert steps[0]["gc_ms"] > 0
+    # Under overlap step k is read after step k+1 is launched, so the host time before the launch of step k+2
+    # holds it; reading includes waiting for its tokens. Nothing was read before the first two launches.
+    assert [s["settle_ms"] for s in steps[:2]] == [0, 0]
+    assert all(s["settle_ms"] > 0 and s["settle_ms"] >= s["wait_ms"] > 0 for s in steps[2:])
     assert meter._on_gc not in gc.callbacks and "_settle" not in vars(scheduler)
+    engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert meter.steps == steps and len(steps) == 4  # no longer observing
 
 
 def test_the_progress_line_names_the_host_frames_behind_gpu_stalls() -> None:
@@ -93,18 +91,15 @@ def test_the_progress_line_names_the_host_frames_behind_gpu_stalls() -> None:
 
 def test_under_tensor_parallelism_the_meter_hooks_rank_zeros_own_scheduler() -> None:
     """The Engine's scheduler at tp > 1 is a LeaderScheduler; hooks set on it would never run (the offline bench
-    then reported 0% GPU busy at tp=2), so the meter patches the scheduler it wraps."""
+    then reported 0% GPU busy at tp=2), so the meter observes the scheduler it wraps."""
     from treadle.core.distributed.tensor_parallel import LeaderScheduler
 
-    def sampler(*args, **kwargs):
-        return "tokens"
-
-    worker = SimpleNamespace(info=SimpleNamespace(device=SimpleNamespace(type="cpu")), forward=lambda batch: batch,
-                             sampler=sampler)
-    local = SimpleNamespace(worker=worker)
+    observers: list = []
+    local = SimpleNamespace(worker=SimpleNamespace(info=SimpleNamespace(device=SimpleNamespace(type="cpu"))),
+                            add_observer=observers.append, remove_observer=observers.remove)
     leader = LeaderScheduler(local, ranks=None, watcher=None)
     meter = StepMeter(leader)
     meter.install()
-    assert meter.scheduler is local and worker.sampler is not sampler and "worker" not in vars(leader)
+    assert meter.scheduler is local and observers == [meter] and "add_observer" not in vars(leader)
     meter.uninstall()
-    assert worker.sampler is sampler
+    assert observers == []

@@ -9,6 +9,7 @@ from batch_log import generate_logged
 
 from treadle import Engine, SamplingParams
 from treadle.core.request import Req
+from treadle.core.scheduling.observers import StepObserver
 from treadle.testing.engine import assert_kv_accounted
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -45,13 +46,16 @@ def test_out_of_kv_a_chunked_prompt_goes_back_to_the_queue_before_a_running_requ
                      "scheduler": {"chunked_prefill_size": 8, "new_token_ratio": 0.0, "disable_overlap": not overlap}})
     scheduler = engine.scheduler
     retracted = []
-    retract = scheduler._retract
 
-    def logged_retract(req: Req) -> None:
-        retracted.append((req.rid, req is scheduler.chunked_req))
-        retract(req)
+    class RetractionLog(StepObserver):
+        def request_retracted(self, req: Req) -> None:
+            # Told after the retraction: the request waits again, at the front, holding no KV.
+            assert scheduler.waiting[0] is req and req.kv_len == 0 and scheduler.chunked_req is not req
+            # Nothing sampled yet: it was the chunked prompt (a running request is retracted only after the step
+            # in flight was read, so it has sampled at least one token).
+            retracted.append((req.rid, req.output_ids == []))
 
-    scheduler._retract = logged_retract
+    scheduler.add_observer(RetractionLog())
     prompt_a, prompt_b = [11, 12, 13, 14, 15, 16], [(5 * i) % 97 + 3 for i in range(30)]
     produced: dict[str, list[int]] = {"a": [], "b": []}
     finished: dict[str, str] = {}

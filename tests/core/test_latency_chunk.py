@@ -11,7 +11,8 @@ from batch_log import generate_logged
 
 from treadle import Engine, SamplingParams
 from treadle.core.execution.forward_batch import ForwardMode
-from treadle.core.scheduling.batch_building import BatchBuilding
+from treadle.core.scheduling.prefill import PrefillManager
+from treadle.core.scheduling.state import SchedulerState
 from treadle.testing.engine import assert_kv_accounted
 
 
@@ -20,16 +21,12 @@ def _decider(running: int, waiting_left: list[int], size: int = 8, chunk: int | 
     def req(left: int) -> SimpleNamespace:
         return SimpleNamespace(seq_len=left + 5, kv_len=5)
 
-    scheduler = SimpleNamespace(
-        config=SimpleNamespace(scheduler=SimpleNamespace(latency_chunk_size=size, chunked_prefill_size=chunk,
-                                                         max_prefill_tokens=100)),
-        running=[object()] * running,
-        waiting=[req(n) for n in waiting_left],
-        chunked_req=req(chunked_left) if chunked_left is not None else None,
-    )
-    scheduler._chunk_tokens = lambda: BatchBuilding._chunk_tokens(scheduler)
-    scheduler.chunk = lambda: BatchBuilding._latency_chunk(scheduler)
-    return scheduler
+    config = SimpleNamespace(scheduler=SimpleNamespace(latency_chunk_size=size, chunked_prefill_size=chunk,
+                                                       max_prefill_tokens=100))
+    state = SchedulerState(new_token_ratio=0.4, running=[object()] * running, waiting=[req(n) for n in waiting_left],
+                           chunked_req=req(chunked_left) if chunked_left is not None else None)
+    prefill = PrefillManager(config, state, memory=None, decode=None, policy=None, oom_backoff=None)
+    return SimpleNamespace(chunk=prefill.latency_chunk)
 
 
 def test_the_latency_chunk_applies_to_a_trickle_beside_a_small_decode_batch() -> None:

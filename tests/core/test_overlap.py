@@ -174,7 +174,7 @@ def test_a_request_that_stops_in_flight_pays_one_discarded_step(tiny_llama_dir):
                 break
     assert produced == expected and req.finished_reason == "stop"
     # The step in flight still computes a row for the finished request; its memory is already released.
-    assert any(entry.req is req for entry in scheduler._inflight.batch.entries)
+    assert any(entry.req is req for entry in scheduler.inflight.batch.entries)
     assert req.req_pool_idx is None and req.kv_len == 0
     while scheduler.has_work():
         scheduler.step()

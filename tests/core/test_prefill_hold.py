@@ -11,35 +11,32 @@ from batch_log import generate_logged
 
 from treadle import Engine, SamplingParams
 from treadle.core.execution.forward_batch import ForwardMode
-from treadle.core.scheduling.batch_building import BatchBuilding
+from treadle.core.scheduling.prefill import PrefillManager
+from treadle.core.scheduling.state import SchedulerState
 from treadle.testing.engine import assert_kv_accounted
 
 
 def _decider(running: int, waiting_lens: list[int], held: int, hold_steps: int = 3, limit: int = 8,
              chunk: int | None = 64) -> SimpleNamespace:
-    scheduler = SimpleNamespace(
-        config=SimpleNamespace(scheduler=SimpleNamespace(
-            max_running_requests=limit, prefill_hold_steps=hold_steps, chunked_prefill_size=chunk,
-            max_prefill_tokens=100)),
-        running=[object()] * running,
-        waiting=[SimpleNamespace(seq_len=n) for n in waiting_lens],
-        prefill_held_steps=held,
-    )
-    scheduler._chunk_tokens = lambda: BatchBuilding._chunk_tokens(scheduler)
-    scheduler.hold = lambda: BatchBuilding._hold_prefill(scheduler)
-    return scheduler
+    config = SimpleNamespace(scheduler=SimpleNamespace(
+        max_running_requests=limit, prefill_hold_steps=hold_steps, chunked_prefill_size=chunk, max_prefill_tokens=100))
+    state = SchedulerState(new_token_ratio=0.4, running=[object()] * running,
+                           waiting=[SimpleNamespace(seq_len=n) for n in waiting_lens])
+    prefill = PrefillManager(config, state, memory=None, decode=None, policy=None, oom_backoff=None)
+    prefill.held_steps = held
+    return SimpleNamespace(hold=prefill.hold_prefill, prefill=prefill)
 
 
 def test_a_small_prefill_waits_only_while_the_decode_batch_is_large_and_at_most_the_hold_steps() -> None:
     s = _decider(running=6, waiting_lens=[10, 10, 10], held=0)
-    assert s.hold() and s.prefill_held_steps == 1
-    assert s.hold() and s.hold() and s.prefill_held_steps == 3
+    assert s.hold() and s.prefill.held_steps == 1
+    assert s.hold() and s.hold() and s.prefill.held_steps == 3
     assert not s.hold(), "after prefill_hold_steps decode steps the prefill runs"
     # Fewer running than half the limit: never held (the GPU has room, and latency matters more).
     assert not _decider(running=3, waiting_lens=[10], held=0).hold()
     # A full running batch: nothing could be admitted, so nothing is counted as held.
     full = _decider(running=8, waiting_lens=[10], held=0)
-    assert not full.hold() and full.prefill_held_steps == 0
+    assert not full.hold() and full.prefill.held_steps == 0
     # Holding off: never held.
     assert not _decider(running=6, waiting_lens=[10, 10, 10], held=0, hold_steps=0).hold()
     # Every waiting request fits the room (2): more room would let no more in, so nothing waits.

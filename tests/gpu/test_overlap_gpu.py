@@ -1,5 +1,6 @@
 """Overlap scheduling on CUDA: the same tokens as the synchronous loop (CUDA graphs, mixed prefill,
-seeded sampling, penalties), no KV leak, and decode steps that never synchronize the device."""
+seeded sampling, penalties), no KV leak, and decode steps that never synchronize the device (step observers
+included)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 from treadle import Engine, SamplingParams
+from treadle.bench.step_meter import StepMeter
 from treadle.core.request import Req
+from treadle.core.scheduling.step_timer import StepTimer
 from treadle.testing.engine import assert_kv_accounted
 
 pytestmark = pytest.mark.gpu
@@ -60,14 +63,22 @@ def test_overlap_on_and_off_give_identical_tokens(real_shape_llama_dir, engine_c
             assert (len(ids_a), reason_a, ids_a[:4]) == (len(ids_b), reason_b, ids_b[:4])
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_decode_steps_do_not_synchronize(real_shape_llama_dir, engine_config, backend):
-    """Once every request decodes, a step queues work and waits only on the previous step's event."""
+@pytest.mark.parametrize(("backend", "observed"), [("triton", False), ("flashinfer", False), ("triton", True)],
+                         ids=["triton", "flashinfer", "triton-observed"])
+def test_decode_steps_do_not_synchronize(real_shape_llama_dir, engine_config, backend, observed):
+    """Once every request decodes, a step queues work and waits only on the previous step's event; step observers
+    (the runtime's step timer, the bench's step meter) record CUDA events and never synchronize either."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     engine = Engine(engine_config(real_shape_llama_dir, backend, "bfloat16"))
     scheduler = engine.scheduler
     assert scheduler.overlap
+    timer, meter = StepTimer(torch.device("cuda")), StepMeter(scheduler, step_trace=True)
+    if observed:
+        scheduler.add_observer(timer)
+        meter.install()
+        torch.cuda.synchronize()
+        meter.begin()
     try:
         for i, prompt in enumerate(_prompts(8, seed=5)):
             scheduler.add_request(Req(rid=f"r{i}", origin_input_ids=prompt, sampling_params=SamplingParams(
@@ -84,6 +95,22 @@ def test_decode_steps_do_not_synchronize(real_shape_llama_dir, engine_config, ba
             torch.cuda.set_sync_debug_mode("default")
         while scheduler.has_work():
             scheduler.step()
+        if observed:
+            meter.end()
+            meter.uninstall()
+            scheduler.remove_observer(timer)
+            _check_the_observers_saw_the_gpu(timer, meter)
         assert_kv_accounted(engine)
     finally:
         engine.shutdown()
+
+
+def _check_the_observers_saw_the_gpu(timer: StepTimer, meter: StepMeter) -> None:
+    summary = meter.summary()
+    assert 0 < summary["gpu_busy_fraction"] <= 1 and summary["peak_decode_batch_size"] == 8
+    assert summary["by_mode"]["DECODE"]["gpu_ms"] > 0 and summary["by_mode"]["DECODE"]["steps"] >= 39
+    assert len(summary["step_trace"]["steps"]) == summary["steps"]
+    split = timer.summary()
+    assert split["steps"] >= summary["steps"] and 0 < split["gpu_busy_share"] <= 1
+    decode = split["per_step_kind"]["DECODE"]
+    assert decode["gpu_mean_ms"] > 0 and decode["forward_mean_ms"] > 0 and decode["settle_mean_ms"] > 0

@@ -1,4 +1,4 @@
-"""The scheduler loop's request plumbing, in-process with a stand-in scheduler (no model needed)."""
+"""The scheduler loop's request plumbing, in-process with a stand-in scheduler; the step-trace diagnostic."""
 
 from __future__ import annotations
 
@@ -54,3 +54,32 @@ def test_add_request_failure_comes_back_to_that_request_as_a_400() -> None:
     assert event is not None and event.error is not None
     assert event.error.status_code == 400
     assert event.error.param == "prompt" and "KV cache" in event.error.message
+
+
+def test_the_step_trace_diagnostic_observes_the_scheduler_and_writes_its_split_when_stopped(
+        tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    """TREADLE_STEP_TRACE: the scheduler process registers the runtime's step timer (no bench code) and writes the
+    per-step-kind split on SIGTERM, then runs the handler that was there before."""
+    import json
+    import signal
+
+    from treadle import Engine
+    from treadle.server.scheduler_process import STEP_TRACE_ENV, _install_step_trace
+
+    path = tmp_path / "steps.json"
+    monkeypatch.setenv(STEP_TRACE_ENV, str(path))
+    engine = Engine({"model": {"path": tiny_llama_dir, "device": "cpu"}})
+    before = signal.getsignal(signal.SIGTERM)
+    chained: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: chained.append(signum))
+    try:
+        _install_step_trace(engine.scheduler)
+        engine.generate(input_ids=[[5, 6, 7], [8, 9]],
+                        sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    dumped = json.loads(path.read_text())
+    assert dumped["steps"] >= 4 and dumped["per_step_kind"]["EXTEND"]["steps"] == 1
+    assert dumped["per_step_kind"]["DECODE"]["steps"] >= 3 and dumped["per_step_kind"]["DECODE"]["forward_mean_ms"] > 0
+    assert chained == [signal.SIGTERM]

@@ -122,8 +122,7 @@ FORBIDDEN = [
     ("treadle.core", "treadle.bench"),
     ("treadle.core", "treadle.testing"),
     ("treadle.core", "treadle.layers"),
-    pytest.param("treadle.server", "treadle.bench", marks=pytest.mark.xfail(
-        strict=True, reason="the step-trace diagnostic moves to a step observer in the scheduling change under way")),
+    ("treadle.server", "treadle.bench"),
     ("treadle.plugins", "treadle.bench"),
     ("treadle.layers", "treadle.bench"),
     ("treadle.layers", "treadle.plugins"),

@@ -1,0 +1,88 @@
+"""Decode batches: the next token of every running request, and making room when the KV pool is short.
+
+Under overlap scheduling a running request may have a token still in flight (``Req.pending_tokens``): its
+remaining budget and its next KV position count that token, and its decode input is read from the device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.request import FinishReason, Req
+from treadle.core.resolved_config import ResolvedConfig
+from treadle.core.scheduling.kv_memory import EMPTY_SLOTS, KVMemory
+from treadle.core.scheduling.lifecycle import RequestLifecycle
+from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
+from treadle.core.scheduling.state import SchedulerState, remaining_new_tokens
+
+
+class DecodeManager:
+    """Builds decode batches (alone, or as the decode rows of a mixed batch) and the reserve admission keeps for them.
+
+    ``settle`` reads the step in flight, if any, and says whether there was one (``Scheduler.settle``).
+    """
+
+    def __init__(self, config: ResolvedConfig, state: SchedulerState, memory: KVMemory, lifecycle: RequestLifecycle,
+                 context_len: int, settle: Callable[[], bool]) -> None:
+        self.config = config
+        self.state = state
+        self.memory = memory
+        self.lifecycle = lifecycle
+        self.context_len = context_len
+        self.settle = settle
+
+    def build_batch(self) -> ScheduleBatch | None:
+        entries = self.entries(allow_retract=True)
+        return ScheduleBatch(ForwardMode.DECODE, entries) if entries else None
+
+    def entries(self, allow_retract: bool) -> list[BatchEntry]:
+        """A decode row for every running request that steps again, with its KV slot; without ``allow_retract``
+        none when the pool cannot hold them all."""
+        while True:
+            # A request whose in-flight token is surely its last (length limits) is not stepped again.
+            reqs = [req for req in self.state.running if not self.ends_with_pending_token(req)]
+            if not reqs:
+                return []
+            need = self.memory.decode_slots_needed(reqs)
+            if need <= self.memory.available():
+                break
+            if not allow_retract or not self._make_room(reqs):
+                return []
+        kv_lens = [req.kv_len for req in reqs]
+        slots = self.memory.alloc_decode(reqs, kv_lens, need)
+        assert slots is not None, "decode allocation failed after eviction"
+        entries = [BatchEntry(req, kv_len, 1, EMPTY_SLOTS, write_from=kv_len, input_on_device=True)
+                   for req, kv_len in zip(reqs, kv_lens)]
+        self.memory.assign_slots(entries, slots)
+        for entry in entries:
+            entry.logit_positions = range(entry.kv_start, entry.kv_start + 1)
+        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
+        return entries
+
+    def _make_room(self, reqs: list[Req]) -> bool:
+        """Free KV memory for the decode batch of ``reqs``; False when nothing is left to step."""
+        if self.settle():
+            # The step in flight was read first: requests it finished freed their memory, and the ones left
+            # have no unknown token, so a retraction acts on exact state.
+            return True
+        if self.state.chunked_req is not None:
+            # A prompt part-way through its chunks holds KV but decodes nothing yet: it goes back first
+            # (what it computed stays in the prefix cache, evictable, and is reused when it is admitted again).
+            self.lifecycle.retract(self.state.chunked_req)
+            return True
+        if len(reqs) == 1:
+            # Nothing left to retract: the pool cannot hold this one sequence any longer.
+            self.lifecycle.end(reqs[0], FinishReason.LENGTH, "the KV cache is full")
+            return False
+        self.lifecycle.retract(max(reqs, key=lambda r: r.arrival))
+        return True
+
+    def ends_with_pending_token(self, req: Req) -> bool:
+        if not req.pending_tokens:
+            return False
+        return remaining_new_tokens(req) <= 0 or req.seq_len + req.pending_tokens >= self.context_len
+
+    def reserve(self) -> int:
+        """KV slots admission keeps free for the running requests' remaining tokens (``new_token_ratio`` of them)."""
+        return int(sum(remaining_new_tokens(req) for req in self.state.running) * self.state.new_token_ratio)

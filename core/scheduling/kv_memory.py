@@ -1,0 +1,161 @@
+"""The scheduler's KV memory bookkeeping: slots for a batch (evicting cached prefixes when short), a request's
+slots and table row handed back, a prefilled prompt shared into the prefix cache.
+
+It knows requests only by their KV fields (``kv_slots``, ``req_pool_idx``, ``last_node``, ``prefix_len``);
+which queue a request is in is ``RequestLifecycle``'s business.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from treadle.core.execution.overlap import to_device
+from treadle.core.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from treadle.core.request import Req
+
+if TYPE_CHECKING:
+    from treadle.core.execution.worker import WorkerInfo
+    from treadle.core.scheduling.schedule_batch import BatchEntry
+
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class KVMemory:
+    """The KV allocator, the request-to-token table and the prefix cache, as the scheduler uses them."""
+
+    def __init__(self, allocator, req_to_token_pool, tree_cache: PrefixCache, page_size: int) -> None:
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+
+    @classmethod
+    def for_worker(cls, info: "WorkerInfo", disable_radix_cache: bool) -> "KVMemory":
+        """The worker's pools, with a radix prefix cache over them (or none: ``cache.disable_radix_cache``)."""
+        tree_cache = (NoPrefixCache(info.allocator) if disable_radix_cache
+                      else RadixCache(info.allocator, info.page_size))
+        return cls(info.allocator, info.req_to_token_pool, tree_cache, info.page_size)
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return not isinstance(self.tree_cache, NoPrefixCache)
+
+    def available(self) -> int:
+        """Slots a batch can get: the free ones and the cached ones nobody uses (evicted on demand)."""
+        return self.allocator.free_slots + self.tree_cache.evictable_size()
+
+    # ------------------------------------------------------------------ a batch's slots
+
+    def alloc_extend(self, entries: list["BatchEntry"]) -> torch.Tensor | None:
+        """Slots for every entry's ``[kv_start, kv_start + extend_len)``, in entry order (None: too few)."""
+        need = sum(self.allocator.slots_needed(e.kv_start, e.extend_len) for e in entries)
+        return self._alloc(lambda: self.allocator.alloc_extend(
+            [e.kv_start for e in entries], [e.extend_len for e in entries], self.last_slots([e.req for e in entries])),
+            need)
+
+    def decode_slots_needed(self, reqs: list[Req]) -> int:
+        # Page size 1: one slot each (the common case, skipping a call per request).
+        if self.page_size == 1:
+            return len(reqs)
+        return sum(self.allocator.slots_needed(req.kv_len, 1) for req in reqs)
+
+    def alloc_decode(self, reqs: list[Req], kv_lens: list[int], need: int) -> torch.Tensor | None:
+        """One slot for each request's next position ``kv_lens[i]`` (``need``: ``decode_slots_needed(reqs)``)."""
+        return self._alloc(lambda: self.allocator.alloc_decode(kv_lens, self.last_slots(reqs)), need)
+
+    def _alloc(self, allocate: Callable[[], torch.Tensor | None], need: int) -> torch.Tensor | None:
+        shortfall = need - self.allocator.free_slots
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+        return allocate()
+
+    def assign_slots(self, entries: list["BatchEntry"], slots: torch.Tensor) -> None:
+        """Give each entry its share of ``slots`` and append them to its request's KV."""
+        lengths = [entry.extend_len for entry in entries]
+        values = slots.tolist() if 1 in lengths else []
+        offset = 0
+        for entry, new_slots in zip(entries, slots.split(lengths)):
+            entry.new_slots = new_slots
+            if entry.extend_len == 1:
+                entry.req.append_kv_slot(values[offset])  # a decode row: no tensor op per request
+            else:
+                entry.req.kv_slots = torch.cat([entry.req.kv_slots, new_slots])
+            offset += entry.extend_len
+
+    def last_slots(self, reqs: list[Req]) -> list[int]:
+        """Each request's last KV slot, for the allocator to continue a partly filled page; with page
+        size 1 no page is ever partly filled, so -1 (the contract of ``alloc_extend``) without reading them."""
+        if self.page_size == 1:
+            return [-1] * len(reqs)
+        return [req.last_kv_slot for req in reqs]
+
+    def drop_new_slots(self, entry: "BatchEntry") -> None:
+        """Give back the slots a batch that never ran allocated for ``entry``; the request keeps what it had."""
+        req = entry.req
+        kept = req.kv_slots[:entry.kv_start]
+        new = entry.new_slots
+        if kept.numel() and self.page_size > 1:
+            # The paged allocator frees whole pages: keep the request's partly filled last page.
+            new = new[new // self.page_size != int(kept[-1]) // self.page_size]
+        self.allocator.free(new)
+        req.kv_slots = kept
+
+    # ------------------------------------------------------------------ a request's memory
+
+    def take_row(self, req: Req, prefix_slots: torch.Tensor, prefix_len: int, node) -> None:
+        """Admit ``req`` on its cached prefix (``node``, already locked) and give it a table row."""
+        req.last_node = node
+        req.prefix_len = prefix_len
+        req.kv_slots = prefix_slots[:prefix_len].clone()
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+
+    def return_row(self, req: Req) -> None:
+        """Undo :meth:`take_row` for a request whose batch never ran: unlock its prefix, free its row."""
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.prefix_len, req.kv_slots = None, None, 0, EMPTY_SLOTS
+
+    def share_prompt(self, req: Req) -> None:
+        """Put a just-prefilled prompt in the prefix cache so requests admitted later reuse it.
+
+        Called after the prefill is queued: the device computes the KV before any later step reads it.
+        """
+        before = req.kv_slots
+        self.tree_cache.cache_unfinished_req(req)
+        if req.kv_slots is before or torch.equal(req.kv_slots, before):
+            return
+        # Some pages were already cached by another request: point the table at the cached copies.
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        row[: req.kv_len] = to_device(req.kv_slots.to(row.dtype), row.device)
+
+    def release(self, req: Req) -> None:
+        """Hand a request's KV to the prefix cache (or free it) and its table row back."""
+        known = req.seq_len
+        if req.kv_len > known:
+            # KV of a token the host has not read yet (a step in flight): nothing to cache it under.
+            self.allocator.free(req.kv_slots[known:])
+            req.kv_slots = req.kv_slots[:known]
+        self.tree_cache.cache_finished_req(req)
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_slots = EMPTY_SLOTS
+        req.prefix_len = 0
+        req.last_node = None
+
+    # ------------------------------------------------------------------ the whole pool
+
+    def clear(self) -> None:
+        """Drop every cached prefix and free every slot and row (nothing may hold memory)."""
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+
+    def stats(self) -> dict[str, int]:
+        total = self.allocator.total_slots
+        free = self.allocator.free_slots
+        cached = self.tree_cache.evictable_size() + self.tree_cache.protected_size()
+        return {"total_slots": total, "free_slots": free, "cached_slots": cached,
+                "used_slots": total - free - cached, "page_size": self.page_size}
