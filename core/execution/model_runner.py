@@ -20,6 +20,7 @@ from treadle.core.auto_size import (
 )
 from treadle.core.config import ServerConfig
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.model_protocol import ModelTraits
 from treadle.core.memory.allocator import KVAllocator
 from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
@@ -46,6 +47,7 @@ class ModelRunner:
 
         self.config = config
         self.model, self.hf_config, self.model_dir = load_model(config.model, registry)
+        self.model_traits = ModelTraits.of(self.model)  # its optional members (model_protocol.py), read once
         first_param = next(self.model.parameters())
         self.device: torch.device = first_param.device
         # FP8 weights and their float32 scales keep their dtype; the model dtype is that of the rest.
@@ -111,7 +113,7 @@ class ModelRunner:
             chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
             mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
             latency_chunk_size=config.scheduler.latency_chunk_size,
-            launch_bound_prefill=bool(getattr(self.model, "launch_bound_prefill", False)))
+            launch_bound_prefill=self.model_traits.launch_bound_prefill)
         self.piecewise_graph_runner = self._maybe_piecewise_graphs()
         if on_cuda:
             self._warm_up_prefill()
@@ -142,7 +144,7 @@ class ModelRunner:
         def resolve(kv_tokens: int) -> BatchSizes:
             return resolve_batch_sizes(*self._requested, on_cuda=on_cuda, kv_tokens=kv_tokens,
                                        gpu_memory_bytes=total,
-                                       prefers_mixed_chunks=bool(getattr(self.model, "prefers_mixed_chunks", False)))
+                                       prefers_mixed_chunks=self.model_traits.prefers_mixed_chunks)
 
         if requested is None and on_cuda:
             # Loading may have freed memory into torch's cache (16-bit weights quantized at load to FP8):
@@ -174,7 +176,7 @@ class ModelRunner:
 
     def _use_checkpoint_kv_scales(self) -> None:
         # A model that found per-layer KV-cache scales in its checkpoint lists them in `kv_cache_scales`.
-        scales: dict[int, dict[str, float]] = getattr(self.model, "kv_cache_scales", None) or {}
+        scales = self.model_traits.kv_cache_scales
         if not scales:
             return
         if not self.kv_cache.is_fp8:
@@ -199,9 +201,9 @@ class ModelRunner:
         max_tokens = int(self.config.runtime.piecewise_cuda_graph_max_tokens)
         if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph or max_tokens == 0:
             return None
-        from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner, SplitForwardModel
+        from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
 
-        if not isinstance(self.model, SplitForwardModel):
+        if not self.model_traits.splits_forward:
             logger.info("model %s has no forward_hidden/compute_logits; prefills run eagerly",
                         type(self.model).__name__)
             return None

@@ -29,32 +29,19 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from treadle.core.auto_size import piecewise_token_sizes
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.model_protocol import SplitForwardModel  # noqa: F401  (its home before model_protocol)
 
 if TYPE_CHECKING:
     from treadle.core.execution.attention import RadixAttention
     from treadle.core.execution.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class SplitForwardModel(Protocol):
-    """A model whose forward is ``compute_logits(forward_hidden(input_ids, positions, batch), batch)``.
-
-    ``forward_hidden`` may read ``forward_batch`` only through its attention layers and returns a
-    tensor or a tuple of tensors with one row per token; ``compute_logits`` maps that to the logits
-    (float32 or the model's dtype) of the rows ``forward_batch.logits_indices``.
-    """
-
-    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> Any: ...
-
-    def compute_logits(self, hidden: Any, forward_batch: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass
