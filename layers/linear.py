@@ -23,6 +23,9 @@ The matmul itself is delegated to ``layer.quant_method`` (``create_weights``,
 ``process_weights_after_loading``, ``apply``), chosen at construction from a
 ``quant_config`` (None means :class:`UnquantizedLinearMethod`), so a quantization
 scheme plugs in without touching the layers.
+
+Like ``nn.Linear``, every linear layer reports ``in_features`` and ``out_features`` (the whole layer's, not
+this rank's share) and holds its parameters as ``weight`` and ``bias`` (None when unbiased).
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        # As nn.Linear names them: the whole layer's sizes, on every rank.
+        self.in_features, self.out_features = input_size, output_size
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.params_dtype = torch.get_default_dtype()
@@ -319,9 +324,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     small_batch: small_batch.SmallBatchKernels | None = None  # as on LinearBase
     l2_prefetch: torch.Tensor | None = None
+    bias = None  # as an unbiased nn.Linear's
 
     def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: Any = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
+        # As the nn.Linear this head stands in for names them: hidden size in, the whole vocabulary out.
+        self.in_features, self.out_features = embedding_dim, num_embeddings
         # Unquantized, the one-token GEMV may beat cuBLAS here too (330 against 370 us for Llama-3.1-8B's 128k
         # vocabulary on an H100).
         self.quant_method: LinearMethod = UnquantizedLinearMethod()
