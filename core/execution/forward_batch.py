@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from treadle.core.execution.attention import AttentionBackend
+    from treadle.core.execution.batch_context import BatchContext
     from treadle.core.memory.pools import KVCache, ReqToTokenPool
 
 
@@ -63,6 +64,8 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] | None = None
     # Backend-private metadata, set by init_forward_metadata.
     attn_metadata: Any = None
+    # What the layers may read during this step (adapter per token, per-request values; see batch_context.py).
+    batch_context: "BatchContext | None" = None
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from treadle.core.auto_size import (
     resolve_piecewise_max_tokens,
 )
 from treadle.core.config import ServerConfig
+from treadle.core.execution.batch_context import using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.model_protocol import ModelTraits
 from treadle.core.memory.allocator import KVAllocator
@@ -249,10 +250,11 @@ class ModelRunner:
         """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
-        if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
-            return self.piecewise_graph_runner.replay(forward_batch)
-        self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        with using_batch_context(forward_batch.batch_context):  # the layers' view of the batch (batch_context.py)
+            if self.piecewise_graph_runner is not None and self.piecewise_graph_runner.can_run(forward_batch):
+                return self.piecewise_graph_runner.replay(forward_batch)
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
 
 def _auto(requested: object) -> str:
