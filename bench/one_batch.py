@@ -286,9 +286,8 @@ def _build_runner(model_dir: str, backend: str, options: dict[str, Any], use_gra
             raise ValueError(f"attention backend '{backend}' has no tunable '{attr}'")
         setattr(runner.attn_backend, attr, value)
     if use_graph and device.type == "cuda" and getattr(runner.attn_backend, "supports_cuda_graph", False):
-        runner.config.runtime.disable_cuda_graph = False
         runner.cuda_graph_runner = CudaGraphRunner(runner)
-        piecewise_tokens = int(runner.config.runtime.piecewise_cuda_graph_max_tokens)  # "auto" resolved
+        piecewise_tokens = runner.config.runtime.piecewise_cuda_graph_max_tokens
         if piecewise_tokens:
             runner.piecewise_graph_runner = PiecewiseGraphRunner(runner, piecewise_tokens,
                                                                  runner.cuda_graph_runner.memory_pool)

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from treadle.core.auto_size import resolve_chunked_prefill_size
 from treadle.core.config import ServerConfig, load_config, validate_config
 from treadle.core.registry import Registry
 from treadle.core.request import InvalidRequestError, Req, ReqOutput, SamplingParams
+from treadle.core.resolved_config import ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class GenerateOutput:
     output_top_logprobs: list[Any] = field(default_factory=list)
 
 
-def resolve_config(config: ConfigLike) -> ServerConfig:
+def as_server_config(config: ConfigLike) -> ServerConfig:
     """A ServerConfig from a ServerConfig, a dict shaped like the YAML, a YAML path, or None (defaults)."""
     if config is None:
         return load_config()
@@ -60,28 +60,17 @@ class Engine:
     def __init__(self, config: ConfigLike = None, registry: Registry | None = None) -> None:
         from treadle.core.distributed.tensor_parallel import start_scheduler
 
-        self.config = resolve_config(config)
-        self._resolve_offline_defaults()
-        # At parallel.tp_size > 1 this process is rank 0 and the other ranks run as child processes.
-        self.scheduler = start_scheduler(self.config, registry)
+        self.config = as_server_config(config)  # the caller's; self.resolved_config has every "auto" resolved
+        # At parallel.tp_size > 1 this process is rank 0 and the other ranks run as child processes. An offline
+        # batch resolves its "auto" sizes for throughput (larger prefill chunks, no latency chunks).
+        self.scheduler = start_scheduler(self.config, registry, offline=True)
         self.tokenizer = self.scheduler.tokenizer
 
-    def _resolve_offline_defaults(self) -> None:
-        """An offline batch has no stream waiting on each step, so ``scheduler.chunked_prefill_size: auto`` takes
-        the larger offline chunk on CUDA, and ``scheduler.latency_chunk_size: auto`` is 0: the last prompts of a
-        batch prefill in one chunk rather than a latency chunk a step, each step later than the one before.
-        Resolved here, before any tensor-parallel rank starts, so all agree."""
-        from treadle.core.loading.model_loader import resolve_device
-
-        scheduler = self.config.scheduler
-        if scheduler.latency_chunk_size == "auto":
-            scheduler.latency_chunk_size = 0
-            logger.info("latency_chunk_size 0 (auto, offline Engine)")
-        if scheduler.chunked_prefill_size != "auto":
-            return
-        on_cuda = resolve_device(self.config.model.device).type == "cuda"
-        scheduler.chunked_prefill_size = resolve_chunked_prefill_size("auto", on_cuda=on_cuda, offline=True)
-        logger.info("chunked_prefill_size %d (auto, offline Engine)", scheduler.chunked_prefill_size)
+    @property
+    def resolved_config(self) -> "ResolvedConfig":
+        """The config the engine runs with: every ``auto`` replaced by the value chosen for this model and
+        device (frozen)."""
+        return self.scheduler.config
 
     def generate(
         self,
@@ -116,7 +105,7 @@ class Engine:
         order = iter(queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order))
         # The scheduler's per-step work grows with its queue (policy order, admission), so a large batch is
         # fed as requests finish: it holds at most this many unfinished requests, several batches' worth.
-        window = QUEUED_PER_RUNNING_REQUEST * int(scheduler.config.scheduler.max_running_requests)
+        window = QUEUED_PER_RUNNING_REQUEST * scheduler.config.scheduler.max_running_requests
         added: list[Req] = []
         finished: dict[str, ReqOutput] = {}
         try:

@@ -107,8 +107,8 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
     return {
         **scheduler.model_info,
         "max_total_tokens": int(scheduler.allocator.total_slots),
-        "max_running_requests": int(scheduler.runner.max_running_requests),  # "auto" resolved
-        # The live config, where the model runner has replaced "auto" settings with what it chose.
+        "max_running_requests": scheduler.config.scheduler.max_running_requests,
+        # The resolved config: every "auto" replaced by what the model runner chose.
         RESOLVED_CONFIG_KEY: scheduler.config.model_dump(mode="json"),
     }
 

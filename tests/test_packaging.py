@@ -22,6 +22,8 @@ def test_wheel_contains_every_package_and_entry_point(tmp_path):
         if not {"tests", "examples", ".venv", "build"} & set(init.relative_to(ROOT).parts)
     }
     assert expected <= shipped, f"packages missing from pyproject's list: {sorted(expected - shipped)}"
+    assert not [name for name in names if name.startswith("treadle/bench/results/")], \
+        "benchmark results stay in the repository, out of the installed package"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "treadle = treadle.cli:main" in entry_points
     for module in ("treadle.plugins.attention.torch_native", "treadle.plugins.schedulers.policies",

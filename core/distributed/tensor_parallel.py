@@ -63,18 +63,19 @@ class LeaderGone(RuntimeError):
     """
 
 
-def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool = False) -> Any:
+def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool = False, offline: bool = False) -> Any:
     """The scheduler of one replica: a ``Scheduler`` at tp 1, else rank 0's :class:`LeaderScheduler`
     with this node's other ranks started as processes.
 
     ``in_server``: a rank that dies ends this process (the server notices and shuts down);
-    otherwise (the offline Engine) the failure surfaces as an exception in the caller.
+    otherwise (the offline Engine) the failure surfaces as an exception in the caller. ``offline``: the
+    ``auto`` sizes are resolved for an offline batch (on every rank alike).
     """
     from treadle.core.loading.gc_freeze import freeze_startup_objects
     from treadle.core.scheduling.scheduler import Scheduler
 
     if config.parallel.tp_size == 1:
-        scheduler = Scheduler(config, registry)
+        scheduler = Scheduler(config, registry, offline=offline)
         freeze_startup_objects()
         return scheduler
     if config.parallel.node_rank != 0:
@@ -82,12 +83,12 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
     layout = RankLayout.of(config)
     check_model_splits(config)
     init_method = layout.init_method()
-    ranks = RankProcesses(config, layout, init_method, first_local=1)
+    ranks = RankProcesses(config, layout, init_method, first_local=1, offline=offline)
     try:
         ranks.start()
         watcher = ranks.watch(exit_process=in_server)
         _join_group(layout, 0, init_method, config, check_peers=ranks.check_alive)
-        scheduler = Scheduler(config, registry)
+        scheduler = Scheduler(config, registry, offline=offline)
     except BaseException:
         ranks.stop()
         destroy_tensor_parallel()
@@ -291,10 +292,12 @@ class RankLayout:
 class RankProcesses:
     """This node's rank processes (``first_local`` 1 on node 0, whose rank 0 is the caller): start, watch, stop."""
 
-    def __init__(self, config: ServerConfig, layout: RankLayout, init_method: str, first_local: int) -> None:
+    def __init__(self, config: ServerConfig, layout: RankLayout, init_method: str, first_local: int,
+                 offline: bool = False) -> None:
         import multiprocessing as mp
 
         self.config = config
+        self.offline = offline
         self.layout = layout
         self.init_method = init_method
         self.ranks = list(layout.local_ranks())[first_local:]
@@ -306,7 +309,7 @@ class RankProcesses:
     def start(self) -> None:
         for rank in self.ranks:
             process = self.context.Process(
-                target=run_rank_process, args=(self.config, rank, self.init_method),
+                target=run_rank_process, args=(self.config, rank, self.init_method, self.offline),
                 name=f"scheduler-tp{rank}", daemon=True,
             )
             process.start()
@@ -399,7 +402,7 @@ class RankProcesses:
         logger.error(self.failed)
 
 
-def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
+def run_rank_process(config: ServerConfig, rank: int, init_method: str, offline: bool = False) -> None:
     """Process entry point of a rank other than 0: join, load the model shard, follow rank 0."""
     _configure_rank_process(config.server.log_level)
     layout = RankLayout.of(config)
@@ -408,7 +411,7 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str) -> None:
         from treadle.core.loading.gc_freeze import freeze_startup_objects
         from treadle.core.scheduling.scheduler import Scheduler
 
-        scheduler = Scheduler(config, None)
+        scheduler = Scheduler(config, None, offline=offline)
         freeze_startup_objects()
         follow_leader(scheduler)
         scheduler.runner.release_graphs()

@@ -86,9 +86,9 @@ class CudaGraphRunner:
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
-        requested = int(model_runner.config.runtime.cuda_graph_max_bs)
+        requested = model_runner.config.runtime.cuda_graph_max_bs
         # Decode never holds more requests than the scheduler runs at once.
-        max_bs = min(requested, int(model_runner.max_running_requests))
+        max_bs = min(requested, model_runner.max_running_requests)
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.seq_len_fill_value = int(self.attn_backend.get_cuda_graph_seq_len_fill_value())

@@ -7,31 +7,18 @@ from typing import Any
 
 import torch
 
-from treadle.core.execution.attention import build_attention_backend, model_sliding_windows
-from treadle.core.auto_size import (
-    GPU_LATENCY_CHUNK_SIZE,
-    GPU_PREFILL_HOLD_STEPS,
-    BatchSizes,
-    request_table_bytes,
-    resolve_batch_sizes,
-    resolve_chunked_prefill_size,
-    resolve_cuda_only,
-    resolve_piecewise_max_tokens,
-)
 from treadle.core.config import ServerConfig
+from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
+from treadle.core.execution.attention import build_attention_backend, model_sliding_windows
 from treadle.core.execution.batch_context import using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.model_protocol import ModelTraits
 from treadle.core.memory.allocator import KVAllocator
 from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
-from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
 from treadle.core.registry import Registry
+from treadle.core.resolved_config import ResolvedConfig, RuntimeFacts, describe_resolution, resolve_config
 
 logger = logging.getLogger(__name__)
-
-# Without a GPU there is no device memory to size from: cap the default KV pool.
-_CPU_DEFAULT_KV_BYTES = 2 * 1024**3
-_CPU_DEFAULT_MAX_TOKENS = 65536
 
 
 class ModelRunner:
@@ -43,10 +30,9 @@ class ModelRunner:
     counts and the KV cache are this rank's share (``tp_rank`` of ``tp_size``).
     """
 
-    def __init__(self, config: ServerConfig, registry: Registry) -> None:
+    def __init__(self, config: ServerConfig, registry: Registry, offline: bool = False) -> None:
         from treadle.core.loading.model_loader import load_model
 
-        self.config = config
         self.model, self.hf_config, self.model_dir = load_model(config.model, registry)
         self.model_traits = ModelTraits.of(self.model)  # its optional members (model_protocol.py), read once
         first_param = next(self.model.parameters())
@@ -69,111 +55,65 @@ class ModelRunner:
         self.layer_sliding_windows = model_sliding_windows(self.model) or (getattr(hf, "sliding_window", None) or None,)
         shared = set(self.layer_sliding_windows)
         self.sliding_window: int | None = shared.pop() if len(shared) == 1 else None
-        max_positions = getattr(hf, "max_position_embeddings", 4096)
-        self.context_len: int = config.model.context_length or max_positions
-        self.page_size: int = config.cache.page_size
         self.kv_dtype: torch.dtype = KV_DTYPES.get(config.cache.kv_dtype, self.dtype)
 
-        self._requested = (config.scheduler.max_running_requests, config.runtime.cuda_graph_max_bs,
-                           config.scheduler.enable_mixed_chunk)
-        self.max_total_tokens, sizes = self._kv_pool_and_batch_sizes()
+        # Every "auto" is resolved here, once, into the frozen config the runtime reads; the user's is untouched.
+        resolved = resolve_config(config, self._runtime_facts(offline), agree_min=tp_min_int)
+        self.context_len: int = resolved.model.context_length
+        self.page_size: int = resolved.cache.page_size
+        self.max_total_tokens: int = resolved.cache.max_total_tokens
+        self.max_running_requests: int = resolved.scheduler.max_running_requests
         self.kv_cache = KVCache(
             self.max_total_tokens, self.page_size, self.num_layers, self.num_kv_heads,
             self.head_dim, self.kv_dtype, self.device,
         )
         self._use_checkpoint_kv_scales()
-        # "auto" is replaced by the chosen value in the live config, so the scheduler,
-        # the CUDA-graph runner and /get_server_info all read one number.
-        config.scheduler.max_running_requests = sizes.max_running_requests
-        config.runtime.cuda_graph_max_bs = sizes.cuda_graph_max_bs
-        config.scheduler.enable_mixed_chunk = sizes.enable_mixed_chunk
-        on_cuda = self.device.type == "cuda"
-        requested_hold = config.scheduler.prefill_hold_steps
-        config.scheduler.prefill_hold_steps = resolve_cuda_only(requested_hold, on_cuda=on_cuda,
-                                                                cuda_value=GPU_PREFILL_HOLD_STEPS)
-        requested_latency = config.scheduler.latency_chunk_size
-        config.scheduler.latency_chunk_size = resolve_cuda_only(requested_latency, on_cuda=on_cuda,
-                                                                cuda_value=GPU_LATENCY_CHUNK_SIZE)
-        requested_chunk = config.scheduler.chunked_prefill_size  # Engine resolves its "auto" before this
-        config.scheduler.chunked_prefill_size = resolve_chunked_prefill_size(requested_chunk, on_cuda=on_cuda,
-                                                                             offline=False)
-        self.max_running_requests = sizes.max_running_requests
         # One spare row so a retracted request can be re-admitted while others still hold theirs.
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + 1, self.context_len + self.page_size, self.device
         )
-        allocator_factory = registry.get("kv_allocators", config.cache.kv_allocator)
+        allocator_factory = registry.get("kv_allocators", resolved.cache.kv_allocator)
         self.allocator: KVAllocator = allocator_factory(self.max_total_tokens, self.page_size, "cpu")
-        # "auto" becomes the backend chosen, in the live config as the sizes above.
-        self.attn_backend, config.attention.backend = build_attention_backend(registry, config.attention.backend,
-                                                                              self)
+        self.config: ResolvedConfig = resolved
+        self.attn_backend, backend_name = build_attention_backend(registry, resolved.attention.backend, self)
+        self.config = resolved = resolved.with_attention_backend(backend_name)
         self.cuda_graph_runner = self._maybe_cuda_graphs(registry)
-        requested_piecewise = config.runtime.piecewise_cuda_graph_max_tokens
-        config.runtime.piecewise_cuda_graph_max_tokens = resolve_piecewise_max_tokens(
-            requested_piecewise, on_cuda=on_cuda,
-            chunked_prefill_size=config.scheduler.chunked_prefill_size, tp_size=self.tp_size,
-            mixed_decode_rows=sizes.max_running_requests if sizes.enable_mixed_chunk else 0,
-            latency_chunk_size=config.scheduler.latency_chunk_size,
-            launch_bound_prefill=self.model_traits.launch_bound_prefill)
         self.piecewise_graph_runner = self._maybe_piecewise_graphs()
-        if on_cuda:
+        if self.device.type == "cuda":
             self._warm_up_prefill()
         logger.info(
-            "model %s loaded on %s (%s); KV pool %d tokens, page size %d, backend %s%s; "
-            "max_running_requests %d%s, cuda_graph_max_bs %s%s, piecewise_cuda_graph_max_tokens %s%s, "
-            "enable_mixed_chunk %s%s, chunked_prefill_size %s%s, latency_chunk_size %d%s, prefill_hold_steps %d%s",
-            self.model_dir, self.device, self.dtype, self.max_total_tokens, self.page_size, config.attention.backend,
-            f", tensor-parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "",
-            sizes.max_running_requests, _auto(self._requested[0]),
-            sizes.cuda_graph_max_bs if self.cuda_graph_runner is not None else "- (no CUDA graphs)",
-            _auto(self._requested[1]),
-            self.piecewise_graph_runner.max_tokens if self.piecewise_graph_runner is not None else "- (prefill eager)",
-            _auto(requested_piecewise), sizes.enable_mixed_chunk, _auto(self._requested[2]),
-            config.scheduler.chunked_prefill_size, _auto(requested_chunk),
-            config.scheduler.latency_chunk_size, _auto(requested_latency),
-            config.scheduler.prefill_hold_steps, _auto(requested_hold),
+            "model %s loaded%s; %s; decode CUDA graphs %s, prefill CUDA graphs %s",
+            self.model_dir, f" (tensor-parallel rank {self.tp_rank} of {self.tp_size})" if self.tp_size > 1 else "",
+            describe_resolution(config, resolved),
+            "on" if self.cuda_graph_runner is not None else "off",
+            "on" if self.piecewise_graph_runner is not None else "off",
         )
 
-    def _kv_pool_and_batch_sizes(self) -> tuple[int, BatchSizes]:
-        """KV pool size in tokens, and the batch sizes with every ``auto`` resolved for this device."""
-        cfg = self.config
-        requested = cfg.cache.max_total_tokens
-        per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
+    def _runtime_facts(self, offline: bool) -> RuntimeFacts:
+        """What the ``auto`` choices depend on, read off the loaded model and its device."""
         on_cuda = self.device.type == "cuda"
-        total = torch.cuda.mem_get_info(self.device)[1] if on_cuda else 0
-
-        def resolve(kv_tokens: int) -> BatchSizes:
-            return resolve_batch_sizes(*self._requested, on_cuda=on_cuda, kv_tokens=kv_tokens,
-                                       gpu_memory_bytes=total,
-                                       prefers_mixed_chunks=self.model_traits.prefers_mixed_chunks)
-
-        if requested is None and on_cuda:
+        total = free = 0
+        if on_cuda:
             # Loading may have freed memory into torch's cache (16-bit weights quantized at load to FP8):
             # handed back, it counts as free for the pool.
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cfg.cache.mem_fraction - (total - free)
-            # The per-request tables grow with the running limit, which grows with the pool: size the
-            # limit from the whole budget, then give the pool what the tables leave.
-            sizes = resolve(max(int(budget // per_token), 1))
-            budget -= request_table_bytes(sizes.max_running_requests, self.context_len, self.page_size)
-            if budget <= per_token * 64:
-                raise RuntimeError(
-                    f"not enough GPU memory for the KV cache: cache.mem_fraction={cfg.cache.mem_fraction} "
-                    f"of {total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after the weights and "
-                    f"{sizes.max_running_requests} request rows; lower scheduler.max_running_requests or "
-                    "model.context_length, or raise cache.mem_fraction"
-                )
-            requested = int(budget // per_token)
-        elif requested is None:
-            requested = min(int(_CPU_DEFAULT_KV_BYTES * cfg.cache.mem_fraction // per_token),
-                            _CPU_DEFAULT_MAX_TOKENS)
-        # Every rank must make the same scheduling decisions, so all use the smallest pool.
-        requested = tp_min_int(requested)
-        size = requested - requested % self.page_size
-        if size < self.page_size:
-            raise ValueError(f"cache.max_total_tokens={requested} is smaller than one page ({self.page_size})")
-        return size, resolve(size)
+        kv_name = next((name for name, dtype in KV_DTYPES.items() if dtype == self.kv_dtype),
+                       str(self.kv_dtype).removeprefix("torch."))
+        return RuntimeFacts(
+            device="cuda" if on_cuda else "cpu",
+            dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
+            context_length=getattr(self.hf_config, "max_position_embeddings", 4096),
+            kv_bytes_per_token=KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                                       self.kv_dtype),
+            kv_dtype=kv_name,
+            device_total_bytes=total,
+            device_free_bytes=free,
+            tp_size=self.tp_size,
+            offline=offline,
+            prefers_mixed_chunks=self.model_traits.prefers_mixed_chunks,
+            launch_bound_prefill=self.model_traits.launch_bound_prefill,
+        )
 
     def _use_checkpoint_kv_scales(self) -> None:
         # A model that found per-layer KV-cache scales in its checkpoint lists them in `kv_cache_scales`.
@@ -199,7 +139,7 @@ class ModelRunner:
         return CudaGraphRunner(self)
 
     def _maybe_piecewise_graphs(self) -> Any:
-        max_tokens = int(self.config.runtime.piecewise_cuda_graph_max_tokens)
+        max_tokens = self.config.runtime.piecewise_cuda_graph_max_tokens
         if self.device.type != "cuda" or self.config.runtime.disable_cuda_graph or max_tokens == 0:
             return None
         from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
@@ -255,7 +195,3 @@ class ModelRunner:
                 return self.piecewise_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-
-
-def _auto(requested: object) -> str:
-    return " (auto)" if requested == "auto" else ""

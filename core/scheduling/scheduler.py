@@ -44,11 +44,11 @@ __all__ = ["IN_BATCH_PREFIX_TOKENS", "Scheduler"]
 class Scheduler(BatchBuilding, OutputProcessing):
     """Admits, batches, runs and finishes requests; the same object backs Engine and the server."""
 
-    def __init__(self, config: ServerConfig, registry: Registry | None = None) -> None:
-        self.config = config
+    def __init__(self, config: ServerConfig, registry: Registry | None = None, offline: bool = False) -> None:
         self.registry = registry if registry is not None else build_registry(config.plugins)
         validate_plugin_choices(config, self.registry)
-        self.runner = ModelRunner(config, self.registry)
+        self.runner = ModelRunner(config, self.registry, offline=offline)
+        self.config = self.runner.config  # every "auto" resolved; the caller's config stays as it was
         self.allocator = self.runner.allocator
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.page_size = self.runner.page_size

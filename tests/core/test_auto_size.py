@@ -149,25 +149,34 @@ def test_config_accepts_ints_or_auto() -> None:
             load_config(overrides=[bad], use_env=False)
 
 
-def test_the_cpu_runner_resolves_auto_into_the_live_config_and_logs_it(tiny_llama_dir, caplog) -> None:
+def test_the_cpu_runner_resolves_auto_into_a_frozen_config_and_logs_it(tiny_llama_dir, caplog) -> None:
     import logging
+
+    import pydantic
 
     from treadle.core.execution.model_runner import ModelRunner
     from treadle.core.registry import build_registry
 
     config = load_config(overrides={"model.path": tiny_llama_dir, "model.device": "cpu",
                                     "cache.max_total_tokens": 256}, use_env=False)
+    before = config.model_dump()
     with caplog.at_level(logging.INFO, logger="treadle.core.execution.model_runner"):
         runner = ModelRunner(config, build_registry())
     assert "max_running_requests 64 (auto)" in caplog.text
     assert "enable_mixed_chunk False (auto)" in caplog.text
-    assert "piecewise_cuda_graph_max_tokens - (prefill eager) (auto)" in caplog.text
+    assert "piecewise_cuda_graph_max_tokens 0 (auto)" in caplog.text and "prefill CUDA graphs off" in caplog.text
     assert f"chunked_prefill_size {SERVER_CHUNKED_PREFILL_SIZE} (auto)" in caplog.text
-    assert runner.piecewise_graph_runner is None and config.runtime.piecewise_cuda_graph_max_tokens == 0
-    assert runner.max_running_requests == config.scheduler.max_running_requests == 64
+    assert "cache.max_total_tokens 256," in caplog.text  # set by the user: no "(auto)"
+    resolved = runner.config
+    assert runner.piecewise_graph_runner is None and resolved.runtime.piecewise_cuda_graph_max_tokens == 0
+    assert runner.max_running_requests == resolved.scheduler.max_running_requests == 64
     assert runner.req_to_token_pool.size == 65
-    assert config.scheduler.enable_mixed_chunk is False
-    assert config.scheduler.chunked_prefill_size == SERVER_CHUNKED_PREFILL_SIZE
+    assert resolved.scheduler.enable_mixed_chunk is False
+    assert resolved.scheduler.chunked_prefill_size == SERVER_CHUNKED_PREFILL_SIZE
+    assert resolved.attention.backend == "torch_native"
+    assert config.model_dump() == before  # the user's config is never written to
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        resolved.scheduler.max_running_requests = 8
 
 
 def test_offline_batches_on_cuda_take_larger_prefill_chunks_than_the_server() -> None:
@@ -177,24 +186,6 @@ def test_offline_batches_on_cuda_take_larger_prefill_chunks_than_the_server() ->
     assert resolve_chunked_prefill_size("auto", on_cuda=False, offline=True) == SERVER_CHUNKED_PREFILL_SIZE
     assert resolve_chunked_prefill_size(1000, on_cuda=True, offline=True) == 1000
     assert resolve_chunked_prefill_size(None, on_cuda=True, offline=True) is None
-
-
-def test_the_engine_resolves_the_offline_chunk_before_the_scheduler_starts(monkeypatch) -> None:
-    import torch
-
-    from treadle.core.engine import Engine
-
-    engine = Engine.__new__(Engine)  # only the config step: no model is loaded
-    engine.config = load_config(use_env=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    engine._resolve_offline_defaults()
-    assert engine.config.scheduler.chunked_prefill_size == OFFLINE_GPU_CHUNKED_PREFILL_SIZE
-    engine.config = load_config(overrides=["model.device=cpu"], use_env=False)
-    engine._resolve_offline_defaults()
-    assert engine.config.scheduler.chunked_prefill_size == SERVER_CHUNKED_PREFILL_SIZE
-    engine.config = load_config(overrides=["scheduler.chunked_prefill_size=512"], use_env=False)
-    engine._resolve_offline_defaults()
-    assert engine.config.scheduler.chunked_prefill_size == 512
 
 
 @pytest.mark.parametrize(("key", "cuda_value"), [("prefill_hold_steps", GPU_PREFILL_HOLD_STEPS),
@@ -208,28 +199,25 @@ def test_cuda_only_settings_are_on_for_cuda_with_auto_and_explicit_values_win(ke
         load_config(overrides=[f"scheduler.{key}=-1"])
 
 
-def test_the_runner_passes_the_models_hints_to_the_sizing(tiny_llama_dir, tmp_path, monkeypatch) -> None:
+def test_the_runner_passes_the_models_hints_to_the_resolution(tiny_llama_dir, tmp_path, monkeypatch) -> None:
     """A model's ``prefers_mixed_chunks`` and ``launch_bound_prefill`` reach the ``auto`` resolution (which acts on
-    them on CUDA only): Qwen3-MoE declares both, Llama neither."""
+    them on CUDA only), and an Engine resolves for an offline batch: Qwen3-MoE declares both hints, Llama neither."""
     from treadle import Engine
     from treadle.core.execution import model_runner
     from treadle.testing.models import make_tiny_qwen3_moe
 
-    seen: dict[str, list] = {"mixed": [], "launch": []}
-    resolve_sizes, resolve_piecewise = model_runner.resolve_batch_sizes, model_runner.resolve_piecewise_max_tokens
+    seen = []
+    resolve = model_runner.resolve_config
 
-    def sizes(*args, prefers_mixed_chunks=False, **kwargs):
-        seen["mixed"].append(prefers_mixed_chunks)
-        return resolve_sizes(*args, prefers_mixed_chunks=prefers_mixed_chunks, **kwargs)
+    def spy(config, facts, **kwargs):
+        seen.append(facts)
+        return resolve(config, facts, **kwargs)
 
-    def piecewise(*args, launch_bound_prefill=False, **kwargs):
-        seen["launch"].append(launch_bound_prefill)
-        return resolve_piecewise(*args, launch_bound_prefill=launch_bound_prefill, **kwargs)
-
-    monkeypatch.setattr(model_runner, "resolve_batch_sizes", sizes)
-    monkeypatch.setattr(model_runner, "resolve_piecewise_max_tokens", piecewise)
+    monkeypatch.setattr(model_runner, "resolve_config", spy)
     for path, hinted in ((make_tiny_qwen3_moe(tmp_path / "qwen3moe"), True), (tiny_llama_dir, False)):
-        seen["mixed"].clear(), seen["launch"].clear()
+        seen.clear()
         engine = Engine({"model": {"path": path}, "cache": {"max_total_tokens": 256}})
         engine.shutdown()
-        assert seen["mixed"] and set(seen["mixed"]) == {hinted} and seen["launch"] == [hinted]
+        assert len(seen) == 1
+        assert seen[0].prefers_mixed_chunks is hinted and seen[0].launch_bound_prefill is hinted
+        assert seen[0].offline is True

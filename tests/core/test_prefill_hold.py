@@ -97,10 +97,13 @@ def test_the_last_prompts_of_an_offline_batch_start_at_once(tiny_llama_dir) -> N
 
 def test_the_offline_engine_turns_the_latency_chunk_off_unless_it_is_set() -> None:
     from treadle.core.config import load_config
+    from treadle.core.resolved_config import RuntimeFacts, resolve_config
 
+    facts = RuntimeFacts(device="cuda", dtype="bfloat16", context_length=4096, kv_bytes_per_token=4096,
+                         kv_dtype="bfloat16", device_total_bytes=80 * 1024**3, device_free_bytes=70 * 1024**3)
     for requested, resolved in (("auto", 0), (256, 256)):
-        engine = Engine.__new__(Engine)  # only the config resolution, on a CUDA config, without a model
-        engine.config = load_config(overrides={"model.device": "cuda", "scheduler.latency_chunk_size": requested,
-                                               "scheduler.chunked_prefill_size": 1024}, use_env=False)
-        engine._resolve_offline_defaults()
-        assert engine.config.scheduler.latency_chunk_size == resolved
+        config = load_config(overrides={"scheduler.latency_chunk_size": requested,
+                                        "scheduler.chunked_prefill_size": 1024}, use_env=False)
+        offline = resolve_config(config, RuntimeFacts(**{**facts.__dict__, "offline": True}))
+        assert offline.scheduler.latency_chunk_size == resolved
+        assert resolve_config(config, facts).scheduler.latency_chunk_size == (256 if requested == 256 else 512)
