@@ -23,6 +23,14 @@ The matmul itself is delegated to ``layer.quant_method`` (``create_weights``,
 ``process_weights_after_loading``, ``apply``), chosen at construction from a
 ``quant_config`` (None means :class:`UnquantizedLinearMethod`), so a quantization
 scheme plugs in without touching the layers.
+
+Like ``nn.Linear``, every linear layer reports ``in_features`` and ``out_features`` (the whole layer's, not
+this rank's share) and holds its parameters as ``weight`` and ``bias`` (None when unbiased).
+
+Per-request deltas: ``layer.add_output_delta(fn)`` adds ``fn(x, context)`` to the layer's output from then on,
+``context`` being the step's :class:`~treadle.core.execution.batch_context.BatchContext` (a LoRA adapter is
+``x @ A[adapter].T @ B[adapter].T`` per token); the fused decode paths step aside for a layer that has one. A
+layer without deltas pays one attribute check per call.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.core.execution.batch_context import BatchContextLayout
 from treadle.core.distributed.parallel import (
     get_tp_rank,
     get_tp_size,
@@ -43,6 +52,7 @@ from treadle.core.distributed.parallel import (
 )
 from treadle.core.loading.quantization import QuantizationConfig
 from treadle.layers import small_batch
+from treadle.layers.output_delta import DeltaFn, OutputDelta, add_deltas, merged_reads
 from treadle.layers.linear_method import (  # noqa: F401  (re-exported)
     LinearMethod,
     UnquantizedLinearMethod,
@@ -83,6 +93,8 @@ class LinearBase(nn.Module):
     l2_prefetch: torch.Tensor | None = None
     # Whether tensor parallelism splits the output features (column-parallel) rather than the input ones.
     splits_output = True
+    # Added to the output, in order (add_output_delta); empty: the forward checks this tuple and nothing else.
+    output_deltas: tuple[OutputDelta, ...] = ()
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, quant_config: Any = None, prefix: str = ""
@@ -90,13 +102,38 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        # As nn.Linear names them: the whole layer's sizes, on every rank.
+        self.in_features, self.out_features = input_size, output_size
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.params_dtype = torch.get_default_dtype()
         self.quant_method = quant_method_for(self, quant_config, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return self.add_output_deltas(x, y) if self.output_deltas else y
+
+    def add_output_delta(self, fn: DeltaFn, reads: BatchContextLayout | None = None) -> Callable[[], None]:
+        """Add ``fn(x, context)`` to this layer's output from now on (``x`` this rank's input, ``context`` the
+        step's BatchContext or None; see :class:`OutputDelta`). Column-parallel layers add this rank's slice of
+        the output; a row-parallel one adds this rank's partial sum, before the all-reduce. Register before the
+        model runner captures CUDA graphs. Returns a function that removes the delta again."""
+        delta = OutputDelta(fn, reads)
+        self.output_deltas = self.output_deltas + (delta,)
+
+        def remove() -> None:
+            self.output_deltas = tuple(d for d in self.output_deltas if d is not delta)
+
+        return remove
+
+    @property
+    def batch_context_reads(self) -> BatchContextLayout | None:
+        """What this layer's deltas read from the batch context (treadle.core.execution.batch_context)."""
+        return merged_reads(self.output_deltas)
+
+    def add_output_deltas(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus every registered delta of ``x`` under the current batch context."""
+        return add_deltas(self.output_deltas, x, y)
 
     def _add_bias(self, rows: int, full_shards: list[tuple[str | None, tuple[int, ...]]], loader: Callable) -> None:
         if rows == 0:
@@ -127,6 +164,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
+        if self.output_deltas:
+            y = self.add_output_deltas(x, y)
         return tp_all_gather(y) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
@@ -180,7 +219,8 @@ class MergedColumnParallelLinear(LinearBase):
         kernel where the quant method has one for this batch (one-token GEMVs on a GPU: a kernel launch less per
         layer); None: run the layer, then ``silu_mul``."""
         apply = getattr(self.quant_method, "apply_silu_mul", None)
-        if apply is None or len(self.shard_ids) != 2 or self.bias is not None:
+        # A layer with output deltas runs unfused: its matmul, the deltas, then silu_mul.
+        if apply is None or len(self.shard_ids) != 2 or self.bias is not None or self.output_deltas:
             return None
         return apply(self, x)
 
@@ -252,14 +292,18 @@ class RowParallelLinear(LinearBase):
         ``weight`` and ``eps``), computed in the layer's own kernel where the quant method has one for this batch
         (one-token GEMVs on a GPU: a kernel launch less per layer); None: run the layer, then the norm."""
         apply = getattr(self.quant_method, "apply_add_rmsnorm", None)
-        if apply is None or self.tp_size != 1 or self.bias is not None:
+        # A layer with output deltas runs unfused: its matmul, the deltas, then the norm.
+        if apply is None or self.tp_size != 1 or self.bias is not None or self.output_deltas:
             return None
         return apply(self, x, residual, norm.weight, norm.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            y = self.quant_method.apply(self, x, self.bias)
+            return self.add_output_deltas(x, y) if self.output_deltas else y
         y = self.quant_method.apply(self, x, None)
+        if self.output_deltas:
+            y = self.add_output_deltas(x, y)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -319,9 +363,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     small_batch: small_batch.SmallBatchKernels | None = None  # as on LinearBase
     l2_prefetch: torch.Tensor | None = None
+    bias = None  # as an unbiased nn.Linear's
 
     def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: Any = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
+        # As the nn.Linear this head stands in for names them: hidden size in, the whole vocabulary out.
+        self.in_features, self.out_features = embedding_dim, num_embeddings
         # Unquantized, the one-token GEMV may beat cuBLAS here too (330 against 370 us for Llama-3.1-8B's 128k
         # vocabulary on an H100).
         self.quant_method: LinearMethod = UnquantizedLinearMethod()

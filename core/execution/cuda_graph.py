@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from treadle.core.auto_size import graph_batch_sizes
+from treadle.core.execution.batch_context import StaticBatchContext, model_context_layout, using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -116,6 +117,12 @@ class CudaGraphRunner:
             self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
             self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=device)
         self.seq_lens_cpu = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64)
+        # What the layers read from the batch context, as static inputs (None: nothing reads it).
+        layout = model_context_layout(self.model)
+        self.batch_context = StaticBatchContext(layout, max_bs, max_bs, device) if layout is not None else None
+        if verify_sizes and self.batch_context is not None:
+            raise ValueError("TARGET_VERIFY CUDA graphs do not carry a batch context yet: a model whose layers read "
+                             "one (per-request deltas) runs its verify steps eagerly; capture no verify graphs")
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.seconds_per_replay: dict[int, float] = {}  # per captured size, when pruned
@@ -183,8 +190,11 @@ class CudaGraphRunner:
             bs, bs, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.DECODE
         )
 
+        context = self.batch_context.view(bs, bs) if self.batch_context is not None else None
+
         def run() -> torch.Tensor:
-            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            with using_batch_context(context):
+                return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
         return self.record(run, stream)
 
@@ -259,6 +269,8 @@ class CudaGraphRunner:
             ForwardMode.DECODE,
             seq_lens_cpu=seq_lens_cpu,
         )
+        if self.batch_context is not None:
+            self.batch_context.load(forward_batch, bs, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_bs]
 

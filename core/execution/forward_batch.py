@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from treadle.core.execution.attention import AttentionBackend
+    from treadle.core.execution.batch_context import BatchContext
     from treadle.core.memory.pools import KVCache, ReqToTokenPool
 
 
@@ -102,6 +103,8 @@ class ForwardBatch:
     # Backend-private metadata, set by init_forward_metadata.
     attn_metadata: Any = None
     tokens_per_req: int = 1  # new tokens of every request (DECODE: 1, TARGET_VERIFY: k + 1)
+    # What the layers may read during this step (adapter per token, per-request values; see batch_context.py).
+    batch_context: "BatchContext | None" = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,8 +13,9 @@ import torch
 from treadle.core.config import ServerConfig
 from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
 from treadle.core.execution.attention import build_attention_backend, model_sliding_windows
+from treadle.core.execution.batch_context import using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
-from treadle.core.execution.piecewise_graph import SplitForwardModel
+from treadle.core.execution.model_protocol import ModelTraits
 from treadle.core.memory.allocator import KVAllocator
 from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.registry import Registry
@@ -36,6 +37,7 @@ class ModelRunner:
         from treadle.core.loading.model_loader import load_model
 
         self.model, self.hf_config, self.model_dir = load_model(config.model, registry)
+        self.model_traits = ModelTraits.of(self.model)  # its optional members (model_protocol.py), read once
         first_param = next(self.model.parameters())
         self.device: torch.device = first_param.device
         # FP8 weights and their float32 scales keep their dtype; the model dtype is that of the rest.
@@ -106,13 +108,13 @@ class ModelRunner:
             device_free_bytes=free,
             tp_size=self.tp_size,
             offline=offline,
-            prefers_mixed_chunks=bool(getattr(self.model, "prefers_mixed_chunks", False)),
-            launch_bound_prefill=bool(getattr(self.model, "launch_bound_prefill", False)),
+            prefers_mixed_chunks=self.model_traits.prefers_mixed_chunks,
+            launch_bound_prefill=self.model_traits.launch_bound_prefill,
         )
 
     def _use_checkpoint_kv_scales(self) -> None:
         # A model that found per-layer KV-cache scales in its checkpoint lists them in `kv_cache_scales`.
-        scales: dict[int, dict[str, float]] = getattr(self.model, "kv_cache_scales", None) or {}
+        scales = self.model_traits.kv_cache_scales
         if not scales:
             return
         if not self.kv_cache.is_fp8:
@@ -136,7 +138,7 @@ class ModelRunner:
         max_tokens = self.config.runtime.piecewise_cuda_graph_max_tokens
         if self.device.type != "cuda" or max_tokens == 0:
             return 0
-        return max_tokens if isinstance(self.model, SplitForwardModel) else 0
+        return max_tokens if self.model_traits.splits_forward else 0
 
     def _warm_up_prefill(self, tokens: int = 16,
                          forward: Callable[[ForwardBatch], torch.Tensor] | None = None) -> None:
@@ -163,6 +165,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits (float32 or the model's dtype, as the model returns them) for ``forward_batch.logits_indices``,
-        computed eagerly (``ModelWorker.forward`` replays CUDA graphs where it captured them)."""
-        self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        computed eagerly (``ModelWorker.forward`` replays CUDA graphs where it captured them), with the batch's
+        context current for the layers (batch_context.py)."""
+        with using_batch_context(forward_batch.batch_context):
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

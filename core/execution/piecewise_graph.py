@@ -29,32 +29,20 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from treadle.core.auto_size import piecewise_token_sizes
+from treadle.core.execution.batch_context import StaticBatchContext, model_context_layout, using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.model_protocol import SplitForwardModel  # noqa: F401  (its home before model_protocol)
 
 if TYPE_CHECKING:
     from treadle.core.execution.attention import AttentionBackend, RadixAttention
     from treadle.core.execution.attention_context import AttentionContext
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class SplitForwardModel(Protocol):
-    """A model whose forward is ``compute_logits(forward_hidden(input_ids, positions, batch), batch)``.
-
-    ``forward_hidden`` may read ``forward_batch`` only through its attention layers and returns a
-    tensor or a tuple of tensors with one row per token; ``compute_logits`` maps that to the logits
-    (float32 or the model's dtype) of the rows ``forward_batch.logits_indices``.
-    """
-
-    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> Any: ...
-
-    def compute_logits(self, hidden: Any, forward_batch: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass
@@ -137,6 +125,11 @@ class PiecewiseGraphRunner:
             self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
         # Static buffers of max_tokens rows, one per (role, width, dtype), allocated while warming up.
         self._static: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
+        # What the layers read from the batch context, as static inputs (None: nothing reads it). An extend batch
+        # has at most as many requests as tokens.
+        layout = model_context_layout(self.model)
+        self.batch_context = (StaticBatchContext(layout, self.max_tokens, self.max_tokens, self.device)
+                              if layout is not None else None)
         self.memory_pool = memory_pool if memory_pool is not None else torch.cuda.graph_pool_handle()
         self.pieces: dict[int, _Pieces] = {}
         self._stream = torch.cuda.Stream(device=self.device)
@@ -176,8 +169,11 @@ class PiecewiseGraphRunner:
         cut = _AttentionCut(self, size)
         forward_batch = self._static_forward_batch(size, cut)
 
+        context = self.batch_context.view(size, size) if self.batch_context is not None else None
+
         def run() -> Any:
-            return self.model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            with using_batch_context(context):
+                return self.model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
         # Warm-up outside the capture (Triton compilation, cuBLAS handles); it also allocates the static buffers.
         for index, tensor in enumerate(_as_tuple(run())):
@@ -250,6 +246,8 @@ class PiecewiseGraphRunner:
         self.positions[:n].copy_(forward_batch.positions)
         self.out_cache_loc[:n].copy_(forward_batch.out_cache_loc)
         self.out_cache_loc[n:pieces.size].zero_()  # padding rows write to padding slot 0
+        if self.batch_context is not None:
+            self.batch_context.load(forward_batch, pieces.size, pieces.size)
         backend = self.attn_backend
         backend.init_forward_metadata(forward_batch)
         for graph, cut in zip(pieces.graphs, pieces.cuts):

@@ -30,6 +30,7 @@ import torch
 
 from treadle.core.config import ServerConfig
 from treadle.core.execution.attention_context import AttentionContext
+from treadle.core.execution.batch_context import using_batch_context
 from treadle.core.execution.cuda_graph import CudaGraphRunner
 from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.execution.forward_inputs import build_forward_batch
@@ -177,7 +178,8 @@ class ModelWorker(Worker):
                 return graphs.replay_verify(forward_batch)
         piecewise = self.piecewise_graphs
         if piecewise is not None and piecewise.can_run(forward_batch):
-            return piecewise.replay(forward_batch)
+            with using_batch_context(forward_batch.batch_context):  # the eager parts between pieces read it too
+                return piecewise.replay(forward_batch)
         return self.runner.forward(forward_batch)
 
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:

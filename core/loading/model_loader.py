@@ -9,7 +9,6 @@ the model's own size. Layers quantized at load take memory only while they load
 
 from __future__ import annotations
 
-import inspect
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from treadle.core.execution.model_protocol import ModelTraits, accepts_quant_config
 from treadle.core.loading.lazy_weights import (
     LoadTracker,
     finish_module,
@@ -132,7 +132,7 @@ def _quantization(model_config: "ModelConfig", hf_config: Any, model_cls: Any, d
                                             lm_head_exact_top=model_config.lm_head_exact_top)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from None
-    if quant_config is not None and "quant_config" not in inspect.signature(model_cls).parameters:
+    if quant_config is not None and not accepts_quant_config(model_cls):
         raise ModelLoadError(
             f"{model_cls.__name__} ({model_cls.__module__}) takes no quant_config, so it cannot load FP8 weights; "
             "build it from treadle.layers.linear's layers, or leave model.quantization empty"
@@ -288,8 +288,8 @@ def _finish_weights(model: nn.Module) -> None:
     for module in model.modules():
         finish_module(module)
     # Then the model's own step, if it has one (Llama's links each layer to the next's weight).
-    finish = getattr(model, "weights_loaded", None)
-    if callable(finish):
+    finish = ModelTraits.of(model).weights_loaded
+    if finish is not None:
         finish()
 
 

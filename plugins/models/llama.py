@@ -71,12 +71,23 @@ class LlamaForCausalLM(nn.Module):
     divides its heads; every rank returns the full logits. Other families subclass it and
     override :meth:`make_layer` (and :meth:`load_weights` to rename checkpoint tensors); the
     embedding, final norm, lm_head and weight tying stay shared.
+
+    Its optional model members (treadle.core.execution.model_protocol.ModelTraits) are all declared here:
+    ``forward_hidden``/``compute_logits`` (prefill CUDA graphs), ``weights_loaded`` and ``kv_cache_scales``; the
+    two class attributes below are what families with experts override.
     """
+
+    # Neither holds for a dense decoder: an eager prefill chunk is bound by arithmetic, not launches, and a decode
+    # step reads every weight whatever rides in it.
+    launch_bound_prefill = False
+    prefers_mixed_chunks = False
 
     def __init__(self, config: Any, quant_config: Any = None) -> None:
         super().__init__()
         self.config = config
         self.quant_config = quant_config
+        # Per-layer KV-cache scales an FP8 checkpoint carries (load_weights fills it; the model runner reads it).
+        self.kv_cache_scales: dict[int, dict[str, float]] = {}
         self.model = LlamaModel(config, self.make_layer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config)
@@ -117,8 +128,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        # FP8 checkpoints may carry per-layer KV-cache scales; the model runner reads them from here.
-        self.kv_cache_scales: dict[int, dict[str, float]] = {}
+        self.kv_cache_scales = {}
         load_checkpoint(self, split_kv_cache_scales(weights, self.kv_cache_scales), ignored_suffixes=ignored)
 
 

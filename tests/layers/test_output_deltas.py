@@ -1,0 +1,146 @@
+"""Per-request output deltas on the shared linear layers: a hand-rolled LoRA on q/k/v/o/gate/up/down of a tiny
+Llama, two adapters and none mixed in one batch, gives each request the logits of the model with its adapter
+merged into the weights (float32, CPU), through the unfused and the fused (torch-reference) paths alike, and
+through the Triton one-row GEMVs with their fused epilogues (float16, under the Triton interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hand_lora import HandLora, HandSteps, model_config
+from treadle.core.config import load_config
+from treadle.core.execution.model_runner import ModelRunner
+from treadle.core.registry import build_registry
+from treadle.kernels.fused_ops import rmsnorm_reference, silu_mul
+from treadle.layers.linear import LinearBase
+from treadle.layers.linear_method import UnquantizedLinearMethod
+from treadle.testing.models import make_tiny_llama
+
+PLUGINS = ["treadle.plugins.models.llama", "treadle.plugins.attention.torch_native",
+           "treadle.plugins.kv_allocators.token"]
+# Request rows and their prompts; rows 1 and 3 run adapters 0 and 1, row 2 none.
+PROMPTS = {1: [5, 17, 42, 8, 99, 3], 2: [250, 11, 7], 3: [64, 31, 2, 9, 77]}
+ADAPTERS = {1: 0, 3: 1}
+DECODED = {1: [3, 300], 2: [18, 2], 3: [40, 41]}  # fed back one step at a time, as greedy tokens would be
+
+
+class TorchFusedMethod(UnquantizedLinearMethod):
+    """The fused decode epilogues computed with torch for any batch (the kernels' references), so the fused paths
+    of GatedMLP and DecoderLayer run on the CPU; counts its calls."""
+
+    def __init__(self, calls: Counter) -> None:
+        self.calls = calls
+
+    def apply_silu_mul(self, layer, x):
+        self.calls["silu_mul"] += 1
+        return silu_mul(F.linear(x, layer.weight))
+
+    def apply_add_rmsnorm(self, layer, x, residual, norm_weight, eps):
+        self.calls["add_rmsnorm"] += 1
+        summed = F.linear(x, layer.weight) + residual
+        return rmsnorm_reference(summed, norm_weight, eps), summed
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry(PLUGINS, load_entry_points=False)
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    return HandLora(make_tiny_llama(tmp_path_factory.mktemp("lora-base")))
+
+
+@pytest.fixture(scope="module")
+def expected(lora, registry, tmp_path_factory):
+    """Each request's logits from a model with its adapter merged in (the base model for row 2), run alone."""
+    folder = tmp_path_factory.mktemp("merged")
+    checkpoints = {row: lora.merged_checkpoint(adapter, folder / f"adapter-{adapter}")
+                   for row, adapter in ADAPTERS.items()}
+    return {row: run_requests(runner(checkpoints.get(row, lora.model_dir), registry), {row: prompt})[row]
+            for row, prompt in PROMPTS.items()}
+
+
+def runner(model_dir: str, registry) -> ModelRunner:
+    return ModelRunner(load_config(overrides=model_config(model_dir), use_env=False), registry)
+
+
+def run_requests(model_runner: ModelRunner, prompts: dict[int, list[int]],
+                 adapters: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
+    """Each request's logits: one row per prompt token (one extend step for all), then per decode step."""
+    steps = HandSteps(model_runner, adapters)
+    logits, start, rows = steps.extend(prompts), 0, {}
+    for row, prompt in prompts.items():
+        rows[row] = [logits[start:start + len(prompt)]]
+        start += len(prompt)
+    for step in range(len(next(iter(DECODED.values())))):
+        logits = steps.decode({row: DECODED[row][step] for row in prompts})
+        for index, row in enumerate(prompts):
+            rows[row].append(logits[index:index + 1])
+    return {row: torch.cat(parts) for row, parts in rows.items()}
+
+
+def test_lora_deltas_match_the_merged_weights_per_request(lora, registry, expected):
+    model_runner = runner(lora.model_dir, registry)
+    lora.register(model_runner.model)
+    got = run_requests(model_runner, PROMPTS, ADAPTERS)
+    base = expected[2]
+    for row in PROMPTS:
+        torch.testing.assert_close(got[row], expected[row], atol=2e-4, rtol=1e-4)
+    # The adapters move the logits by far more than the tolerance: a dropped delta could not pass.
+    adapted = run_requests(runner(lora.model_dir, registry), {2: PROMPTS[1]})[2]
+    assert (expected[1] - adapted).abs().max() > 0.5
+    assert base.shape == (len(PROMPTS[2]) + 2, 512)
+
+
+def test_fused_paths_add_the_deltas_too(lora, registry, expected):
+    calls = Counter()
+    model_runner = runner(lora.model_dir, registry)
+    for layer in model_runner.model.modules():
+        if isinstance(layer, LinearBase):
+            layer.quant_method = TorchFusedMethod(calls)
+    without_deltas = run_requests(model_runner, {2: PROMPTS[2]})[2]
+    assert calls["silu_mul"] and calls["add_rmsnorm"]  # the fused paths do run here
+    torch.testing.assert_close(without_deltas, expected[2], atol=2e-4, rtol=1e-4)
+
+    lora.register(model_runner.model)
+    calls.clear()
+    got = run_requests(model_runner, PROMPTS, ADAPTERS)  # a new run: each row's K/V slots are written afresh
+    for row in PROMPTS:
+        torch.testing.assert_close(got[row], expected[row], atol=2e-4, rtol=1e-4)
+    assert not calls  # a layer with deltas runs its matmul, the deltas, then the epilogue's math
+
+
+def test_removing_the_deltas_restores_the_base_model(lora, registry, expected):
+    model_runner = runner(lora.model_dir, registry)
+    removers = lora.register(model_runner.model)
+    assert len(removers) == 4 * model_runner.num_layers  # qkv, o, gate_up, down per layer
+    for remove in removers:
+        remove()
+    got = run_requests(model_runner, PROMPTS, ADAPTERS)
+    torch.testing.assert_close(got[1], run_requests(runner(lora.model_dir, registry), {1: PROMPTS[1]})[1])
+
+
+def test_the_triton_decode_kernels_step_aside_for_the_deltas(tmp_path):
+    pytest.importorskip("triton")
+    check = Path(__file__).with_name("interpreted_lora_check.py")
+    proc = subprocess.run([sys.executable, str(check), str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))[8:])
+    calls = results.pop("fused_calls")
+    for row in ("1", "2", "3"):
+        assert calls[f"reference {row}"] == {"silu_mul": 2, "add_rmsnorm": 3}  # the merged models ran them fused
+        assert calls[f"with deltas {row}"] == {}  # matmul, deltas, then the epilogue's math
+        # float16 logits: within a few of their last bits, a hundredth of what an adapter changes.
+        assert results[row]["error"] < 0.02
+    assert min(results["1"]["adapter_effect"], results["3"]["adapter_effect"]) > 1.0
