@@ -17,6 +17,7 @@ scheduler_output.py; docs/scheduling.md describes the loop.
 from __future__ import annotations
 
 import logging
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from treadle.core.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCac
 from treadle.core.registry import Registry, build_registry
 from treadle.core.request import FinishReason, InvalidRequestError, Req, ReqOutput, next_arrival
 from treadle.core.execution.sampler import Sampler, SamplingBatch
+from treadle.core import validation
 from treadle.core.scheduling.schedule_batch import ScheduleBatch
 from treadle.core.scheduling.batch_building import IN_BATCH_PREFIX_TOKENS, BatchBuilding
 from treadle.core.scheduling.output import OutputProcessing
@@ -96,6 +98,13 @@ class Scheduler(BatchBuilding, OutputProcessing):
             "has_tokenizer": self.tokenizer is not None,
         }
 
+    @cached_property
+    def request_limits(self) -> validation.RequestLimits:
+        """What every request must fit (the HTTP process gets them through ``model_info``)."""
+        return validation.RequestLimits(context_len=self.context_len, vocab_size=self.runner.vocab_size,
+                                        kv_slots=self.allocator.total_slots,
+                                        max_request_tokens=self.config.server.max_request_tokens)
+
     def add_request(self, req: Req) -> None:
         """Queue a request; raises InvalidRequestError when it can never run (:meth:`check_request`)."""
         self.check_request(req)
@@ -108,30 +117,10 @@ class Scheduler(BatchBuilding, OutputProcessing):
         self.live_by_rid[req.rid] = req
 
     def check_request(self, req: Req) -> None:
-        """Raise InvalidRequestError when ``req`` could never run; its constraint, if any, is compiled (and
-        cached) to find out. Queues nothing."""
-        req.sampling_params.verify()
-        prompt_len = len(req.origin_input_ids)
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if prompt_len >= self.context_len:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens but the model's context length is {self.context_len}; "
-                "shorten the prompt", param="prompt")
-        if prompt_len + 1 > self.allocator.total_slots:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens but the KV cache holds only {self.allocator.total_slots}; "
-                "raise cache.max_total_tokens", param="prompt")
-        vocab = self.runner.vocab_size
-        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
-        bias = req.sampling_params.logit_bias
-        if bias and max(bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias names token {max(bias)}, but token ids must be in [0, {vocab})",
-                                      param="logit_bias")
-        if not 0 <= req.top_logprobs_num <= vocab:
-            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), "
-                                      f"got {req.top_logprobs_num}", param="top_logprobs_num")
+        """Raise InvalidRequestError when ``req`` could never run (:func:`core.validation.check_request`) or its id
+        is taken; its constraint, if any, is compiled (and cached) to find out. Queues nothing."""
+        validation.check_request(req.origin_input_ids, req.sampling_params, self.request_limits,
+                                 top_logprobs_num=req.top_logprobs_num)
         live = self.live_by_rid.get(req.rid)
         if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
