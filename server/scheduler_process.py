@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from treadle.core.config import ServerConfig
+from treadle.core.validation import REQUEST_LIMITS_KEY
 from treadle.server.ipc import (
     RESOLVED_CONFIG_KEY,
     AbortReq,
@@ -108,6 +109,7 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
         **scheduler.model_info,
         "max_total_tokens": int(scheduler.allocator.total_slots),
         "max_running_requests": scheduler.config.scheduler.max_running_requests,
+        REQUEST_LIMITS_KEY: scheduler.request_limits.as_dict(),  # the HTTP process checks requests against them
         # The resolved config: every "auto" replaced by what the model runner chose.
         RESOLVED_CONFIG_KEY: scheduler.config.model_dump(mode="json"),
     }
