@@ -89,6 +89,16 @@ def test_echo_with_no_new_tokens_scores_the_prompt(client: openai.OpenAI, hf, k:
     assert "".join(choice.logprobs.tokens) == choice.text  # byte-level: the offsets index the returned text
 
 
+def test_a_batch_of_token_id_prompts_scores_each_prompt(client: openai.OpenAI, hf) -> None:
+    """lm-eval-harness's local-completions sends its requests so: several tokenized prompts in one call."""
+    batch = [hf[1].encode(PROMPT), hf[1].encode("Hello world! How are you"), hf[1].encode("Once upon")]
+    completion = client.completions.create(model=MODEL, prompt=batch, echo=True, logprobs=1, max_tokens=0,
+                                           temperature=0, seed=1234)
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    for choice, ids in zip(completion.choices, batch):
+        assert_matches_reference(choice.logprobs, hf, ids, 1)
+
+
 def test_echo_with_new_tokens_covers_prompt_then_completion(client: openai.OpenAI, hf) -> None:
     ids = hf[1].encode(PROMPT)
     continuation = hf_greedy(hf, ids, 4)
