@@ -12,7 +12,6 @@ constrained, and advances and frees matchers.
 
 from __future__ import annotations
 
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -21,11 +20,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from treadle.core.request import InvalidRequestError, Req, SamplingParams
+from treadle.core.request import Req, SamplingParams
+from treadle.core.validation import CONSTRAINT_KINDS, InvalidRequestError
 
 logger = logging.getLogger(__name__)
-
-CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")
 
 
 class GrammarCompileError(InvalidRequestError):
@@ -117,29 +115,6 @@ def apply_vocab_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tenso
     """``logits`` with every token whose bit is clear in ``bitmask`` (same rows, on the device) set to -inf."""
     allowed = unpack_bitmask(bitmask)[:, : logits.shape[-1]]
     return logits.masked_fill(allowed == 0, float("-inf"))
-
-
-def validate_constraint_fields(params: SamplingParams) -> None:
-    """At most one of json_schema / regex / ebnf, and a json_schema that is a JSON object."""
-    given = [kind for kind in CONSTRAINT_KINDS if getattr(params, kind) is not None]
-    if len(given) > 1:
-        raise InvalidRequestError(f"give at most one of json_schema, regex, ebnf; got {', '.join(given)}",
-                                  param=given[1])
-    for kind in given:
-        if not isinstance(getattr(params, kind), str):
-            raise InvalidRequestError(f"{kind} must be a string, got {type(getattr(params, kind)).__name__}",
-                                      param=kind)
-    if params.json_schema is not None:
-        try:
-            schema = json.loads(params.json_schema)
-        except ValueError as exc:
-            raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidRequestError(f"json_schema must be a JSON object, got {type(schema).__name__}",
-                                      param="json_schema")
-    for kind in ("regex", "ebnf"):
-        if getattr(params, kind) == "":
-            raise InvalidRequestError(f"{kind} must not be empty", param=kind)
 
 
 class GrammarManager:

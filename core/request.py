@@ -10,13 +10,9 @@ from typing import Any
 
 import torch
 
+from treadle.core.validation import InvalidRequestError, check_sampling_params, logit_bias_map
 
-class InvalidRequestError(ValueError):
-    """A request's parameters are out of range or inconsistent; servers map this to HTTP 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["FinishReason", "InvalidRequestError", "Req", "ReqOutput", "SamplingParams", "next_arrival"]
 
 
 @dataclass
@@ -36,48 +32,32 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
-    # Constrained decoding (at most one): the output must match this JSON schema (as JSON text),
-    # regular expression, or EBNF grammar.
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    # Added to the logits of these token ids before sampling (as OpenAI's ``logit_bias``: -100 bans a token,
-    # +100 all but forces it); keys may be given as strings of digits, as JSON objects carry them.
-    logit_bias: dict[int, float] | None = None
+    # Constrained decoding (at most one): the output must match a JSON schema, a regex or an EBNF grammar.
+    # ``doc`` metadata is what the HTTP API's schema says of a field; ``accepts``, what its body may send
+    # when that is more than the field holds (__post_init__ normalizes it).
+    json_schema: str | None = field(default=None, metadata={
+        "doc": "the output must be JSON matching this schema (a JSON object, or its JSON text)",
+        "accepts": str | dict[str, Any] | None})
+    regex: str | None = field(default=None, metadata={"doc": "the output must match this regular expression"})
+    ebnf: str | None = field(default=None, metadata={"doc": "the output must match this EBNF grammar"})
+    logit_bias: dict[int, float] | None = field(default=None, metadata={
+        "doc": "token id -> bias in [-100, 100] added to its logit before sampling (as OpenAI's logit_bias: "
+               "-100 bans a token, +100 all but forces it); keys may be strings of digits, as JSON carries them"})
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, (dict, bool)):
             self.json_schema = json.dumps(self.json_schema)
         if self.logit_bias is not None:
-            self.logit_bias = _token_bias(self.logit_bias)
+            self.logit_bias = logit_bias_map(self.logit_bias)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def verify(self) -> None:
-        """Raise InvalidRequestError naming the first out-of-range field."""
-        checks = [
-            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1"),
-            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (0 < self.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
-            (self.seed is None or -2**63 <= self.seed < 2**63, "seed", "must fit in 64 bits"),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
-        for token_id, bias in (self.logit_bias or {}).items():
-            if not -100 <= bias <= 100:
-                raise InvalidRequestError(f"logit_bias of token {token_id} must be in [-100, 100], got {bias!r}",
-                                          param="logit_bias")
-        from treadle.core.grammar import validate_constraint_fields
-
-        validate_constraint_fields(self)
+        """Raise InvalidRequestError naming the first out-of-range field (:func:`core.validation.check_sampling_params`;
+        a request's limits are checked by :func:`core.validation.check_request`)."""
+        check_sampling_params(self)
 
     @property
     def is_constrained(self) -> bool:
@@ -98,24 +78,6 @@ class SamplingParams:
         if isinstance(value, SamplingParams):
             return value
         return cls(**value)
-
-
-def _token_bias(bias: Any) -> dict[int, float]:
-    """``bias`` as {token id: float}; InvalidRequestError for anything that is not a map of ids >= 0 to numbers."""
-    if not isinstance(bias, dict):
-        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}",
-                                  param="logit_bias")
-    normalized = {}
-    for key, value in bias.items():
-        is_id = (isinstance(key, int) and not isinstance(key, bool) and key >= 0) or (
-            isinstance(key, str) and key.isdigit())
-        if not is_id:
-            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
-                                      param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequestError(f"logit_bias of token {key} must be a number, got {value!r}", param="logit_bias")
-        normalized[int(key)] = float(value)
-    return normalized
 
 
 class FinishReason:

@@ -1,11 +1,13 @@
 """The FastAPI app: middleware, error handling, and the routes of ``openai_routes`` and ``native_routes``.
 
-Every error leaves as an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``.
+Every error leaves as an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``; ``code`` is a
+string (``context_length_exceeded``, ``not_found``...) or null, never a number.
 """
 
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle import __version__
+from treadle.core.validation import InvalidRequestError
 from treadle.server.middleware import AdmissionMiddleware, ApiKeyMiddleware
 from treadle.server.native_routes import add_native_routes
 from treadle.server.openai_routes import add_openai_routes
@@ -55,10 +58,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
 
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(RequestError(str(exc), param=exc.param, code=exc.code))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, exc.status_code),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return error_response(http_error(request, exc))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -83,3 +89,19 @@ def validation_error(exc: RequestValidationError) -> RequestError:
     detail = f" (got {json.dumps(got, default=str)[:100]})" if got is not None and not isinstance(got, dict) else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return RequestError(f"{where}{first['msg']}{detail}{more}", param=param)
+
+
+def http_error(request: Request, exc: StarletteHTTPException) -> RequestError:
+    """Starlette's own errors (an unknown route, a method the route does not take) with a string code."""
+    status = exc.status_code
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:  # a status Python does not name
+        phrase = "HTTP error"
+    message = str(exc.detail)
+    if status == HTTPStatus.NOT_FOUND and message == phrase:
+        message = f"there is no route {request.method} {request.url.path}; see /docs for the routes"
+    elif status == HTTPStatus.METHOD_NOT_ALLOWED and message == phrase:
+        message = f"{request.url.path} does not take {request.method}; see /docs for the routes"
+    return RequestError(message, status_code=status, code=phrase.lower().replace(" ", "_"),  # not_found, ...
+                        headers=getattr(exc, "headers", None))

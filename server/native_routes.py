@@ -117,7 +117,7 @@ def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict
             rids = [manager.new_rid() for _ in prompts]
         reqs = []
         for rid, ids in zip(rids, prompts):
-            manager.check_request(ids, params, param)
+            manager.check_request(ids, params, {"prompt": param, "input_ids": param}, body.top_logprobs_num)
             reqs.append(TokenizedGenerateReq(rid, ids, params, body.return_logprob, body.logprob_start_len,
                                              body.top_logprobs_num, body.priority))
         results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]

@@ -10,7 +10,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,7 @@ from treadle.server.chat_tools import (
     template_messages,
 )
 from treadle.server.ipc import StrOutput, TokenizedGenerateReq, finish_detail
+from treadle.server.openai_logprobs import TopLogprobs, chat_logprobs, completion_logprobs
 from treadle.server.streaming import collect, first_event, sse_response
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
@@ -42,15 +43,21 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)  # the prompt's, when asked (echo)
+    input_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     last: StrOutput | None = None
     started: bool = False
     reader: ChoiceReader | None = None
+    text_offset: int = 0  # a streamed completion's log-probs: where the next chunk's tokens start
 
     def add(self, out: StrOutput) -> None:
         self.text += out.text_delta
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_output_logprobs
         self.top_logprobs += out.new_output_top_logprobs
+        if out.input_token_logprobs is not None:
+            self.input_logprobs = list(out.input_token_logprobs)
+            self.input_top_logprobs = list(out.input_top_logprobs or [])
         self.last = out
 
 
@@ -58,7 +65,7 @@ class _Run:
     """The sub-requests of one OpenAI request and the usage they add up to."""
 
     def __init__(self, manager: TokenizerManager, body: _SamplingFields, prompts: list[list[int]],
-                 params: list[SamplingParams], want_logprobs: int | None) -> None:
+                 params: list[SamplingParams], want_logprobs: int | None, echo_logprobs: bool = False) -> None:
         self.manager = manager
         self.body = body
         self.prompts = prompts
@@ -75,7 +82,8 @@ class _Run:
             rid = self.id_prefix if len(self.choices) == 1 else f"{self.id_prefix}-{index}"
             reqs.append(TokenizedGenerateReq(
                 rid, prompts[choice.prompt_index], p, return_logprob=want_logprobs is not None,
-                top_logprobs_num=want_logprobs or 0, priority=body.priority))
+                logprob_start_len=0 if echo_logprobs else -1, top_logprobs_num=want_logprobs or 0,
+                priority=body.priority))
         self.stream: GenerationStream = manager.submit(reqs, timeout=body.timeout)
 
     def add(self, event: StreamEvent) -> _Choice:
@@ -111,15 +119,15 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         _check_model(manager, body.model)
         if not body.messages:
             raise RequestError("`messages` must contain at least one message", param="messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         plan = plan_chat(body, parsers)
         knows_tools = bool(plan.tools) and manager.template_knows_tools()
         prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools),
                                           plan.tools if knows_tools else None)
         prompt = manager.encode_rendered(prompt_text)
-        params = _sampling_params(manager, body, len(prompt), default_max_tokens=None)
-        params = _chat_params(params, plan)
-        manager.check_request(prompt, params, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
+        params = _chat_params(manager, body, prompt, plan, top or 0)
         run = _Run(manager, body, [prompt], [params], top)
         if body.stream:
             for choice in run.choices:
@@ -132,7 +140,8 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             choices.append({
                 "index": i,
                 "message": message,
-                "logprobs": _chat_logprobs(manager, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
+                "logprobs": chat_logprobs(manager.decode_token, c.token_ids, c.logprobs, c.top_logprobs)
+                if body.logprobs else None,
                 "finish_reason": _chat_finish(c, bool(message.get("tool_calls"))),
                 "matched_stop": finish_detail(c.last, run.stop) if c.last else None,
             })
@@ -151,14 +160,9 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             raise RequestError(f"`best_of` is not supported (only best_of == n, got {body.best_of} with n = {body.n})",
                                param="best_of")
         prompts = _completion_prompts(manager, body.prompt)
-        params = [_sampling_params(manager, body, len(p), _COMPLETIONS_DEFAULT_MAX_TOKENS) for p in prompts]
         constraint = constraint_fields(body)
-        if constraint:
-            _check_constraint_support(constraint)
-            params = [dataclasses.replace(p, **constraint) for p in params]
-        for p, sp in zip(prompts, params):
-            manager.check_request(p, sp, "prompt")
-        run = _Run(manager, body, prompts, params, body.logprobs)
+        params = [_completion_params(manager, body, p, constraint) for p in prompts]
+        run = _Run(manager, body, prompts, params, body.logprobs, echo_logprobs=body.echo and body.logprobs is not None)
         echo = [manager.tokenizer.decode(p) if body.echo and manager.tokenizer is not None else "" for p in prompts]
         if body.stream:
             return await _stream_completion(run, echo)
@@ -169,7 +173,7 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             "choices": [{
                 "index": i,
                 "text": echo[c.prompt_index] + c.text,
-                "logprobs": _completion_logprobs(manager, c.token_ids, c.logprobs, c.top_logprobs)
+                "logprobs": _choice_logprobs(run, c, c.token_ids, c.logprobs, c.top_logprobs, echoed=body.echo)
                 if body.logprobs is not None else None,
                 "finish_reason": c.last.finished_reason if c.last else None,
                 "matched_stop": finish_detail(c.last, run.stop) if c.last else None,
@@ -209,8 +213,8 @@ async def _stream_chat(run: _Run) -> Response:
         if body.logprobs and out.new_token_ids and not delta:
             delta = {"content": ""}
         if delta:
-            logprobs = _chat_logprobs(run.manager, out.new_token_ids, out.new_output_logprobs,
-                                      out.new_output_top_logprobs) if body.logprobs else None
+            logprobs = chat_logprobs(run.manager.decode_token, out.new_token_ids, out.new_output_logprobs,
+                                     out.new_output_top_logprobs) if body.logprobs else None
             chunks.append(chunk(event.index, delta, logprobs=logprobs))
         if out.finished_reason is not None:
             chunks.append(chunk(event.index, {}, _chat_finish(choice, reader.calls_made > 0)))
@@ -233,14 +237,16 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
         choice = run.add(event)
         out = event.output
         assert out is not None
-        text = out.text_delta
-        if not choice.started:
+        text, first = out.text_delta, not choice.started
+        if first:
             choice.started = True
             text = echo[choice.prompt_index] + text
-        if not text and out.finished_reason is None:
+        new_logprobs = body.logprobs is not None and bool(out.new_token_ids or (first and choice.input_logprobs))
+        if not text and out.finished_reason is None and not new_logprobs:  # a token whose text is held back
             return []
-        logprobs = _completion_logprobs(run.manager, out.new_token_ids, out.new_output_logprobs,
-                                        out.new_output_top_logprobs) if body.logprobs is not None else None
+        logprobs = _choice_logprobs(run, choice, out.new_token_ids, out.new_output_logprobs,
+                                    out.new_output_top_logprobs, echoed=first and body.echo
+                                    ) if body.logprobs is not None else None
         payload = {**base, "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
                                         "finish_reason": out.finished_reason}]}
         if run.include_usage():
@@ -259,13 +265,28 @@ def _chat_finish(choice: _Choice, made_calls: bool) -> str | None:
     return "tool_calls" if made_calls and reason == "stop" else reason
 
 
-def _chat_params(params: SamplingParams, plan: ChatPlan) -> SamplingParams:
-    """Add the plan's grammar constraint; keep special tokens when the call format is made of them."""
+def _chat_params(manager: TokenizerManager, body: ChatCompletionRequest, prompt: list[int], plan: ChatPlan,
+                 top_logprobs: int) -> SamplingParams:
+    """The chat body's SamplingParams, checked: ``max_tokens`` defaults to what the context has room for; the plan's
+    grammar constraint; special tokens kept when the call format is made of them."""
     changes: dict[str, object] = dict(plan.constraint)
     _check_constraint_support(changes)
     if plan.call_format is not None and plan.call_format.needs_special_tokens:
         changes["skip_special_tokens"] = False
-    return dataclasses.replace(params, **changes) if changes else params
+    params = body.sampling_params(max(manager.context_len - len(prompt), 0), **changes)
+    manager.check_request(prompt, params, body.field_names("messages"), top_logprobs,
+                          output_must_fit=body.requested_max_tokens is not None)
+    return params
+
+
+def _completion_params(manager: TokenizerManager, body: CompletionRequest, prompt: list[int],
+                       constraint: dict[str, str]) -> SamplingParams:
+    """The completion body's SamplingParams for one prompt, checked: ``max_tokens`` defaults to OpenAI's 16."""
+    _check_constraint_support(constraint)
+    params = body.sampling_params(_COMPLETIONS_DEFAULT_MAX_TOKENS, **constraint)
+    manager.check_request(prompt, params, body.field_names("prompt"), body.logprobs or 0,
+                          output_must_fit=body.requested_max_tokens is not None)
+    return params
 
 
 def _check_constraint_support(constraint: dict[str, object]) -> None:
@@ -288,32 +309,6 @@ def _model_card(manager: TokenizerManager) -> dict[str, Any]:
             "root": manager.model_info.get("model_path"), "max_model_len": manager.context_len}
 
 
-def _sampling_params(manager: TokenizerManager, body: _SamplingFields, prompt_len: int,
-                     default_max_tokens: int | None) -> SamplingParams:
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if manager.context_len and prompt_len >= manager.context_len:
-        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        raise RequestError(
-            f"the prompt is too long: it has {prompt_len} tokens and this model's context length is "
-            f"{manager.context_len} tokens (prompt + output must fit); shorten the prompt", param=param,
-            code="context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else max(manager.context_len - prompt_len, 0)
-    elif manager.context_len and prompt_len + max_tokens > manager.context_len:
-        # As OpenAI does: an explicit budget that cannot fit is an error, not silently shortened.
-        raise RequestError(
-            f"this model's context length is {manager.context_len} tokens, but the prompt has {prompt_len} and "
-            f"max_tokens asks for {max_tokens} more; lower max_tokens to at most {manager.context_len - prompt_len}",
-            param="max_tokens", code="context_length_exceeded")
-    return SamplingParams(
-        max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, seed=body.seed, skip_special_tokens=body.skip_special_tokens,
-        logit_bias=body.logit_bias,
-    )
-
-
 def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [manager.tokenize(prompt)]
@@ -326,34 +321,22 @@ def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int
     return [list(p) for p in prompt]
 
 
-def _token_text(manager: TokenizerManager, token_id: int) -> str:
-    return manager.decode_token(token_id)
+def _choice_logprobs(run: _Run, choice: _Choice, ids: list[int], logprobs: list[float],
+                     tops: list[list[tuple[int, float]]], echoed: bool) -> dict[str, Any]:
+    """A completion choice's log-probs for these new tokens (after its echoed prompt's, if ``echoed``)."""
+    all_ids: Sequence[int] = ids
+    all_logprobs: list[float | None] = list(logprobs)
+    all_tops: list[TopLogprobs | None] = _padded(tops, len(ids))
+    if echoed:
+        prompt = run.prompts[choice.prompt_index]
+        all_ids = prompt + ids
+        all_logprobs = _padded(choice.input_logprobs, len(prompt)) + all_logprobs
+        all_tops = _padded(choice.input_top_logprobs, len(prompt)) + all_tops
+    payload, choice.text_offset = completion_logprobs(run.manager.decode_token, all_ids, all_logprobs, all_tops,
+                                                      choice.text_offset)
+    return payload
 
 
-def _chat_logprobs(manager: TokenizerManager, ids: list[int], logprobs: list[float],
-                   tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
-    content = []
-    for pos, (tid, lp) in enumerate(zip(ids, logprobs)):
-        text = _token_text(manager, tid)
-        top = tops[pos] if pos < len(tops) else []
-        content.append({
-            "token": text, "logprob": lp, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := _token_text(manager, i)), "logprob": v, "bytes": list(t.encode())}
-                             for i, v in top],
-        })
-    return {"content": content}
-
-
-def _completion_logprobs(manager: TokenizerManager, ids: list[int], logprobs: list[float],
-                         tops: list[list[tuple[int, float]]]) -> dict[str, Any]:
-    tokens = [_token_text(manager, tid) for tid in ids]
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(logprobs[: len(ids)]),
-        "top_logprobs": [{_token_text(manager, i): v for i, v in top} for top in tops[: len(ids)]],
-        "text_offset": offsets,
-    }
+def _padded(values: list[Any], length: int) -> list[Any]:
+    """``values`` cut or padded with None to ``length`` entries (one per token)."""
+    return list(values[:length]) + [None] * (length - len(values))

@@ -1,18 +1,42 @@
 """Request bodies of the HTTP API (OpenAI-compatible and native), as pydantic models.
 
+The sampling fields are not written here: they are derived from the fields of
+:class:`treadle.core.request.SamplingParams` (the native ``sampling_params`` is
+exactly them; the OpenAI bodies take them all except the two OpenAI names
+otherwise, ``max_tokens`` and ``response_format``), so a new sampling field is
+added once, in the core. These models check the shape of a body; ranges and
+limits are checked by :mod:`treadle.core.validation`, for every entry point.
+
 Validation failures become OpenAI-shaped 400 errors in ``server/app.py``.
 Unknown fields are ignored, as OpenAI's own API does for fields it does not use.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+from typing import Any, ClassVar, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
+
+from treadle.core.request import SamplingParams
+
+# SamplingParams fields the OpenAI bodies name otherwise: max_tokens (or max_completion_tokens), response_format.
+OPENAI_RENAMED_FIELDS = ("max_new_tokens", "json_schema")
 
 
-# ``logit_bias``: token id (a JSON object's keys are strings of digits) -> bias added to its logit.
-LogitBiasMap = dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]]
+def sampling_fields(exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """pydantic field definitions of SamplingParams's fields less ``exclude``: the type a body may send (the field's
+    ``accepts`` metadata, else its type; booleans strict), its default and its ``doc``."""
+    hints = get_type_hints(SamplingParams)
+    definitions: dict[str, Any] = {}
+    for field in dataclasses.fields(SamplingParams):
+        if field.name in exclude:
+            continue
+        wire_type = field.metadata.get("accepts", hints[field.name])
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        definitions[field.name] = (StrictBool if wire_type is bool else wire_type,
+                                   Field(default, description=field.metadata.get("doc")))
+    return definitions
 
 
 class _Body(BaseModel):
@@ -39,37 +63,49 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Body):
-    """Sampling fields shared by both OpenAI routes, plus treadle's extras."""
+_OpenAISamplingParams = create_model("OpenAISamplingParams", __base__=_Body, __module__=__name__,
+                                     **sampling_fields(exclude=OPENAI_RENAMED_FIELDS))
+
+
+class _SamplingFields(_OpenAISamplingParams):
+    """Fields both OpenAI routes share: OpenAI's own (and treadle's ``priority``, ``rid``, ``timeout``) beside the
+    SamplingParams fields (OpenAI's ``temperature``, ``top_p``, ..., and treadle's extras ``top_k``, ``min_p``,
+    ``regex``...)."""
+
+    # The field a route's limit errors on top_logprobs_num name (the body's log-probs count).
+    top_logprobs_field: ClassVar[str]
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     n: int = Field(1, ge=1, le=128)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: LogitBiasMap | None = None
     user: str | None = None
-    # treadle / SGLang extras
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: StrictBool = True
     priority: int = 0
     rid: str | None = None
     # Constrained decoding: at most one of response_format (json_object / json_schema), regex, ebnf.
     response_format: ResponseFormat | None = None
-    regex: str | None = None
-    ebnf: str | None = None
     timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``: None when the client left the budget to the server."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int, **overrides: Any) -> SamplingParams:
+        """This body's SamplingParams: the shared fields as sent, the requested max tokens (else
+        ``default_max_tokens``) as ``max_new_tokens``, then ``overrides`` (a constraint, ...)."""
+        values = self.model_dump(include=set(_OpenAISamplingParams.model_fields))
+        requested = self.requested_max_tokens
+        values["max_new_tokens"] = default_max_tokens if requested is None else requested
+        return SamplingParams(**{**values, **overrides})
+
+    def field_names(self, prompt_field: str) -> dict[str, str]:
+        """How this body names the core's fields, for the errors of core.validation (``prompt_field``: where the
+        prompt came from)."""
+        return {"prompt": prompt_field, "input_ids": prompt_field, "top_logprobs_num": self.top_logprobs_field,
+                "max_new_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
 
 
 class TextContentPart(_Body):
@@ -137,6 +173,8 @@ class NamedToolChoice(_Body):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
+    top_logprobs_field = "top_logprobs"
+
     messages: list[ChatMessage]
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -148,6 +186,8 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt`` may be text, a list of texts, token ids or a list of those."""
 
+    top_logprobs_field = "logprobs"
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
@@ -155,28 +195,13 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1)
 
 
-class NativeSamplingParams(_Body):
-    """``sampling_params`` of POST /generate (fields of core.request.SamplingParams)."""
+class _ClosedBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt sampling parameter is an error, not a silent default
 
-    model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: StrictBool = False
-    seed: int | None = None
-    skip_special_tokens: StrictBool = True
-    json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    logit_bias: LogitBiasMap | None = None
+NativeSamplingParams = create_model(
+    "NativeSamplingParams", __base__=_ClosedBody, __module__=__name__, __doc__="``sampling_params`` of POST "
+    "/generate: the fields of core.request.SamplingParams, by the same names.", **sampling_fields())
 
 
 class GenerateRequest(_Body):

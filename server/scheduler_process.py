@@ -22,6 +22,7 @@ import zmq
 
 from treadle.core.config import ServerConfig
 from treadle.core.scheduling.step_timer import StepTimer
+from treadle.core.validation import REQUEST_LIMITS_KEY
 from treadle.server.ipc import (
     RESOLVED_CONFIG_KEY,
     AbortReq,
@@ -109,6 +110,7 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
         **scheduler.model_info,
         "max_total_tokens": int(scheduler.allocator.total_slots),
         "max_running_requests": scheduler.config.scheduler.max_running_requests,
+        REQUEST_LIMITS_KEY: scheduler.request_limits.as_dict(),  # the HTTP process checks requests against them
         # The resolved config: every "auto" replaced by what the model runner chose.
         RESOLVED_CONFIG_KEY: scheduler.config.model_dump(mode="json"),
     }

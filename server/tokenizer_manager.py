@@ -13,13 +13,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import zmq
 import zmq.asyncio
 
 from treadle.core.config import ServerConfig
-from treadle.core.request import FinishReason, InvalidRequestError, SamplingParams
+from treadle.core import validation
+from treadle.core.request import FinishReason, SamplingParams
 from treadle.server.ipc import (
     AbortReq,
     AddRequestFailed,
@@ -141,7 +142,7 @@ class TokenizerManager:
         self.addresses = addresses
         self.metrics = metrics
         self.context_len = int(model_info.get("context_len") or 0)
-        self.vocab_size = int(model_info.get("vocab_size") or 0)
+        self.request_limits = validation.RequestLimits.from_model_info(model_info)
         self.served_model_name = str(
             config.model.served_model_name or model_info.get("served_model_name") or model_info.get("model_path")
             or "default"
@@ -260,28 +261,13 @@ class TokenizerManager:
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
-    def check_request(self, input_ids: list[int], params: SamplingParams, param: str) -> None:
-        """Raise RequestError (400) for anything the scheduler would reject or choke on."""
-        if not input_ids:
-            raise RequestError("the prompt is empty", param=param)
-        if self.vocab_size and any(not 0 <= t < self.vocab_size for t in input_ids):
-            raise RequestError(f"token ids must be in [0, {self.vocab_size})", param=param)
-        if self.vocab_size and params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise RequestError(f"logit_bias names token {max(params.logit_bias)}, but token ids must be in "
-                               f"[0, {self.vocab_size})", param="logit_bias")
-        if self.context_len and len(input_ids) >= self.context_len:
-            raise RequestError(
-                f"the prompt has {len(input_ids)} tokens but this model's context length is {self.context_len}; "
-                "shorten the prompt", param=param, code="context_length_exceeded")
-        limit = self.config.server.max_request_tokens
-        if limit is not None and len(input_ids) + params.max_new_tokens > limit:
-            raise RequestError(
-                f"prompt ({len(input_ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds "
-                f"server.max_request_tokens = {limit}", param="max_tokens")
-        try:
-            params.verify()
-        except InvalidRequestError as exc:
-            raise RequestError(str(exc), param=exc.param) from None
+    def check_request(self, input_ids: Sequence[int], params: SamplingParams, names: Mapping[str, str],
+                      top_logprobs_num: int = 0, output_must_fit: bool = False) -> None:
+        """Raise InvalidRequestError (a 400) for anything the scheduler would refuse, before it is queued: the
+        checks of :func:`core.validation.check_request` against the limits the scheduler reported. ``names``
+        maps the core's field names to the route's (``{"prompt": "messages", "max_new_tokens": "max_tokens"}``)."""
+        validation.check_request(input_ids, params, self.request_limits, top_logprobs_num=top_logprobs_num,
+                                 output_must_fit=output_must_fit, names=names)
 
     def submit(self, reqs: list[TokenizedGenerateReq], timeout: float | None = None) -> GenerationStream:
         """Send requests to the scheduler; their outputs arrive on the returned stream.

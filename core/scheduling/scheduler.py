@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import logging
 import warnings
+from functools import cached_property
 from typing import Any
 
 import torch
 
+from treadle.core import validation
 from treadle.core.config import ServerConfig, validate_plugin_choices
 from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.execution.overlap import LaunchedStep
@@ -109,6 +111,13 @@ class Scheduler:
             "has_tokenizer": self.tokenizer is not None,
         }
 
+    @cached_property
+    def request_limits(self) -> validation.RequestLimits:
+        """What every request must fit (the HTTP process gets them through ``model_info``)."""
+        return validation.RequestLimits(context_len=self.context_len, vocab_size=self.worker.info.vocab_size,
+                                        kv_slots=self.allocator.total_slots,
+                                        max_request_tokens=self.config.server.max_request_tokens)
+
     def add_request(self, req: Req) -> None:
         """Queue a request; raises InvalidRequestError when it can never run (:meth:`check_request`)."""
         self.check_request(req)
@@ -121,30 +130,10 @@ class Scheduler:
         self.live_by_rid[req.rid] = req
 
     def check_request(self, req: Req) -> None:
-        """Raise InvalidRequestError when ``req`` could never run; its constraint, if any, is compiled (and
-        cached) to find out. Queues nothing."""
-        req.sampling_params.verify()
-        prompt_len = len(req.origin_input_ids)
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if prompt_len >= self.context_len:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens but the model's context length is {self.context_len}; "
-                "shorten the prompt", param="prompt")
-        if prompt_len + 1 > self.allocator.total_slots:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens but the KV cache holds only {self.allocator.total_slots}; "
-                "raise cache.max_total_tokens", param="prompt")
-        vocab = self.worker.info.vocab_size
-        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
-        bias = req.sampling_params.logit_bias
-        if bias and max(bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias names token {max(bias)}, but token ids must be in [0, {vocab})",
-                                      param="logit_bias")
-        if not 0 <= req.top_logprobs_num <= vocab:
-            raise InvalidRequestError(f"top_logprobs_num must be in [0, {vocab}] (the vocabulary size), "
-                                      f"got {req.top_logprobs_num}", param="top_logprobs_num")
+        """Raise InvalidRequestError when ``req`` could never run (:func:`core.validation.check_request`) or its id
+        is taken; its constraint, if any, is compiled (and cached) to find out. Queues nothing."""
+        validation.check_request(req.origin_input_ids, req.sampling_params, self.request_limits,
+                                 top_logprobs_num=req.top_logprobs_num)
         live = self.live_by_rid.get(req.rid)
         if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")

@@ -478,6 +478,35 @@ def test_bad_input_gets_openai_shaped_4xx(http: httpx.Client, name: str, path: s
     assert error["param"] == param
 
 
+def test_unknown_routes_and_methods_get_the_openai_error_shape_with_a_string_code(http: httpx.Client) -> None:
+    missing = http.post("/v1/no_such_route", json={})
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": "there is no route POST /v1/no_such_route; see /docs for the routes",
+                                       "type": "invalid_request_error", "param": None, "code": "not_found"}
+    wrong_method = http.get("/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    # One convention for every 4xx: ``code`` is a string or null, never the status number.
+    others = [http.post("/v1/chat/completions", json={"model": "gpt-17", "messages": CHAT}),
+              http.post("/v1/completions", json={"prompt": "x", "temperature": -1}),
+              http.post("/v1/completions", json={"prompt": [7] * 600}),
+              httpx.post(f"{http.base_url}/v1/completions", json={"prompt": "x"})]
+    codes = [response.json()["error"]["code"] for response in others]
+    assert [response.status_code for response in others] == [404, 400, 400, 401]
+    assert codes == ["model_not_found", None, "context_length_exceeded", "invalid_api_key"]
+
+
+def test_the_published_schema_shows_the_sampling_fields(http: httpx.Client) -> None:
+    import dataclasses
+
+    from treadle.core.request import SamplingParams
+
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    assert set(schemas["NativeSamplingParams"]["properties"]) == {f.name for f in dataclasses.fields(SamplingParams)}
+    assert {"max_tokens", "temperature", "top_p", "top_k", "logit_bias", "regex", "response_format", "echo",
+            "logprobs"} <= set(schemas["CompletionRequest"]["properties"])
+    assert "description" in schemas["NativeSamplingParams"]["properties"]["json_schema"]
+
+
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-2)

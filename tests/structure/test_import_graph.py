@@ -107,7 +107,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="core.grammar <-> core.request: broken by the one-validation change under way")
 def test_the_package_has_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles (break each by moving the shared piece down a layer):\n" + "\n".join(
