@@ -58,8 +58,11 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         # At parallel.tp_size > 1 this process is rank 0; it starts this node's other ranks.
         scheduler = start_scheduler(config, in_server=True)
     except BaseException as exc:
-        logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        if _caused_by_the_user(exc):  # the message says what to change; the main process prints it once
+            ready.send(("error", str(exc)))
+        else:
+            logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
+            ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1)
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
@@ -111,6 +114,20 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
         # The live config, where the model runner has replaced "auto" settings with what it chose.
         RESOLVED_CONFIG_KEY: scheduler.config.model_dump(mode="json"),
     }
+
+
+def _caused_by_the_user(exc: BaseException) -> bool:
+    """A start-up error that the config causes (a model path, a layout, a plugin): no traceback helps there."""
+    from treadle.core.config import ConfigError
+    from treadle.core.default_model import DefaultModelError
+    from treadle.core.hub import HubError
+    from treadle.core.model_loader import ModelLoadError
+    from treadle.core.quantization import QuantizationError
+    from treadle.core.registry import PluginError
+    from treadle.core.tensor_parallel import TensorParallelError
+
+    return isinstance(exc, (ConfigError, DefaultModelError, HubError, ModelLoadError, PluginError,
+                            QuantizationError, TensorParallelError))
 
 
 class SchedulerLoop:
