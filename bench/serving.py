@@ -8,7 +8,7 @@ all at once), at most ``--max-concurrency`` in flight. Every request streams
 and generates exactly its workload output length (``ignore_eos``). Reports
 request and token throughput, time to first token (TTFT), inter-token latency
 (ITL: gaps between streamed tokens) and end-to-end latency percentiles; prints
-a table and writes JSON (``bench/results/serving_<workload>_<date>.json``
+a table and writes JSON (``<results folder>/serving_<workload>_<date>.json``
 unless ``--output``).
 
 ``--duration SECONDS`` switches to the soak mode of ``bench/soak.py`` (mixed traffic,
@@ -42,10 +42,10 @@ from typing import Any, Sequence
 
 import httpx
 
+from treadle.bench.results_folder import results_dir
 from treadle.bench.soak import add_soak_arguments, run_soak
 from treadle.bench.workloads import WORKLOAD_NAMES, BenchRequest, build_workload, parse_len_range, usable_token_ids
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1,
                         help="client processes sharing the requests (one Python process parses ~10k events/s)")
-    parser.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workload>_<date>.json)")
+    parser.add_argument("--output", default=None, help="JSON path (default <results folder>/serving_<workload>_<date>.json)")
     parser.add_argument("--keep-token-gaps", action="store_true",
                         help="write each request's inter-token gaps (itl_s, seconds) into the JSON, to see which "
                              "steps make the ITL tail (~1 MB per 100k tokens); without it they are left out")
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "requests": [asdict(r) if args.keep_token_gaps else asdict(r) | {"itl_s": None} for r in results],
     }
-    out = Path(args.output) if args.output else RESULTS_DIR / (
+    out = Path(args.output) if args.output else results_dir() / (
         f"serving_{args.workload}_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
