@@ -340,6 +340,8 @@ def test_info_routes_and_metrics(http: httpx.Client, tiny_model_dir: str) -> Non
     assert "resolved_config" not in info and "resolved_config" not in server_info["model_info"]
     assert {"total_slots", "free_slots", "cached_slots"} <= set(server_info["kv"])
     assert server_info["cached_tokens_total"] > 0  # earlier tests repeated prompts
+    # One count, reported twice: the top-level total is the scheduler's (aborted and timed-out requests included).
+    assert server_info["cached_tokens_total"] == server_info["kv"]["cached_tokens_total"]
     assert http.get("/health_generate").status_code == 200
     metrics = http.get("/metrics").text
     for name in ("treadle_requests_finished_total", "treadle_prompt_tokens_total", "treadle_generation_tokens_total",
