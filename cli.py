@@ -209,7 +209,11 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    output = engine.generate(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+    try:
+        output = engine.generate(prompt, SamplingParams(max_new_tokens=args.max_new_tokens,
+                                                        temperature=args.temperature))
+    finally:
+        engine.shutdown()  # stops tensor-parallel ranks, if any
     print(output.text)
     return 0
 

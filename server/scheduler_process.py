@@ -37,7 +37,7 @@ from treadle.server.ipc import (
     bind_pull,
     connect_push,
 )
-from treadle.server.process_utils import configure_child_process
+from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
 logger = logging.getLogger("treadle.scheduler_process")
 
@@ -64,6 +64,9 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
             logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1)
+    stop_ranks_at_signal = getattr(scheduler, "stop_without_goodbye", None)
+    if stop_ranks_at_signal is not None:  # tensor parallel: SIGTERM may come mid-step, when no goodbye can be said
+        before_exit_on_sigterm(stop_ranks_at_signal)
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
     _install_step_trace(scheduler)
