@@ -517,7 +517,9 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert summary["total_output_tokens"] == record["workload"]["output_tokens"]
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
     assert summary["itl_ms"]["p90"] > 0
-    assert "ITL (ms)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "ITL (ms)" in printed.out
+    assert "requests: 100%" in printed.err and "6/6" in printed.err  # the progress bar, on stderr
     assert record["command"].startswith("treadle bench serving --base-url") and record["machine"]["cpu_count"]
     assert API_KEY not in out.read_text() and "--api-key ***" in record["command"]
     assert all(request["itl_s"] is None for request in record["requests"])  # left out unless asked for
@@ -553,6 +555,7 @@ def test_bench_serving_runs_as_a_module_with_several_client_processes(server: Se
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 client processes" in done.stdout
+    assert "requests: 100%" in done.stderr and "5/5" in done.stderr  # the workers' requests, counted here
     records = [json.loads(path.read_text()) for path in (one, two)]
     assert records[1]["summary"]["completed"] == 5 and records[1]["client_workers"] == 2
     assert [r["prompt_tokens"] for r in records[1]["requests"]] == [r["prompt_tokens"] for r in records[0]["requests"]]
