@@ -48,10 +48,12 @@ generate: $(STAMP)
 	$(VENV)/bin/treadle generate --chat --prompt "$(PROMPT)" $(if $(CONFIG),--config $(CONFIG),) \
 		$(foreach item,$(SET),--set $(item))
 
-# An interactive shell with .venv active: `treadle`, `python -c 'import openai'` and pytest as the README shows.
+# An interactive bash with .venv active (after ~/.bashrc, which may put another python first on PATH):
+# `treadle`, `python -c 'import openai'` and pytest as the README shows.
 shell: $(STAMP)
+	@printf '[ -f ~/.bashrc ] && . ~/.bashrc\n. "%s/bin/activate"\n' "$(CURDIR)/$(VENV)" > $(VENV)/treadle-shellrc
 	@echo "treadle's .venv is active in this shell; 'exit' leaves it."
-	@VIRTUAL_ENV="$(CURDIR)/$(VENV)" PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $${SHELL:-/bin/bash} -i
+	@bash --rcfile $(VENV)/treadle-shellrc -i
 
 # One intra-op thread: the suite runs several torch processes at once (server
 # tests), and on two cores competing thread pools make every small op wait.
