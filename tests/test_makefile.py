@@ -13,9 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 
 
+def _outside_make() -> dict[str, str]:
+    """This environment without an enclosing make's variables (the suite runs under `make test`)."""
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "VIRTUAL_ENV")}
+
+
 def _dry_run(*args: str) -> str:
     """The commands `make -n ARGS` would run (the last line is the target's own recipe)."""
-    result = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=_outside_make(),
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]
 
@@ -36,8 +42,7 @@ def test_pytest_args_pass_through_without_a_second_quiet_flag():
 @pytest.mark.skipif(not (ROOT / ".venv" / ".treadle-installed").exists(), reason="the suite runs outside make's .venv")
 def test_make_shell_finds_treadle_and_openai_in_the_venv():
     """A fresh shell's PATH (no venv active): `make shell` gives the commands the README shows."""
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    env = {**_outside_make(), "PATH": "/usr/local/bin:/usr/bin:/bin"}
     result = subprocess.run(["make", "shell"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                             input='command -v treadle\npython -c "import openai; print(openai.__name__)"\n')
     assert result.returncode == 0, result.stderr[-2000:]
