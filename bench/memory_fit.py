@@ -41,7 +41,12 @@ class MemoryNeed:
 
 
 def dense_parameter_count(hf: dict[str, Any]) -> int:
-    """Parameters of a dense Llama-style decoder described by ``hf`` (an HF ``config.json`` as a dict)."""
+    """Parameters of a dense or mixture-of-experts decoder described by ``hf`` (an HF ``config.json`` as a dict)."""
+    return sum(parameter_counts(hf))
+
+
+def parameter_counts(hf: dict[str, Any]) -> tuple[int, int]:
+    """(the decoder layers' projections, everything else: embedding, output head, norms) of ``hf``'s model."""
     hidden, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -51,9 +56,8 @@ def dense_parameter_count(hf: dict[str, Any]) -> int:
     intermediate = hf.get("moe_intermediate_size") if experts > 1 and hf.get("moe_intermediate_size") else \
         hf["intermediate_size"]
     mlp = 3 * hidden * intermediate * experts
-    per_layer = attention + mlp + 2 * hidden
     head = 0 if hf.get("tie_word_embeddings") else vocab * hidden
-    return vocab * hidden + layers * per_layer + hidden + head
+    return layers * (attention + mlp), vocab * hidden + head + (2 * layers + 1) * hidden
 
 
 def kv_cache_bytes(hf: dict[str, Any], slots: int, dtype_bytes: int) -> int:
@@ -63,11 +67,14 @@ def kv_cache_bytes(hf: dict[str, Any], slots: int, dtype_bytes: int) -> int:
     return 2 * hf["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * slots
 
 
-def memory_need(hf: dict[str, Any], dtype: str, kv_slots: int, tp_size: int = 1, with_peer: bool = False
-                ) -> MemoryNeed:
-    """What one rank of a ``tp_size`` group holds: its share of the weights and KV, and a peer's copy."""
+def memory_need(hf: dict[str, Any], dtype: str, kv_slots: int, tp_size: int = 1, with_peer: bool = False,
+                fp8: bool = False) -> MemoryNeed:
+    """What one rank of a ``tp_size`` group holds: its share of the weights and KV, and a peer's copy.
+    ``fp8`` (or an FP8 checkpoint): the layers' projections take one byte a parameter (quantized as they load)."""
     size = DTYPE_BYTES[dtype]
-    weights = dense_parameter_count(hf) * size // tp_size
+    projections, rest = parameter_counts(hf)
+    fp8 = fp8 or (hf.get("quantization_config") or {}).get("quant_method") == "fp8"
+    weights = (projections * (1 if fp8 else size) + rest * size) // tp_size
     return MemoryNeed(weights, kv_cache_bytes(hf, kv_slots, size) // tp_size, weights if with_peer else 0)
 
 

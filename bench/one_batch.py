@@ -144,7 +144,11 @@ def refuse_what_cannot_run(args: argparse.Namespace) -> None:
     slots = max_bs * round_up(args.input_len + args.decode_steps + 1, args.page_size)
     # Ranks on the CPU share this host's memory; on GPUs each holds its share on its own device.
     per_device = args.tp if device.type == "cuda" else 1
-    need = memory_need(hf, args.dtype, slots, per_device, with_peer=not args.no_hf and args.tp == 1)
+    # Each --compare variant's runner is released before the next is built: the largest one must fit.
+    variants = [v.strip() for v in args.compare.split(",")] if args.compare else [""]
+    need = max((memory_need(hf, args.dtype, slots, per_device, with_peer=not args.no_hf and args.tp == 1,
+                            fp8="model.quantization=fp8" in variant.replace(" ", "").split(";"))
+                for variant in variants), key=lambda n: n.total)
     check_fits(need, torch.device("cuda", 0) if device.type == "cuda" else device,
                f"one-batch with {args.model or args.shape + ' shapes'} in {args.dtype}",
                "try a smaller --shape or --model, --tiny, smaller --batch-sizes, --no-hf (HF transformers' copy of "

@@ -222,6 +222,17 @@ def test_parameter_count_of_the_8b_shape_is_llama_3_1_8b():
     assert 46.6e9 < dense_parameter_count(MIXTRAL_8X7B) < 46.8e9  # every expert counts (all are held)
 
 
+def test_fp8_variants_count_one_byte_per_projection_weight():
+    """Mixtral-8x7B in bf16 needs more than one 80 GB H100; with FP8 experts it fits (47.5 GB measured at load)."""
+    from treadle.bench.memory_fit import GIB, memory_need
+    from treadle.bench.shapes import MIXTRAL_8X7B
+
+    assert memory_need(MIXTRAL_8X7B, "bfloat16", 16 * 545).total > 80 * 10**9
+    assert 40 * GIB < memory_need(MIXTRAL_8X7B, "bfloat16", 16 * 545, fp8=True).total < 50 * GIB
+    fp8_checkpoint = {**MIXTRAL_8X7B, "quantization_config": {"quant_method": "fp8"}}
+    assert memory_need(fp8_checkpoint, "bfloat16", 0) == memory_need(MIXTRAL_8X7B, "bfloat16", 0, fp8=True)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_one_batch_refuses_full_shapes_at_once_without_a_gpu():
     """The README's GPU command on a CPU machine: one error line within seconds, not an OOM kill minutes later."""
