@@ -32,3 +32,8 @@ def __getattr__(name: str) -> Any:
         module_name, attr = _LAZY[name]
         return getattr(importlib.import_module(module_name), attr)
     raise AttributeError(f"module 'treadle' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too, so that dir(treadle) and tab completion show Engine and its friends.
+    return sorted(set(globals()) | set(_LAZY))

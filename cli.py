@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -11,23 +12,73 @@ from treadle.core.config import ConfigError, ServerConfig, load_config, validate
 from treadle.core.registry import PluginError, build_registry
 
 
+# Errors that a user's input causes (a config, a model path, a layout): one `error:` line, no traceback. Named by
+# module so that none is imported to be caught: an error's module is loaded by the time it is raised.
+USER_ERRORS = {
+    "treadle.core.config": ["ConfigError"],
+    "treadle.core.registry": ["PluginError"],
+    "treadle.core.loading.model_loader": ["ModelLoadError"],
+    "treadle.core.loading.default_model": ["DefaultModelError"],
+    "treadle.core.loading.hub": ["HubError"],
+    "treadle.core.loading.quantization": ["QuantizationError"],
+    "treadle.core.distributed.tensor_parallel": ["TensorParallelError"],
+    "treadle.core.request": ["InvalidRequestError"],
+    "treadle.server.launch": ["ServerStartupError"],
+}
+# The keys most runs set, shown by `serve --help` (and the other commands that read a config), with their defaults.
+COMMON_KEYS = {
+    "model.path": "HF folder, .gguf file or hub id; null: the embedded SmolLM2-135M-Instruct",
+    "model.device": "auto, cpu or cuda",
+    "model.dtype": "auto, float32, float16 or bfloat16",
+    "server.host": "address to listen on (0.0.0.0: every interface)",
+    "server.port": "port to listen on",
+    "server.api_key": "require this bearer token",
+    "attention.backend": "torch_native, triton, flashinfer, flashinfer_triton or auto",
+    "scheduler.policy": "fcfs, lpm, random, dfs-weight, lof, priority or a plugin's",
+    "cache.max_total_tokens": "KV cache slots; null: sized from memory",
+    "parallel.tp_size": "tensor-parallel ranks sharing the model",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # A `plugins:` module in the working directory imports as it would under `python -m`; spawned processes
+    # (scheduler, tensor-parallel ranks) inherit this path.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "bench":
-        return _bench(args, extra)
     try:
-        overrides = _overrides(args, extra)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    try:
-        return args.handler(args, overrides)
-    except (ConfigError, PluginError) as exc:
+        if args.command == "bench":
+            status = _bench(args, extra)
+        else:
+            try:
+                overrides = _overrides(args, extra)
+            except ConfigError as exc:
+                parser.error(str(exc))
+            status = args.handler(args, overrides)
+        sys.stdout.flush()  # here, where a closed pipe can still be told apart from a failure
+        return status
+    except BrokenPipeError:
+        # The reader stopped early (`treadle plugins --json | head`): nothing is wrong, and nothing more to say.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except Exception as exc:
+        if not isinstance(exc, _user_error_types()):
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _user_error_types() -> tuple[type, ...]:
+    loaded = []
+    for module_name, names in USER_ERRORS.items():
+        module = sys.modules.get(module_name)
+        loaded += [getattr(module, name) for name in names if module is not None]
+    return tuple(loaded)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,37 +91,54 @@ def _parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list every registered plugin and its provider")
     plugins.add_argument("--json", action="store_true", help="print {kind: {name: provider}} as JSON")
-    plugins.add_argument("--config", help="also load the modules under plugins: in this YAML file")
+    _add_config_args(plugins, "also load the modules under plugins: in this YAML file")
     plugins.set_defaults(handler=_cmd_plugins)
 
-    config = sub.add_parser("config", help="show the resolved configuration")
+    config = _config_command(sub, "config", "show the resolved configuration")
     config.add_argument("--show", action="store_true", help="print the resolved config as YAML (the default)")
-    _add_config_args(config)
     config.set_defaults(handler=_cmd_config)
 
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    _add_config_args(serve)
+    serve = _config_command(sub, "serve", "start the OpenAI-compatible HTTP server (on server.host:server.port)")
     serve.set_defaults(handler=_cmd_serve)
 
-    generate = sub.add_parser("generate", help="generate text for one prompt in this process")
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
+    generate = _config_command(sub, "generate", "generate text for one prompt in this process")
+    generate.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    generate.add_argument("--temperature", type=float, default=0.0,
+                          help="sampling temperature; 0 is greedy (default: 0)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    _add_config_args(generate)
     generate.set_defaults(handler=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks: offline, one-batch, serving, arrival-trace (see --help of each)",
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS) + " (see --help of each)",
                            add_help=False)
-    bench.add_argument("benchmark", nargs="?", choices=["offline", "one-batch", "serving", "arrival-trace"])
+    bench.add_argument("benchmark", nargs="?", choices=list(BENCHMARKS))
     bench.set_defaults(handler=None)
     return parser
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file")
+def _config_command(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A subcommand that reads a ServerConfig: --config, --set, and the common keys in its help."""
+    command = sub.add_parser(name, help=help_text, description=help_text, epilog=_common_keys_help(),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(command, "YAML config file (examples/configs/server.yaml lists every section)")
+    return command
+
+
+def _add_config_args(parser: argparse.ArgumentParser, config_help: str) -> None:
+    parser.add_argument("--config", help=config_help)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set scheduler.policy=lpm (repeatable)")
+
+
+def _common_keys_help() -> str:
+    defaults = ServerConfig().model_dump(mode="json")
+    lines = ["Any config key is an option: --section.key VALUE (or --set section.key=VALUE). The common ones:"]
+    for key, meaning in COMMON_KEYS.items():
+        section, name = key.split(".")
+        default = defaults[section][name]
+        lines.append(f"  --{key:<24} {meaning} (default: {'null' if default is None else default})")
+    lines.append("Every key, the environment (TREADLE_SERVER__PORT=8000) and their precedence: docs/config.md")
+    return "\n".join(lines)
 
 
 def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -141,18 +209,24 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    output = engine.generate(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+    try:
+        output = engine.generate(prompt, SamplingParams(max_new_tokens=args.max_new_tokens,
+                                                        temperature=args.temperature))
+    finally:
+        engine.shutdown()  # stops tensor-parallel ranks, if any
     print(output.text)
     return 0
+
+
+BENCHMARKS = {"offline": "offline_throughput", "one-batch": "one_batch", "serving": "serving",
+              "arrival-trace": "arrival_trace", "plot": "plot"}
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     import importlib
 
-    modules = {"offline": "offline_throughput", "one-batch": "one_batch", "serving": "serving",
-               "arrival-trace": "arrival_trace"}
     if args.benchmark is None:
-        print("usage: treadle bench {offline,one-batch,serving,arrival-trace} [options]  (--help on each)")
+        print("usage: treadle bench {" + ",".join(BENCHMARKS) + "} [options]  (--help on each)")
         return 2
-    module = importlib.import_module(f"treadle.bench.{modules[args.benchmark]}")
+    module = importlib.import_module(f"treadle.bench.{BENCHMARKS[args.benchmark]}")
     return int(module.main(extra) or 0)

@@ -183,23 +183,28 @@ def _step_row(steps: list[dict[str, Any]], i: int) -> dict[str, Any]:
     return row
 
 
+PHASES = {"build": "build ms", "forward": "forward launch ms", "settle": "settle ms", "sampling": "sampling ms",
+          "gpu": "GPU ms", "gpu_idle_before": "GPU idle before ms"}
+
+
 def format_report(report: dict[str, Any]) -> str:
+    kinds = report["per_step_kind"]
+    # Only phases some step measured: on the CPU there are no GPU times to show.
+    phases = [name for name in PHASES if any(f"{name}_mean_ms" in k for k in kinds.values())]
     lines = [f"arrival trace: {report['workload']['num_requests']} requests at {report['request_rate']}/s, "
              f"{report['wall_s']:.1f} s on {report['device']}",
              "TTFT ms  p50 {p50:.1f}  p99 {p99:.1f}".format(**report["ttft_ms"]),
              "gap ms   " + "  ".join(f"{k} {v:.3g}" for k, v in report["itl_ms"].items()),
-             "", "| step kind | steps | tokens | build ms | forward launch ms | settle ms | sampling ms | GPU ms "
-                 "| GPU idle before ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for mode, k in report["per_step_kind"].items():
-        cells = [f"{k.get(f'{n}_mean_ms', float('nan')):.2f} / {k.get(f'{n}_p90_ms', float('nan')):.2f}"
-                 for n in ("build", "forward", "settle", "sampling", "gpu", "gpu_idle_before")]
+             "", "| step kind | steps | tokens | " + " | ".join(PHASES[n] for n in phases) + " |",
+             "| --- | ---: | ---: |" + " ---: |" * len(phases)]
+    for mode, k in kinds.items():
+        cells = [f"{k[f'{n}_mean_ms']:.2f} / {k[f'{n}_p90_ms']:.2f}" if f"{n}_mean_ms" in k else "-" for n in phases]
         lines.append(f"| {mode} | {k['steps']} | {k['mean_tokens']:.0f} | " + " | ".join(cells) + " |")
     lines.append("(each cell: mean / p90)")
-    lines.append(f"\n{report['slow_gap_steps']} steps delivered a gap over the threshold; "
-                 "the first few, with the two steps before:")
-    for window in report["slow_gap_windows"]:
-        lines += ["  " + json.dumps(row) for row in window] + [""]
+    if report["slow_gap_windows"]:
+        lines.append(f"\n{report['slow_gap_steps']} steps delivered a gap over the threshold; the first few (slow), "
+                     "with the two steps before each:")
+        lines += format_slow_steps(report["slow_gap_windows"], phases)
     if report["syncs"]:
         lines.append("device synchronizations during the run:")
         lines += [f"  {count:6d}  {where}" for where, count in report["syncs"].items()]
@@ -207,6 +212,26 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "host profile of the prefill/mixed forward launches (cProfile, by own time):",
                   report["cprofile_prefill_launch"]]
     return "\n".join(lines)
+
+
+def format_slow_steps(windows: list[list[dict[str, Any]]], phases: list[str]) -> list[str]:
+    """The slow-gap windows as one table, each step once (windows of neighbouring slow steps overlap); a gap in the
+    step numbers starts a new block."""
+    rows = {row["step"]: row for window in windows for row in window}
+    slow = {window[-1]["step"] for window in windows}
+    header = ["step", "kind", "bs", "tokens"] + [PHASES[n] for n in phases] + ["host wall ms", ""]
+    lines = ["| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]
+    previous = None
+    for index in sorted(rows):
+        row = rows[index]
+        if previous is not None and index != previous + 1:
+            lines.append("| ... |" + " |" * (len(header) - 1))
+        cells = [str(index), str(row.get("mode", "-")), str(row.get("bs", "-")), str(row.get("tokens", "-"))]
+        cells += [f"{row[n]:.2f}" if n in row else "-" for n in phases]
+        cells += [f"{row['host_wall_ms']:.2f}", "slow" if index in slow else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+        previous = index
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:

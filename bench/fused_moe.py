@@ -14,7 +14,7 @@ bandwidth the default path reaches on the expert weights it must read (the exper
 token). ``--engine`` also serves a one-layer Mixtral-8x7B-shaped model (``load_format: dummy``) through the
 Engine with CUDA graphs and reports decode tokens/s for 32 requests and for one (with the GEMVs and with the
 grouped GEMM forced). ``--sweep`` also times a grid of tile configs per token count (CUDA-graph replays) and
-reports the fastest and the default (input for ``fused_moe_kernels.default_config``). Writes JSON (``bench/results/fused_moe_<gpu>_<date>.json``
+reports the fastest and the default (input for ``fused_moe_kernels.default_config``). Writes JSON (``<results folder>/fused_moe_<gpu>_<date>.json``
 unless ``--output``).
 """
 
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+from treadle.bench.results_folder import results_dir
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 4096, 14336, 8, 2
 # (hidden, intermediate per expert, experts, experts per token)
 SHAPES = {"mixtral-8x7b": (HIDDEN, INTERMEDIATE, EXPERTS, TOP_K), "qwen3-30b-a3b": (2048, 768, 128, 8)}
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["engine"] = {"32 requests": _engine_run(32), "1 request": _engine_run(1),
                             "1 request, grouped GEMM": grouped}
         print(json.dumps(result["engine"]), flush=True)
-    output = Path(args.output) if args.output else RESULTS_DIR / (
+    output = Path(args.output) if args.output else results_dir() / (
         f"fused_moe_{_slug(result['gpu'])}_{dt.date.today():%Y%m%d}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))

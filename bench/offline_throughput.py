@@ -12,7 +12,7 @@ The treadle side (timing, the ``--json-schema`` A/B) is in ``offline_treadle.py`
 baseline (how HF is batched) in ``offline_hf.py``, the result type, ratios, table and JSON report in
 ``offline_results.py``; this module parses the command line and runs the systems in order.
 
-Prints a table and writes JSON (``bench/results/offline_<workload>_<date>.json``
+Prints a table and writes JSON (``<results folder>/offline_<workload>_<date>.json``
 unless ``--output``).
 """
 
@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from treadle.bench.results_folder import results_dir
 from treadle.bench.offline_hf import HF, hf_target, run_hf
 from treadle.bench.offline_results import (SystemResult, build_report, fill_baseline_ratios, fill_ratios,
                                            format_table, progress_line)
@@ -36,7 +37,6 @@ from treadle.bench.step_meter import format_profile
 from treadle.bench.workloads import WORKLOAD_NAMES, Workload, build_workload, parse_len_range, usable_token_ids
 from treadle.core.config import ConfigError, load_config
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _DEFAULT_OUTPUT_LEN = {"random": "16:128", "shared-prefix": "16:64"}
 
 
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fill_baseline_ratios(results, workload, Path(args.baseline))
     print(format_table(results))
     report = build_report(args, argv, workload, results)
-    path = Path(args.output) if args.output else RESULTS_DIR / _default_name(workload.name)
+    path = Path(args.output) if args.output else results_dir() / _default_name(workload.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every system (default: torch's choice); on a shared CPU "
                              "1 avoids threads waiting on each other at every small op")
-    parser.add_argument("--output", help="JSON path (default bench/results/offline_<workload>_<date>.json)")
+    parser.add_argument("--output", help="JSON path (default <results folder>/offline_<workload>_<date>.json)")
     parser.add_argument("--baseline", help="an earlier run's JSON: adds each system's ratio to its same-named "
                                            "system there (regression tracking)")
     parser.add_argument("--profile-steps", type=int, default=0,

@@ -46,7 +46,7 @@ a ``TREADLE_*=VALUE`` item sets that environment variable for the variant only (
 ``TREADLE_SMALL_BATCH_MATMUL=triton``), for switches read while a runner is built. Where a batch size has several
 treadle systems, an ``x first`` column gives each one's tok/s over the first's (FP8 over bf16 above).
 
-Prints a table and writes JSON (``bench/results/one_batch_<gpu>_<date>.json``
+Prints a table and writes JSON (``<results folder>/one_batch_<gpu>_<date>.json``
 unless ``--output``).
 
 This module builds treadle's model workers and times them; the static batch's prefill and
@@ -72,7 +72,9 @@ from typing import Any, Sequence
 
 import torch
 
+from treadle.bench.results_folder import results_dir
 from treadle.bench.hf_peers import run_hf
+from treadle.bench.memory_fit import DoesNotFit, check_fits, memory_need, read_hf_config
 from treadle.bench.one_batch_engine import run_engine
 from treadle.bench.one_batch_profile import PROFILE_PREFILL_TOKENS, profile_decode, profile_prefill
 from treadle.bench.one_batch_report import (Measurement, default_output_name, fill_baseline_ratios,
@@ -82,11 +84,11 @@ from treadle.bench.one_batch_steps import decode_step, place_batch, prefill, rou
 from treadle.bench.roofline import free_memory, measure_copy_bandwidth, roofline_seconds, synchronize
 from treadle.bench.shapes import SHAPES, TINY, write_config
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    refuse_what_cannot_run(args)
     if args.tp > 1:
         return _run_tensor_parallel(args, list(argv if argv is not None else sys.argv[1:]))
     return _measure(args, argv)
@@ -123,6 +125,34 @@ def _tensor_parallel_rank(rank: int, tp_size: int, store: str, argv: list[str]) 
                 _measure(args, argv)
     finally:
         destroy_tensor_parallel()
+
+
+def refuse_what_cannot_run(args: argparse.Namespace) -> None:
+    """Raise :class:`DoesNotFit` before anything is built when a full model shape is asked of a machine without a
+    GPU (unless ``--device cpu`` insists), or when the weights, KV cache and HF peer's copy exceed the free memory."""
+    device = _device(args)
+    full_shape = not args.tiny and args.model is None
+    if full_shape and args.device == "auto" and device.type != "cuda":
+        raise DoesNotFit(
+            f"one-batch measures {args.shape} shapes on a GPU and torch sees no CUDA device here; on a CPU, "
+            "`--tiny --backends torch_native` runs a 2-layer model of the same kind (a smoke test), and "
+            "`--device cpu` runs the full shape where the memory allows")
+    hf = TINY if args.tiny else SHAPES[args.shape] if args.model is None else read_hf_config(args.model)
+    if hf is None:
+        return
+    max_bs = max(int(b) for b in args.batch_sizes.split(","))
+    slots = max_bs * round_up(args.input_len + args.decode_steps + 1, args.page_size)
+    # Ranks on the CPU share this host's memory; on GPUs each holds its share on its own device.
+    per_device = args.tp if device.type == "cuda" else 1
+    # Each --compare variant's runner is released before the next is built: the largest one must fit.
+    variants = [v.strip() for v in args.compare.split(",")] if args.compare else [""]
+    need = max((memory_need(hf, args.dtype, slots, per_device, with_peer=not args.no_hf and args.tp == 1,
+                            fp8="model.quantization=fp8" in variant.replace(" ", "").split(";"))
+                for variant in variants), key=lambda n: n.total)
+    check_fits(need, torch.device("cuda", 0) if device.type == "cuda" else device,
+               f"one-batch with {args.model or args.shape + ' shapes'} in {args.dtype}",
+               "try a smaller --shape or --model, --tiny, smaller --batch-sizes, --no-hf (HF transformers' copy of "
+               "the weights), or --tp N over more GPUs")
 
 
 def _device(args: argparse.Namespace) -> torch.device:
@@ -217,7 +247,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         "profiles": profiles,
         "small_batch_kernels": _small_batch_choices(),
     }
-    output = Path(args.output) if args.output else RESULTS_DIR / default_output_name(report["machine"]["gpu"])
+    output = Path(args.output) if args.output else results_dir() / default_output_name(report["machine"]["gpu"])
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {output}")
@@ -403,7 +433,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-profile", default=f"1x{PROFILE_PREFILL_TOKENS}", metavar="PROMPTSxTOKENS,...",
                         help="prefill steps the profile times (default 1x300, capped at --input-len tokens); "
                              "at most the largest batch size of prompts each")
-    parser.add_argument("--output", default=None, help="JSON path (default bench/results/one_batch_<gpu>_<date>.json)")
+    parser.add_argument("--output", default=None, help="JSON path (default <results folder>/one_batch_<gpu>_<date>.json)")
     parser.add_argument("--baseline", help="an earlier run's JSON: adds each row's tok/s ratio to the same system "
                                            "and batch size there (regression tracking)")
     return parser

@@ -8,7 +8,7 @@ all at once), at most ``--max-concurrency`` in flight. Every request streams
 and generates exactly its workload output length (``ignore_eos``). Reports
 request and token throughput, time to first token (TTFT), inter-token latency
 (ITL: gaps between streamed tokens) and end-to-end latency percentiles; prints
-a table and writes JSON (``bench/results/serving_<workload>_<date>.json``
+a table and writes JSON (``<results folder>/serving_<workload>_<date>.json``
 unless ``--output``).
 
 ``--duration SECONDS`` switches to the soak mode of ``bench/soak.py`` (mixed traffic,
@@ -33,19 +33,21 @@ import datetime as dt
 import json
 import math
 import multiprocessing
+import queue
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
+from tqdm import tqdm
 
+from treadle.bench.results_folder import results_dir
 from treadle.bench.soak import add_soak_arguments, run_soak
 from treadle.bench.workloads import WORKLOAD_NAMES, BenchRequest, build_workload, parse_len_range, usable_token_ids
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @dataclass
@@ -63,8 +65,10 @@ class RequestResult:
 
 async def run_benchmark(base_url: str, requests: Sequence[BenchRequest], request_rate: float,
                         max_concurrency: int | None, api: str = "native", api_key: str | None = None,
-                        model: str | None = None, seed: int = 0) -> tuple[list[RequestResult], float]:
-    """Send ``requests`` with Poisson arrivals; returns the per-request results and the wall time."""
+                        model: str | None = None, seed: int = 0, on_done: Callable[[], None] | None = None
+                        ) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` with Poisson arrivals; returns the per-request results and the wall time.
+    ``on_done`` is called as each request ends (a progress bar's update)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     rng = random.Random(seed)
@@ -74,9 +78,13 @@ async def run_benchmark(base_url: str, requests: Sequence[BenchRequest], request
 
         async def one(req: BenchRequest) -> RequestResult:
             if limit is None:
-                return await _send(client, req, api, model)
-            async with limit:
-                return await _send(client, req, api, model)
+                result = await _send(client, req, api, model)
+            else:
+                async with limit:
+                    result = await _send(client, req, api, model)
+            if on_done is not None:
+                on_done()
+            return result
 
         start = time.perf_counter()
         tasks = []
@@ -138,44 +146,59 @@ async def _send(client: httpx.AsyncClient, req: BenchRequest, api: str, model: s
 
 
 def run_workers(base_url: str, requests: Sequence[BenchRequest], request_rate: float, max_concurrency: int | None,
-                api: str, api_key: str | None, model: str | None, seed: int, workers: int
+                api: str, api_key: str | None, model: str | None, seed: int, workers: int, progress: bool = False
                 ) -> tuple[list[RequestResult], float]:
     """:func:`run_benchmark` from ``workers`` processes started together: every ``workers``-th request each;
-    the results come back in request order, and the wall time runs until the last process is done."""
-    if workers <= 1:
-        return asyncio.run(run_benchmark(base_url, requests, request_rate, max_concurrency, api, api_key, model,
-                                         seed))
-    context = multiprocessing.get_context("spawn")
-    start = context.Barrier(workers + 1)
-    inbox = context.Queue()
-    concurrency = -(-max_concurrency // workers) if max_concurrency else None
-    processes = [
-        context.Process(target=_worker, daemon=True, args=(
-            index, start, inbox, base_url, list(requests[index::workers]), request_rate / workers, concurrency,
-            api, api_key, model, seed + index))
-        for index in range(workers)
-    ]
-    for process in processes:
-        process.start()
-    start.wait()
-    started = time.monotonic()
-    shares: dict[int, list[RequestResult]] = {}
-    finished = []
-    for _ in processes:
-        index, results, ended = inbox.get()
-        shares[index] = results
-        finished.append(ended)
-    for process in processes:
-        process.join()
+    the results come back in request order, and the wall time runs until the last process is done.
+    ``progress``: a bar on stderr counts the requests done."""
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, file=sys.stderr,
+               mininterval=0.5, dynamic_ncols=True)
+    with bar:
+        if workers <= 1:
+            return asyncio.run(run_benchmark(base_url, requests, request_rate, max_concurrency, api, api_key, model,
+                                             seed, on_done=bar.update))
+        context = multiprocessing.get_context("spawn")
+        start = context.Barrier(workers + 1)
+        inbox = context.Queue()
+        done = context.Value("i", 0)
+        concurrency = -(-max_concurrency // workers) if max_concurrency else None
+        processes = [
+            context.Process(target=_worker, daemon=True, args=(
+                index, start, inbox, done, base_url, list(requests[index::workers]), request_rate / workers,
+                concurrency, api, api_key, model, seed + index))
+            for index in range(workers)
+        ]
+        for process in processes:
+            process.start()
+        start.wait()
+        started = time.monotonic()
+        shares: dict[int, list[RequestResult]] = {}
+        finished = []
+        while len(shares) < workers:
+            try:
+                index, results, ended = inbox.get(timeout=0.5)
+            except queue.Empty:
+                bar.update(done.value - bar.n)
+                continue
+            shares[index] = results
+            finished.append(ended)
+        bar.update(len(requests) - bar.n)
+        for process in processes:
+            process.join()
     ordered = [shares[i % workers][i // workers] for i in range(len(requests))]
     return ordered, max(finished) - started
 
 
-def _worker(index: int, start: Any, outbox: Any, base_url: str, requests: list[BenchRequest], request_rate: float,
-            max_concurrency: int | None, api: str, api_key: str | None, model: str | None, seed: int) -> None:
+def _worker(index: int, start: Any, outbox: Any, done: Any, base_url: str, requests: list[BenchRequest],
+            request_rate: float, max_concurrency: int | None, api: str, api_key: str | None, model: str | None,
+            seed: int) -> None:
+    def count() -> None:
+        with done.get_lock():
+            done.value += 1
+
     start.wait()
     results, _ = asyncio.run(run_benchmark(base_url, requests, request_rate, max_concurrency, api, api_key, model,
-                                           seed))
+                                           seed, on_done=count))
     outbox.put((index, results, time.monotonic()))
 
 
@@ -246,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1,
                         help="client processes sharing the requests (one Python process parses ~10k events/s)")
-    parser.add_argument("--output", default=None, help="JSON path (default bench/results/serving_<workload>_<date>.json)")
+    parser.add_argument("--output", default=None, help="JSON path (default <results folder>/serving_<workload>_<date>.json)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--keep-token-gaps", action="store_true",
                         help="write each request's inter-token gaps (itl_s, seconds) into the JSON, to see which "
                              "steps make the ITL tail (~1 MB per 100k tokens); without it they are left out")
@@ -273,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     results, wall = run_workers(args.base_url, workload.requests, args.request_rate, args.max_concurrency, args.api,
-                                args.api_key, args.model, args.seed, args.workers)
+                                args.api_key, args.model, args.seed, args.workers, progress=not args.no_progress)
     summary = summarize(results, wall)
     print(f"serving benchmark: {workload.num_requests} requests ({args.workload}), rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency or 'unlimited'}, api {args.api}, {args.base_url}, "
@@ -297,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "requests": [asdict(r) if args.keep_token_gaps else asdict(r) | {"itl_s": None} for r in results],
     }
-    out = Path(args.output) if args.output else RESULTS_DIR / (
+    out = Path(args.output) if args.output else results_dir() / (
         f"serving_{args.workload}_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))

@@ -24,6 +24,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from treadle.bench.results_folder import results_dir
+
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
 
@@ -115,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "winners": winners, "results": results}
     output = Path(args.output) if args.output else (
-        Path(__file__).resolve().parent / "results" / f"small_batch_linear_{dt.date.today():%Y%m%d}.json")
+        results_dir() / f"small_batch_linear_{dt.date.today():%Y%m%d}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     return 0

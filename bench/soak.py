@@ -19,7 +19,7 @@ A share of the requests is aborted on purpose through ``/abort_request``
   until the prefix cache has filled 90% of the KV pool (or half the soak has passed), because
   host memory that follows the cached prefixes grows until then and is bounded by the pool,
 
-prints a table and writes JSON (``bench/results/soak_<date>.json`` unless ``--output``).
+prints a table and writes JSON (``<results folder>/soak_<date>.json`` unless ``--output``).
 Exit status 0 only if every check passed.
 """
 
@@ -38,9 +38,9 @@ from typing import Any
 
 import httpx
 
+from treadle.bench.results_folder import results_dir
 from treadle.bench.workloads import usable_token_ids
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _POOL_FILLED = 0.9  # share of KV slots cached or used at which the pool counts as filled
 _WORDS = ("river stone light cloud paper garden window music winter orange silver market bridge forest "
           "engine letter island morning signal harbor candle mirror planet ticket valley").split()
@@ -389,7 +389,7 @@ def run_soak(args: argparse.Namespace, info: dict[str, Any]) -> int:
         "model": {k: info.get(k) for k in ("model_path", "served_model_name", "context_len", "device", "dtype")},
         "summary": summary,
     }
-    out = Path(args.output) if args.output else RESULTS_DIR / f"soak_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.output) if args.output else results_dir() / f"soak_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
     print(f"wrote {out}")

@@ -87,7 +87,9 @@ def build_registry(
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise PluginError(f"cannot import plugin module '{module_name}' listed under plugins: {exc}") from exc
+            raise PluginError(f"cannot import plugin module '{module_name}' listed under plugins: {exc}; it must be "
+                              "installed or in a folder on PYTHONPATH (the treadle command also looks in the "
+                              "working directory)") from exc
         if manager.is_registered(module):
             continue
         manager.register(module, name=module_name)

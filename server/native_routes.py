@@ -175,7 +175,8 @@ def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict
                                       manager.model_info.get(RESOLVED_CONFIG_KEY)),
             "kv": stats["kv"],
             **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
-            "cached_tokens_total": manager.cached_tokens_total,
+            # The scheduler's count (prompt tokens found in the prefix cache at admission), as under kv.
+            "cached_tokens_total": stats["kv"]["cached_tokens_total"],
             "running_requests": len(manager.states),
             "max_inflight_requests": manager.max_inflight_requests,
             "draining": manager.draining,

@@ -7,9 +7,12 @@ import logging
 import os
 import signal
 import sys
+import threading
+from typing import Callable
 
 LOG_FORMAT = "[treadle %(processName)s] %(asctime)s %(levelname)s %(name)s: %(message)s"
 _PR_SET_PDEATHSIG = 1
+_before_exit: list[Callable[[], None]] = []
 
 
 def configure_logging(level: str) -> None:
@@ -23,6 +26,7 @@ def configure_child_process(log_level: str) -> int:
     stops the children with SIGTERM, which exits them cleanly.
     """
     configure_logging(log_level)
+    use_a_thread_lock_for_progress_bars()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if sys.platform.startswith("linux"):
@@ -33,8 +37,27 @@ def configure_child_process(log_level: str) -> int:
     return os.getppid()
 
 
+def use_a_thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a named multiprocessing semaphore, which a process ended by a signal or ``os._exit``
+    never unlinks (the resource tracker then warns of a leak at shutdown). A child's bars are its own: a thread
+    lock serves."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
+def before_exit_on_sigterm(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` when SIGTERM ends this child (e.g. stop processes it started, remove files it made)."""
+    _before_exit.append(cleanup)
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     # The parent is stopping (or gone) and nothing here needs saving: skip the interpreter's
     # teardown of torch and friends, which takes seconds, so the whole server stops fast.
+    for cleanup in reversed(_before_exit):
+        try:
+            cleanup()
+        except Exception:  # the process is ending either way
+            logging.getLogger(__name__).exception("cleanup before exit failed")
     logging.shutdown()
     os._exit(0)

@@ -40,7 +40,7 @@ from treadle.server.ipc import (
     bind_pull,
     connect_push,
 )
-from treadle.server.process_utils import configure_child_process
+from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
 logger = logging.getLogger("treadle.scheduler_process")
 
@@ -61,9 +61,15 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
         # At parallel.tp_size > 1 this process is rank 0; it starts this node's other ranks.
         scheduler = start_scheduler(config, in_server=True)
     except BaseException as exc:
-        logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        if _caused_by_the_user(exc):  # the message says what to change; the main process prints it once
+            ready.send(("error", str(exc)))
+        else:
+            logger.error("the scheduler failed to start:\n%s", traceback.format_exc())
+            ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1)
+    stop_ranks_at_signal = getattr(scheduler, "stop_without_goodbye", None)
+    if stop_ranks_at_signal is not None:  # tensor parallel: SIGTERM may come mid-step, when no goodbye can be said
+        before_exit_on_sigterm(stop_ranks_at_signal)
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
     _install_step_trace(scheduler)
@@ -114,6 +120,20 @@ def server_model_info(scheduler: Any) -> dict[str, Any]:
         # The resolved config: every "auto" replaced by what the model runner chose.
         RESOLVED_CONFIG_KEY: scheduler.config.model_dump(mode="json"),
     }
+
+
+def _caused_by_the_user(exc: BaseException) -> bool:
+    """A start-up error that the config causes (a model path, a layout, a plugin): no traceback helps there."""
+    from treadle.core.config import ConfigError
+    from treadle.core.loading.default_model import DefaultModelError
+    from treadle.core.loading.hub import HubError
+    from treadle.core.loading.model_loader import ModelLoadError
+    from treadle.core.loading.quantization import QuantizationError
+    from treadle.core.registry import PluginError
+    from treadle.core.distributed.tensor_parallel import TensorParallelError
+
+    return isinstance(exc, (ConfigError, DefaultModelError, HubError, ModelLoadError, PluginError,
+                            QuantizationError, TensorParallelError))
 
 
 class SchedulerLoop:

@@ -147,7 +147,6 @@ class TokenizerManager:
             config.model.served_model_name or model_info.get("served_model_name") or model_info.get("model_path")
             or "default"
         )
-        self.cached_tokens_total = 0
         self.states: dict[str, _ReqState] = {}
         self._control_waiters: dict[str, asyncio.Future] = {}
         self._sync_context = zmq.Context()
@@ -414,6 +413,5 @@ class TokenizerManager:
             state.last_token_at = now
         if output.finished_reason is not None:
             self.states.pop(output.rid, None)
-            self.cached_tokens_total += output.cached_tokens
             self.metrics.on_finished(output, now - state.created)
         state.stream.queue.put_nowait(StreamEvent(state.index, output=output))

@@ -1,6 +1,10 @@
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from treadle.cli import main
 
@@ -59,3 +63,62 @@ def test_later_subcommands_exist():
     result = _run("--help")
     for command in ("plugins", "config", "serve", "generate", "bench"):
         assert command in result.stdout
+
+
+TREADLE = str(Path(sys.executable).with_name("treadle"))  # the console script a user runs (no cwd on its path)
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--model.path", "/no/such/model"], "model.path '/no/such/model' does not exist"),
+    (["--parallel.tp_size", "7"], "parallel.tp_size=7 does not divide"),
+])
+def test_generate_reports_a_user_error_in_one_line(option, message):
+    result = subprocess.run([TREADLE, "generate", "--prompt", "hi", *option], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_serve_help_shows_the_common_keys_and_where_every_key_is():
+    out = _run("serve", "--help").stdout
+    assert "--server.port" in out and "(default: 30000)" in out
+    assert "--model.path" in out and "--attention.backend" in out and "docs/config.md" in out
+
+
+def test_generate_help_describes_every_option_with_its_default():
+    out = _run("generate", "--help").stdout
+    assert "most tokens to generate (default: 64)" in out
+    assert "0 is greedy (default: 0)" in out and "the user's message" in out
+
+
+def test_plugins_set_loads_a_module_from_the_working_directory(tmp_path):
+    (tmp_path / "lab_policies.py").write_text(
+        "from treadle.core.hookspecs import hookimpl\n"
+        "from treadle.plugins.schedulers.policies import FCFSPolicy\n\n"
+        "@hookimpl\n"
+        "def treadle_register_schedule_policies(register):\n"
+        "    register('lab-fcfs', FCFSPolicy)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([TREADLE, "plugins", "--json", "--set", "plugins=[lab_policies]"], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["schedule_policies"]["lab-fcfs"] == "lab_policies"
+
+
+def test_plugins_into_a_closed_pipe_exits_quietly():
+    """`treadle plugins --json | head -1`: the reader goes away before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([TREADLE, "plugins", "--json"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_engine_is_in_dir_of_the_package():
+    import treadle
+
+    assert {"Engine", "SamplingParams", "ServerConfig"} <= set(dir(treadle))

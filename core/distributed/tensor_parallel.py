@@ -20,6 +20,7 @@ one has died; a remote one that never checks in fails it after ``dist_timeout_s`
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -95,7 +96,11 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
         remove_file_store(init_method)
         raise
     freeze_startup_objects()
-    return LeaderScheduler(scheduler, ranks, watcher)
+    leader = LeaderScheduler(scheduler, ranks, watcher)
+    # A script that ends without Engine.shutdown() still stops its ranks with a goodbye, before multiprocessing's
+    # own exit hook would terminate them (hooks run last-registered first).
+    atexit.register(leader.shutdown)
+    return leader
 
 
 def remove_file_store(init_method: str) -> None:
@@ -193,6 +198,7 @@ class LeaderScheduler:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         self.ranks.stopping = True
         try:
             self._broadcast((_STOP,))
@@ -202,6 +208,13 @@ class LeaderScheduler:
         if self.ranks.failed is None:  # after a failure a collective may never finish: no waiting on the GPU
             self.scheduler.worker.release_graphs()
         destroy_tensor_parallel()
+        remove_file_store(self.ranks.init_method)
+
+    def stop_without_goodbye(self) -> None:
+        """Stop the other ranks at once and remove the group's store: for a signal that may arrive mid-step, when
+        the ranks wait in a collective and cannot take a stop command."""
+        self._closed = True
+        self.ranks.stop()
         remove_file_store(self.ranks.init_method)
 
     def _broadcast(self, last: tuple[Any, ...]) -> None:
@@ -430,6 +443,10 @@ def _configure_rank_process(log_level: str) -> None:
     # the ranks. SIGTERM keeps its default action (a rank blocked in a collective could not run a
     # Python handler), and the kernel sends it when the parent dies.
     logging.basicConfig(level=log_level.upper(), format=_LOG_FORMAT, force=True)
+    # tqdm's default lock is a named semaphore that a rank ended by SIGTERM would leak; its bars are its own.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):

@@ -13,7 +13,7 @@ def test_arrival_trace_counts_every_gap_and_splits_steps_by_kind(tiny_llama_dir,
     code = arrival_trace.main([
         "--set", f"model.path={tiny_llama_dir}", "--device", "cpu", "--request-rate", "200", "--num-prompts", "12",
         "--input-len", "4:40", "--output-len", "3:12", "--set", "scheduler.latency_chunk_size=8",
-        "--slow-gap-ms", "0", "--show-slow", "1", "--cprofile-steps", "2", "--output", str(out),
+        "--slow-gap-ms", "0", "--show-slow", "3", "--cprofile-steps", "2", "--output", str(out),
     ])
     assert code == 0
     report = json.loads(out.read_text())
@@ -27,7 +27,13 @@ def test_arrival_trace_counts_every_gap_and_splits_steps_by_kind(tiny_llama_dir,
     assert workload["num_requests"] == 12
     assert report["gaps"] == workload["output_tokens"] - 12  # one gap between each two tokens of a request
     # Every gap is over 0 ms, so every step that delivered a later token is a slow-gap step.
-    assert report["slow_gap_steps"] > 0 and len(report["slow_gap_windows"]) == 1
+    assert report["slow_gap_steps"] >= 3 and len(report["slow_gap_windows"]) == 3
+    # Printed for a person: the overlapping windows' steps once each, and no GPU columns on the CPU.
+    step_rows = [line.split("|")[1].strip() for line in printed.splitlines() if line.startswith("| ") and
+                 line.split("|")[1].strip().isdigit()]
+    assert len(step_rows) == len(set(step_rows)) and step_rows.count(step_rows[-1]) == 1
+    assert printed.count(" slow |") == 3
+    assert "nan" not in printed and "GPU ms" not in printed
     assert report["itl_ms"]["share_over_0ms"] == 1.0
     assert "forward_hidden" in report["cprofile_prefill_launch"] or "forward" in report["cprofile_prefill_launch"]
     assert report["syncs"] == {}

@@ -212,3 +212,48 @@ def test_whole_call_steps_alternate_the_calls_and_take_the_median_pair():
     assert steps == pytest.approx([0.01, 0.015, 0.01])
     row = measurement("x", None, None, 1, prefill, steps, [], 0.005)
     assert row.decode_step_ms == pytest.approx(10.0), "the hiccup's pair does not move the median"
+
+
+def test_parameter_count_of_the_8b_shape_is_llama_3_1_8b():
+    from treadle.bench.memory_fit import dense_parameter_count
+    from treadle.bench.shapes import LLAMA_3_1_8B, MIXTRAL_8X7B
+
+    assert dense_parameter_count(LLAMA_3_1_8B) == 8_030_261_248  # the published checkpoint's count
+    assert 46.6e9 < dense_parameter_count(MIXTRAL_8X7B) < 46.8e9  # every expert counts (all are held)
+
+
+def test_fp8_variants_count_one_byte_per_projection_weight():
+    """Mixtral-8x7B in bf16 needs more than one 80 GB H100; with FP8 experts it fits (47.5 GB measured at load)."""
+    from treadle.bench.memory_fit import GIB, memory_need
+    from treadle.bench.shapes import MIXTRAL_8X7B
+
+    assert memory_need(MIXTRAL_8X7B, "bfloat16", 16 * 545).total > 80 * 10**9
+    assert 40 * GIB < memory_need(MIXTRAL_8X7B, "bfloat16", 16 * 545, fp8=True).total < 50 * GIB
+    fp8_checkpoint = {**MIXTRAL_8X7B, "quantization_config": {"quant_method": "fp8"}}
+    assert memory_need(fp8_checkpoint, "bfloat16", 0) == memory_need(MIXTRAL_8X7B, "bfloat16", 0, fp8=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_one_batch_refuses_full_shapes_at_once_without_a_gpu():
+    """The README's GPU command on a CPU machine: one error line within seconds, not an OOM kill minutes later."""
+    import subprocess
+    import sys
+    import time
+
+    treadle = str(Path(sys.executable).with_name("treadle"))
+    start = time.monotonic()
+    result = subprocess.run([treadle, "bench", "one-batch", "--backends", "triton,flashinfer"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and time.monotonic() - start < 60
+    assert result.stderr.startswith("error: one-batch measures llama-3.1-8b shapes on a GPU"), result.stderr
+    assert "--tiny" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_one_batch_refuses_a_shape_that_does_not_fit_the_memory():
+    from treadle.bench.memory_fit import available_bytes, memory_need
+    from treadle.bench.shapes import LLAMA_3_1_70B
+
+    if memory_need(LLAMA_3_1_70B, "bfloat16", 0).total < available_bytes(torch.device("cpu")):
+        pytest.skip("this machine holds the 70B shape")
+    with pytest.raises(SystemExit, match=r"needs about \d+\.\d GiB .* GiB is available on this machine; try"):
+        main(["--device", "cpu", "--shape", "llama-3.1-70b", "--backends", "torch_native", "--no-hf"])

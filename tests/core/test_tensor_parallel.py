@@ -186,3 +186,32 @@ def test_kv_heads_that_cannot_be_replicated_evenly_fail(tmp_path):
 def test_invalid_parallel_layouts_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides, use_env=False)
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+from treadle import Engine
+
+if __name__ == "__main__":
+    engine = Engine({"model": {"path": sys.argv[1], "device": "cpu"}, "parallel": {"tp_size": 2},
+                     "server": {"log_level": "warning"}})
+    print(engine.generate(input_ids=[5, 17, 99], sampling_params={"max_new_tokens": 3}).token_ids)
+"""
+
+
+def test_a_script_ending_without_shutdown_stops_its_ranks_cleanly(tmp_path):
+    """No 'exited unexpectedly', no leaked-semaphore warning, no file store left: the ranks are told to stop."""
+    import subprocess
+    import sys
+
+    path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    stores = tmp_path / "tmp"
+    stores.mkdir()
+    result = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TMPDIR": str(stores)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for alarm in ("unexpectedly", "leaked", "resource_tracker", "Traceback"):
+        assert alarm not in result.stderr, result.stderr[-3000:]
+    assert not list(stores.glob("treadle-tp-*"))

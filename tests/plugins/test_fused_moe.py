@@ -88,27 +88,40 @@ def triton_sort(tokens, experts, top_k, block_m, seed=0, every=1):
     return ok and torch.equal(rows.view(-1, block_m).sort(dim=1).values, want_rows.view(-1, block_m).sort(dim=1).values)
 
 def row_order_within_runs(tokens, experts, top_k, seed=12):
-    # fused_experts through the Triton sort equals it through the PyTorch sort, also with each block's rows reversed
-    # (padding first): a tile computes every row on its own.
+    # fused_experts through the Triton sort against it through the PyTorch sort, also with each block's rows
+    # reversed (padding first): a tile computes every row on its own, so only float rounding may differ (the
+    # interpreter's matmuls may sum in another order for another row order). Also reported: the same call with
+    # each block given the next expert, the size of error a wrong row-to-expert pairing makes.
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, 64, generator=g).half()
     w13 = (torch.randn(experts, 2 * 48, 64, generator=g) * 0.125).half()
     w2 = (torch.randn(experts, 64, 48, generator=g) * 0.15).half()
     weights, ids = R.route_top_k(torch.randn(tokens, experts, generator=g), top_k)
     config = K.default_config(tokens * top_k, torch.float16)
-    got = K.fused_experts(x, w13, w2, weights, ids, config)
+    got = K.fused_experts(x, w13, w2, weights, ids, config).float()
     triton_align = K.align_by_expert
-    outputs = []
-    for reverse in (False, True):
-        def torch_align(topk_ids, num_experts, block_m, reverse=reverse):
-            rows, block_experts = K.align_by_expert_reference(topk_ids, num_experts, block_m)
-            return (rows.view(-1, block_m).flip(1).reshape(-1) if reverse else rows), block_experts
-        K.align_by_expert = torch_align
+
+    def run_with(align):
+        K.align_by_expert = align
         try:
-            outputs.append(K.fused_experts(x, w13, w2, weights, ids, config))
+            return K.fused_experts(x, w13, w2, weights, ids, config).float()
         finally:
             K.align_by_expert = triton_align
-    return all(torch.equal(got, out) for out in outputs)
+
+    def torch_align(reverse):
+        def align(topk_ids, num_experts, block_m):
+            rows, block_experts = K.align_by_expert_reference(topk_ids, num_experts, block_m)
+            return (rows.view(-1, block_m).flip(1).reshape(-1) if reverse else rows), block_experts
+        return align
+
+    def next_expert(topk_ids, num_experts, block_m):
+        rows, block_experts = K.align_by_expert_reference(topk_ids, num_experts, block_m)
+        return rows, (block_experts + 1) % num_experts
+
+    scale = got.abs().max().item()
+    reordered = max((run_with(torch_align(reverse)) - got).abs().max().item() for reverse in (False, True))
+    wrong = (run_with(next_expert) - got).abs().max().item()
+    return {"reordered": reordered / scale, "wrong_expert": wrong / scale}
 
 results = {
     "fp32_decode_one_token": case(1, 4, 2, 64, 96, torch.float32, config=K.default_config(2, torch.float32)),
@@ -184,7 +197,12 @@ def test_triton_sort_puts_the_torch_sorts_rows_in_each_block(kernel_results, nam
 
 
 def test_grouped_experts_do_not_depend_on_the_row_order_within_a_run(kernel_results):
-    assert kernel_results["row_order_within_runs"]
+    """Equal up to float16 rounding, not bit-equal: the Triton interpreter's matmuls (numpy's BLAS) may sum a tile in
+    another order when its rows come in another order, which changes the last bit on some CPUs."""
+    differences = kernel_results["row_order_within_runs"]
+    assert differences["reordered"] <= TOLERANCE["fp16"], differences
+    # The tolerance is far below what pairing rows with the wrong expert does.
+    assert differences["wrong_expert"] > 50 * TOLERANCE["fp16"], differences
 
 
 def test_router_renormalises_the_top_k_softmax():

@@ -340,6 +340,8 @@ def test_info_routes_and_metrics(http: httpx.Client, tiny_model_dir: str) -> Non
     assert "resolved_config" not in info and "resolved_config" not in server_info["model_info"]
     assert {"total_slots", "free_slots", "cached_slots"} <= set(server_info["kv"])
     assert server_info["cached_tokens_total"] > 0  # earlier tests repeated prompts
+    # One count, reported twice: the top-level total is the scheduler's (aborted and timed-out requests included).
+    assert server_info["cached_tokens_total"] == server_info["kv"]["cached_tokens_total"]
     assert http.get("/health_generate").status_code == 200
     metrics = http.get("/metrics").text
     for name in ("treadle_requests_finished_total", "treadle_prompt_tokens_total", "treadle_generation_tokens_total",
@@ -544,7 +546,9 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert summary["total_output_tokens"] == record["workload"]["output_tokens"]
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
     assert summary["itl_ms"]["p90"] > 0
-    assert "ITL (ms)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "ITL (ms)" in printed.out
+    assert "requests: 100%" in printed.err and "6/6" in printed.err  # the progress bar, on stderr
     assert record["command"].startswith("treadle bench serving --base-url") and record["machine"]["cpu_count"]
     assert API_KEY not in out.read_text() and "--api-key ***" in record["command"]
     assert all(request["itl_s"] is None for request in record["requests"])  # left out unless asked for
@@ -580,6 +584,7 @@ def test_bench_serving_runs_as_a_module_with_several_client_processes(server: Se
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 client processes" in done.stdout
+    assert "requests: 100%" in done.stderr and "5/5" in done.stderr  # the workers' requests, counted here
     records = [json.loads(path.read_text()) for path in (one, two)]
     assert records[1]["summary"]["completed"] == 5 and records[1]["client_workers"] == 2
     assert [r["prompt_tokens"] for r in records[1]["requests"]] == [r["prompt_tokens"] for r in records[0]["requests"]]

@@ -168,6 +168,7 @@ def test_a_deadline_returns_what_was_generated_with_finish_reason_length(server:
         "ignore_eos": True, "timeout": 0.2})
     assert time.monotonic() - start < 0.9
     assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].model_extra["matched_stop"] == "timeout"  # as docs/server.md says
     assert 0 < reply.usage.completion_tokens < 480
     chunks = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "tock"}], max_tokens=480, stream=True,

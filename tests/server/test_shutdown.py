@@ -145,6 +145,16 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(long_context_model
         assert handle.process.wait(30) == 0, handle.log()[-3000:]
         _wait_gone(list(pids.values()), 5)
         _port_free(handle.port)
+        assert_nothing_alarming(handle)
+
+
+def assert_nothing_alarming(handle: ServerHandle) -> None:
+    """A clean stop's log: no leaked-semaphore warning (multiprocessing's resource tracker prints it as it ends,
+    just after the server), no traceback, no process said to have died."""
+    time.sleep(1)
+    log = handle.log()
+    for alarm in ("resource_tracker", "leaked", "Traceback", "unexpectedly"):
+        assert alarm not in log, log[-3000:]
 
 
 def test_requests_outliving_the_shutdown_timeout_are_aborted(long_context_model: str, make_config) -> None:

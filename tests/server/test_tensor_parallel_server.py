@@ -65,6 +65,39 @@ def test_tp2_server_matches_tp1_and_a_dead_rank_takes_it_down(tiny_model_dir, ma
         handle.shutdown(signal.SIGKILL)
 
 
+def test_tp2_server_stopped_by_sigterm_leaves_nothing_behind(tiny_model_dir, make_config, tmp_path):
+    """A clean stop at tp 2: exit 0, nothing alarming in the log, no rank left, no file store left in the temp
+    folder."""
+    config = make_config(tiny_model_dir)
+    config.model.device = "cpu"
+    config.parallel.tp_size = 2
+    handle = launch_server(config, timeout=240, env={"TMPDIR": str(tmp_path)})
+    try:
+        rank1 = int(_info(handle)["model_info"]["tp_rank_pids"]["1"])
+        assert _completions(handle)
+    finally:
+        assert handle.shutdown(signal.SIGTERM) == 0, handle.log()[-3000:]
+    time.sleep(1)  # the resource tracker, which would warn of leaks, ends just after the server
+    for alarm in ("resource_tracker", "leaked", "Traceback", "unexpectedly"):
+        assert alarm not in handle.log(), handle.log()[-3000:]
+    assert not list(tmp_path.glob("treadle-tp-*"))
+    assert _gone_within(rank1, 5)
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` ends (or is a zombie: ended, not yet reaped) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1][0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_two_nodes_serve_one_tp2_group(tiny_model_dir, make_config, expected_texts, tmp_path):
     config = make_config(tiny_model_dir)
     config.model.device = "cpu"
