@@ -21,6 +21,7 @@ unless ``--output``).
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import datetime as dt
 import json
 import statistics
@@ -50,7 +51,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the fused-MoE benchmark needs a CUDA GPU")
-    from treadle.layers import fused_moe
     from treadle.kernels import fused_moe as fused_moe_kernels
 
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -65,40 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
         scales = {"w13_scale": s13, "w2_scale": s2}
     expert_bytes = 3 * hidden * inter * w13.element_size()
     fp8_rows = args.fp8 and fused_moe_kernels.w8a8_enabled()  # the grouped GEMM's W8A8 tiles
+    experts_under_test = _Experts(w13, w2, scales, experts, top_k, hidden, expert_bytes, fp8_rows, args.fp8)
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
-        weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
-        triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
-        graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
-        grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16, fp8_rows=fp8_rows)
-        grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
-        grouped_graph_ms = _time_graph(
-            lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
-        # The GEMVs forced (up to 128 tokens: their cost grows with every assignment), for the threshold.
-        gemv_graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts_gemv(
-            x, w13, w2, weights, ids, **scales)) if tokens <= 128 else None
-        align_ms = _time(lambda: fused_moe_kernels.align_by_expert(ids, experts, grouped.block_m))
-        align_torch_ms = _time(lambda: fused_moe_kernels.align_by_expert_reference(ids, experts, grouped.block_m))
-        torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()))
-        got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales).float()
-        want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()).float()
-        active = int(torch.unique(ids).numel())
-        row = {
-            "tokens": tokens, "path": "gemv" if fused_moe_kernels.takes_gemv(tokens, top_k, experts, args.fp8) else "grouped",
-            "triton_ms": round(triton_ms, 4), "graph_ms": round(graph_ms, 4), "grouped_ms": round(grouped_ms, 4),
-            "grouped_graph_ms": round(grouped_graph_ms, 4),
-            "gemv_graph_ms": round(gemv_graph_ms, 4) if gemv_graph_ms is not None else None,
-            "align_ms": round(align_ms, 4),
-            "align_torch_ms": round(align_torch_ms, 4),
-            "torch_loop_ms": round(torch_ms, 4), "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
-            "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
-            "max_rel_diff": float((got - want).abs().max() / want.abs().max()),
-        }
-        if args.sweep:
-            row["sweep"] = _sweep(
-                lambda config: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, config, **scales),
-                tokens * top_k, fp8_rows)
+        row = _measure_tokens(tokens, experts_under_test, generator, args.sweep)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {
@@ -123,6 +93,63 @@ def main(argv: list[str] | None = None) -> dict:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
     return result
+
+
+@dataclass
+class _Experts:
+    """The expert weights under test and what the rows report about them."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    scales: dict[str, torch.Tensor]
+    experts: int
+    top_k: int
+    hidden: int
+    expert_bytes: int
+    fp8_rows: bool
+    fp8: bool
+
+
+def _measure_tokens(tokens: int, moe: _Experts, generator: torch.Generator, sweep: bool) -> dict:
+    """One row: every path's time for ``tokens`` tokens routed to ``moe``, and the kernel's error."""
+    from treadle.kernels import fused_moe as fused_moe_kernels
+    from treadle.layers import fused_moe
+
+    w13, w2, scales, experts, top_k = moe.w13, moe.w2, moe.scales, moe.experts, moe.top_k
+    hidden, expert_bytes, fp8_rows = moe.hidden, moe.expert_bytes, moe.fp8_rows
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+    weights, ids = fused_moe.route_top_k(torch.randn(tokens, experts, device="cuda", generator=generator), top_k)
+    triton_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
+    graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales))
+    grouped = fused_moe_kernels.default_config(tokens * top_k, torch.bfloat16, fp8_rows=fp8_rows)
+    grouped_ms = _time(lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
+    grouped_graph_ms = _time_graph(
+        lambda: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, grouped, **scales))
+    # The GEMVs forced (up to 128 tokens: their cost grows with every assignment), for the threshold.
+    gemv_graph_ms = _time_graph(lambda: fused_moe_kernels.fused_experts_gemv(
+        x, w13, w2, weights, ids, **scales)) if tokens <= 128 else None
+    align_ms = _time(lambda: fused_moe_kernels.align_by_expert(ids, experts, grouped.block_m))
+    align_torch_ms = _time(lambda: fused_moe_kernels.align_by_expert_reference(ids, experts, grouped.block_m))
+    torch_ms = _time(lambda: fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()))
+    got = fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, **scales).float()
+    want = fused_moe.fused_experts_reference(x, w13, w2, weights, ids, *scales.values()).float()
+    active = int(torch.unique(ids).numel())
+    row = {
+        "tokens": tokens, "path": "gemv" if fused_moe_kernels.takes_gemv(tokens, top_k, experts, moe.fp8) else "grouped",
+        "triton_ms": round(triton_ms, 4), "graph_ms": round(graph_ms, 4), "grouped_ms": round(grouped_ms, 4),
+        "grouped_graph_ms": round(grouped_graph_ms, 4),
+        "gemv_graph_ms": round(gemv_graph_ms, 4) if gemv_graph_ms is not None else None,
+        "align_ms": round(align_ms, 4),
+        "align_torch_ms": round(align_torch_ms, 4),
+        "torch_loop_ms": round(torch_ms, 4), "speedup": round(torch_ms / triton_ms, 2), "experts_hit": active,
+        "weight_gbps": round(active * expert_bytes / triton_ms / 1e6, 1),
+        "max_rel_diff": float((got - want).abs().max() / want.abs().max()),
+    }
+    if sweep:
+        row["sweep"] = _sweep(
+            lambda config: fused_moe_kernels.fused_experts(x, w13, w2, weights, ids, config, **scales),
+            tokens * top_k, fp8_rows)
+    return row
 
 
 def _sweep(run, num_rows: int, fp8_rows: bool = False) -> list[dict]:

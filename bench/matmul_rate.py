@@ -5,7 +5,7 @@
 Per BLAS library (``torch.backends.cuda.preferred_blas_library``), row count M and projection (N x K): bfloat16
 ``F.linear`` timed with CUDA events over 30 calls, each on another of three weight copies, in TFLOP/s; the
 ``layer`` column is the four projections of one decoder layer together. A prefill step of M tokens and a decode
-step of M requests run these matmuls, so this is the rate their weight FLOPs can reach (docs/benchmarks-history.md,
+step of M requests run these matmuls, so this is the rate their weight FLOPs can reach (docs/lab/benchmarks-history.md,
 "What 12,000 out tok/s would need").
 """
 

@@ -205,15 +205,7 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     profiles[key] = profile_prefill(worker, label, length, prompts=count)
             if not hf_done:
                 hf_done = True
-                for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
-                    for bs in batch_sizes:
-                        try:
-                            results.append(run_hf(worker.runner, prompts[bs], args, bandwidth, compiled=compiled))
-                        except Exception as exc:  # a compile failure is reported, not fatal
-                            skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
-                            print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
-                            continue
-                        print(format_row(results[-1]))
+                _hf_rows(worker, prompts, args, bandwidth, device, results, skipped)
             worker = _release(worker)
             if use_graph and device.type == "cuda" and not args.no_engine:
                 if options:
@@ -231,6 +223,26 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     for profile in profiles.values():
         print()
         print(format_profile(profile))
+    _write_report(args, argv, device, bandwidth, results, skipped, profiles)
+    return 0
+
+
+def _hf_rows(worker: Any, prompts: dict[int, torch.Tensor], args: argparse.Namespace, bandwidth: float,
+             device: torch.device, results: list[Measurement], skipped: dict[str, str]) -> None:
+    """HF transformers ``generate`` on the worker's weights, eager (and compiled on CUDA), at every batch size."""
+    for compiled in ([False] if args.no_hf_compiled or device.type != "cuda" else [False, True]):
+        for bs, batch_prompts in prompts.items():
+            try:
+                results.append(run_hf(worker.runner, batch_prompts, args, bandwidth, compiled=compiled))
+            except Exception as exc:  # a compile failure is reported, not fatal
+                skipped[f"hf-compiled bs={bs}"] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"skipped hf-compiled bs={bs}: {skipped[f'hf-compiled bs={bs}']}")
+                continue
+            print(format_row(results[-1]))
+
+
+def _write_report(args: argparse.Namespace, argv: Sequence[str] | None, device: torch.device, bandwidth: float,
+                  results: list[Measurement], skipped: dict[str, str], profiles: dict[str, Any]) -> None:
     report = {
         "benchmark": "one_batch",
         "command": "treadle bench one-batch " + shlex.join(list(argv if argv is not None else sys.argv[1:])),
@@ -251,7 +263,6 @@ def _measure(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {output}")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------

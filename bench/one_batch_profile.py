@@ -12,7 +12,7 @@ from treadle.bench.one_batch_steps import decode_step, place_batch, prefill
 from treadle.bench.roofline import synchronize
 from treadle.bench.step_meter import kernel_category
 
-# A prefill of this many tokens: the size of the small prefill steps in the offline runs (docs/benchmarks-history.md).
+# A prefill of this many tokens: the size of the small prefill steps in the offline runs (docs/lab/benchmarks-history.md).
 PROFILE_PREFILL_TOKENS = 300
 
 

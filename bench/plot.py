@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = [load_run(spec) for spec in args.results]
     kinds = {run.kind for run in runs}
     if len(kinds) != 1 or not kinds <= set(KINDS.values()):
-        raise SystemExit(f"error: bench plot draws offline, one-batch or serving results, one kind per plot; got "
+        raise SystemExit("error: bench plot draws offline, one-batch or serving results, one kind per plot; got "
                          + ", ".join(f"{run.path.name}: {run.kind}" for run in runs))
     plt = _pyplot()
     kind = kinds.pop()

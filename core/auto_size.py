@@ -24,21 +24,21 @@ TOKENS_PER_RUNNING_REQUEST = 256
 # host's per-request work grows: larger limits stop paying (measured on an H100).
 _GPU_RUNNING_CAPS = ((24 * GiB, 128), (48 * GiB, 256))
 _LARGE_GPU_RUNNING_CAP = 512
-# Mixed prefill+decode batches on CUDA: see docs/benchmarks-history.md for the A/B (dense 8B shapes: 0.96-0.99x).
+# Mixed prefill+decode batches on CUDA: see docs/lab/benchmarks-history.md for the A/B (dense 8B shapes: 0.96-0.99x).
 # A model may prefer them (``prefers_mixed_chunks``: Qwen3-30B-A3B, 1.17x).
 MIXED_CHUNK_ON_CUDA = False
 # While a trickle of requests arrives (fewer decoding than this, and at most one chunk of prompts waiting),
 # each step carries at most this many prompt tokens mixed into the decode batch: on an H100 a step of a few
 # hundred rows costs little more than a decode step (it is bound by reading the weights), so a new prompt
 # no longer stalls the streams for a prefill step of its own. Measured at 4 req/s on 8B shapes
-# (docs/benchmarks-history.md): 256 / 384 / 512 gave TTFT p50 34.7 / 29.5 / 29.7 ms and ITL p99 11.1 / 13.2 / 12.7 ms;
+# (docs/lab/benchmarks-history.md): 256 / 384 / 512 gave TTFT p50 34.7 / 29.5 / 29.7 ms and ITL p99 11.1 / 13.2 / 12.7 ms;
 # off 28.3 / 19.4 ms.
 GPU_LATENCY_CHUNK_SIZE = 512
 # Prompt tokens per prefill step (``scheduler.chunked_prefill_size: auto``). Through the server a prefill step
 # stalls every running stream for its whole length, so chunks stay at 2048. An offline Engine batch has no
 # stream to stall, and on an H100 a larger step costs less per token (the issue-10 workload, four pairs in three
 # calls: 4096 ran 1.00-1.03x the out tok/s of 2048, +1.2% on average, prefill GPU time -3.5 to -5%;
-# docs/benchmarks-history.md).
+# docs/lab/benchmarks-history.md).
 SERVER_CHUNKED_PREFILL_SIZE = 2048
 OFFLINE_GPU_CHUNKED_PREFILL_SIZE = 4096
 # Decode steps a small prefill may wait for more requests while the decode batch is large (docs/scheduling.md).

@@ -12,7 +12,7 @@ activated intermediate) are quantized per row first (``fp8_ops.quantize_per_toke
 FP8 layers' ``torch._scaled_mm`` takes them) and each tile's float32 sums are scaled by both scales. Tiles of 64+
 rows run on Hopper's FP8 tensor cores; Triton widens 16-row tiles' operands to f16 (exactly) for its mma. Widening the
 weights to 16 bits instead (W8A16: the GEMVs below, the interpreter, ``TREADLE_MOE_W8A8=0``) made a Mixtral-8x7B
-prefill compute-bound on the conversions (docs/benchmarks-history.md).
+prefill compute-bound on the conversions (docs/lab/benchmarks-history.md).
 
 A decode step of a few tokens (fewer assignments than experts; FP8 experts up to 0.75 per expert: :func:`takes_gemv`)
 takes two GEMV kernels instead (:func:`fused_experts_gemv`): each program streams a few rows of one assignment's expert
@@ -47,7 +47,7 @@ class BlockConfig:
 
 def default_config(num_rows: int, dtype: torch.dtype, fp8_rows: bool = False) -> BlockConfig:
     """Tiles by the number of (token, expert) rows. ``bench/fused_moe.py --sweep`` at Mixtral-8x7B's shapes on an
-    H100 (docs/benchmarks-history.md): 128-row tiles take 8192 rows in 6.7 ms against 9.5 ms with 64; the smaller
+    H100 (docs/lab/benchmarks-history.md): 128-row tiles take 8192 rows in 6.7 ms against 9.5 ms with 64; the smaller
     sizes keep their first guesses (the sweep found at most ~10% there, within one run's noise). ``fp8_rows``: the
     W8A8 GEMM, whose K steps load as many bytes at twice the elements."""
     block_k = 128 if fp8_rows else 32 if dtype == torch.float32 else 64
@@ -110,7 +110,7 @@ def _rows_for(a: torch.Tensor, w8a8: bool) -> tuple[torch.Tensor, torch.Tensor |
     return quantize_per_token(a)
 
 
-# Where the GEMVs stop paying, on an H100 (docs/benchmarks-history.md, "Fused MoE"; CUDA-graph replays): 16-bit
+# Where the GEMVs stop paying, on an H100 (docs/lab/benchmarks-history.md, "Fused MoE"; CUDA-graph replays): 16-bit
 # experts once there are as many assignments as experts (Mixtral-8x7B at 4 tokens, Qwen3-30B-A3B at 16); FP8
 # experts, whose grouped GEMM is W8A8, past 0.75 assignments per expert (`bench/fused_moe.py --fp8`, JSON
 # `fused_moe_..._20261126_fp8_threshold_*.json`: Mixtral-8x7B's GEMVs 0.235 against 0.274 ms at 2 tokens, even at 4,
@@ -273,7 +273,7 @@ def align_by_expert_reference(
 
 # The sizes that change from batch to batch are not specialized on (divisible by 16 or not, 1 or not): prefill runs
 # eagerly at any size above the piecewise graphs' largest, and each new specialization compiled mid-run (0.4-1.6 s
-# for a step of Qwen3-30B-A3B's 1,189 tokens on the H100, docs/benchmarks-history.md). They only bound masks and loops.
+# for a step of Qwen3-30B-A3B's 1,189 tokens on the H100, docs/lab/benchmarks-history.md). They only bound masks and loops.
 @triton.jit(do_not_specialize=["num_rows"])
 def _count_experts_kernel(Ids, Chunk_counts, num_rows, CHUNK: tl.constexpr, EXPERTS_POW2: tl.constexpr):
     chunk = tl.program_id(0)

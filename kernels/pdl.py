@@ -21,7 +21,7 @@ waits), the add + RMSNorm kernel (it loads its weight first) and the Triton deco
 go-ahead after their weight loop, the others not at all (they end on their own): on the H100, earlier go-aheads
 (as soon as a GEMV or the attention has waited, or after a GEMV's first block or the attention's chunk) were
 slower, the next kernel's early programs taking SM slots and bandwidth from the one still running, and so were
-FP8's tiles with PDL (docs/benchmarks-history.md). Kernels that do not use PDL (cuBLAS, PyTorch's) are ordered as usual.
+FP8's tiles with PDL (docs/lab/benchmarks-history.md). Kernels that do not use PDL (cuBLAS, PyTorch's) are ordered as usual.
 ``TREADLE_PDL=0`` turns it off for A/B runs; it is off before Hopper and under the Triton interpreter.
 """
 

@@ -257,7 +257,7 @@ def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.con
         w_ptrs += BLOCK_K
         x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
         acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
-    allow_next(PDL)  # after the weight loop: an earlier go-ahead measured slower (docs/benchmarks-history.md)
+    allow_next(PDL)  # after the weight loop: an earlier go-ahead measured slower (docs/lab/benchmarks-history.md)
     return acc
 
 
@@ -342,7 +342,7 @@ class SmallBatchConfig(NamedTuple):
 
 
 # Tried at load per weight shape (small_batch.py). On an H100 the GEMVs win at one row for Llama-3.1-8B's FP8
-# projections (docs/benchmarks-history.md, FP8: tiles of 4-8 rows x 1-2k columns, split-K 2 for the 14336-wide
+# projections (docs/lab/benchmarks-history.md, FP8: tiles of 4-8 rows x 1-2k columns, split-K 2 for the 14336-wide
 # down_proj); at 2-32 rows the W8A8 tiles win for qkv, o_proj and gate_up (64 x 256, 32 x 512, 128 x 256) and
 # split-K tiles that widen the weight for down_proj (32 x 256 split-K 4 at 16 rows, 64 x 128 split-K 4 at 32).
 FP8_CONFIGS = (
@@ -363,7 +363,7 @@ FP8_CONFIGS = (
 
 # 16-bit weights: tl.dot tiles with half the elements of FP8's, so each load moves as many bytes, the two that
 # read Llama-3.1-8B's gate_up and down_proj faster than cuBLAS at 32 rows on an H100 (128 x 128 and 32 x 256 tiles,
-# docs/benchmarks-history.md), and the one-row GEMVs, which read 16 KB tiles of 4 rows (10% faster than cuBLAS per
+# docs/lab/benchmarks-history.md), and the one-row GEMVs, which read 16 KB tiles of 4 rows (10% faster than cuBLAS per
 # layer).
 SIXTEEN_BIT_CONFIGS = (
     SmallBatchConfig(32, 128, 4, 4, split_k=4),
@@ -431,7 +431,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     programs = grid[0] * grid[1] * grid[2]
     # Launched with PDL (kernels/pdl.py): the kernel reads (the GEMV) or asks L2 for (the tiles) its first weight
     # blocks while the kernel before it finishes. Not FP8's tiles: with PDL FP8 decode of 16-32 requests was
-    # 3-6% slower on the H100, 16-bit tiles 1-3% faster (docs/benchmarks-history.md).
+    # 3-6% slower on the H100, 16-bit tiles 1-3% faster (docs/lab/benchmarks-history.md).
     pdl = pdl_enabled(x.device) and (config.gemv or weight.element_size() == 2)
     lines = prefetch.numel() // 128 if prefetch is not None else 0
     first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
@@ -443,7 +443,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
         HAS_SCALE=has_scale, EVEN=even, SILU_MUL=silu_mul,
         # The tl.dot tiles read a 16-bit weight once per step with evict_first too (like the GEMVs); FP8's were
-        # slower with it on an H200 (docs/benchmarks-history.md).
+        # slower with it on an H200 (docs/lab/benchmarks-history.md).
         EVICT_ROWS=weight.element_size() == 2,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         Prefetch=prefetch if lines else weight, prefetch_lines=lines,
@@ -475,7 +475,7 @@ _prefetching: dict[torch.device, int] = {}
 
 def _prefetching_programs(device: torch.device) -> int:
     """How many of a kernel's last programs share its L2 prefetch: twice the SMs, the programs of its last waves
-    (on an H100, 264 did as well as 132 and better than 528, 1024 or all, docs/benchmarks-history.md)."""
+    (on an H100, 264 did as well as 132 and better than 528, 1024 or all, docs/lab/benchmarks-history.md)."""
     if device not in _prefetching:
         _prefetching[device] = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return _prefetching[device]

@@ -102,6 +102,13 @@ def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> tuple[l
 
 
 def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
+    """``/generate``, the health and info routes, the admin routes and ``/metrics``."""
+    _add_generate_route(app, manager)
+    _add_health_and_info_routes(app, manager, server_info)
+    _add_admin_routes(app, manager)
+
+
+def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         prompts, is_batch = _native_prompts(manager, body)
@@ -138,6 +145,8 @@ def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict
         payload = [r.to_json(stop) for r in results]
         return JSONResponse(payload if is_batch else payload[0])
 
+
+def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if manager.dead_reason is not None:
@@ -186,6 +195,17 @@ def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict
             "memory": {"rss_bytes": {name: resident_bytes(pid) for name, pid in pids.items()}},
         })
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = await manager.control("stats", timeout=2.0)
+            manager.metrics.set_scheduler_stats(stats["kv"], stats.get("replicas"))
+        except RequestError:
+            pass  # still serve the counters when the scheduler is busy or gone
+        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_admin_routes(app: FastAPI, manager: TokenizerManager) -> None:
     async def flush_cache() -> JSONResponse:
         result = await manager.control("flush_cache")
         if not result.get("success"):
@@ -202,15 +222,6 @@ def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict
         for rid in targets:
             manager.abort(rid, keep_waiting=True)
         return JSONResponse({"success": bool(targets), "aborted": targets})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        try:
-            stats = await manager.control("stats", timeout=2.0)
-            manager.metrics.set_scheduler_stats(stats["kv"], stats.get("replicas"))
-        except RequestError:
-            pass  # still serve the counters when the scheduler is busy or gone
-        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def resident_bytes(pid: int | None) -> int | None:

@@ -325,7 +325,7 @@ def argmax_last_dim(x: torch.Tensor) -> torch.Tensor:
     NaN counting as the maximum). On a GPU one Triton launch (kernels/argmax.py); elsewhere two passes where the
     vocabulary splits into groups of 64-256: each group's max, then the best group. One argmax over a 128k
     vocabulary ran as a single 30 µs reduction per decode step on an H100, the two passes as five launches
-    (docs/benchmarks-history.md)."""
+    (docs/lab/benchmarks-history.md)."""
     rows, vocab = x.shape
     if x.is_cuda and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
         from treadle.kernels.argmax import argmax_rows

@@ -5,7 +5,7 @@ On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is faster t
 measured: 1.09x at one request (one kernel per layer, where FlashInfer's graph decode writes the K/V, decodes and
 merges split-KV partials in three) and 1.16x at 384 since its chunks follow the batch size (2026-11-26); the offline
 run of 1000 requests made 2% more tokens per second with decode batches of up to 512 on Triton than with those above
-256 on FlashInfer (docs/benchmarks-history.md). Both backends read and write the same KV cache, so each decode batch
+256 on FlashInfer (docs/lab/benchmarks-history.md). Both backends read and write the same KV cache, so each decode batch
 can go to either: ``attention.backend: auto`` picks this backend where both are installed.
 """
 

@@ -236,7 +236,7 @@ def test_reference_equals_a_dense_loop_over_tokens():
 
 
 def test_the_gemvs_take_the_batch_sizes_where_they_measured_faster():
-    """The crossovers measured on an H100 (docs/benchmarks-history.md, "Fused MoE", and fused_moe_kernels.py): 16-bit
+    """The crossovers measured on an H100 (docs/lab/benchmarks-history.md, "Fused MoE", and fused_moe_kernels.py): 16-bit
     experts run the GEMVs while there are fewer assignments than experts, FP8 experts (against the W8A8 grouped
     GEMM) up to 0.75 per expert."""
     from treadle.kernels import fused_moe as K

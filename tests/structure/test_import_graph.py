@@ -19,7 +19,7 @@ def package_modules() -> dict[str, Path]:
     modules = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT).parts
-        if SKIPPED_PARTS & set(parts):
+        if SKIPPED_PARTS & set(parts) or any(part.startswith(".") for part in parts):
             continue
         dotted = ".".join(("treadle", *parts))[: -len(".py")]
         modules[dotted.removesuffix(".__init__")] = path
@@ -143,3 +143,28 @@ def test_dependencies_point_inward(importer, imported):
 
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
+
+
+# Module and function sizes (STYLE.md / DESIGN.md): a module past this many lines is split by job, a function past
+# this many lines is split into named steps; Triton kernels (decorated ``@triton.jit``) are exempt.
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _is_kernel(node: ast.AST) -> bool:
+    return any("jit" in ast.unparse(decorator) or "autotune" in ast.unparse(decorator)
+               for decorator in getattr(node, "decorator_list", []))
+
+
+def test_modules_and_functions_stay_small():
+    too_long = []
+    for name, path in package_modules().items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {source.count(chr(10))} lines (split it by job)")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_kernel(node):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)

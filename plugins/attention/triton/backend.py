@@ -103,12 +103,12 @@ class TritonAttnBackend(AttentionBackend):
         self.min_split_tokens = 128
         self.decode_block_n: int | None = None
         # On an H100 (Llama-3.1-8B shapes) 128 keys per iteration made a one-request decode step 0.14 ms faster
-        # than 64 and 64 requests 0.2 ms slower (docs/benchmarks-history.md); wider heads or float32 caches keep 64 so
+        # than 64 and 64 requests 0.2 ms slower (docs/lab/benchmarks-history.md); wider heads or float32 caches keep 64 so
         # a tile's K and V fit in shared memory.
         self._wide_decode_blocks = self.head_dim <= 128 and kv_dtype != torch.float32
         # Splitting a request's keys over more programs pays only while the batch's (request, KV head) pairs leave
         # SMs idle; on an H100 one pipelining stage more read KV 8-9% faster from 32 to 256 requests (both in
-        # docs/benchmarks-history.md). Three stages of 128-key K and V tiles need Hopper's ~227 KB of shared memory.
+        # docs/lab/benchmarks-history.md). Three stages of 128-key K and V tiles need Hopper's ~227 KB of shared memory.
         self.decode_target_programs: int | None = None
         self.decode_num_stages: int | None = None
         props = torch.cuda.get_device_properties(self.device) if self.device.type == "cuda" else None

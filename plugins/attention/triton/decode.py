@@ -3,7 +3,7 @@
 Each request's visible keys are split into chunks of at least ``min_split_tokens``,
 at most ``max_kv_splits`` of them, and no more than a large batch needs to fill the
 GPU (``target_programs``: on an H100 a batch of 32 requests read its KV 1.2x faster
-in one chunk per request than in five, docs/benchmarks-history.md); one program handles
+in one chunk per request than in five, docs/lab/benchmarks-history.md); one program handles
 (request, KV head, chunk) for every query head that shares that
 KV head (GQA), reading KV slots through ``req_to_token``. A request with one
 chunk writes its output directly. Otherwise each program stores a partial output
