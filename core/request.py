@@ -190,6 +190,19 @@ class Req:
         """One more token's KV slot (a decode step's)."""
         self._kv_tail.append(slot)
 
+    def truncate_kv(self, length: int) -> list[int]:
+        """Keep the KV slots of the first ``length`` tokens; return the slots past them (a verify step's rejected
+        positions, the KV of tokens never read), cheaply when they are all recent decode slots."""
+        head = int(self._kv_head.numel())
+        if length >= head:
+            cut = length - head
+            dropped = self._kv_tail[cut:]
+            del self._kv_tail[cut:]
+            return dropped
+        slots = self.kv_slots
+        self.kv_slots = slots[:length]
+        return slots[length:].tolist()
+
     @property
     def last_kv_slot(self) -> int:
         """The slot of the last computed token, or -1 when there is none."""
