@@ -127,6 +127,7 @@ class Req:
     cached_tokens: int = 0  # tokens served from the radix cache on first admission
     # Tokens sampled on the device but not yet appended to output_ids (overlap scheduling reads
     # each step's tokens one step late); the sequence is really ``seq_len + pending_tokens`` long.
+    # A verify step in flight counts one until its accepted drafts are counted (docs/scheduling.md).
     pending_tokens: int = 0
 
     # Sampling state.
