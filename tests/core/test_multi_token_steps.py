@@ -7,6 +7,8 @@ slot comes back after each run."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -180,18 +182,8 @@ def test_stops_inside_an_accepted_run_drop_the_rest_of_the_step(tiny_llama_dir, 
     assert_kv_accounted(engine)
 
 
-@pytest.fixture(scope="module")
-def text_model_dir(tmp_path_factory) -> str:
-    from treadle.testing.models import make_tiny_llama
-    from treadle.testing.tokenizer import make_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-text")
-    make_tiny_llama(path)
-    make_tiny_tokenizer(path)
-    return str(path)
-
-
-def test_stop_strings_inside_an_accepted_run(text_model_dir):
+def test_stop_strings_inside_an_accepted_run(tiny_llama_text_dir):
+    text_model_dir = tiny_llama_text_dir
     prompts = [[5, 17, 42, 8, 99, 3], [300, 301, 9, 10], [70, 71, 72, 73, 74]]
     params = [SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True) for _ in prompts]
     plain = plain_outputs(text_model_dir, prompts=prompts, params=params)
@@ -340,4 +332,37 @@ def test_seeded_sampling_gives_the_plain_runs_tokens(tiny_llama_dir):
     outputs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert summary(outputs) == summary(plain)
     assert max(worker.accepted_counts()) == 3
+    assert_kv_accounted(engine)
+
+
+def test_the_step_timer_counts_a_verify_steps_wait_as_settle_time(tiny_llama_dir, plain_runs):
+    """A verify step in flight is waited for before the next batch is built: the timer counts that wait in the
+    step's settle time, not in its build time."""
+    from treadle.core.scheduling.step_timer import StepTimer
+
+    class SlowResults:  # a device that takes 50 ms to deliver a verify step's results
+        def __init__(self, results) -> None:
+            self.results, self.slept = results, False
+
+        def wait(self):
+            if not self.slept:
+                time.sleep(0.05)
+                self.slept = True
+            return self.results.wait()
+
+    engine = make_engine(tiny_llama_dir)
+    worker = speculative(engine, 3, references(PROMPTS, plain_runs("token")))
+    sample = worker.launch_sampling
+
+    def slow_sampling(step, *args):
+        sample(step, *args)
+        if step.batch.forward_mode is ForwardMode.TARGET_VERIFY:
+            step.results = SlowResults(step.results)
+
+    worker.launch_sampling = slow_sampling
+    timer = StepTimer(torch.device("cpu"))
+    engine.scheduler.add_observer(timer)
+    engine.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY[:3])
+    after_verify = [step for before, step in zip(timer.steps, timer.steps[1:]) if before.get("mode") == "TARGET_VERIFY"]
+    assert after_verify and all(step["settle"] >= 0.05 > step["build"] for step in after_verify)
     assert_kv_accounted(engine)
