@@ -127,6 +127,7 @@ class Req:
     cached_tokens: int = 0  # tokens served from the radix cache on first admission
     # Tokens sampled on the device but not yet appended to output_ids (overlap scheduling reads
     # each step's tokens one step late); the sequence is really ``seq_len + pending_tokens`` long.
+    # A verify step in flight counts one until its accepted drafts are counted (docs/scheduling.md).
     pending_tokens: int = 0
 
     # Sampling state.
@@ -189,6 +190,19 @@ class Req:
     def append_kv_slot(self, slot: int) -> None:
         """One more token's KV slot (a decode step's)."""
         self._kv_tail.append(slot)
+
+    def truncate_kv(self, length: int) -> list[int]:
+        """Keep the KV slots of the first ``length`` tokens; return the slots past them (a verify step's rejected
+        positions, the KV of tokens never read), cheaply when they are all recent decode slots."""
+        head = int(self._kv_head.numel())
+        if length >= head:
+            cut = length - head
+            dropped = self._kv_tail[cut:]
+            del self._kv_tail[cut:]
+            return dropped
+        slots = self.kv_slots
+        self.kv_slots = slots[:length]
+        return slots[length:].tolist()
 
     @property
     def last_kv_slot(self) -> int:

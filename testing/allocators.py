@@ -26,6 +26,9 @@ def check_kv_allocator(
 
     - ``total_slots``/``free_slots`` are exact after every ``alloc_extend``,
       ``alloc_decode``, ``free`` (also of part of a request's pages) and ``clear``;
+    - a request shrinks (the slots of its positions from some length on are
+      freed, whole pages past its last kept one, as after a verify step's
+      rejected drafts) and grows again, continuing its partly filled page;
     - a request that does not fit returns None and allocates nothing;
     - no slot is handed out twice, slots are padding-free CPU int64 tensors;
     - with ``page_size > 1``: a request's positions ``kP .. kP+P-1`` share one
@@ -43,6 +46,7 @@ def check_kv_allocator(
     _check_short_request_has_no_side_effects(_Ledger(factory(size, page_size, "cpu"), name))
     _check_whole_pool(_Ledger(factory(size, page_size, "cpu"), name))
     _check_clear(_Ledger(factory(size, page_size, "cpu"), name))
+    _check_shrink_and_regrow(_Ledger(factory(size, page_size, "cpu"), name))
     reference = reference or _builtin_reference(page_size)
     _check_trace_agrees(factory, name, reference, size, page_size, seed)
 
@@ -104,6 +108,19 @@ class _Ledger:
         pages = torch.unique(slots // self.page)
         self.owner[(pages * self.page).unsqueeze(1) + torch.arange(self.page)] = -1
         self._check_free(f"{self.name}.free(<{slots.numel()} slots of request {r}>)")
+
+    def shrink(self, r: str, length: int) -> None:
+        """Give back request ``r``'s positions from ``length`` on, as the scheduler does with a verify step's
+        rejected positions: the slots of the whole pages past its last kept position."""
+        slots = self.slots[r]
+        cut = -(-length // self.page) * self.page
+        freed = slots[cut:]
+        if freed.numel():
+            self.allocator.free(freed)
+            pages = torch.unique(freed // self.page)
+            self.owner[(pages * self.page).unsqueeze(1) + torch.arange(self.page)] = -1
+        self.slots[r] = slots[:length]
+        self._check_free(f"{self.name}.free(<the {freed.numel()} slots of request {r} past position {length}>)")
 
     def clear(self) -> None:
         self.allocator.clear()
@@ -229,6 +246,20 @@ def _check_clear(ledger: _Ledger) -> None:
     ledger.release("all")
 
 
+def _check_shrink_and_regrow(ledger: _Ledger) -> None:
+    page = ledger.page
+    _expect(ledger.extend({"a": 2 * page + 1, "b": page}), f"{ledger.name} refused a request that fits")
+    ledger.shrink("a", page + 1)  # keeps a partly filled page (page size > 1)
+    _expect(ledger.extend({"a": page + 2, "b": 3}),
+            f"{ledger.name} refused to grow a request again after giving back its tail")
+    ledger.shrink("a", 2 * page)  # at a page boundary: every page past it goes back
+    ledger.shrink("b", 0)
+    _expect(ledger.extend({"a": 1, "b": 1}, decode=True), f"{ledger.name} refused a decode after a shrink")
+    ledger.release("a")
+    ledger.release("b")
+    _expect(ledger.allocator.free_slots == ledger.total, f"{ledger.name} leaked slots after shrinking requests")
+
+
 def _check_trace_agrees(
     factory: AllocatorFactory, name: str, reference: AllocatorFactory, size: int, page: int, seed: int
 ) -> None:
@@ -243,6 +274,12 @@ def _check_trace_agrees(
             r = rng.choice(live)
             subject.release(r, in_two_calls=rng.random() < 0.5)
             oracle.release(r)
+            continue
+        if live and rng.random() < 0.15:  # rejected positions of a verify step
+            r = rng.choice(live)
+            length = rng.randint(max(0, subject._len(r) - page - 2), subject._len(r))
+            subject.shrink(r, length)
+            oracle.shrink(r, length)
             continue
         decode = bool(live) and rng.random() < 0.3
         if decode:

@@ -33,6 +33,18 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_text_dir(tmp_path_factory) -> str:
+    """The tiny Llama with a byte-level tokenizer and chat template beside it (text prompts, stop strings)."""
+    from treadle.testing.models import make_tiny_llama
+    from treadle.testing.tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama-text")
+    make_tiny_llama(path)
+    make_tiny_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> str:
     from treadle.testing.models import make_tiny_mistral
 

@@ -60,9 +60,33 @@ class FreshPageEveryCallAllocator(PagedKVAllocator):
         return super().alloc_extend(aligned, extend_lens, [-1] * len(prefix_lens))
 
 
+class ContinuesAfterItsOwnFillAllocator(PagedKVAllocator):
+    """Continues a partly filled page after the last slot it handed out there, not after ``last_slots``: right until
+    a request gives back the tail of its KV (a verify step's rejected positions) and grows again."""
+
+    def clear(self):
+        super().clear()
+        self.handed_out: dict[int, int] = {}  # page -> the last slot handed out in it
+
+    def alloc_extend(self, prefix_lens, extend_lens, last_slots):
+        page = self.page_size
+        last = [self.handed_out.get(s // page, s) if s >= 0 else s for s in last_slots]
+        prefix = [p + (mine - given) for p, mine, given in zip(prefix_lens, last, last_slots)]
+        slots = super().alloc_extend(prefix, extend_lens, last)
+        for slot in [] if slots is None else slots.tolist():
+            self.handed_out[slot // page] = max(self.handed_out.get(slot // page, -1), slot)
+        return slots
+
+    def free(self, slots):
+        super().free(slots)
+        for p in torch.unique(slots // self.page_size).tolist():
+            self.handed_out.pop(p, None)
+
+
 @pytest.mark.parametrize(
     ("factory", "page_size", "message"),
     [
+        (ContinuesAfterItsOwnFillAllocator, 4, "position p must sit at offset"),
         (LeakyAllocator, 1, "free_slots is"),
         (PartialWhenShortAllocator, 1, "returned None but free_slots changed"),
         (HandsOutTwiceAllocator, 1, "holds"),

@@ -81,6 +81,14 @@ class Worker(ABC):
     info: WorkerInfo
     config: "ResolvedConfig"  # the user's config with every "auto" resolved for this model and device
 
+    @property
+    def decode_tokens_per_req(self) -> int:
+        """The most new tokens a request carries in one decode step: 1 (plain decode), or ``k + 1`` for a worker
+        that verifies ``k`` drafts a step. Above 1 the scheduler builds TARGET_VERIFY batches of ``t`` tokens per
+        request (``2 <= t <= k + 1``; DECODE batches when ``t`` is 1) and calls ``launch_forward(batch)`` without
+        drafts: the worker supplies ``t - 1`` drafts per request itself (docs/scheduling.md)."""
+        return 1
+
     @abstractmethod
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
         """Write the batch's KV slots into the request table and queue its forward. ``draft_ids``

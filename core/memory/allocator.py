@@ -15,6 +15,11 @@ class KVAllocator(ABC):
     A request's positions map to slots so that, with page size P, positions
     ``kP .. kP+P-1`` of one request share one page: ``alloc_extend`` continues a
     partly filled last page (given its last slot) before taking fresh pages.
+
+    A request may also shrink: after a verify step the scheduler gives back the
+    slots of the positions it rejected, whole pages only (those past the page of
+    its last kept position), and later continues that partly filled page from
+    its last kept slot, whose following slots it still holds.
     """
 
     def __init__(self, size: int, page_size: int, device: torch.device | str = "cpu") -> None:
@@ -44,7 +49,8 @@ class KVAllocator(ABC):
 
     @abstractmethod
     def free(self, slots: torch.Tensor) -> None:
-        """Give back slots (paged: the pages containing them, which the caller owns whole)."""
+        """Give back slots (paged: the pages containing them, which the caller owns whole): a finished request's,
+        or a request's positions from some length on (its tail pages, see the class docstring)."""
 
     @abstractmethod
     def clear(self) -> None:

@@ -1,7 +1,9 @@
-"""Decode batches: the next token of every running request, and making room when the KV pool is short.
+"""Decode batches: the next token of every running request (or, with a speculative worker, its next few
+positions to verify), and making room when the KV pool is short.
 
-Under overlap scheduling a running request may have a token still in flight (``Req.pending_tokens``): its
-remaining budget and its next KV position count that token, and its decode input is read from the device.
+Under overlap scheduling a running request may have a step still in flight (``Req.pending_tokens``: the tokens
+it will add, at least one): its remaining budget and its next KV position count them, and its decode input is
+read from the device.
 """
 
 from __future__ import annotations
@@ -21,18 +23,23 @@ class DecodeManager:
     """Builds decode batches (alone, or as the decode rows of a mixed batch) and the reserve admission keeps for them.
 
     ``settle`` reads the step in flight, if any, and says whether there was one (``Scheduler.settle``).
+    ``tokens_per_req`` is the worker's ``decode_tokens_per_req``: above 1 a decode step verifies drafts, each
+    request carrying up to that many tokens (a TARGET_VERIFY batch; :meth:`verify_tokens`).
     """
 
     def __init__(self, config: ResolvedConfig, state: SchedulerState, memory: KVMemory, lifecycle: RequestLifecycle,
-                 context_len: int, settle: Callable[[], bool]) -> None:
+                 context_len: int, settle: Callable[[], bool], tokens_per_req: int = 1) -> None:
         self.config = config
         self.state = state
         self.memory = memory
         self.lifecycle = lifecycle
         self.context_len = context_len
         self.settle = settle
+        self.tokens_per_req = tokens_per_req
 
     def build_batch(self) -> ScheduleBatch | None:
+        if self.tokens_per_req > 1:
+            return self._build_verify_batch()
         entries = self.entries(allow_retract=True)
         return ScheduleBatch(ForwardMode.DECODE, entries) if entries else None
 
@@ -59,6 +66,58 @@ class DecodeManager:
             entry.logit_positions = range(entry.kv_start, entry.kv_start + 1)
         self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
         return entries
+
+    def _build_verify_batch(self) -> ScheduleBatch | None:
+        """Every running request's next ``t`` positions (its last token, then ``t - 1`` drafts the worker
+        supplies): a TARGET_VERIFY batch, or a DECODE one when ``t`` is 1 (:meth:`verify_tokens`)."""
+        while True:
+            reqs = [req for req in self.state.running if not self.ends_with_pending_token(req)]
+            if not reqs:
+                return None
+            per_req, need = self.verify_tokens(reqs)
+            if per_req:
+                break
+            if not self._make_room(reqs):
+                return None
+        if per_req == 1:
+            entries = self.entries(allow_retract=False)  # the same requests, and room for one slot each
+            return ScheduleBatch(ForwardMode.DECODE, entries) if entries else None
+        kv_lens = [req.kv_len for req in reqs]
+        slots = self.memory.alloc_verify(reqs, kv_lens, per_req, need)
+        assert slots is not None, "verify allocation failed after eviction"
+        entries = [BatchEntry(req, kv_len, per_req, EMPTY_SLOTS, write_from=kv_len,
+                              logit_positions=range(kv_len, kv_len + per_req), input_on_device=True)
+                   for req, kv_len in zip(reqs, kv_lens)]
+        self.memory.assign_verify_slots(entries, slots, per_req)
+        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, entries)
+
+    def verify_tokens(self, reqs: list[Req]) -> tuple[int, int]:
+        """``(t, slots needed)`` of a decode step of ``reqs`` at ``t`` tokens per request; ``(0, 0)`` when the pool
+        cannot hold even one each.
+
+        ``t`` is the worker's ``k + 1``, lowered so that no request computes a position whose token would lie past
+        the context length, to the most tokens any request may still take, and to what the pool holds (fewer
+        drafts before any retraction); 1 (plain decode) while a request is constrained or uses penalties, whose
+        mask and token counts at a draft's position would depend on the drafts before it.
+        """
+        per_req = self.tokens_per_req
+        most_wanted = 1
+        for req in reqs:
+            params = req.sampling_params
+            if req.grammar is not None or params.has_penalties:
+                per_req = 1
+                break
+            per_req = min(per_req, self.context_len - 1 - req.kv_len)
+            most_wanted = max(most_wanted, remaining_new_tokens(req))
+        per_req = max(1, min(per_req, most_wanted))
+        available = self.memory.available()
+        while per_req >= 1:
+            need = self.memory.decode_slots_needed(reqs, per_req)
+            if need <= available:
+                return per_req, need
+            per_req -= 1
+        return 0, 0
 
     def _make_room(self, reqs: list[Req]) -> bool:
         """Free KV memory for the decode batch of ``reqs``; False when nothing is left to step."""

@@ -55,15 +55,23 @@ class KVMemory:
             [e.kv_start for e in entries], [e.extend_len for e in entries], self.last_slots([e.req for e in entries])),
             need)
 
-    def decode_slots_needed(self, reqs: list[Req]) -> int:
-        # Page size 1: one slot each (the common case, skipping a call per request).
+    def decode_slots_needed(self, reqs: list[Req], tokens_per_req: int = 1) -> int:
+        """Free slots a decode step of ``tokens_per_req`` new tokens per request consumes (page-rounded)."""
+        # Page size 1: one slot a token (the common case, skipping a call per request).
         if self.page_size == 1:
-            return len(reqs)
-        return sum(self.allocator.slots_needed(req.kv_len, 1) for req in reqs)
+            return len(reqs) * tokens_per_req
+        return sum(self.allocator.slots_needed(req.kv_len, tokens_per_req) for req in reqs)
 
     def alloc_decode(self, reqs: list[Req], kv_lens: list[int], need: int) -> torch.Tensor | None:
         """One slot for each request's next position ``kv_lens[i]`` (``need``: ``decode_slots_needed(reqs)``)."""
         return self._alloc(lambda: self.allocator.alloc_decode(kv_lens, self.last_slots(reqs)), need)
+
+    def alloc_verify(self, reqs: list[Req], kv_lens: list[int], tokens_per_req: int,
+                     need: int) -> torch.Tensor | None:
+        """``tokens_per_req`` slots for each request's positions from ``kv_lens[i]`` on, request after request
+        (``need``: ``decode_slots_needed(reqs, tokens_per_req)``)."""
+        return self._alloc(lambda: self.allocator.alloc_extend(kv_lens, [tokens_per_req] * len(reqs),
+                                                               self.last_slots(reqs)), need)
 
     def _alloc(self, allocate: Callable[[], torch.Tensor | None], need: int) -> torch.Tensor | None:
         shortfall = need - self.allocator.free_slots
@@ -84,6 +92,16 @@ class KVMemory:
                 entry.req.kv_slots = torch.cat([entry.req.kv_slots, new_slots])
             offset += entry.extend_len
 
+    def assign_verify_slots(self, entries: list["BatchEntry"], slots: torch.Tensor, tokens_per_req: int) -> None:
+        """:meth:`assign_slots` for a verify step's rows (``tokens_per_req`` slots each), kept as ints on the
+        request like a decode row's: no tensor op per request."""
+        values = slots.tolist()
+        for i, (entry, new_slots) in enumerate(zip(entries, slots.split(tokens_per_req))):
+            entry.new_slots = new_slots
+            append = entry.req.append_kv_slot
+            for slot in values[i * tokens_per_req:(i + 1) * tokens_per_req]:
+                append(slot)
+
     def last_slots(self, reqs: list[Req]) -> list[int]:
         """Each request's last KV slot, for the allocator to continue a partly filled page; with page
         size 1 no page is ever partly filled, so -1 (the contract of ``alloc_extend``) without reading them."""
@@ -93,14 +111,25 @@ class KVMemory:
 
     def drop_new_slots(self, entry: "BatchEntry") -> None:
         """Give back the slots a batch that never ran allocated for ``entry``; the request keeps what it had."""
-        req = entry.req
-        kept = req.kv_slots[:entry.kv_start]
-        new = entry.new_slots
-        if kept.numel() and self.page_size > 1:
-            # The paged allocator frees whole pages: keep the request's partly filled last page.
-            new = new[new // self.page_size != int(kept[-1]) // self.page_size]
-        self.allocator.free(new)
-        req.kv_slots = kept
+        self.shorten([(entry.req, entry.kv_start)])
+
+    def shorten(self, kept_lengths: list[tuple[Req, int]]) -> None:
+        """Cut each request's KV to its first ``length`` positions and give back the slots past them (a verify
+        step's rejected positions, a batch that never ran, tokens never read), in one ``free``.
+
+        With pages of P slots the slots of positions up to the next page boundary stay the request's: they share
+        the page of its last kept position, which the allocator continues (``alloc_extend``'s ``last_slots``) when
+        the request grows again and frees whole when the request ends.
+        """
+        freed: list[int] = []
+        page = self.page_size
+        for req, length in kept_lengths:
+            dropped = req.truncate_kv(length)
+            if page > 1:
+                dropped = dropped[(-length) % page:]
+            freed.extend(dropped)
+        if freed:
+            self.allocator.free(torch.tensor(freed, dtype=torch.int64))
 
     # ------------------------------------------------------------------ a request's memory
 
@@ -134,9 +163,9 @@ class KVMemory:
         """Hand a request's KV to the prefix cache (or free it) and its table row back."""
         known = req.seq_len
         if req.kv_len > known:
-            # KV of a token the host has not read yet (a step in flight): nothing to cache it under.
-            self.allocator.free(req.kv_slots[known:])
-            req.kv_slots = req.kv_slots[:known]
+            # KV of tokens the host has not read (a step in flight, a verify step's positions past a stop):
+            # nothing to cache it under.
+            self.shorten([(req, known)])
         self.tree_cache.cache_finished_req(req)
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)

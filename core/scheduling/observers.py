@@ -16,6 +16,10 @@ does nothing by default: override the ones you need. One ``step()`` call tells i
 7. with overlap off, 5 again for the new batch;
 8. ``step_ended(outputs)`` with what ``step()`` returns.
 
+When the step in flight is a verify step (a speculative worker's TARGET_VERIFY batch), the host waits for it
+before building the new batch: its ``results_waiting`` and ``results_arrived`` come right after
+``step_started`` too, and again in 5 (with nothing left to wait for) before its tokens are appended.
+
 ``request_retracted(req)`` and ``request_finished(req)`` come whenever that happens (a retraction while a
 decode batch is built, a request that finishes while a step is read, an abort). A step may also be read
 outside ``step()`` (``flush_cache``, an out-of-memory retry), with the events of 5.

@@ -2,11 +2,11 @@
 
 When ``ModelRunner.forward`` raises ``torch.cuda.OutOfMemoryError`` the batch
 never ran. :func:`retract_after_oom` undoes it — the KV slots it allocated go
-back to the pool, new admissions return to the front of the queue, and running
-requests beyond the new cap are retracted (their computed prefix stays in the
-radix cache) — and :class:`OomBackoff` halves the caps on running requests
-(decode OOM) and prefill tokens (prefill OOM) that the scheduler admits
-against. After ``relax_after`` steps without an OOM the caps double again. A
+back to the pool (a verify step's ``t`` per request too), new admissions return
+to the front of the queue, and running requests beyond the new cap are
+retracted (their computed prefix stays in the radix cache) — and
+:class:`OomBackoff` halves the caps on running requests (decode, verify OOM)
+and prefill tokens (prefill OOM) that the scheduler admits against. After ``relax_after`` steps without an OOM the caps double again. A
 batch that cannot shrink any further (one request, one small chunk) fails that
 request with ``finish_reason: "abort"`` instead of crashing the server.
 """
@@ -29,6 +29,8 @@ logger = logging.getLogger("treadle.core.scheduling.scheduler")
 
 # The smallest prefill chunk tried before giving up on a request.
 MIN_PREFILL_TOKENS = 16
+# Batches of running requests: an OOM in one lowers the cap on running requests.
+_STEPS_RUNNING_REQUESTS = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED)
 
 
 class OomBackoff:
@@ -57,7 +59,7 @@ class OomBackoff:
         shrinks = False
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
             shrinks = self._shrink_prefill(extend_tokens)
-        if (mode in (ForwardMode.DECODE, ForwardMode.MIXED) or not shrinks) and num_reqs > 1:
+        if (mode in _STEPS_RUNNING_REQUESTS or not shrinks) and num_reqs > 1:
             shrinks = self._shrink_running(num_reqs) or shrinks
         return shrinks
 

@@ -3,6 +3,12 @@
 Runs on the host one step late under overlap scheduling: by then the next step is already queued
 on the device. A request that finished (or was aborted) while its next step was in flight gets that
 step's token discarded here; its memory was released when it finished.
+
+A verify step (TARGET_VERIFY: each request's last token and ``t - 1`` drafts) gives each request its accepted
+drafts and then the target's own token: ``accepted + 1`` tokens, each through the same stop checks. It is read in
+two parts: :meth:`OutputProcessing.take_positions` (how far each request got: its pending tokens, and the KV of
+its rejected positions given back) before the next batch is built, and :meth:`OutputProcessing.process_verified`
+(append, stop checks, outputs) after that batch's forward is queued (docs/scheduling.md, "Steps of several tokens").
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from treadle.core.execution.overlap import LaunchedStep
 from treadle.core.request import FinishReason, Req, ReqOutput
+from treadle.core.scheduling.kv_memory import KVMemory
 from treadle.core.scheduling.schedule_batch import BatchEntry
 from treadle.core.scheduling.state import SchedulerState, remaining_new_tokens, wants_input_logprobs
 
@@ -36,6 +43,9 @@ class OutputProcessing:
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.context_len = context_len
+        self.memory: KVMemory = lifecycle.memory
+        # The verify step whose positions were taken and what each of its rows added to pending_tokens.
+        self._positioned: tuple[LaunchedStep, list[int]] | None = None
 
     def process(self, step: LaunchedStep, host: dict[str, Any]) -> None:
         """Apply ``step``'s tokens (``host``: its results, waited for) and queue the outputs."""
@@ -76,6 +86,66 @@ class OutputProcessing:
             if req.finished:
                 finish(req)
             outputs.append(req_output(req, new_ids, include_input_logprobs=first_output))
+
+    # ------------------------------------------------------------ verify steps
+
+    def take_positions(self, step: LaunchedStep, host: dict[str, Any]) -> list[int]:
+        """A verify step's accepted counts, before its tokens are appended: each live request's ``accepted``
+        more tokens become pending (so the next batch sees its budget and its next position) and the KV of its
+        rejected positions goes back. Returns what each row added to ``pending_tokens``; done once per step."""
+        if self._positioned is not None and self._positioned[0] is step:
+            return self._positioned[1]
+        added: list[int] = []
+        kept: list[tuple[Req, int]] = []
+        for entry, accepted in zip(step.batch.entries, host["accepted"].tolist()):
+            req = entry.req
+            if req.finished:
+                added.append(0)  # aborted or finished while in flight: its memory is already back
+                continue
+            req.pending_tokens += accepted
+            added.append(accepted)
+            # Valid KV: the last token's and the accepted drafts'; the target's own token has none yet.
+            kept.append((req, entry.kv_start + accepted + 1))
+        self.memory.shorten(kept)
+        self._positioned = (step, added)
+        return added
+
+    def process_verified(self, step: LaunchedStep, host: dict[str, Any]) -> None:
+        """Apply a verify step's tokens (``host``: its results, waited for): per request its accepted drafts and
+        the target's next token, each through the stop checks; a request that finishes part-way drops the rest."""
+        added = self.take_positions(step, host)
+        self._positioned = None
+        next_ids = host["next_ids"].tolist()
+        accepted = host["accepted"].tolist()
+        token_logprobs = host["logprobs"].tolist() if host["logprobs"] is not None else None
+        top = None
+        if host["top_values"] is not None:
+            top = (host["top_values"].tolist(), host["top_ids"].tolist())
+        outputs, finish = self.state.outputs, self.lifecycle.finish
+        for i, entry in enumerate(step.batch.entries):
+            req = entry.req
+            req.pending_tokens -= 1 + added[i]
+            if req.finished:
+                continue  # aborted, or finished by the step before: this row's tokens are discarded
+            new_ids: list[int] = []
+            for j in range(accepted[i] + 1):
+                if remaining_new_tokens(req) <= 0:
+                    req.finish(FinishReason.LENGTH, None)
+                    break
+                token = next_ids[i][j]
+                req.output_ids.append(token)
+                new_ids.append(token)
+                if req.return_logprob and token_logprobs is not None:
+                    req.output_token_logprobs.append(token_logprobs[i][j])
+                    if req.top_logprobs_num and top is not None:
+                        k = req.top_logprobs_num
+                        req.output_top_logprobs.append(list(zip(top[1][i][j][:k], top[0][i][j][:k])))
+                self._check_finished(req, token)
+                if req.finished:
+                    break
+            if req.finished:
+                finish(req)
+            outputs.append(req_output(req, new_ids))
 
     @staticmethod
     def _wants_input_logprobs(req: Req) -> bool:

@@ -2,16 +2,21 @@
 
 Each ``step()`` either admits waiting requests into an extend (prefill) batch —
 in the order the schedule policy picks, reusing radix-cache prefixes, chunking
-long prompts — or decodes one token for every running request. When decode
-cannot get KV memory the newest requests are retracted to the queue; their
-computed tokens stay in the prefix cache and are recomputed only if evicted.
+long prompts — or decodes one token for every running request (with a
+speculative worker, whose ``decode_tokens_per_req`` is k + 1, verifies up to k
+drafts per request in a TARGET_VERIFY step). When decode cannot get KV memory
+the newest requests are retracted to the queue; their computed tokens stay in
+the prefix cache and are recomputed only if evicted.
 
 Overlap (on unless ``scheduler.disable_overlap``): a step builds and queues
 batch N+1 while the device still runs batch N, then reads N's sampled tokens
 (they were copied to the host in the background), then queues N+1's sampling.
 Decode inputs come from the device, so no token waits for the host before it
-is fed back. The device work is the worker's (core/execution/worker.py): the scheduler hands it
-each batch and reads back the sampled ids.
+is fed back. A verify step adds a number of tokens per request known only from
+its results, so when N is one the host waits for N's results before building
+N+1 and appends N's tokens after queueing N+1's forward. The device work is the
+worker's (core/execution/worker.py): the scheduler hands it each batch and reads
+back the sampled ids.
 
 The scheduler is composed of parts that each own one job, sharing the request
 queues through one ``SchedulerState`` (state.py): ``PrefillManager``
@@ -32,6 +37,7 @@ import torch
 
 from treadle.core import validation
 from treadle.core.config import ServerConfig, validate_plugin_choices
+from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.execution.overlap import LaunchedStep
 from treadle.core.execution.worker import ModelWorker, Worker
@@ -77,8 +83,13 @@ class Scheduler:
 
         self.state = SchedulerState(new_token_ratio=self.config.scheduler.new_token_ratio)
         self.lifecycle = RequestLifecycle(self.state, self.memory, self.grammar)
+        # Above 1 a decode step verifies drafts (a speculative worker): see _read_positions.
+        self.decode_tokens_per_req = int(self.worker.decode_tokens_per_req)
+        if self.decode_tokens_per_req < 1:
+            raise ValueError(f"{type(self.worker).__name__}.decode_tokens_per_req must be at least 1 (1: plain "
+                             f"decode, k + 1: verify k drafts), got {self.decode_tokens_per_req}")
         self.decode_manager = DecodeManager(self.config, self.state, self.memory, self.lifecycle, self.context_len,
-                                            settle=self.settle)
+                                            settle=self.settle, tokens_per_req=self.decode_tokens_per_req)
         self.prefill_manager = PrefillManager(self.config, self.state, self.memory, self.decode_manager,
                                               self.policy, self.oom_backoff)
         self.output_processing = OutputProcessing(self.state, self.lifecycle, self.grammar, self.eos_token_ids,
@@ -157,6 +168,8 @@ class Scheduler:
         observers = self.state.observers
         if observers:
             observers.step_started()
+        if self.decode_tokens_per_req > 1 and self._inflight is not None:
+            self._read_positions()
         batch = self.prefill_manager.build_batch()
         if batch is None and self.state.running:
             batch = self.decode_manager.build_batch()
@@ -189,16 +202,34 @@ class Scheduler:
         step, self._inflight = self._inflight, None
         if step is None:
             return False
+        host = self._wait(step)
+        if self.decode_tokens_per_req > 1 and step.batch.forward_mode is ForwardMode.TARGET_VERIFY:
+            self.output_processing.process_verified(step, host)
+        else:
+            self.output_processing.process(step, host)
+        if self.state.observers:
+            self.state.observers.step_settled(step)
+        return True
+
+    def _wait(self, step: LaunchedStep) -> dict[str, Any]:
+        """``step``'s results on the host (waiting for the device unless they arrived already)."""
         observers = self.state.observers
         if observers:
             observers.results_waiting(step)
         host = step.results.wait()
         if observers:
             observers.results_arrived(step)
-        self.output_processing.process(step, host)
-        if observers:
-            observers.step_settled(step)
-        return True
+        return host
+
+    def _read_positions(self) -> None:
+        """Before building a batch, wait for a verify step in flight and take how many tokens each of its requests
+        gained (``OutputProcessing.take_positions``): the next step's positions depend on it. Its tokens are
+        appended as usual, in ``settle`` after the next forward is queued, so that host work still overlaps the
+        device. Any other step adds one token per request: the next batch is built without waiting for it."""
+        step = self._inflight
+        if step.batch.forward_mode is not ForwardMode.TARGET_VERIFY:
+            return
+        self.output_processing.take_positions(step, self._wait(step))
 
     def has_work(self) -> bool:
         state = self.state

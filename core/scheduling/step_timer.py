@@ -1,8 +1,9 @@
 """StepTimer: a step observer that times where each step's host time went, and its GPU span.
 
 Per step it keeps the batch's kind and size and the host seconds spent building it (``build``), launching its
-forward (``forward``), reading the step before (``settle``: waiting for its tokens and processing them) and
-launching its sampling (``sampling``). On CUDA it records an event before the forward and one after the
+forward (``forward``), reading the step before (``settle``: waiting for its tokens and processing them; for a
+verify step the wait comes before the build and is not counted in ``build``) and launching its sampling
+(``sampling``). On CUDA it records an event before the forward and one after the
 sampling; after one synchronize, :meth:`resolve_gpu_times` turns them into the step's GPU span and the GPU's
 idle gap before it. Events never synchronize the device.
 
@@ -44,6 +45,8 @@ class StepTimer(StepObserver):
 
     def batch_built(self, batch: Any) -> None:
         self._add("build", self.current["host_start"])
+        # A step read before the batch was built (a verify step waited for, a settle to make room) is settle time.
+        self.current["build"] -= self.current.get("settle", 0.0)
 
     def forward_launching(self, batch: Any) -> None:
         self.current.update(mode=batch.forward_mode.name, bs=len(batch.entries),
@@ -54,6 +57,11 @@ class StepTimer(StepObserver):
         self._add("forward", self._phase_start)
 
     def results_waiting(self, step: Any) -> None:
+        self._settle_start = time.perf_counter()
+
+    def results_arrived(self, step: Any) -> None:
+        # The wait and the processing are timed apart: a verify step's wait comes before the batch is built.
+        self._add("settle", self._settle_start)
         self._settle_start = time.perf_counter()
 
     def step_settled(self, step: Any) -> None:

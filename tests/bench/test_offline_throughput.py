@@ -11,14 +11,8 @@ from treadle.bench.workloads import parse_len_range, random_workload, shared_pre
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-    from treadle.testing.models import make_tiny_llama
-    from treadle.testing.tokenizer import make_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("bench-tiny-llama")
-    make_tiny_llama(path)
-    make_tiny_tokenizer(path)
-    return str(path)
+def tiny_model_dir(tiny_llama_text_dir) -> str:
+    return tiny_llama_text_dir
 
 
 def run_bench(tmp_path, model_dir: str, *args: str) -> dict:

@@ -8,14 +8,8 @@ from treadle.core.config import ServerConfig
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from treadle.testing.models import make_tiny_llama
-    from treadle.testing.tokenizer import make_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-llama-server")
-    make_tiny_llama(path)
-    make_tiny_tokenizer(path)
-    return str(path)
+def tiny_model_dir(tiny_llama_text_dir: str) -> str:
+    return tiny_llama_text_dir
 
 
 def tiny_server_config(model_dir: str, **server: object) -> ServerConfig:
