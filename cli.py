@@ -9,7 +9,7 @@ import sys
 from typing import Sequence
 
 from treadle.core.config import ConfigError, ServerConfig, load_config, validate_plugin_choices
-from treadle.core.registry import PluginError, build_registry
+from treadle.core.registry import build_registry
 
 
 # Errors that a user's input causes (a config, a model path, a layout): one `error:` line, no traceback. Named by

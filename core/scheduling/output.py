@@ -20,7 +20,7 @@ from treadle.core.execution.overlap import LaunchedStep
 from treadle.core.request import FinishReason, Req, ReqOutput
 from treadle.core.scheduling.kv_memory import KVMemory
 from treadle.core.scheduling.schedule_batch import BatchEntry
-from treadle.core.scheduling.state import SchedulerState, remaining_new_tokens, wants_input_logprobs
+from treadle.core.scheduling.state import SchedulerState, remaining_new_tokens
 
 if TYPE_CHECKING:
     from treadle.core.scheduling.lifecycle import RequestLifecycle
@@ -146,10 +146,6 @@ class OutputProcessing:
             if req.finished:
                 finish(req)
             outputs.append(req_output(req, new_ids))
-
-    @staticmethod
-    def _wants_input_logprobs(req: Req) -> bool:
-        return wants_input_logprobs(req)
 
     # ------------------------------------------------------------ log-probs
 
