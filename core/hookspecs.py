@@ -45,6 +45,16 @@ class Spec:
     def treadle_register_grammar_backends(self, register: Register) -> None:
         """Register GrammarBackend factories: ``register("name", factory(tokenizer=, vocab_size=, ...))``."""
 
+    @hookspec
+    def treadle_register_speculators(self, register: Register) -> None:
+        """Register Speculator factories (``treadle.core.speculative.speculator``):
+        ``register("name", factory(target_worker, resolved_config, registry))``."""
+
+    @hookspec
+    def treadle_register_lora_backends(self, register: Register) -> None:
+        """Register LoRABackend factories (``treadle.core.lora.backend``):
+        ``register("name", factory(max_slots, max_rank, device, dtype))``."""
+
 
 # kind -> hook name; the kinds are the keys of `treadle plugins --json`.
 HOOKS_BY_KIND: dict[str, str] = {
@@ -55,6 +65,8 @@ HOOKS_BY_KIND: dict[str, str] = {
     "tool_parsers": "treadle_register_tool_parsers",
     "reasoning_parsers": "treadle_register_reasoning_parsers",
     "grammar_backends": "treadle_register_grammar_backends",
+    "speculators": "treadle_register_speculators",
+    "lora_backends": "treadle_register_lora_backends",
 }
 
 KIND_LABELS: dict[str, str] = {
@@ -65,4 +77,6 @@ KIND_LABELS: dict[str, str] = {
     "tool_parsers": "tool parser",
     "reasoning_parsers": "reasoning parser",
     "grammar_backends": "grammar backend",
+    "speculators": "speculator",
+    "lora_backends": "LoRA backend",
 }

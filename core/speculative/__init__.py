@@ -1,0 +1,1 @@
+"""Speculative decoding: speculators propose draft tokens, the target verifies them in one forward."""

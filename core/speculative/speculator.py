@@ -1,0 +1,65 @@
+"""The ``speculators`` plugin kind: what proposes the draft tokens a speculative worker verifies.
+
+A speculator is built once per rank by its factory, ``factory(target, config, registry)``: ``target`` is the
+target's :class:`~treadle.core.execution.worker.ModelWorker`, ``config`` the resolved server config (its
+``speculative`` section says how many drafts and which method), ``registry`` the plugin registry (a draft
+model is loaded through it like any model). The speculative worker around the target calls it each step:
+
+- :meth:`Speculator.propose` for every TARGET_VERIFY batch, before the target's forward: ``t - 1`` drafts per
+  request, where ``t`` is the batch's tokens per request (``entry.extend_len``; the first of those ``t``
+  tokens is the request's last sampled token, already known);
+- :meth:`Speculator.after_target_forward` after each forward of the target is queued (prefill chunks and
+  verify steps alike): a draft model catches its own KV cache up, EAGLE reads the target's hidden states;
+- :meth:`Speculator.request_released` when a request leaves the running batch (finished, aborted or
+  retracted): per-request state (a draft model's KV) is freed there.
+
+Nothing here may synchronize the device inside a step. A speculator that needs the host's view of a request
+reads it from the batch's entries (``entry.req.origin_input_ids`` and ``entry.req.output_ids``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from treadle.core.execution.overlap import LaunchedStep
+    from treadle.core.request import Req
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
+
+
+@dataclass
+class Drafts:
+    """One verify batch's proposals.
+
+    ``token_ids`` ``[bs, n]`` int64 on the target's device: request ``i``'s drafts for the positions after its
+    last sampled token. ``probs`` ``[bs, n, vocab]`` float32 (or None): the distribution each draft was sampled
+    from, for rejection sampling; None means the drafts are deterministic proposals (a lookup, a greedy draft
+    model), which rejection sampling treats as one-hot. Under greedy sampling ``probs`` is not read.
+    """
+
+    token_ids: torch.Tensor
+    probs: torch.Tensor | None = None
+
+
+class Speculator(ABC):
+    """Proposes draft tokens for the requests of a TARGET_VERIFY batch (module docstring)."""
+
+    #: The most drafts it proposes per request and step (``speculative.num_tokens``).
+    num_draft_tokens: int
+
+    @abstractmethod
+    def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
+        """``num_drafts`` drafts for each entry of ``batch`` (``entry.req``: the request so far)."""
+
+    def after_target_forward(self, step: "LaunchedStep") -> None:
+        """The target's forward of ``step`` was queued (its sampling not yet): default, nothing to do."""
+
+    def request_released(self, req: "Req") -> None:
+        """``req`` left the running batch (finished, aborted or retracted): free what is kept for it."""
+
+    def release_graphs(self) -> None:
+        """Free any CUDA graphs before the device goes away."""
