@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from treadle.core.memory.allocator import KVAllocator
     from treadle.core.memory.pools import ReqToTokenPool
     from treadle.core.resolved_config import ResolvedConfig
+    from treadle.core.scheduling.observers import StepObserver
     from treadle.core.scheduling.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -103,17 +104,22 @@ class Worker(ABC):
     def release_graphs(self) -> None:
         """Free the CUDA graphs before the device (or a tensor-parallel group) goes away; later steps run eagerly."""
 
+    def step_observers(self) -> Sequence["StepObserver"]:
+        """Step observers the scheduler registers for this worker when it is built (a speculative worker hears
+        of requests that finish or are retracted this way); none by default."""
+        return ()
+
 
 class ModelWorker(Worker):
     """A model runner, a sampler, the CUDA graphs that replay the runner's steps and the next-input-token buffer.
 
     ``verify_tokens_per_req``: the ``k + 1`` of the TARGET_VERIFY steps to capture in CUDA graphs (a speculative
-    worker asks for its own; empty: verify steps run eagerly or through the prefill graphs). Plain decode is
-    captured as it is without them.
+    worker asks for its own; empty: verify steps run eagerly or through the prefill graphs), for batch sizes up to
+    ``verify_max_bs`` (None: every decode graph's). Plain decode is captured as it is without them.
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
-                 verify_tokens_per_req: Sequence[int] = ()) -> None:
+                 verify_tokens_per_req: Sequence[int] = (), verify_max_bs: int | None = None) -> None:
         self.runner = ModelRunner(config, registry, offline=offline)
         self.config = self.runner.config
         self.context = AttentionContext.of(self.runner)
@@ -121,6 +127,7 @@ class ModelWorker(Worker):
         self.sampler = Sampler()
         self.next_input_ids = NextInputIds(self.runner.req_to_token_pool.size, self.runner.device)
         self.verify_tokens_per_req = tuple(sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}))
+        self.verify_max_bs = verify_max_bs
         self.cuda_graphs: CudaGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
@@ -147,7 +154,8 @@ class ModelWorker(Worker):
                 verify = ()
             max_bs = min(runtime.cuda_graph_max_bs, runner.max_running_requests)
             self.cuda_graphs = CudaGraphRunner(runner.model, backend, self.context, max_bs,
-                                               prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify)
+                                               prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify,
+                                               verify_max_bs=self.verify_max_bs)
         else:
             logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
                         runner.config.attention.backend)
