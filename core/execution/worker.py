@@ -37,7 +37,7 @@ from treadle.core.execution.forward_inputs import build_forward_batch
 from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.execution.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
 from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
-from treadle.core.execution.sampler import Sampler, SamplingBatch
+from treadle.core.execution.sampler import Sampler, SamplingBatch, accepted_draft_counts
 from treadle.core.registry import Registry
 
 if TYPE_CHECKING:
@@ -241,7 +241,8 @@ class ModelWorker(Worker):
         bs, per_req = forward_batch.batch_size, forward_batch.tokens_per_req
         sampling = SamplingBatch.from_reqs(step.batch.reqs, self.info.vocab_size, self.info.device,
                                            tokens_per_req=per_req)
-        result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask)
+        result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask, draft_ids=step.draft_ids,
+                              draft_probs=step.draft_probs)
         token_ids = result.next_token_ids.view(bs, per_req)
         tensors: dict[str, Any] = {"next_ids": token_ids, "top_values": None, "top_ids": None,
                                    "logprobs": result.logprobs.view(bs, per_req) if result.logprobs is not None
@@ -250,17 +251,11 @@ class ModelWorker(Worker):
             values, ids = result.top_logprobs
             tensors["top_values"], tensors["top_ids"] = values.view(bs, per_req, -1), ids.view(bs, per_req, -1)
         if step.draft_ids is not None:
-            accepted = accepted_draft_counts(step.draft_ids, token_ids)
+            accepted = result.accepted if result.accepted is not None else accepted_draft_counts(step.draft_ids,
+                                                                                                   token_ids)
             self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
             tensors["accepted"] = accepted
         return tensors
-
-
-def accepted_draft_counts(draft_ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """How many of each request's drafts ``[bs, k]`` the target kept: the leading ones equal to the target's own
-    tokens ``[bs, k + 1]`` at the same positions (so ``token_ids[i, count]`` is the request's next token)."""
-    matches = draft_ids.to(token_ids.dtype) == token_ids[:, :-1]
-    return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def prompt_logprob_tensors(batch: "ScheduleBatch", logits: torch.Tensor,
