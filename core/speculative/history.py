@@ -30,8 +30,9 @@ class RowTokens:
 
 class RecentTokens:
     """Follows the target's forwards (``step_launched``) and, for a verify batch about to run, says what each
-    row's sequence is (``rows``). Never waits for the device: a step whose results have not arrived counts as
-    unseen."""
+    row's sequence is (``rows``). Never waits for the device nor asks it: a step the scheduler has not read yet
+    counts as unseen (the scheduler reads a verify step before building the next batch, so its tokens are there;
+    the answer depends only on the scheduler's own steps, the same on every tensor-parallel rank)."""
 
     def __init__(self) -> None:
         self._last_verify: "LaunchedStep | None" = None
@@ -49,7 +50,7 @@ class RecentTokens:
 
     def _unread(self) -> dict[int, list[int]]:
         step = self._last_verify
-        if step is None or step.results is None or not step.results.arrived:
+        if step is None or step.results is None or not step.results.waited:
             return {}
         host = step.results.wait()
         if "accepted" not in host:
