@@ -68,6 +68,9 @@ class SpeculativeWorker(Worker):
         """The target's model runner (what a plain worker's ``runner`` is)."""
         return self.target.runner
 
+    def decode_tokens_for(self, reqs: Sequence["Req"]) -> int:
+        return 1 + max(0, min(self.num_draft_tokens, int(self.speculator.max_drafts(list(reqs)))))
+
     def step_observers(self) -> Sequence[StepObserver]:
         return (self._observer,)
 

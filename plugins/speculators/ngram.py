@@ -38,6 +38,17 @@ class NgramSpeculator(Speculator):
         self.recent = RecentTokens()
         self._indexes: dict[str, _Index] = {}
 
+    def max_drafts(self, reqs: list["Req"]) -> int:
+        """The longest continuation any request has: 0 when none of them repeats itself (the step then decodes
+        one token each instead of verifying guesses)."""
+        unread, most = self.recent.unread(), 0
+        for req in reqs:
+            found = self._lookup(req, RecentTokens.row(req, req.kv_len + 1, unread), self.num_draft_tokens)
+            most = max(most, len(found))
+            if most == self.num_draft_tokens:
+                break
+        return most
+
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         rows = [self._drafts(entry.req, row, num_drafts) for entry, row in zip(batch.entries, self.recent.rows(batch))]
         return Drafts(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
@@ -49,6 +60,16 @@ class NgramSpeculator(Speculator):
         self._indexes.pop(req.rid, None)
 
     def _drafts(self, req: "Req", row: RowTokens, num_drafts: int) -> list[int]:
+        """``num_drafts`` proposals: the look-up's continuation, padded with its last token (or the sequence's)."""
+        drafts = self._lookup(req, row, num_drafts)
+        if not drafts:
+            tokens = self._indexes[req.rid].tokens
+            drafts = [row.unread[-1] if row.unread else tokens[-1]]
+        return drafts + [drafts[-1]] * (num_drafts - len(drafts))
+
+    def _lookup(self, req: "Req", row: RowTokens, num_drafts: int) -> list[int]:
+        """Up to ``num_drafts`` tokens that followed the latest earlier occurrence of the row's suffix (empty: no
+        match, or it ends before the row's unseen tokens)."""
         index = self._indexes.get(req.rid)
         if index is None:
             index = self._indexes[req.rid] = _Index(self.sizes)
@@ -56,16 +77,13 @@ class NgramSpeculator(Speculator):
         tail = row.unread
         found = index.lookup(tokens, tail)
         if found is None:
-            last = tail[-1] if tail else tokens[-1]
-            return [last] * num_drafts
+            return []
         start = found + row.missing  # the continuation's first tokens stand for the row's unseen ones
         drafts = tokens[start:start + num_drafts]
         if len(drafts) < num_drafts and tail:
             skip = max(0, start - len(tokens))
             drafts += tail[skip:skip + num_drafts - len(drafts)]
-        if not drafts:
-            drafts = [tail[-1] if tail else tokens[-1]]
-        return drafts + [drafts[-1]] * (num_drafts - len(drafts))
+        return drafts
 
 
 @dataclass
