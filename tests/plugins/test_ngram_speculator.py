@@ -219,3 +219,19 @@ if __name__ == "__main__":
     output = engine.generate(input_ids=PROMPTS[:1], sampling_params=params)[0]
     assert_kv_accounted(engine)
     print(",".join(map(str, output.token_ids)), output.spec_verify_steps)
+
+
+def test_a_long_prompt_indexed_at_once_finds_what_token_by_token_indexing_finds():
+    import random
+
+    generator = random.Random(0)
+    prompt = [generator.randrange(50) for _ in range(300)]  # a small vocabulary: many repeated n-grams
+    bulk, stepwise = NgramSpeculator(4, 1, 4, torch.device("cpu")), NgramSpeculator(4, 1, 4, torch.device("cpu"))
+    drafts(bulk, _Req("a", prompt, []))
+    growing = _Req("a", prompt[:1], [])
+    for token in prompt[1:]:  # the same tokens arriving one a step, as outputs
+        growing.output_ids.append(token)
+        drafts(stepwise, growing)
+    assert bulk._indexes["a"].tokens == stepwise._indexes["a"].tokens == prompt
+    assert bulk._indexes["a"].latest.keys() == stepwise._indexes["a"].latest.keys()
+    assert all(bulk._indexes["a"].latest[n] == stepwise._indexes["a"].latest[n] for n in range(1, 5))
