@@ -129,6 +129,21 @@ def resolve_cuda_only(value: int | str, *, on_cuda: bool, cuda_value: int) -> in
     return int(value)
 
 
+# speculative.max_batch_size "auto": a decode step of more running requests verifies no drafts. A GPU step reads
+# every weight once whatever its tokens, so verifying k + 1 tokens of up to 32 requests costs little more than a
+# one-token step of them; a CPU step costs per token, so there speculation pays only for a few requests at a time.
+GPU_SPECULATIVE_MAX_BATCH_SIZE = 32
+CPU_SPECULATIVE_MAX_BATCH_SIZE = 4
+
+
+def resolve_speculative_max_batch_size(value: int | str, *, on_cuda: bool) -> int:
+    """``speculative.max_batch_size``: ``auto`` is ``GPU_SPECULATIVE_MAX_BATCH_SIZE`` on CUDA and
+    ``CPU_SPECULATIVE_MAX_BATCH_SIZE`` on the CPU."""
+    if value == "auto":
+        return GPU_SPECULATIVE_MAX_BATCH_SIZE if on_cuda else CPU_SPECULATIVE_MAX_BATCH_SIZE
+    return int(value)
+
+
 def resolve_chunked_prefill_size(value: int | str | None, *, on_cuda: bool, offline: bool) -> int | None:
     """``scheduler.chunked_prefill_size``: ``auto`` is ``OFFLINE_GPU_CHUNKED_PREFILL_SIZE`` for an offline
     Engine on CUDA and ``SERVER_CHUNKED_PREFILL_SIZE`` otherwise; a number or None (no chunking) is kept."""

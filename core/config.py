@@ -233,6 +233,46 @@ class ParallelConfig(Section):
         return self
 
 
+# Speculators that read a second set of weights from speculative.draft_model_path.
+DRAFT_MODEL_METHODS = ("draft", "eagle3", "eagle")
+
+
+class SpeculativeConfig(Section):
+    method: str | None = Field(
+        None, description="speculators plugin that proposes draft tokens the model verifies in one step (ngram, "
+                          "draft, eagle3, or a plugin's name); null: speculative decoding off")
+    num_tokens: int = Field(4, ge=1, le=16, description="draft tokens per request and step (k): a decode step "
+                                                        "verifies k + 1 positions and keeps 1 to k + 1 tokens")
+    topk: int = Field(1, ge=1, description="draft tree width; 1: a chain of drafts (the only shape verified now)")
+    draft_model_path: str | None = Field(
+        None, description="HF folder or .gguf file of the draft weights (draft: a small model of the same "
+                          "tokenizer; eagle3: the EAGLE-3 heads' folder)")
+    ngram_min: int = Field(1, ge=1, description="ngram: the shortest suffix of a request matched in its own "
+                                                 "prompt and output")
+    ngram_max: int = Field(4, ge=1, description="ngram: the longest suffix matched (longer matches win)")
+    max_batch_size: int | Literal["auto"] = Field(
+        "auto", description="decode steps of more running requests than this verify no drafts (one token each, "
+                            "as without speculation: at large batches a verify step costs more than it "
+                            "saves); auto: 32 on CUDA, 4 on the CPU")
+
+    @field_validator("max_batch_size")
+    @classmethod
+    def _positive_batch(cls, value: int | str) -> int | str:
+        return _positive_or_auto(value, "max_batch_size")
+
+    @model_validator(mode="after")
+    def _combination(self) -> "SpeculativeConfig":
+        if self.topk > 1:
+            raise ValueError(f"topk {self.topk}: draft trees are not supported yet; use topk 1 (a chain of "
+                             "num_tokens drafts)")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} must not exceed ngram_max {self.ngram_max}")
+        if self.method in DRAFT_MODEL_METHODS and not self.draft_model_path:
+            raise ValueError(f"method '{self.method}' needs draft_model_path (the draft weights' folder or "
+                             ".gguf file)")
+        return self
+
+
 def _positive_or_auto(value: int | str, key: str) -> int | str:
     if value != "auto" and value < 1:
         raise ValueError(f"{key} must be a positive integer or 'auto', got {value}")
@@ -260,6 +300,7 @@ class ServerConfig(BaseSettings):
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     grammar: GrammarConfig = Field(default_factory=GrammarConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod
@@ -338,6 +379,8 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
         choices.append(("tool_parsers", config.tools.parser, "tools.parser"))
     if config.reasoning.parser != "none":
         choices.append(("reasoning_parsers", config.reasoning.parser, "reasoning.parser"))
+    if config.speculative.method is not None:
+        choices.append(("speculators", config.speculative.method, "speculative.method"))
     for kind, name, key in choices:
         try:
             registry.get(kind, name)

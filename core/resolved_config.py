@@ -28,6 +28,7 @@ from treadle.core.auto_size import (
     resolve_chunked_prefill_size,
     resolve_cuda_only,
     resolve_piecewise_max_tokens,
+    resolve_speculative_max_batch_size,
 )
 from treadle.core.config import (
     AttentionConfig,
@@ -40,6 +41,7 @@ from treadle.core.config import (
     RuntimeConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     ToolsConfig,
 )
 
@@ -106,6 +108,11 @@ class _FrozenGrammar(GrammarConfig):
     model_config = _FROZEN
 
 
+class ResolvedSpeculativeConfig(SpeculativeConfig):
+    model_config = _FROZEN
+    max_batch_size: int
+
+
 class ResolvedConfig(ServerConfig):
     """A ServerConfig whose ``auto`` values are resolved, frozen (assigning to it raises)."""
 
@@ -121,6 +128,7 @@ class ResolvedConfig(ServerConfig):
     tools: _FrozenTools
     reasoning: _FrozenReasoning
     grammar: _FrozenGrammar
+    speculative: ResolvedSpeculativeConfig
     plugins: tuple[str, ...]
 
     def with_attention_backend(self, name: str) -> "ResolvedConfig":
@@ -179,6 +187,8 @@ def resolve_config(config: ServerConfig, facts: RuntimeFacts,
         prefill_hold_steps=resolve_cuda_only(sched.prefill_hold_steps, on_cuda=on_cuda,
                                              cuda_value=GPU_PREFILL_HOLD_STEPS))
     values["runtime"].update(cuda_graph_max_bs=sizes.cuda_graph_max_bs, piecewise_cuda_graph_max_tokens=piecewise)
+    values["speculative"].update(
+        max_batch_size=resolve_speculative_max_batch_size(config.speculative.max_batch_size, on_cuda=on_cuda))
     return ResolvedConfig.model_validate(values)
 
 
@@ -228,6 +238,7 @@ RESOLVED_KEYS = (
     ("cache", "kv_dtype"), ("scheduler", "max_running_requests"), ("scheduler", "chunked_prefill_size"),
     ("scheduler", "enable_mixed_chunk"), ("scheduler", "latency_chunk_size"), ("scheduler", "prefill_hold_steps"),
     ("runtime", "cuda_graph_max_bs"), ("runtime", "piecewise_cuda_graph_max_tokens"), ("attention", "backend"),
+    ("speculative", "max_batch_size"),
 )
 
 
