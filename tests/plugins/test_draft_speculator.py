@@ -12,6 +12,7 @@ from treadle import Engine, SamplingParams
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.worker import ModelWorker
 from treadle.core.request import Req
+from treadle.core.scheduling.observers import StepObserver
 from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
 from treadle.plugins.speculators.draft import (
     DraftModelSpeculator,
@@ -19,6 +20,7 @@ from treadle.plugins.speculators.draft import (
     draft_kv_tokens,
     draft_server_config,
 )
+from treadle.testing.engine import assert_kv_accounted
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11, 7], [300, 301, 9, 4]]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -143,3 +145,97 @@ def test_a_draft_of_another_vocabulary_is_refused(target_engine, tmp_path):
     draft = ModelWorker(config, target_engine.scheduler.registry)
     with pytest.raises(ValueError, match="does not share the target's tokenizer"):
         check_same_vocabulary(target.info, draft.info)
+
+
+# ---------------------------------------------------------------------- through the Engine and the scheduler
+
+ENGINE_PROMPTS = [
+    [5, 17, 42, 8, 99, 3, 250, 11, 7, 64, 31, 2, 150, 77, 45, 18, 6],
+    [5, 17, 42, 8, 99, 3, 250, 11, 200, 12],
+    [300, 301, 9],
+    [400, 7, 7, 7, 9, 10, 11, 12, 13],
+]
+BUDGETS = (21, 6, 17, 30)
+ENGINE_GREEDY = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in BUDGETS]
+DRAFT_PLUGIN = "treadle.plugins.speculators.draft"  # until the installed package lists it as an entry point
+
+
+def engine_config(model_dir: str, draft_dir: str | None = None, k: int = 3, overlap: bool = True,
+                  kv_tokens: int = 2048, **scheduler) -> dict:
+    config = {"model": {"path": model_dir}, "cache": {"max_total_tokens": kv_tokens}, "plugins": [DRAFT_PLUGIN],
+              "scheduler": {"disable_overlap": not overlap, **scheduler}}
+    if draft_dir is not None:
+        config["speculative"] = {"method": "draft", "num_tokens": k, "draft_model_path": draft_dir,
+                                 "max_batch_size": 8}
+    return config
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama_dir):
+    with Engine(engine_config(tiny_llama_dir)) as engine:
+        return engine.generate(input_ids=ENGINE_PROMPTS, sampling_params=ENGINE_GREEDY)
+
+
+class VerifySteps(StepObserver):
+    """(tokens per request, drafts kept) of every row of every verify step."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int]] = []
+
+    def results_arrived(self, step) -> None:
+        if step.forward_batch.forward_mode.is_verify():
+            tokens = step.forward_batch.tokens_per_req
+            self.rows.extend((tokens, kept) for kept in step.results.wait()["accepted"].tolist())
+
+
+def assert_draft_pool_full(engine: Engine) -> None:
+    draft = engine.scheduler.worker.speculator.draft.info
+    assert draft.allocator.free_slots == draft.allocator.total_slots
+    assert draft.req_to_token_pool.free_count == draft.req_to_token_pool.size
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_draft_equal_to_the_target_keeps_every_draft(tiny_llama_dir, plain_outputs, overlap):
+    k = 3
+    with Engine(engine_config(tiny_llama_dir, tiny_llama_dir, k, overlap)) as engine:
+        verify_steps = VerifySteps()
+        engine.scheduler.add_observer(verify_steps)
+        outputs = engine.generate(input_ids=ENGINE_PROMPTS, sampling_params=ENGINE_GREEDY)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+        # Every verify step keeps every draft: k + 1 tokens a step, until the budgets run out.
+        assert verify_steps.rows and all(kept == tokens - 1 for tokens, kept in verify_steps.rows)
+        assert max(tokens for tokens, _ in verify_steps.rows) == k + 1
+        assert sum(o.spec_verify_steps for o in outputs) >= sum(n - 1 for n in BUDGETS) // (k + 1)
+        assert_kv_accounted(engine)
+        assert_draft_pool_full(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_another_draft_model_gives_the_plain_greedy_tokens(tiny_llama_dir, other_draft_dir, plain_outputs, overlap):
+    with Engine(engine_config(tiny_llama_dir, other_draft_dir, 4, overlap)) as engine:
+        outputs = engine.generate(input_ids=ENGINE_PROMPTS, sampling_params=ENGINE_GREEDY)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+        assert all(o.spec_verify_steps > 0 for o in outputs)
+        assert_kv_accounted(engine)
+        assert_draft_pool_full(engine)
+
+
+def test_retraction_in_a_small_pool_keeps_the_tokens_and_frees_both_pools(tiny_llama_dir, plain_outputs):
+    config = engine_config(tiny_llama_dir, tiny_llama_dir, 3, kv_tokens=48, new_token_ratio=0.0)
+    with Engine(config) as engine:
+        outputs = engine.generate(input_ids=ENGINE_PROMPTS, sampling_params=ENGINE_GREEDY)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+        assert engine.kv_stats()["retractions"] > 0
+        assert_kv_accounted(engine)
+        assert_draft_pool_full(engine)
+
+
+def test_sampling_requests_run_with_drafts(tiny_llama_dir):
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True, seed=i) for i in range(3)]
+    with Engine(engine_config(tiny_llama_dir, tiny_llama_dir, 2)) as engine:
+        outputs = engine.generate(input_ids=ENGINE_PROMPTS[:3], sampling_params=params)
+        vocab = engine.scheduler.worker.info.vocab_size
+        assert all(len(o.token_ids) == 12 and all(0 <= t < vocab for t in o.token_ids) for o in outputs)
+        assert all(o.spec_verify_steps > 0 for o in outputs)
+        assert_kv_accounted(engine)
+        assert_draft_pool_full(engine)
