@@ -32,6 +32,7 @@ from treadle.core.execution.overlap import to_device
 from treadle.core.execution.sampler import SamplingBatch, argmax_last_dim
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
+from treadle.plugins.speculators.catch_up import CatchUp
 from treadle.plugins.speculators.draft_memory import DraftMemory, DraftSequence
 
 if TYPE_CHECKING:
@@ -75,7 +76,12 @@ class DraftModelSpeculator(Speculator):
             if seq is not None:
                 seq.settle(position)
         ok = self.memory.reserve(seqs, [position + num_drafts for position in last])
-        inputs = CatchUp.build(reqs, last, seqs, ok, num_drafts)
+        inputs = CatchUp()
+        for i, (req, position, seq) in enumerate(zip(reqs, last, seqs)):
+            if ok[i] and seq is not None:
+                start = min(seq.seen, position)
+                if not inputs.add(i, req, start, position, seq.slots[start:position + 1], seq):
+                    seq.seen = 0  # a token it cannot read: it sits this step out and starts over next time
         if not inputs.rows:
             return Drafts(token_ids)
         live = [seqs[i] for i in inputs.rows]
@@ -113,7 +119,7 @@ class DraftModelSpeculator(Speculator):
 
     # ------------------------------------------------------------------ draft steps
 
-    def _run(self, inputs: "CatchUp", seqs: list[DraftSequence], last: list[int], num_drafts: int,
+    def _run(self, inputs: CatchUp, seqs: list[DraftSequence], last: list[int], num_drafts: int,
              sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queue the catch-up extend and ``num_drafts - 1`` decode steps: the drafts ``[m, n]`` and, for a batch
         that samples, their distributions ``[m, n, vocab]``."""
@@ -148,7 +154,7 @@ class DraftModelSpeculator(Speculator):
         noise = torch.empty_like(probs).exponential_()
         return (probs / noise).argmax(dim=-1), probs
 
-    def _extend_batch(self, inputs: "CatchUp", seqs: list[DraftSequence], input_ids: torch.Tensor) -> ForwardBatch:
+    def _extend_batch(self, inputs: CatchUp, seqs: list[DraftSequence], input_ids: torch.Tensor) -> ForwardBatch:
         runner, device = self.draft.runner, self.device
         lens = torch.tensor(inputs.extend_lens, dtype=torch.int64)
         prefix = torch.tensor(inputs.prefix_lens, dtype=torch.int64)
@@ -177,78 +183,6 @@ class DraftModelSpeculator(Speculator):
             logits_indices=logits_rows, req_to_token_pool=runner.req_to_token_pool, kv_cache=runner.kv_cache,
             attn_backend=runner.attn_backend,
         )
-
-
-class CatchUp:
-    """The draft's extend step of one proposal: for each request that drafts (``rows``: its index in the verify
-    batch), the positions its KV has not seen up to its last sampled token, their slots, and where each token
-    comes from (the host, the target's next-input buffer, or the drafts proposed last)."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.extend_lens: list[int] = []
-        self.prefix_lens: list[int] = []
-        self.positions: list[int] = []
-        self.slots: list[int] = []
-        self.host_ids: list[int] = []  # 0 where the token is read on the device
-        self.from_target: list[tuple[int, int]] = []  # (token index, target request-table row)
-        self.from_drafts: list[tuple[int, int, int]] = []  # (token index, draft row, column of the last drafts)
-
-    @classmethod
-    def build(cls, reqs: list["Req"], last: list[int], seqs: list[DraftSequence | None], ok: list[bool],
-              num_drafts: int) -> "CatchUp":
-        inputs = cls()
-        for i, (req, position, seq) in enumerate(zip(reqs, last, seqs)):
-            if ok[i] and seq is not None and inputs._add(req, position, seq):
-                inputs.rows.append(i)
-        return inputs
-
-    def _add(self, req: "Req", last: int, seq: DraftSequence) -> bool:
-        """Add positions ``[min(seen, last), last]`` of ``req``; False (nothing added) when a token is nowhere
-        to be read, and the sequence starts over next time."""
-        start = min(seq.seen, last)
-        on_host = req.seq_len
-        ids: list[int] = []
-        target: list[tuple[int, int]] = []
-        drafts: list[tuple[int, int, int]] = []
-        for q in range(start, last + 1):
-            if q < on_host:
-                ids.append(req.token_at(q))
-                continue
-            ids.append(0)
-            if q == last:
-                target.append((q - start, req.req_pool_idx))
-            elif seq.drafts_at >= 0 and 0 <= q - seq.drafts_at - 1 < seq.proposed:
-                drafts.append((q - start, seq.row, q - seq.drafts_at - 1))
-            else:
-                seq.seen = 0
-                return False
-        offset = len(self.host_ids)
-        self.host_ids.extend(ids)
-        self.from_target.extend((offset + k, row) for k, row in target)
-        self.from_drafts.extend((offset + k, row, column) for k, row, column in drafts)
-        self.extend_lens.append(last + 1 - start)
-        self.prefix_lens.append(start)
-        self.positions.extend(range(start, last + 1))
-        self.slots.extend(seq.slots[start:last + 1])
-        return True
-
-    def device_input_ids(self, device: torch.device, target_ids: torch.Tensor,
-                         last_drafts: torch.Tensor) -> torch.Tensor:
-        """The extend's token ids on the device: the host's, then the device-only ones copied in."""
-        ids = to_device(torch.tensor(self.host_ids, dtype=torch.int64), device)
-        if self.from_target:
-            at, rows = zip(*self.from_target)
-            ids.index_copy_(0, _index(at, device), target_ids.index_select(0, _index(rows, device)))
-        if self.from_drafts:
-            at, rows, columns = zip(*self.from_drafts)
-            flat = [row * last_drafts.shape[1] + column for row, column in zip(rows, columns)]
-            ids.index_copy_(0, _index(at, device), last_drafts.view(-1).index_select(0, _index(flat, device)))
-        return ids
-
-
-def _index(values: Any, device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(list(values), dtype=torch.int64), device)
 
 
 def sampling_of(reqs: list["Req"], vocab_size: int, device: torch.device) -> SamplingBatch | None:
