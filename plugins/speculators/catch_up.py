@@ -33,6 +33,7 @@ class CatchUp:
 
     def __init__(self) -> None:
         self.rows: list[int] = []
+        self.table_rows: list[int] = []  # each one's row of the request table the step reads (``state.row``)
         self.extend_lens: list[int] = []
         self.prefix_lens: list[int] = []
         self.positions: list[int] = []
@@ -63,6 +64,7 @@ class CatchUp:
                 return False
         offset = len(self.host_ids)
         self.rows.append(index)
+        self.table_rows.append(state.row)
         self.host_ids.extend(ids)
         self.from_target.extend((offset + k, row) for k, row in target)
         self.from_drafts.extend((offset + k, row, column) for k, row, column in drafts)
