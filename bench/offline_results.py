@@ -63,9 +63,12 @@ def format_table(results: Sequence[SystemResult]) -> str:
     with_hf = any(r.kind == "hf" for r in results)
     with_baseline = any(r.ratio_vs_baseline is not None for r in results)
     with_busy = any("gpu_busy_fraction" in r.extra for r in results)
+    with_spec = any("spec_acceptance_length" in r.extra for r in results)
     header = ["system", "reqs", "in tok", "out tok", "time s", "out tok/s", "req/s", "peak bs", "vs first"]
     if with_busy:
         header[-1:-1] = ["GPU busy", "busy (decode)"]
+    if with_spec:
+        header.append("accept len")
     if with_hf:
         header.append("vs hf")
     if with_baseline:
@@ -77,6 +80,9 @@ def format_table(results: Sequence[SystemResult]) -> str:
                str(r.extra.get("peak_decode_batch_size", "-")), _ratio(r.ratio_vs_first)]
         if with_busy:
             row[-1:-1] = [_percent(r.extra.get("gpu_busy_fraction")), _percent(r.extra.get("gpu_busy_fraction_decode"))]
+        if with_spec:
+            length = r.extra.get("spec_acceptance_length")
+            row.append("-" if length is None else f"{length:.2f}")
         if with_hf:
             row.append(_ratio(r.ratio_vs_hf))
         if with_baseline:
@@ -120,8 +126,14 @@ def progress_line(r: SystemResult) -> str:
             f"{extra.get('peak_decode_batch_size')}, GPU busy {_percent(extra.get('gpu_busy_fraction'))} "
             f"(decode {_percent(extra.get('gpu_busy_fraction_decode'))}), steps {extra.get('steps')} "
             f"({extra.get('decode_steps')} decode), max_running_requests {extra.get('max_running_requests')}, "
-            f"retractions {extra.get('retractions')}" + _by_mode_lines(extra.get("by_mode"))
+            f"retractions {extra.get('retractions')}" + _acceptance(extra) + _by_mode_lines(extra.get("by_mode"))
             + _by_size_lines(extra.get("by_size")) + _stall_lines((extra.get("step_trace") or {}).get("stalls")))
+
+
+def _acceptance(extra: dict[str, Any]) -> str:
+    """Speculative decoding: completion tokens per verify step."""
+    length = extra.get("spec_acceptance_length")
+    return "" if length is None else f", acceptance length {length:.2f} tokens/verify step"
 
 
 def _by_mode_lines(by_mode: dict[str, dict[str, float]] | None) -> str:

@@ -76,9 +76,10 @@ def run_treadle(
             synchronize(device)
             start = time.perf_counter()
             meter.begin()
+            verify_steps: list[int] = []
             completions = _drive_scheduler(
                 engine.scheduler, [r.input_ids for r in workload.requests], [r.output_len for r in workload.requests],
-                on_finish=lambda: bar.update(1), json_schema=json_schema,
+                on_finish=lambda: bar.update(1), json_schema=json_schema, verify_steps=verify_steps,
             )
             meter.end()
             synchronize(device)
@@ -111,6 +112,7 @@ def run_treadle(
             "cuda_graph_max_bs": config_value(engine, "runtime", "cuda_graph_max_bs"),
             "enable_mixed_chunk": config_value(engine, "scheduler", "enable_mixed_chunk"),
             **decode_graphs(engine),
+            **({"spec_acceptance_length": sum(completions) / sum(verify_steps)} if sum(verify_steps) else {}),
             **meter.summary(),
             "model": engine.model_info,
         },
@@ -159,9 +161,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def _drive_scheduler(scheduler: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
-                     on_finish: Any = None, json_schema: str | None = None) -> list[int]:
+                     on_finish: Any = None, json_schema: str | None = None,
+                     verify_steps: list[int] | None = None) -> list[int]:
     """Queue every prompt as Engine.generate does (``scheduler.batch_order``), step until all finish;
-    completion token counts in prompt order."""
+    completion token counts in prompt order (and each finished request's verify steps appended to
+    ``verify_steps``: speculative decoding)."""
     from treadle.core.engine import queue_order
     from treadle.core.request import Req, SamplingParams
 
@@ -180,6 +184,8 @@ def _drive_scheduler(scheduler: Any, prompts: Sequence[list[int]], output_lens: 
         for output in scheduler.step():
             if output.finished_reason is not None:
                 completions[output.rid] = output.completion_tokens
+                if verify_steps is not None:
+                    verify_steps.append(output.spec_verify_steps)
                 if on_finish is not None:
                     on_finish()
     return [completions[req.rid] for req in reqs]

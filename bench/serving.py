@@ -249,6 +249,8 @@ def format_table(summary: dict[str, Any]) -> str:
     for name, label in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_latency_ms", "E2E latency (ms)")):
         s = summary[name]
         rows.append((label, f"mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p90 {s['p90']:.1f}  p99 {s['p99']:.1f}"))
+    if "spec_acceptance_length" in summary:
+        rows.append(("acceptance length (tok/verify step)", f"{summary['spec_acceptance_length']:.2f}"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
@@ -296,9 +298,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    verified_before = acceptance_counts(args.base_url, headers)
     results, wall = run_workers(args.base_url, workload.requests, args.request_rate, args.max_concurrency, args.api,
                                 args.api_key, args.model, args.seed, args.workers, progress=not args.no_progress)
     summary = summarize(results, wall)
+    verified_after = acceptance_counts(args.base_url, headers)
+    steps = verified_after[1] - verified_before[1]
+    if steps > 0:  # speculative decoding: tokens per verify step, from the server's /metrics
+        summary["spec_acceptance_length"] = (verified_after[0] - verified_before[0]) / steps
     print(f"serving benchmark: {workload.num_requests} requests ({args.workload}), rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency or 'unlimited'}, api {args.api}, {args.base_url}, "
           f"{args.workers} client process{'es' if args.workers > 1 else ''}")
@@ -327,6 +334,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=2))
     print(f"wrote {out}")
     return 0 if summary["failed"] == 0 else 1
+
+
+def acceptance_counts(base_url: str, headers: dict[str, str]) -> tuple[float, float]:
+    """``(tokens, verify steps)`` of the server's acceptance-length histogram so far (0, 0 without speculation
+    or without a /metrics answer)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("treadle_spec_acceptance_length_sum", "treadle_spec_acceptance_length_count"):
+            values[name] = float(value)
+    return (values.get("treadle_spec_acceptance_length_sum", 0.0),
+            values.get("treadle_spec_acceptance_length_count", 0.0))
 
 
 def _without_secrets(argv: Sequence[str]) -> list[str]:

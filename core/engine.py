@@ -31,6 +31,7 @@ class GenerateOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_steps: int = 0  # verify steps that gave it tokens (speculative decoding; 0 without it)
     input_token_logprobs: list[float | None] = field(default_factory=list)
     output_token_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[Any] = field(default_factory=list)
@@ -194,6 +195,7 @@ class Engine:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
+            spec_verify_steps=req.spec_verify_steps,
             input_token_logprobs=list(req.input_token_logprobs),
             output_token_logprobs=list(req.output_token_logprobs),
             input_top_logprobs=list(req.input_top_logprobs),

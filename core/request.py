@@ -143,6 +143,9 @@ class Req:
     # Bookkeeping.
     retractions: int = 0
     input_logprobs_sent: bool = False
+    # Verify steps (speculative decoding) that gave the request tokens: completion tokens / this is its
+    # acceptance length when every decode step verified.
+    spec_verify_steps: int = 0
 
     def __post_init__(self) -> None:
         self._kv_head: torch.Tensor = torch.empty(0, dtype=torch.int64)
@@ -240,3 +243,7 @@ class ReqOutput:
     new_output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_token_logprobs: list[float | None] | None = None  # sent once, with the first output
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    spec_verify_steps: int = 0  # so far (speculative decoding; 0 without it)
+    # The tokens each verify step of this output gave the request (accepted drafts + 1), for the acceptance
+    # histogram; empty without speculation.
+    new_verify_lengths: list[int] = field(default_factory=list)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from treadle.server.ipc import StrOutput
 
+_ACCEPTANCE_BUCKETS = tuple(float(n) for n in range(1, 17))
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -48,6 +49,9 @@ class ServerMetrics:
         self.e2e_latency = Histogram(
             "treadle_e2e_request_latency_seconds", "Time from arrival to the last output token",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_acceptance_length = Histogram(
+            "treadle_spec_acceptance_length", "Tokens one verify step gave a request (accepted drafts + 1; "
+            "speculative decoding only)", buckets=_ACCEPTANCE_BUCKETS, registry=r)
         self.running_requests = Gauge("treadle_num_running_requests", "Requests in the running batch", registry=r)
         self.queued_requests = Gauge("treadle_num_queued_requests", "Requests waiting to be admitted", registry=r)
         self.kv_total_slots = Gauge("treadle_kv_total_slots", "KV cache slots in the pool", registry=r)
@@ -64,6 +68,11 @@ class ServerMetrics:
         self.replica_cached_tokens = Gauge(
             "treadle_replica_cached_tokens_total", "Prompt tokens served from each replica's prefix cache",
             labels, registry=r)
+
+    def on_verified(self, output: StrOutput) -> None:
+        """A speculative step's output: how many tokens each of its verify steps gave the request."""
+        for length in output.new_verify_lengths:
+            self.spec_acceptance_length.observe(length)
 
     def on_finished(self, output: StrOutput, latency_s: float) -> None:
         self.requests_finished.labels(finish_reason=output.finished_reason or "unknown").inc()

@@ -70,6 +70,7 @@ class _NativeResult:
             "prompt_tokens": out.prompt_tokens if out else len(self.input_ids),
             "completion_tokens": out.completion_tokens if out else 0,
             "cached_tokens": out.cached_tokens if out else 0,
+            "spec_verify_steps": out.spec_verify_steps if out else 0,
         }
         if self.body.return_logprob:
             start = max(self.body.logprob_start_len, 0)

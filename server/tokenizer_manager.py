@@ -411,6 +411,8 @@ class TokenizerManager:
             elif state.last_token_at is not None:
                 self.metrics.inter_token_latency.observe((now - state.last_token_at) / tokens)
             state.last_token_at = now
+        if output.new_verify_lengths:
+            self.metrics.on_verified(output)
         if output.finished_reason is not None:
             self.states.pop(output.rid, None)
             self.metrics.on_finished(output, now - state.created)

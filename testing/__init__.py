@@ -15,6 +15,9 @@
     def test_my_grammar_backend_conforms():
         check_grammar_backend(MyGrammarBackend)
 
+    def test_my_speculator_conforms():
+        check_speculator(make_my_speculator)
+
     def test_my_model_splits_over_ranks():
         check_tensor_parallel(make_my_tiny_checkpoint(tmp_path), tp_size=2,
                               overrides={"plugins": ["my_models"]})
@@ -33,7 +36,7 @@ from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
 __all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_reasoning_parser",
-           "check_schedule_policy", "check_tensor_parallel", "check_tool_parser"]
+           "check_schedule_policy", "check_speculator", "check_tensor_parallel", "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:
@@ -42,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from treadle.testing.attention import check_attention_backend
 
         return check_attention_backend
+    if name == "check_speculator":
+        from treadle.testing.speculators import check_speculator
+
+        return check_speculator
     if name == "check_grammar_backend":
         from treadle.testing.grammar import check_grammar_backend
 

@@ -94,7 +94,8 @@ class CudaGraphRunner:
     """
 
     def __init__(self, model: nn.Module, attn_backend: "AttentionBackend", context: "AttentionContext",
-                 max_bs: int, *, prune: bool = True, verify_tokens_per_req: Sequence[int] = ()) -> None:
+                 max_bs: int, *, prune: bool = True, verify_tokens_per_req: Sequence[int] = (),
+                 verify_max_bs: int | None = None) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.context = context
@@ -130,7 +131,10 @@ class CudaGraphRunner:
         self.memory_pool = None
         # Once, before any capture: every graph points at what this allocates.
         self.attn_backend.init_cuda_graph_state(max_bs, max_bs * max([1, *verify_sizes]))
-        self.verify = {t: _VerifyGraphs(self, t) for t in verify_sizes}  # by tokens_per_req, captured largest first
+        # By tokens_per_req, captured largest first; batch sizes up to the first captured one >= verify_max_bs.
+        verify_bs = [bs for bs in self.batch_sizes if bs < (verify_max_bs or max_bs)]
+        verify_bs += [bs for bs in self.batch_sizes if bs >= (verify_max_bs or max_bs)][:1]
+        self.verify = {t: _VerifyGraphs(self, t, verify_bs) for t in verify_sizes}
         self.capture()
 
     # ------------------------------------------------------------------ capture
@@ -144,7 +148,8 @@ class CudaGraphRunner:
         sizes = sorted(self.batch_sizes, reverse=True)
         with torch.inference_mode(), torch.cuda.device(self.device):
             for verify in self.verify.values():
-                for bs in tqdm(sizes, desc=f"capturing verify CUDA graphs ({verify.tokens_per_req} tokens)",
+                for bs in tqdm(verify.batch_sizes[::-1],
+                               desc=f"capturing verify CUDA graphs ({verify.tokens_per_req} tokens)",
                                unit="graph", leave=False):
                     verify.capture(bs, stream)
             for bs in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", leave=False):
@@ -155,7 +160,7 @@ class CudaGraphRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
         if self.verify:
             logger.info("captured TARGET_VERIFY CUDA graphs for %s tokens per request, batch sizes %s",
-                        sorted(self.verify), sizes[::-1])
+                        sorted(self.verify), next(iter(self.verify.values())).batch_sizes)
 
     def _prune(self) -> None:
         """Drop the sizes whose graph is slower than a larger one's (``faster_sizes``); every rank of a
@@ -280,7 +285,7 @@ class CudaGraphRunner:
         return (
             forward_batch.forward_mode.is_verify()
             and forward_batch.tokens_per_req in self.verify
-            and 0 < forward_batch.batch_size <= self.max_bs
+            and 0 < forward_batch.batch_size <= self.verify[forward_batch.tokens_per_req].max_bs
         )
 
     def replay_verify(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -292,13 +297,14 @@ class _VerifyGraphs:
     """The TARGET_VERIFY graphs of one ``tokens_per_req`` t: static inputs for ``max_bs * t`` tokens (every
     one's logits wanted) and one graph per batch size, in the owner's memory pool."""
 
-    def __init__(self, owner: CudaGraphRunner, tokens_per_req: int) -> None:
+    def __init__(self, owner: CudaGraphRunner, tokens_per_req: int, batch_sizes: Sequence[int]) -> None:
         self.owner = owner
         self.tokens_per_req = t = tokens_per_req
         # A padding row attends over its own t tokens after a prefix of fill - 1 keys.
         self.seq_len_fill_value = owner.seq_len_fill_value + t - 1
-        self.batch_sizes = list(owner.batch_sizes)  # all captured: decode pruning leaves them
-        max_bs, device = owner.max_bs, owner.device
+        self.batch_sizes = list(batch_sizes)  # all captured: decode pruning leaves them
+        self.max_bs = max_bs = self.batch_sizes[-1]
+        device = owner.device
         with torch.inference_mode():
             self.input_ids = torch.zeros(max_bs * t, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_bs * t, dtype=torch.int64, device=device)

@@ -67,6 +67,11 @@ class HostCopy:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    @property
+    def arrived(self) -> bool:
+        """Whether :meth:`wait` would return without waiting (asks the device; never blocks)."""
+        return self._event is None or self._event.query()
+
     def wait(self) -> dict[str, Any]:
         if self._event is not None:
             self._event.synchronize()
@@ -83,3 +88,5 @@ class LaunchedStep:
     logits: torch.Tensor | None  # dropped once sampling has been queued
     results: HostCopy | None = None  # the sampled ids (and log-probs) on their way to the host
     draft_ids: torch.Tensor | None = None  # a TARGET_VERIFY step's drafts, [bs, k] on the device
+    # The distributions the drafts were sampled from, [bs, k, vocab] float32 (None: deterministic drafts).
+    draft_probs: torch.Tensor | None = None

@@ -251,6 +251,7 @@ class SampleResult:
     next_token_ids: torch.Tensor  # [bs] int64
     logprobs: torch.Tensor | None  # [bs] log-prob of the chosen token (raw distribution)
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [bs, k]
+    accepted: torch.Tensor | None = None  # a verify step with draft distributions: drafts kept per request [bs]
 
 
 class Sampler:
@@ -262,12 +263,15 @@ class Sampler:
     def __init__(self) -> None:
         self.penalty_pool: PenaltyPool | None = None
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
-                 vocab_mask: torch.Tensor | None = None) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, vocab_mask: torch.Tensor | None = None,
+                 draft_ids: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> SampleResult:
         """``logits``: ``[bs * batch.tokens_per_req, vocab]``, float32 or 16-bit (widened here wherever
         probabilities are computed).
 
         ``vocab_mask``: an int32 bitmask ``[bs, ceil(vocab / 32)]`` of allowed tokens (constrained decoding).
+        ``draft_ids`` ``[bs, k]`` and ``draft_probs`` ``[bs, k, vocab]``: a verify step whose drafts were sampled
+        from known distributions, decided by rejection sampling (:func:`rejection_sample`; greedy rows keep the
+        drafts equal to their argmax); the result then carries ``accepted``.
         """
         raw_logits = logits
         if vocab_mask is not None:
@@ -283,9 +287,12 @@ class Sampler:
             logits = penalties.apply(logits.float())
         if batch.logit_bias is not None:
             logits = batch.logit_bias.apply(logits)
+        accepted = None
         if batch.all_greedy:
             # No float32 copy: widening a 16-bit logit is exact, so its argmax is the same token.
             next_ids = argmax_last_dim(logits)
+        elif draft_probs is not None:
+            next_ids, accepted = self._verify(logits.float(), batch, draft_ids, draft_probs)
         else:
             next_ids = self._sample(logits.float(), batch)
         logprobs = top = None
@@ -295,9 +302,29 @@ class Sampler:
             if batch.top_logprobs_num > 0:
                 top = torch.topk(log_probs, batch.top_logprobs_num, dim=-1)
                 top = (top.values, top.indices)
-        return SampleResult(next_ids, logprobs, top)
+        return SampleResult(next_ids, logprobs, top, accepted)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = self._filtered_probs(logits, batch)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (normalization not needed).
+        noise = exponential_noise(batch.seeds, batch.steps, probs.shape[-1])
+        sampled = argmax_last_dim(probs / noise)
+        return torch.where(batch.greedy, argmax_last_dim(logits), sampled)
+
+    def _verify(self, logits: torch.Tensor, batch: SamplingBatch, draft_ids: torch.Tensor,
+                draft_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        token_ids, accepted = rejection_sample(self._filtered_probs(logits, batch), draft_ids, draft_probs,
+                                               batch.seeds, batch.steps)
+        bs, t = token_ids.shape
+        greedy_rows = batch.greedy.view(bs, t)[:, 0]
+        greedy_ids = argmax_last_dim(logits).view(bs, t)
+        token_ids = torch.where(greedy_rows.unsqueeze(1), greedy_ids, token_ids)
+        accepted = torch.where(greedy_rows, accepted_draft_counts(draft_ids, greedy_ids), accepted)
+        return token_ids.view(-1), accepted
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Each row's distribution after temperature, top-k, top-p and min-p (not renormalized)."""
         probs = torch.softmax(logits / batch.temperatures, dim=-1)
         if batch.need_top_k or batch.need_top_p:
             sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
@@ -311,11 +338,68 @@ class Sampler:
         if batch.need_min_p:
             threshold = probs.max(dim=-1, keepdim=True).values * batch.min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (normalization not needed).
-        noise = exponential_noise(batch.seeds, batch.steps, probs.shape[-1])
-        sampled = argmax_last_dim(probs / noise)
-        return torch.where(batch.greedy, argmax_last_dim(logits), sampled)
+        return probs
 
+
+def accepted_draft_counts(draft_ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """How many of each request's drafts ``[bs, k]`` the target kept: the leading ones equal to the target's own
+    tokens ``[bs, k + 1]`` at the same positions (so ``token_ids[i, count]`` is the request's next token).
+
+    Exact for drafts without distributions under sampling too (:func:`rejection_sample`'s docstring)."""
+    matches = draft_ids.to(token_ids.dtype) == token_ids[:, :-1]
+    return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def rejection_sample(probs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor, seeds: torch.Tensor,
+                     steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_ids [bs, k + 1], accepted [bs])`` of a verify step whose drafts were sampled from known
+    distributions (a draft model).
+
+    For each request, draft ``d_j`` (drawn from ``q_j``) is kept with probability ``min(1, p_j(d_j) / q_j(d_j))``,
+    where ``p_j`` is the target's distribution at position ``j`` after temperature, top-k, top-p and min-p (what plain
+    decoding samples from). At the first rejection the token is drawn from the residual ``max(0, p_j - q_j)``
+    normalized; when every draft is kept, the next token is drawn from ``p_k``. The output then has the target's
+    distribution exactly, whatever ``q`` is (Leviathan et al., Chen et al., 2023).
+
+    Drafts without distributions (``q`` one-hot: a lookup, a greedy draft) need none of this: keeping ``d_j`` when the
+    target's own seeded sample at ``j`` equals it happens with probability ``p_j(d_j)``, and a sample that differs
+    is distributed as ``p_j`` without ``d_j``, which is the residual. That is the worker's
+    path (:func:`accepted_draft_counts`), and it gives a seeded request the very tokens plain decoding gives it.
+
+    The uniforms and the residual's sample are drawn from the counter-based noise of the sampler (seed, output
+    position), so a seeded request samples the same tokens whatever batch it is in. Nothing here leaves the device.
+
+    ``probs`` ``[bs * (k + 1), vocab]``: the target's filtered distributions (need not be normalized), request
+    ``i``'s position ``j`` at row ``i * (k + 1) + j``; ``draft_ids`` ``[bs, k]``; ``draft_probs`` ``[bs, k, vocab]``;
+    ``seeds``/``steps`` ``[bs * (k + 1)]``: each row's seed and output position. ``token_ids[i, :accepted[i]]`` are
+    the kept drafts and ``token_ids[i, accepted[i]]`` the token drawn after them.
+    """
+    bs, k = draft_ids.shape
+    t, vocab = k + 1, probs.shape[-1]
+    p = probs / probs.sum(dim=-1, keepdim=True)
+    p = p.view(bs, t, vocab)
+    q = draft_probs.float()
+    ids = draft_ids.to(torch.int64).unsqueeze(-1)
+    p_draft = p[:, :k].gather(2, ids).squeeze(-1)
+    q_draft = q.gather(2, ids).squeeze(-1)
+    first_rows = seeds.view(bs, t)[:, :k].reshape(-1)
+    uniform = torch.exp(-exponential_noise(first_rows ^ _ACCEPT_SALT, steps.view(bs, t)[:, :k].reshape(-1), 1))
+    keep = uniform.view(bs, k) * q_draft < p_draft  # probability min(1, p / q)
+    accepted = keep.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    residual = torch.cat([(p[:, :k] - q).clamp_min(0.0), p[:, k:]], dim=1)
+    # p == q at a position leaves no residual; a rejection cannot happen there, any row will do.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    noise = exponential_noise(seeds, steps, vocab).view(bs, t, vocab)
+    drawn = argmax_last_dim((residual / noise).view(bs * t, vocab)).view(bs, t)
+    drafts_then_drawn = torch.cat([draft_ids.to(torch.int64), drawn[:, k:]], dim=1)
+    positions = torch.arange(t, device=probs.device).unsqueeze(0)
+    token_ids = torch.where(positions < accepted.unsqueeze(1), drafts_then_drawn, drawn)
+    return token_ids, accepted
+
+
+# Mixed into a request's seed for its acceptance uniforms, so they are independent of the same position's
+# sampling noise.
+_ACCEPT_SALT = 0x5BD1E995
 
 _ARGMAX_GROUPS = (256, 128, 64)
 

@@ -37,13 +37,14 @@ from treadle.core.execution.forward_inputs import build_forward_batch
 from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.execution.overlap import HostCopy, LaunchedStep, NextInputIds, to_device
 from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
-from treadle.core.execution.sampler import Sampler, SamplingBatch
+from treadle.core.execution.sampler import Sampler, SamplingBatch, accepted_draft_counts
 from treadle.core.registry import Registry
 
 if TYPE_CHECKING:
     from treadle.core.memory.allocator import KVAllocator
     from treadle.core.memory.pools import ReqToTokenPool
     from treadle.core.resolved_config import ResolvedConfig
+    from treadle.core.scheduling.observers import StepObserver
     from treadle.core.scheduling.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -103,17 +104,22 @@ class Worker(ABC):
     def release_graphs(self) -> None:
         """Free the CUDA graphs before the device (or a tensor-parallel group) goes away; later steps run eagerly."""
 
+    def step_observers(self) -> Sequence["StepObserver"]:
+        """Step observers the scheduler registers for this worker when it is built (a speculative worker hears
+        of requests that finish or are retracted this way); none by default."""
+        return ()
+
 
 class ModelWorker(Worker):
     """A model runner, a sampler, the CUDA graphs that replay the runner's steps and the next-input-token buffer.
 
     ``verify_tokens_per_req``: the ``k + 1`` of the TARGET_VERIFY steps to capture in CUDA graphs (a speculative
-    worker asks for its own; empty: verify steps run eagerly or through the prefill graphs). Plain decode is
-    captured as it is without them.
+    worker asks for its own; empty: verify steps run eagerly or through the prefill graphs), for batch sizes up to
+    ``verify_max_bs`` (None: every decode graph's). Plain decode is captured as it is without them.
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
-                 verify_tokens_per_req: Sequence[int] = ()) -> None:
+                 verify_tokens_per_req: Sequence[int] = (), verify_max_bs: int | None = None) -> None:
         self.runner = ModelRunner(config, registry, offline=offline)
         self.config = self.runner.config
         self.context = AttentionContext.of(self.runner)
@@ -121,6 +127,7 @@ class ModelWorker(Worker):
         self.sampler = Sampler()
         self.next_input_ids = NextInputIds(self.runner.req_to_token_pool.size, self.runner.device)
         self.verify_tokens_per_req = tuple(sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}))
+        self.verify_max_bs = verify_max_bs
         self.cuda_graphs: CudaGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
@@ -147,7 +154,8 @@ class ModelWorker(Worker):
                 verify = ()
             max_bs = min(runtime.cuda_graph_max_bs, runner.max_running_requests)
             self.cuda_graphs = CudaGraphRunner(runner.model, backend, self.context, max_bs,
-                                               prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify)
+                                               prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify,
+                                               verify_max_bs=self.verify_max_bs)
         else:
             logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
                         runner.config.attention.backend)
@@ -233,7 +241,8 @@ class ModelWorker(Worker):
         bs, per_req = forward_batch.batch_size, forward_batch.tokens_per_req
         sampling = SamplingBatch.from_reqs(step.batch.reqs, self.info.vocab_size, self.info.device,
                                            tokens_per_req=per_req)
-        result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask)
+        result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask, draft_ids=step.draft_ids,
+                              draft_probs=step.draft_probs)
         token_ids = result.next_token_ids.view(bs, per_req)
         tensors: dict[str, Any] = {"next_ids": token_ids, "top_values": None, "top_ids": None,
                                    "logprobs": result.logprobs.view(bs, per_req) if result.logprobs is not None
@@ -242,17 +251,11 @@ class ModelWorker(Worker):
             values, ids = result.top_logprobs
             tensors["top_values"], tensors["top_ids"] = values.view(bs, per_req, -1), ids.view(bs, per_req, -1)
         if step.draft_ids is not None:
-            accepted = accepted_draft_counts(step.draft_ids, token_ids)
+            accepted = result.accepted if result.accepted is not None else accepted_draft_counts(step.draft_ids,
+                                                                                                   token_ids)
             self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
             tensors["accepted"] = accepted
         return tensors
-
-
-def accepted_draft_counts(draft_ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """How many of each request's drafts ``[bs, k]`` the target kept: the leading ones equal to the target's own
-    tokens ``[bs, k + 1]`` at the same positions (so ``token_ids[i, count]`` is the request's next token)."""
-    matches = draft_ids.to(token_ids.dtype) == token_ids[:, :-1]
-    return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def prompt_logprob_tensors(batch: "ScheduleBatch", logits: torch.Tensor,

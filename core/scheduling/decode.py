@@ -99,9 +99,10 @@ class DecodeManager:
         ``t`` is the worker's ``k + 1``, lowered so that no request computes a position whose token would lie past
         the context length, to the most tokens any request may still take, and to what the pool holds (fewer
         drafts before any retraction); 1 (plain decode) while a request is constrained or uses penalties, whose
-        mask and token counts at a draft's position would depend on the drafts before it.
+        mask and token counts at a draft's position would depend on the drafts before it, and while more requests
+        run than ``speculative.max_batch_size`` (verifying them would cost more than it saves).
         """
-        per_req = self.tokens_per_req
+        per_req = self.tokens_per_req if len(reqs) <= self.config.speculative.max_batch_size else 1
         most_wanted = 1
         for req in reqs:
             params = req.sampling_params

@@ -143,9 +143,14 @@ class OutputProcessing:
                 self._check_finished(req, token)
                 if req.finished:
                     break
+            if new_ids:
+                req.spec_verify_steps += 1
             if req.finished:
                 finish(req)
-            outputs.append(req_output(req, new_ids))
+            output = req_output(req, new_ids)
+            if new_ids:
+                output.new_verify_lengths = [len(new_ids)]
+            outputs.append(output)
 
     # ------------------------------------------------------------ log-probs
 
@@ -204,6 +209,7 @@ def req_output(req: Req, new_ids: list[int], include_input_logprobs: bool = Fals
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
+        spec_verify_steps=req.spec_verify_steps,
     )
     if req.return_logprob:
         count = len(new_ids)

@@ -40,7 +40,7 @@ from treadle.core.config import ServerConfig, validate_plugin_choices
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.execution.overlap import LaunchedStep
-from treadle.core.execution.worker import ModelWorker, Worker
+from treadle.core.execution.worker import Worker
 from treadle.core.grammar import GrammarManager
 from treadle.core.loading.hub import default_served_name
 from treadle.core.registry import Registry, build_registry
@@ -54,6 +54,7 @@ from treadle.core.scheduling.output import OutputProcessing
 from treadle.core.scheduling.prefill import IN_BATCH_PREFIX_TOKENS, PrefillManager
 from treadle.core.scheduling.schedule_batch import ScheduleBatch
 from treadle.core.scheduling.state import SchedulerState, wants_input_logprobs
+from treadle.core.speculative.worker import build_worker
 from treadle.text.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Scheduler:
         self.registry = registry if registry is not None else build_registry(config.plugins)
         validate_plugin_choices(config, self.registry)
         # The model side (core/execution/worker.py); another Worker (a speculative one) may be handed in.
-        self.worker: Worker = worker if worker is not None else ModelWorker(config, self.registry, offline=offline)
+        self.worker: Worker = worker if worker is not None else build_worker(config, self.registry, offline=offline)
         self.config = self.worker.config  # every "auto" resolved; the caller's config stays as it was
         info = self.worker.info
         self.memory = KVMemory.for_worker(info, self.config.cache.disable_radix_cache)
@@ -95,6 +96,8 @@ class Scheduler:
         self.output_processing = OutputProcessing(self.state, self.lifecycle, self.grammar, self.eos_token_ids,
                                                   self.tokenizer, self.context_len)
         self._inflight: LaunchedStep | None = None  # queued on the device, its tokens not read yet
+        for observer in self.worker.step_observers():
+            self.add_observer(observer)
 
     # ----------------------------------------------------------------- public API
 

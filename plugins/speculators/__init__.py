@@ -1,1 +1,1 @@
-"""Built-in treadle plugins: speculators."""
+"""Built-in treadle plugins: speculators (what proposes the drafts a speculative worker verifies)."""

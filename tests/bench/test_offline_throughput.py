@@ -128,3 +128,13 @@ def test_json_schema_ab_runs_both_at_equal_token_counts(tmp_path, tiny_model_dir
     assert max(lengths) < 40 and free["output_tokens"] == constrained["output_tokens"] == sum(lengths)
     assert constrained["ratio_vs_first"] == pytest.approx(
         constrained["output_throughput_tok_s"] / free["output_throughput_tok_s"])
+
+
+def test_speculative_runs_report_the_acceptance_length(tmp_path, tiny_model_dir, capsys):
+    report = run_bench(tmp_path, tiny_model_dir, "--workload", "random",
+                       "--set", "plugins=[treadle.plugins.speculators.ngram]", "--set", "speculative.method=ngram",
+                       "--set", "speculative.max_batch_size=8")
+    (system,) = report["systems"]
+    assert system["extra"]["spec_acceptance_length"] >= 1.0
+    out = capsys.readouterr().out
+    assert "accept len" in out and "acceptance length" in out

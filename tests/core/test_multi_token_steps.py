@@ -41,7 +41,7 @@ MEMORY = {
 
 def make_engine(model_dir: str, overlap: bool = True, sections: dict | None = None) -> Engine:
     config = {"model": {"path": model_dir}, "cache": {"max_total_tokens": 2048},
-              "scheduler": {"disable_overlap": not overlap}}
+              "scheduler": {"disable_overlap": not overlap}, "speculative": {"max_batch_size": 64}}
     for section, values in (sections or {}).items():
         config.setdefault(section, {}).update(values)
     return Engine(config)

@@ -1,0 +1,115 @@
+"""The speculative worker: a target :class:`ModelWorker` and a :class:`Speculator` behind the one Worker API.
+
+The scheduler sees a worker whose ``decode_tokens_per_req`` is ``k + 1`` and hands it TARGET_VERIFY batches
+without drafts (docs/scheduling.md, "Steps of several tokens per request"). For each one the worker asks the
+speculator for ``t - 1`` drafts per request and queues the target's forward over them; the target's sampling
+keeps, per request, the drafts the target would have produced itself (greedy: equal to its argmax; sampled:
+rejection sampling, exact in distribution). Every other batch (prefills, plain decode steps while speculation
+is off) goes to the target as it is.
+
+:func:`build_worker` is where a scheduler's worker is made (the Engine, the server's scheduler process and
+every tensor-parallel rank go through it): a plain ModelWorker unless ``speculative.method`` names a speculator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from treadle.core.config import ServerConfig
+from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.execution.overlap import LaunchedStep
+from treadle.core.execution.worker import ModelWorker, Worker
+from treadle.core.registry import Registry
+from treadle.core.scheduling.observers import StepObserver
+from treadle.core.speculative.speculator import Drafts, Speculator
+
+if TYPE_CHECKING:
+    from treadle.core.request import Req
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
+
+
+def build_worker(config: ServerConfig, registry: Registry, *, offline: bool = False) -> Worker:
+    """The worker ``config`` asks for: a :class:`SpeculativeWorker` when ``speculative.method`` is set, else a
+    plain :class:`ModelWorker` (then nothing of speculation runs)."""
+    if config.speculative.method is None:
+        return ModelWorker(config, registry, offline=offline)
+    return SpeculativeWorker(config, registry, offline=offline)
+
+
+class SpeculativeWorker(Worker):
+    """Verifies up to ``speculative.num_tokens`` drafts per request and decode step (module docstring).
+
+    ``target``: the ModelWorker of the served model, built with verify CUDA graphs for every ``t`` of 2 to
+    ``k + 1`` (up to ``speculative.max_batch_size`` requests); ``speculator``: the plugin named by
+    ``speculative.method``, built by its factory ``factory(target, resolved_config, registry)``.
+    """
+
+    def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
+                 speculator: Speculator | None = None) -> None:
+        num_tokens = config.speculative.num_tokens
+        self.target = ModelWorker(config, registry, offline=offline, verify_tokens_per_req=range(2, num_tokens + 2))
+        self.info, self.config = self.target.info, self.target.config
+        if speculator is None:
+            factory = registry.get("speculators", config.speculative.method)
+            speculator = factory(self.target, self.config, registry)
+        self.speculator = speculator
+        self.num_draft_tokens = max(1, min(num_tokens, int(getattr(speculator, "num_draft_tokens", num_tokens))))
+        self._observer = _ReleasedRequests(speculator)
+
+    @property
+    def decode_tokens_per_req(self) -> int:
+        return self.num_draft_tokens + 1
+
+    @property
+    def runner(self):
+        """The target's model runner (what a plain worker's ``runner`` is)."""
+        return self.target.runner
+
+    def step_observers(self) -> Sequence[StepObserver]:
+        return (self._observer,)
+
+    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
+        drafts = None
+        if batch.forward_mode is ForwardMode.TARGET_VERIFY and draft_ids is None:
+            drafts = self.propose(batch)
+            draft_ids = drafts.token_ids
+        step = self.target.launch_forward(batch, draft_ids)
+        if drafts is not None:
+            step.draft_probs = drafts.probs
+        self.speculator.after_target_forward(step)
+        return step
+
+    def propose(self, batch: "ScheduleBatch") -> Drafts:
+        """The speculator's drafts for a verify batch, ``t - 1`` per request, checked for their shape."""
+        num_drafts = batch.entries[0].extend_len - 1
+        drafts = self.speculator.propose(batch, num_drafts)
+        expected = (len(batch.entries), num_drafts)
+        if tuple(drafts.token_ids.shape) != expected:
+            raise ValueError(f"speculator {type(self.speculator).__name__} proposed drafts of shape "
+                             f"{tuple(drafts.token_ids.shape)}; a verify batch of {expected[0]} requests and "
+                             f"{num_drafts} drafts each needs {expected}")
+        return drafts
+
+    def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
+                        prompt_logprob_entries: Sequence[int] = ()) -> None:
+        self.target.launch_sampling(step, vocab_mask, prompt_logprob_entries)
+
+    def release_graphs(self) -> None:
+        self.speculator.release_graphs()
+        self.target.release_graphs()
+
+
+class _ReleasedRequests(StepObserver):
+    """Tells the speculator of every request that leaves the running batch (finished, aborted or retracted)."""
+
+    def __init__(self, speculator: Speculator) -> None:
+        self.speculator = speculator
+
+    def request_retracted(self, req: "Req") -> None:
+        self.speculator.request_released(req)
+
+    def request_finished(self, req: "Req") -> None:
+        self.speculator.request_released(req)

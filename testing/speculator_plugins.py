@@ -1,0 +1,70 @@
+"""Speculators for tests and benchmarks (plugin module ``treadle.testing.speculator_plugins``; list it under
+``plugins:``):
+
+- ``oracle``: proposes each request's continuation from a plain run (``speculator.references``: prompt ids ->
+  output ids, set after the engine is built), so every draft is right while the run repeats the plain one: the
+  machinery measured with acceptance k + 1 (``bench/speculative.py``).
+- ``random_drafts``: drafts sampled on the device from a fixed random distribution ``q`` per position, returned
+  with ``q`` (``Drafts.probs``), so verify steps go through rejection sampling.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from treadle.core.execution.overlap import to_device
+from treadle.core.hookspecs import hookimpl
+from treadle.core.speculative.speculator import Drafts, Speculator
+
+if TYPE_CHECKING:
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
+
+
+class OracleSpeculator(Speculator):
+    """Drafts the reference continuation of each request (token 0 past its end or for an unknown prompt)."""
+
+    def __init__(self, num_draft_tokens: int, device: torch.device) -> None:
+        self.num_draft_tokens = num_draft_tokens
+        self.device = device
+        self.references: dict[tuple[int, ...], list[int]] = {}
+
+    def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
+        rows = []
+        for entry in batch.entries:
+            prompt = entry.req.origin_input_ids
+            output = self.references.get(tuple(prompt), [])
+            start = entry.kv_start + 1 - len(prompt)  # the first draft's index in the output
+            row = output[start:start + num_drafts]
+            rows.append(row + [0] * (num_drafts - len(row)))
+        return Drafts(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
+
+
+class RandomDraftSpeculator(Speculator):
+    """Drafts drawn on the device from ``q`` (``[num_draft_tokens, vocab]``, fixed by ``seed``), with ``q``."""
+
+    def __init__(self, num_draft_tokens: int, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.num_draft_tokens = num_draft_tokens
+        generator = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(2.0 * torch.randn(num_draft_tokens, vocab_size, generator=generator), dim=-1).to(device)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
+        bs, q = len(batch.entries), self.q[:num_drafts]
+        ids = torch.multinomial(q, bs, replacement=True, generator=self.generator).T.contiguous()
+        return Drafts(ids, q.unsqueeze(0).expand(bs, num_drafts, q.shape[-1]))
+
+
+def make_oracle(target, config, registry) -> OracleSpeculator:
+    return OracleSpeculator(config.speculative.num_tokens, target.info.device)
+
+
+def make_random_drafts(target, config, registry) -> RandomDraftSpeculator:
+    return RandomDraftSpeculator(config.speculative.num_tokens, target.info.vocab_size, target.info.device)
+
+
+@hookimpl
+def treadle_register_speculators(register) -> None:
+    register("oracle", make_oracle)
+    register("random_drafts", make_random_drafts)
