@@ -122,3 +122,94 @@ def test_sampling_requests_run_with_drafts(tiny_llama_dir, eagle_dir):
         assert all(len(o.token_ids) == 12 for o in outputs)
         assert all(o.spec_verify_steps > 0 for o in outputs)
         assert_kv_accounted(engine)
+
+
+# ---------------------------------------------------------------------- against a plain-torch EAGLE-3
+
+
+class ReferenceEagle3:
+    """EAGLE-3 drafting written out in plain torch and HF transformers, from the checkpoint's tensors: the target's
+    layer inputs from HF, every pair recomputed from scratch for each proposal."""
+
+    def __init__(self, target_dir: str, eagle_dir: str) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.w = load_file(str(Path(eagle_dir) / "model.safetensors"))
+        self.config = LlamaConfig.from_dict(json.loads((Path(eagle_dir) / "config.json").read_text()))
+        self.rotary = LlamaRotaryEmbedding(self.config)
+
+    def drafts(self, sequence: list[int], n: int) -> list[int]:
+        """The ``n`` drafts after ``sequence`` (its last token: the last one sampled)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        w, config = self.w, self.config
+        eps = config.rms_norm_eps
+        pre_norm = []
+        hook = self.target.model.norm.register_forward_hook(lambda module, args, out: pre_norm.append(args[0]))
+        with torch.no_grad():
+            states = self.target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        hook.remove()
+        layer_inputs = torch.cat([states[0][0], states[1][0], pre_norm[0][0]], dim=-1)  # aux ids -1, 0, 1
+        features = layer_inputs[:-1] @ w["fc.weight"].T  # pair q: feature of q, token q + 1
+        embed = self.target.model.embed_tokens.weight
+        tokens = list(sequence[1:])
+        heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                x = torch.cat([_rms(embed[torch.tensor(tokens)], w["midlayer.input_layernorm.weight"], eps),
+                               _rms(features, w["midlayer.hidden_norm.weight"], eps)], dim=-1)
+                count = x.shape[0]
+                q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(1, count, heads, hd).transpose(1, 2)
+                k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(1, count, kv_heads, hd).transpose(1, 2)
+                v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(1, count, kv_heads, hd).transpose(1, 2)
+                cos, sin = self.rotary(v, torch.arange(count)[None])
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                groups = heads // kv_heads
+                attn = torch.nn.functional.scaled_dot_product_attention(
+                    q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True)
+                attn = attn.transpose(1, 2).reshape(count, heads * hd) @ w["midlayer.self_attn.o_proj.weight"].T
+                summed = attn + features
+                h = _rms(summed, w["midlayer.post_attention_layernorm.weight"], eps)
+                mlp = (torch.nn.functional.silu(h @ w["midlayer.mlp.gate_proj.weight"].T)
+                       * (h @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+                hidden = mlp + summed
+                logits = _rms(hidden[-1], w["norm.weight"], eps) @ w["lm_head.weight"].T
+                draft = int(logits.argmax()) * 2  # d2t of the tiny head: draft id d is target id 2d
+                out.append(draft)
+                # The next pair: the head's own output as the feature, the draft as the token.
+                features = torch.cat([features, hidden[-1:]])
+                tokens.append(draft)
+        return out
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_proposals_are_what_eagle3_computes(tiny_llama_dir, eagle_dir, plain_outputs, overlap):
+    k = 3
+    config = engine_config(tiny_llama_dir, eagle_dir, k, overlap)
+    config["cache"]["disable_radix_cache"] = True  # a cached prefix brings a pair computed for another request
+    proposals = []
+    with Engine(config) as engine:
+        speculator = engine.scheduler.worker.speculator
+        propose = speculator.propose
+
+        def recording_propose(batch, num_drafts):
+            drafts = propose(batch, num_drafts)
+            proposals.extend((tuple(e.req.origin_input_ids), e.kv_start, row)
+                             for e, row in zip(batch.entries, drafts.token_ids.tolist()))
+            return drafts
+
+        speculator.propose = recording_propose
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
+    full = {tuple(p): p + o.token_ids for p, o in zip(PROMPTS, plain_outputs)}
+    assert len(proposals) > 20
+    for prompt, last, drafts in proposals[::3]:
+        assert drafts == reference.drafts(full[prompt][:last + 1], len(drafts)), (prompt, last)
