@@ -239,3 +239,11 @@ def test_sampling_requests_run_with_drafts(tiny_llama_dir):
         assert all(o.spec_verify_steps > 0 for o in outputs)
         assert_kv_accounted(engine)
         assert_draft_pool_full(engine)
+
+
+def test_the_conformance_kit_passes_it(tiny_llama_dir, other_draft_dir):
+    from treadle.plugins.speculators.draft import build_draft_speculator
+    from treadle.testing import check_speculator
+
+    check_speculator(build_draft_speculator, model_dir=tiny_llama_dir,
+                     overrides={"speculative": {"draft_model_path": other_draft_dir}})

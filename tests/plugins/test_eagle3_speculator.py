@@ -213,3 +213,11 @@ def test_proposals_are_what_eagle3_computes(tiny_llama_dir, eagle_dir, plain_out
     assert len(proposals) > 20
     for prompt, last, drafts in proposals[::3]:
         assert drafts == reference.drafts(full[prompt][:last + 1], len(drafts)), (prompt, last)
+
+
+def test_the_conformance_kit_passes_it(tiny_llama_dir, eagle_dir):
+    from treadle.plugins.speculators.eagle3 import build_eagle3_speculator
+    from treadle.testing import check_speculator
+
+    check_speculator(build_eagle3_speculator, model_dir=tiny_llama_dir,
+                     overrides={"speculative": {"draft_model_path": eagle_dir}})
