@@ -72,7 +72,8 @@ class Eagle3Speculator(Speculator):
         self.target, self.head, self.num_draft_tokens = target, head, num_draft_tokens
         self.device, self.vocab_size = target.info.device, target.info.vocab_size
         embedding = getattr(getattr(runner.model, "model", None), "embed_tokens", None)
-        if not callable(getattr(runner.model, "capture_hidden_states", None)) or embedding is None:
+        capture = runner.model_traits.capture_hidden_states
+        if capture is None or embedding is None:
             raise ValueError(f"speculative.method 'eagle3' needs a target that records its layers' hidden states "
                              f"(capture_hidden_states); {type(runner.model).__name__} does not")
         head.use_target_embedding(embedding)
@@ -82,7 +83,7 @@ class Eagle3Speculator(Speculator):
         self.tap = HiddenStateTap(aux_layer_ids(head.config, runner.num_layers), hidden,
                                   max(graph_rows, config.runtime.piecewise_cuda_graph_max_tokens), runner.dtype,
                                   self.device)
-        runner.model.capture_hidden_states(self.tap)
+        capture(self.tap)
         target.capture_graphs()  # again, now recording the hidden states
         self.kv_cache = KVCache(target.info.max_total_tokens, target.info.page_size, 1,
                                 head.midlayer.self_attn.num_kv_heads, head.midlayer.self_attn.head_dim,
