@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.config import validate_config
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.overlap import to_device
 from treadle.core.execution.sampler import SamplingBatch, argmax_last_dim
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
 from treadle.plugins.speculators.catch_up import CatchUp
-from treadle.plugins.speculators.draft_memory import DraftMemory, DraftSequence
+from treadle.plugins.speculators.draft_memory import DraftMemory, DraftSequence, draft_kv_tokens, draft_server_config
 
 if TYPE_CHECKING:
     from treadle.core.execution.overlap import LaunchedStep
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     from treadle.core.registry import Registry
     from treadle.core.request import Req
     from treadle.core.resolved_config import ResolvedConfig
-    from treadle.core.scheduling.schedule_batch import ScheduleBatch
+    from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +104,33 @@ class DraftModelSpeculator(Speculator):
 
     def after_target_forward(self, step: "LaunchedStep") -> None:
         """A step of the target other than the verify step of a proposal settles that proposal (a plain decode
-        step may follow a verify step)."""
+        step may follow a verify step); a prefill chunk is prefilled in the draft too, so that the first verify
+        step of a request has only its last token to catch up on."""
+        prefills = []
         for entry in step.batch.entries:
             seq = self.memory.sequences.get(entry.req.rid)
             if seq is not None:
                 seq.settle(entry.kv_start)
+            if entry.extend_len > 1 and not step.forward_batch.forward_mode.is_verify():
+                prefills.append(entry)
+        if prefills:
+            self._prefill(prefills)
+
+    def _prefill(self, entries: list["BatchEntry"]) -> None:
+        """The draft's forward over the prompt tokens of the target's prefill chunks (all on the host)."""
+        seqs = [self.memory.sequence(entry.req) for entry in entries]
+        ends = [entry.kv_start + entry.extend_len for entry in entries]
+        ok = self.memory.reserve(seqs, ends)
+        inputs = CatchUp()
+        for i, (entry, seq, end) in enumerate(zip(entries, seqs, ends)):
+            if ok[i] and seq is not None:
+                start = min(seq.seen, end - 1)
+                if inputs.add(i, entry.req, start, end - 1, seq.slots[start:end], seq):
+                    seq.seen = end
+        if inputs.rows:
+            live = [seqs[i] for i in inputs.rows]
+            input_ids = inputs.device_input_ids(self.device, self.target.next_input_ids.ids, self.last_drafts)
+            self.draft.forward(self._extend_batch(inputs, live, input_ids))
 
     def request_released(self, req: "Req") -> None:
         self.memory.release(req)
@@ -228,29 +249,6 @@ def check_same_vocabulary(target: "WorkerInfo", draft: "WorkerInfo") -> None:
             f"({'; '.join(problems)}); pick a draft model of the same tokenizer as {target.model_dir}")
 
 
-# ---------------------------------------------------------------------- building it from the config
-
-
-def draft_kv_tokens(target: "WorkerInfo", num_draft_tokens: int) -> int:
-    """The draft's KV pool: every running request's tokens at most (the target's pool, or every row at full
-    context if that is less) plus the drafts each computes past its last token."""
-    rows = target.max_running_requests + 1
-    return min(target.max_total_tokens, rows * target.context_len) + rows * (num_draft_tokens + 1)
-
-
-def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_path: str, kv_tokens: int) -> Any:
-    """The draft model's ServerConfig: the target's, with the draft's folder, its own KV pool (``kv_tokens``
-    slots, page size 1), the target's context length, dtype, device, running limit and graph sizes."""
-    values = config.model_dump()
-    values["model"] = {"path": draft_path, "dtype": config.model.dtype, "device": config.model.device,
-                       "seed": config.model.seed, "context_length": target.context_len}
-    values["cache"] = {"kv_allocator": "token", "page_size": 1, "disable_radix_cache": True,
-                       "max_total_tokens": kv_tokens, "mem_fraction": config.cache.mem_fraction,
-                       "kv_dtype": "fp8_e4m3" if config.cache.kv_dtype == "fp8_e4m3" else "auto"}
-    values.pop("speculative", None)
-    return validate_config(values)
-
-
 def build_draft_speculator(target: "ModelWorker", config: "ResolvedConfig", registry: "Registry") -> Speculator:
     """The ``draft`` factory: loads ``speculative.draft_model_path`` beside the target."""
     from treadle.core.execution.worker import ModelWorker
@@ -259,7 +257,7 @@ def build_draft_speculator(target: "ModelWorker", config: "ResolvedConfig", regi
     if not spec.draft_model_path:
         raise ValueError("speculative.method 'draft' needs speculative.draft_model_path (a model folder or "
                          ".gguf file of the target's tokenizer)")
-    kv_tokens = draft_kv_tokens(target.info, spec.num_tokens)
+    kv_tokens = draft_kv_tokens(target.info, spec.num_tokens, spec.draft_model_path, config.cache.mem_fraction)
     draft_config = draft_server_config(config, target.info, spec.draft_model_path, kv_tokens)
     try:
         draft = ModelWorker(draft_config, registry)

@@ -8,15 +8,23 @@ slot while the request lives), so a rejected draft's slot is simply overwritten 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from treadle.core.config import ModelConfig, validate_config
 from treadle.core.execution.overlap import to_device
+from treadle.core.memory.pools import KVCache
 
 if TYPE_CHECKING:
     from treadle.core.execution.worker import WorkerInfo
     from treadle.core.request import Req
+    from treadle.core.resolved_config import ResolvedConfig
+
+GiB = 1024**3
+# Device memory the draft needs besides its weights and KV pool (its request table, CUDA graphs, activations).
+DRAFT_SLACK_BYTES = GiB
 
 
 @dataclass
@@ -114,3 +122,46 @@ class DraftMemory:
         device = table.device
         table[to_device(torch.tensor(rows, dtype=torch.int64), device),
               to_device(torch.tensor(cols, dtype=torch.int64), device)] = to_device(slots.to(table.dtype), device)
+
+
+# ---------------------------------------------------------------------- sizing
+
+
+def draft_kv_tokens(target: "WorkerInfo", num_draft_tokens: int, draft_path: str | None = None,
+                    mem_fraction: float = 0.85) -> int:
+    """The draft's KV pool in tokens: every running request's tokens at most (the target's pool, or every row at
+    full context if that is less) plus the drafts each computes past its last token. On CUDA, at most what the
+    device has left after the target for the draft's weights (their size on disk) and its KV; a request that
+    finds the pool short drafts nothing that step (the target decodes it alone)."""
+    rows = target.max_running_requests + 1
+    wanted = min(target.max_total_tokens, rows * target.context_len) + rows * (num_draft_tokens + 1)
+    if target.device.type != "cuda" or draft_path is None:
+        return wanted
+    from treadle.core.loading.model_loader import read_hf_config, resolve_model_path
+    from treadle.layers.decoder import head_dim, num_kv_heads
+
+    folder = resolve_model_path(ModelConfig(path=draft_path))
+    hf = read_hf_config(folder)
+    per_token = KVCache.bytes_per_token(hf.num_hidden_layers, num_kv_heads(hf), head_dim(hf), target.dtype)
+    weights = sum(file.stat().st_size for file in Path(folder).glob("*.safetensors"))
+    free, _ = torch.cuda.mem_get_info(target.device)
+    fits = int((free - weights - DRAFT_SLACK_BYTES) // per_token)
+    if fits < rows * (num_draft_tokens + 1):
+        raise RuntimeError(
+            f"no GPU memory left for the draft model {draft_path} ({weights / GiB:.1f} GiB of weights) and its KV "
+            f"pool after the target's: {free / GiB:.1f} GiB free; lower cache.mem_fraction (now {mem_fraction}) "
+            f"to leave room (docs/speculative.md, 'Memory')")
+    return min(wanted, fits)
+
+
+def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_path: str, kv_tokens: int) -> Any:
+    """The draft model's ServerConfig: the target's, with the draft's folder, its own KV pool (``kv_tokens``
+    slots, page size 1), the target's context length, dtype, device, running limit and graph sizes."""
+    values = config.model_dump()
+    values["model"] = {"path": draft_path, "dtype": config.model.dtype, "device": config.model.device,
+                       "seed": config.model.seed, "context_length": target.context_len}
+    values["cache"] = {"kv_allocator": "token", "page_size": 1, "disable_radix_cache": True,
+                       "max_total_tokens": kv_tokens, "mem_fraction": config.cache.mem_fraction,
+                       "kv_dtype": "fp8_e4m3" if config.cache.kv_dtype == "fp8_e4m3" else "auto"}
+    values.pop("speculative", None)
+    return validate_config(values)

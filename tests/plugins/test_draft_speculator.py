@@ -14,12 +14,8 @@ from treadle.core.execution.worker import ModelWorker
 from treadle.core.request import Req
 from treadle.core.scheduling.observers import StepObserver
 from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
-from treadle.plugins.speculators.draft import (
-    DraftModelSpeculator,
-    check_same_vocabulary,
-    draft_kv_tokens,
-    draft_server_config,
-)
+from treadle.plugins.speculators.draft import DraftModelSpeculator, check_same_vocabulary
+from treadle.plugins.speculators.draft_memory import draft_kv_tokens, draft_server_config
 from treadle.testing.engine import assert_kv_accounted
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11, 7], [300, 301, 9, 4]]
@@ -188,6 +184,31 @@ class VerifySteps(StepObserver):
             self.rows.extend((tokens, kept) for kept in step.results.wait()["accepted"].tolist())
 
 
+def record_catch_ups(speculator: DraftModelSpeculator) -> list[int]:
+    """The tokens per request of every catch-up step a proposal runs (test instrumentation)."""
+    lengths: list[int] = []
+    extend_batch = speculator._extend_batch
+
+    def recording(inputs, seqs, input_ids):
+        if speculator.proposing:
+            lengths.extend(inputs.extend_lens)
+        return extend_batch(inputs, seqs, input_ids)
+
+    speculator._extend_batch = recording
+    speculator.proposing = False
+    propose = speculator.propose
+
+    def flagged(batch, num_drafts):
+        speculator.proposing = True
+        try:
+            return propose(batch, num_drafts)
+        finally:
+            speculator.proposing = False
+
+    speculator.propose = flagged
+    return lengths
+
+
 def assert_draft_pool_full(engine: Engine) -> None:
     draft = engine.scheduler.worker.speculator.draft.info
     assert draft.allocator.free_slots == draft.allocator.total_slots
@@ -200,8 +221,12 @@ def test_a_draft_equal_to_the_target_keeps_every_draft(tiny_llama_dir, plain_out
     with Engine(engine_config(tiny_llama_dir, tiny_llama_dir, k, overlap)) as engine:
         verify_steps = VerifySteps()
         engine.scheduler.add_observer(verify_steps)
+        catch_ups = record_catch_ups(engine.scheduler.worker.speculator)
         outputs = engine.generate(input_ids=ENGINE_PROMPTS, sampling_params=ENGINE_GREEDY)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+        # Prompts are prefilled in the draft beside the target's prefill: a proposal catches up on the last token,
+        # or the last draft and the target's token after it when every draft was kept.
+        assert catch_ups and max(catch_ups) == 2
         # Every verify step keeps every draft: k + 1 tokens a step, until the budgets run out.
         assert verify_steps.rows and all(kept == tokens - 1 for tokens, kept in verify_steps.rows)
         assert max(tokens for tokens, _ in verify_steps.rows) == k + 1
