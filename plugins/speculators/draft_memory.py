@@ -156,12 +156,16 @@ def draft_kv_tokens(target: "WorkerInfo", num_draft_tokens: int, draft_path: str
 
 def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_path: str, kv_tokens: int) -> Any:
     """The draft model's ServerConfig: the target's, with the draft's folder, its own KV pool (``kv_tokens``
-    slots, page size 1), the target's context length, dtype, device, running limit and graph sizes."""
+    slots, page size 1), the target's context length, dtype, device and running limit, decode graphs up to the
+    largest verify batch."""
     values = config.model_dump()
     values["model"] = {"path": draft_path, "dtype": config.model.dtype, "device": config.model.device,
                        "seed": config.model.seed, "context_length": target.context_len}
     values["cache"] = {"kv_allocator": "token", "page_size": 1, "disable_radix_cache": True,
                        "max_total_tokens": kv_tokens, "mem_fraction": config.cache.mem_fraction,
                        "kv_dtype": "fp8_e4m3" if config.cache.kv_dtype == "fp8_e4m3" else "auto"}
+    # The draft decodes only verify batches: no larger than speculative.max_batch_size.
+    values["runtime"]["cuda_graph_max_bs"] = max(1, min(config.runtime.cuda_graph_max_bs,
+                                                        config.speculative.max_batch_size))
     values.pop("speculative", None)
     return validate_config(values)

@@ -34,6 +34,7 @@ from treadle.core.speculative.speculator import Drafts, Speculator
 from treadle.layers.decoder import HiddenStateTap
 from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
 from treadle.plugins.speculators.draft import draft_distribution, sampling_of
+from treadle.plugins.speculators.eagle3_graphs import HeadDecodeGraphs
 from treadle.plugins.speculators.eagle3_model import Eagle3Head, aux_layer_ids, load_eagle3_head
 
 if TYPE_CHECKING:
@@ -95,6 +96,10 @@ class Eagle3Speculator(Speculator):
         self.last_drafts = torch.zeros(rows, num_draft_tokens, dtype=torch.int64, device=self.device)
         self.draft_to_target = head.to_target_ids(torch.arange(head.draft_vocab_size, device=self.device))
         self.states: dict[str, HeadState] = {}
+        self.graphs: HeadDecodeGraphs | None = None
+        if target.cuda_graphs is not None and getattr(self.attn_backend, "supports_cuda_graph", False):
+            max_bs = min(config.runtime.cuda_graph_max_bs, config.speculative.max_batch_size)
+            self.graphs = HeadDecodeGraphs(head, self.attn_backend, self._context(target), max_bs)
 
     def _context(self, target: "ModelWorker") -> AttentionContext:
         attn = self.head.midlayer.self_attn
@@ -164,6 +169,11 @@ class Eagle3Speculator(Speculator):
     def request_released(self, req: "Req") -> None:
         self.states.pop(req.rid, None)
 
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     # ------------------------------------------------------------------ steps of the head
 
     def _flush(self, entries: list["BatchEntry"], features: torch.Tensor) -> None:
@@ -204,7 +214,7 @@ class Eagle3Speculator(Speculator):
         hidden = self._catch_up(inputs, features)
         last_rows = index_tensor(torch.tensor(inputs.extend_lens).cumsum(0).sub(1).tolist(), self.device)
         hidden = hidden.index_select(0, last_rows)
-        token, probs = self._pick(hidden, sampling)
+        token, probs = self._pick(self.head.logits(hidden), sampling)
         tokens, dists = [token], [probs]
         m = len(live)
         rows = index_tensor([e.req.req_pool_idx for e in live], self.device)
@@ -212,16 +222,20 @@ class Eagle3Speculator(Speculator):
             positions = torch.tensor([e.kv_start + j - 1 for e in live], dtype=torch.int64)
             slots = torch.tensor([int(e.new_slots[j - 1]) for e in live], dtype=torch.int64)
             batch = self._decode_batch(rows, token, positions, slots, m)
-            hidden = self.head(token, batch.positions, hidden, batch)
-            token, probs = self._pick(hidden, sampling)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                logits, hidden = self.graphs.replay(batch, hidden)
+            else:
+                self.attn_backend.init_forward_metadata(batch)
+                hidden = self.head(token, batch.positions, hidden, batch)
+                logits = self.head.logits(hidden)
+            token, probs = self._pick(logits, sampling)
             tokens.append(token)
             dists.append(probs)
         return torch.stack(tokens, dim=1), (torch.stack(dists, dim=1) if sampling is not None else None)
 
-    def _pick(self, hidden: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, Any]:
-        """Target ids of the next drafts from the head's hidden states (and their distributions over the target's
+    def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, Any]:
+        """Target ids of the next drafts from the head's logits (and their distributions over the target's
         vocabulary when the batch samples)."""
-        logits = self.head.logits(hidden)
         if sampling is None:
             return self.draft_to_target[argmax_last_dim(logits)], None
         probs = draft_distribution(logits.float(), sampling, logits.shape[-1])
@@ -280,7 +294,7 @@ class Eagle3Speculator(Speculator):
     def _decode_batch(self, rows: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, m: int) -> ForwardBatch:
         seq_lens = positions + 1
-        batch = ForwardBatch(
+        return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=m, input_ids=input_ids,
             positions=to_device(positions, self.device), req_pool_indices=rows,
             seq_lens=to_device(seq_lens, self.device), seq_lens_cpu=seq_lens,
@@ -288,8 +302,6 @@ class Eagle3Speculator(Speculator):
             logits_indices=torch.arange(m, device=self.device), req_to_token_pool=self.target.info.req_to_token_pool,
             kv_cache=self.kv_cache, attn_backend=self.attn_backend,
         )
-        self.attn_backend.init_forward_metadata(batch)
-        return batch
 
 
 def build_eagle3_speculator(target: "ModelWorker", config: "ResolvedConfig", registry: "Registry") -> Speculator:

@@ -120,6 +120,7 @@ def load_eagle3_head(folder: str, device: torch.device, dtype: torch.dtype) -> E
         head = Eagle3Head(config, own_embedding="embed_tokens.weight" in weights)
     load_checkpoint(head, weights.items())
     head.to(dtype=dtype)
+    head.rotary_emb.inv_freq_per_dim = head.rotary_emb.inv_freq_per_dim.to(device)  # not moved lazily in a step
     if d2t is not None:
         head.d2t.copy_(d2t.to(torch.int64))
     elif head.draft_vocab_size != config.vocab_size:
