@@ -87,9 +87,8 @@ def test_the_hub_layout_loads(tiny_llama_dir, tmp_path, bin_format):
         aux_layer_ids(type("C", (), {})(), 2)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_greedy_output_is_the_plain_runs(tiny_llama_dir, eagle_dir, plain_outputs, overlap):
-    with Engine(engine_config(tiny_llama_dir, eagle_dir, 3, overlap)) as engine:
+def test_greedy_output_is_the_plain_runs(tiny_llama_dir, eagle_dir, plain_outputs):
+    with Engine(engine_config(tiny_llama_dir, eagle_dir, 3)) as engine:
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
         assert all(o.spec_verify_steps > 0 for o in outputs)
@@ -221,3 +220,34 @@ def test_the_conformance_kit_passes_it(tiny_llama_dir, eagle_dir):
 
     check_speculator(build_eagle3_speculator, model_dir=tiny_llama_dir,
                      overrides={"speculative": {"draft_model_path": eagle_dir}})
+
+
+MEMORY = {
+    "paged4": {"cache": {"kv_allocator": "paged", "page_size": 4}},
+    "chunked-mixed": {"scheduler": {"chunked_prefill_size": 6, "enable_mixed_chunk": True}},
+}
+
+
+@pytest.mark.parametrize("memory", list(MEMORY))
+def test_greedy_parity_with_pages_and_chunked_mixed_prefill(tiny_llama_dir, eagle_dir, plain_outputs, memory):
+    config = engine_config(tiny_llama_dir, eagle_dir, 3)
+    for section, values in MEMORY[memory].items():
+        config[section].update(values)
+    with Engine(config) as engine:
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+        assert_kv_accounted(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_other_families_record_their_hidden_states_for_the_head(tmp_path, family):
+    from treadle.testing import models
+
+    target = getattr(models, f"make_tiny_{family}")(tmp_path / family)
+    head = make_tiny_eagle3(tmp_path / "head", target_config(target), 128, AUX)
+    prompts, params = PROMPTS[:3], GREEDY[:3]
+    with Engine(engine_config(target)) as engine:
+        plain = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(engine_config(target, head, 3)) as engine:
+        assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
+        assert_kv_accounted(engine)
