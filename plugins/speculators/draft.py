@@ -28,7 +28,7 @@ import torch
 
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.overlap import to_device
-from treadle.core.execution.sampler import SamplingBatch, argmax_last_dim
+from treadle.core.execution.sampler import SamplingBatch, argmax_last_dim, filtered_probs
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
 from treadle.plugins.speculators.catch_up import CatchUp
@@ -215,17 +215,8 @@ def sampling_of(reqs: list["Req"], vocab_size: int, device: torch.device) -> Sam
 
 def draft_distribution(logits: torch.Tensor, sampling: SamplingBatch, vocab_size: int) -> torch.Tensor:
     """Each row's distribution ``[rows, vocab]`` under its request's temperature, top-k, top-p and min-p (a greedy
-    request's: one-hot on its argmax), the same transforms the target's sampler applies."""
-    probs = torch.softmax(logits / sampling.temperatures, dim=-1)
-    if sampling.need_top_k or sampling.need_top_p:
-        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-        drop = ranks >= sampling.top_ks.unsqueeze(1)
-        if sampling.need_top_p:
-            drop |= (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) > sampling.top_ps.unsqueeze(1)
-        probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs.masked_fill(drop, 0.0))
-    if sampling.need_min_p:
-        probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * sampling.min_ps.unsqueeze(1), 0.0)
+    request's: one-hot on its argmax), through the target's sampler's transforms (``filtered_probs``)."""
+    probs = filtered_probs(logits, sampling)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     probs = torch.where(sampling.greedy.unsqueeze(1), one_hot, probs)
