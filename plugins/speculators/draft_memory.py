@@ -143,7 +143,7 @@ def draft_kv_tokens(target: "WorkerInfo", num_draft_tokens: int, draft_path: str
     folder = resolve_model_path(ModelConfig(path=draft_path))
     hf = read_hf_config(folder)
     per_token = KVCache.bytes_per_token(hf.num_hidden_layers, num_kv_heads(hf), head_dim(hf), target.dtype)
-    weights = sum(file.stat().st_size for file in Path(folder).glob("*.safetensors"))
+    weights = sum(file.stat().st_size for file in Path(folder).glob("*.safetensors")) or _weight_bytes_of(hf)
     free, _ = torch.cuda.mem_get_info(target.device)
     fits = int((free - weights - DRAFT_SLACK_BYTES) // per_token)
     if fits < rows * (num_draft_tokens + 1):
@@ -154,13 +154,22 @@ def draft_kv_tokens(target: "WorkerInfo", num_draft_tokens: int, draft_path: str
     return min(wanted, fits)
 
 
+def _weight_bytes_of(hf: Any) -> int:
+    """A Llama-shaped model's 16-bit weight bytes from its config (dummy weights: no files to measure)."""
+    hidden, inter = hf.hidden_size, getattr(hf, "intermediate_size", 4 * hf.hidden_size)
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter
+    return 2 * (hf.num_hidden_layers * per_layer + 2 * hf.vocab_size * hidden)
+
+
 def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_path: str, kv_tokens: int) -> Any:
     """The draft model's ServerConfig: the target's, with the draft's folder, its own KV pool (``kv_tokens``
     slots, page size 1), the target's context length, dtype, device and running limit, decode graphs up to the
     largest verify batch."""
     values = config.model_dump()
     values["model"] = {"path": draft_path, "dtype": config.model.dtype, "device": config.model.device,
-                       "seed": config.model.seed, "context_length": target.context_len}
+                       "seed": config.model.seed, "context_length": target.context_len,
+                       # A benchmark of the machinery drafts with dummy weights beside a dummy target.
+                       "load_format": "dummy" if config.model.load_format == "dummy" else "auto"}
     values["cache"] = {"kv_allocator": "token", "page_size": 1, "disable_radix_cache": True,
                        "max_total_tokens": kv_tokens, "mem_fraction": config.cache.mem_fraction,
                        "kv_dtype": "fp8_e4m3" if config.cache.kv_dtype == "fp8_e4m3" else "auto"}

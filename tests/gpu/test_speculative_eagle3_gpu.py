@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_checkpoints import make_tiny_eagle3
 from treadle import Engine, SamplingParams
+from treadle.testing.eagle3_heads import make_eagle3_head
 from treadle.testing.engine import assert_kv_accounted
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +26,7 @@ NEAR_TIE = 2e-3
 @pytest.fixture(scope="module")
 def eagle_dir(real_shape_llama_dir, tmp_path_factory) -> str:
     config = json.loads((Path(real_shape_llama_dir) / "config.json").read_text())
-    return make_tiny_eagle3(tmp_path_factory.mktemp("eagle3-real-shape"), config, 2048, aux_layer_ids=[0, 1, 2],
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3-real-shape"), config, 2048, aux_layer_ids=[0, 1, 2],
                             scale=0.02)
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_checkpoints import make_tiny_eagle3
 from treadle import Engine, SamplingParams
 from treadle.layers.decoder import HiddenStateTap
 from treadle.plugins.speculators.eagle3_model import aux_layer_ids, load_eagle3_head
+from treadle.testing.eagle3_heads import make_eagle3_head
 from treadle.testing.engine import assert_kv_accounted
 
 EAGLE_PLUGIN = "treadle.plugins.speculators.eagle3"  # until the installed package lists it as an entry point
@@ -35,7 +35,7 @@ def target_config(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def eagle_dir(tiny_llama_dir, tmp_path_factory) -> str:
-    return make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target_config(tiny_llama_dir), 128, AUX)
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3"), target_config(tiny_llama_dir), 128, AUX)
 
 
 def engine_config(model_dir: str, eagle: str | None = None, k: int = 3, overlap: bool = True,
@@ -77,7 +77,7 @@ def test_a_target_records_its_layer_inputs_as_hf_computes_them(tiny_llama_dir):
 
 @pytest.mark.parametrize("bin_format", [False, True], ids=["safetensors", "bin"])
 def test_the_hub_layout_loads(tiny_llama_dir, tmp_path, bin_format):
-    folder = make_tiny_eagle3(tmp_path / "head", target_config(tiny_llama_dir), 128, AUX, bin_format=bin_format)
+    folder = make_eagle3_head(tmp_path / "head", target_config(tiny_llama_dir), 128, AUX, bin_format=bin_format)
     head = load_eagle3_head(folder, torch.device("cpu"), torch.float32)
     assert head.draft_vocab_size == 128 and head.embed_tokens is None
     assert head.to_target_ids(torch.tensor([0, 1, 127])).tolist() == [0, 2, 254]
@@ -244,7 +244,7 @@ def test_other_families_record_their_hidden_states_for_the_head(tmp_path, family
     from treadle.testing import models
 
     target = getattr(models, f"make_tiny_{family}")(tmp_path / family)
-    head = make_tiny_eagle3(tmp_path / "head", target_config(target), 128, AUX)
+    head = make_eagle3_head(tmp_path / "head", target_config(target), 128, AUX)
     prompts, params = PROMPTS[:3], GREEDY[:3]
     with Engine(engine_config(target)) as engine:
         plain = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]

@@ -1,5 +1,6 @@
-"""A tiny random EAGLE-3 head in the hub layout of ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` (shared by the CPU and GPU
-EAGLE-3 tests; imported by name, see conftest.py)."""
+"""Random EAGLE-3 heads in the hub layout of ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` (``LlamaForCausalLMEagle3``),
+for a target of any Llama-family shape: the tests' tiny ones, and 8B-shaped ones for benchmarks of the machinery
+(their drafts are random: they measure what drafting costs, not what it gains)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from pathlib import Path
 import torch
 
 
-def make_tiny_eagle3(path: str | Path, target_config: dict, draft_vocab: int, aux_layer_ids: list[int] | None = None,
-                     seed: int = 0, bin_format: bool = False, scale: float = 0.2) -> str:
+def make_eagle3_head(path: str | Path, target_config: dict, draft_vocab: int, aux_layer_ids: list[int] | None = None,
+                     seed: int = 0, bin_format: bool = False, scale: float = 0.2,
+                     dtype: torch.dtype = torch.float32) -> str:
     """Save a random head for a target of ``target_config`` (an HF Llama config dict): ``config.json``, the weights
-    (``model.safetensors``, or ``pytorch_model.bin``), and ``d2t``/``t2d`` mapping ``draft_vocab`` of the target's
-    ids (every other one from 0) to the draft vocabulary."""
+    (``model.safetensors``, or ``pytorch_model.bin``) in ``dtype``, and ``d2t``/``t2d`` mapping ``draft_vocab`` of
+    the target's ids (every other one from 0) to the draft vocabulary."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hidden, heads = target_config["hidden_size"], target_config["num_attention_heads"]
@@ -27,7 +29,7 @@ def make_tiny_eagle3(path: str | Path, target_config: dict, draft_vocab: int, au
         "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
         "rms_norm_eps": target_config.get("rms_norm_eps", 1e-5), "rope_theta": target_config.get("rope_theta", 1e4),
         "rope_scaling": target_config.get("rope_scaling"), "vocab_size": vocab, "draft_vocab_size": draft_vocab,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if aux_layer_ids is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
@@ -35,10 +37,10 @@ def make_tiny_eagle3(path: str | Path, target_config: dict, draft_vocab: int, au
     generator = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * scale
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
 
     def norm() -> torch.Tensor:
-        return 1.0 + rand(hidden) * 0.25
+        return (1.0 + torch.randn(hidden, generator=generator) * scale * 0.25).to(dtype)
 
     target_ids = torch.arange(draft_vocab) * 2
     t2d = torch.zeros(vocab, dtype=torch.bool)
