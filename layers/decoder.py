@@ -6,6 +6,7 @@ The math follows HF transformers' Llama exactly (float32 RMSNorm statistics, flo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -98,6 +99,46 @@ class DecoderLayer(nn.Module):
         if next_norm is not None and isinstance(self.mlp, GatedMLP):
             return self.mlp.forward_into_norm(hidden_states, residual, next_norm)
         return self.mlp(hidden_states), residual, False
+
+
+class HiddenStateTap:
+    """Where a decoder stack records the hidden state entering chosen layers, for a reader outside the model (an
+    EAGLE-3 speculator reads its target's). Off unless a model's ``capture_hidden_states`` installs one.
+
+    Layer ``i``'s input (``i == num_layers``: the last layer's output, before the final norm) of every token of a
+    forward goes to columns ``[k * hidden, (k + 1) * hidden)`` of one buffer, ``k`` being ``i``'s index in
+    ``layer_ids``: row ``t`` is token ``t``. Forwards of up to ``static_rows`` tokens write one preallocated buffer
+    (its address fixed, so CUDA graphs captured with the tap on write it too); longer (eager) forwards write one
+    that grows. :meth:`output` is the buffer a forward of ``num_tokens`` tokens wrote, valid until the next forward.
+    """
+
+    def __init__(self, layer_ids: Sequence[int], hidden_size: int, static_rows: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.columns = {layer_id: slice(k * hidden_size, (k + 1) * hidden_size)
+                        for k, layer_id in enumerate(self.layer_ids)}
+        self.width = hidden_size * len(self.layer_ids)
+        self.static = torch.empty(max(static_rows, 1), self.width, dtype=dtype, device=device)
+        self.large: torch.Tensor | None = None
+
+    def output(self, num_tokens: int) -> torch.Tensor:
+        if num_tokens <= self.static.shape[0]:
+            return self.static[:num_tokens]
+        if self.large is None or self.large.shape[0] < num_tokens:
+            self.large = torch.empty(num_tokens, self.width, dtype=self.static.dtype, device=self.static.device)
+        return self.large[:num_tokens]
+
+    def record(self, layer_id: int, hidden_states: torch.Tensor, residual: torch.Tensor | None, normed: bool) -> None:
+        """Layer ``layer_id``'s input: ``hidden_states + residual``, or ``residual`` alone when ``normed`` (the
+        layer before ran this one's input norm, so ``residual`` holds the sum), or ``hidden_states`` (no residual
+        yet)."""
+        out = self.output(hidden_states.shape[0])[:, self.columns[layer_id]]
+        if residual is None:
+            out.copy_(hidden_states)
+        elif normed:
+            out.copy_(residual)
+        else:
+            torch.add(hidden_states, residual, out=out)
 
 
 def head_dim(config: Any) -> int:

@@ -29,5 +29,6 @@ def test_wheel_contains_every_package_and_entry_point(tmp_path):
     for module in ("treadle.plugins.attention.torch_native", "treadle.plugins.schedulers.policies",
                    "treadle.plugins.kv_allocators.paged", "treadle.plugins.models.llama",
                    "treadle.plugins.grammar.xgrammar_backend", "treadle.plugins.grammar.llguidance_backend",
-                   "treadle.plugins.speculators.ngram"):
+                   "treadle.plugins.speculators.ngram", "treadle.plugins.speculators.draft",
+                   "treadle.plugins.speculators.eagle3"):
         assert module in entry_points

@@ -64,6 +64,9 @@ class ModelTraits:
     - ``weights_loaded()`` (method): called once every weight is loaded and each layer's quantization method
       has processed it.
     - ``splits_forward``: the model is a :class:`SplitForwardModel` (``forward_hidden`` + ``compute_logits``).
+    - ``capture_hidden_states(tap)`` (method): from the next forward on, record the hidden state entering the layers
+      ``tap`` (a ``treadle.layers.decoder.HiddenStateTap``) names into it; None stops (an EAGLE-3 speculator reads
+      its target's this way).
     """
 
     launch_bound_prefill: bool = False
@@ -71,6 +74,7 @@ class ModelTraits:
     kv_cache_scales: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     weights_loaded: Callable[[], None] | None = None
     splits_forward: bool = False
+    capture_hidden_states: Callable[[Any], None] | None = None
 
     @classmethod
     def of(cls, model: Any) -> "ModelTraits":
@@ -82,7 +86,13 @@ class ModelTraits:
             kv_cache_scales=dict(getattr(model, "kv_cache_scales", None) or {}),
             weights_loaded=finish if callable(finish) else None,
             splits_forward=isinstance(model, SplitForwardModel),
+            capture_hidden_states=_method(model, "capture_hidden_states"),
         )
+
+
+def _method(model: Any, name: str) -> Callable[..., Any] | None:
+    member = getattr(model, name, None)
+    return member if callable(member) else None
 
 
 def accepts_quant_config(model_cls: Any) -> bool:

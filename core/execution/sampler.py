@@ -341,6 +341,12 @@ class Sampler:
         return probs
 
 
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row is sampled from: after temperature, top-k, top-p and min-p (not renormalized).
+    A draft model that samples its drafts the way the target samples (plugins/speculators) uses it."""
+    return Sampler._filtered_probs(logits, batch)
+
+
 def accepted_draft_counts(draft_ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """How many of each request's drafts ``[bs, k]`` the target kept: the leading ones equal to the target's own
     tokens ``[bs, k + 1]`` at the same positions (so ``token_ids[i, count]`` is the request's next token).

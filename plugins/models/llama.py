@@ -11,7 +11,7 @@ from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.layers import small_batch
 from treadle.layers.checkpoint import load_checkpoint
-from treadle.layers.decoder import DecoderLayer, check_activation, head_dim
+from treadle.layers.decoder import DecoderLayer, HiddenStateTap, check_activation, head_dim
 from treadle.layers.fp8 import split_kv_cache_scales
 from treadle.layers.linear import LinearBase, ParallelLMHead, VocabParallelEmbedding
 from treadle.layers.norm import RMSNorm
@@ -41,6 +41,7 @@ class LlamaModel(nn.Module):
         self._next_norms: list[nn.Module | None | bool] = [
             (self.layers[index + 1].input_layernorm if stacked[index + 1] else None) if stacked[index] else False
             for index in range(len(self.layers))]
+        self.hidden_tap: HiddenStateTap | None = None  # what LlamaForCausalLM.capture_hidden_states installs
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -49,12 +50,17 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual, normed = None, False
-        for layer, next_norm in zip(self.layers, self._next_norms):
+        tap = self.hidden_tap
+        for layer_id, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms)):
+            if tap is not None and layer_id in tap.columns:
+                tap.record(layer_id, hidden_states, residual, normed)
             if next_norm is False:
                 hidden_states, residual = layer(hidden_states, residual, cos, sin, forward_batch)
             else:
                 hidden_states, residual, normed = layer.forward_into_norm(hidden_states, residual, cos, sin,
                                                                           forward_batch, normed, next_norm)
+        if tap is not None and len(self.layers) in tap.columns:
+            tap.record(len(self.layers), hidden_states, residual, normed)
         return hidden_states, residual
 
 
@@ -120,6 +126,11 @@ class LlamaForCausalLM(nn.Module):
             hidden_states, residual = hidden_states[rows], residual[rows]
         selected, _ = self.model.norm(hidden_states, residual)
         return self.lm_head(selected)
+
+    def capture_hidden_states(self, tap: HiddenStateTap | None) -> None:
+        """From the next forward on, record the hidden state entering the layers ``tap`` names into it (None: stop).
+        CUDA graphs captured before do not record: capture them again."""
+        self.model.hidden_tap = tap
 
     def weights_loaded(self) -> None:
         """Called once every weight is loaded and quantized: each linear layer's decode kernel prefetches the head

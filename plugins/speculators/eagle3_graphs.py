@@ -1,0 +1,65 @@
+"""The EAGLE-3 head's decode steps captured in CUDA graphs (one per batch size, up to the largest verify batch).
+
+A decode step of the head is one decoder layer and its lm_head over a few rows: bound by kernel launches. The
+graphs are :class:`~treadle.core.execution.cuda_graph.CudaGraphRunner`'s decode graphs over a small module that
+reads the step's input features from a static buffer and writes the output hidden state (the next step's
+features) to another, so the runner's usual static inputs (token ids, positions, slots, lengths) are all a step
+needs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from treadle.core.execution.cuda_graph import CudaGraphRunner
+
+if TYPE_CHECKING:
+    from treadle.core.execution.attention import AttentionBackend
+    from treadle.core.execution.attention_context import AttentionContext
+    from treadle.core.execution.forward_batch import ForwardBatch
+    from treadle.plugins.speculators.eagle3_model import Eagle3Head
+
+
+class HeadDecodeStep(nn.Module):
+    """One decode step of the head with its features in and its hidden state out through static buffers."""
+
+    def __init__(self, head: "Eagle3Head", max_bs: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.head = head
+        hidden = head.config.hidden_size
+        self.features = torch.zeros(max_bs, hidden, dtype=dtype, device=device)
+        self.hidden = torch.zeros(max_bs, hidden, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: "ForwardBatch") -> torch.Tensor:
+        rows = input_ids.shape[0]
+        hidden = self.head(input_ids, positions, self.features[:rows], forward_batch)
+        self.hidden[:rows].copy_(hidden)
+        return self.head.logits(hidden)
+
+
+class HeadDecodeGraphs:
+    """Replays the head's decode steps of up to ``max_bs`` requests (``can_run``) through captured graphs."""
+
+    def __init__(self, head: "Eagle3Head", attn_backend: "AttentionBackend", context: "AttentionContext",
+                 max_bs: int) -> None:
+        self.step = HeadDecodeStep(head, max_bs, context.dtype, context.device)
+        self.runner = CudaGraphRunner(self.step, attn_backend, context, max_bs, prune=False)
+
+    def can_run(self, forward_batch: "ForwardBatch") -> bool:
+        return self.runner.can_run(forward_batch)
+
+    def replay(self, forward_batch: "ForwardBatch", features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, output hidden state)`` of a decode batch whose input features are ``features``."""
+        rows = forward_batch.batch_size
+        self.step.features[:rows].copy_(features)
+        logits = self.runner.replay(forward_batch)
+        return logits, self.step.hidden[:rows]
+
+    def release(self) -> None:
+        if self.runner.graphs and self.step.features.device.type == "cuda":
+            torch.cuda.synchronize(self.step.features.device)
+        self.runner.release()

@@ -1,0 +1,76 @@
+"""The ``eagle3`` speculator on CUDA: a tiny random EAGLE-3 head (hub layout) over a target of Llama-3.1-8B attention
+shapes whose CUDA graphs record the three hidden states the head reads. Greedy tokens are the plain run's (where
+they part, only at a near-tie of the plain run: verify steps sum in another order than decode steps), both overlap
+modes, with the target's decode, verify and prefill graphs replaying; the conformance kit's no-sync check passes;
+every KV slot comes back. tests/plugins/test_eagle3_speculator.py is the same on the CPU, eagerly, and checks the
+proposals against a plain-torch EAGLE-3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from treadle import Engine, SamplingParams
+from treadle.testing.eagle3_heads import make_eagle3_head
+from treadle.testing.engine import assert_kv_accounted
+
+pytestmark = pytest.mark.gpu
+
+K = 4
+NEAR_TIE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(real_shape_llama_dir, tmp_path_factory) -> str:
+    config = json.loads((Path(real_shape_llama_dir) / "config.json").read_text())
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3-real-shape"), config, 2048, aux_layer_ids=[0, 1, 2],
+                            scale=0.02)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 200, (count,), generator=generator).tolist()
+    return [torch.randint(10, 8000, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_eagle3_through_cuda_graphs_gives_the_plain_tokens(real_shape_llama_dir, engine_config, eagle_dir, overlap):
+    prompts = _prompts(12, seed=4)
+    params = [SamplingParams(max_new_tokens=16 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(12)]
+    config = engine_config(real_shape_llama_dir, "triton", "float32")
+    config["scheduler"]["disable_overlap"] = not overlap
+    with Engine(config) as engine:
+        plain = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    config["plugins"] = ["treadle.plugins.speculators.eagle3"]
+    config["speculative"] = {"method": "eagle3", "num_tokens": K, "draft_model_path": eagle_dir, "max_batch_size": 16}
+    with Engine(config) as engine:
+        target = engine.scheduler.worker.target
+        assert target.cuda_graphs is not None and target.cuda_graphs.verify
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert_kv_accounted(engine)
+        assert not engine.scheduler.worker.speculator.states
+    assert all(o.spec_verify_steps > 0 for o in outputs)
+    for i, (got, want) in enumerate(zip(outputs, plain)):
+        part = next((j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if part is None:
+            assert len(got.token_ids) == len(want.token_ids)
+            continue
+        (first, top1), (second, top2) = want.output_top_logprobs[part][:2]
+        assert top1 - top2 <= NEAR_TIE and got.token_ids[part] in (first, second), (
+            f"request {i} parted from the plain run at token {part}, not at a near-tie ({top1} vs {top2})")
+    assert sum(o.token_ids == p.token_ids for o, p in zip(outputs, plain)) >= 10
+
+
+def test_the_conformance_kit_passes_eagle3_and_draft_on_cuda(real_shape_llama_dir, engine_config, eagle_dir):
+    from treadle.plugins.speculators.draft import build_draft_speculator
+    from treadle.plugins.speculators.eagle3 import build_eagle3_speculator
+    from treadle.testing import check_speculator
+
+    config = engine_config(real_shape_llama_dir, "triton", "float32")  # float32: the kit wants the plain tokens
+    for factory, path in ((build_eagle3_speculator, eagle_dir), (build_draft_speculator, real_shape_llama_dir)):
+        check_speculator(factory, model_dir=real_shape_llama_dir,
+                         overrides={"model": config["model"], "attention": config["attention"],
+                                    "runtime": config["runtime"], "speculative": {"draft_model_path": path}})
