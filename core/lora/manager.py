@@ -66,6 +66,7 @@ class LoRAManager:
         self.slot_names: list[str | None] = [None] * self.num_slots
         self.slot_users = [0] * self.num_slots
         self.slot_last_use = [0] * self.num_slots
+        self.unloading: set[str] = set()  # names whose unload waits for their requests (new ones are refused)
         self._uids = itertools.count(1)
         self._clock = itertools.count(1)
         for name, path in lora_config.paths.items():
@@ -94,6 +95,7 @@ class LoRAManager:
         if self.in_use(name):
             raise LoRAAdapterError(f"LoRA adapter {name!r} is in use by running requests")
         del self.known[name]
+        self.unloading.discard(name)
         self.loaded.pop(name, None)
         for slot, held in enumerate(self.slot_names):
             if held == name:

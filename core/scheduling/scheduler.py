@@ -161,9 +161,12 @@ class Scheduler:
             raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this server serves no adapters (no lora "
                                       "section in its config)", param="lora_path")
         try:
-            return lora.lookup(name).uid
+            known = lora.lookup(name)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="lora_path") from None
+        if name in lora.unloading:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is being unloaded", param="lora_path")
+        return known.uid
 
     @property
     def lora(self):
@@ -183,6 +186,7 @@ class Scheduler:
         if self.lora is None:
             raise InvalidRequestError("this server serves no LoRA adapters", param="lora_name")
         self.lora.lookup(name)
+        self.lora.unloading.add(name)  # new requests for it are refused from now on
         if any(req.lora_name == name for req in self.live_by_rid.values()):
             return False
         self.settle()
