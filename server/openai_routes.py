@@ -107,20 +107,7 @@ class _Run:
 
 def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
     parsers = ChatParsers(manager.config, manager.model_info.get("architecture"))
-
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_card(manager), *await adapter_cards(manager)]})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> JSONResponse:
-        if model_adapter(manager, model_id) is None:
-            return JSONResponse(_model_card(manager))
-        card = next((card for card in await adapter_cards(manager) if card["id"] == model_id), None)
-        if card is None:
-            raise RequestError(f"the model '{model_id}' does not exist (no such LoRA adapter is loaded)",
-                               param="model", status_code=404, code="model_not_found")
-        return JSONResponse(card)
+    _add_model_routes(app, manager)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -188,6 +175,22 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             } for i, c in enumerate(run.choices)],
             "usage": run.usage(),
         })
+
+
+def _add_model_routes(app: FastAPI, manager: TokenizerManager) -> None:
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(manager), *await adapter_cards(manager)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        if model_adapter(manager, model_id) is None:
+            return JSONResponse(_model_card(manager))
+        card = next((card for card in await adapter_cards(manager) if card["id"] == model_id), None)
+        if card is None:
+            raise RequestError(f"the model '{model_id}' does not exist (no such LoRA adapter is loaded)",
+                               param="model", status_code=404, code="model_not_found")
+        return JSONResponse(card)
 
 
 async def _stream_chat(run: _Run) -> Response:
