@@ -228,8 +228,10 @@ class LoraConfig(Section):
 
     @property
     def requested(self) -> bool:
-        """Whether adapters are served at all (any ``lora`` key set); otherwise nothing of LoRA is built."""
-        return bool(self.paths or self.allowed_dirs or self.model_fields_set)
+        """Whether adapters are served at all (any ``lora`` key away from its default); otherwise nothing of LoRA
+        is built. Judged by value, not by which keys were given: a config crosses processes as a dump."""
+        return any(getattr(self, name) != info.get_default(call_default_factory=True)
+                   for name, info in LoraConfig.model_fields.items())
 
 
 class ParallelConfig(Section):

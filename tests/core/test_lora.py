@@ -179,4 +179,8 @@ def test_config_is_validated():
         load_config(overrides={"lora.max_rank": 300}, use_env=False)
     with pytest.raises(ConfigError, match="lora.max_loras_per_batch"):
         load_config(overrides={"lora.max_loras_per_batch": 0}, use_env=False)
-    assert not load_config(use_env=False).lora.requested
+    defaults = load_config(use_env=False)
+    assert not defaults.lora.requested
+    # A config crosses processes as a dump, every key then given: still no LoRA.
+    assert not type(defaults)(**defaults.model_dump()).lora.requested
+    assert load_config(overrides={"lora.max_loras_per_batch": 2}, use_env=False).lora.requested
