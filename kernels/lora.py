@@ -31,13 +31,17 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.kernels.pdl import enabled as pdl_enabled
+from treadle.kernels.pdl import wait_for_previous
+
 # Up to this many tokens the gather kernels run (one token per program); above, the segmented tiles. At 64
 # tokens a gather shrink reads each token's adapter rows through L2 (64 x 128 KB at rank 16, in 4096) and its
 # expand 64 small programs per column block: still cheaper than a 16-row tile per distinct adapter when
 # every token has its own (bs=64 decode), and decode graphs of more tokens share adapters more.
 GATHER_MAX_TOKENS = 64
 # Elements of one gather program's weight tile: 16 KB of bf16 per load, wide enough that a one-token shrink of
-# in=4096 is one load per program, small enough for 4-8 warps' registers.
+# in=4096 is one load per program, small enough for 4-8 warps' registers (a shrink of in=14336 takes one rank
+# row of up to twice that: still one load).
 _GATHER_TILE = 8192
 
 
@@ -52,11 +56,12 @@ def shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings
     common = (x, a, adapter_ids, scalings, ranks, h, num_tokens, in_features, rank_dim,
               x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), h.stride(0))
     if num_tokens <= GATHER_MAX_TOKENS:
-        block_k = min(triton.next_power_of_2(in_features), 4096)
-        block_r = max(2, min(triton.next_power_of_2(rank_dim), _GATHER_TILE // block_k))
+        block_k = min(triton.next_power_of_2(in_features), 2 * _GATHER_TILE)
+        block_r = max(1, min(triton.next_power_of_2(rank_dim), _GATHER_TILE // block_k))
         grid = (num_tokens, triton.cdiv(rank_dim, block_r))
-        _shrink_gather_kernel[grid](*common, BLOCK_R=block_r, BLOCK_K=block_k,
-                                    num_warps=8 if block_r * block_k >= _GATHER_TILE else 4)
+        pdl = pdl_enabled(x.device)
+        _shrink_gather_kernel[grid](*common, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl, launch_pdl=pdl,
+                                    num_warps=_gather_warps(block_r * block_k))
     else:
         block_m = _segment_rows(num_tokens)
         block_r = max(16, min(64, triton.next_power_of_2(rank_dim)))
@@ -80,8 +85,9 @@ def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: t
         block_r = max(2, triton.next_power_of_2(rank_dim))
         block_n = max(16, min(triton.next_power_of_2(out_features), _GATHER_TILE // block_r))
         grid = (num_tokens, triton.cdiv(out_features, block_n))
-        _expand_gather_kernel[grid](*common, BLOCK_N=block_n, BLOCK_R=block_r,
-                                    num_warps=8 if block_r * block_n >= _GATHER_TILE else 4)
+        pdl = pdl_enabled(h.device)
+        _expand_gather_kernel[grid](*common, BLOCK_N=block_n, BLOCK_R=block_r, PDL=pdl, launch_pdl=pdl,
+                                    num_warps=_gather_warps(block_r * block_n))
     else:
         block_m = _segment_rows(num_tokens)
         block_r = max(16, min(64, triton.next_power_of_2(rank_dim)))
@@ -89,6 +95,11 @@ def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: t
         grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))
         _expand_segmented_kernel[grid](*common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
                                        IEEE=_ieee_dot(h), num_warps=4, num_stages=2)
+
+
+def _gather_warps(tile: int) -> int:
+    """Warps of a gather program: 32 weight elements per thread (a 16 KB bf16 tile: 8 warps)."""
+    return max(1, min(16, tile // (32 * 32)))
 
 
 def _segment_rows(num_tokens: int) -> int:
@@ -115,42 +126,52 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim,
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hm,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
+    # Before the wait only what no kernel of this step writes: the ids (copied in before the step), ranks,
+    # scalings and the adapter's first weight block (kernels/pdl.py). Out-of-rank rows and tokens without an
+    # adapter mask every weight load, so they read nothing.
     slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    rank = tl.where(with_adapter, tl.load(Ranks + slot), 0)
+    scaling = tl.load(Scalings + slot)
+    r_mask = offs_r < rank
+    x_limit = tl.where(tl.program_id(1) * BLOCK_R < rank, in_features, 0)  # an idle program reads no x
+    rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
+    w = tl.load(rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & (offs_k < in_features)[None, :], other=0.0)
+    wait_for_previous(PDL)
     result = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if slot >= 0:
-        rank = tl.load(Ranks + slot)
-        if tl.program_id(1) * BLOCK_R < rank:
-            r_mask = offs_r < rank
-            rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
-            for k0 in range(0, in_features, BLOCK_K):
-                k = k0 + offs_k
-                k_mask = k < in_features
-                x = tl.load(X + token * stride_xm + k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
-                w = tl.load(rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                result += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            result = result * tl.load(Scalings + slot)
+    for k0 in range(0, in_features, BLOCK_K):
+        x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
+        result += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        k = k0 + BLOCK_K + offs_k  # the next block (past in_features: nothing is read)
+        w = tl.load(rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < in_features)[None, :], other=0.0)
+    result = tl.where(r_mask, result * scaling, 0.0)  # exact zeros past the rank, whatever an unused slot holds
     tl.store(H + token * stride_hm + offs_r, result.to(H.dtype.element_ty), mask=offs_r < rank_dim)
 
 
 @triton.jit
 def _expand_gather_kernel(H, B, Ids, Ranks, Out, num_tokens, out_features, rank_dim,
                           stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
-                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
+    n_mask = offs_n < out_features
+    # The adapter's weight block before the wait, as in the shrink; h and out after it.
     slot = tl.load(Ids + token)
-    if slot >= 0:  # rows without an adapter are not touched
-        rank = tl.load(Ranks + slot)
-        r_mask = offs_r < rank
-        n_mask = offs_n < out_features
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    rank = tl.where(with_adapter, tl.load(Ranks + slot), 0)
+    r_mask = offs_r < rank
+    w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    wait_for_previous(PDL)
+    if with_adapter:  # rows without an adapter are not touched
         h = tl.load(H + token * stride_hm + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
-        w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
-                    mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         delta = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
         where = Out + token * stride_om + offs_n * stride_on
         current = tl.load(where, mask=n_mask, other=0.0)
