@@ -1,1 +1,1 @@
-"""Built-in treadle plugins: lora_backends."""
+"""Built-in LoRA backends: the kernels that add adapters' deltas to linear layers (core/lora/backend.py)."""
