@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from peft_adapters import ALL_PROJECTIONS, make_peft_adapter, peft_greedy
 from treadle import Engine, SamplingParams
@@ -184,3 +185,22 @@ def test_config_is_validated():
     # A config crosses processes as a dump, every key then given: still no LoRA.
     assert not type(defaults)(**defaults.model_dump()).lora.requested
     assert load_config(overrides={"lora.max_loras_per_batch": 2}, use_env=False).lora.requested
+
+
+def test_fp8_base_weights_take_16_bit_adapters(tmp_path, adapters):
+    """An FP8 checkpoint (the tiny Llama's weights quantized) serves the tiny Llama's adapters: the slots hold the
+    model's 16-bit dtype, the adapter changes the output, and a mixed batch equals each request's solo run."""
+    from treadle.testing.models import make_tiny_fp8_llama
+
+    base = make_tiny_fp8_llama(tmp_path / "fp8")
+    with lora_engine(base, {"r8": adapters["r8"]}) as engine:
+        lora = engine.scheduler.lora
+        assert {p.a.dtype for p in lora.projections.values()} == {torch.float32}
+        weights = {m.weight.dtype for m in engine.scheduler.worker.runner.model.modules()
+                   if hasattr(m, "output_deltas") and m.output_deltas}
+        assert weights == {torch.float8_e4m3fn}
+        solo = {name: engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path=name).token_ids
+                for name in ("r8", None)}
+        assert solo["r8"] != solo[None]
+        mixed = engine.generate(input_ids=[PROMPTS[0]] * 2, sampling_params=GREEDY, lora_path=["r8", None])
+        assert [o.token_ids for o in mixed] == [solo["r8"], solo[None]]
