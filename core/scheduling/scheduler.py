@@ -189,7 +189,6 @@ class Scheduler:
         self.lora.unloading.add(name)  # new requests for it are refused from now on
         if any(req.lora_name == name for req in self.live_by_rid.values()):
             return False
-        self.settle()
         self.lora.remove(name)
         return True
 

@@ -204,3 +204,18 @@ def test_fp8_base_weights_take_16_bit_adapters(tmp_path, adapters):
         assert solo["r8"] != solo[None]
         mixed = engine.generate(input_ids=[PROMPTS[0]] * 2, sampling_params=GREEDY, lora_path=["r8", None])
         assert [o.token_ids for o in mixed] == [solo["r8"], solo[None]]
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_prefix_aware_policies_order_requests_of_every_adapter(tiny_llama_dir, adapters, references, policy):
+    """The prefix-aware policies match each request among its own adapter's prefixes (and drop none)."""
+    config = {"model": {"path": tiny_llama_dir, "device": "cpu", "dtype": "float32"},
+              "cache": {"max_total_tokens": 2048}, "scheduler": {"policy": policy},
+              "lora": {"paths": adapters, "max_rank": 64}, "plugins": [TORCH_BACKEND]}
+    with Engine(config) as engine:
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="r8")  # cached under r8 only
+        names = [None, "r8", "r64", "r8", None, "rs16"]
+        outputs = engine.generate(input_ids=[PROMPTS[i % 3] for i in range(6)], sampling_params=GREEDY,
+                                  lora_path=names)
+        assert [o.token_ids for o in outputs] == [references[n][i % 3] for i, n in enumerate(names)]
+        assert [o.cached_tokens > 0 for o in outputs] == [False, True, False, True, False, False]
