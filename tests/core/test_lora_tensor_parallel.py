@@ -3,9 +3,7 @@ rows, KV heads replicated; o/down by input columns, the delta added before the a
 
 from __future__ import annotations
 
-import tempfile
 
-import pytest
 
 from peft_adapters import ALL_PROJECTIONS, make_peft_adapter, peft_greedy
 from treadle.core.engine import Engine
@@ -14,14 +12,6 @@ from treadle.testing.models import make_tiny_llama
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11, 7, 64, 31, 2], [300, 301, 9]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture
-def stores(tmp_path, monkeypatch):
-    folder = tmp_path / "stores"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def test_tp2_adapters_match_peft(tmp_path, stores):

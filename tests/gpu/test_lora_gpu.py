@@ -56,15 +56,6 @@ def test_float32_matches_peft_through_cuda_graphs(real_shape_llama_dir, adapters
     assert tokens == [references[name][i % len(PROMPTS)] for i, name in enumerate(NAMES)]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bfloat16_graphs_replay_what_eager_steps_compute(real_shape_llama_dir, adapters, backend):
-    eager, _, _ = _run(_config(real_shape_llama_dir, adapters, backend, "bfloat16", False))
-    graphed, decode_replays, _ = _run(_config(real_shape_llama_dir, adapters, backend, "bfloat16", True))
-    assert decode_replays > 0
-    assert graphed == eager
-    assert eager[0] != eager[3] and eager[1] != eager[4]  # each adapter changes the base's tokens
-
-
 @pytest.fixture(scope="module")
 def fp8_llama_dir(real_shape_llama_dir, tmp_path_factory) -> str:
     """The real-shape Llama's shape as an FP8 checkpoint (its own random weights, quantized)."""
@@ -80,9 +71,14 @@ def fp8_llama_dir(real_shape_llama_dir, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fp8_base_weights_with_16_bit_adapters(fp8_llama_dir, adapters, backend):
-    eager, _, _ = _run(_config(fp8_llama_dir, adapters, backend, "bfloat16", False))
-    graphed, decode_replays, _ = _run(_config(fp8_llama_dir, adapters, backend, "bfloat16", True))
+@pytest.mark.parametrize("weights", ["bfloat16", "fp8"])
+def test_bfloat16_graphs_replay_what_eager_steps_compute(real_shape_llama_dir, fp8_llama_dir, adapters, weights,
+                                                         backend):
+    """Decode graphs replay the adapters' deltas as eager steps compute them, 16-bit and FP8 base weights alike
+    (the adapters stay 16-bit)."""
+    model_dir = fp8_llama_dir if weights == "fp8" else real_shape_llama_dir
+    eager, _, _ = _run(_config(model_dir, adapters, backend, "bfloat16", False))
+    graphed, decode_replays, _ = _run(_config(model_dir, adapters, backend, "bfloat16", True))
     assert decode_replays > 0
     assert graphed == eager
     assert eager[0] != eager[3] and eager[1] != eager[4]  # each adapter changes the base's tokens
