@@ -203,6 +203,37 @@ class GrammarConfig(Section):
     any_whitespace: bool = Field(False, description="allow free whitespace between JSON tokens (else compact JSON)")
 
 
+class LoraConfig(Section):
+    paths: dict[str, str] = Field(default_factory=dict, description="adapter name -> PEFT LoRA folder "
+                                  "(adapter_config.json + adapter_model.safetensors), loaded at start")
+    max_loras_per_batch: int = Field(8, ge=1, description="adapters resident on the device at once (slots); "
+                                     "a request whose adapter has no free slot waits")
+    max_loaded_loras: int | None = Field(
+        None, ge=1, description="adapters kept in host memory, the least recently used one not in use evicted "
+                                "(read again from its folder when asked for); null: all of them")
+    max_rank: int | Literal["auto"] = Field(
+        "auto", description="largest adapter rank served (1-256; sizes the device slots); auto: the largest rank "
+                            "among lora.paths, 16 when there are none")
+    backend: str = Field("auto", description="lora_backends plugin; auto: triton on CUDA where registered, else torch")
+    allowed_dirs: list[str] = Field(
+        default_factory=list, description="folders under which /load_lora_adapter may load adapters at run time; "
+                                          "empty: loading at run time is refused (lora.paths are always allowed)")
+
+    @field_validator("max_rank")
+    @classmethod
+    def _rank_range(cls, value: int | str) -> int | str:
+        if value != "auto" and not 1 <= value <= 256:
+            raise ValueError(f"max_rank must be between 1 and 256, or 'auto', got {value}")
+        return value
+
+    @property
+    def requested(self) -> bool:
+        """Whether adapters are served at all (any ``lora`` key away from its default); otherwise nothing of LoRA
+        is built. Judged by value, not by which keys were given: a config crosses processes as a dump."""
+        return any(getattr(self, name) != info.get_default(call_default_factory=True)
+                   for name, info in LoraConfig.model_fields.items())
+
+
 class ParallelConfig(Section):
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (GPUs) that share one copy of the model")
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
@@ -301,6 +332,7 @@ class ServerConfig(BaseSettings):
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     grammar: GrammarConfig = Field(default_factory=GrammarConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod
@@ -381,6 +413,8 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
         choices.append(("reasoning_parsers", config.reasoning.parser, "reasoning.parser"))
     if config.speculative.method is not None:
         choices.append(("speculators", config.speculative.method, "speculative.method"))
+    if config.lora.requested and config.lora.backend != "auto":
+        choices.append(("lora_backends", config.lora.backend, "lora.backend"))
     for kind, name, key in choices:
         try:
             registry.get(kind, name)

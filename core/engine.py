@@ -82,12 +82,17 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int | Sequence[int] | None = None,
+        lora_path: str | Sequence[str | None] | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
-        """Generate for one prompt (returns one output) or a list of prompts (returns a list, in order)."""
+        """Generate for one prompt (returns one output) or a list of prompts (returns a list, in order).
+
+        ``lora_path``: the LoRA adapter (a name from ``lora.paths``, or one loaded with
+        :meth:`load_lora_adapter`) for every prompt, or one per prompt (None: the base model)."""
         single, token_lists = self._token_lists(prompt, input_ids)
         count = len(token_lists)
         params = _per_request(sampling_params, count, SamplingParams.from_any, "sampling_params")
         priorities = _per_request(priority, count, lambda p: int(p or 0), "priority")
+        adapters = _per_request(lora_path, count, lambda name: name or None, "lora_path")
         reqs = [
             Req(
                 rid=Req.new_rid(),
@@ -97,8 +102,9 @@ class Engine:
                 return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num,
+                lora_name=adapter,
             )
-            for ids, p, prio in zip(token_lists, params, priorities)
+            for ids, p, prio, adapter in zip(token_lists, params, priorities, adapters)
         ]
         scheduler = self.scheduler
         for req in reqs:
@@ -130,6 +136,15 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
+
+    def load_lora_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT adapter folder ``path`` as ``name`` (needs a ``lora`` section in the config)."""
+        self.scheduler.load_lora_adapter(name, str(path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (no request of this engine is running between calls to generate)."""
+        if not self.scheduler.unload_lora_adapter(name):
+            raise RuntimeError(f"LoRA adapter {name!r} is still used by queued requests")
 
     @property
     def model_info(self) -> dict[str, Any]:

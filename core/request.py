@@ -114,6 +114,7 @@ class Req:
     logprob_start_len: int = -1  # -1: only output logprobs; k: input logprobs from position k
     top_logprobs_num: int = 0
     arrival: int = field(default_factory=next_arrival)  # stamped again by Scheduler.add_request
+    lora_name: str | None = None  # the LoRA adapter to run under (None: the base model)
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: str | None = None
@@ -125,6 +126,10 @@ class Req:
     prefix_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0  # tokens served from the radix cache on first admission
+    # The adapter's registration (the radix cache's namespace for this request's prefixes; None: base model),
+    # set when the scheduler accepts the request, and the device slot it holds while admitted (-1: none).
+    lora_uid: int | None = None
+    lora_slot: int = -1
     # Tokens sampled on the device but not yet appended to output_ids (overlap scheduling reads
     # each step's tokens one step late); the sequence is really ``seq_len + pending_tokens`` long.
     # A verify step in flight counts one until its accepted drafts are counted (docs/scheduling.md).

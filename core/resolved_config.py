@@ -35,6 +35,7 @@ from treadle.core.config import (
     CacheConfig,
     GrammarConfig,
     HttpServerConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     ReasoningConfig,
@@ -88,6 +89,13 @@ class ResolvedAttentionConfig(AttentionConfig):
     model_config = _FROZEN
 
 
+class ResolvedLoraConfig(LoraConfig):
+    model_config = _FROZEN
+    enabled: bool = False  # whether adapters are served (any lora key set); off: nothing of LoRA is built
+    max_rank: int = 16
+    backend: str = "torch"  # the lora_backends plugin built (for "auto", the one chosen)
+
+
 class _FrozenServer(HttpServerConfig):
     model_config = _FROZEN
 
@@ -129,6 +137,7 @@ class ResolvedConfig(ServerConfig):
     reasoning: _FrozenReasoning
     grammar: _FrozenGrammar
     speculative: ResolvedSpeculativeConfig
+    lora: ResolvedLoraConfig
     plugins: tuple[str, ...]
 
     def with_attention_backend(self, name: str) -> "ResolvedConfig":
@@ -151,6 +160,8 @@ class RuntimeFacts:
     offline: bool = False  # an Engine batch (no stream waits on a step) rather than a server
     prefers_mixed_chunks: bool = False
     launch_bound_prefill: bool = False
+    lora_max_rank: int = 0  # the adapters' slot rank (lora.max_rank resolved); 0: LoRA is off
+    lora_backend: str = ""  # the lora_backends plugin chosen
 
     @property
     def on_cuda(self) -> bool:
@@ -186,6 +197,8 @@ def resolve_config(config: ServerConfig, facts: RuntimeFacts,
         enable_mixed_chunk=sizes.enable_mixed_chunk, latency_chunk_size=latency_chunk_size,
         prefill_hold_steps=resolve_cuda_only(sched.prefill_hold_steps, on_cuda=on_cuda,
                                              cuda_value=GPU_PREFILL_HOLD_STEPS))
+    values["lora"].update(enabled=facts.lora_max_rank > 0, max_rank=facts.lora_max_rank or 16,
+                          backend=facts.lora_backend or "torch")
     values["runtime"].update(cuda_graph_max_bs=sizes.cuda_graph_max_bs, piecewise_cuda_graph_max_tokens=piecewise)
     values["speculative"].update(
         max_batch_size=resolve_speculative_max_batch_size(config.speculative.max_batch_size, on_cuda=on_cuda))

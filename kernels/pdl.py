@@ -17,7 +17,8 @@ The contract for a kernel launched with ``launch_pdl=True``:
   only once everything before this one has completed: that is what makes the first rule hold for the next kernel.
 
 Launched with PDL: the small-batch GEMVs and 16-bit tiles (a tile asks L2 for its first weight blocks before it
-waits), the add + RMSNorm kernel (it loads its weight first) and the Triton decode attention. The matmuls give the
+waits), the add + RMSNorm kernel (it loads its weight first), the Triton decode attention and the LoRA gather
+kernels (kernels/lora.py: each loads its adapter's weight block, through the token's slot, before it waits). The matmuls give the
 go-ahead after their weight loop, the others not at all (they end on their own): on the H100, earlier go-aheads
 (as soon as a GEMV or the attention has waited, or after a GEMV's first block or the attention's chunk) were
 slower, the next kernel's early programs taking SM slots and bandwidth from the one still running, and so were

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from treadle import __version__
 from treadle.core.validation import InvalidRequestError
 from treadle.server.middleware import AdmissionMiddleware, ApiKeyMiddleware
+from treadle.server.lora_routes import add_lora_routes
 from treadle.server.native_routes import add_native_routes
 from treadle.server.openai_routes import add_openai_routes
 from treadle.server.protocol import error_body
@@ -41,6 +42,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any] | None = No
                            allow_methods=["*"], allow_headers=["*"])
     add_openai_routes(app, manager)
     add_native_routes(app, manager, server_info or {})
+    add_lora_routes(app, manager)
     return app
 
 

@@ -225,7 +225,7 @@ class DataParallelController:
         elif isinstance(message, ControlReq):
             self.pending_controls[message.request_id] = _PendingControl(message.kind, self.replicas.size)
             for replica, sock in enumerate(self.to_replicas):
-                sock.send_pyobj(ControlReq(f"{message.request_id}/{replica}", message.kind))
+                sock.send_pyobj(ControlReq(f"{message.request_id}/{replica}", message.kind, message.args))
         elif isinstance(message, ShutdownReq):
             for sock in self.to_replicas:
                 sock.send_pyobj(message)

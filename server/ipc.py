@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -39,6 +39,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -52,11 +53,14 @@ class AbortReq:
 class ControlReq:
     """A request the scheduler answers with a :class:`ControlReply` carrying the same ``request_id``.
 
-    ``kind`` is ``"flush_cache"`` or ``"stats"``.
+    ``kind`` is ``"flush_cache"``, ``"stats"``, ``"lora_adapters"``, ``"load_lora_adapter"`` (``args``:
+    ``lora_name``, ``lora_path``) or ``"unload_lora_adapter"`` (``args``: ``lora_name``; answered once the adapter's
+    requests have finished).
     """
 
     request_id: str
     kind: str
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from treadle.server.protocol import error_body
 # Routes reachable without the API key: load balancers and orchestrators probe it.
 OPEN_PATHS = frozenset({"/health"})
 # Routes that change server state; they need server.admin_api_key when one is set.
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"})
 # Routes still answered while the server drains, so operators can watch it.
 DRAINING_PATHS = frozenset({"/metrics", "/get_server_info"})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})

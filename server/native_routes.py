@@ -102,6 +102,14 @@ def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> tuple[l
     return [list(ids)], False  # type: ignore[arg-type]
 
 
+def _per_prompt_adapters(lora_path: str | list[str | None] | None, count: int) -> list[str | None]:
+    if isinstance(lora_path, list):
+        if len(lora_path) != count:
+            raise RequestError(f"{len(lora_path)} lora_path entries for {count} prompts", param="lora_path")
+        return [name or None for name in lora_path]
+    return [lora_path or None] * count
+
+
 def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
     """``/generate``, the health and info routes, the admin routes and ``/metrics``."""
     _add_generate_route(app, manager)
@@ -123,11 +131,12 @@ def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
             rids = [body.rid] if len(prompts) == 1 else [f"{body.rid}-{i}" for i in range(len(prompts))]
         else:
             rids = [manager.new_rid() for _ in prompts]
+        adapters = _per_prompt_adapters(body.lora_path, len(prompts))
         reqs = []
-        for rid, ids in zip(rids, prompts):
+        for rid, ids, adapter in zip(rids, prompts, adapters):
             manager.check_request(ids, params, {"prompt": param, "input_ids": param}, body.top_logprobs_num)
             reqs.append(TokenizedGenerateReq(rid, ids, params, body.return_logprob, body.logprob_start_len,
-                                             body.top_logprobs_num, body.priority))
+                                             body.top_logprobs_num, body.priority, lora_name=adapter))
         results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]
         stop = list(params.stop or [])
         stream = manager.submit(reqs, timeout=body.timeout)

@@ -26,6 +26,7 @@ from treadle.server.chat_tools import (
     template_messages,
 )
 from treadle.server.ipc import StrOutput, TokenizedGenerateReq, finish_detail
+from treadle.server.lora_routes import adapter_cards, model_adapter
 from treadle.server.openai_logprobs import TopLogprobs, chat_logprobs, completion_logprobs
 from treadle.server.streaming import collect, first_event, sse_response
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -70,6 +71,8 @@ class _Run:
         self.body = body
         self.prompts = prompts
         self.id_prefix = body.rid or uuid.uuid4().hex
+        self.lora_name = model_adapter(manager, body.model)
+        self.model = body.model if self.lora_name is not None else manager.served_model_name
         self.created = int(time.time())
         self.choices = [_Choice(i) for i in range(len(prompts)) for _ in range(body.n)]
         self.stop = list(params[0].stop or [])
@@ -83,7 +86,7 @@ class _Run:
             reqs.append(TokenizedGenerateReq(
                 rid, prompts[choice.prompt_index], p, return_logprob=want_logprobs is not None,
                 logprob_start_len=0 if echo_logprobs else -1, top_logprobs_num=want_logprobs or 0,
-                priority=body.priority))
+                priority=body.priority, lora_name=self.lora_name))
         self.stream: GenerationStream = manager.submit(reqs, timeout=body.timeout)
 
     def add(self, event: StreamEvent) -> _Choice:
@@ -104,19 +107,11 @@ class _Run:
 
 def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
     parsers = ChatParsers(manager.config, manager.model_info.get("architecture"))
-
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_card(manager)]})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> JSONResponse:
-        _check_model(manager, model_id)
-        return JSONResponse(_model_card(manager))
+    _add_model_routes(app, manager)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_model(manager, body.model)
+        model_adapter(manager, body.model)
         if not body.messages:
             raise RequestError("`messages` must contain at least one message", param="messages")
         if body.top_logprobs is not None and not body.logprobs:
@@ -147,12 +142,12 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             })
         return JSONResponse({
             "id": f"chatcmpl-{run.id_prefix}", "object": "chat.completion", "created": run.created,
-            "model": manager.served_model_name, "choices": choices, "usage": run.usage(),
+            "model": run.model, "choices": choices, "usage": run.usage(),
         })
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(manager, body.model)
+        model_adapter(manager, body.model)
         if body.suffix:
             raise RequestError("`suffix` is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -169,7 +164,7 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         await collect(request, run.stream, run.add)
         return JSONResponse({
             "id": f"cmpl-{run.id_prefix}", "object": "text_completion", "created": run.created,
-            "model": manager.served_model_name,
+            "model": run.model,
             "choices": [{
                 "index": i,
                 "text": echo[c.prompt_index] + c.text,
@@ -182,12 +177,28 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         })
 
 
+def _add_model_routes(app: FastAPI, manager: TokenizerManager) -> None:
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(manager), *await adapter_cards(manager)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        if model_adapter(manager, model_id) is None:
+            return JSONResponse(_model_card(manager))
+        card = next((card for card in await adapter_cards(manager) if card["id"] == model_id), None)
+        if card is None:
+            raise RequestError(f"the model '{model_id}' does not exist (no such LoRA adapter is loaded)",
+                               param="model", status_code=404, code="model_not_found")
+        return JSONResponse(card)
+
+
 async def _stream_chat(run: _Run) -> Response:
     first = await first_event(run.stream)
     body = run.body
     assert isinstance(body, ChatCompletionRequest)
     base = {"id": f"chatcmpl-{run.id_prefix}", "object": "chat.completion.chunk", "created": run.created,
-            "model": run.manager.served_model_name}
+            "model": run.model}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
         payload = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -231,7 +242,7 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
     body = run.body
     assert isinstance(body, CompletionRequest)
     base = {"id": f"cmpl-{run.id_prefix}", "object": "text_completion", "created": run.created,
-            "model": run.manager.served_model_name}
+            "model": run.model}
 
     def render(event: StreamEvent) -> list[dict[str, Any]]:
         choice = run.add(event)
@@ -295,13 +306,6 @@ def _check_constraint_support(constraint: dict[str, object]) -> None:
         if key not in known:
             raise RequestError(f"this treadle build has no constrained decoding ({key}); it needs a grammar backend",
                                param=key)
-
-
-def _check_model(manager: TokenizerManager, model: str | None) -> None:
-    accepted = {manager.served_model_name, str(manager.model_info.get("model_path"))}
-    if model is not None and model not in accepted:
-        raise RequestError(f"the model '{model}' does not exist; this server serves '{manager.served_model_name}'",
-                           param="model", status_code=404, code="model_not_found")
 
 
 def _model_card(manager: TokenizerManager) -> dict[str, Any]:

@@ -217,12 +217,27 @@ class GenerateRequest(_Body):
     rid: str | list[str] | None = None
     priority: int = 0
     timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+    lora_path: str | list[str | None] | None = Field(
+        None, description="the LoRA adapter's name (one for every prompt, or one per prompt; null: the base model)")
 
 
 class AbortRequest(_Body):
     """POST /abort_request."""
 
     rid: str
+
+
+class LoadLoraAdapterRequest(_Body):
+    """POST /load_lora_adapter: serve the PEFT adapter folder ``lora_path`` as ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """POST /unload_lora_adapter: stop serving ``lora_name`` (once its requests have finished)."""
+
+    lora_name: str = Field(min_length=1)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -150,6 +150,7 @@ class SchedulerLoop:
         self.replies = connect_push(self.context, addresses.tokenizer_input)
         self.running = True
         self.arrivals: dict[str, float] = {}  # rid -> arrival time, until the request is admitted
+        self.pending_unloads: list[ControlReq] = []  # adapter unloads waiting for the adapter's requests
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -168,6 +169,8 @@ class SchedulerLoop:
                     self._send_outputs(outputs)
                 if self.arrivals:
                     self._report_queue_times(started)
+            if self.pending_unloads:
+                self._retry_unloads()
 
     def _report_queue_times(self, step_started: float) -> None:
         """Requests that left the waiting queue in the last step: their queue time goes to /metrics."""
@@ -203,7 +206,11 @@ class SchedulerLoop:
             if output is not None:
                 self._send_outputs([output])
         elif isinstance(message, ControlReq):
-            self.replies.send_pyobj(ControlReply(message.request_id, self._control(message.kind)))
+            if message.kind == "unload_lora_adapter":
+                self.pending_unloads.append(message)
+                self._retry_unloads()
+            else:
+                self.replies.send_pyobj(ControlReply(message.request_id, self._control(message)))
         elif isinstance(message, ShutdownReq):
             self.running = False
         else:
@@ -221,6 +228,7 @@ class SchedulerLoop:
                 return_logprob=message.return_logprob,
                 logprob_start_len=message.logprob_start_len,
                 top_logprobs_num=message.top_logprobs_num,
+                lora_name=message.lora_name,
             )
             self.scheduler.add_request(req)
         except ValueError as exc:  # InvalidRequestError and friends: the client's fault
@@ -235,12 +243,37 @@ class SchedulerLoop:
         self.detokenizer.send_pyobj(RegisterDecode(
             message.rid, message.sampling_params.skip_special_tokens, list(message.sampling_params.stop or [])))
 
-    def _control(self, kind: str) -> dict[str, Any]:
+    def _control(self, message: ControlReq) -> dict[str, Any]:
+        kind = message.kind
         if kind == "flush_cache":
             return {"success": bool(self.scheduler.flush_cache())}
         if kind == "stats":
             return {"kv": dict(self.scheduler.kv_stats())}
+        if kind == "lora_adapters":
+            lora = self.scheduler.lora
+            return {"adapters": lora.describe() if lora is not None else []}
+        if kind == "load_lora_adapter":
+            try:
+                self.scheduler.load_lora_adapter(message.args["lora_name"], message.args["lora_path"])
+            except ValueError as exc:  # a bad folder, a name taken, no lora section: the client's to fix
+                return {"error": str(exc)}
+            return {"success": True}
         return {"error": f"unknown control request '{kind}'"}
+
+    def _retry_unloads(self) -> None:
+        """Unload the adapters asked for whose requests have all finished; answer those requests."""
+        waiting = []
+        for message in self.pending_unloads:
+            try:
+                done = self.scheduler.unload_lora_adapter(message.args["lora_name"])
+            except ValueError as exc:
+                self.replies.send_pyobj(ControlReply(message.request_id, {"error": str(exc)}))
+                continue
+            if done:
+                self.replies.send_pyobj(ControlReply(message.request_id, {"success": True}))
+            else:
+                waiting.append(message)
+        self.pending_unloads = waiting
 
 
 # The process one data-parallel replica runs (the data-parallel controller starts one per replica).

@@ -347,15 +347,16 @@ class TokenizerManager:
             self.metrics.requests_aborted.inc()
         return state is not None
 
-    async def control(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
-        """Ask the scheduler process something (``flush_cache``, ``stats``) and wait for the answer."""
+    async def control(self, kind: str, timeout: float = 10.0, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Ask the scheduler process something (``flush_cache``, ``stats``, the LoRA adapters: see ``ControlReq``)
+        and wait for the answer."""
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, status_code=503, type_="server_error")
         request_id = uuid.uuid4().hex
         waiter = asyncio.get_running_loop().create_future()
         self._control_waiters[request_id] = waiter
         try:
-            self._to_scheduler.send_pyobj(ControlReq(request_id, kind))
+            self._to_scheduler.send_pyobj(ControlReq(request_id, kind, dict(args or {})))
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
             raise RequestError(f"the scheduler did not answer '{kind}' within {timeout:.0f} s",

@@ -18,6 +18,9 @@
     def test_my_speculator_conforms():
         check_speculator(make_my_speculator)
 
+    def test_my_lora_backend_conforms():
+        check_lora_backend(MyLoRABackend, "cuda", torch.bfloat16)   # or a registered name: "triton"
+
     def test_my_model_splits_over_ranks():
         check_tensor_parallel(make_my_tiny_checkpoint(tmp_path), tp_size=2,
                               overrides={"plugins": ["my_models"]})
@@ -31,12 +34,14 @@ from __future__ import annotations
 from typing import Any
 
 from treadle.testing.allocators import check_kv_allocator
+from treadle.testing.lora import check_lora_backend
 from treadle.testing.parallel import check_tensor_parallel
 from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
-__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_reasoning_parser",
-           "check_schedule_policy", "check_speculator", "check_tensor_parallel", "check_tool_parser"]
+__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_lora_backend",
+           "check_reasoning_parser", "check_schedule_policy", "check_speculator", "check_tensor_parallel",
+           "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:

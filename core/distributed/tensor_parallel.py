@@ -48,6 +48,7 @@ from treadle.core.distributed.parallel import (
 logger = logging.getLogger(__name__)
 
 _STEP, _ADD, _ABORT, _FLUSH, _STATS, _STOP = "step", "add", "abort", "flush", "stats", "stop"
+_LORA_LOAD, _LORA_UNLOAD = "lora_load", "lora_unload"
 _LOG_FORMAT = "[treadle %(processName)s] %(asctime)s %(levelname)s %(name)s: %(message)s"
 _PR_SET_PDEATHSIG = 1
 
@@ -188,6 +189,16 @@ class LeaderScheduler:
         self._broadcast((_FLUSH,))
         return self.scheduler.flush_cache()
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self.scheduler.load_lora_adapter(name, path)  # raises on a bad folder: then no rank loads it
+        self._commands.append((_LORA_LOAD, name, path))
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        if not self.scheduler.unload_lora_adapter(name):
+            return False
+        self._commands.append((_LORA_UNLOAD, name))
+        return True
+
     def kv_stats_per_rank(self) -> list[dict[str, int]]:
         """``kv_stats()`` of every rank, in rank order (they agree unless the ranks diverged)."""
         self._broadcast((_STATS,))
@@ -246,6 +257,10 @@ def follow_leader(scheduler: Any) -> None:
                 scheduler.abort_request(command[1])
             elif kind == _FLUSH:
                 scheduler.flush_cache()
+            elif kind == _LORA_LOAD:
+                scheduler.load_lora_adapter(command[1], command[2])
+            elif kind == _LORA_UNLOAD:
+                scheduler.unload_lora_adapter(command[1])
             elif kind == _STATS:
                 tp_gather_objects(scheduler.kv_stats())
             elif kind == _STOP:

@@ -16,6 +16,7 @@ from treadle.core.execution.attention import build_attention_backend, model_slid
 from treadle.core.execution.batch_context import using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.model_protocol import ModelTraits
+from treadle.core.lora.manager import LoRAManager
 from treadle.core.memory.allocator import KVAllocator
 from treadle.core.memory.pools import KV_DTYPES, KVCache, ReqToTokenPool
 from treadle.core.registry import Registry
@@ -59,6 +60,10 @@ class ModelRunner:
         shared = set(self.layer_sliding_windows)
         self.sliding_window: int | None = shared.pop() if len(shared) == 1 else None
         self.kv_dtype: torch.dtype = KV_DTYPES.get(config.cache.kv_dtype, self.dtype)
+        # LoRA slots take device memory (before the KV pool is sized) and register the layers' deltas (before the
+        # worker captures CUDA graphs); without a lora section nothing of it exists.
+        self.lora: LoRAManager | None = (LoRAManager(config.lora, self.model, registry, self.device, self.dtype)
+                                         if config.lora.requested else None)
 
         # Every "auto" is resolved here, once, into the frozen config the runtime reads; the user's is untouched.
         resolved = resolve_config(config, self._runtime_facts(offline), agree_min=tp_min_int)
@@ -110,6 +115,8 @@ class ModelRunner:
             offline=offline,
             prefers_mixed_chunks=self.model_traits.prefers_mixed_chunks,
             launch_bound_prefill=self.model_traits.launch_bound_prefill,
+            lora_max_rank=self.lora.max_rank if self.lora is not None else 0,
+            lora_backend=self.lora.backend_name if self.lora is not None else "",
         )
 
     def _use_checkpoint_kv_scales(self) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from treadle.core.config import ServerConfig
 from treadle.core.execution.attention_context import AttentionContext
-from treadle.core.execution.batch_context import using_batch_context
+from treadle.core.execution.batch_context import NO_ADAPTER, BatchContext, using_batch_context
 from treadle.core.execution.cuda_graph import CudaGraphRunner
 from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.execution.forward_inputs import build_forward_batch
@@ -41,6 +41,7 @@ from treadle.core.execution.sampler import Sampler, SamplingBatch, accepted_draf
 from treadle.core.registry import Registry
 
 if TYPE_CHECKING:
+    from treadle.core.lora.manager import LoRAManager
     from treadle.core.memory.allocator import KVAllocator
     from treadle.core.memory.pools import ReqToTokenPool
     from treadle.core.request import Req
@@ -66,6 +67,7 @@ class WorkerInfo:
     max_total_tokens: int  # KV slots
     allocator: "KVAllocator"
     req_to_token_pool: "ReqToTokenPool"
+    lora: "LoRAManager | None" = None  # the adapters (lora section); None: LoRA is off
 
     @classmethod
     def of(cls, runner: ModelRunner) -> "WorkerInfo":
@@ -73,7 +75,7 @@ class WorkerInfo:
             model_dir=runner.model_dir, hf_config=runner.hf_config, vocab_size=runner.vocab_size,
             context_len=runner.context_len, device=runner.device, dtype=runner.dtype, page_size=runner.page_size,
             max_running_requests=int(runner.max_running_requests), max_total_tokens=int(runner.max_total_tokens),
-            allocator=runner.allocator, req_to_token_pool=runner.req_to_token_pool,
+            allocator=runner.allocator, req_to_token_pool=runner.req_to_token_pool, lora=runner.lora,
         )
 
 
@@ -209,6 +211,8 @@ class ModelWorker(Worker):
         batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
         forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
                                             draft_ids)
+        if runner.lora is not None:
+            forward_batch.batch_context = adapter_context(batch, forward_batch)
         return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids)
 
     def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
@@ -262,6 +266,16 @@ class ModelWorker(Worker):
             self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
             tensors["accepted"] = accepted
         return tensors
+
+
+def adapter_context(batch: "ScheduleBatch", forward_batch: ForwardBatch) -> BatchContext | None:
+    """The batch context carrying each token's adapter slot (``Req.lora_slot``); None when no request of the
+    batch runs an adapter (the deltas then add nothing, eagerly; a graph replays with every row NO_ADAPTER)."""
+    slots = [entry.req.lora_slot for entry in batch.entries]
+    if all(slot == NO_ADAPTER for slot in slots):
+        return None
+    ids = to_device(torch.tensor(slots, dtype=torch.int64), forward_batch.input_ids.device)
+    return BatchContext.for_batch(forward_batch, ids)
 
 
 def prompt_logprob_tensors(batch: "ScheduleBatch", logits: torch.Tensor,

@@ -33,8 +33,9 @@ class PrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, Any]:
-        """The cached slots (CPU int64) of the longest page-aligned cached prefix, and its node."""
+    def match_prefix(self, token_ids: list[int], namespace: Any = None) -> tuple[torch.Tensor, Any]:
+        """The cached slots (CPU int64) of the longest page-aligned cached prefix, and its node. ``namespace``:
+        whose prefixes to look among (a LoRA adapter's registration; None: the base model's)."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None:
@@ -45,7 +46,7 @@ class PrefixCache(ABC):
         """Undo one :meth:`inc_lock_ref`."""
 
     @abstractmethod
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: Any = None) -> int:
         """Cache the whole pages of ``token_ids`` at ``slots``; return the length already present before."""
 
     @abstractmethod
@@ -120,16 +121,17 @@ class RadixCache(PrefixCache):
 
     # -- lookup and insertion ------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, TreeNode]:
+    def match_prefix(self, token_ids: list[int], namespace: Any = None) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached page-aligned prefix of ``token_ids``: its slots and the node where it ends.
 
         A match that ends inside a node splits that node so the returned node
         covers exactly the match (the cached content and sizes do not change).
-        Every node on the path gets a fresh ``last_access``.
+        Every node on the path gets a fresh ``last_access``. Each ``namespace`` (a LoRA adapter's registration)
+        has a tree of its own under the root, so prefixes computed under one are never matched under another.
         """
         end = len(token_ids) - len(token_ids) % self.page_size
         now = next(self._clock)
-        node = self.root
+        node = self._namespace_root(namespace)
         node.last_access = now
         pieces: list[torch.Tensor] = []
         pos = 0
@@ -147,7 +149,7 @@ class RadixCache(PrefixCache):
         slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
         return slots, node
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: Any = None) -> int:
         """Cache the whole pages of ``token_ids`` at ``slots``.
 
         Returns how many leading tokens were already cached (a multiple of the
@@ -159,7 +161,7 @@ class RadixCache(PrefixCache):
         if slots.numel() < end:
             raise ValueError(f"insert got {len(token_ids)} token ids but only {slots.numel()} slots")
         now = next(self._clock)
-        node = self.root
+        node = self._namespace_root(namespace)
         node.last_access = now
         pos = 0
         while pos < end:
@@ -184,7 +186,7 @@ class RadixCache(PrefixCache):
     # -- reference counts -----------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to a root (the base's or a namespace's)
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -192,7 +194,7 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def dec_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock_ref == 0:
                 raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}: lock and unlock calls are unbalanced")
             node.lock_ref -= 1
@@ -234,7 +236,7 @@ class RadixCache(PrefixCache):
             freed_values.append(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
         if freed_values:
             self.allocator.free(torch.cat(freed_values))
@@ -277,7 +279,7 @@ class RadixCache(PrefixCache):
         """
         slots = req.kv_slots
         aligned = self._insert_computed(req)
-        cached_slots, node = self.match_prefix(req.all_ids[:aligned])
+        cached_slots, node = self.match_prefix(req.all_ids[:aligned], req.lora_uid)
         if cached_slots.numel() != aligned:
             raise RuntimeError(f"radix cache lost tokens: inserted {aligned}, matched {cached_slots.numel()}")
         self.inc_lock_ref(node)
@@ -290,7 +292,7 @@ class RadixCache(PrefixCache):
         """Insert the whole pages of ``req``'s computed tokens, free its duplicates, return the aligned length."""
         kv_len = req.kv_len
         aligned = kv_len - kv_len % self.page_size
-        already = self.insert(req.all_ids[:aligned], req.kv_slots[:aligned])
+        already = self.insert(req.all_ids[:aligned], req.kv_slots[:aligned], req.lora_uid)
         if already < req.prefix_len:
             raise RuntimeError(
                 f"request {req.rid}: its locked prefix of {req.prefix_len} tokens is no longer cached "
@@ -304,6 +306,8 @@ class RadixCache(PrefixCache):
 
     def _new_tree(self) -> None:
         self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None, next(self._clock))
+        # The roots of the namespaces' trees (parentless, like the root, so locks and eviction stop at them).
+        self._namespaces: dict[Any, TreeNode] = {}
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
@@ -319,6 +323,15 @@ class RadixCache(PrefixCache):
                           if not n.children and n.lock_ref == 0]
             heapq.heapify(self._heap)
         heapq.heappush(self._heap, (node.last_access, next(self._push_order), node))
+
+    def _namespace_root(self, namespace: Any) -> TreeNode:
+        if namespace is None:
+            return self.root
+        root = self._namespaces.get(namespace)
+        if root is None:
+            root = self._namespaces[namespace] = TreeNode([], torch.empty(0, dtype=torch.int64), None,
+                                                          next(self._clock))
+        return root
 
     def _child_key(self, token_ids: list[int], pos: int) -> Any:
         if self.page_size == 1:
@@ -347,7 +360,7 @@ class RadixCache(PrefixCache):
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node except the root."""
-        stack = list(self.root.children.values())
+        stack = [child for root in (self.root, *self._namespaces.values()) for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -366,7 +379,7 @@ class NoPrefixCache(PrefixCache):
         self.allocator = allocator
         self.page_size = allocator.page_size
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, None]:
+    def match_prefix(self, token_ids: list[int], namespace: Any = None) -> tuple[torch.Tensor, None]:
         return torch.empty(0, dtype=torch.int64), None
 
     def inc_lock_ref(self, node: Any) -> None:
@@ -375,7 +388,7 @@ class NoPrefixCache(PrefixCache):
     def dec_lock_ref(self, node: Any) -> None:
         pass
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: Any = None) -> int:
         return len(token_ids)
 
     def evict(self, num_tokens: int) -> int:

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from treadle.core.execution.batch_context import NO_ADAPTER
 from treadle.core.execution.overlap import to_device
 from treadle.core.memory.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from treadle.core.request import Req
 
 if TYPE_CHECKING:
     from treadle.core.execution.worker import WorkerInfo
+    from treadle.core.lora.manager import LoRAManager
     from treadle.core.scheduling.schedule_batch import BatchEntry
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -25,18 +27,20 @@ EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 class KVMemory:
     """The KV allocator, the request-to-token table and the prefix cache, as the scheduler uses them."""
 
-    def __init__(self, allocator, req_to_token_pool, tree_cache: PrefixCache, page_size: int) -> None:
+    def __init__(self, allocator, req_to_token_pool, tree_cache: PrefixCache, page_size: int,
+                 lora: "LoRAManager | None" = None) -> None:
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.tree_cache = tree_cache
         self.page_size = page_size
+        self.lora = lora  # an admitted request also holds its adapter's device slot (None: LoRA is off)
 
     @classmethod
     def for_worker(cls, info: "WorkerInfo", disable_radix_cache: bool) -> "KVMemory":
         """The worker's pools, with a radix prefix cache over them (or none: ``cache.disable_radix_cache``)."""
         tree_cache = (NoPrefixCache(info.allocator) if disable_radix_cache
                       else RadixCache(info.allocator, info.page_size))
-        return cls(info.allocator, info.req_to_token_pool, tree_cache, info.page_size)
+        return cls(info.allocator, info.req_to_token_pool, tree_cache, info.page_size, info.lora)
 
     @property
     def caches_prefixes(self) -> bool:
@@ -145,6 +149,7 @@ class KVMemory:
         self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.prefix_len, req.kv_slots = None, None, 0, EMPTY_SLOTS
+        self.release_adapter(req)
 
     def share_prompt(self, req: Req) -> None:
         """Put a just-prefilled prompt in the prefix cache so requests admitted later reuse it.
@@ -173,6 +178,23 @@ class KVMemory:
         req.kv_slots = EMPTY_SLOTS
         req.prefix_len = 0
         req.last_node = None
+        self.release_adapter(req)
+
+    def take_adapter(self, req: Req) -> bool:
+        """Give an admitted request its adapter's device slot; False when none is free (it waits)."""
+        if self.lora is None:
+            return True
+        slot = self.lora.acquire(req.lora_name)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def release_adapter(self, req: Req) -> None:
+        """Give back the request's hold on its adapter's slot (nothing when it holds none)."""
+        if self.lora is not None and req.lora_slot != NO_ADAPTER:
+            self.lora.release(req.lora_slot)
+        req.lora_slot = NO_ADAPTER
 
     # ------------------------------------------------------------------ the whole pool
 

@@ -15,7 +15,8 @@ class SchedulePolicy(ABC):
 
     Built by its registered factory as ``factory(seed)``. ``order`` returns a
     permutation of ``waiting`` (it must neither drop nor add requests); it may
-    consult the prefix cache (``match_prefix``, the tree) but must not change it.
+    consult the prefix cache (``match_prefix``, the tree) but must not change it; a request's prefixes are those of
+    its LoRA adapter (``tree_cache.match_prefix(req.all_ids, req.lora_uid)``; ``lora_uid`` is None for the base).
     """
 
     # Whether the policy needs radix-cache prefix lengths (lpm, dfs-weight).

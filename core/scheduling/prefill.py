@@ -152,7 +152,7 @@ class PrefillManager:
                 break
             if req.pending_tokens:
                 continue  # retracted with a token in flight: admitted once that token is known
-            prefix_slots, node = tree_cache.match_prefix(req.all_ids)
+            prefix_slots, node = tree_cache.match_prefix(req.all_ids, req.lora_uid)
             prefix_len = self._usable_prefix(req, len(prefix_slots))
             if self._shares_uncached_prefix(req, prefix_len, entries):
                 continue  # computed once by the request already admitted, then reused from the cache
@@ -171,6 +171,9 @@ class PrefillManager:
             if need > available or (need + future > available and not alone):
                 tree_cache.dec_lock_ref(node)
                 break
+            if not self.memory.take_adapter(req):
+                tree_cache.dec_lock_ref(node)
+                continue  # every adapter slot is held by other adapters' requests: it waits for one
             self.memory.take_row(req, prefix_slots, prefix_len, node)
             if req.retractions == 0 and not req.output_ids:
                 req.cached_tokens = prefix_len
@@ -193,7 +196,7 @@ class PrefillManager:
             return False
         return any(
             entry.req.all_ids[prefix_len:prefix_len + IN_BATCH_PREFIX_TOKENS] == window
-            and entry.kv_start <= prefix_len
+            and entry.kv_start <= prefix_len and entry.req.lora_uid == req.lora_uid
             for entry in entries
         )
 

@@ -149,10 +149,52 @@ class Scheduler:
         is taken; its constraint, if any, is compiled (and cached) to find out. Queues nothing."""
         validation.check_request(req.origin_input_ids, req.sampling_params, self.request_limits,
                                  top_logprobs_num=req.top_logprobs_num)
+        req.lora_uid = self._adapter_uid(req.lora_name)
         live = self.live_by_rid.get(req.rid)
         if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         self.grammar.check(req)
+
+    def _adapter_uid(self, name: str | None) -> int | None:
+        """The registration of the adapter ``name`` (None for the base model); InvalidRequestError naming the
+        loaded adapters when it is unknown."""
+        if name is None:
+            return None
+        lora = self.lora
+        if lora is None:
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r}: this server serves no adapters (no lora "
+                                      "section in its config)", param="lora_path")
+        try:
+            known = lora.lookup(name)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="lora_path") from None
+        if name in lora.unloading:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is being unloaded", param="lora_path")
+        return known.uid
+
+    @property
+    def lora(self):
+        """The LoRA adapters (core/lora/manager.py), or None when the config has no lora section."""
+        return self.worker.info.lora
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as ``name`` from now on (LoRAAdapterError, a ValueError, when it cannot)."""
+        if self.lora is None:
+            raise InvalidRequestError("this server serves no LoRA adapters: start it with a lora section",
+                                      param="lora_name")
+        self.lora.add(name, path)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving ``name``: False while requests queued or running still use it (call again later); raises
+        when it is unknown."""
+        if self.lora is None:
+            raise InvalidRequestError("this server serves no LoRA adapters", param="lora_name")
+        self.lora.lookup(name)
+        self.lora.unloading.add(name)  # new requests for it are refused from now on
+        if any(req.lora_name == name for req in self.live_by_rid.values()):
+            return False
+        self.lora.remove(name)
+        return True
 
     def abort_request(self, rid: str) -> ReqOutput | None:
         """Stop a request wherever it is and free its memory."""

@@ -49,7 +49,9 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
     def order(self, waiting: list[Req], tree_cache: PrefixCache) -> list[Req]:
         if len(waiting) > MAX_PREFIX_MATCHED_QUEUE:
             return sorted(waiting, key=_arrival)
-        prefix_lens = {id(req): int(tree_cache.match_prefix(req.all_ids)[0].numel()) for req in waiting}
+        # Each request matches among its own adapter's prefixes (lora_uid: None for the base model).
+        prefix_lens = {id(req): int(tree_cache.match_prefix(req.all_ids, req.lora_uid)[0].numel())
+                       for req in waiting}
         return sorted(waiting, key=lambda req: (-prefix_lens[id(req)], req.arrival))
 
 
@@ -88,7 +90,7 @@ class DFSWeightPolicy(SchedulePolicy):
         reqs_at: dict[int, list[Req]] = defaultdict(list)
         nodes: dict[int, Any] = {}
         for req in sorted(waiting, key=_arrival):
-            node = tree_cache.match_prefix(req.all_ids)[1]
+            node = tree_cache.match_prefix(req.all_ids, req.lora_uid)[1]
             nodes[id(node)] = node
             reqs_at[id(node)].append(req)
         if len(nodes) <= 1:

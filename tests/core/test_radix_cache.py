@@ -260,3 +260,25 @@ def test_random_workload_never_loses_or_double_frees_a_slot(page_size):
     assert cache.protected_size() == 0
     cache.reset()
     assert allocator.free_slots == allocator.total_slots
+
+
+def test_namespaces_keep_prefixes_apart_and_evict_like_the_base():
+    """A LoRA adapter's prefixes (a namespace) are matched only under it; locks stop at its root; its leaves are
+    evicted with the base's, least recently used first, and a reset frees them too."""
+    cache, allocator = make_cache()
+    tokens = [1, 2, 3, 4, 5, 6]
+    base_slots, adapter_slots = (allocator.alloc_extend([0], [6], [-1]) for _ in range(2))
+    free = allocator.free_slots
+    assert cache.insert(tokens, base_slots) == 0
+    assert cache.insert(tokens, adapter_slots, namespace=7) == 0  # the base's copy is not the adapter's
+    assert torch.equal(cache.match_prefix(tokens)[0], base_slots)
+    assert torch.equal(cache.match_prefix(tokens, 7)[0], adapter_slots)
+    assert cache.match_prefix(tokens, 8)[0].numel() == 0
+    _, node = cache.match_prefix(tokens[:3], 7)
+    cache.inc_lock_ref(node)
+    assert cache.protected_size() == 3 and cache.evictable_size() == 9
+    assert cache.evict(100) == 9  # everything unlocked: the base's six and the adapter's last three
+    assert torch.equal(cache.match_prefix(tokens, 7)[0], adapter_slots[:3])
+    cache.dec_lock_ref(node)
+    cache.reset()
+    assert allocator.free_slots == free + 12 and cache.match_prefix(tokens, 7)[0].numel() == 0

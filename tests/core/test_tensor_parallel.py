@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import tempfile
 import time
 from multiprocessing import resource_tracker
 
@@ -60,15 +59,6 @@ def _config(path: str, tp_size: int, **sections: dict) -> dict:
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}
     return config
-
-
-@pytest.fixture
-def stores(tmp_path, monkeypatch):
-    """The folder a one-machine group's file store goes to (the temp folder, redirected for the test)."""
-    folder = tmp_path / "stores"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_path, stores):

@@ -1,0 +1,142 @@
+"""LoRA adapters' cost on a GPU: the kernels against the base projections, and the engine with adapters against the
+base model, in one run.
+
+``treadle bench lora [--part kernels|engine|all] [--backend triton] [--rank 16] [--num-prompts 1000]
+[--spread 16] [--set KEY=VALUE ...] [--output PATH]``
+
+- ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
+  layers' deltas against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter, bs=32 with 32
+  adapters, bs=256 and an 8192-token prefill over 16.
+- ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
+  adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
+  with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
+  16-600, outputs 16-400 tokens) spread over ``--spread`` adapters (target: >= 0.85x the base's throughput),
+  bs=1 decode with an adapter (<= 1.10x the base step) and bs=32 with 32 different adapters (<= 1.25x). It needs
+  the engine's LoRA side (``lora.*`` config, ``Engine.generate(..., lora_path=...)``); without it the part says
+  so and is skipped.
+
+Prints a table and writes JSON (``<results folder>/lora_<gpu>_<date>.json`` unless ``--output``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from treadle.bench.results_folder import results_dir
+
+TARGETS = {"offline_ratio": (">=", 0.85), "bs1_step_ratio": ("<=", 1.10), "bs32_step_ratio": ("<=", 1.25)}
+NUM_ADAPTERS = 32
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: treadle bench lora times CUDA kernels and graphs; no CUDA device here", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {
+        "benchmark": "lora", "command": "treadle bench lora " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "backend": args.backend, "rank": args.rank,
+    }
+    if args.part in ("kernels", "all"):
+        from treadle.bench.lora_kernels import run_kernel_cases
+
+        report["kernels"] = run_kernel_cases(args.backend, args.rank)
+        print(format_kernel_table(report["kernels"]), flush=True)
+    if args.part in ("engine", "all"):
+        report["end_to_end"] = _engine_part(args)
+        print(format_engine_table(report["end_to_end"]), flush=True)
+    gpu = torch.cuda.get_device_name().lower().replace(" ", "-")
+    path = Path(args.output) if args.output else results_dir() / f"lora_{gpu}_{dt.date.today():%Y%m%d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def format_kernel_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"LoRA kernels ({rows[0]['backend']}, rank {rows[0]['rank']}, 7 projections x 32 layers) vs base matmuls"
+             if rows else "LoRA kernels: no cases",
+             f"{'case':34s} {'base ms':>9s} {'lora ms':>9s} {'both ms':>9s} {'ratio':>7s}"]
+    for row in rows:
+        lines.append(f"{row['case']:34s} {row['base_ms']:9.3f} {row['lora_ms']:9.3f} {row['base_plus_lora_ms']:9.3f} "
+                     f"{row['ratio']:7.3f}")
+    return "\n".join(lines)
+
+
+def format_engine_table(result: dict[str, Any]) -> str:
+    if "skipped" in result:
+        return f"end to end: skipped: {result['skipped']}"
+    base, lora = result["base"], result["lora"]
+    rows = [("offline workload (output tok/s)", base["offline_output_tok_s"], lora["offline_output_tok_s"],
+             "offline_ratio"),
+            ("bs=1 decode step (ms), one adapter", base["bs1_step_ms"], lora["bs1_step_ms"], "bs1_step_ratio"),
+            ("bs=32 decode step (ms), 32 adapters", base["bs32_step_ms"], lora["bs32_step_ms"], "bs32_step_ratio")]
+    lines = [f"end to end: base model vs adapters (offline spread over {result['spread_over_adapters']})",
+             f"{'metric':38s} {'base':>10s} {'lora':>10s} {'ratio':>7s}  target"]
+    for label, base_value, lora_value, key in rows:
+        sign, bound = TARGETS[key]
+        met = result[key] >= bound if sign == ">=" else result[key] <= bound
+        lines.append(f"{label:38s} {base_value:10.2f} {lora_value:10.2f} {result[key]:7.3f}  {sign} {bound:.2f} "
+                     f"{'ok' if met else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
+    from treadle.bench.lora_engine import lora_api_missing, run_engine_side, write_adapters
+    from treadle.bench.shapes import MODEL_SHAPES, write_config
+    from treadle.bench.workloads import build_workload, parse_len_range, usable_token_ids
+
+    missing = lora_api_missing()
+    if missing:
+        print(f"end to end: skipped: {missing}", file=sys.stderr)
+        return {"skipped": missing}
+    shape = MODEL_SHAPES[args.shape]
+    work = Path(args.adapters_dir) if args.adapters_dir else Path(tempfile.mkdtemp(prefix="treadle-lora-bench-"))
+    model_dir = work / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_config(model_dir, shape)
+    print(f"writing {NUM_ADAPTERS} rank-{args.rank} adapters under {work} ...", flush=True)
+    paths = write_adapters(work / "adapters", shape, NUM_ADAPTERS, args.rank)
+    base = {"model.path": str(model_dir), "model.load_format": "dummy", "model.dtype": "bfloat16",
+            "model.device": "cuda", **dict(item.split("=", 1) for item in args.set)}
+    lora = {"lora.paths": paths, "lora.max_loras_per_batch": NUM_ADAPTERS, "lora.max_rank": args.rank,
+            "lora.backend": args.backend}
+    workload = build_workload("random", args.num_prompts, usable_token_ids(shape["vocab_size"]), seed=args.seed,
+                              input_len=parse_len_range(args.input_len), output_len=parse_len_range(args.output_len))
+    result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens)
+    result["workload"] = workload.summary()
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle bench lora",
+                                     description="LoRA adapters' cost: kernels vs base projections, engine vs base.")
+    parser.add_argument("--part", choices=["kernels", "engine", "all"], default="all")
+    parser.add_argument("--backend", default="triton", help="the lora_backends plugin to time")
+    parser.add_argument("--rank", type=int, default=16, help="every adapter's rank (and lora.max_rank)")
+    parser.add_argument("--shape", default="llama-3.1-8b", help="engine part: a bench/shapes.py MODEL_SHAPES entry")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", default="16:600")
+    parser.add_argument("--output-len", default="16:400")
+    parser.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    parser.add_argument("--spread", type=int, default=16, help="offline requests go round-robin to this many adapters")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs of calls per decode-step measurement")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="new tokens of a decode-step call")
+    parser.add_argument("--adapters-dir", help="where to write the model config and adapters (default: a temp folder)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="engine part: override a config key of both engines (repeatable)")
+    parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

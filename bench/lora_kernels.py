@@ -1,0 +1,138 @@
+"""The kernel half of ``treadle bench lora``: the LoRA deltas of all seven projections of Llama-3.1-8B's 32 layers
+against the base projections' matmuls, each replayed from one CUDA graph (device time, no launch gaps).
+
+Per case (tokens, adapters) three graphs run the 32 layers' linear work: the base matmuls alone (the fused
+``qkv``, ``o``, ``gate_up`` and ``down`` weights, cuBLAS), the LoRA deltas alone (for each of the seven projections
+a shrink and an expand into the column slice of its fused output, the way a fused layer calls a backend), and
+both. Every layer has its own weights and its own stacked adapters, so a step reads them from memory as a decode
+step does, not from L2. The ratio ``(base + LoRA) / base`` is what the deltas add to the linear layers' time;
+the whole decode step (attention, norms, sampling) is the end-to-end half's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# Llama-3.1-8B: (in, out) of each projection, and the fused weights the base model runs.
+PROJECTIONS = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
+               "gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_proj": (14336, 4096)}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"),
+         "down_proj": ("down_proj",)}
+NUM_LAYERS = 32
+
+
+@dataclass
+class KernelCase:
+    """One measured configuration: ``tokens`` tokens, ``adapters`` distinct adapters spread over them (in runs of
+    consecutive tokens, as requests lie in a batch)."""
+
+    label: str
+    tokens: int
+    adapters: int
+
+
+CASES = (KernelCase("bs=1 decode, one adapter", 1, 1), KernelCase("bs=32 decode, 32 adapters", 32, 32),
+         KernelCase("bs=256 decode, 16 adapters", 256, 16), KernelCase("8192-token prefill, 16 adapters", 8192, 16))
+
+
+def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...] = CASES,
+                     replays: int = 20) -> list[dict[str, Any]]:
+    """Each case's base, LoRA and combined device milliseconds per 32-layer step, and the ratio."""
+    from treadle.core.registry import build_registry
+
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    max_slots = max(case.adapters for case in cases)
+    backend = build_registry().get("lora_backends", backend_name)(max_slots, rank, device, dtype)
+    layers = [_Layer(max_slots, rank, dtype, device, seed=i) for i in range(NUM_LAYERS)]
+    results = []
+    for case in cases:
+        base_s, lora_s, both_s = _case_seconds(layers, _Inputs(case, layers[0], max_slots, rank, dtype, device),
+                                               backend, replays)
+        results.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "rank": rank,
+                        "backend": backend_name, "base_ms": 1e3 * base_s, "lora_ms": 1e3 * lora_s,
+                        "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s})
+        print(f"{case.label}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, both {1e3 * both_s:.3f} ms",
+              flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any, replays: int) -> tuple[float, float, float]:
+    """Seconds per 32-layer step of the base matmuls, the LoRA deltas, and both."""
+    return (_graph_seconds(lambda: _base(layers, inputs), replays),
+            _graph_seconds(lambda: _lora(layers, inputs, backend), replays),
+            _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays))
+
+
+class _Layer:
+    """One decoder layer's fused base weights and, per projection, adapters stacked into slots (``a`` [slots, R,
+    in], ``b`` [slots, out, R]; small random values, every slot of rank ``rank``)."""
+
+    def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.weights = {}
+        for fused, parts in FUSED.items():
+            in_features = PROJECTIONS[parts[0]][0]
+            out_features = sum(PROJECTIONS[p][1] for p in parts)
+            self.weights[fused] = (torch.randn(out_features, in_features, device=device, generator=gen,
+                                               dtype=dtype) * 0.02)
+        self.adapters = {}
+        for name, (in_features, out_features) in PROJECTIONS.items():
+            a = torch.randn(slots, rank, in_features, device=device, generator=gen, dtype=dtype) * 0.02
+            b = torch.randn(slots, out_features, rank, device=device, generator=gen, dtype=dtype) * 0.02
+            self.adapters[name] = (a, b)
+
+
+class _Inputs:
+    """A case's activations and fused outputs (shared by the layers: their values do not matter) and its
+    adapter ids, scalings and ranks."""
+
+    def __init__(self, case: KernelCase, layer: _Layer, slots: int, rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.x = {fused: torch.randn(case.tokens, weight.shape[1], device=device, dtype=dtype)
+                  for fused, weight in layer.weights.items()}
+        self.out = {fused: torch.empty(case.tokens, weight.shape[0], device=device, dtype=dtype)
+                    for fused, weight in layer.weights.items()}
+        run = -(-case.tokens // case.adapters)
+        self.adapter_ids = (torch.arange(case.tokens, device=device) // run).to(torch.int64)
+        self.scalings = torch.full((slots,), 2.0, device=device)
+        self.ranks = torch.full((slots,), rank, dtype=torch.int32, device=device)
+
+
+def _base(layers: list[_Layer], inputs: _Inputs) -> None:
+    for layer in layers:
+        for fused, weight in layer.weights.items():
+            torch.mm(inputs.x[fused], weight.t(), out=inputs.out[fused])
+
+
+def _lora(layers: list[_Layer], inputs: _Inputs, backend: Any) -> None:
+    for layer in layers:
+        for fused, parts in FUSED.items():
+            x, out, start = inputs.x[fused], inputs.out[fused], 0
+            for name in parts:
+                a, b = layer.adapters[name]
+                width = PROJECTIONS[name][1]
+                h = backend.shrink(x, a, inputs.adapter_ids, inputs.scalings, inputs.ranks)
+                backend.expand(h, b, inputs.adapter_ids, inputs.ranks, out[:, start:start + width])
+                start += width
+
+
+def _graph_seconds(step: Callable[[], Any], replays: int) -> float:
+    """Device seconds of one ``step`` replayed from a CUDA graph (compiled and warmed up outside the capture)."""
+    from treadle.core.execution.cuda_graph import replay_seconds
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seconds = replay_seconds(graph, replays)
+    del graph
+    return seconds

@@ -1,0 +1,60 @@
+"""The ``triton`` LoRA backend: treadle's Triton shrink and expand kernels (kernels/lora.py) for batches whose tokens
+use different adapters of different ranks, decode (one token per program, gathered through its slot) and prefill
+(tensor-core tiles over blocks of tokens that share an adapter) alike.
+
+Registered even where Triton is missing (so ``treadle plugins`` lists it); building it there fails with the
+install hint. Triton is imported only when the backend is built.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from treadle.core.hookspecs import Register, hookimpl
+from treadle.core.lora.backend import LoRABackend
+
+
+class TritonLoRABackend(LoRABackend):
+    """Shrink and expand as Triton kernels on a CUDA device (or the CPU under ``TRITON_INTERPRET=1``, for tests);
+    the contract is :class:`~treadle.core.lora.backend.LoRABackend`'s."""
+
+    def __init__(self, max_slots: int, max_rank: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not _interpreting():
+            raise RuntimeError(
+                f"the triton LoRA backend runs on a CUDA device, not '{self.device}'; use lora.backend: torch there "
+                "(or set TRITON_INTERPRET=1 to run the kernels slowly on the CPU for testing)"
+            )
+        self.max_slots, self.max_rank, self.dtype = max_slots, max_rank, dtype
+        self._kernels = _import_kernels()
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
+               ranks: torch.Tensor) -> torch.Tensor:
+        return self._kernels.shrink(x, a, adapter_ids, scalings, ranks)
+
+    def expand(self, h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: torch.Tensor,
+               out: torch.Tensor) -> None:
+        self._kernels.expand(h, b, adapter_ids, ranks, out)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _import_kernels() -> Any:
+    try:
+        from treadle.kernels import lora
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the triton LoRA backend needs Triton, which could not be imported ({exc}); "
+            "pip install triton  (or: pip install 'treadle[triton]')"
+        ) from exc
+    return lora
+
+
+@hookimpl
+def treadle_register_lora_backends(register: Register) -> None:
+    register("triton", TritonLoRABackend)

@@ -1,0 +1,184 @@
+"""``check_lora_backend``: does a LoRA backend add each token's adapter delta the way treadle relies on?"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from treadle.core.execution.batch_context import NO_ADAPTER
+from treadle.core.lora.backend import LoRABackend
+
+LoRABackendFactory = Callable[[int, int, "torch.device | str", torch.dtype], LoRABackend]
+
+# Slots of the check's adapters and their ranks (the last slot unused); max_rank pads them.
+_RANKS = (16, 8, 3, 1)
+_MAX_RANK = 16
+_IN_FEATURES = 80  # not a power of two: kernels must mask the tail
+_OUT_FEATURES = 48
+
+
+def check_lora_backend(
+    backend: str | LoRABackendFactory,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    token_counts: tuple[int, ...] = (1, 5, 33, 70, 300),
+    seed: int = 0,
+) -> None:
+    """Assert that a LoRA backend (a registered name, or a ``factory(max_slots, max_rank, device, dtype)``)
+    computes core/lora/backend.py's arithmetic.
+
+    Checked for each number of tokens in ``token_counts`` (batches of decode tokens with one adapter each and of
+    prefill-like runs of tokens sharing one, both with tokens without an adapter), against float64 arithmetic on
+    the same inputs, within the dtype's rounding, on adapters of mixed ranks zero-padded to ``max_rank``:
+
+    - ``shrink`` returns ``[T, max_rank]`` in ``x``'s dtype: ``scalings[s] * x[t] @ a[s].T``, rows of
+      ``NO_ADAPTER`` tokens exactly zero; it modifies none of its inputs;
+    - ``expand`` adds ``h[t] @ b[s].T`` into ``out``, also when ``out`` is a strided column slice of a wider
+      tensor: rows of ``NO_ADAPTER`` tokens and the columns outside the slice are left bit for bit;
+    - a batch where no token has an adapter adds nothing;
+    - on a CUDA device: shrink and expand captured in a CUDA graph and replayed with other adapter ids (and other
+      inputs) give what they give eagerly.
+
+    Raises AssertionError naming the broken rule.
+    """
+    factory = _resolve(backend)
+    name = backend if isinstance(backend, str) else getattr(factory, "__name__", repr(factory))
+    built = factory(len(_RANKS), _MAX_RANK, torch.device(device), dtype)
+    _expect(isinstance(built, LoRABackend), f"{name} built a {type(built).__name__}, not a LoRABackend")
+    generator = torch.Generator().manual_seed(seed)
+    weights = _LoRAWeights(generator, torch.device(device), dtype)
+    for num_tokens in token_counts:
+        for layout in ("decode", "prefill"):
+            ids = _adapter_ids(num_tokens, layout, generator).to(device)
+            _check_batch(built, weights, ids, f"{name} ({dtype}, {num_tokens} tokens, {layout} ids)", generator)
+    nobody = torch.full((max(token_counts),), NO_ADAPTER, dtype=torch.int64, device=device)
+    _check_batch(built, weights, nobody, f"{name} ({dtype}, no token with an adapter)", generator)
+    if torch.device(device).type == "cuda":
+        _check_graph_replay(built, weights, max(token_counts), f"{name} ({dtype}, CUDA graph)", generator)
+
+
+class _LoRAWeights:
+    """Random stacked adapters: ``a`` [slots, R, in], ``b`` [slots, out, R], zero past each slot's rank."""
+
+    def __init__(self, generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> None:
+        slots = len(_RANKS)
+        a = torch.randn(slots, _MAX_RANK, _IN_FEATURES, generator=generator) / _IN_FEATURES ** 0.5
+        b = torch.randn(slots, _OUT_FEATURES, _MAX_RANK, generator=generator) / 4
+        for slot, rank in enumerate(_RANKS):
+            a[slot, rank:] = 0
+            b[slot, :, rank:] = 0
+        self.a, self.b = a.to(device, dtype), b.to(device, dtype)
+        self.scalings = torch.tensor([2.0, 0.5, 1.25, 4.0], device=device)
+        self.ranks = torch.tensor(_RANKS, dtype=torch.int32, device=device)
+        self.dtype, self.device = dtype, device
+        self.tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+
+    def random(self, *shape: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(self.device, self.dtype)
+
+
+def _check_batch(backend: LoRABackend, weights: _LoRAWeights, ids: torch.Tensor, where: str,
+                 generator: torch.Generator) -> None:
+    num_tokens = ids.shape[0]
+    x = weights.random(num_tokens, _IN_FEATURES, generator=generator)
+    x_before, ids_before = x.clone(), ids.clone()
+    h = backend.shrink(x, weights.a, ids, weights.scalings, weights.ranks)
+    _expect(tuple(h.shape) == (num_tokens, _MAX_RANK) and h.dtype == weights.dtype,
+            f"{where}: shrink returned {tuple(h.shape)} {h.dtype}, expected ({num_tokens}, {_MAX_RANK}) {weights.dtype}")
+    _expect(torch.equal(x, x_before) and torch.equal(ids, ids_before), f"{where}: shrink modified its inputs")
+    none = ids == NO_ADAPTER
+    _expect(bool((h[none] == 0).all()), f"{where}: shrink's rows of tokens without an adapter are not zero")
+    _expect_close(h, _reference_shrink(x, weights, ids), weights.tolerance, f"{where}: shrink")
+
+    h_in = weights.random(num_tokens, _MAX_RANK, generator=generator)
+    for wide_columns, start in ((_OUT_FEATURES, 0), (3 * _OUT_FEATURES + 5, _OUT_FEATURES + 3)):
+        wide = weights.random(num_tokens, wide_columns, generator=generator)
+        before = wide.clone()
+        out = wide[:, start:start + _OUT_FEATURES]
+        backend.expand(h_in, weights.b, ids, weights.ranks, out)
+        kind = "a contiguous out" if wide_columns == _OUT_FEATURES else "a strided column slice"
+        outside = torch.ones(wide_columns, dtype=torch.bool, device=wide.device)
+        outside[start:start + _OUT_FEATURES] = False
+        _expect(torch.equal(wide[:, outside], before[:, outside]),
+                f"{where}: expand into {kind} wrote columns outside the slice")
+        _expect(torch.equal(wide[none], before[none]),
+                f"{where}: expand into {kind} changed rows of tokens without an adapter")
+        expected = _reference_expand(h_in, weights, ids, before[:, start:start + _OUT_FEATURES])
+        _expect_close(out, expected, weights.tolerance, f"{where}: expand into {kind}")
+
+
+def _check_graph_replay(backend: LoRABackend, weights: _LoRAWeights, num_tokens: int, where: str,
+                        generator: torch.Generator) -> None:
+    x = weights.random(num_tokens, _IN_FEATURES, generator=generator)
+    ids = _adapter_ids(num_tokens, "decode", generator).to(weights.device)
+    out = torch.zeros(num_tokens, _OUT_FEATURES, dtype=weights.dtype, device=weights.device)
+
+    def step() -> None:
+        out.zero_()
+        backend.expand(backend.shrink(x, weights.a, ids, weights.scalings, weights.ranks), weights.b, ids,
+                       weights.ranks, out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for layout in ("prefill", "decode"):
+        ids.copy_(_adapter_ids(num_tokens, layout, generator))
+        x.copy_(weights.random(num_tokens, _IN_FEATURES, generator=generator))
+        graph.replay()
+        replayed = out.clone()
+        step()
+        _expect(torch.equal(replayed, out), f"{where}: a replay with {layout} ids differs from the eager call")
+
+
+def _adapter_ids(num_tokens: int, layout: str, generator: torch.Generator) -> torch.Tensor:
+    """Every token its own random slot (or none), or runs of random lengths sharing one, as a prefill batch's
+    requests; the last slot is never used."""
+    if layout == "decode":
+        return torch.randint(-1, len(_RANKS) - 1, (num_tokens,), generator=generator)
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        run = int(torch.randint(1, 40, (1,), generator=generator))
+        ids += [int(torch.randint(-1, len(_RANKS) - 1, (1,), generator=generator))] * run
+    return torch.tensor(ids[:num_tokens], dtype=torch.int64)
+
+
+def _reference_shrink(x: torch.Tensor, weights: _LoRAWeights, ids: torch.Tensor) -> torch.Tensor:
+    slots = ids.clamp(min=0).cpu()
+    a, scalings = weights.a.cpu().double()[slots], weights.scalings.cpu().double()[slots]
+    h = torch.einsum("ti,tri->tr", x.cpu().double(), a) * scalings[:, None]
+    return h * (ids.cpu() != NO_ADAPTER).unsqueeze(-1)
+
+
+def _reference_expand(h: torch.Tensor, weights: _LoRAWeights, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    b = weights.b.cpu().double()[ids.clamp(min=0).cpu()]
+    delta = torch.einsum("tr,tor->to", h.cpu().double(), b) * (ids.cpu() != NO_ADAPTER).unsqueeze(-1)
+    return out.cpu().double() + delta
+
+
+def _expect_close(got: torch.Tensor, expected: torch.Tensor, tolerance: float, where: str) -> None:
+    error = (got.cpu().double() - expected).abs()
+    allowed = tolerance * (1 + expected.abs())
+    worst = int((error - allowed).flatten().argmax()) if error.numel() else 0
+    _expect(bool((error <= allowed).all()),
+            f"{where}: differs from the reference arithmetic by {error.max().item():.3g} at element {worst} "
+            f"(allowed {tolerance:g} x (1 + |expected|))")
+
+
+def _resolve(backend: str | LoRABackendFactory) -> LoRABackendFactory:
+    if not isinstance(backend, str):
+        return backend
+    from treadle.core.registry import build_registry
+
+    return build_registry().get("lora_backends", backend)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

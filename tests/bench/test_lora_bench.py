@@ -1,0 +1,45 @@
+"""``treadle bench lora``'s CPU-checkable parts: the PEFT adapters it writes load into PEFT as written, and its
+tables mark each ratio against its target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.bench.lora import format_engine_table, format_kernel_table
+from treadle.bench.lora_engine import TARGET_MODULES, write_adapters
+from treadle.bench.shapes import TINY
+
+
+def test_written_adapters_load_into_peft_on_all_seven_projections(tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    paths = write_adapters(tmp_path, TINY, count=2, rank=4)
+    assert sorted(paths) == ["adapter00", "adapter01"]
+    config = LlamaConfig(**{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")})
+    model = peft.PeftModel.from_pretrained(LlamaForCausalLM(config), paths["adapter01"])
+    written = load_file(f"{paths['adapter01']}/adapter_model.safetensors")
+    loaded = {name: module for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert {name.rpartition(".")[2] for name in loaded} == set(TARGET_MODULES)
+    assert len(loaded) == len(TARGET_MODULES) * TINY["num_hidden_layers"]
+    for name, module in loaded.items():
+        assert module.r["default"] == 4 and module.scaling["default"] == 2.0
+        # PEFT put the file's values in place (a wrong tensor name would leave its random initialisation)
+        a = written[f"{name}.lora_A.weight"]
+        assert torch.equal(module.lora_A["default"].weight.to(a.dtype), a)
+
+
+def test_tables_mark_each_ratio_against_its_target() -> None:
+    kernels = format_kernel_table([{"case": "bs=1 decode, one adapter", "backend": "triton", "rank": 16,
+                                    "base_ms": 4.0, "lora_ms": 0.3, "base_plus_lora_ms": 4.2, "ratio": 1.05}])
+    assert "bs=1 decode, one adapter" in kernels and "1.050" in kernels
+    result = {"spread_over_adapters": 16, "offline_ratio": 0.9, "bs1_step_ratio": 1.2, "bs32_step_ratio": 1.1,
+              "base": {"offline_output_tok_s": 1000.0, "bs1_step_ms": 5.0, "bs32_step_ms": 8.0},
+              "lora": {"offline_output_tok_s": 900.0, "bs1_step_ms": 6.0, "bs32_step_ms": 8.8}}
+    lines = format_engine_table(result).splitlines()
+    offline, bs1, bs32 = (next(line for line in lines if line.startswith(prefix))
+                          for prefix in ("offline", "bs=1", "bs=32"))
+    assert offline.endswith(">= 0.85 ok") and bs1.endswith("<= 1.10 MISSED") and bs32.endswith("<= 1.25 ok")
+    assert format_engine_table({"skipped": "no lora config"}) == "end to end: skipped: no lora config"

@@ -1,0 +1,57 @@
+"""The engine with the `triton` LoRA backend, its kernels run by Triton's interpreter on the CPU: adapters of two
+ranks and the base model mixed in one batch give HF transformers + PEFT's tokens.
+
+Triton decides interpret-or-compile when first imported, so the engine runs in a fresh subprocess (this file as a
+script, TRITON_INTERPRET=1) that prints its outputs; the test compares them with PEFT's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+
+PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11, 7, 64, 31, 2], [300, 301, 9]]
+NAMES = ["r8", None, "r32", "r32"]
+NEW_TOKENS = 5
+MARKER = "LORA_ENGINE_JSON="
+
+
+def run_engine(base: str, adapters: dict[str, str]) -> list[list[int]]:
+    from treadle import Engine
+
+    config = {"model": {"path": base, "device": "cpu", "dtype": "float32"}, "cache": {"max_total_tokens": 512},
+              "lora": {"paths": adapters, "backend": "triton", "max_rank": 32},
+              "plugins": ["treadle.plugins.lora_backends.triton"]}
+    with Engine(config) as engine:
+        outputs = engine.generate(input_ids=[PROMPTS[i % 2] for i in range(len(NAMES))], lora_path=NAMES,
+                                  sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
+                                                   "ignore_eos": True})
+        return [o.token_ids for o in outputs]
+
+
+@pytest.mark.slow
+def test_triton_backend_in_the_engine_matches_peft(tiny_llama_dir, tmp_path):
+    pytest.importorskip("triton")
+    from peft_adapters import ALL_PROJECTIONS, make_peft_adapter, peft_greedy  # tests/ is on the path under pytest
+
+    adapters = {"r8": make_peft_adapter(tiny_llama_dir, tmp_path / "r8", rank=8, targets=ALL_PROJECTIONS),
+                "r32": make_peft_adapter(tiny_llama_dir, tmp_path / "r32", rank=32, seed=4, std=0.05)}
+    expected = {name: peft_greedy(tiny_llama_dir, path, PROMPTS, NEW_TOKENS) for name, path in adapters.items()}
+    expected[None] = peft_greedy(tiny_llama_dir, None, PROMPTS, NEW_TOKENS)
+    result = subprocess.run([sys.executable, __file__, tiny_llama_dir, json.dumps(adapters)], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    lines = [line for line in result.stdout.splitlines() if line.startswith(MARKER)]
+    assert lines, result.stdout[-2000:] + result.stderr[-4000:]
+    outputs = json.loads(lines[-1].removeprefix(MARKER))
+    assert outputs == [expected[name][i % 2] for i, name in enumerate(NAMES)]
+
+
+if __name__ == "__main__":
+    print(MARKER + json.dumps(run_engine(sys.argv[1], json.loads(sys.argv[2]))))

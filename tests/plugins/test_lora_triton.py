@@ -1,0 +1,209 @@
+"""The `triton` LoRA backend's kernels against plain torch arithmetic, on the CPU under Triton's interpreter.
+
+Triton decides interpret-or-compile when it is first imported (see test_triton_backend.py), so the kernel
+checks run in one fresh subprocess — this file run as a script with TRITON_INTERPRET=1 — and each test asserts
+on its scenario's result. Checks that launch no kernel run in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+RESULT_MARKER = "LORA_CHECKS_JSON="
+NO_ADAPTER = -1
+
+
+def reference_shrink(x, a, ids, scalings, ranks) -> torch.Tensor:
+    """Token by token in float64: ``scalings[s] * x[t] @ a[s, :rank].T``, zero past the rank and for no adapter."""
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    for t, slot in enumerate(ids.tolist()):
+        if slot != NO_ADAPTER:
+            rank = int(ranks[slot])
+            h[t, :rank] = float(scalings[slot]) * (x[t].double() @ a[slot, :rank].double().T)
+    return h
+
+
+def reference_expand(h, b, ids, ranks, out) -> torch.Tensor:
+    """``out[t] + h[t, :rank] @ b[s, :, :rank].T`` in float64, rows without an adapter as they were."""
+    result = out.double().clone()
+    for t, slot in enumerate(ids.tolist()):
+        if slot != NO_ADAPTER:
+            rank = int(ranks[slot])
+            result[t] += h[t, :rank].double() @ b[slot, :, :rank].double().T
+    return result
+
+
+def make_case(num_tokens: int, dtype: torch.dtype, ranks: list[int], max_rank: int, in_features: int,
+              out_features: int, layout: str, seed: int):
+    """Stacked adapters zero past their ranks, and ids: ``decode`` (each token a random slot or none) or
+    ``prefill`` (runs of 1-50 tokens sharing one)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = len(ranks)
+    a = torch.randn(slots, max_rank, in_features, generator=gen) / in_features ** 0.5
+    b = torch.randn(slots, out_features, max_rank, generator=gen) / max_rank ** 0.5
+    for slot, rank in enumerate(ranks):
+        a[slot, rank:] = 0
+        b[slot, :, rank:] = 0
+    if layout == "decode":
+        ids = torch.randint(-1, slots, (num_tokens,), generator=gen)
+    else:
+        runs = []
+        while sum(len(r) for r in runs) < num_tokens:
+            runs.append([int(torch.randint(-1, slots, (1,), generator=gen))] * int(torch.randint(1, 51, (1,),
+                                                                                               generator=gen)))
+        ids = torch.tensor([slot for run in runs for slot in run][:num_tokens])
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    scalings = torch.rand(slots, generator=gen) * 2 + 0.25
+    return x.to(dtype), a.to(dtype), b.to(dtype), ids, scalings, torch.tensor(ranks, dtype=torch.int32)
+
+
+# Scenario -> (tokens, dtype, ranks, max_rank, in, out, layout). Up to 64 tokens run the gather kernels, more the
+# segmented tiles (16-row blocks up to 256 tokens, 32 up to 1024).
+SCENARIOS = {
+    "one_token_fp32": (1, torch.float32, [16, 8, 3, 1], 16, 80, 48, "decode"),
+    "one_token_bf16": (1, torch.bfloat16, [16, 8, 3, 1], 16, 80, 48, "decode"),
+    "decode_64_mixed_ranks_fp32": (64, torch.float32, [16, 8, 3, 1, 12], 16, 96, 40, "decode"),
+    "decode_64_bf16": (64, torch.bfloat16, [16, 8, 3, 1, 12], 16, 96, 40, "decode"),
+    "segmented_65_decode_ids_fp32": (65, torch.float32, [16, 8, 3, 1], 16, 80, 48, "decode"),
+    "segmented_200_prefill_ids_fp32": (200, torch.float32, [16, 8, 3, 1], 16, 80, 48, "prefill"),
+    "segmented_200_prefill_ids_bf16": (200, torch.bfloat16, [16, 8, 3, 1], 16, 80, 48, "prefill"),
+    "segmented_300_32_row_blocks_fp32": (300, torch.float32, [16, 8, 3, 1], 16, 80, 48, "prefill"),
+    # max_rank above one rank tile (64): the shrink's rank blocks and the expand's loop over rank tiles
+    "wide_rank_gather_fp32": (9, torch.float32, [128, 100, 64, 7], 128, 40, 24, "decode"),
+    "wide_rank_segmented_fp32": (90, torch.float32, [128, 100, 64, 7], 128, 40, 24, "prefill"),
+}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def run_scenario(name: str) -> dict:
+    from treadle.kernels import lora
+
+    num_tokens, dtype, ranks, max_rank, in_features, out_features, layout = SCENARIOS[name]
+    x, a, b, ids, scalings, rank_tensor = make_case(num_tokens, dtype, ranks, max_rank, in_features, out_features,
+                                                    layout, seed=len(name))
+    h = lora.shrink(x, a, ids, scalings, rank_tensor)
+    expected_h = reference_shrink(x, a, ids, scalings, rank_tensor)
+    # The expand adds into the middle columns of a wider tensor, and into every other column of one.
+    wide = torch.randn(num_tokens, 2 * out_features + 7).to(dtype)
+    before = wide.clone()
+    lora.expand(h, b, ids, rank_tensor, wide[:, 3:3 + out_features])
+    expected_out = reference_expand(h, b, ids, rank_tensor, before[:, 3:3 + out_features])
+    spaced = torch.randn(num_tokens, 2 * out_features).to(dtype)
+    spaced_before = spaced.clone()
+    lora.expand(h, b, ids, rank_tensor, spaced[:, ::2])
+    outside = torch.ones(wide.shape[1], dtype=torch.bool)
+    outside[3:3 + out_features] = False
+    none = ids == NO_ADAPTER
+    return {
+        "shrink_error": _relative_error(h, expected_h),
+        "shrink_dtype": str(h.dtype), "shrink_shape": list(h.shape),
+        "no_adapter_rows_zero": bool((h[none] == 0).all()),
+        "expand_error": _relative_error(wide[:, 3:3 + out_features], expected_out),
+        "spaced_error": _relative_error(spaced[:, ::2],
+                                        reference_expand(h, b, ids, rank_tensor, spaced_before[:, ::2])),
+        "outside_untouched": torch.equal(wide[:, outside], before[:, outside])
+        and torch.equal(spaced[:, 1::2], spaced_before[:, 1::2]),
+        "no_adapter_rows_untouched": torch.equal(wide[none], before[none]),
+        "tolerance": TOLERANCE[dtype],
+    }
+
+
+def run_conformance(dtype_name: str) -> dict:
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+    from treadle.testing import check_lora_backend
+
+    check_lora_backend(TritonLoRABackend, "cpu", getattr(torch, dtype_name))
+    return {"passed": True}
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((got.double() - expected).abs() / (1 + expected.abs())).max()) if got.numel() else 0.0
+
+
+def _run_all() -> dict:
+    results = {}
+    jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
+            **{f"conformance_{d}": (run_conformance, d) for d in ("float32", "bfloat16")}}
+    for key, (function, argument) in jobs.items():
+        try:
+            results[key] = function(argument)
+        except Exception:  # reported per scenario, so one failure does not hide the others
+            results[key] = {"traceback": traceback.format_exc()}
+    return results
+
+
+if __name__ == "__main__":
+    print(RESULT_MARKER + json.dumps(_run_all()))
+    sys.exit(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, dict]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    assert proc.returncode == 0 and lines, f"kernel subprocess failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len(RESULT_MARKER):])
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_kernels_match_reference(name: str, interpreted_results: dict[str, dict]) -> None:
+    result = interpreted_results[name]
+    assert "traceback" not in result, result.get("traceback")
+    num_tokens, dtype, _, max_rank, *_ = SCENARIOS[name]
+    assert result["shrink_shape"] == [num_tokens, max_rank] and result["shrink_dtype"] == str(dtype)
+    assert result["no_adapter_rows_zero"], "shrink wrote something into rows of tokens without an adapter"
+    assert result["shrink_error"] <= result["tolerance"], f"shrink: relative error {result['shrink_error']}"
+    assert result["expand_error"] <= result["tolerance"], f"expand: relative error {result['expand_error']}"
+    assert result["spaced_error"] <= result["tolerance"], f"strided expand: relative error {result['spaced_error']}"
+    assert result["outside_untouched"], "expand wrote columns outside the out slice"
+    assert result["no_adapter_rows_untouched"], "expand changed rows of tokens without an adapter"
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_backend_passes_conformance_kit(dtype_name: str, interpreted_results: dict[str, dict]) -> None:
+    result = interpreted_results[f"conformance_{dtype_name}"]
+    assert result.get("passed"), result.get("traceback")
+
+
+def test_registered_as_triton() -> None:
+    from treadle.core.registry import build_registry
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    registry = build_registry(["treadle.plugins.lora_backends.triton"], load_entry_points=False)
+    assert registry.get("lora_backends", "triton") is TritonLoRABackend
+
+
+def test_cpu_without_interpreter_is_refused_with_alternative(monkeypatch: pytest.MonkeyPatch) -> None:
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="lora.backend: torch"):
+        TritonLoRABackend(4, 16, "cpu", torch.bfloat16)
+
+
+def test_missing_triton_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import treadle.kernels as kernels
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check; nothing is imported or launched
+    monkeypatch.setitem(sys.modules, "treadle.kernels.lora", None)
+    monkeypatch.delattr(kernels, "lora", raising=False)
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        TritonLoRABackend(4, 16, "cpu", torch.bfloat16)
