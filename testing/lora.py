@@ -23,13 +23,13 @@ def check_lora_backend(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     *,
-    token_counts: tuple[int, ...] = (1, 5, 33, 70, 300),
+    token_counts: tuple[int, ...] = (1, 5, 33, 70, 300, 1100),
     seed: int = 0,
 ) -> None:
     """Assert that a LoRA backend (a registered name, or a ``factory(max_slots, max_rank, device, dtype)``)
     computes core/lora/backend.py's arithmetic.
 
-    Checked for each number of tokens in ``token_counts`` (batches of decode tokens with one adapter each and of
+    Checked for each number of tokens in ``token_counts`` (decode- to prefill-sized batches of decode tokens with one adapter each and of
     prefill-like runs of tokens sharing one, both with tokens without an adapter), against float64 arithmetic on
     the same inputs, within the dtype's rounding, on adapters of mixed ranks zero-padded to ``max_rank``:
 
