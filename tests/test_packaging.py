@@ -28,5 +28,6 @@ def test_wheel_contains_every_package_and_entry_point(tmp_path):
     assert "treadle = treadle.cli:main" in entry_points
     for module in ("treadle.plugins.attention.torch_native", "treadle.plugins.schedulers.policies",
                    "treadle.plugins.kv_allocators.paged", "treadle.plugins.models.llama",
-                   "treadle.plugins.grammar.xgrammar_backend", "treadle.plugins.grammar.llguidance_backend"):
+                   "treadle.plugins.grammar.xgrammar_backend", "treadle.plugins.grammar.llguidance_backend",
+                   "treadle.plugins.lora_backends.triton"):
         assert module in entry_points
