@@ -56,7 +56,9 @@ def check_lora_backend(
     nobody = torch.full((max(token_counts),), NO_ADAPTER, dtype=torch.int64, device=device)
     _check_batch(built, weights, nobody, f"{name} ({dtype}, no token with an adapter)", generator)
     if torch.device(device).type == "cuda":
-        _check_graph_replay(built, weights, max(token_counts), f"{name} ({dtype}, CUDA graph)", generator)
+        for num_tokens in token_counts:
+            _check_graph_replay(built, weights, num_tokens, f"{name} ({dtype}, CUDA graph of {num_tokens} tokens)",
+                                generator)
 
 
 class _LoRAWeights:
