@@ -91,7 +91,6 @@ def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: t
         return
     common = (h, b, adapter_ids, ranks, out, num_tokens, out_features, rank_dim,
               h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1))
-    block_r = max(16, min(64, triton.next_power_of_2(rank_dim)))
     if num_tokens <= GATHER_MAX_TOKENS:
         block_r = max(2, triton.next_power_of_2(rank_dim))
         block_n = max(16, min(triton.next_power_of_2(out_features), _GATHER_TILE // block_r))
@@ -99,17 +98,17 @@ def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: t
         pdl = pdl_enabled(h.device)
         _expand_gather_kernel[grid](*common, BLOCK_N=block_n, BLOCK_R=block_r, PDL=pdl, launch_pdl=pdl,
                                     num_warps=_gather_warps(block_r * block_n))
-    elif num_tokens <= GROUPED_MAX_TOKENS and rank_dim <= block_r:
-        block_n = max(16, min(128, triton.next_power_of_2(out_features)))
+        return
+    block_n = max(16, min(128, triton.next_power_of_2(out_features)))
+    tile_r = max(16, min(64, triton.next_power_of_2(rank_dim)))  # a tensor-core tile's ranks
+    if num_tokens <= GROUPED_MAX_TOKENS and rank_dim <= tile_r:
         span = min(_GROUPED_SPAN, max(64, triton.next_power_of_2(num_tokens)))
         grid = (slots, triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, span))
-        _expand_grouped_kernel[grid](*common, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=block_r,
+        _expand_grouped_kernel[grid](*common, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
                                      IEEE=_ieee_dot(h), num_warps=4)
     else:
-        block_m = 64
-        block_n = max(16, min(128, triton.next_power_of_2(out_features)))
-        grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))
-        _expand_segmented_kernel[grid](*common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        grid = (triton.cdiv(num_tokens, 64), triton.cdiv(out_features, block_n))
+        _expand_segmented_kernel[grid](*common, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
                                        IEEE=_ieee_dot(h), num_warps=4, num_stages=2)
 
 
