@@ -26,16 +26,19 @@ NUM_LAYERS = 32
 
 @dataclass
 class KernelCase:
-    """One measured configuration: ``tokens`` tokens, ``adapters`` distinct adapters spread over them (in runs of
-    consecutive tokens, as requests lie in a batch)."""
+    """One measured configuration: ``tokens`` tokens, ``adapters`` distinct adapters spread over them: token ``t``
+    has adapter ``t % adapters`` in a decode batch (requests given adapters round-robin), runs of consecutive
+    tokens in a prefill (each request's tokens together)."""
 
     label: str
     tokens: int
     adapters: int
+    prefill: bool = False
 
 
 CASES = (KernelCase("bs=1 decode, one adapter", 1, 1), KernelCase("bs=32 decode, 32 adapters", 32, 32),
-         KernelCase("bs=256 decode, 16 adapters", 256, 16), KernelCase("8192-token prefill, 16 adapters", 8192, 16))
+         KernelCase("bs=256 decode, 16 adapters", 256, 16),
+         KernelCase("8192-token prefill, 16 adapters", 8192, 16, prefill=True))
 
 
 def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...] = CASES,
@@ -96,8 +99,9 @@ class _Inputs:
                   for fused, weight in layer.weights.items()}
         self.out = {fused: torch.empty(case.tokens, weight.shape[0], device=device, dtype=dtype)
                     for fused, weight in layer.weights.items()}
+        tokens = torch.arange(case.tokens, device=device)
         run = -(-case.tokens // case.adapters)
-        self.adapter_ids = (torch.arange(case.tokens, device=device) // run).to(torch.int64)
+        self.adapter_ids = tokens // run if case.prefill else tokens % case.adapters
         self.scalings = torch.full((slots,), 2.0, device=device)
         self.ranks = torch.full((slots,), rank, dtype=torch.int32, device=device)
 

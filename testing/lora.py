@@ -23,13 +23,13 @@ def check_lora_backend(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     *,
-    token_counts: tuple[int, ...] = (1, 5, 33, 70, 300),
+    token_counts: tuple[int, ...] = (1, 5, 33, 70, 300, 1100),
     seed: int = 0,
 ) -> None:
     """Assert that a LoRA backend (a registered name, or a ``factory(max_slots, max_rank, device, dtype)``)
     computes core/lora/backend.py's arithmetic.
 
-    Checked for each number of tokens in ``token_counts`` (batches of decode tokens with one adapter each and of
+    Checked for each number of tokens in ``token_counts`` (decode- to prefill-sized batches of decode tokens with one adapter each and of
     prefill-like runs of tokens sharing one, both with tokens without an adapter), against float64 arithmetic on
     the same inputs, within the dtype's rounding, on adapters of mixed ranks zero-padded to ``max_rank``:
 
@@ -56,7 +56,9 @@ def check_lora_backend(
     nobody = torch.full((max(token_counts),), NO_ADAPTER, dtype=torch.int64, device=device)
     _check_batch(built, weights, nobody, f"{name} ({dtype}, no token with an adapter)", generator)
     if torch.device(device).type == "cuda":
-        _check_graph_replay(built, weights, max(token_counts), f"{name} ({dtype}, CUDA graph)", generator)
+        for num_tokens in token_counts:
+            _check_graph_replay(built, weights, num_tokens, f"{name} ({dtype}, CUDA graph of {num_tokens} tokens)",
+                                generator)
 
 
 class _LoRAWeights:

@@ -30,5 +30,5 @@ def test_wheel_contains_every_package_and_entry_point(tmp_path):
                    "treadle.plugins.kv_allocators.paged", "treadle.plugins.models.llama",
                    "treadle.plugins.grammar.xgrammar_backend", "treadle.plugins.grammar.llguidance_backend",
                    "treadle.plugins.speculators.ngram", "treadle.plugins.speculators.draft",
-                   "treadle.plugins.speculators.eagle3"):
+                   "treadle.plugins.speculators.eagle3", "treadle.plugins.lora_backends.triton"):
         assert module in entry_points

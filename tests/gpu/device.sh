@@ -18,6 +18,7 @@
 # (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
 # `speculative` runs bench/speculative.py (oracle machinery on Llama-3.1-8B shapes, ngram on SmolLM2).
+# `lora` runs `treadle bench lora` (kernels, then end to end; LORA_ARGS="--part kernels" for the kernels only).
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
 # and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once; SERVING_SAT_PROMPTS=0
 # skips it); SERVING_TAG prefixes its log and result names, for a second server in the same call.
@@ -67,6 +68,11 @@ for stage in "$@"; do
         --set model.path=$model_dir --set model.load_format=dummy --dtype bfloat16 --device cuda \
         --no-progress --output "$OUT/${OFFLINE_NAME:-offline}.json" ${OFFLINE_ARGS:-} 2>&1 \
         | grep -v "Warning\|warn(" | tee "$OUT/${OFFLINE_NAME:-offline}.log" | tail -20 ;;
+    lora)
+      # treadle bench lora: the LoRA kernels vs the base projections, then (once the engine serves adapters) the
+      # base model vs 32 random rank-16 adapters on Llama-3.1-8B shapes; LORA_ARGS adds options (--part kernels).
+      timeout ${LORA_TIMEOUT:-540} python3 -m treadle.bench.lora --output "$OUT/lora.json" ${LORA_ARGS:-} 2>&1 \
+        | grep -v "Warning\|warn(" | tee "$OUT/lora.log" | tail -30 ;;
     serving)
       # treadle serve with the example 8B config (default sizes), then `treadle bench serving` at
       # SERVING_RATE req/s (SERVING_PROMPTS requests) and at saturation (SERVING_SAT_PROMPTS at once).

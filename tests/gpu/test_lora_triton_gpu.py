@@ -74,13 +74,15 @@ def test_conformance_kit(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("projection", list(PROJECTIONS))
-@pytest.mark.parametrize(("num_tokens", "layout"), [(1, "distinct"), (32, "distinct"), (64, "distinct"),
-                                                    (65, "distinct"), (256, "distinct"), (2048, "prefill"),
-                                                    (8192, "prefill")])
-def test_real_shapes_match_torch(projection: str, num_tokens: int, layout: str) -> None:
+@pytest.mark.parametrize(("num_tokens", "layout", "max_rank"), [
+    (1, "distinct", 64), (32, "distinct", 64), (64, "distinct", 64),  # gather
+    (200, "distinct", 16),  # gather shrink (up to 4096 // max_rank tokens), slot-grouped expand
+    (65, "distinct", 64), (600, "distinct", 64),  # segmented shrink, slot-grouped expand
+    (1500, "distinct", 64), (2048, "prefill", 64), (8192, "prefill", 64),  # segmented
+])
+def test_real_shapes_match_torch(projection: str, num_tokens: int, layout: str, max_rank: int) -> None:
     in_features, out_features = PROJECTIONS[projection]
-    max_rank = 64
-    ranks = [16, 64, 8, 32, 1, 16, 48, 16]
+    ranks = [min(rank, max_rank) for rank in (16, 64, 8, 32, 1, 16, 48, 16)]
     a, b, scalings, rank_tensor = _adapters(in_features, out_features, max_rank, ranks, torch.bfloat16, seed=1)
     ids = _ids(num_tokens, layout, seed=num_tokens)
     x = torch.randn(num_tokens, in_features, device="cuda").to(torch.bfloat16)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -368,12 +367,9 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    assert proc.returncode == 0 and lines, f"kernel subprocess failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len(RESULT_MARKER):])
+    from interpreted import interpreted_results as run_interpreted
+
+    return run_interpreted(__file__, RESULT_MARKER)
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "same_as_torch_native"])
