@@ -34,8 +34,10 @@ class ModelConfig(Section):
     served_model_name: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = Field(0, description="seed for dummy weights")
-    quantization: Literal["fp8"] | None = Field(
-        None, description="fp8: quantize linear weights to FP8 at load; FP8 checkpoints are detected without it")
+    quantization: str | None = Field(
+        None, description="a quantization method by name (treadle plugins lists them: fp8, gptq, awq, "
+                          "compressed-tensors); auto or empty: the one the checkpoint's quantization_config names. "
+                          "fp8 on a 16-bit checkpoint quantizes its linear weights at load")
     quantize_lm_head: bool | Literal["auto"] = Field(
         "auto", description="the output projection (lm_head) in FP8 too. auto: whenever the model's weights are FP8 "
                             "on a device that multiplies FP8 and the head's shape allows it; true: the same, an "

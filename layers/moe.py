@@ -85,6 +85,9 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
                 f"unsupported MoE feature in the model config: {key}={getattr(config, key)!r} ({feature}); "
                 "treadle's SparseMoE supports routed experts only"
             )
+    if quant_config is not None and not hasattr(quant_config, "checkpoint_quantized"):
+        raise ValueError(f"quantization method '{getattr(quant_config, 'method', type(quant_config).__name__)}' has "
+                         "no MoE experts in treadle yet; MoE models load with fp8 or 16-bit weights")
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if not num_experts:
         raise ValueError("the model config names no expert count (num_local_experts or num_experts)")
