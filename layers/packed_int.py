@@ -168,7 +168,7 @@ class PackedIntLinearMethod(LinearMethod):
         if layer.input_perm is not None:
             x2 = x2.index_select(1, layer.input_perm)
         kernels = layer.int_kernels
-        y = kernels(x2, layer) if kernels is not None else None
+        y = kernels(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer) if kernels is not None else None
         if y is None:
             y = F.linear(x2, dequantize_layer(layer).to(x.dtype))
         if bias is not None:
@@ -251,9 +251,14 @@ def _gpu_kernels(layer: nn.Module) -> Callable[[torch.Tensor, nn.Module], torch.
 
     if not use_triton(layer.weight):
         return None
-    from treadle.kernels.packed_int import choose_kernels
+    from treadle.kernels.packed_int import plan_kernels
 
-    return choose_kernels(layer)
+    n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
+    sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
+    plan = plan_kernels(n, k, layer.bits, layer.group_size, layer.g_idx is not None, sm_count)
+    if plan is None:
+        return None
+    return lambda x, layer: plan.run(x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.g_idx)
 
 
 def _sharded_loader(layer: "LinearBase", spec: CheckpointTensor) -> Callable[..., None]:
@@ -280,7 +285,7 @@ def _sharded_loader(layer: "LinearBase", spec: CheckpointTensor) -> Callable[...
         else:
             _check(loaded, expected)
         source = source if isinstance(source, torch.Tensor) else source[...]
-        if spec.out_dim is None and shard_id is not None:
+        if spec.out_dim is None and spec.in_dim is not None and shard_id is not None:
             _check_same_for_every_part(layer, spec.name, shard_id, dest, source)
         with torch.no_grad():
             dest.copy_(source.to(dest.dtype) if source.dtype != dest.dtype else source)

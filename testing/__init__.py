@@ -15,6 +15,9 @@
     def test_my_grammar_backend_conforms():
         check_grammar_backend(MyGrammarBackend)
 
+    def test_my_quantization_method_conforms():
+        check_quantization_method(MyMethod, {"quant_method": "mine"}, my_layer_tensors)
+
     def test_my_model_splits_over_ranks():
         check_tensor_parallel(make_my_tiny_checkpoint(tmp_path), tp_size=2,
                               overrides={"plugins": ["my_models"]})
@@ -32,8 +35,8 @@ from treadle.testing.parallel import check_tensor_parallel
 from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
-__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_reasoning_parser",
-           "check_schedule_policy", "check_tensor_parallel", "check_tool_parser"]
+__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_quantization_method",
+           "check_reasoning_parser", "check_schedule_policy", "check_tensor_parallel", "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:
@@ -46,4 +49,8 @@ def __getattr__(name: str) -> Any:
         from treadle.testing.grammar import check_grammar_backend
 
         return check_grammar_backend
+    if name == "check_quantization_method":
+        from treadle.testing.quantization import check_quantization_method
+
+        return check_quantization_method
     raise AttributeError(f"module 'treadle.testing' has no attribute {name!r}")

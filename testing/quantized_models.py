@@ -67,6 +67,16 @@ def make_tiny_quantized(path: str | os.PathLike, method: str, make: Callable[...
     return outputs[0], outputs[1]
 
 
+def quantized_tensors(method: str, weight: torch.Tensor, *, bits: int = 4, group_size: int = 32, sym: bool = True,
+                      act_order: bool = False, fmt: str = "pack-quantized", seed: int = 0
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    """One layer's ``weight`` [N, K] quantized by ``method``: ``(its checkpoint tensors by name, the dequantized
+    weight, the checkpoint's quantization_config)``."""
+    writer = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}[method]
+    return writer(weight.float(), bits=bits, group_size=group_size, sym=sym, act_order=act_order, fmt=fmt,
+                  generator=torch.Generator().manual_seed(seed))
+
+
 def quantize_groups(weight: torch.Tensor, groups: torch.Tensor, bits: int, sym: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round ``weight`` [N, K] to ``bits``-bit unsigned values with one float16 scale and zero per output row and
