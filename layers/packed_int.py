@@ -205,11 +205,13 @@ def repack_into(layer: nn.Module, unpacked: UnpackedWeight, scheme: IntWeightSch
         raise QuantizationError(f"{type(layer).__name__}: stored values do not fit {scheme.bits} bits")
     layer.bits, layer.group_size = scheme.bits, group
     layer.weight = nn.Parameter(pack_rows(values, scheme.bits), requires_grad=False)
-    layer.weight_scales = unpacked.scales.to(dtype).contiguous()
-    layer.weight_zeros = None if unpacked.zeros is None else unpacked.zeros.to(dtype).contiguous()
-    if layer.weight_zeros is not None and bool((layer.weight_zeros == 1 << (scheme.bits - 1)).all()):
-        layer.weight_zeros = None  # symmetric after all: the kernels use the midpoint
-    layer.g_idx = None if g_idx is None else g_idx.to(torch.int32).contiguous()
+    zeros = unpacked.zeros
+    if zeros is not None and bool((zeros == 1 << (scheme.bits - 1)).all()):
+        zeros = None  # symmetric after all: the kernels use the midpoint
+    # Parameters, so that what a decode step reads (the roofline of bench/one_batch.py) counts them.
+    layer.weight_scales = nn.Parameter(unpacked.scales.to(dtype).contiguous(), requires_grad=False)
+    layer.weight_zeros = None if zeros is None else nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
+    layer.g_idx = None if g_idx is None else nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False)
     layer.int_kernels = _gpu_kernels(layer)
 
 
