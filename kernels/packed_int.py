@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,18 +62,51 @@ class IntKernelPlan:
         return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
 
 
-def plan_kernels(n: int, k: int, bits: int, group: int, act_order: bool, sm_count: int) -> IntKernelPlan | None:
-    """The kernels for a weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch path). Split-K
-    is used where a shape has too few output tiles to fill ``2 * sm_count`` programs."""
+def plan_kernels(n: int, k: int, bits: int, group: int, act_order: bool, sm_count: int,
+                 pick: Callable[[list[IntTiles], int], IntTiles] | None = None) -> IntKernelPlan | None:
+    """The kernels for a weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch path).
+    ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the model loader times them on
+    the GPU); without it, the first candidate, whose split-K fills ``2 * sm_count`` programs."""
     if k % 128 or not (group % 128 == 0 or 128 % group == 0):
         return None
-    gemv = None
-    if not act_order:
-        block_k = 256 if k % 256 == 0 and (group % 256 == 0 or 256 % group == 0) else 128
-        gemv = IntTiles(0, 32, block_k, _split(n, k, 32, block_k, sm_count))
-    small = IntTiles(16, 64, 128, _split(n, k, 64, 128, sm_count))
-    medium = IntTiles(64, 128, 64, 1, num_warps=8)
+    choose = pick or (lambda candidates, rows: candidates[0])
+    gemv = None if act_order else choose(gemv_candidates(n, k, group, sm_count), 1)
+    small = choose(tile_candidates(n, k, 16, sm_count), 16)
+    medium = choose(tile_candidates(n, k, 64, sm_count), 64)
     return IntKernelPlan(bits, group, gemv, small, medium)
+
+
+def gemv_candidates(n: int, k: int, group: int, sm_count: int) -> list[IntTiles]:
+    """One-token GEMV configs for an ``n`` x ``k`` weight: rows per program, K per step (whole groups, or within one),
+    split-K around the count that fills the GPU."""
+    candidates = []
+    for block_n, block_k, warps in ((32, 256, 4), (16, 256, 4), (64, 256, 8), (32, 512, 8), (16, 512, 4),
+                                    (32, 128, 4)):
+        if k % block_k or not (group % block_k == 0 or block_k % group == 0):
+            continue
+        split = _split(n, k, block_n, block_k, sm_count)
+        for factor in (1, 2, 0.5):
+            tiles = IntTiles(0, block_n, block_k, max(int(split * factor), 1), warps)
+            if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
+                candidates.append(tiles)
+    return candidates
+
+
+def tile_candidates(n: int, k: int, rows: int, sm_count: int) -> list[IntTiles]:
+    """``tl.dot`` tile configs for batches of about ``rows`` tokens."""
+    block_m = 16 if rows <= 16 else 64
+    shapes = ((64, 128, 4), (128, 128, 8), (32, 128, 4), (64, 256, 8)) if rows <= 16 else \
+        ((128, 64, 8), (64, 64, 4), (64, 128, 4), (128, 128, 8))
+    candidates = []
+    for block_n, block_k, warps in shapes:
+        if k % block_k:
+            continue
+        split = _split(n, k, block_n, block_k, sm_count) if rows <= 16 else 1
+        for factor in (1, 2):
+            tiles = IntTiles(block_m, block_n, block_k, split * factor, warps)
+            if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
+                candidates.append(tiles)
+    return candidates
 
 
 def _split(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:

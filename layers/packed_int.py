@@ -23,6 +23,7 @@ and its own columns' ``g_idx``).
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,11 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.core.loading.quantization import QuantizationError
+from treadle.layers import small_batch
 from treadle.layers.linear import CheckpointError, loaded_shape, narrow_loaded
 from treadle.layers.linear_method import LinearMethod, set_weight_attrs
 
 if TYPE_CHECKING:
     from treadle.layers.linear import LinearBase
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -256,11 +260,49 @@ def _gpu_kernels(layer: nn.Module) -> Callable[[torch.Tensor, nn.Module], torch.
     from treadle.kernels.packed_int import plan_kernels
 
     n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
-    sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
-    plan = plan_kernels(n, k, layer.bits, layer.group_size, layer.g_idx is not None, sm_count)
+    act_order = layer.g_idx is not None
+    key = (n, k, layer.bits, layer.group_size, act_order, layer.weight_zeros is not None, layer.int_out_dtype,
+           str(layer.weight.device))
+    if key not in _plans:
+        sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
+        pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
+        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, act_order, sm_count, pick)
+        logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
+    plan = _plans[key]
     if plan is None:
         return None
     return lambda x, layer: plan.run(x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.g_idx)
+
+
+# (N, K, bits, group, act-order, zeros, dtype, device) -> the kernels that shape runs (timed once per process).
+_plans: dict[tuple, Any] = {}
+
+
+def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
+    """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
+    copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest."""
+    from treadle.kernels.packed_int import int_dot, int_gemv
+
+    weights = small_batch.weight_copies(layer.weight.data)
+    scales, zeros, g_idx = layer.weight_scales.data, layer.weight_zeros, layer.g_idx
+    k = layer.weight.shape[1] * (32 // layer.bits)
+
+    def pick(candidates: list, rows: int) -> Any:
+        x = torch.randn(rows, k, dtype=layer.int_out_dtype, device=layer.weight.device)
+        timings = {}
+        for tiles in candidates:
+            def run(i: int, tiles=tiles) -> torch.Tensor:
+                if tiles.block_m == 0:
+                    return int_gemv(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
+                return int_dot(x, weights[i % len(weights)], scales, zeros, g_idx, layer.bits, layer.group_size,
+                               tiles)
+            try:
+                timings[tiles] = small_batch.graph_seconds(run)
+            except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
+                logger.info("int matmul config %s skipped: %s", tiles, exc)
+        return min(timings, key=timings.get) if timings else candidates[0]
+
+    return pick
 
 
 def _sharded_loader(layer: "LinearBase", spec: CheckpointTensor) -> Callable[..., None]:

@@ -53,6 +53,27 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
         assert error < 1e-2, (rows, error)
 
 
+@pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
+def test_every_launch_config_the_loader_may_time_is_correct(n, k):
+    from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
+    from treadle.layers.packed_int import pack_rows
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    weight = _reference(values, scales, None, torch.arange(k, device=DEVICE) // 128, 4)
+    packed = pack_rows(values, 4)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for tiles in gemv_candidates(n, k, 128, sm_count) + tile_candidates(n, k, 16, sm_count) + \
+            tile_candidates(n, k, 64, sm_count):
+        rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
+        x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
+            int_dot(x, packed, scales, None, None, 4, 128, tiles)
+        expected = x.float() @ weight.t()
+        assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
+
+
 @pytest.mark.parametrize("method, settings", [("gptq", dict(act_order=True, group_size=128)),
                                               ("awq", dict(group_size=128)),
                                               ("compressed-tensors", dict(group_size=128)),

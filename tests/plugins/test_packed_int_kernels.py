@@ -38,7 +38,23 @@ for bits, group, n, k, asym, act_order in json.loads(sys.argv[1]):
         y = plan.run(x, pack_rows(values, bits), scales, zeros, groups.to(torch.int32) if act_order else None)
         expected = x @ weight.t()
         errors[f"{bits}-{group}-{n}x{k}-{asym}-{act_order}-{rows}"] = ((y - expected).norm() / expected.norm()).item()
-print("RESULTS " + json.dumps({"errors": errors, "plans": plans}))
+# Every launch config the loader may time, on one shape that admits them all.
+from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
+n, k, group = 96, 1024, 128
+values = torch.randint(0, 16, (n, k))
+scales = torch.rand(n, k // group) * 0.01 + 0.001
+zeros = torch.randint(0, 16, (n, k // group)).float()
+weight = (values.float() - zeros[:, torch.arange(k) // group]) * scales[:, torch.arange(k) // group]
+packed = pack_rows(values, 4)
+candidates = {}
+for tiles in gemv_candidates(n, k, group, 4) + tile_candidates(n, k, 16, 4) + tile_candidates(n, k, 64, 4):
+    rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
+    x = torch.randn(rows, k)
+    y = (int_gemv(x, packed, scales, zeros, 4, group, tiles) if tiles.block_m == 0
+         else int_dot(x, packed, scales, zeros, None, 4, group, tiles))
+    expected = x @ weight.t()
+    candidates[str(tiles)] = ((y - expected).norm() / expected.norm()).item()
+print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates}))
 """
 
 
@@ -56,6 +72,12 @@ def results() -> dict:
 @pytest.mark.parametrize("rows", ROWS)
 def test_int_kernels_match_the_dequantized_matmul(results, bits, group, n, k, asym, act_order, rows):
     assert results["errors"][f"{bits}-{group}-{n}x{k}-{asym}-{act_order}-{rows}"] < 1e-5
+
+
+def test_every_launch_config_the_loader_may_time_is_exact(results):
+    candidates = results["candidates"]
+    assert len(candidates) >= 12 and any("split_k=4" in name for name in candidates)
+    assert all(error < 1e-5 for error in candidates.values()), candidates
 
 
 def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
