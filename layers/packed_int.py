@@ -52,8 +52,11 @@ class IntWeightScheme:
     group_size: int
     act_order: bool = False
 
-    def groups(self, in_features: int) -> int:
-        return 1 if self.group_size in (-1, 0) else in_features // self.group_size
+    def group_layout(self, in_features: int, in_full: int, row_parallel: bool, dim: int) -> tuple[int, int | None]:
+        """How many groups this rank's scales hold and the dimension that splits them with the input (``dim``):
+        with act-order a row-parallel rank's inputs may come from any group, so it keeps every group's scales."""
+        group = self.group(in_full)
+        return (in_full // group, None) if self.act_order and row_parallel else (in_features // group, dim)
 
     def group(self, in_features: int) -> int:
         return in_features if self.group_size in (-1, 0) else self.group_size

@@ -49,6 +49,15 @@ class QuantizationMethod(ABC):
         and what is supported for a config this method cannot run."""
 
 
+def require_checkpoint(stored: dict[str, Any] | None, quant_method: str, name: str) -> dict[str, Any]:
+    """``stored`` if it is a ``quant_method`` checkpoint's quantization_config; otherwise the error that method
+    ``name`` was asked of another checkpoint."""
+    if not stored or stored.get("quant_method") != quant_method:
+        raise QuantizationError(f"model.quantization: {name} needs a checkpoint whose quantization_config has "
+                                f"quant_method {quant_method}; this one has {stored or 'none'}")
+    return stored
+
+
 def resolve_method(requested: str | None, hf_config: Any, request: QuantizationRequest, registry: Any) -> Any:
     """The quant_config for ``model.quantization`` = ``requested`` (None or ``"auto"``: detect from the checkpoint)
     and the checkpoint's ``quantization_config``; None for plain weights."""

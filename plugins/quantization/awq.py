@@ -19,7 +19,7 @@ import torch
 
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.loading.quantization import QuantizationError
-from treadle.core.loading.quantization_method import QuantizationMethod, QuantizationRequest
+from treadle.core.loading.quantization_method import QuantizationMethod, QuantizationRequest, require_checkpoint
 from treadle.layers.packed_int import (
     CheckpointTensor,
     IntWeightScheme,
@@ -66,9 +66,7 @@ class AwqMethod(QuantizationMethod):
     supports = "AWQ 4-bit, GEMM layout (version gemm), zero points, group_size 32 to 128"
 
     def build(self, stored: dict[str, Any] | None, request: QuantizationRequest) -> PackedIntConfig:
-        if not stored or stored.get("quant_method") != "awq":
-            raise QuantizationError("model.quantization: awq needs an AWQ checkpoint (quantization_config with "
-                                    f"quant_method awq); this one has {stored or 'none'}")
+        stored = require_checkpoint(stored, "awq", "awq")
         bits = int(stored.get("bits", stored.get("w_bit", 4)))
         version = str(stored.get("version", "gemm")).lower()
         if bits != 4 or version != "gemm":

@@ -19,7 +19,7 @@ import torch
 
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.loading.quantization import QuantizationConfig, QuantizationError, fp8_matmul_unsupported
-from treadle.core.loading.quantization_method import QuantizationMethod, QuantizationRequest
+from treadle.core.loading.quantization_method import QuantizationMethod, QuantizationRequest, require_checkpoint
 from treadle.layers.packed_int import (
     CheckpointTensor,
     IntWeightScheme,
@@ -43,8 +43,7 @@ class PackQuantizedFormat(PackedIntFormat):
     def tensors(self, out_features: int, in_features: int, in_full: int, row_parallel: bool
                 ) -> list[CheckpointTensor]:
         per_word, group = 32 // self.scheme.bits, self.scheme.group(in_full)
-        groups, group_dim = ((in_full // group, None) if self.scheme.act_order and row_parallel
-                             else (in_features // group, 1))
+        groups, group_dim = self.scheme.group_layout(in_features, in_full, row_parallel, 1)
         specs = [
             CheckpointTensor("weight_packed", (out_features, in_features // per_word), torch.int32, 0, 1, 1, per_word),
             CheckpointTensor("weight_scale", (out_features, groups), torch.float32, 0, 1, group_dim, group),
@@ -86,9 +85,7 @@ class CompressedTensorsMethod(QuantizationMethod):
     supports = SUPPORTED
 
     def build(self, stored: dict[str, Any] | None, request: QuantizationRequest) -> Any:
-        if not stored or stored.get("quant_method") != "compressed-tensors":
-            raise QuantizationError("model.quantization: compressed-tensors needs a compressed-tensors checkpoint; "
-                                    f"this one has {stored or 'no quantization_config'}")
+        stored = require_checkpoint(stored, "compressed-tensors", "compressed-tensors")
         fmt, scheme = _one_scheme(stored)
         ignored = tuple(stored.get("ignore") or ())
         weights, inputs = scheme.get("weights") or {}, scheme.get("input_activations")

@@ -20,7 +20,7 @@ import torch
 
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.loading.quantization import QuantizationError
-from treadle.core.loading.quantization_method import QuantizationMethod, QuantizationRequest
+from treadle.core.loading.quantization_method import QuantizationMethod, QuantizationRequest, require_checkpoint
 from treadle.layers.packed_int import (
     CheckpointTensor,
     IntWeightScheme,
@@ -41,9 +41,7 @@ class GptqFormat(PackedIntFormat):
     def tensors(self, out_features: int, in_features: int, in_full: int, row_parallel: bool
                 ) -> list[CheckpointTensor]:
         per_word, group = 32 // self.scheme.bits, self.scheme.group(in_full)
-        # With act-order a rank's inputs may come from any group: it keeps every group's scales.
-        groups, group_dim = ((in_full // group, None) if self.scheme.act_order and row_parallel
-                             else (in_features // group, 0))
+        groups, group_dim = self.scheme.group_layout(in_features, in_full, row_parallel, 0)
         return [
             CheckpointTensor("qweight", (in_features // per_word, out_features), torch.int32, 1, 1, 0, per_word),
             CheckpointTensor("qzeros", (groups, out_features // per_word), torch.int32, 1, per_word, group_dim, group),
@@ -66,9 +64,7 @@ class GptqMethod(QuantizationMethod):
     supports = "GPTQ 4-bit and 8-bit, any group_size, desc_act, sym or asym (checkpoint_format gptq or gptq_v2)"
 
     def build(self, stored: dict[str, Any] | None, request: QuantizationRequest) -> PackedIntConfig:
-        if not stored or stored.get("quant_method") != "gptq":
-            raise QuantizationError("model.quantization: gptq needs a GPTQ checkpoint (quantization_config with "
-                                    f"quant_method gptq); this one has {stored or 'none'}")
+        stored = require_checkpoint(stored, "gptq", "gptq")
         bits = int(stored.get("bits", 4))
         if bits not in (4, 8):
             raise QuantizationError(f"the GPTQ checkpoint has {bits}-bit weights; supported: {self.supports}")

@@ -101,7 +101,7 @@ def test_the_method_is_detected_from_the_checkpoint_and_can_be_named(tmp_path, r
                                  registry)
         layer = model.model.layers[1].self_attn.qkv_proj
         assert layer.weight.dtype == torch.int32 and layer.bits == 4 and layer.weight_zeros is not None
-    with pytest.raises(ModelLoadError, match="gptq needs a GPTQ checkpoint"):
+    with pytest.raises(ModelLoadError, match="gptq needs a checkpoint whose quantization_config has quant_method gptq"):
         load_model(ModelConfig(path=quantized, device="cpu", quantization="gptq"), registry)
     with pytest.raises(ModelLoadError, match="'marlin' is not a registered quantization method; available: awq"):
         load_model(ModelConfig(path=quantized, device="cpu", quantization="marlin"), registry)
