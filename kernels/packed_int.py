@@ -51,6 +51,14 @@ class IntKernelPlan:
     small: IntTiles
     medium: IntTiles
 
+    def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
+        needs no split-K; None: the caller runs the matmul, then ``silu_mul``."""
+        if x.shape[0] != 1 or self.gemv is None or self.gemv.split_k != 1:
+            return None
+        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
+
     def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             g_idx: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
@@ -117,10 +125,11 @@ def _split(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
 
 
 def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-             group: int, tiles: IntTiles) -> torch.Tensor:
-    """``x [M, K] @ dequantized(weight).T`` one program row per token (meant for M = 1); no act-order."""
+             group: int, tiles: IntTiles, silu_mul: bool = False) -> torch.Tensor:
+    """``x [M, K] @ dequantized(weight).T`` one program row per token (meant for M = 1); no act-order. With
+    ``silu_mul`` (no split-K) the weight is ``[gate | up]`` and the result ``silu(gate) * up``, in one kernel."""
     rows, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = _output(rows, n, x.dtype, x.device, tiles.split_k)
     groups_per_block = max(tiles.block_k // group, 1)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k, rows)
@@ -128,8 +137,8 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         x, weight, scales, zeros if zeros is not None else scales, out, n, k // tiles.split_k,
         x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, GROUP=group, NG=groups_per_block, GSZ=tiles.block_k // groups_per_block,
-        HAS_ZEROS=zeros is not None, ATOMIC=tiles.split_k > 1, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps)
+        HAS_ZEROS=zeros is not None, ATOMIC=tiles.split_k > 1, SILU_MUL=silu_mul, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
     return out if tiles.split_k == 1 else out.to(x.dtype)
 
 
@@ -177,24 +186,19 @@ def _unpack(words, BITS: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
-def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride_xm, stride_wn, stride_sn,
-                     stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
+               BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 sums of one activation row (at ``x_ptr``) with the weight rows ``offs_n`` over one K range."""
     PACK: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PACK
-    pid_n = tl.program_id(0)
-    k_begin = tl.program_id(1) * k_per_split
-    row = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WORDS)
+    offs_w = tl.arange(0, BLOCK_K // PACK)
     offs_g = tl.arange(0, NG)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + offs_w)[None, :], mask=n_mask[:, None],
                         other=0, eviction_policy="evict_first")
         q = _unpack(words, BITS, PACK)
-        x = tl.load(x_ptr + row * stride_xm + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+        x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
         group_sums = tl.sum(tl.reshape(q * x[None, :], [BLOCK_N, NG, GSZ]), axis=2)
         x_sums = tl.sum(tl.reshape(x, [NG, GSZ]), axis=1)
         g = k0 // GROUP + offs_g
@@ -204,10 +208,35 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride
             acc += tl.sum(s * (group_sums - z.to(tl.float32) * x_sums[None, :]), axis=1)
         else:
             acc += tl.sum(s * (group_sums - (1 << (BITS - 1)) * x_sums[None, :]), axis=1)
-    if ATOMIC:
-        tl.atomic_add(out_ptr + row * stride_om + offs_n, acc, mask=n_mask)
+    return acc
+
+
+@triton.jit
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride_xm, stride_wn, stride_sn,
+                     stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(1) * k_per_split
+    row = tl.program_id(2)
+    n_mask = offs_n < N
+    x_row = x_ptr + row * stride_xm
+    acc = _gemv_rows(x_row, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
+                     GROUP, NG, GSZ, HAS_ZEROS, BLOCK_N, BLOCK_K)
+    out = out_ptr + row * stride_om + offs_n
+    if SILU_MUL:
+        up = _gemv_rows(x_row, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
+                        BITS, GROUP, NG, GSZ, HAS_ZEROS, BLOCK_N, BLOCK_K)
+        # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out, (silu * up.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=n_mask)
+    elif ATOMIC:
+        tl.atomic_add(out, acc, mask=n_mask)
     else:
-        tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit

@@ -174,13 +174,22 @@ class PackedIntLinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         if layer.input_perm is not None:
             x2 = x2.index_select(1, layer.input_perm)
-        kernels = layer.int_kernels
-        y = kernels(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer) if kernels is not None else None
-        if y is None:
+        plan = layer.int_kernels
+        if plan is not None:
+            y = plan.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight, layer.weight_scales,
+                         layer.weight_zeros, layer.g_idx)
+        else:
             y = F.linear(x2, dequantize_layer(layer).to(x.dtype))
         if bias is not None:
             y = y + bias
         return y.reshape(*leading, y.shape[-1])
+
+
+    def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
+        plan = layer.int_kernels
+        if plan is None or x.dim() != 2 or layer.input_perm is not None or x.stride(-1) != 1:
+            return None
+        return plan.run_silu_mul(x, layer.weight, layer.weight_scales, layer.weight_zeros)
 
 
 def stored_in_features(layer: "LinearBase") -> int:
@@ -253,7 +262,7 @@ def dequantize_layer(layer: nn.Module) -> torch.Tensor:
     return (values - zeros) * scales
 
 
-def _gpu_kernels(layer: nn.Module) -> Callable[[torch.Tensor, nn.Module], torch.Tensor | None] | None:
+def _gpu_kernels(layer: nn.Module) -> Any:
     if not layer.weight.is_cuda:
         return None
     from treadle.kernels.fused_ops import use_triton
@@ -271,10 +280,7 @@ def _gpu_kernels(layer: nn.Module) -> Callable[[torch.Tensor, nn.Module], torch.
         pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
         _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, act_order, sm_count, pick)
         logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
-    plan = _plans[key]
-    if plan is None:
-        return None
-    return lambda x, layer: plan.run(x, layer.weight, layer.weight_scales, layer.weight_zeros, layer.g_idx)
+    return _plans[key]  # an IntKernelPlan, or None: the torch path
 
 
 # (N, K, bits, group, act-order, zeros, dtype, device) -> the kernels that shape runs (timed once per process).

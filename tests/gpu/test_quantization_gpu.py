@@ -53,6 +53,26 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
         assert error < 1e-2, (rows, error)
 
 
+@pytest.mark.parametrize("asym", [False, True])
+def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
+    from treadle.kernels.fused_ops import silu_mul
+    from treadle.kernels.packed_int import gemv_candidates, int_gemv
+    from treadle.layers.packed_int import pack_rows
+
+    n, k = 28672, 4096  # Llama-3.1-8B's gate_up_proj
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 128), device=DEVICE, generator=gen).to(torch.bfloat16) if asym else None
+    packed = pack_rows(values, 4)
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for tiles in [t for t in gemv_candidates(n, k, 128, sm_count) if t.split_k == 1]:
+        fused = int_gemv(x, packed, scales, zeros, 4, 128, tiles, silu_mul=True)
+        separate = silu_mul(int_gemv(x, packed, scales, zeros, 4, 128, tiles))
+        assert torch.allclose(fused.float(), separate.float(), rtol=2**-7, atol=1e-5), tiles
+
+
 @pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
 def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates

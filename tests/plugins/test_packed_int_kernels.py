@@ -54,7 +54,15 @@ for tiles in gemv_candidates(n, k, group, 4) + tile_candidates(n, k, 16, 4) + ti
          else int_dot(x, packed, scales, zeros, None, 4, group, tiles))
     expected = x @ weight.t()
     candidates[str(tiles)] = ((y - expected).norm() / expected.norm()).item()
-print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates}))
+# The one-token GEMV of a [gate | up] weight with silu(gate) * up in its epilogue equals the matmul, then silu_mul.
+from treadle.kernels.packed_int import IntTiles
+x = torch.randn(1, k)
+gate_up = int_gemv(x, packed, scales, zeros, 4, group, IntTiles(0, 16, 256))
+gate, up = gate_up.chunk(2, dim=-1)
+fused = int_gemv(x, packed, scales, zeros, 4, group, IntTiles(0, 16, 256), silu_mul=True)
+silu_mul_error = ((fused - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()
+print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates,
+                               "silu_mul": [list(fused.shape), silu_mul_error]}))
 """
 
 
@@ -78,6 +86,11 @@ def test_every_launch_config_the_loader_may_time_is_exact(results):
     candidates = results["candidates"]
     assert len(candidates) >= 12 and any("split_k=4" in name for name in candidates)
     assert all(error < 1e-5 for error in candidates.values()), candidates
+
+
+def test_the_gemv_computes_silu_mul_of_a_gate_up_weight_in_its_epilogue(results):
+    shape, error = results["silu_mul"]
+    assert shape == [1, 48] and error < 1e-6
 
 
 def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
