@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,25 @@ class PackedIntConfig:
         if prefix and is_listed(prefix, self.ignored):
             return None
         return PackedIntLinearMethod(self.fmt)
+
+    def checkpoint_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``weights`` with each MoE expert's quantized tensors (names under ``.experts.``) replaced by its
+        dequantized ``weight`` once all of them have arrived: the fused experts run 16-bit weights."""
+        names = {spec.name for spec in self.fmt.tensors(256, 256, 256, False)}
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, loaded in weights:
+            stem, _, kind = name.rpartition(".")
+            if ".experts." not in name or kind not in names:
+                yield name, loaded
+                continue
+            parts = pending.setdefault(stem, {})
+            parts[kind] = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+            if len(parts) == len(names):
+                yield f"{stem}.weight", dequantize_stored(self.fmt, pending.pop(stem))
+        if pending:
+            stem, parts = next(iter(pending.items()))
+            raise CheckpointError(f"expert tensors missing from the checkpoint: {stem} has only {sorted(parts)}; "
+                                  f"a {self.method} expert needs {sorted(names)}")
 
 
 def is_listed(prefix: str, names: tuple[str, ...]) -> bool:
@@ -248,6 +267,18 @@ def unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
     values = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return values.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def dequantize_stored(fmt: PackedIntFormat, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One weight [N, K] in float32 from its checkpoint tensors in ``fmt``."""
+    unpacked = fmt.unpack({name: tensor for name, tensor in stored.items()}, 0, 0)
+    values = unpacked.values.to(torch.float32)
+    columns = values.shape[1]
+    groups = (unpacked.g_idx.to(torch.int64) if unpacked.g_idx is not None
+              else torch.arange(columns, device=values.device) // fmt.scheme.group(columns))
+    zeros = (float(1 << (fmt.scheme.bits - 1)) if unpacked.zeros is None
+             else unpacked.zeros.to(torch.float32).index_select(1, groups))
+    return (values - zeros) * unpacked.scales.to(torch.float32).index_select(1, groups)
 
 
 def dequantize_layer(layer: nn.Module) -> torch.Tensor:

@@ -28,15 +28,17 @@ import torch
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_INPUT_OF = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3}
+_INPUT_OF = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 2, "up_proj": 2, "down_proj": 3,
+             "w1": 2, "w3": 2, "w2": 3}
 
 
 def make_tiny_quantized(path: str | os.PathLike, method: str, make: Callable[..., str] | None = None, *,
                         bits: int = 4, group_size: int = 32, sym: bool = True, act_order: bool = False,
-                        fmt: str = "pack-quantized", seed: int = 0) -> tuple[str, str]:
+                        fmt: str = "pack-quantized", experts: bool = True, seed: int = 0) -> tuple[str, str]:
     """Save ``make(path / "base")`` (default: a tiny Llama) quantized by ``method`` ("gptq", "awq" or
     "compressed-tensors", whose ``fmt`` is "pack-quantized", "int-quantized" or "float-quantized"); returns the
-    folders ``(quantized, dequantized)``."""
+    folders ``(quantized, dequantized)``. ``experts``: an MoE model's experts (Mixtral's ``w1``/``w2``/``w3``,
+    Qwen3-MoE's projections under ``experts``) are quantized too; otherwise they stay 16-bit."""
     from safetensors.torch import load_file, save_file
 
     from treadle.testing.models import make_tiny_llama
@@ -48,7 +50,9 @@ def make_tiny_quantized(path: str | os.PathLike, method: str, make: Callable[...
     writer = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}[method]
     settings: dict[str, Any] = dict(bits=bits, group_size=group_size, sym=sym, act_order=act_order, fmt=fmt)
     quantization_config: dict[str, Any] = {}
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+    projections = PROJECTIONS + (("w1", "w2", "w3") if experts else ())
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in projections
+                 and (experts or ".experts." not in n)]:
         stem = name.removesuffix(".weight")
         del quantized[name]
         # Projections of one input (q/k/v, gate/up) share it, and with it GPTQ's act-order permutation.

@@ -66,7 +66,10 @@ def load_model(
 
         files = safetensors_files(model_dir)
         # Under tensor parallelism each rank reads only its slices of the file.
-        model.load_weights(iter_safetensors(files, lazy=get_tp_size() > 1))
+        weights = iter_safetensors(files, lazy=get_tp_size() > 1)
+        # A quantization method may rewrite tensors before the model sees them (int4 MoE experts, dequantized).
+        rewrite = getattr(quant_config, "checkpoint_stream", None)
+        model.load_weights(weights if rewrite is None else rewrite(weights))
     _finish_weights(model)
     model.requires_grad_(False)
     return model.eval(), hf_config, model_dir

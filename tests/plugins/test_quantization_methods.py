@@ -25,6 +25,7 @@ from treadle.testing.quantized_models import make_tiny_quantized, quantized_tens
 
 QUANTIZATION_PLUGINS = [f"treadle.plugins.quantization.{name}" for name in ("fp8", "gptq", "awq", "compressed_tensors")]
 PLUGINS = ["treadle.plugins.models.llama", "treadle.plugins.models.qwen3", "treadle.plugins.models.mixtral",
+           "treadle.plugins.models.qwen3_moe",
            "treadle.plugins.attention.torch_native", *QUANTIZATION_PLUGINS]
 TOKENS = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9]
 
@@ -136,12 +137,17 @@ def test_bad_checkpoints_are_refused_at_load(tmp_path, registry, change, drop, m
         load_model(ModelConfig(path=quantized, device="cpu", dtype="float32"), registry)
 
 
-def test_int4_moe_experts_are_refused_naming_the_method(tmp_path, registry):
-    from treadle.testing.models import make_tiny_mixtral
+@pytest.mark.parametrize("family, method, experts", [("mixtral", "gptq", False), ("mixtral", "gptq", True),
+                                                     ("mixtral", "compressed-tensors", True),
+                                                     ("qwen3_moe", "awq", True)])
+def test_quantized_moe_logits_equal_hf(tmp_path, registry, family, method, experts):
+    from treadle.testing import models
 
-    quantized, _ = make_tiny_quantized(tmp_path, "gptq", make_tiny_mixtral)
-    with pytest.raises(ValueError, match="quantization method 'gptq' has no MoE experts"):
-        load_model(ModelConfig(path=quantized, device="cpu", dtype="float32"), registry)
+    # Attention quantized, experts 16-bit; or the experts quantized too, dequantized at load for the fused experts.
+    make = getattr(models, f"make_tiny_{family}")
+    quantized, dequantized = make_tiny_quantized(tmp_path, method, make, experts=experts)
+    got, expected = _prefill_logits(quantized, registry), _hf_logits(dequantized)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (got - expected).abs().max()
 
 
 @pytest.mark.parametrize("method, settings", [("gptq", dict(act_order=True, sym=False)), ("gptq", dict(bits=8)),
