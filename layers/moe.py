@@ -14,7 +14,8 @@ per tensor or per output row) keep their experts in FP8, with a float32 scale pe
 once they are loaded, one scale per weight row, as it does the dense layers. Where the device has no FP8 matmuls
 (``QuantizationConfig.dequantize``) an FP8 checkpoint's experts are dequantized at load into the model dtype
 instead, rounded as a dense FP8 layer's are. Integer checkpoints (GPTQ, AWQ, compressed-tensors) hand the experts
-their weights dequantized (``layers/packed_int.py``), so they are 16-bit here.
+their weights dequantized (``layers/packed_int.py``): 16-bit here, or quantized to FP8 once loaded where the device
+multiplies FP8 (``experts_fp8``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
         top_k=int(config.num_experts_per_tok),
         renormalize=bool(getattr(config, "norm_topk_prob", True)),
         fp8=bool(fp8_config is not None and fp8_config.checkpoint_quantized and not fp8_config.dequantize),
-        quantize_at_load=bool(fp8_config is not None and not fp8_config.checkpoint_quantized),
+        quantize_at_load=bool(fp8_config is not None and not fp8_config.checkpoint_quantized)
+        or bool(getattr(quant_config, "experts_fp8", False)),
     )
 
 

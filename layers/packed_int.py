@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.core.loading.quantization import QuantizationError
+from treadle.core.loading.quantization import QuantizationError, fp8_matmul_unsupported
 from treadle.layers import small_batch
 from treadle.layers.linear import CheckpointError, loaded_shape, narrow_loaded
 from treadle.layers.linear_method import LinearMethod, set_weight_attrs
@@ -110,10 +110,14 @@ class PackedIntFormat:
 class PackedIntConfig:
     """The quant_config of a model with integer weights: each linear layer not in ``ignored`` (module names, or
     ``re:`` regular expressions, as compressed-tensors writes them) gets a :class:`PackedIntLinearMethod` reading
-    ``fmt``; ``method`` names the quantization method for messages."""
+    ``fmt``; ``method`` names the quantization method for messages. MoE experts arrive dequantized
+    (:meth:`checkpoint_stream`); on a ``device`` with FP8 matmuls (a GPU of compute capability 8.9+) the fused
+    experts quantize them to FP8 as each layer loads (``experts_fp8``), so a 4-bit Mixtral-8x7B fits one H100."""
 
-    def __init__(self, method: str, fmt: PackedIntFormat, ignored: tuple[str, ...] = ()) -> None:
+    def __init__(self, method: str, fmt: PackedIntFormat, ignored: tuple[str, ...] = (),
+                 device: torch.device | None = None) -> None:
         self.method, self.fmt, self.ignored = method, fmt, ignored
+        self.experts_fp8 = device is not None and experts_in_fp8(device)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if prefix and is_listed(prefix, self.ignored):
@@ -138,6 +142,12 @@ class PackedIntConfig:
             stem, parts = next(iter(pending.items()))
             raise CheckpointError(f"expert tensors missing from the checkpoint: {stem} has only {sorted(parts)}; "
                                   f"a {self.method} expert needs {sorted(names)}")
+
+
+def experts_in_fp8(device: torch.device) -> bool:
+    """Whether dequantized MoE experts are quantized to FP8 on ``device``: GPUs with FP8 matmuls (on the CPU they
+    stay 16-bit, as the parity tests want them)."""
+    return device.type == "cuda" and fp8_matmul_unsupported(device) is None
 
 
 def is_listed(prefix: str, names: tuple[str, ...]) -> bool:

@@ -108,7 +108,7 @@ class CompressedTensorsMethod(QuantizationMethod):
         else:
             raise QuantizationError(f"compressed-tensors format {fmt} with {bits}-bit weights is not supported; "
                                     f"supported: {SUPPORTED}")
-        return PackedIntConfig("compressed-tensors", form, ignored)
+        return PackedIntConfig("compressed-tensors", form, ignored, request.device)
 
 
 def _one_scheme(stored: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -150,6 +150,19 @@ def test_quantized_moe_logits_equal_hf(tmp_path, registry, family, method, exper
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (got - expected).abs().max()
 
 
+def test_dequantized_experts_become_fp8_where_the_device_multiplies_fp8(tmp_path, registry, monkeypatch):
+    from treadle.layers import packed_int
+    from treadle.testing.models import make_tiny_mixtral
+
+    monkeypatch.setattr(packed_int, "experts_in_fp8", lambda device: True)  # as on an H100
+    quantized, dequantized = make_tiny_quantized(tmp_path, "gptq", make_tiny_mixtral)
+    model, _, _ = load_model(ModelConfig(path=quantized, device="cpu", dtype="float32"), registry)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.down_scale is not None
+    got, expected = prefill_logits(model, TOKENS), _hf_logits(dequantized)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.1
+
+
 @pytest.mark.parametrize("method, settings", [("gptq", dict(act_order=True, sym=False)), ("gptq", dict(bits=8)),
                                               ("awq", dict(group_size=64)), ("compressed-tensors", dict(sym=False))])
 def test_built_in_methods_pass_the_conformance_check(method, settings):
