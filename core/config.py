@@ -340,6 +340,9 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
         choices.append(("tool_parsers", config.tools.parser, "tools.parser"))
     if config.reasoning.parser != "none":
         choices.append(("reasoning_parsers", config.reasoning.parser, "reasoning.parser"))
+    # Checked where methods are registered (a registry without any leaves fp8 to core, as before the kind existed).
+    if config.model.quantization not in (None, "auto") and registry.names("quantization_methods"):
+        choices.append(("quantization_methods", config.model.quantization, "model.quantization"))
     for kind, name, key in choices:
         try:
             registry.get(kind, name)

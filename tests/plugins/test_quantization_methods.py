@@ -108,8 +108,14 @@ def test_the_method_is_detected_from_the_checkpoint_and_can_be_named(tmp_path, r
         load_model(ModelConfig(path=quantized, device="cpu", quantization="marlin"), registry)
 
 
-def test_registered_methods_are_listed(registry):
-    assert set(registry.table()["quantization_methods"]) == {"fp8", "gptq", "awq", "compressed-tensors"}
+def test_registered_methods_are_listed_and_checked_at_startup():
+    from treadle.core.config import ConfigError, load_config, validate_plugin_choices
+
+    registry = build_registry(plugin_modules=QUANTIZATION_PLUGINS)  # every installed plugin, and these
+    assert set(registry.table()["quantization_methods"]) >= {"fp8", "gptq", "awq", "compressed-tensors"}
+    validate_plugin_choices(load_config(overrides={"model.quantization": "awq"}, use_env=False), registry)
+    with pytest.raises(ConfigError, match="model.quantization: unknown quantization method 'marlin'; available: awq"):
+        validate_plugin_choices(load_config(overrides={"model.quantization": "marlin"}, use_env=False), registry)
 
 
 def _rewrite(folder: str, config_change=None, drop: str | None = None) -> None:
