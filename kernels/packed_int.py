@@ -25,13 +25,16 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class IntTiles:
-    """One launch's tiles: ``block_m`` 0 means the GEMV; ``split_k`` K ranges reduced atomically."""
+    """One launch's tiles: ``block_m`` 0 means the GEMV; ``split_k`` K ranges reduced atomically. ``dup``: each value
+    loads its own word (addresses repeat ``32 / bits`` times, served by L1) and shifts it, instead of loading each
+    word once and splitting it in registers (a reshape whose cost depends on the layout Triton picks)."""
 
     block_m: int
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
+    dup: bool = False
 
 
 # Batches up to this many rows run the tiles that dequantize in registers; larger ones dequantize the whole weight
@@ -86,34 +89,34 @@ def plan_kernels(n: int, k: int, bits: int, group: int, act_order: bool, sm_coun
 
 def gemv_candidates(n: int, k: int, group: int, sm_count: int) -> list[IntTiles]:
     """One-token GEMV configs for an ``n`` x ``k`` weight: rows per program, K per step (whole groups, or within one),
-    split-K around the count that fills the GPU."""
+    both ways of unpacking, split-K filling the GPU and twice that."""
     candidates = []
-    for block_n, block_k, warps in ((32, 256, 4), (16, 256, 4), (64, 256, 8), (32, 512, 8), (16, 512, 4),
-                                    (32, 128, 4)):
+    for block_n, block_k, warps in ((32, 256, 4), (16, 256, 4), (64, 128, 8), (32, 128, 4)):
         if k % block_k or not (group % block_k == 0 or block_k % group == 0):
             continue
         split = _split(n, k, block_n, block_k, sm_count)
-        for factor in (1, 2, 0.5):
-            tiles = IntTiles(0, block_n, block_k, max(int(split * factor), 1), warps)
-            if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
-                candidates.append(tiles)
+        for dup in (False, True):
+            for factor in (1, 2):
+                tiles = IntTiles(0, block_n, block_k, split * factor, warps, dup)
+                if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
+                    candidates.append(tiles)
     return candidates
 
 
 def tile_candidates(n: int, k: int, rows: int, sm_count: int) -> list[IntTiles]:
     """``tl.dot`` tile configs for batches of about ``rows`` tokens."""
     block_m = 16 if rows <= 16 else 64
-    shapes = ((64, 128, 4), (128, 128, 8), (32, 128, 4), (64, 256, 8)) if rows <= 16 else \
-        ((128, 64, 8), (64, 64, 4), (64, 128, 4), (128, 128, 8))
+    shapes = ((64, 128, 4), (128, 128, 8), (32, 128, 4)) if rows <= 16 else ((128, 64, 8), (64, 64, 4), (128, 128, 8))
     candidates = []
     for block_n, block_k, warps in shapes:
         if k % block_k:
             continue
         split = _split(n, k, block_n, block_k, sm_count) if rows <= 16 else 1
-        for factor in (1, 2):
-            tiles = IntTiles(block_m, block_n, block_k, split * factor, warps)
-            if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
-                candidates.append(tiles)
+        for dup in (False, True):
+            for factor in ((1, 2) if rows <= 16 else (1,)):
+                tiles = IntTiles(block_m, block_n, block_k, split * factor, warps, dup)
+                if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
+                    candidates.append(tiles)
     return candidates
 
 
@@ -137,8 +140,8 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         x, weight, scales, zeros if zeros is not None else scales, out, n, k // tiles.split_k,
         x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, GROUP=group, NG=groups_per_block, GSZ=tiles.block_k // groups_per_block,
-        HAS_ZEROS=zeros is not None, ATOMIC=tiles.split_k > 1, SILU_MUL=silu_mul, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+        HAS_ZEROS=zeros is not None, ATOMIC=tiles.split_k > 1, SILU_MUL=silu_mul, DUP=tiles.dup,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
     return out if tiles.split_k == 1 else out.to(x.dtype)
 
 
@@ -153,8 +156,8 @@ def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
         x, weight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales, out,
         rows, n, k // tiles.split_k, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_GIDX=g_idx is not None,
-        ATOMIC=tiles.split_k > 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps)
+        ATOMIC=tiles.split_k > 1, DUP=tiles.dup, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
     return out if tiles.split_k == 1 else out.to(x.dtype)
 
 
@@ -188,34 +191,49 @@ def _unpack(words, BITS: tl.constexpr, PACK: tl.constexpr):
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
                BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr, HAS_ZEROS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 sums of one activation row (at ``x_ptr``) with the weight rows ``offs_n`` over one K range."""
+               DUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 sums of one activation row (at ``x_ptr``) with the weight rows ``offs_n`` over one K range; the K
+    step holds ``NG`` groups of ``GSZ`` columns (one group, or part of one, when ``NG`` is 1)."""
     PACK: tl.constexpr = 32 // BITS
-    offs_w = tl.arange(0, BLOCK_K // PACK)
-    offs_g = tl.arange(0, NG)
+    HALF: tl.constexpr = 1 << (BITS - 1)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + offs_w)[None, :], mask=n_mask[:, None],
-                        other=0, eviction_policy="evict_first")
-        q = _unpack(words, BITS, PACK)
-        x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        group_sums = tl.sum(tl.reshape(q * x[None, :], [BLOCK_N, NG, GSZ]), axis=2)
-        x_sums = tl.sum(tl.reshape(x, [NG, GSZ]), axis=1)
-        g = k0 // GROUP + offs_g
-        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=n_mask[:, None], other=0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=n_mask[:, None], other=0)
-            acc += tl.sum(s * (group_sums - z.to(tl.float32) * x_sums[None, :]), axis=1)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if DUP:
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (offs_k // PACK)[None, :], mask=n_mask[:, None],
+                            other=0, eviction_policy="evict_first")
+            q = ((words >> ((offs_k % PACK) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
         else:
-            acc += tl.sum(s * (group_sums - (1 << (BITS - 1)) * x_sums[None, :]), axis=1)
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + tl.arange(0, BLOCK_K // PACK))[None, :],
+                            mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+            q = _unpack(words, BITS, PACK)
+        x = tl.load(x_ptr + offs_k).to(tl.float32)
+        if NG == 1:
+            s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=n_mask, other=0).to(tl.float32)
+            sums, x_sum = tl.sum(q * x[None, :], axis=1), tl.sum(x, axis=0)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + offs_n * stride_sn + k0 // GROUP, mask=n_mask, other=0).to(tl.float32)
+                acc += s * (sums - z * x_sum)
+            else:
+                acc += s * (sums - HALF * x_sum)
+        else:
+            group_sums = tl.sum(tl.reshape(q * x[None, :], [BLOCK_N, NG, GSZ]), axis=2)
+            x_sums = tl.sum(tl.reshape(x, [NG, GSZ]), axis=1)
+            g = k0 // GROUP + tl.arange(0, NG)
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=n_mask[:, None], other=0)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=n_mask[:, None], other=0)
+                acc += tl.sum(s.to(tl.float32) * (group_sums - z.to(tl.float32) * x_sums[None, :]), axis=1)
+            else:
+                acc += tl.sum(s.to(tl.float32) * (group_sums - HALF * x_sums[None, :]), axis=1)
     return acc
 
 
 @triton.jit
 def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride_xm, stride_wn, stride_sn,
                      stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr, SILU_MUL: tl.constexpr, DUP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(1) * k_per_split
@@ -223,11 +241,11 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride
     n_mask = offs_n < N
     x_row = x_ptr + row * stride_xm
     acc = _gemv_rows(x_row, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
-                     GROUP, NG, GSZ, HAS_ZEROS, BLOCK_N, BLOCK_K)
+                     GROUP, NG, GSZ, HAS_ZEROS, DUP, BLOCK_N, BLOCK_K)
     out = out_ptr + row * stride_om + offs_n
     if SILU_MUL:
         up = _gemv_rows(x_row, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
-                        BITS, GROUP, NG, GSZ, HAS_ZEROS, BLOCK_N, BLOCK_K)
+                        BITS, GROUP, NG, GSZ, HAS_ZEROS, DUP, BLOCK_N, BLOCK_K)
         # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -241,14 +259,20 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride
 
 @triton.jit
 def _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn, stride_sn, BITS: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, DUP: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     """The weight's ``[BLOCK_K, len(offs_n)]`` tile at column ``k0``, dequantized to float32."""
     PACK: tl.constexpr = 32 // BITS
-    offs_w = tl.arange(0, BLOCK_K // PACK)
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + offs_w)[None, :], mask=n_mask[:, None],
-                    other=0)
-    q = tl.trans(_unpack(words, BITS, PACK))
     offs_k = k0 + tl.arange(0, BLOCK_K)
+    if DUP:
+        words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // PACK)[:, None], mask=n_mask[None, :],
+                        other=0)
+        q = ((words >> ((offs_k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        offs_w = tl.arange(0, BLOCK_K // PACK)
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + offs_w)[None, :], mask=n_mask[:, None],
+                        other=0)
+        q = tl.trans(_unpack(words, BITS, PACK))
     g = tl.load(g_ptr + offs_k) if HAS_GIDX else offs_k // GROUP
     index = offs_n[None, :] * stride_sn + g[:, None]
     s = tl.load(s_ptr + index, mask=n_mask[None, :], other=0).to(tl.float32)
@@ -260,8 +284,8 @@ def _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn,
 @triton.jit
 def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_sn,
                     stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    HAS_GIDX: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    HAS_GIDX: tl.constexpr, ATOMIC: tl.constexpr, DUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * k_per_split
@@ -272,7 +296,7 @@ def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, k_per_spli
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
                     mask=m_mask[:, None], other=0)
         w = _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn, stride_sn, BITS, GROUP,
-                              HAS_ZEROS, HAS_GIDX, BLOCK_K)
+                              HAS_ZEROS, HAS_GIDX, DUP, BLOCK_K)
         acc = tl.dot(x, w.to(x.dtype), acc)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -290,6 +314,6 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, stride_wn, stride
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
     w = _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn, stride_sn, BITS, GROUP,
-                          HAS_ZEROS, HAS_GIDX, BLOCK_K)
+                          HAS_ZEROS, HAS_GIDX, True, BLOCK_K)
     out = out_ptr + offs_n[None, :] * stride_on + (k0 + tl.arange(0, BLOCK_K))[:, None]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])

@@ -40,7 +40,7 @@ for bits, group, n, k, asym, act_order in json.loads(sys.argv[1]):
         errors[f"{bits}-{group}-{n}x{k}-{asym}-{act_order}-{rows}"] = ((y - expected).norm() / expected.norm()).item()
 # Every launch config the loader may time, on one shape that admits them all.
 from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
-n, k, group = 96, 1024, 128
+n, k, group = 32, 1024, 128
 values = torch.randint(0, 16, (n, k))
 scales = torch.rand(n, k // group) * 0.01 + 0.001
 zeros = torch.randint(0, 16, (n, k // group)).float()
@@ -48,7 +48,7 @@ weight = (values.float() - zeros[:, torch.arange(k) // group]) * scales[:, torch
 packed = pack_rows(values, 4)
 candidates = {}
 for tiles in gemv_candidates(n, k, group, 4) + tile_candidates(n, k, 16, 4) + tile_candidates(n, k, 64, 4):
-    rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
+    rows = 1 if tiles.block_m == 0 else 17
     x = torch.randn(rows, k)
     y = (int_gemv(x, packed, scales, zeros, 4, group, tiles) if tiles.block_m == 0
          else int_dot(x, packed, scales, zeros, None, 4, group, tiles))
@@ -90,7 +90,7 @@ def test_every_launch_config_the_loader_may_time_is_exact(results):
 
 def test_the_gemv_computes_silu_mul_of_a_gate_up_weight_in_its_epilogue(results):
     shape, error = results["silu_mul"]
-    assert shape == [1, 48] and error < 1e-6
+    assert shape == [1, 16] and error < 1e-6
 
 
 def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
