@@ -23,7 +23,6 @@ and its own columns' ``g_idx``).
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -33,14 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.core.loading.quantization import QuantizationError, fp8_matmul_unsupported
-from treadle.layers import small_batch
+from treadle.layers.int_kernel_choice import int_kernel_plan
 from treadle.layers.linear import CheckpointError, loaded_shape, narrow_loaded
 from treadle.layers.linear_method import LinearMethod, set_weight_attrs
 
 if TYPE_CHECKING:
     from treadle.layers.linear import LinearBase
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -257,7 +254,7 @@ def repack_into(layer: nn.Module, unpacked: UnpackedWeight, scheme: IntWeightSch
     layer.weight_scales = nn.Parameter(unpacked.scales.to(dtype).contiguous(), requires_grad=False)
     layer.weight_zeros = None if zeros is None else nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
     layer.g_idx = None if g_idx is None else nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False)
-    layer.int_kernels = _gpu_kernels(layer)
+    layer.int_kernels = int_kernel_plan(layer)
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -301,58 +298,6 @@ def dequantize_layer(layer: nn.Module) -> torch.Tensor:
     zeros = (float(1 << (layer.bits - 1)) if layer.weight_zeros is None
              else layer.weight_zeros.to(torch.float32).index_select(1, groups))
     return (values - zeros) * scales
-
-
-def _gpu_kernels(layer: nn.Module) -> Any:
-    if not layer.weight.is_cuda:
-        return None
-    from treadle.kernels.fused_ops import use_triton
-
-    if not use_triton(layer.weight):
-        return None
-    from treadle.kernels.packed_int import plan_kernels
-
-    n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
-    act_order = layer.g_idx is not None
-    key = (n, k, layer.bits, layer.group_size, act_order, layer.weight_zeros is not None, layer.int_out_dtype,
-           str(layer.weight.device))
-    if key not in _plans:
-        sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
-        pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
-        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, act_order, sm_count, pick)
-        logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
-    return _plans[key]  # an IntKernelPlan, or None: the torch path
-
-
-# (N, K, bits, group, act-order, zeros, dtype, device) -> the kernels that shape runs (timed once per process).
-_plans: dict[tuple, Any] = {}
-
-
-def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
-    """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
-    copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest."""
-    from treadle.kernels.packed_int import int_dot, int_gemv
-
-    weights = small_batch.weight_copies(layer.weight.data)
-    scales, zeros, g_idx = layer.weight_scales.data, layer.weight_zeros, layer.g_idx
-    k = layer.weight.shape[1] * (32 // layer.bits)
-
-    def pick(candidates: list, rows: int) -> Any:
-        x = torch.randn(rows, k, dtype=layer.int_out_dtype, device=layer.weight.device)
-        timings = {}
-        for tiles in candidates:
-            def run(i: int, tiles=tiles) -> torch.Tensor:
-                if tiles.block_m == 0:
-                    return int_gemv(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
-                return int_dot(x, weights[i % len(weights)], scales, zeros, g_idx, layer.bits, layer.group_size,
-                               tiles)
-            try:
-                timings[tiles] = small_batch.graph_seconds(run)
-            except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
-                logger.info("int matmul config %s skipped: %s", tiles, exc)
-        return min(timings, key=timings.get) if timings else candidates[0]
-
-    return pick
 
 
 def _sharded_loader(layer: "LinearBase", spec: CheckpointTensor) -> Callable[..., None]:
