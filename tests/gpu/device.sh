@@ -17,6 +17,7 @@
 # the 1000-request `random` workload of docs/benchmarks.md and the default config; OFFLINE_ARGS adds variants
 # (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
+# `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
 # and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once; SERVING_SAT_PROMPTS=0
 # skips it); SERVING_TAG prefixes its log and result names, for a second server in the same call.
@@ -131,6 +132,11 @@ PY
       # Waits (at most SOAK_WAIT_S) for a `soak_bg` soak to end, then copies its results into $OUT.
       for _ in $(seq ${SOAK_WAIT_S:-560}); do grep -q "^STAGE soak took" /tmp/soak/soak_run.log 2>/dev/null && break; sleep 1; done
       tail -40 /tmp/soak/soak_run.log; cp /tmp/soak/*.json /tmp/soak/*.log "$OUT"/ 2>/dev/null ;;
+    quant)
+      # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
+      # one-batch bs=1/32 and the 1000-request offline run, with the ratios against the targets (bench/quant.py).
+      timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --offline --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
