@@ -7,7 +7,7 @@ runs, with the same settings for both:
 - ``treadle bench one-batch`` (triton attention, CUDA graphs, ``--batch-sizes``, default 1,32): the decode step, its
   tok/s over bf16 (``x first``) and its fraction of its own roofline, whose bytes count each parameter as stored
   (packed int4 weights, their scales, the 16-bit lm_head) plus the KV cache;
-- with ``--offline``, ``treadle bench offline``'s 1000-request ``random`` workload (docs/benchmarks.md).
+- ``treadle bench offline``'s 1000-request ``random`` workload (docs/benchmarks.md); ``--runs`` picks either.
 
 Then prints the ratios against the targets of docs/quantization.md (bs=1 >= 2.4x bf16 and >= 80% of the W4A16
 roofline; bs=32 >= 1.6x; offline >= 1.0x) and writes the JSON of both runs under ``--out``.
@@ -37,11 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     compare = f"model.path={bf16},model.path={quantized}"
     from treadle.bench import one_batch
 
+    runs = set(args.runs.split(","))
     one_batch_json = out / "one_batch_quant.json"
-    one_batch.main(["--model", bf16, "--batch-sizes", args.batch_sizes, "--backends", "triton", "--graphs", "on",
-                    "--compare", compare, "--no-hf", "--no-profile", "--output", str(one_batch_json)])
+    if "one-batch" in runs:
+        one_batch.main(["--model", bf16, "--batch-sizes", args.batch_sizes, "--backends", "triton", "--graphs", "on",
+                        "--compare", compare, "--no-hf", "--no-profile", "--output", str(one_batch_json)])
     offline_json = out / "offline_quant.json"
-    if args.offline:
+    if "offline" in runs:
         from treadle.bench import offline_throughput
 
         offline_throughput.main(["--workload", "random", "--num-prompts", str(args.num_prompts), "--input-len",
@@ -49,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "model.load_format=dummy", "--dtype", "bfloat16", "--device", "cuda",
                                  "--no-progress", "--compare", compare, "--output", str(offline_json)])
     print()
-    print(summary(json.loads(one_batch_json.read_text()),
-                  json.loads(offline_json.read_text()) if args.offline else None, quantized))
+    print(summary(json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []},
+                  json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
     return 0
 
 
@@ -78,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=["w4a16", "awq"], default="w4a16",
                         help="w4a16: compressed-tensors symmetric (no zero points); awq: AutoAWQ with zero points")
     parser.add_argument("--batch-sizes", default="1,32")
-    parser.add_argument("--offline", action="store_true", help="also the 1000-request offline run")
+    parser.add_argument("--runs", default="one-batch,offline",
+                        help="one-batch (decode steps at --batch-sizes), offline (the 1000-request run), or both")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--out", default="/tmp/treadle-quant", help="folder for the shapes and the JSON")
     return parser

@@ -134,8 +134,9 @@ PY
       tail -40 /tmp/soak/soak_run.log; cp /tmp/soak/*.json /tmp/soak/*.log "$OUT"/ 2>/dev/null ;;
     quant)
       # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
-      # one-batch bs=1/32 and the 1000-request offline run, with the ratios against the targets (bench/quant.py).
-      timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --offline --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
+      # one-batch bs=1/32 and the 1000-request offline run (QUANT_ARGS="--runs one-batch" or "--runs offline" for
+      # one of them), with the ratios against the targets (bench/quant.py).
+      timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
