@@ -95,7 +95,21 @@ MIXTRAL_8X7B: dict[str, Any] = {
     "eos_token_id": 2,
     "torch_dtype": "bfloat16",
 }
-MODEL_SHAPES = {**SHAPES, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}  # what write_config may write
+# Llama-3.1-8B's shape with 4-bit weights (bench/quant.py): the quantization_config of an llm-compressor W4A16
+# checkpoint (compressed-tensors pack-quantized, symmetric, groups of 128, lm_head left in 16 bits), and AutoAWQ's.
+W4A16_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}},
+}
+AWQ_CONFIG: dict[str, Any] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                              "version": "gemm"}
+MODEL_SHAPES = {**SHAPES, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B,  # what write_config may write
+                "llama-3.1-8b-w4a16": {**LLAMA_3_1_8B, "quantization_config": W4A16_CONFIG},
+                "llama-3.1-8b-awq": {**LLAMA_3_1_8B, "quantization_config": AWQ_CONFIG},
+                # The attention in 4 bits; the experts, dequantized at load, in FP8 on an H100 (docs/quantization.md).
+                "mixtral-8x7b-w4a16": {**MIXTRAL_8X7B, "quantization_config": W4A16_CONFIG}}
 # A few-layer model of the same kind, for smoke tests on the CPU.
 TINY: dict[str, Any] = {
     **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

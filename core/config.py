@@ -34,8 +34,10 @@ class ModelConfig(Section):
     served_model_name: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = Field(0, description="seed for dummy weights")
-    quantization: Literal["fp8"] | None = Field(
-        None, description="fp8: quantize linear weights to FP8 at load; FP8 checkpoints are detected without it")
+    quantization: str | None = Field(
+        None, description="a quantization method by name (treadle plugins lists them: fp8, gptq, awq, "
+                          "compressed-tensors); auto or empty: the one the checkpoint's quantization_config names. "
+                          "fp8 on a 16-bit checkpoint quantizes its linear weights at load")
     quantize_lm_head: bool | Literal["auto"] = Field(
         "auto", description="the output projection (lm_head) in FP8 too. auto: whenever the model's weights are FP8 "
                             "on a device that multiplies FP8 and the head's shape allows it; true: the same, an "
@@ -415,6 +417,9 @@ def validate_plugin_choices(config: ServerConfig, registry: Any) -> None:
         choices.append(("speculators", config.speculative.method, "speculative.method"))
     if config.lora.requested and config.lora.backend != "auto":
         choices.append(("lora_backends", config.lora.backend, "lora.backend"))
+    # Checked where methods are registered (a registry without any leaves fp8 to core, as before the kind existed).
+    if config.model.quantization not in (None, "auto") and registry.names("quantization_methods"):
+        choices.append(("quantization_methods", config.model.quantization, "model.quantization"))
     for kind, name, key in choices:
         try:
             registry.get(kind, name)

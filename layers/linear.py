@@ -158,7 +158,7 @@ class ColumnParallelLinear(LinearBase):
         self.quant_method.create_weights(
             self, input_size, [self.output_size_per_partition], input_size, output_size, self.params_dtype
         )
-        set_weight_attrs(self.weight, weight_loader=self.weight_loader,
+        _describe_weight(self, weight_loader=self.weight_loader,
                          full_shards=[(None, (output_size, input_size))])
         self._add_bias(self.output_size_per_partition if bias else 0, [(None, (output_size,))], self.weight_loader)
 
@@ -198,7 +198,7 @@ class MergedColumnParallelLinear(LinearBase):
         self.quant_method.create_weights(
             self, input_size, list(per_rank.values()), input_size, self.output_size, self.params_dtype
         )
-        set_weight_attrs(self.weight, weight_loader=self.weight_loader,
+        _describe_weight(self, weight_loader=self.weight_loader,
                          full_shards=[(s, (self.full_sizes[s], input_size)) for s in self.shard_ids])
         self._add_bias(self.output_size_per_partition if bias else 0,
                        [(s, (self.full_sizes[s],)) for s in self.shard_ids], self.weight_loader)
@@ -282,7 +282,7 @@ class RowParallelLinear(LinearBase):
         self.quant_method.create_weights(
             self, self.input_size_per_partition, [output_size], input_size, output_size, self.params_dtype
         )
-        set_weight_attrs(self.weight, weight_loader=self.weight_loader,
+        _describe_weight(self, weight_loader=self.weight_loader,
                          full_shards=[(None, (output_size, input_size))])
         self._add_bias(output_size if bias else 0, [(None, (output_size,))], default_weight_loader)
 
@@ -417,6 +417,14 @@ def narrow_loaded(loaded: Any, dim: int, start: int, length: int) -> torch.Tenso
         return loaded.narrow(dim, start, length)
     index = (slice(None),) * dim + (slice(start, start + length),)
     return loaded[index]
+
+
+def _describe_weight(layer: nn.Module, **attrs: Any) -> None:
+    """Loading metadata for the layer's ``weight``; a method whose parameters carry their own checkpoint names and
+    loaders (packed int4 weights: ``qweight``, ``scales``...) has no ``weight`` until it repacks them."""
+    weight = getattr(layer, "weight", None)
+    if weight is not None:
+        set_weight_attrs(weight, **attrs)
 
 
 def _check_full_shape(param: nn.Parameter, loaded: Any, expected: tuple[int, ...]) -> None:

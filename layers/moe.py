@@ -13,7 +13,9 @@ per tensor or per output row) keep their experts in FP8, with a float32 scale pe
 ``input_scale`` is read and ignored. ``model.quantization: fp8`` on a 16-bit checkpoint quantizes the experts
 once they are loaded, one scale per weight row, as it does the dense layers. Where the device has no FP8 matmuls
 (``QuantizationConfig.dequantize``) an FP8 checkpoint's experts are dequantized at load into the model dtype
-instead, rounded as a dense FP8 layer's are.
+instead, rounded as a dense FP8 layer's are. Integer checkpoints (GPTQ, AWQ, compressed-tensors) hand the experts
+their weights dequantized (``layers/packed_int.py``): 16-bit here, or quantized to FP8 once loaded where the device
+multiplies FP8 (``experts_fp8``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
                 f"unsupported MoE feature in the model config: {key}={getattr(config, key)!r} ({feature}); "
                 "treadle's SparseMoE supports routed experts only"
             )
+    # Another method's quant config (int4/int8 weights): its experts arrive dequantized (layers/packed_int.py).
+    fp8_config = quant_config if hasattr(quant_config, "checkpoint_quantized") else None
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if not num_experts:
         raise ValueError("the model config names no expert count (num_local_experts or num_experts)")
@@ -94,8 +98,9 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
         num_experts=int(num_experts),
         top_k=int(config.num_experts_per_tok),
         renormalize=bool(getattr(config, "norm_topk_prob", True)),
-        fp8=bool(quant_config is not None and quant_config.checkpoint_quantized and not quant_config.dequantize),
-        quantize_at_load=bool(quant_config is not None and not quant_config.checkpoint_quantized),
+        fp8=bool(fp8_config is not None and fp8_config.checkpoint_quantized and not fp8_config.dequantize),
+        quantize_at_load=bool(fp8_config is not None and not fp8_config.checkpoint_quantized)
+        or bool(getattr(quant_config, "experts_fp8", False)),
     )
 
 

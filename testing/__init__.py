@@ -20,6 +20,8 @@
 
     def test_my_lora_backend_conforms():
         check_lora_backend(MyLoRABackend, "cuda", torch.bfloat16)   # or a registered name: "triton"
+    def test_my_quantization_method_conforms():
+        check_quantization_method(MyMethod, {"quant_method": "mine"}, my_layer_tensors)
 
     def test_my_model_splits_over_ranks():
         check_tensor_parallel(make_my_tiny_checkpoint(tmp_path), tp_size=2,
@@ -40,8 +42,8 @@ from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
 __all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_lora_backend",
-           "check_reasoning_parser", "check_schedule_policy", "check_speculator", "check_tensor_parallel",
-           "check_tool_parser"]
+           "check_quantization_method", "check_reasoning_parser", "check_schedule_policy", "check_speculator",
+           "check_tensor_parallel", "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:
@@ -58,4 +60,8 @@ def __getattr__(name: str) -> Any:
         from treadle.testing.grammar import check_grammar_backend
 
         return check_grammar_backend
+    if name == "check_quantization_method":
+        from treadle.testing.quantization import check_quantization_method
+
+        return check_quantization_method
     raise AttributeError(f"module 'treadle.testing' has no attribute {name!r}")

@@ -55,7 +55,7 @@ def load_model(
     target_device = resolve_device(device if device is not None else model_config.device)
     target_dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target_device)
 
-    quant_config = _quantization(model_config, hf_config, model_cls, target_device)
+    quant_config = _quantization(model_config, hf_config, model_cls, target_device, registry)
     with _building_on(target_device, target_dtype):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config=quant_config)
     _cast_parameters(model, target_dtype)
@@ -66,7 +66,10 @@ def load_model(
 
         files = safetensors_files(model_dir)
         # Under tensor parallelism each rank reads only its slices of the file.
-        model.load_weights(iter_safetensors(files, lazy=get_tp_size() > 1))
+        weights = iter_safetensors(files, lazy=get_tp_size() > 1)
+        # A quantization method may rewrite tensors before the model sees them (int4 MoE experts, dequantized).
+        rewrite = getattr(quant_config, "checkpoint_stream", None)
+        model.load_weights(weights if rewrite is None else rewrite(weights))
     _finish_weights(model)
     model.requires_grad_(False)
     return model.eval(), hf_config, model_dir
@@ -122,20 +125,22 @@ def read_hf_config(model_dir: str) -> Any:
             return PretrainedConfig(**json.load(handle))
 
 
-def _quantization(model_config: "ModelConfig", hf_config: Any, model_cls: Any, device: torch.device) -> Any:
-    """The QuantizationConfig the model is built with (None: plain weights); see core/loading/quantization.py."""
-    from treadle.core.loading.quantization import QuantizationError, resolve_quantization
+def _quantization(model_config: "ModelConfig", hf_config: Any, model_cls: Any, device: torch.device,
+                  registry: Any) -> Any:
+    """The quant_config the model is built with (None: plain weights), from the ``quantization_methods`` plugin
+    that model.quantization names or that reads the checkpoint (core/loading/quantization_method.py)."""
+    from treadle.core.loading.quantization import QuantizationError
+    from treadle.core.loading.quantization_method import QuantizationRequest, resolve_method
 
+    request = QuantizationRequest(device, model_config.quantize_lm_head, model_config.lm_head_exact_top)
     try:
-        quant_config = resolve_quantization(model_config.quantization, hf_config, device,
-                                            lm_head=model_config.quantize_lm_head,
-                                            lm_head_exact_top=model_config.lm_head_exact_top)
+        quant_config = resolve_method(model_config.quantization, hf_config, request, registry)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from None
     if quant_config is not None and not accepts_quant_config(model_cls):
         raise ModelLoadError(
-            f"{model_cls.__name__} ({model_cls.__module__}) takes no quant_config, so it cannot load FP8 weights; "
-            "build it from treadle.layers.linear's layers, or leave model.quantization empty"
+            f"{model_cls.__name__} ({model_cls.__module__}) takes no quant_config, so it cannot load quantized "
+            "weights; build it from treadle.layers.linear's layers, or leave model.quantization empty"
         )
     return quant_config
 

@@ -77,7 +77,7 @@ def resolve_quantization(requested: str | None, hf_config: Any, device: torch.de
                          ) -> QuantizationConfig | None:
     """The quantization for ``model.quantization`` = ``requested`` (and ``model.quantize_lm_head`` = ``lm_head``,
     ``model.lm_head_exact_top``) and the checkpoint's ``quantization_config``."""
-    stored = _stored_quantization(hf_config)
+    stored = stored_quantization(hf_config)
     if stored is None and requested is None:
         if lm_head is True:
             raise QuantizationError("model.quantize_lm_head needs FP8 weights: set model.quantization: fp8 "
@@ -117,7 +117,8 @@ def gpu_fp8_unsupported(name: str, capability: tuple[int, int]) -> str | None:
             f"this GPU ({name}) is {capability[0]}.{capability[1]}")
 
 
-def _stored_quantization(hf_config: Any) -> dict[str, Any] | None:
+def stored_quantization(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` as a dict (None when it has none)."""
     stored = getattr(hf_config, "quantization_config", None)
     if stored is None:
         return None

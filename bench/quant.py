@@ -1,0 +1,91 @@
+"""W4A16 against bf16 on Llama-3.1-8B's shapes (dummy weights), in one run: ``python -m treadle.bench.quant``.
+
+Writes the two shapes' config.json (bf16, and the same model with an llm-compressor W4A16 ``quantization_config``:
+compressed-tensors pack-quantized, symmetric, groups of 128; ``--format awq`` uses AutoAWQ's, with zero points) and
+runs, with the same settings for both:
+
+- ``treadle bench one-batch`` (triton attention, CUDA graphs, ``--batch-sizes``, default 1,32): the decode step, its
+  tok/s over bf16 (``x first``) and its fraction of its own roofline, whose bytes count each parameter as stored
+  (packed int4 weights, their scales, the 16-bit lm_head) plus the KV cache;
+- ``treadle bench offline``'s 1000-request ``random`` workload (docs/benchmarks.md); ``--runs`` picks either.
+
+Then prints the ratios against the targets of docs/quantization.md (bs=1 >= 2.4x bf16 and >= 80% of the W4A16
+roofline; bs=32 >= 1.6x; offline >= 1.0x) and writes the JSON of both runs under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from treadle.bench.shapes import MODEL_SHAPES, write_config
+
+TARGETS = {1: 2.4, 32: 1.6}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    folders = {}
+    for name in ("llama-3.1-8b", f"llama-3.1-8b-{args.format}"):
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        folders[name] = write_config(folder, MODEL_SHAPES[name])
+    bf16, quantized = folders.values()
+    compare = f"model.path={bf16},model.path={quantized}"
+    from treadle.bench import one_batch
+
+    runs = set(args.runs.split(","))
+    one_batch_json = out / "one_batch_quant.json"
+    if "one-batch" in runs:
+        one_batch.main(["--model", bf16, "--batch-sizes", args.batch_sizes, "--backends", "triton", "--graphs", "on",
+                        "--compare", compare, "--no-hf", "--no-profile", "--output", str(one_batch_json)])
+    offline_json = out / "offline_quant.json"
+    if "offline" in runs:
+        from treadle.bench import offline_throughput
+
+        offline_throughput.main(["--workload", "random", "--num-prompts", str(args.num_prompts), "--input-len",
+                                 "16:600", "--output-len", "16:400", "--set", f"model.path={bf16}", "--set",
+                                 "model.load_format=dummy", "--dtype", "bfloat16", "--device", "cuda",
+                                 "--no-progress", "--compare", compare, "--output", str(offline_json)])
+    print()
+    print(summary(json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []},
+                  json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
+    return 0
+
+
+def summary(one_batch: dict, offline: dict | None, quantized: str) -> str:
+    """The W4A16 rows against their targets."""
+    lines = [f"{'':<28}{'bf16 ms':>9}{'w4a16 ms':>10}{'speed-up':>10}{'target':>8}{'roofline':>10}"]
+    rows = [r for r in one_batch["results"] if r["system"].startswith("treadle")]
+    for bs in sorted({r["batch_size"] for r in rows}):
+        pair = [r for r in rows if r["batch_size"] == bs and not r.get("engine")]
+        if len(pair) < 2:
+            continue
+        base, quant = pair[0], next((r for r in pair if quantized in r["system"]), pair[-1])
+        speedup = base["decode_step_ms"] / quant["decode_step_ms"]
+        lines.append(f"{f'decode bs={bs}':<28}{base['decode_step_ms']:>9.2f}{quant['decode_step_ms']:>10.2f}"
+                     f"{speedup:>9.2f}x{TARGETS.get(bs, 0):>7.1f}x{quant['roofline_fraction']:>9.0%}")
+    if offline is not None:
+        systems = offline["systems"]
+        base, quant = systems[0]["output_throughput_tok_s"], systems[-1]["output_throughput_tok_s"]
+        lines.append(f"{'offline out tok/s':<28}{base:>9.0f}{quant:>10.0f}{quant / base:>9.2f}x{1.0:>7.1f}x")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m treadle.bench.quant", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--format", choices=["w4a16", "awq"], default="w4a16",
+                        help="w4a16: compressed-tensors symmetric (no zero points); awq: AutoAWQ with zero points")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--runs", default="one-batch,offline",
+                        help="one-batch (decode steps at --batch-sizes), offline (the 1000-request run), or both")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--out", default="/tmp/treadle-quant", help="folder for the shapes and the JSON")
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

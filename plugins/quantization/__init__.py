@@ -1,0 +1,1 @@
+"""Built-in treadle plugins: quantization_methods."""

@@ -1,0 +1,47 @@
+"""bench/quant.py's summary: the W4A16 rows of one run against bf16's and the targets."""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.bench.quant import summary
+from treadle.bench.shapes import MODEL_SHAPES
+
+
+def _row(system: str, bs: int, ms: float, fraction: float) -> dict:
+    return {"system": system, "batch_size": bs, "decode_step_ms": ms, "roofline_fraction": fraction, "engine": False}
+
+
+def test_summary_gives_each_batch_size_its_speed_up_and_roofline():
+    one_batch = {"results": [_row("treadle triton graphs=on [model.path=/t/bf]", 1, 5.5, 0.8),
+                             _row("treadle triton graphs=on [model.path=/t/q]", 1, 2.2, 0.82),
+                             _row("treadle triton graphs=on [model.path=/t/bf]", 32, 7.0, 0.7),
+                             _row("treadle triton graphs=on [model.path=/t/q]", 32, 4.0, 0.5)]}
+    offline = {"systems": [{"output_throughput_tok_s": 12000.0}, {"output_throughput_tok_s": 13200.0}]}
+    lines = summary(one_batch, offline, "/t/q").splitlines()
+    assert "2.50x" in lines[1] and "82%" in lines[1] and "1.75x" in lines[2] and "1.10x" in lines[3]
+
+
+def test_the_w4a16_shape_is_llama_8b_with_a_pack_quantized_config():
+    shape = MODEL_SHAPES["llama-3.1-8b-w4a16"]
+    assert shape["hidden_size"] == 4096 and shape["quantization_config"]["format"] == "pack-quantized"
+
+
+def test_dummy_packed_weights_load_and_run(tmp_path):
+    # What the bench loads on the GPU: a W4A16 config.json and load_format dummy (no checkpoint).
+    from prefill_logits import prefill_logits
+    from treadle.bench.shapes import TINY, W4A16_CONFIG, write_config
+    from treadle.core.config import ModelConfig
+    from treadle.core.loading.model_loader import load_model
+    from treadle.core.registry import build_registry
+
+    model_dir = write_config(tmp_path, {**TINY, "quantization_config": W4A16_CONFIG})
+    registry = build_registry(plugin_modules=["treadle.plugins.models.llama",
+                                              "treadle.plugins.quantization.compressed_tensors"],
+                              load_entry_points=False)
+    model, _, _ = load_model(ModelConfig(path=model_dir, load_format="dummy", device="cpu", dtype="float32"),
+                             registry)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.int32 and layer.weight.shape == (256, 512 // 8)
+    assert layer.weight_scales.shape == (256, 4)
+    assert torch.isfinite(prefill_logits(model, [5, 6, 7])).all()

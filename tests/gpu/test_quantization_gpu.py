@@ -1,0 +1,122 @@
+"""Integer weights on a GPU: the Triton kernels of kernels/packed_int.py at Llama-3.1-8B's projection shapes against
+the dequantized matmul, and quantized checkpoints (GPTQ act-order, AWQ, compressed-tensors W4A16/W8A16) served
+under CUDA graphs with the greedy tokens of the same model's dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+# Llama-3.1-8B's projections: qkv, o, gate_up, down.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+QUANTIZATION_PLUGINS = [f"treadle.plugins.quantization.{name}" for name in ("gptq", "awq", "compressed_tensors")]
+
+
+def _reference(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, groups: torch.Tensor,
+               bits: int) -> torch.Tensor:
+    zero = (1 << (bits - 1)) if zeros is None else zeros.float()[:, groups]
+    return (values.float() - zero) * scales.float()[:, groups]
+
+
+@pytest.mark.parametrize("bits, group, asym, act_order", [(4, 128, False, False), (4, 128, True, False),
+                                                          (4, 32, True, False), (8, 128, False, False),
+                                                          (4, 128, False, True)])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_order):
+    from treadle.kernels.packed_int import plan_kernels
+    from treadle.layers.packed_int import pack_rows
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k + bits + group)
+    values = torch.randint(0, 1 << bits, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // group, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 1 << bits, (n, k // group), device=DEVICE, generator=gen).to(torch.bfloat16) \
+        if asym else None
+    groups = torch.arange(k, device=DEVICE) // group
+    if act_order:
+        groups = groups[torch.randperm(k, device=DEVICE, generator=gen)].sort().values
+    weight = _reference(values, scales, zeros, groups, bits)
+    packed = pack_rows(values, bits)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    plan = plan_kernels(n, k, bits, group, act_order, sm_count)
+    for rows in (1, 7, 16, 32, 200, 600):
+        x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        expected = x.float() @ weight.t()
+        y = plan.run(x, packed, scales, zeros, groups.to(torch.int32) if act_order else None)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+        error = ((y.float() - expected).norm() / expected.norm()).item()
+        assert error < 1e-2, (rows, error)
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
+    from treadle.kernels.fused_ops import silu_mul
+    from treadle.kernels.packed_int import gemv_candidates, int_gemv
+    from treadle.layers.packed_int import pack_rows
+
+    n, k = 28672, 4096  # Llama-3.1-8B's gate_up_proj
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // 128), device=DEVICE, generator=gen).to(torch.bfloat16) if asym else None
+    packed = pack_rows(values, 4)
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for tiles in [t for t in gemv_candidates(n, k, 128, sm_count) if t.split_k == 1]:
+        fused = int_gemv(x, packed, scales, zeros, 4, 128, tiles, silu_mul=True)
+        separate = silu_mul(int_gemv(x, packed, scales, zeros, 4, 128, tiles))
+        assert torch.allclose(fused.float(), separate.float(), rtol=2**-7, atol=1e-5), tiles
+
+
+@pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
+def test_every_launch_config_the_loader_may_time_is_correct(n, k):
+    from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
+    from treadle.layers.packed_int import pack_rows
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    weight = _reference(values, scales, None, torch.arange(k, device=DEVICE) // 128, 4)
+    packed = pack_rows(values, 4)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for tiles in gemv_candidates(n, k, 128, sm_count) + tile_candidates(n, k, 16, sm_count) + \
+            tile_candidates(n, k, 64, sm_count):
+        rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
+        x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
+            int_dot(x, packed, scales, None, None, 4, 128, tiles)
+        expected = x.float() @ weight.t()
+        assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
+
+
+@pytest.mark.parametrize("method, settings", [("gptq", dict(act_order=True, group_size=128)),
+                                              ("awq", dict(group_size=128)),
+                                              ("compressed-tensors", dict(group_size=128)),
+                                              ("compressed-tensors", dict(bits=8, group_size=-1))])
+def test_quantized_checkpoint_generates_the_dequantized_models_tokens(tmp_path, real_shape_llama_dir, engine_config,
+                                                                     method, settings):
+    from treadle.core.engine import Engine
+    from treadle.testing.quantized_models import make_tiny_quantized
+
+    def make(path, seed=0):
+        return real_shape_llama_dir
+
+    quantized, dequantized = make_tiny_quantized(tmp_path, method, make, **settings)
+    prompts = [[5, 17, 99, 250, 7, 300, 12, 44], [8, 200, 201, 202, 203, 204], [42, 43]]
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    outputs = []
+    for folder in (dequantized, quantized):
+        config = {**engine_config(folder, "triton", "bfloat16"), "plugins": QUANTIZATION_PLUGINS}
+        with Engine(config) as engine:
+            layer = engine.scheduler.worker.runner.model.model.layers[0].mlp.down_proj \
+                if folder == quantized else None
+            if layer is not None:
+                assert layer.weight.dtype == torch.int32 and layer.int_kernels is not None
+            outputs.append([out.token_ids for out in engine.generate(input_ids=prompts, sampling_params=params)])
+    # Same weights up to bf16 rounding of the dequantized copy: the first tokens agree.
+    assert [ids[:8] for ids in outputs[0]] == [ids[:8] for ids in outputs[1]]
