@@ -169,13 +169,17 @@ class CustomAllReduce:
                 and x.numel() * x.element_size() <= self.plan.max_bytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(x, self.plan.algorithm(x.numel() * x.element_size()))
+
+    def reduce(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
+        """``x`` summed over the ranks in place by ``algorithm`` (ONE_SHOT or TWO_SHOT); every rank must pass the
+        same. ``self(x)`` picks it from the plan."""
         from treadle.kernels.peer_all_reduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
 
         n = x.numel()
         if n == 0:
             return x
-        one_shot = self.plan.algorithm(n * x.element_size()) == ONE_SHOT
-        kernel = one_shot_all_reduce_kernel if one_shot else two_shot_all_reduce_kernel
+        kernel = one_shot_all_reduce_kernel if algorithm == ONE_SHOT else two_shot_all_reduce_kernel
         kernel[(self.PROGRAMS,)](
             x, n, self.bases, self.epochs, self.errors, RANK=self.rank, WORLD=self.world_size,
             PROGRAMS=self.PROGRAMS, BLOCK=self.BLOCK, FLAG_BYTES=self.layout.flag_bytes,

@@ -11,6 +11,10 @@
 #   tp_70b          Llama-3.1-70B shapes (141 GB bf16: no single GPU holds it), tp=2, bs=1 and bs=32 vs the 2-GPU roofline
 #   tp_70b_offline  Llama-3.1-70B shapes, tp=2, offline throughput on the 1000-request random workload (default config)
 #   dp              Llama-3.1-8B shapes, dp=2 vs dp=1 through the server (default config): all requests at once and 40 req/s
+#   ar_tests        the peer-to-peer all-reduce (issue 48): conformance against NCCL (1 KiB..8 MiB, bf16/fp16/fp32,
+#                   eager and CUDA graphs) and a tp=2 Engine using it
+#   tp_decode       all-reduce latency by size (NCCL, one-shot, two-shot) and the bs=1/32 decode step of 8B shapes:
+#                   tp=1, tp=2 over NCCL, tp=2 over the peer all-reduce (target tp=2 <= 0.6x tp=1)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -41,6 +45,9 @@ for stage in "$@"; do
       export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; [ -d /tmp/pkg ] && export PYTHONPATH=$PYTHONPATH:/tmp/pkg
       nvidia-smi -L ;;
     nccl_smoke) timeout 60 python3 tests/gpu/nccl_graph_smoke.py 2>&1 | grep -v Warn | tail -3 ;;
+    ar_tests) timeout 560 python3 -m pytest -q -s -rs tests/gpu/test_custom_all_reduce_gpu.py 2>&1 | tee "$OUT/ar_tests.log" | tail -30 ;;
+    tp_decode) timeout 590 python3 -m treadle.bench.tp_decode --timeout-s 180 --output "$OUT/tp_decode_2gpu.json" 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/tp_decode.log" | tail -40 ;;
     tp_tests) timeout 500 python3 -m pytest -q -s -rs tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
     tp_8b)
       for tp in 1 2; do

@@ -1,0 +1,102 @@
+"""The peer-to-peer all-reduce's logic without GPUs: which algorithm a size takes, when it falls back to NCCL and
+how the ranks agree on it, the buffer layout, and the kernels' flag protocol under Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from treadle.core.distributed.custom_all_reduce import (
+    NCCL,
+    ONE_SHOT,
+    TWO_SHOT,
+    AllReducePlan,
+    PeerBufferLayout,
+    agreed_reason,
+    unsupported_reason,
+)
+from treadle.testing.all_reduce import check_custom_all_reduce
+
+MiB = 1 << 20
+
+
+def test_two_ranks_take_one_shot_up_to_the_limit_and_nccl_above():
+    plan = AllReducePlan.for_world(2)
+    assert [plan.algorithm(n) for n in (2, 8192, 256 * 1024, 8 * MiB)] == [ONE_SHOT] * 4
+    assert plan.algorithm(8 * MiB + 2) == NCCL
+
+
+@pytest.mark.parametrize("world, one_shot_max", [(4, 512 * 1024), (8, 256 * 1024)])
+def test_more_ranks_switch_to_two_shot_for_larger_messages(world, one_shot_max):
+    plan = AllReducePlan.for_world(world)
+    assert plan.algorithm(one_shot_max) == ONE_SHOT
+    assert plan.algorithm(one_shot_max + 2) == TWO_SHOT
+    assert plan.algorithm(plan.max_bytes) == TWO_SHOT
+    assert plan.algorithm(plan.max_bytes + 2) == NCCL
+
+
+def test_buffer_layout_holds_flags_then_two_halves_of_slots_per_rank():
+    layout = PeerBufferLayout(world_size=2, programs=32, slot_bytes=8 * MiB)
+    assert layout.flag_bytes == 1024  # 2 phases x 2 ranks x 32 programs x 8 bytes
+    assert layout.total_bytes == 1024 + 2 * 2 * 8 * MiB
+    assert layout.slot_elems(torch.bfloat16) == 4 * MiB and layout.slot_elems(torch.float32) == 2 * MiB
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(device=torch.device("cpu"), world_size=2, nnodes=1), "the ranks run on cpu, not CUDA"),
+    (dict(device=torch.device("cuda", 0), world_size=2, nnodes=2), "the group spans 2 nodes"),
+    (dict(device=torch.device("cuda", 0), world_size=3, nnodes=1), "tp_size 3 is not one of 2, 4, 6, 8"),
+    (dict(device=torch.device("cuda", 1), world_size=2, nnodes=1, local_devices=[0, 1],
+          peer_access=lambda a, b: False), "GPU 1 has no peer access to GPU 0"),
+])
+def test_unsupported_layouts_name_why(kwargs, reason):
+    assert reason in unsupported_reason(**kwargs)
+
+
+def test_gpus_with_peer_access_are_supported():
+    assert unsupported_reason(torch.device("cuda", 0), 2, 1, peer_access=lambda a, b: True,
+                              local_devices=[0, 1]) is None
+
+
+def test_one_rank_that_cannot_makes_every_rank_fall_back():
+    assert agreed_reason([None, None]) is None
+    assert agreed_reason([None, "no peer access"]) == "rank 1: no peer access"
+
+
+def test_cpu_ranks_fall_back_to_the_group_collective_under_auto():
+    reports = check_custom_all_reduce(world_size=2, device_type="cpu", mode="auto", timeout_s=120)
+    assert [r["all_reduce"] for r in reports] == ["nccl", "nccl"]
+
+
+def test_true_where_it_cannot_run_fails_start_naming_the_reason():
+    with pytest.raises(AssertionError, match="custom_all_reduce is true but .*rank 0: the ranks run on cpu"):
+        check_custom_all_reduce(world_size=2, device_type="cpu", mode=True, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    script = Path(__file__).with_name("interpreted_peer_all_reduce.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_interpreted_kernels_sum_in_rank_order_identically_on_every_rank(interpreted):
+    scenarios = [s for s in interpreted if "kernel" in s]
+    assert len(scenarios) == 8
+    for s in scenarios:
+        assert s["exact"] and s["identical"] and s["errors"] == 0, s
+        assert s["epochs"] == [3], s  # every program counted three calls
+
+
+def test_a_wait_whose_peer_never_pushes_gives_up_and_counts_an_error(interpreted):
+    starved = next(s for s in interpreted if "starved_errors" in s)
+    assert starved["starved_errors"] == 4  # one per program
+    assert starved["peer_flags"] == [1, 1, 1, 1] and starved["pushed"] == [1.0] * 8
