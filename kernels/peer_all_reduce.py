@@ -61,9 +61,10 @@ def _exchange_flags(bases, phase, pid, epoch, errors, RANK: tl.constexpr, WORLD:
 
 
 @triton.jit
-def _slot(base, half, src, elem_ty: tl.constexpr, FLAG_BYTES: tl.constexpr, WORLD: tl.constexpr,
-          SLOT_ELEMS: tl.constexpr):
-    return (base + FLAG_BYTES).to(tl.pointer_type(elem_ty)) + (half * WORLD + src) * SLOT_ELEMS
+def _slot(base, half, src, like, FLAG_BYTES: tl.constexpr, WORLD: tl.constexpr, SLOT_ELEMS: tl.constexpr):
+    """Rank ``base``'s slot ``[half][src]``, a pointer of ``like``'s type."""
+    # Slots start 256-byte aligned and hold a multiple of 16 bytes: tell the compiler, so that it vectorizes.
+    return tl.multiple_of((base + FLAG_BYTES).to(like.dtype) + (half * WORLD + src) * SLOT_ELEMS, 16)
 
 
 @triton.jit
@@ -73,40 +74,39 @@ def _next_epoch(epochs, pid):
     return epoch
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit
 def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
     """``x`` (``n`` elements) replaced by its sum over the ranks: push ``x`` to every peer, one flag exchange,
     sum the ranks' copies locally."""
     pid = tl.program_id(0)
-    elem_ty: tl.constexpr = x.dtype.element_ty
     epoch = _next_epoch(epochs, pid)
     half = epoch % 2
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < n
         mine = tl.load(x + offs, mask=mask)
         for p in tl.static_range(WORLD):
             if p != RANK:
-                peer_slot = _slot(tl.load(bases + p), half, RANK, elem_ty, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + offs, mine, mask=mask)
     _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     own = tl.load(bases + RANK)
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < n
         acc = tl.zeros([BLOCK], tl.float32)
         for p in tl.static_range(WORLD):
             if p == RANK:
                 part = tl.load(x + offs, mask=mask)
             else:
-                part = tl.load(_slot(own, half, p, elem_ty, FLAG_BYTES, WORLD, SLOT_ELEMS) + offs, mask=mask)
+                part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + offs, mask=mask)
             acc += part.to(tl.float32)
-        tl.store(x + offs, acc.to(elem_ty), mask=mask)
+        tl.store(x + offs, acc.to(x.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit
 def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
@@ -114,22 +114,21 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
     pushes chunk p to rank p, which sums it (reduce-scatter) and pushes the sum back into every peer's slot at
     the chunk's own place (all-gather)."""
     pid = tl.program_id(0)
-    elem_ty: tl.constexpr = x.dtype.element_ty
     epoch = _next_epoch(epochs, pid)
     half = epoch % 2
-    chunk = tl.cdiv(n, WORLD)
+    chunk = tl.cdiv(tl.cdiv(n, WORLD), 16) * 16  # chunks start 16 elements aligned
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         for p in tl.static_range(WORLD):
             if p != RANK:
                 at = p * chunk + offs
                 mask = (offs < chunk) & (at < n)
-                peer_slot = _slot(tl.load(bases + p), half, RANK, elem_ty, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + at, tl.load(x + at, mask=mask), mask=mask)
     _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     own = tl.load(bases + RANK)
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         at = RANK * chunk + offs
         mask = (offs < chunk) & (at < n)
         acc = tl.zeros([BLOCK], tl.float32)
@@ -137,20 +136,20 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
             if p == RANK:
                 part = tl.load(x + at, mask=mask)
             else:
-                part = tl.load(_slot(own, half, p, elem_ty, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
+                part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
             acc += part.to(tl.float32)
-        total = acc.to(elem_ty)
+        total = acc.to(x.dtype.element_ty)
         tl.store(x + at, total, mask=mask)
         for p in tl.static_range(WORLD):
             if p != RANK:
-                peer_slot = _slot(tl.load(bases + p), half, RANK, elem_ty, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + at, total, mask=mask)
     _exchange_flags(bases, 1, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         for p in tl.static_range(WORLD):
             if p != RANK:
                 at = p * chunk + offs
                 mask = (offs < chunk) & (at < n)
-                gathered = tl.load(_slot(own, half, p, elem_ty, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
+                gathered = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
                 tl.store(x + at, gathered, mask=mask)

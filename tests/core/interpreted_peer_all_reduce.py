@@ -4,14 +4,19 @@ CPU, the ranks' buffers plain tensors in one process.
 The interpreter runs one launch at a time, so the ranks run one after another, rank 0 first: before rank r runs,
 what the ranks after it would have pushed by then is written into its buffer by hand (with their flags), and the
 ranks before it have really pushed. Prints one JSON line per scenario.
+
+With ``--ptx`` it instead compiles the kernels for Hopper (sm_90, no GPU needed) and prints what their PTX holds:
+the flags' system-scope release/acquire, 16-byte data accesses, and no multicast instruction.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+if "--ptx" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
@@ -53,7 +58,7 @@ class SimulatedRanks:
 
     def _pretend_later_ranks_pushed(self, kernel, rank, xs, want, epoch) -> None:
         half, n = epoch % 2, xs[0].numel()
-        chunk = -(-n // self.world)
+        chunk = -(-(-(-n // self.world)) // 16) * 16  # the kernel's chunks: 16-element aligned
         for later in range(rank + 1, self.world):
             slot = self.slots(rank)[half, later]
             if kernel is one_shot_all_reduce_kernel:
@@ -99,7 +104,30 @@ def starved() -> dict:
     return {"starved_errors": int(ranks.errors[0]), "peer_flags": ranks.flags(1)[0, 0].tolist(), "pushed": pushed}
 
 
-if __name__ == "__main__":
+def ptx_facts() -> dict:
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    facts = {}
+    for kernel in (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel):
+        signature = {"x": "*bf16", "n": "i32", "bases": "*i64", "epochs": "*i64", "errors": "*i32",
+                     **{name: "constexpr" for name in ("RANK", "WORLD", "PROGRAMS", "BLOCK", "FLAG_BYTES",
+                                                       "SLOT_ELEMS", "MAX_SPINS")}}
+        constants = {"RANK": 1, "WORLD": 2, "PROGRAMS": 32, "BLOCK": 2048, "FLAG_BYTES": 1024,
+                     "SLOT_ELEMS": 4 << 20, "MAX_SPINS": 1 << 30}
+        aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # what a launch specializes to
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
+        ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        facts[kernel.fn.__name__] = {"release_flag": "atom.global.sys.release.exch.b64" in ptx,
+                                     "acquire_wait": "ld.global.sys.acquire.b64" in ptx,
+                                     "vector_data": "st.global.v4.b32" in ptx, "multimem": "multimem" in ptx}
+    return facts
+
+
+if __name__ == "__main__" and "--ptx" in sys.argv:
+    print(json.dumps(ptx_facts()))
+elif __name__ == "__main__":
     cases = [(2, torch.float32, 5), (2, torch.float32, 200), (2, torch.float16, 200), (4, torch.float32, 37)]
     for world, dtype, n in cases:
         for kernel in (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel):

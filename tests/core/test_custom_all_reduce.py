@@ -100,3 +100,15 @@ def test_a_wait_whose_peer_never_pushes_gives_up_and_counts_an_error(interpreted
     starved = next(s for s in interpreted if "starved_errors" in s)
     assert starved["starved_errors"] == 4  # one per program
     assert starved["peer_flags"] == [1, 1, 1, 1] and starved["pushed"] == [1.0] * 8
+
+
+def test_kernels_compile_for_hopper_with_system_scope_flags_vector_accesses_and_no_multicast():
+    script = Path(__file__).with_name("interpreted_peer_all_reduce.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--ptx"], capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, kernel in facts.items():
+        assert kernel == {"release_flag": True, "acquire_wait": True, "vector_data": True, "multimem": False}, name
