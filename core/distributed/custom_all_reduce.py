@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from treadle.core.distributed.parallel import get_tp_group, install_custom_all_reduce, tp_gather_objects
 
@@ -118,7 +117,9 @@ def setup_custom_all_reduce(mode: bool | str, device: torch.device, nnodes: int,
     fast = None
     if reason is None:
         fast, failure = _try_build(group, device)
-        reason = agreed_reason(tp_gather_objects(failure))
+        # Also the barrier after which every rank's flags are zero: no rank pushes before all have set up.
+        builds = tp_gather_objects((failure, getattr(fast, "offset", None)))
+        reason = agreed_reason([f for f, _ in builds]) or _offsets_disagree([o for _, o in builds])
     if reason is not None:
         if fast is not None:
             fast.close()
@@ -135,37 +136,60 @@ def setup_custom_all_reduce(mode: bool | str, device: torch.device, nnodes: int,
 
 class CustomAllReduce:
     """The peer all-reduce of one rank: ``handles(x)`` says whether a tensor takes it, ``self(x)`` sums ``x`` over
-    the ranks in place (same contract as ``tp_all_reduce``)."""
+    the ranks in place (same contract as ``tp_all_reduce``).
+
+    ``buffer`` is this rank's buffer (``layout.total_bytes``, zeroed here) and ``bases`` every rank's buffer address
+    as mapped in this process, in rank order: :meth:`over_symmetric_memory` on GPUs; the CPU tests map files.
+    """
 
     PROGRAMS = 32
     BLOCK = 2048
     NUM_WARPS = 8
     MAX_SPINS = 1 << 30  # minutes of waiting: a peer that never comes is a bug, reported in `errors`
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, process_group: Any,
-                 plan: AllReducePlan | None = None) -> None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(self, rank: int, world_size: int, buffer: torch.Tensor, bases: list[int],
+                 plan: AllReducePlan | None = None, keepalive: Any = None) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, buffer.device
         self.plan = plan or AllReducePlan.for_world(world_size)
         self.layout = PeerBufferLayout(world_size, self.PROGRAMS, self.plan.max_bytes)
+        if buffer.numel() < self.layout.total_bytes or bases[rank] != buffer.data_ptr():
+            raise ValueError(f"rank {rank}'s buffer ({buffer.numel()} bytes at {buffer.data_ptr():#x}) is not the "
+                             f"{self.layout.total_bytes} bytes at {bases[rank]:#x} its peers see")
+        self.buffer, self.keepalive, self.offset = buffer, keepalive, 0
+        self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        self.epochs = torch.zeros(self.PROGRAMS, dtype=torch.int64, device=self.device)
+        self.errors = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.buffer.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @classmethod
+    def over_symmetric_memory(cls, rank: int, world_size: int, device: torch.device, process_group: Any,
+                              plan: AllReducePlan | None = None) -> "CustomAllReduce":
+        """Buffers from torch's symmetric memory (CUDA backend, multicast off), exchanged over ``process_group``."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        plan = plan or AllReducePlan.for_world(world_size)
+        total = PeerBufferLayout(world_size, cls.PROGRAMS, plan.max_bytes).total_bytes
         _keep_multicast_off()
         with contextlib.suppress(Exception):  # the CUDA backend unless another was chosen before
             symm_mem.set_backend("CUDA")
-        self.buffer = symm_mem.empty(self.layout.total_bytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group=process_group)
-        offset = int(getattr(self.handle, "offset", 0))
-        bases = [int(ptr) + offset for ptr in self.handle.buffer_ptrs]
-        if bases[rank] != self.buffer.data_ptr():
-            raise RuntimeError(f"symmetric buffer at {self.buffer.data_ptr():#x} but its handle says {bases[rank]:#x}")
-        self.bases = torch.tensor(bases, dtype=torch.int64, device=device)
-        self.epochs = torch.zeros(self.PROGRAMS, dtype=torch.int64, device=device)
-        self.errors = torch.zeros(1, dtype=torch.int32, device=device)
-        self.buffer.zero_()
-        torch.cuda.synchronize(device)
+        buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        with contextlib.suppress(Exception):  # needed by older torch releases, a no-op where it is not
+            symm_mem.enable_symm_mem_for_group(process_group.group_name)
+        handle = symm_mem.rendezvous(buffer, group=process_group)
+        # The tensor may sit inside a larger symmetric allocation, at the same offset on every rank (checked by
+        # setup_custom_all_reduce across the ranks).
+        offset = buffer.data_ptr() - int(handle.buffer_ptrs[rank])
+        if not 0 <= offset < int(handle.buffer_size):
+            raise RuntimeError(f"symmetric buffer at {buffer.data_ptr():#x} lies outside its allocation at "
+                               f"{int(handle.buffer_ptrs[rank]):#x}")
+        fast = cls(rank, world_size, buffer, [int(ptr) + offset for ptr in handle.buffer_ptrs], plan, handle)
+        fast.offset = offset
+        return fast
 
     def handles(self, x: torch.Tensor) -> bool:
-        return (x.dtype in SUPPORTED_DTYPES and x.is_cuda and x.is_contiguous()
+        return (x.dtype in SUPPORTED_DTYPES and x.device.type == self.device.type and x.is_contiguous()
                 and x.numel() * x.element_size() <= self.plan.max_bytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,17 +221,21 @@ class CustomAllReduce:
     def close(self) -> None:
         if get_tp_group().custom_all_reduce is self:
             install_custom_all_reduce(None)
-        self.handle = None
+        self.keepalive = None
         self.buffer = None
 
 
 def _try_build(group: Any, device: torch.device) -> tuple[CustomAllReduce | None, str | None]:
     try:
-        fast = CustomAllReduce(group.rank, group.size, device, group.device_group)
-        dist.barrier(group=group.cpu_group)  # every rank's flags are zero before any rank pushes
-        return fast, None
+        return CustomAllReduce.over_symmetric_memory(group.rank, group.size, device, group.device_group), None
     except Exception as exc:  # any failure here means NCCL, said in the log, never a crash or a hang
         return None, f"setting up peer buffers failed: {type(exc).__name__}: {exc}"
+
+
+def _offsets_disagree(offsets: list[int]) -> str | None:
+    if len(set(offsets)) > 1:
+        return f"the ranks' buffers sit at different offsets of their symmetric allocations ({offsets})"
+    return None
 
 
 def _keep_multicast_off() -> None:

@@ -3,6 +3,7 @@ how the ranks agree on it, the buffer layout, and the kernels' flag protocol und
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from treadle.core.distributed import custom_all_reduce
 from treadle.core.distributed.custom_all_reduce import (
     NCCL,
     ONE_SHOT,
@@ -19,9 +21,10 @@ from treadle.core.distributed.custom_all_reduce import (
     AllReducePlan,
     PeerBufferLayout,
     agreed_reason,
+    setup_custom_all_reduce,
     unsupported_reason,
 )
-from treadle.testing.all_reduce import check_custom_all_reduce
+from treadle.core.distributed.parallel import TensorParallelGroup
 
 MiB = 1 << 20
 
@@ -69,14 +72,33 @@ def test_one_rank_that_cannot_makes_every_rank_fall_back():
     assert agreed_reason([None, "no peer access"]) == "rank 1: no peer access"
 
 
-def test_cpu_ranks_fall_back_to_the_group_collective_under_auto():
-    reports = check_custom_all_reduce(world_size=2, device_type="cpu", mode="auto", timeout_s=120)
-    assert [r["all_reduce"] for r in reports] == ["nccl", "nccl"]
+@pytest.fixture
+def two_cpu_ranks(monkeypatch):
+    """This process as either rank of a 2-rank group whose ranks all report what this one does."""
+    monkeypatch.setattr(custom_all_reduce, "get_tp_group", lambda: TensorParallelGroup(rank=0, size=2))
+    monkeypatch.setattr(custom_all_reduce, "tp_gather_objects", lambda obj: [obj, obj])
 
 
-def test_true_where_it_cannot_run_fails_start_naming_the_reason():
-    with pytest.raises(AssertionError, match="custom_all_reduce is true but .*rank 0: the ranks run on cpu"):
-        check_custom_all_reduce(world_size=2, device_type="cpu", mode=True, timeout_s=120)
+def test_auto_falls_back_where_the_ranks_cannot(two_cpu_ranks):
+    assert setup_custom_all_reduce("auto", torch.device("cpu"), nnodes=1) is None
+
+
+def test_true_where_it_cannot_run_fails_start_naming_the_reason(two_cpu_ranks):
+    with pytest.raises(RuntimeError, match="custom_all_reduce is true but .*rank 0: the ranks run on cpu, not CUDA"):
+        setup_custom_all_reduce(True, torch.device("cpu"), nnodes=1)
+
+
+def test_a_failed_buffer_setup_means_nccl_under_auto(two_cpu_ranks, monkeypatch, caplog):
+    monkeypatch.setattr(custom_all_reduce, "unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(custom_all_reduce, "_try_build", lambda group, device: (None, "setting up failed: boom"))
+    with caplog.at_level("INFO"):
+        assert setup_custom_all_reduce("auto", torch.device("cuda", 0), nnodes=1) is None
+    assert "all-reduce: NCCL only (rank 0: setting up failed: boom)" in caplog.text
+
+
+def test_false_never_sets_anything_up(two_cpu_ranks, monkeypatch):
+    monkeypatch.setattr(custom_all_reduce, "_try_build", lambda group, device: pytest.fail("built"))
+    assert setup_custom_all_reduce(False, torch.device("cuda", 0), nnodes=1) is None
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +110,9 @@ def interpreted():
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def test_interpreted_kernels_sum_in_rank_order_identically_on_every_rank(interpreted):
+def test_four_interpreted_ranks_sum_in_rank_order_identically(interpreted):
     scenarios = [s for s in interpreted if "kernel" in s]
-    assert len(scenarios) == 8
+    assert len(scenarios) == 2
     for s in scenarios:
         assert s["exact"] and s["identical"] and s["errors"] == 0, s
         assert s["epochs"] == [3], s  # every program counted three calls
@@ -112,3 +134,22 @@ def test_kernels_compile_for_hopper_with_system_scope_flags_vector_accesses_and_
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     for name, kernel in facts.items():
         assert kernel == {"release_flag": True, "acquire_wait": True, "vector_data": True, "multimem": False}, name
+
+
+def test_two_rank_processes_sum_through_each_others_memory_run_after_run(tmp_path, monkeypatch):
+    """Real concurrency on the CPU: two spawned ranks, buffers mapped from shared files, interpreted kernels
+    spinning on each other's flags; one-shot, two-shot and the gloo fallback chosen by size, both halves of the
+    buffer reused, every result the rank-order sum on both ranks."""
+    from treadle.testing.all_reduce import run_ranks
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ranks = importlib.import_module("peer_all_reduce_ranks")
+    for rank in range(2):
+        (tmp_path / f"rank{rank}.buf").write_bytes(bytes(ranks.buffer_bytes(2)))
+    reports = run_ranks(2, ranks.interpreted_rank, (str(tmp_path),), timeout_s=300)
+    custom = sum(1 for dtype, n in ranks.CALLS if n * torch.empty((), dtype=dtype).element_size() <= 1024)
+    for report in reports:
+        assert report["exact"] and report["identical"] and report["errors"] == 0, report
+        assert report["custom_calls"] == custom == 14
+        assert report["epochs"] == [custom] * 4  # every program counted every peer call, on both ranks
