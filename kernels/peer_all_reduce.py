@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from treadle.kernels.fused import rmsnorm_row, rounded_add
+
 
 @triton.jit
 def _raise_flag(peer_base, slot_index, epoch):
@@ -153,3 +155,40 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
                 mask = (offs < chunk) & (at < n)
                 gathered = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
                 tl.store(x + at, gathered, mask=mask)
+
+
+@triton.jit
+def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_out, rows, cols, eps, bases, epochs,
+                                           errors, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                           PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
+                                           SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """The one-shot all-reduce of ``x`` (``rows`` x ``cols``, contiguous) followed, in the same pass, by the
+    residual add and RMSNorm of ``kernels/fused.py``'s ``add_rmsnorm``: ``residual_out = sum + residual`` and
+    ``out = weight * rmsnorm(residual_out)``, rounded as there. A program owns whole rows (the norm needs all of
+    one), rows ``pid, pid + PROGRAMS, ...``."""
+    pid = tl.program_id(0)
+    epoch = _next_epoch(epochs, pid)
+    half = epoch % 2
+    offs = tl.arange(0, BLOCK)
+    mask = offs < cols
+    for row in range(pid, rows, PROGRAMS):
+        at = row * cols + offs
+        mine = tl.load(x + at, mask=mask)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                tl.store(_slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mine, mask=mask)
+    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    own = tl.load(bases + RANK)
+    w = tl.load(weight + offs, mask=mask, other=0.0)
+    for row in range(pid, rows, PROGRAMS):
+        at = row * cols + offs
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(WORLD):
+            if p == RANK:
+                part = tl.load(x + at, mask=mask, other=0.0)
+            else:
+                part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask, other=0.0)
+            acc += part.to(tl.float32)
+        summed = rounded_add(acc.to(x.dtype.element_ty), tl.load(residual + at, mask=mask, other=0.0))
+        tl.store(residual_out + at, summed, mask=mask)
+        tl.store(out + at, rmsnorm_row(summed, w, cols, eps), mask=mask)

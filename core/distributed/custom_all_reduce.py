@@ -210,6 +210,29 @@ class CustomAllReduce:
             SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS, num_warps=self.NUM_WARPS)
         return x
 
+    def handles_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce_add_rmsnorm` takes ``x`` (2-D rows, a one-shot size, at most 4 rows a
+        program: decode batches; larger ones run the all-reduce and the norm apart)."""
+        return (x.dim() == 2 and self.handles(x) and residual.shape == x.shape and residual.is_contiguous()
+                and residual.dtype == x.dtype and x.shape[0] <= 4 * self.PROGRAMS
+                and self.plan.algorithm(x.numel() * x.element_size()) == ONE_SHOT)
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rmsnorm(all_reduce(x), residual, weight, eps)`` in one kernel: ``(normed, x + residual)`` with
+        ``x`` summed over the ranks (``x`` itself is left as it was)."""
+        from treadle.kernels.peer_all_reduce import one_shot_all_reduce_add_rmsnorm_kernel
+
+        rows, cols = x.shape
+        out, residual_out = torch.empty_like(x), torch.empty_like(x)
+        block = 1 << (cols - 1).bit_length()
+        one_shot_all_reduce_add_rmsnorm_kernel[(self.PROGRAMS,)](
+            x, residual, weight, out, residual_out, rows, cols, eps, self.bases, self.epochs, self.errors,
+            RANK=self.rank, WORLD=self.world_size, PROGRAMS=self.PROGRAMS, BLOCK=block,
+            FLAG_BYTES=self.layout.flag_bytes, SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS,
+            num_warps=min(16, max(1, block // 256)))  # add_rmsnorm's layout: the same sums, bit for bit
+        return out, residual_out
+
     def error_count(self) -> int:
         """Waits that gave up so far (a host sync: tests and diagnostics only)."""
         return int(self.errors.item())

@@ -111,6 +111,16 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rmsnorm(sum + residual) * weight, sum + residual)`` with ``sum`` the all-reduce of ``x``, in one kernel
+    where the peer all-reduce takes this size; None where it does not (the caller all-reduces, then norms)."""
+    fast = _group.custom_all_reduce
+    if fast is None or not fast.handles_add_rmsnorm(x, residual):
+        return None
+    return fast.all_reduce_add_rmsnorm(x, residual, weight, eps)
+
+
 def install_custom_all_reduce(fast: Any) -> None:
     """Route ``tp_all_reduce``'s messages that ``fast.handles`` to ``fast(x)`` (None: NCCL for all). Every rank
     must install the same kind, or their collectives would not meet."""

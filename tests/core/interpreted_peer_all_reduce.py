@@ -21,7 +21,11 @@ if "--ptx" not in sys.argv:
 import torch  # noqa: E402
 
 from treadle.core.distributed.custom_all_reduce import PeerBufferLayout  # noqa: E402
-from treadle.kernels.peer_all_reduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel  # noqa: E402
+from treadle.kernels.peer_all_reduce import (  # noqa: E402
+    one_shot_all_reduce_add_rmsnorm_kernel,
+    one_shot_all_reduce_kernel,
+    two_shot_all_reduce_kernel,
+)
 
 PROGRAMS, BLOCK, SLOT_BYTES = 4, 16, 1024
 
@@ -110,13 +114,17 @@ def ptx_facts() -> dict:
     from triton.compiler import ASTSource
 
     facts = {}
-    for kernel in (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel):
-        signature = {"x": "*bf16", "n": "i32", "bases": "*i64", "epochs": "*i64", "errors": "*i32",
-                     **{name: "constexpr" for name in ("RANK", "WORLD", "PROGRAMS", "BLOCK", "FLAG_BYTES",
-                                                       "SLOT_ELEMS", "MAX_SPINS")}}
-        constants = {"RANK": 1, "WORLD": 2, "PROGRAMS": 32, "BLOCK": 2048, "FLAG_BYTES": 1024,
-                     "SLOT_ELEMS": 4 << 20, "MAX_SPINS": 1 << 30}
-        aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # what a launch specializes to
+    constants = {"RANK": 1, "WORLD": 2, "PROGRAMS": 32, "BLOCK": 2048, "FLAG_BYTES": 1024, "SLOT_ELEMS": 4 << 20,
+                 "MAX_SPINS": 1 << 30}
+    tail = {"bases": "*i64", "epochs": "*i64", "errors": "*i32", **{name: "constexpr" for name in constants}}
+    signatures = {one_shot_all_reduce_kernel: {"x": "*bf16", "n": "i32", **tail},
+                  two_shot_all_reduce_kernel: {"x": "*bf16", "n": "i32", **tail},
+                  one_shot_all_reduce_add_rmsnorm_kernel: {
+                      **{name: "*bf16" for name in ("x", "residual", "weight", "out", "residual_out")},
+                      "rows": "i32", "cols": "i32", "eps": "fp32", **tail}}
+    for kernel, signature in signatures.items():
+        pointers_and_sizes = [i for i, kind in enumerate(signature.values()) if kind.startswith("*") or kind == "i32"]
+        aligned = {(i,): [["tt.divisibility", 16]] for i in pointers_and_sizes}  # what a launch specializes to
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
         ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         facts[kernel.fn.__name__] = {"release_flag": "atom.global.sys.release.exch.b64" in ptx,

@@ -24,6 +24,10 @@ CALLS = [(torch.float32, 5), (torch.float32, 64), (torch.float32, 65), (torch.fl
          (torch.float32, 257), (torch.float16, 600), (torch.float16, 129), (torch.float32, 3)] * 2
 
 
+# (dtype, rows, cols) of all-reduces fused with the residual add and RMSNorm (one-shot sizes).
+FUSED = [(torch.float32, 1, 48), (torch.float16, 2, 64), (torch.float32, 3, 20)]
+
+
 class SmallPeerAllReduce(CustomAllReduce):
     PROGRAMS = 4
     BLOCK = 16
@@ -59,7 +63,36 @@ def interpreted_rank(rank: int, world_size: int, init_method: str, folder: str) 
             outs = [torch.empty_like(got) for _ in range(world_size)]
             dist.all_gather(outs, got)
             identical &= all(torch.equal(o, outs[0]) for o in outs)
-        return {"exact": bool(exact), "identical": bool(identical), "custom_calls": custom_calls,
+        fused = _fused_calls(gen, world_size)
+        return {"exact": bool(exact), "identical": bool(identical), "custom_calls": custom_calls, **fused,
                 "epochs": fast.epochs.tolist(), "errors": fast.error_count()}
     finally:
         destroy_tensor_parallel()
+
+
+def _fused_calls(gen: torch.Generator, world_size: int) -> dict[str, Any]:
+    from treadle.core.distributed.parallel import tp_all_reduce_add_rmsnorm
+
+    sums_exact = norms_close = identical = untouched = True
+    for dtype, rows, cols in FUSED:
+        x = torch.randn(rows, cols, generator=gen).to(dtype)
+        residual, weight = torch.randn(rows, cols).to(dtype), torch.rand(cols).to(dtype) + 0.5
+        dist.broadcast(residual, 0)
+        dist.broadcast(weight, 0)
+        inputs = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(inputs, x)
+        total = torch.stack([t.float() for t in inputs]).sum(0).to(dtype)
+        want_sum = (total.float() + residual.float()).to(dtype)
+        s32 = want_sum.double()
+        want_norm = weight.double() * s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-5)
+        before = x.clone()
+        normed, summed = tp_all_reduce_add_rmsnorm(x, residual, weight, 1e-5)
+        untouched &= torch.equal(x, before)
+        sums_exact &= torch.equal(summed, want_sum)
+        norms_close &= torch.allclose(normed.double(), want_norm, rtol=2e-3 if dtype == torch.float16 else 1e-5,
+                                      atol=1e-3 if dtype == torch.float16 else 1e-5)
+        outs = [torch.empty_like(normed) for _ in range(world_size)]
+        dist.all_gather(outs, normed)
+        identical &= all(torch.equal(o, outs[0]) for o in outs)
+    return {"fused_sums_exact": bool(sums_exact), "fused_norms_close": bool(norms_close),
+            "fused_identical": bool(identical), "fused_input_untouched": bool(untouched)}

@@ -132,6 +132,7 @@ def test_kernels_compile_for_hopper_with_system_scope_flags_vector_accesses_and_
         pytest.skip("no ptxas in this triton install")
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(facts) == 3
     for name, kernel in facts.items():
         assert kernel == {"release_flag": True, "acquire_wait": True, "vector_data": True, "multimem": False}, name
 
@@ -139,7 +140,8 @@ def test_kernels_compile_for_hopper_with_system_scope_flags_vector_accesses_and_
 def test_two_rank_processes_sum_through_each_others_memory_run_after_run(tmp_path, monkeypatch):
     """Real concurrency on the CPU: two spawned ranks, buffers mapped from shared files, interpreted kernels
     spinning on each other's flags; one-shot, two-shot and the gloo fallback chosen by size, both halves of the
-    buffer reused, every result the rank-order sum on both ranks."""
+    buffer reused, every result the rank-order sum on both ranks; then all-reduces fused with the residual add and
+    RMSNorm."""
     from treadle.testing.all_reduce import run_ranks
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
@@ -152,4 +154,7 @@ def test_two_rank_processes_sum_through_each_others_memory_run_after_run(tmp_pat
     for report in reports:
         assert report["exact"] and report["identical"] and report["errors"] == 0, report
         assert report["custom_calls"] == custom == 14
-        assert report["epochs"] == [custom] * 4  # every program counted every peer call, on both ranks
+        assert report["fused_sums_exact"] and report["fused_norms_close"], report
+        assert report["fused_identical"] and report["fused_input_untouched"], report
+        # every program counted every peer call (the fused ones too), on both ranks
+        assert report["epochs"] == [custom + len(ranks.FUSED)] * 4
