@@ -1,7 +1,7 @@
 """Tensor-parallel decode with NCCL against the peer-to-peer all-reduce: all-reduce latency by message size, then
 the bs=1 decode step of Llama-3.1-8B shapes at tp=1, tp=2 over NCCL and tp=2 over the peer all-reduce.
 
-    python -m treadle.bench.tp_decode --output bench/results/tp_decode_2xh100.json
+    treadle bench tp-decode --output bench/results/tp_decode_2xh100.json   # or python -m treadle.bench.tp_decode
 
 Part 1 (``--skip-latency`` leaves it out): two ranks capture ``--calls`` back-to-back all-reduces of one size in a
 CUDA graph per method (NCCL, one-shot, two-shot) and time its replays: microseconds per all-reduce. Part 2 runs

@@ -177,7 +177,7 @@ class CustomAllReduce:
         buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
         with contextlib.suppress(Exception):  # needed by older torch releases, a no-op where it is not
             symm_mem.enable_symm_mem_for_group(process_group.group_name)
-        handle = symm_mem.rendezvous(buffer, group=process_group)
+        handle = symm_mem.rendezvous(buffer, process_group.group_name)  # a name: every torch release takes it
         # The tensor may sit inside a larger symmetric allocation, at the same offset on every rank (checked by
         # setup_custom_all_reduce across the ranks).
         offset = buffer.data_ptr() - int(handle.buffer_ptrs[rank])
