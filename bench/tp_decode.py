@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from treadle.bench.results_folder import default_output
+from treadle.core.execution.cuda_graph import replay_seconds
 from treadle.testing.all_reduce import run_ranks
 
 KiB = 1024
@@ -87,14 +88,8 @@ def _graph_us(run: Any, x: torch.Tensor, calls: int, replays: int) -> float:
             run(x)
     graph.replay()
     torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (replays * calls)
+    dist.barrier()  # both ranks start timing together
+    return replay_seconds(graph, replays) * 1e6 / calls
 
 
 def decode_steps(args: argparse.Namespace) -> dict[str, Any]:

@@ -70,6 +70,20 @@ def _slot(base, half, src, like, FLAG_BYTES: tl.constexpr, WORLD: tl.constexpr, 
 
 
 @triton.jit
+def _sum_in_rank_order(x, own, half, at, mask, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                       FLAG_BYTES: tl.constexpr, SLOT_ELEMS: tl.constexpr):
+    """float32 sum over the ranks of elements ``at``: this rank's from ``x``, the others' from their slots here."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for p in tl.static_range(WORLD):
+        if p == RANK:
+            part = tl.load(x + at, mask=mask, other=0.0)
+        else:
+            part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask, other=0.0)
+        acc += part.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _next_epoch(epochs, pid):
     epoch = tl.load(epochs + pid) + 1
     tl.store(epochs + pid, epoch)
@@ -98,13 +112,7 @@ def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < n
-        acc = tl.zeros([BLOCK], tl.float32)
-        for p in tl.static_range(WORLD):
-            if p == RANK:
-                part = tl.load(x + offs, mask=mask)
-            else:
-                part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + offs, mask=mask)
-            acc += part.to(tl.float32)
+        acc = _sum_in_rank_order(x, own, half, offs, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
         tl.store(x + offs, acc.to(x.dtype.element_ty), mask=mask)
 
 
@@ -133,13 +141,7 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         at = RANK * chunk + offs
         mask = (offs < chunk) & (at < n)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for p in tl.static_range(WORLD):
-            if p == RANK:
-                part = tl.load(x + at, mask=mask)
-            else:
-                part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
-            acc += part.to(tl.float32)
+        acc = _sum_in_rank_order(x, own, half, at, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
         total = acc.to(x.dtype.element_ty)
         tl.store(x + at, total, mask=mask)
         for p in tl.static_range(WORLD):
@@ -182,13 +184,7 @@ def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_ou
     w = tl.load(weight + offs, mask=mask, other=0.0)
     for row in range(pid, rows, PROGRAMS):
         at = row * cols + offs
-        acc = tl.zeros([BLOCK], tl.float32)
-        for p in tl.static_range(WORLD):
-            if p == RANK:
-                part = tl.load(x + at, mask=mask, other=0.0)
-            else:
-                part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask, other=0.0)
-            acc += part.to(tl.float32)
+        acc = _sum_in_rank_order(x, own, half, at, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
         summed = rounded_add(acc.to(x.dtype.element_ty), tl.load(residual + at, mask=mask, other=0.0))
         tl.store(residual_out + at, summed, mask=mask)
         tl.store(out + at, rmsnorm_row(summed, w, cols, eps), mask=mask)
