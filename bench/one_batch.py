@@ -108,15 +108,17 @@ def _tensor_parallel_rank(rank: int, tp_size: int, store: str, argv: list[str]) 
     import contextlib
     import io
 
+    from treadle.core.distributed.custom_all_reduce import setup_custom_all_reduce
     from treadle.core.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
 
     args = _parser().parse_args(argv)
     # HF and the profiler see one rank's shard only; an Engine row would start its own tensor-parallel ranks.
     args.no_hf = args.no_profile = args.no_engine = True
     device = _device(args)
-    init_tensor_parallel(rank, tp_size, f"file://{store}",
-                         torch.device("cuda", rank) if device.type == "cuda" else device, timeout_s=1800)
+    rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
+    init_tensor_parallel(rank, tp_size, f"file://{store}", rank_device, timeout_s=1800)
     try:
+        setup_custom_all_reduce({"true": True, "false": False}.get(args.custom_all_reduce, "auto"), rank_device, 1, list(range(tp_size)))
         if rank == 0:
             _measure(args, argv)
         else:
@@ -250,6 +252,7 @@ def _write_report(args: argparse.Namespace, argv: Sequence[str] | None, device: 
         "machine": machine_info(device),
         "model": "tiny" if args.tiny else (args.model or f"{args.shape} shapes, dummy weights"),
         "tp_size": args.tp,
+        "all_reduce": _all_reduce_in_use(),
         "dtype": args.dtype,
         "input_len": args.input_len,
         "decode_steps": args.decode_steps,
@@ -404,6 +407,13 @@ def _variant_overrides(variant: str) -> dict[str, Any]:
     return overrides
 
 
+def _all_reduce_in_use() -> str:
+    from treadle.core.distributed.parallel import get_tp_group
+
+    fast = get_tp_group().custom_all_reduce
+    return fast.describe() if fast is not None else "nccl"
+
+
 def _small_batch_choices() -> dict[str, str]:
     from treadle.layers.small_batch import choices
 
@@ -425,6 +435,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="model shape when no --model is given (default llama-3.1-8b)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks (one GPU each; gloo processes on the CPU); the roofline is per GPU")
+    parser.add_argument("--custom-all-reduce", default="auto", choices=["auto", "true", "false"],
+                        help="with --tp: parallel.custom_all_reduce (peer-to-peer all-reduce for small messages)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--context-length", type=int, default=8192)

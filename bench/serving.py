@@ -61,6 +61,7 @@ class RequestResult:
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache supplied (its meta_info / usage)
 
 
 async def run_benchmark(base_url: str, requests: Sequence[BenchRequest], request_rate: float,
@@ -123,8 +124,10 @@ async def _send(client: httpx.AsyncClient, req: BenchRequest, api: str, model: s
                 now = time.perf_counter()
                 if api == "native":
                     new = len(chunk["output_ids"]) - tokens
+                    result.cached_tokens = (chunk.get("meta_info") or {}).get("cached_tokens", result.cached_tokens)
                 elif chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+                    result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                     continue
                 else:
                     new = 1 if chunk.get("choices") and chunk["choices"][0].get("text") else 0
@@ -217,6 +220,8 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
         "output_token_throughput": output_tokens / wall_s if wall_s else 0.0,
         "total_input_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in done),
+        "cache_hit_rate": sum(r.cached_tokens for r in done) / prompt_tokens if prompt_tokens else 0.0,
     }
     for name, values in (("ttft_ms", [r.ttft_s for r in done]), ("itl_ms", itl),
                          ("e2e_latency_ms", [r.latency_s for r in done])):
@@ -245,6 +250,7 @@ def format_table(summary: dict[str, Any]) -> str:
         ("request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
         ("input throughput (tok/s)", f"{summary['input_token_throughput']:.1f}"),
         ("output throughput (tok/s)", f"{summary['output_token_throughput']:.1f}"),
+        ("prefix cache hit rate", f"{summary.get('cache_hit_rate', 0.0):.1%} of prompt tokens"),
     ]
     for name, label in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_latency_ms", "E2E latency (ms)")):
         s = summary[name]
@@ -266,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input-len", default="32:256", help="MIN:MAX prompt tokens (random workload)")
     parser.add_argument("--output-len", default="16:128", help="MIN:MAX output tokens")
     parser.add_argument("--prefix-len", type=int, default=400, help="shared-prefix workload: system prompt tokens")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="shared-prefix workload: distinct system prompts, requests cycling through them")
+    parser.add_argument("--question-len", default="16:48", help="shared-prefix workload: MIN:MAX question tokens")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument("--seed", type=int, default=0)
@@ -293,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "random":
         params["input_len"] = parse_len_range(args.input_len)
     else:
-        params["prefix_len"] = args.prefix_len
+        params.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                      question_len=parse_len_range(args.question_len))
     workload = build_workload(args.workload, args.num_prompts, token_ids, **params)
 
     if args.workers < 1:

@@ -246,6 +246,9 @@ class ParallelConfig(Section):
     dist_init_addr: str | None = Field(
         None, description="host:port of rank 0's torch.distributed TCP store; needed when nnodes > 1")
     dist_timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails")
+    custom_all_reduce: bool | Literal["auto"] = Field(
+        "auto", description="peer-to-peer all-reduce for small tensor-parallel messages (NCCL for the rest): auto "
+                            "uses it where all ranks can (CUDA, one node, peer access), true requires it, false is NCCL")
 
     @model_validator(mode="after")
     def _layout(self) -> "ParallelConfig":

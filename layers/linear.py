@@ -47,6 +47,7 @@ from treadle.core.distributed.parallel import (
     get_tp_size,
     tp_all_gather,
     tp_all_reduce,
+    tp_all_reduce_add_rmsnorm,
     tp_head_counts,
     tp_kv_head_start,
 )
@@ -291,11 +292,24 @@ class RowParallelLinear(LinearBase):
         """``norm(self(x), residual)`` — the residual add and RMSNorm after the layer (``norm`` an RMSNorm with
         ``weight`` and ``eps``), computed in the layer's own kernel where the quant method has one for this batch
         (one-token GEMVs on a GPU: a kernel launch less per layer); None: run the layer, then the norm."""
+        if self.tp_size != 1:
+            return self._all_reduce_add_rmsnorm(x, residual, norm)
         apply = getattr(self.quant_method, "apply_add_rmsnorm", None)
         # A layer with output deltas runs unfused: its matmul, the deltas, then the norm.
-        if apply is None or self.tp_size != 1 or self.bias is not None or self.output_deltas:
+        if apply is None or self.bias is not None or self.output_deltas:
             return None
         return apply(self, x, residual, norm.weight, norm.eps)
+
+    def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
+                                norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # Under tensor parallelism the peer all-reduce may run the add and the norm in its own pass.
+        if not self.reduce_results or self.bias is not None or not hasattr(norm, "eps"):
+            return None
+        y = self.quant_method.apply(self, x, None)
+        if self.output_deltas:
+            y = self.add_output_deltas(x, y)
+        fused = tp_all_reduce_add_rmsnorm(y, residual, norm.weight, norm.eps)
+        return fused if fused is not None else norm(tp_all_reduce(y), residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

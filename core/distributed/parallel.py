@@ -30,6 +30,7 @@ class TensorParallelGroup:
     size: int = 1
     device_group: Any = None  # tensors: NCCL on CUDA, gloo on the CPU
     cpu_group: Any = None  # pickled objects and host integers: always gloo
+    custom_all_reduce: Any = None  # the peer all-reduce for small messages (custom_all_reduce.py), or None
 
 
 _group = TensorParallelGroup()
@@ -92,17 +93,38 @@ def init_tensor_parallel(
 def destroy_tensor_parallel() -> None:
     """Leave the group (no-op at tp 1)."""
     global _group
+    _group.custom_all_reduce = None  # its peer buffers go before the group they were exchanged over
     if _group.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _group = TensorParallelGroup()
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``x`` over the ranks, in place; ``x`` itself at tp 1."""
+    """Sum of ``x`` over the ranks, in place; ``x`` itself at tp 1. Small messages on GPUs with peer access take
+    the peer-to-peer all-reduce (``custom_all_reduce.py``) where it is installed, the rest NCCL (gloo on CPUs)."""
     if _group.size == 1:
         return x
+    fast = _group.custom_all_reduce
+    if fast is not None and fast.handles(x):
+        return fast(x)
     dist.all_reduce(x, group=_group.device_group)
     return x
+
+
+def tp_all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rmsnorm(sum + residual) * weight, sum + residual)`` with ``sum`` the all-reduce of ``x``, in one kernel
+    where the peer all-reduce takes this size; None where it does not (the caller all-reduces, then norms)."""
+    fast = _group.custom_all_reduce
+    if fast is None or not fast.handles_add_rmsnorm(x, residual):
+        return None
+    return fast.all_reduce_add_rmsnorm(x, residual, weight, eps)
+
+
+def install_custom_all_reduce(fast: Any) -> None:
+    """Route ``tp_all_reduce``'s messages that ``fast.handles`` to ``fast(x)`` (None: NCCL for all). Every rank
+    must install the same kind, or their collectives would not meet."""
+    _group.custom_all_reduce = fast
 
 
 def tp_all_gather(x: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from treadle.core.config import ServerConfig
+from treadle.core.distributed.custom_all_reduce import setup_custom_all_reduce
 from treadle.core.distributed.parallel import (
     destroy_tensor_parallel,
+    get_tp_group,
     init_tensor_parallel,
     tp_broadcast_object,
     tp_gather_objects,
@@ -168,8 +170,10 @@ class LeaderScheduler:
 
     @property
     def model_info(self) -> dict[str, Any]:
+        fast = get_tp_group().custom_all_reduce
         return {**self.scheduler.model_info, "tp_size": self.ranks.layout.tp_size,
-                "tp_rank_pids": {rank: process.pid for rank, process in self.ranks.processes.items()}}
+                "tp_rank_pids": {rank: process.pid for rank, process in self.ranks.processes.items()},
+                "all_reduce": fast.describe() if fast is not None else "nccl"}
 
     def add_request(self, req: Any) -> None:
         snapshot = pickle.dumps(req)  # before the local scheduler touches it
@@ -475,4 +479,6 @@ def _join_group(layout: RankLayout, rank: int, init_method: str, config: ServerC
                 check_peers: Callable[[], None] | None = None) -> None:
     device = layout.local_device(rank)
     init_tensor_parallel(rank, layout.tp_size, init_method, device, config.parallel.dist_timeout_s, check_peers)
+    local_devices = [layout.local_device(r).index for r in layout.local_ranks()]
+    setup_custom_all_reduce(config.parallel.custom_all_reduce, device, layout.nnodes, local_devices)
 

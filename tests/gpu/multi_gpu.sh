@@ -15,6 +15,14 @@
 #   mixtral_offline Mixtral-8x7B shapes, tp=GPUS, offline throughput on the same workload
 #   dp              Llama-3.1-8B shapes, dp=GPUS vs dp=1 through the server (default config): DP_PROMPTS (1000;
 #                   issue 47 asks 2000 at dp=8) requests at once, then 40 req/s
+#   dp_prefix       dp=2 on 8B shapes, a shared-prefix workload (DP_PREFIXES=97 system prompts of DP_PREFIX_LEN=4000
+#                   tokens, more than one replica's KV cache holds, fewer than two hold; an odd count so that round robin
+#                   spreads each prompt over both replicas): parallel.dp_policy prefix_aware vs round_robin, cache hit
+#                   rate and throughput (target prefix_aware >= 1.3x)
+#   ar_tests        the peer-to-peer all-reduce (issue 48): conformance against NCCL (1 KiB..8 MiB, bf16/fp16/fp32,
+#                   eager and CUDA graphs) and a tp=2 Engine using it
+#   tp_decode       all-reduce latency by size (NCCL, one-shot, two-shot) and the bs=1/32 decode step of 8B shapes:
+#                   tp=1, tp=2 over NCCL, tp=2 over the peer all-reduce (target tp=2 <= 0.6x tp=1)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -39,6 +47,21 @@ serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at o
     --output-len 16:400 --request-rate 40 --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
   kill "$pid"; wait "$pid"
 }
+prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all at once
+  local dir; dir=$(shape_dir llama-3.1-8b); local port=31010
+  python3 -m treadle.server.launch --set model.path="$dir" --set model.load_format=dummy --set server.port=$port \
+    --set parallel.dp_size=2 --set parallel.dp_policy="$1" > "$OUT/dp_prefix_$1_server.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 300); do
+    grep -q Traceback "$OUT/dp_prefix_$1_server.log" && break
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1
+  done
+  timeout 300 python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --workload shared-prefix \
+    --num-prompts "${DP_PROMPTS:-1200}" --num-prefixes "${DP_PREFIXES:-97}" --prefix-len "${DP_PREFIX_LEN:-4000}" \
+    --question-len 16:48 --output-len 16:64 --workers 4 --no-progress \
+    --output "$OUT/serving_dp2_prefix_$1.json" 2>&1 | tail -16
+  kill "$pid"; wait "$pid"
+}
 for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
@@ -46,6 +69,20 @@ for stage in "$@"; do
       export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; [ -d /tmp/pkg ] && export PYTHONPATH=$PYTHONPATH:/tmp/pkg
       nvidia-smi -L ;;
     nccl_smoke) timeout 60 python3 tests/gpu/nccl_graph_smoke.py 2>&1 | grep -v Warn | tail -3 ;;
+    dp_prefix) for policy in prefix_aware round_robin; do prefix_policy $policy; done
+      python3 - "$OUT" <<'PY'
+import json, sys
+runs = {p: json.load(open(f"{sys.argv[1]}/serving_dp2_prefix_{p}.json"))["summary"] for p in ("prefix_aware", "round_robin")}
+for p, s in runs.items():
+    print(f"{p}: {s['output_token_throughput']:.0f} out tok/s, {s['input_token_throughput']:.0f} in tok/s, "
+          f"cache hit rate {s['cache_hit_rate']:.1%}, {s['completed']} done / {s['failed']} failed")
+ratio = runs["prefix_aware"]["output_token_throughput"] / max(runs["round_robin"]["output_token_throughput"], 1e-9)
+print(f"prefix_aware / round_robin throughput: {ratio:.2f}x (target >= 1.3x)")
+PY
+      ;;
+    ar_tests) timeout 560 python3 -m pytest -q -s -rs tests/gpu/test_custom_all_reduce_gpu.py 2>&1 | tee "$OUT/ar_tests.log" | tail -30 ;;
+    tp_decode) timeout 590 python3 -m treadle.bench.tp_decode --timeout-s 180 --output "$OUT/tp_decode_2gpu.json" 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/tp_decode.log" | tail -40 ;;
     tp_tests) timeout 500 python3 -m pytest -q -s -rs tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
     tp_8b)
       for tp in 1 2; do

@@ -554,6 +554,25 @@ def test_bench_serving_reports_throughput_and_latency(server: ServerHandle, tmp_
     assert all(request["itl_s"] is None for request in record["requests"])  # left out unless asked for
 
 
+@pytest.mark.parametrize("api", ["native", "openai"])
+def test_bench_serving_reports_the_prefix_cache_hit_rate_of_a_shared_prefix_workload(
+        server: ServerHandle, tmp_path, capsys, api: str) -> None:
+    from treadle.bench.serving import main
+
+    out = tmp_path / "serving.json"
+    rc = main(["--base-url", server.base_url, "--api-key", API_KEY, "--api", api, "--workload", "shared-prefix",
+               "--num-prompts", "4", "--prefix-len", "40", "--num-prefixes", "2", "--question-len", "3:5",
+               "--output-len", "2:3", "--max-concurrency", "1", "--seed", "7", "--output", str(out)])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    summary = record["summary"]
+    assert record["workload"]["params"]["num_prefixes"] == 2
+    # One at a time: requests 3 and 4 find their system prompt (whole 16-token pages at least) in the cache.
+    assert summary["cached_tokens"] >= 2 * 32
+    assert summary["cache_hit_rate"] == summary["cached_tokens"] / summary["total_input_tokens"]
+    assert "prefix cache hit rate" in capsys.readouterr().out
+
+
 def test_bench_serving_keeps_each_requests_token_gaps_when_asked(server: ServerHandle, tmp_path) -> None:
     from treadle.bench.serving import main
 

@@ -1,0 +1,159 @@
+"""Tensor-parallel decode with NCCL against the peer-to-peer all-reduce: all-reduce latency by message size, then
+the bs=1 decode step of Llama-3.1-8B shapes at tp=1, tp=2 over NCCL and tp=2 over the peer all-reduce.
+
+    treadle bench tp-decode --output bench/results/tp_decode_2xh100.json   # or python -m treadle.bench.tp_decode
+
+Part 1 (``--skip-latency`` leaves it out): two ranks capture ``--calls`` back-to-back all-reduces of one size in a
+CUDA graph per method (NCCL, one-shot, two-shot) and time its replays: microseconds per all-reduce. Part 2 runs
+``treadle bench one-batch`` three times (``--tp 1``; ``--tp 2 --custom-all-reduce false``; ``--tp 2
+--custom-all-reduce true``), CUDA graphs on, and reads their JSON. Prints both tables; writes one JSON.
+Target (issue 48): tp=2 bs=1 step <= 0.60x tp=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from treadle.bench.results_folder import default_output
+from treadle.core.execution.cuda_graph import replay_seconds
+from treadle.testing.all_reduce import run_ranks
+
+KiB = 1024
+SIZES = (8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB, 2048 * KiB, 8192 * KiB)
+RUNS = (("tp1", ["--tp", "1"]), ("tp2_nccl", ["--tp", "2", "--custom-all-reduce", "false"]),
+        ("tp2_custom", ["--tp", "2", "--custom-all-reduce", "true"]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    result: dict[str, Any] = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                              "command": " ".join(["python -m treadle.bench.tp_decode", *(argv or sys.argv[1:])]),
+                              "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    if not args.skip_latency:
+        result["all_reduce_us"] = all_reduce_latency(args.calls, args.replays, args.timeout_s)
+        print(latency_table(result["all_reduce_us"]), flush=True)
+    if not args.skip_decode:
+        result["decode"] = decode_steps(args)
+        print(decode_table(result["decode"]), flush=True)
+    out = Path(args.output) if args.output else default_output(f"tp_decode_{dt.date.today():%Y%m%d}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def all_reduce_latency(calls: int, replays: int, timeout_s: float) -> dict[str, dict[str, float]]:
+    """``{size: {method: µs per all-reduce}}``, rank 0's timing of graph replays (every rank replays alike)."""
+    reports = run_ranks(2, _latency_rank, (calls, replays), timeout_s)
+    return reports[0]["latency_us"]
+
+
+def _latency_rank(rank: int, world_size: int, init_method: str, calls: int, replays: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from treadle.core.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT, setup_custom_all_reduce
+    from treadle.core.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
+
+    device = torch.device("cuda", rank)
+    init_tensor_parallel(rank, world_size, init_method, device, timeout_s=120.0)
+    try:
+        fast = setup_custom_all_reduce(True, device, 1, list(range(world_size)))
+        methods = {"nccl": lambda x: dist.all_reduce(x), ONE_SHOT: lambda x: fast.reduce(x, ONE_SHOT),
+                   TWO_SHOT: lambda x: fast.reduce(x, TWO_SHOT)}
+        latency: dict[str, dict[str, float]] = {}
+        for nbytes in SIZES:
+            x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)
+            latency[f"{nbytes // KiB} KiB"] = {name: _graph_us(run, x, calls, replays) for name, run in methods.items()}
+        return {"latency_us": latency, "errors": fast.error_count()}
+    finally:
+        destroy_tensor_parallel()
+
+
+def _graph_us(run: Any, x: torch.Tensor, calls: int, replays: int) -> float:
+    import torch.distributed as dist
+
+    run(x)  # compiled and warm before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()  # both ranks start timing together
+    return replay_seconds(graph, replays) * 1e6 / calls
+
+
+def decode_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """Each run's one-batch rows (triton, graphs on) by name; a run that fails records its error and log tail."""
+    runs: dict[str, Any] = {}
+    folder = Path(tempfile.mkdtemp(prefix="treadle-tp-decode-"))
+    for name, extra in RUNS:
+        out = folder / f"{name}.json"
+        cmd = [sys.executable, "-m", "treadle.bench.one_batch", *extra, "--batch-sizes", args.batch_sizes,
+               "--backends", args.backend, "--graphs", "on", "--no-hf", "--no-profile", "--output", str(out)]
+        print("running:", " ".join(cmd[1:]), flush=True)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            runs[name] = {"error": f"timed out after {args.timeout_s:g} s"}
+            continue
+        if done.returncode != 0 or not out.exists():
+            runs[name] = {"error": f"exit {done.returncode}", "log_tail": (done.stdout + done.stderr)[-3000:]}
+            print(runs[name]["log_tail"], flush=True)
+            continue
+        report = json.loads(out.read_text())
+        runs[name] = {"all_reduce": report.get("all_reduce", "nccl"),
+                      "rows": [{k: row.get(k) for k in ("system", "batch_size", "decode_step_ms", "first_tokens")}
+                               for row in report["results"] if row.get("decode_step_ms")]}
+    return runs
+
+
+def latency_table(latency: dict[str, dict[str, float]]) -> str:
+    lines = ["| message | NCCL µs | one-shot µs | two-shot µs | best peer / NCCL |", "|---|---:|---:|---:|---:|"]
+    for size, by in latency.items():
+        best = min(by["one_shot"], by["two_shot"])
+        lines.append(f"| {size} | {by['nccl']:.1f} | {by['one_shot']:.1f} | {by['two_shot']:.1f} | "
+                     f"{best / by['nccl']:.2f}x |")
+    return "\n".join(lines)
+
+
+def decode_table(runs: dict[str, Any]) -> str:
+    base = {(r["system"], r["batch_size"]): r for r in runs.get("tp1", {}).get("rows", [])}
+    lines = ["| run | all-reduce | bs | ms/step | / tp1 | first tokens as tp1 |", "|---|---|---:|---:|---:|---|"]
+    for name, run in runs.items():
+        if "error" in run:
+            lines.append(f"| {name} | failed: {run['error']} | | | | |")
+            continue
+        for row in run["rows"]:
+            ref = base.get((row["system"], row["batch_size"]))
+            ratio = f"{row['decode_step_ms'] / ref['decode_step_ms']:.2f}x" if ref else "-"
+            same = "-" if ref is None else str(row["first_tokens"] == ref["first_tokens"])
+            lines.append(f"| {name} | {'peer' if run['all_reduce'].startswith('peer') else 'nccl'} | {row['batch_size']} | {row['decode_step_ms']:.2f} | "
+                         f"{ratio} | {same} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle bench tp-decode", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--calls", type=int, default=50, help="all-reduces per captured graph (default 50)")
+    parser.add_argument("--replays", type=int, default=20, help="timed graph replays per size and method")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=400.0, help="per part and per decode run")
+    parser.add_argument("--output", default=None, help="JSON path (default <results folder>/tp_decode_<date>.json)")
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

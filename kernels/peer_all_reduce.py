@@ -1,0 +1,190 @@
+"""Triton kernels of the peer-to-peer all-reduce: each rank pushes its tensor into the other ranks' buffers
+(memory mapped into every rank, see ``core/distributed/custom_all_reduce.py``), raises a flag there, waits for
+the other ranks' flags in its own memory and sums.
+
+Buffer of one rank (the same layout on every rank, one allocation):
+
+- flags, int64 ``[2 phases][world][programs]``: ``flags[phase][src][pid]`` is the last call number that program
+  ``pid`` of rank ``src`` finished pushing in that phase;
+- slots, ``[2 halves][world][slot_elems]`` of the tensor's dtype: ``slots[half][src]`` receives rank ``src``'s data.
+
+The protocol. Every rank launches the same kernels in the same order with the same grid, so program ``pid`` of
+every rank counts the same call number ``epoch`` (``epochs[pid]``, local, bumped by the program itself: graph
+replays keep counting). A program only ever waits for the same-numbered program of its peers, and only for data
+that those programs wrote. Call ``epoch`` writes half ``epoch % 2``; a peer still reading that half would be two
+calls behind, which it cannot be: this rank's previous call ended only after every peer had started it, so every
+peer had finished the call before (stream order). Hence one flag exchange per phase and no reset; a flag is
+compared with ``>=`` because a fast peer may already have raised the next call's number.
+
+Sums run in rank order in float32 on every rank, so every rank gets bitwise the same result, run after run.
+A wait that spins ``max_spins`` times gives up and counts an error in ``errors`` (the result is then garbage;
+callers check ``errors`` in tests, a hang would be worse).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from treadle.kernels.fused import rmsnorm_row, rounded_add
+
+
+@triton.jit
+def _raise_flag(peer_base, slot_index, epoch):
+    flag = peer_base.to(tl.pointer_type(tl.int64)) + slot_index
+    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_flag(own_base, slot_index, epoch, errors, MAX_SPINS: tl.constexpr):
+    flag = own_base.to(tl.pointer_type(tl.int64)) + slot_index
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (seen < epoch) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        spins += 1
+    if seen < epoch:
+        tl.atomic_add(errors, 1)
+
+
+@triton.jit
+def _exchange_flags(bases, phase, pid, epoch, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
+                    PROGRAMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+    # Every lane's stores before the flag; the flag after them (release, system scope).
+    tl.debug_barrier()
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            _raise_flag(tl.load(bases + p), (phase * WORLD + RANK) * PROGRAMS + pid, epoch)
+    own = tl.load(bases + RANK)
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            _wait_flag(own, (phase * WORLD + p) * PROGRAMS + pid, epoch, errors, MAX_SPINS)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _slot(base, half, src, like, FLAG_BYTES: tl.constexpr, WORLD: tl.constexpr, SLOT_ELEMS: tl.constexpr):
+    """Rank ``base``'s slot ``[half][src]``, a pointer of ``like``'s type."""
+    # Slots start 256-byte aligned and hold a multiple of 16 bytes: tell the compiler, so that it vectorizes.
+    return tl.multiple_of((base + FLAG_BYTES).to(like.dtype) + (half * WORLD + src) * SLOT_ELEMS, 16)
+
+
+@triton.jit
+def _sum_in_rank_order(x, own, half, at, mask, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                       FLAG_BYTES: tl.constexpr, SLOT_ELEMS: tl.constexpr):
+    """float32 sum over the ranks of elements ``at``: this rank's from ``x``, the others' from their slots here."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for p in tl.static_range(WORLD):
+        if p == RANK:
+            part = tl.load(x + at, mask=mask, other=0.0)
+        else:
+            part = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask, other=0.0)
+        acc += part.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _next_epoch(epochs, pid):
+    epoch = tl.load(epochs + pid) + 1
+    tl.store(epochs + pid, epoch)
+    return epoch
+
+
+@triton.jit
+def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
+                               PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
+                               SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """``x`` (``n`` elements) replaced by its sum over the ranks: push ``x`` to every peer, one flag exchange,
+    sum the ranks' copies locally."""
+    pid = tl.program_id(0)
+    epoch = _next_epoch(epochs, pid)
+    half = epoch % 2
+    for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        mask = offs < n
+        mine = tl.load(x + offs, mask=mask)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                tl.store(peer_slot + offs, mine, mask=mask)
+    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    own = tl.load(bases + RANK)
+    for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        mask = offs < n
+        acc = _sum_in_rank_order(x, own, half, offs, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
+        tl.store(x + offs, acc.to(x.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
+                               PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
+                               SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """``x`` replaced by its sum over the ranks in two phases: rank r owns chunk r of ``WORLD`` chunks; each rank
+    pushes chunk p to rank p, which sums it (reduce-scatter) and pushes the sum back into every peer's slot at
+    the chunk's own place (all-gather)."""
+    pid = tl.program_id(0)
+    epoch = _next_epoch(epochs, pid)
+    half = epoch % 2
+    chunk = tl.cdiv(tl.cdiv(n, WORLD), 16) * 16  # chunks start 16 elements aligned
+    for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                at = p * chunk + offs
+                mask = (offs < chunk) & (at < n)
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                tl.store(peer_slot + at, tl.load(x + at, mask=mask), mask=mask)
+    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    own = tl.load(bases + RANK)
+    for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        at = RANK * chunk + offs
+        mask = (offs < chunk) & (at < n)
+        acc = _sum_in_rank_order(x, own, half, at, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
+        total = acc.to(x.dtype.element_ty)
+        tl.store(x + at, total, mask=mask)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                tl.store(peer_slot + at, total, mask=mask)
+    _exchange_flags(bases, 1, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                at = p * chunk + offs
+                mask = (offs < chunk) & (at < n)
+                gathered = tl.load(_slot(own, half, p, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mask=mask)
+                tl.store(x + at, gathered, mask=mask)
+
+
+@triton.jit
+def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_out, rows, cols, eps, bases, epochs,
+                                           errors, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                           PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
+                                           SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+    """The one-shot all-reduce of ``x`` (``rows`` x ``cols``, contiguous) followed, in the same pass, by the
+    residual add and RMSNorm of ``kernels/fused.py``'s ``add_rmsnorm``: ``residual_out = sum + residual`` and
+    ``out = weight * rmsnorm(residual_out)``, rounded as there. A program owns whole rows (the norm needs all of
+    one), rows ``pid, pid + PROGRAMS, ...``."""
+    pid = tl.program_id(0)
+    epoch = _next_epoch(epochs, pid)
+    half = epoch % 2
+    offs = tl.arange(0, BLOCK)
+    mask = offs < cols
+    for row in range(pid, rows, PROGRAMS):
+        at = row * cols + offs
+        mine = tl.load(x + at, mask=mask)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                tl.store(_slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mine, mask=mask)
+    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    own = tl.load(bases + RANK)
+    w = tl.load(weight + offs, mask=mask, other=0.0)
+    for row in range(pid, rows, PROGRAMS):
+        at = row * cols + offs
+        acc = _sum_in_rank_order(x, own, half, at, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
+        summed = rounded_add(acc.to(x.dtype.element_ty), tl.load(residual + at, mask=mask, other=0.0))
+        tl.store(residual_out + at, summed, mask=mask)
+        tl.store(out + at, rmsnorm_row(summed, w, cols, eps), mask=mask)
