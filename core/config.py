@@ -44,6 +44,19 @@ class ModelConfig(Section):
         8, ge=0, le=64, description="with an FP8 lm_head, how many of each row's best FP8 logits are recomputed "
                                     "from the 16-bit weight (kept for it), so greedy tokens and each row's best "
                                     "logits stay the 16-bit head's; 0: none, and an untied 16-bit weight is freed")
+    task: Literal["auto", "generate", "embed"] = Field(
+        "auto", description="generate: sample tokens; embed: return pooled final hidden states (/v1/embeddings, "
+                            "Engine.encode); auto: embed when the checkpoint says so (sentence-transformers' "
+                            "modules.json, an architecture such as Qwen3Model), else generate")
+    pooling: str = Field(
+        "auto", description="embed: how a prompt's hidden states become one vector, a registered pooling (last, "
+                            "mean, cls, or a plugin's); auto: the checkpoint's (1_Pooling/config.json), else last")
+    normalize_embeddings: bool | Literal["auto"] = Field(
+        "auto", description="embed: scale each vector to unit length; auto: as the checkpoint says (a "
+                            "sentence-transformers Normalize module), else true")
+    matryoshka: bool | Literal["auto"] = Field(
+        "auto", description="embed: whether a request may ask for fewer `dimensions` (the vector's head, "
+                            "renormalized); auto: when config.json says is_matryoshka or matryoshka_dimensions")
 
 
 class CacheConfig(Section):

@@ -37,6 +37,15 @@ class GenerateOutput:
     output_top_logprobs: list[Any] = field(default_factory=list)
 
 
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (``Engine.encode``)."""
+
+    embedding: list[float]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
 def as_server_config(config: ConfigLike) -> ServerConfig:
     """A ServerConfig from a ServerConfig, a dict shaped like the YAML, a YAML path, or None (defaults)."""
     if config is None:
@@ -102,7 +111,38 @@ class Engine:
         scheduler = self.scheduler
         for req in reqs:
             scheduler.check_request(req)  # a prompt that can never run fails the call before any step
-        order = iter(queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order))
+        finished = self._run(reqs, queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order))
+        outputs = [self._to_output(req, finished[req.rid]) for req in reqs]
+        return outputs[0] if single else outputs
+
+    def encode(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        dimensions: int | None = None,
+    ) -> EmbeddingOutput | list[EmbeddingOutput]:
+        """Embed one prompt (returns one output) or a list of prompts (a list, in order) with an embedding model
+        (``model.task: embed``); ``dimensions`` shortens a Matryoshka model's vectors (renormalized)."""
+        from treadle.core.embedding.vectors import check_dimensions, truncate
+
+        single, token_lists = self._token_lists(prompt, input_ids)
+        scheduler = self.scheduler
+        if scheduler.embeds:
+            check_dimensions(dimensions, scheduler.embedding_info)
+        reqs = [Req(rid=Req.new_rid(), origin_input_ids=ids, sampling_params=SamplingParams(max_new_tokens=1),
+                    wants_embedding=True) for ids in token_lists]
+        for req in reqs:
+            scheduler.check_request(req)
+        finished = self._run(reqs, range(len(reqs)))
+        normalize = scheduler.config.model.normalize_embeddings
+        outputs = [EmbeddingOutput(truncate(finished[req.rid].embedding or [], dimensions, normalize),
+                                   len(req.origin_input_ids), req.cached_tokens) for req in reqs]
+        return outputs[0] if single else outputs
+
+    def _run(self, reqs: list[Req], order: Sequence[int]) -> dict[str, ReqOutput]:
+        """Run ``reqs`` (queued in ``order``) to the end; each one's final output by id."""
+        scheduler = self.scheduler
+        queue = iter(order)
         # The scheduler's per-step work grows with its queue (policy order, admission), so a large batch is
         # fed as requests finish: it holds at most this many unfinished requests, several batches' worth.
         window = QUEUED_PER_RUNNING_REQUEST * scheduler.config.scheduler.max_running_requests
@@ -110,7 +150,7 @@ class Engine:
         finished: dict[str, ReqOutput] = {}
         try:
             while len(finished) < len(reqs):
-                while len(added) - len(finished) < window and (i := next(order, None)) is not None:
+                while len(added) - len(finished) < window and (i := next(queue, None)) is not None:
                     scheduler.add_request(reqs[i])
                     added.append(reqs[i])
                 for output in scheduler.step():
@@ -120,8 +160,7 @@ class Engine:
             for req in added:
                 scheduler.abort_request(req.rid)  # a finished one is no longer there: nothing happens
             raise
-        outputs = [self._to_output(req, finished[req.rid]) for req in reqs]
-        return outputs[0] if single else outputs
+        return finished
 
     def kv_stats(self) -> dict[str, int]:
         """``total_slots``, ``free_slots``, ``cached_slots`` (held by the radix cache), and more."""

@@ -55,6 +55,11 @@ class Spec:
         """Register LoRABackend factories (``treadle.core.lora.backend``):
         ``register("name", factory(max_slots, max_rank, device, dtype))``."""
 
+    @hookspec
+    def treadle_register_poolings(self, register: Register) -> None:
+        """Register Pooling factories for embedding models (``treadle.core.embedding.pooling``):
+        ``register("name", factory())``."""
+
 
 # kind -> hook name; the kinds are the keys of `treadle plugins --json`.
 HOOKS_BY_KIND: dict[str, str] = {
@@ -67,6 +72,7 @@ HOOKS_BY_KIND: dict[str, str] = {
     "grammar_backends": "treadle_register_grammar_backends",
     "speculators": "treadle_register_speculators",
     "lora_backends": "treadle_register_lora_backends",
+    "poolings": "treadle_register_poolings",
 }
 
 KIND_LABELS: dict[str, str] = {
@@ -79,4 +85,5 @@ KIND_LABELS: dict[str, str] = {
     "grammar_backends": "grammar backend",
     "speculators": "speculator",
     "lora_backends": "LoRA backend",
+    "poolings": "pooling",
 }

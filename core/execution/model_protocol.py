@@ -64,6 +64,10 @@ class ModelTraits:
     - ``weights_loaded()`` (method): called once every weight is loaded and each layer's quantization method
       has processed it.
     - ``splits_forward``: the model is a :class:`SplitForwardModel` (``forward_hidden`` + ``compute_logits``).
+    - ``compute_hidden_states(hidden, forward_batch)`` (method, with ``forward_hidden``): every row's final hidden
+      state (after the final norm) from ``forward_hidden``'s output; what ``model.task: embed`` pools.
+    - ``drop_lm_head()`` (method): called before the weights load when the model serves embeddings: the output
+      head is neither built nor loaded (embedding checkpoints have none).
     """
 
     launch_bound_prefill: bool = False
@@ -71,6 +75,13 @@ class ModelTraits:
     kv_cache_scales: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     weights_loaded: Callable[[], None] | None = None
     splits_forward: bool = False
+    compute_hidden_states: Callable[[Any, "ForwardBatch"], torch.Tensor] | None = None
+    drop_lm_head: Callable[[], None] | None = None
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the model can serve embeddings (``forward_hidden`` and ``compute_hidden_states``)."""
+        return self.splits_forward and self.compute_hidden_states is not None
 
     @classmethod
     def of(cls, model: Any) -> "ModelTraits":
@@ -82,7 +93,14 @@ class ModelTraits:
             kv_cache_scales=dict(getattr(model, "kv_cache_scales", None) or {}),
             weights_loaded=finish if callable(finish) else None,
             splits_forward=isinstance(model, SplitForwardModel),
+            compute_hidden_states=_method(model, "compute_hidden_states"),
+            drop_lm_head=_method(model, "drop_lm_head"),
         )
+
+
+def _method(model: Any, name: str) -> Callable[..., Any] | None:
+    member = getattr(model, name, None)
+    return member if callable(member) else None
 
 
 def accepts_quant_config(model_cls: Any) -> bool:

@@ -83,3 +83,4 @@ class LaunchedStep:
     logits: torch.Tensor | None  # dropped once sampling has been queued
     results: HostCopy | None = None  # the sampled ids (and log-probs) on their way to the host
     draft_ids: torch.Tensor | None = None  # a TARGET_VERIFY step's drafts, [bs, k] on the device
+    pooled: torch.Tensor | None = None  # an embedding step's pooled parts, [bs, hidden] on the device

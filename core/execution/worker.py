@@ -125,7 +125,8 @@ class ModelWorker(Worker):
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
         if self.runner.device.type == "cuda":
-            self.runner._warm_up_prefill(forward=self.forward)
+            embeds = self.config.model.task == "embed"  # no logits: warm up what EmbeddingWorker runs
+            self.runner._warm_up_prefill(forward=self.runner.forward_hidden_states if embeds else self.forward)
 
     # ------------------------------------------------------------------ graphs
 
@@ -138,6 +139,8 @@ class ModelWorker(Worker):
         runner, runtime = self.runner, self.runner.config.runtime
         if runner.device.type != "cuda" or (runtime.disable_cuda_graph and not force):
             return
+        if runner.config.model.task == "embed":
+            return  # prefills only, run eagerly (core/execution/embedding_worker.py)
         backend = runner.attn_backend
         if runner.uses_decode_graphs:
             verify = self.verify_tokens_per_req

@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from treadle.core.embedding.checkpoint import (
+    EmbeddingSettings,
+    causal_lm_architecture,
+    is_bare_model_architecture,
+    read_checkpoint_embedding,
+    resolve_embedding,
+)
 from treadle.core.execution.model_protocol import ModelTraits, accepts_quant_config
 from treadle.core.loading.lazy_weights import (
     LoadTracker,
@@ -59,6 +66,8 @@ def load_model(
     with _building_on(target_device, target_dtype):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config=quant_config)
     _cast_parameters(model, target_dtype)
+    if embedding_settings(model_config, model_dir, hf_config).task == "embed":
+        _serve_embeddings(model, model_dir)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
     else:
@@ -70,6 +79,21 @@ def load_model(
     _finish_weights(model)
     model.requires_grad_(False)
     return model.eval(), hf_config, model_dir
+
+
+def embedding_settings(model_config: "ModelConfig", model_dir: str, hf_config: Any) -> EmbeddingSettings:
+    """``model.task`` and the embedding settings, each ``auto`` resolved from the checkpoint."""
+    return resolve_embedding(model_config, read_checkpoint_embedding(model_dir, hf_config))
+
+
+def _serve_embeddings(model: nn.Module, model_dir: str) -> None:
+    traits = ModelTraits.of(model)
+    if not traits.embeds:
+        raise ModelLoadError(f"model.task is embed but {type(model).__name__} (from {model_dir}) has no "
+                             "forward_hidden/compute_hidden_states to return hidden states; serve it with "
+                             "model.task: generate")
+    if traits.drop_lm_head is not None:
+        traits.drop_lm_head()
 
 
 def resolve_model_path(model_config: "ModelConfig") -> str:
@@ -149,6 +173,9 @@ def model_class(hf_config: Any, registry: Any, model_dir: str = "") -> Any:
     try:
         return registry.get("models", name)
     except PluginError:
+        if is_bare_model_architecture(name) and causal_lm_architecture(name) in registry.names("models"):
+            return registry.get("models", causal_lm_architecture(name))  # an embedding checkpoint's bare model
+
         raise ModelLoadError(
             f"model architecture '{name}' (from {model_dir}/config.json) is not supported; "
             f"available: {registry.describe('models')}"

@@ -121,15 +121,37 @@ class LlamaForCausalLM(nn.Module):
         selected, _ = self.model.norm(hidden_states, residual)
         return self.lm_head(selected)
 
+    def compute_hidden_states(self, hidden: tuple[torch.Tensor, torch.Tensor],
+                              forward_batch: ForwardBatch) -> torch.Tensor:
+        """Every row's final hidden state (the final norm applied) from :meth:`forward_hidden`'s output: what an
+        embedding model pools."""
+        hidden_states, residual = hidden
+        return self.model.norm(hidden_states, residual)[0]
+
+    def drop_lm_head(self) -> None:
+        """Serve embeddings: no output head (an embedding checkpoint has none; a causal LM's is skipped)."""
+        self.lm_head = None
+        self.tie_word_embeddings = False
+
     def weights_loaded(self) -> None:
         """Called once every weight is loaded and quantized: each linear layer's decode kernel prefetches the head
         of the next one's weight into L2 (small_batch.chain_l2_prefetch)."""
         small_batch.chain_l2_prefetch([m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings or self.lm_head is None
+                                       else ())
+        if self.lm_head is None:
+            weights = _under_model(weights)
         self.kv_cache_scales = {}
         load_checkpoint(self, split_kv_cache_scales(weights, self.kv_cache_scales), ignored_suffixes=ignored)
+
+
+def _under_model(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """An embedding checkpoint saved from the bare transformer (``Qwen3Model``) names its tensors without the
+    ``model.`` prefix."""
+    for name, tensor in weights:
+        yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), tensor
 
 
 @hookimpl
