@@ -39,6 +39,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0
+    wants_embedding: bool = False  # /v1/embeddings: pool the prompt into a vector, sample nothing
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
 from treadle.core.request import SamplingParams
 
@@ -215,6 +215,19 @@ class GenerateRequest(_Body):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     stream: StrictBool = False
     rid: str | list[str] | None = None
+    priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's shape): ``input`` is a string, a list of strings, token ids or lists of them."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    rid: str | None = None
     priority: int = 0
     timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
 

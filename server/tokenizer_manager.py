@@ -281,7 +281,9 @@ class TokenizerManager:
             raise RequestError("the server is shutting down and accepts no new requests", status_code=503,
                                type_="server_error", code="server_shutting_down", headers={"Retry-After": "5"})
         self._admit(len(reqs))
+        task = str(self.model_info.get("task") or "generate")
         for req in reqs:
+            validation.check_task(req.wants_embedding, task)
             if req.rid in self.states:
                 raise RequestError(f"a request with rid '{req.rid}' is already running", param="rid")
         if len({req.rid for req in reqs}) != len(reqs):

@@ -266,6 +266,12 @@ def _stream_text(path: str, event: dict) -> str:
     return ""  # /generate streams cumulative text; its runs are not compared
 
 
+def test_embeddings_on_a_chat_model_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="serves no embeddings") as info:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert info.value.body["code"] == "model_task_mismatch"
+
+
 def test_native_generate_text_ids_batch_and_stream(http: httpx.Client) -> None:
     one = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
     assert one.status_code == 200
