@@ -15,6 +15,9 @@
     def test_my_grammar_backend_conforms():
         check_grammar_backend(MyGrammarBackend)
 
+    def test_my_pooling_conforms():
+        check_pooling(MyPooling)
+
     def test_my_model_splits_over_ranks():
         check_tensor_parallel(make_my_tiny_checkpoint(tmp_path), tp_size=2,
                               overrides={"plugins": ["my_models"]})
@@ -28,11 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 from treadle.testing.allocators import check_kv_allocator
+from treadle.testing.embedding import check_pooling
 from treadle.testing.parallel import check_tensor_parallel
 from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
-__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_reasoning_parser",
+__all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_pooling", "check_reasoning_parser",
            "check_schedule_policy", "check_tensor_parallel", "check_tool_parser"]
 
 

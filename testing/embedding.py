@@ -62,3 +62,37 @@ def hf_embeddings(model_dir: str, prompts: list[list[int]], pooling: str, normal
             vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
             vectors.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
     return vectors
+
+
+def check_pooling(factory: Any, hidden_size: int = 8, seed: int = 0) -> None:
+    """A ``poolings`` plugin pools a prompt the same whole or cut into chunks: every request's vector from one
+    step equals the one its chunks (of 1, 2, 3... tokens, several requests a step) combine to; parts are float32
+    ``[bs, hidden]``; ``first_needed_position`` lies inside the prompt."""
+    from treadle.core.embedding.pooling import PoolingChunk
+
+    pooling = factory()
+    generator = torch.Generator().manual_seed(seed)
+    prompt_lens = [1, 5, 9]
+    hidden = [torch.randn(n, hidden_size, generator=generator) for n in prompt_lens]
+
+    def step(rows: list[torch.Tensor], first_positions: list[int]) -> torch.Tensor:
+        lens = torch.tensor([r.shape[0] for r in rows])
+        starts = torch.cumsum(lens, 0) - lens
+        owner = torch.repeat_interleave(torch.arange(len(rows)), lens)
+        chunk = PoolingChunk(starts, lens, owner, first_positions, [prompt_lens[i] for i in range(len(rows))])
+        parts = pooling.reduce(torch.cat(rows), chunk)
+        assert parts.dtype == torch.float32 and tuple(parts.shape) == (len(rows), hidden_size), \
+            f"reduce must return float32 [bs, hidden], got {parts.dtype} {tuple(parts.shape)}"
+        return parts
+
+    whole = step(hidden, [0] * len(hidden))
+    for index, (states, length) in enumerate(zip(hidden, prompt_lens)):
+        first = pooling.first_needed_position(length)
+        assert 0 <= first <= length - 1, f"first_needed_position({length}) = {first} is outside the prompt"
+        for size in (1, 2, 3):
+            pooled = None
+            for start in range(0, length, size):
+                part = step([states[start:start + size]], [start])[0]
+                pooled = part if pooled is None else pooling.combine(pooled, part, start)
+            torch.testing.assert_close(pooling.finish(pooled, length), pooling.finish(whole[index], length),
+                                       msg=f"request {index} pooled in chunks of {size} differs from whole")

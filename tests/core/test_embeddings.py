@@ -122,3 +122,56 @@ def test_task_mismatch_is_refused(qwen3_last, tiny_qwen3_dir):
         assert engine.resolved_config.model.task == "generate"
         with pytest.raises(InvalidRequestError, match="serves no embeddings"):
             engine.encode(input_ids=PROMPTS[0])
+
+
+@pytest.mark.parametrize("name", ["last", "mean", "cls"])
+def test_builtin_poolings_conform(name):
+    from treadle.core.embedding.pooling import BUILTIN_POOLINGS
+    from treadle.testing import check_pooling
+
+    check_pooling(BUILTIN_POOLINGS[name])
+
+
+class MaxPooling:
+    """A plugin's pooling: the largest value of each hidden dimension over the prompt."""
+
+    def first_needed_position(self, prompt_len):
+        return 0
+
+    def reduce(self, hidden, chunk):
+        out = torch.full((int(chunk.starts.shape[0]), hidden.shape[1]), float("-inf"))
+        rows = chunk.owner[:, None].expand(-1, hidden.shape[1])
+        return out.scatter_reduce_(0, rows, hidden.float(), "amax")
+
+    def combine(self, earlier, part, first_position):
+        return torch.maximum(earlier, part)
+
+    def finish(self, pooled, prompt_len):
+        return pooled
+
+
+class MaxPoolingPlugin:
+    from treadle.core.hookspecs import hookimpl
+
+    @staticmethod
+    @hookimpl
+    def treadle_register_poolings(register):
+        register("max", MaxPooling)
+
+
+def test_a_plugin_adds_a_pooling(qwen2_mean):
+    """A checkpoint whose Pooling config says max tokens is served by a plugin's ``max`` pooling."""
+    from transformers import AutoModel
+
+    from treadle.core.registry import build_registry
+    from treadle.testing import check_pooling
+
+    check_pooling(MaxPooling)
+    hf = AutoModel.from_pretrained(qwen2_mean, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf(torch.tensor([ids])).last_hidden_state[0].amax(0) for ids in PROMPTS]
+    registry = build_registry(PLUGINS, extra_plugins=[MaxPoolingPlugin()])
+    config = {"model": {"path": qwen2_mean, "pooling": "max", "dtype": "float32"},
+              "cache": {"max_total_tokens": 2048}, "scheduler": {"chunked_prefill_size": 4}}
+    with Engine(config, registry=registry) as engine:
+        assert_close([o.embedding for o in engine.encode(input_ids=PROMPTS)], want)
