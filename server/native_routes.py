@@ -157,7 +157,8 @@ def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_
     async def health_generate(request: Request) -> JSONResponse:
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         token = int(manager.model_info.get("bos_token_id") or 0)
-        stream = manager.submit([TokenizedGenerateReq(manager.new_rid(), [token], params)])
+        embeds = manager.model_info.get("task") == "embed"  # an embedding model: embed one token instead
+        stream = manager.submit([TokenizedGenerateReq(manager.new_rid(), [token], params, wants_embedding=embeds)])
         try:
             await asyncio.wait_for(collect(request, stream, lambda event: None), timeout=60)
         except asyncio.TimeoutError:
@@ -170,7 +171,7 @@ def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_
     async def get_model_info() -> JSONResponse:
         info = _public_model_info(manager)
         info.setdefault("served_model_name", manager.served_model_name)
-        info["is_generation"] = True
+        info["is_generation"] = manager.model_info.get("task", "generate") != "embed"
         info["has_tokenizer"] = manager.tokenizer is not None
         return JSONResponse(info)
 

@@ -88,3 +88,10 @@ def test_generation_on_an_embedding_model_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="serves embeddings") as info:
         client.completions.create(model="tiny", prompt="hello", max_tokens=4)
     assert info.value.body["code"] == "model_task_mismatch"
+
+
+def test_health_generate_and_model_info(server: ServerHandle) -> None:
+    assert httpx.get(f"{server.base_url}/health_generate", timeout=60).status_code == 200
+    info = httpx.get(f"{server.base_url}/get_model_info", timeout=30).json()
+    assert info["is_generation"] is False and info["task"] == "embed"
+    assert info["embedding"] == {"dimensions": 64, "pooling": "last", "normalize": True, "matryoshka": True}
