@@ -74,6 +74,7 @@ class Engine:
         # batch resolves its "auto" sizes for throughput (larger prefill chunks, no latency chunks).
         self.scheduler = start_scheduler(self.config, registry, offline=True)
         self.tokenizer = self.scheduler.tokenizer
+        self._multimodal_processor: Any = None  # built on the first request with images
 
     @property
     def resolved_config(self) -> "ResolvedConfig":
@@ -90,9 +91,15 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int | Sequence[int] | None = None,
+        image_data: Sequence[Any] | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
-        """Generate for one prompt (returns one output) or a list of prompts (returns a list, in order)."""
+        """Generate for one prompt (returns one output) or a list of prompts (returns a list, in order).
+
+        ``image_data`` (a vision-language model): the images of one prompt (a list of bytes, ``data:`` URLs, paths
+        or PIL images), or for a list of prompts one such list each; the prompt marks each image with the model's
+        image token (docs/multimodal.md)."""
         single, token_lists = self._token_lists(prompt, input_ids)
+        token_lists, multimodal = self._with_images(single, token_lists, image_data)
         count = len(token_lists)
         params = _per_request(sampling_params, count, SamplingParams.from_any, "sampling_params")
         priorities = _per_request(priority, count, lambda p: int(p or 0), "priority")
@@ -105,8 +112,9 @@ class Engine:
                 return_logprob=return_logprob,
                 logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num,
+                multimodal=mm,
             )
-            for ids, p, prio in zip(token_lists, params, priorities)
+            for ids, p, prio, mm in zip(token_lists, params, priorities, multimodal)
         ]
         scheduler = self.scheduler
         for req in reqs:
@@ -197,6 +205,30 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    def _with_images(self, single: bool, token_lists: list[list[int]], image_data: Any
+                     ) -> tuple[list[list[int]], list[Any]]:
+        """Each prompt's ids with its images' placeholders expanded, and its multimodal inputs (None: text)."""
+        if image_data is None:
+            return token_lists, [None] * len(token_lists)
+        from treadle.core.multimodal.processor import MultimodalProcessor
+
+        per_prompt = [image_data] if single else list(image_data)
+        if len(per_prompt) != len(token_lists):
+            raise InvalidRequestError(f"image_data has {len(per_prompt)} entries for {len(token_lists)} prompts",
+                                      param="image_data")
+        if self._multimodal_processor is None:
+            info = self.scheduler.worker.info
+            self._multimodal_processor = MultimodalProcessor.for_model(info.model_dir, info.hf_config)
+        processor = self._multimodal_processor
+        if processor is None:
+            raise InvalidRequestError("this model takes no images; leave out image_data", param="image_data")
+        lists, inputs = [], []
+        for ids, images in zip(token_lists, per_prompt):
+            expanded, mm = processor.process(ids, images) if images else (ids, None)
+            lists.append(expanded)
+            inputs.append(mm)
+        return lists, inputs
 
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

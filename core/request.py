@@ -144,6 +144,8 @@ class Req:
 
     # Embedding state: positions before hidden_states_from may come from the radix cache; ``pooled`` holds the
     # pooling's parts of the chunks computed so far (host float32), ``embedding`` the finished vector.
+    # Images and video frames of a vision-language request (core/multimodal/inputs.py), None for text.
+    multimodal: Any = None
     hidden_states_from: int = 0
     pooled: Any = None
     embedding: list[float] | None = None

@@ -66,6 +66,9 @@ class ModelTraits:
     - ``splits_forward``: the model is a :class:`SplitForwardModel` (``forward_hidden`` + ``compute_logits``).
     - ``compute_hidden_states(hidden, forward_batch)`` (method, with ``forward_hidden``): every row's final hidden
       state (after the final norm) from ``forward_hidden``'s output; what ``model.task: embed`` pools.
+    - ``multimodal_positions(prompt_len, items)`` (method): a vision-language model's positions of a prompt with
+      images (``[3, prompt_len]`` M-RoPE positions, and the delta a position past the prompt adds); its
+      ``forward``/``forward_hidden`` then read ``forward_batch.multimodal`` (core/multimodal/inputs.py).
     - ``drop_lm_head()`` (method): called before the weights load when the model serves embeddings: the output
       head is neither built nor loaded (embedding checkpoints have none).
     """
@@ -77,6 +80,7 @@ class ModelTraits:
     splits_forward: bool = False
     compute_hidden_states: Callable[[Any, "ForwardBatch"], torch.Tensor] | None = None
     drop_lm_head: Callable[[], None] | None = None
+    multimodal_positions: Callable[..., Any] | None = None
 
     @property
     def embeds(self) -> bool:
@@ -95,6 +99,7 @@ class ModelTraits:
             splits_forward=isinstance(model, SplitForwardModel),
             compute_hidden_states=_method(model, "compute_hidden_states"),
             drop_lm_head=_method(model, "drop_lm_head"),
+            multimodal_positions=_method(model, "multimodal_positions"),
         )
 
 

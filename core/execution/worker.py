@@ -64,6 +64,8 @@ class WorkerInfo:
     max_total_tokens: int  # KV slots
     allocator: "KVAllocator"
     req_to_token_pool: "ReqToTokenPool"
+    # A vision-language model's ``multimodal_positions(prompt_len, items)`` (ModelTraits); None: text only.
+    multimodal_positions: Any = None
 
     @classmethod
     def of(cls, runner: ModelRunner) -> "WorkerInfo":
@@ -72,6 +74,7 @@ class WorkerInfo:
             context_len=runner.context_len, device=runner.device, dtype=runner.dtype, page_size=runner.page_size,
             max_running_requests=int(runner.max_running_requests), max_total_tokens=int(runner.max_total_tokens),
             allocator=runner.allocator, req_to_token_pool=runner.req_to_token_pool,
+            multimodal_positions=runner.model_traits.multimodal_positions,
         )
 
 

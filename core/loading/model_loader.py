@@ -58,6 +58,7 @@ def load_model(
     """
     model_dir = resolve_model_path(model_config)
     hf_config = read_hf_config(model_dir)
+    lift_text_config(hf_config)
     model_cls = model_class(hf_config, registry, model_dir)
     target_device = resolve_device(device if device is not None else model_config.device)
     target_dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target_device)
@@ -79,6 +80,17 @@ def load_model(
     _finish_weights(model)
     model.requires_grad_(False)
     return model.eval(), hf_config, model_dir
+
+
+def lift_text_config(hf_config: Any) -> None:
+    """A multimodal config keeps its language model's shape under ``text_config``: copy each field the top level
+    lacks to it, so the runtime reads ``num_hidden_layers`` and the rest as from a text model's config."""
+    text = getattr(hf_config, "text_config", None)
+    if text is None or getattr(hf_config, "num_hidden_layers", None) is not None:
+        return
+    for key, value in text.to_dict().items():
+        if getattr(hf_config, key, None) is None:
+            setattr(hf_config, key, value)
 
 
 def embedding_settings(model_config: "ModelConfig", model_dir: str, hf_config: Any) -> EmbeddingSettings:

@@ -44,6 +44,7 @@ from treadle.core.execution.embedding_worker import EmbeddingWorker
 from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.grammar import GrammarManager
 from treadle.core.loading.hub import default_served_name
+from treadle.core.multimodal.inputs import prepare_request
 from treadle.core.registry import Registry, build_registry
 from treadle.core.request import InvalidRequestError, Req, ReqOutput, next_arrival
 from treadle.core.scheduling.decode import DecodeManager
@@ -148,6 +149,8 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         """Queue a request; raises InvalidRequestError when it can never run (:meth:`check_request`)."""
         self.check_request(req)
+        if req.multimodal is not None:
+            prepare_request(req, self.worker.info.multimodal_positions, self.worker.info.vocab_size)
         if req.wants_embedding:
             req.hidden_states_from = self.worker.pooling.first_needed_position(len(req.origin_input_ids))
         room = self.context_len - len(req.origin_input_ids)

@@ -48,6 +48,12 @@ class LlamaModel(nn.Module):
         """``(last layer's output, residual stream)``; their sum is the final hidden state."""
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        return self.run_layers(hidden_states, cos, sin, forward_batch)
+
+    def run_layers(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over input embeddings ``hidden_states`` with rotary tables ``cos``/``sin``
+        (a vision-language model passes its own: image rows, M-RoPE positions)."""
         residual, normed = None, False
         for layer, next_norm in zip(self.layers, self._next_norms):
             if next_norm is False:
