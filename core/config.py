@@ -154,6 +154,18 @@ class RuntimeConfig(Section):
         return _at_least_or_auto(value, 0, "piecewise_cuda_graph_max_tokens")
 
 
+class MultimodalConfig(Section):
+    """Images in requests to a vision-language model (docs/multimodal.md)."""
+
+    max_images_per_request: int = Field(16, ge=0, description="more images in one request are a 400")
+    max_image_pixels: int = Field(4096 * 4096, gt=0, description="an image of more pixels (width x height) is a 400")
+    local_media_folders: list[str] = Field(
+        default_factory=list, description="folders whose files requests may name as file:// image URLs (the "
+                                          "server refuses every other path; none: file:// is refused)")
+    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an http(s) image URL")
+    fetch_max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest http(s) image the server fetches")
+
+
 class HttpServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=0, le=65535)
@@ -273,6 +285,7 @@ class ServerConfig(BaseSettings):
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
     grammar: GrammarConfig = Field(default_factory=GrammarConfig)
+    multimodal: MultimodalConfig = Field(default_factory=MultimodalConfig)
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod

@@ -211,7 +211,7 @@ class Engine:
         """Each prompt's ids with its images' placeholders expanded, and its multimodal inputs (None: text)."""
         if image_data is None:
             return token_lists, [None] * len(token_lists)
-        from treadle.core.multimodal.processor import MultimodalProcessor
+        from treadle.core.multimodal.processor import ImageLimits, MultimodalProcessor
 
         per_prompt = [image_data] if single else list(image_data)
         if len(per_prompt) != len(token_lists):
@@ -219,7 +219,9 @@ class Engine:
                                       param="image_data")
         if self._multimodal_processor is None:
             info = self.scheduler.worker.info
-            self._multimodal_processor = MultimodalProcessor.for_model(info.model_dir, info.hf_config)
+            limits = self.config.multimodal
+            self._multimodal_processor = MultimodalProcessor.for_model(
+                info.model_dir, info.hf_config, ImageLimits(limits.max_images_per_request, limits.max_image_pixels))
         processor = self._multimodal_processor
         if processor is None:
             raise InvalidRequestError("this model takes no images; leave out image_data", param="image_data")

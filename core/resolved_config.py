@@ -36,6 +36,7 @@ from treadle.core.config import (
     GrammarConfig,
     HttpServerConfig,
     ModelConfig,
+    MultimodalConfig,
     ParallelConfig,
     ReasoningConfig,
     RuntimeConfig,
@@ -110,6 +111,11 @@ class _FrozenGrammar(GrammarConfig):
     model_config = _FROZEN
 
 
+class _FrozenMultimodal(MultimodalConfig):
+    model_config = _FROZEN
+    local_media_folders: tuple[str, ...]
+
+
 class ResolvedConfig(ServerConfig):
     """A ServerConfig whose ``auto`` values are resolved, frozen (assigning to it raises)."""
 
@@ -125,6 +131,7 @@ class ResolvedConfig(ServerConfig):
     tools: _FrozenTools
     reasoning: _FrozenReasoning
     grammar: _FrozenGrammar
+    multimodal: _FrozenMultimodal
     plugins: tuple[str, ...]
 
     def with_attention_backend(self, name: str) -> "ResolvedConfig":

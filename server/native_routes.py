@@ -101,6 +101,27 @@ def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> tuple[l
     return [list(ids)], False  # type: ignore[arg-type]
 
 
+async def _native_images(manager: TokenizerManager, body: GenerateRequest, prompts: list[list[int]],
+                         is_batch: bool) -> list[Any]:
+    """Each prompt's images (``image_data``) prepared, its ids expanded in place; None for a prompt without."""
+    given = body.image_data
+    if given is None:
+        return [None] * len(prompts)
+    per_prompt = list(given) if is_batch else [given]
+    if len(per_prompt) != len(prompts):
+        raise RequestError(f"image_data has {len(per_prompt)} entries for {len(prompts)} prompts",
+                           param="image_data")
+    prepared: list[Any] = []
+    for index, images in enumerate(per_prompt):
+        sources = [images] if isinstance(images, str) else list(images or [])
+        if not sources:
+            prepared.append(None)
+            continue
+        prompts[index], multimodal = await manager.media.prepare(prompts[index], sources, "image_data")
+        prepared.append(multimodal)
+    return prepared
+
+
 def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
     """``/generate``, the health and info routes, the admin routes and ``/metrics``."""
     _add_generate_route(app, manager)
@@ -113,6 +134,7 @@ def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
     async def generate(body: GenerateRequest, request: Request) -> Response:
         prompts, is_batch = _native_prompts(manager, body)
         param = "text" if body.text is not None else "input_ids"
+        multimodal = await _native_images(manager, body, prompts, is_batch)
         params = SamplingParams(**body.sampling_params.model_dump())
         if isinstance(body.rid, list):
             if len(body.rid) != len(prompts):
@@ -123,10 +145,10 @@ def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
         else:
             rids = [manager.new_rid() for _ in prompts]
         reqs = []
-        for rid, ids in zip(rids, prompts):
+        for rid, ids, mm in zip(rids, prompts, multimodal):
             manager.check_request(ids, params, {"prompt": param, "input_ids": param}, body.top_logprobs_num)
             reqs.append(TokenizedGenerateReq(rid, ids, params, body.return_logprob, body.logprob_start_len,
-                                             body.top_logprobs_num, body.priority))
+                                             body.top_logprobs_num, body.priority, multimodal=mm))
         results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]
         stop = list(params.stop or [])
         stream = manager.submit(reqs, timeout=body.timeout)

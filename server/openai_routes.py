@@ -65,7 +65,8 @@ class _Run:
     """The sub-requests of one OpenAI request and the usage they add up to."""
 
     def __init__(self, manager: TokenizerManager, body: _SamplingFields, prompts: list[list[int]],
-                 params: list[SamplingParams], want_logprobs: int | None, echo_logprobs: bool = False) -> None:
+                 params: list[SamplingParams], want_logprobs: int | None, echo_logprobs: bool = False,
+                 multimodal: list[Any] | None = None) -> None:
         self.manager = manager
         self.body = body
         self.prompts = prompts
@@ -83,7 +84,7 @@ class _Run:
             reqs.append(TokenizedGenerateReq(
                 rid, prompts[choice.prompt_index], p, return_logprob=want_logprobs is not None,
                 logprob_start_len=0 if echo_logprobs else -1, top_logprobs_num=want_logprobs or 0,
-                priority=body.priority))
+                priority=body.priority, multimodal=multimodal[choice.prompt_index] if multimodal else None))
         self.stream: GenerationStream = manager.submit(reqs, timeout=body.timeout)
 
     def add(self, event: StreamEvent) -> _Choice:
@@ -123,12 +124,17 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         plan = plan_chat(body, parsers)
         knows_tools = bool(plan.tools) and manager.template_knows_tools()
-        prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools),
+        images = [url for message in body.messages for url in message.image_urls()]
+        placeholder = manager.media.image_placeholder(manager.require_tokenizer()) if images else ""
+        prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools, placeholder),
                                           plan.tools if knows_tools else None)
         prompt = manager.encode_rendered(prompt_text)
+        multimodal = None
+        if images:
+            prompt, multimodal = await manager.media.prepare(prompt, images, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _chat_params(manager, body, prompt, plan, top or 0)
-        run = _Run(manager, body, [prompt], [params], top)
+        run = _Run(manager, body, [prompt], [params], top, multimodal=[multimodal])
         if body.stream:
             for choice in run.choices:
                 choice.reader = ChoiceReader(plan, prompt_text)

@@ -222,6 +222,7 @@ class SchedulerLoop:
                 logprob_start_len=message.logprob_start_len,
                 top_logprobs_num=message.top_logprobs_num,
                 wants_embedding=message.wants_embedding,
+                multimodal=message.multimodal,
             )
             self.scheduler.add_request(req)
         except ValueError as exc:  # InvalidRequestError and friends: the client's fault

@@ -34,6 +34,7 @@ from treadle.server.ipc import (
     bind_pull,
     connect_push,
 )
+from treadle.server.media import MediaLoader
 from treadle.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class TokenizerManager:
         self.draining = False  # set on SIGTERM: new requests get 503 while running ones finish
         self.max_inflight_requests = inflight_limit(config, model_info)
         self._timed_out: set[str] = set()
+        self.media = MediaLoader(config.multimodal, model_info.get("model_path"))  # images in requests
 
     # ------------------------------------------------------------ lifecycle
 
