@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,8 @@ class MultimodalProcessor:
                 f"{len(image_data)} images in one request; the limit is max_images_per_request = "
                 f"{self.limits.max_images_per_request}", param=param, code="too_many_images")
         images = [self.load_image(data, f"{param}[{i}]") for i, data in enumerate(image_data)]
+        # The radix cache's key: a hash of the decoded image (smaller than the patches it becomes).
+        hashes = [image_hash(image) for image in images]
         runs = placeholder_runs(list(input_ids), self.image_token_id)
         if len(runs) != len(images):
             raise InvalidRequestError(f"the prompt marks {len(runs)} images (image token id {self.image_token_id}) "
@@ -73,13 +76,13 @@ class MultimodalProcessor:
         ids: list[int] = []
         items: list[MultimodalItem] = []
         cursor = first_patch = 0
-        for (start, length), grid in zip(runs, grids):
+        for (start, length), grid, content_hash in zip(runs, grids, hashes):
             ids.extend(input_ids[cursor:start])
             patches = grid[0] * grid[1] * grid[2]
             tokens = patches // (self.merge * self.merge)
             items.append(MultimodalItem("image", pixel_values[first_patch:first_patch + patches],
                                         (int(grid[0]), int(grid[1]), int(grid[2])), offset=len(ids),
-                                        num_tokens=tokens))
+                                        num_tokens=tokens, content_hash=content_hash))
             ids.extend([self.image_token_id] * tokens)
             first_patch += patches
             cursor = start + length
@@ -105,6 +108,13 @@ class MultimodalProcessor:
                 f"{param} has {image.width}x{image.height} pixels; the limit is max_image_pixels = "
                 f"{self.limits.max_image_pixels}", param=param, code="image_too_large")
         return image.convert("RGB")
+
+
+def image_hash(image: Any) -> str:
+    """A hash of an image's decoded pixels, mode and size."""
+    digest = hashlib.sha256(repr((image.mode, image.size)).encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 def placeholder_runs(input_ids: list[int], token_id: int) -> list[tuple[int, int]]:
