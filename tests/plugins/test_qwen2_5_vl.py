@@ -152,3 +152,27 @@ def test_bad_images_are_refused(model_dir, images):
         with pytest.raises(InvalidRequestError, match="max_image_pixels = 10000"):
             strict.process(PROMPTS["one-image"][0], images[:1])
         assert_kv_accounted(engine)
+
+
+@pytest.mark.slow
+def test_triton_backend_matches_torch_native(model_dir):
+    """The triton backend (under the Triton interpreter, in a subprocess) gives torch_native's tokens for a prompt
+    whose image chunked prefill cuts."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("vl_triton_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(script), model_dir, "5"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS=")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    prompt = [5, 17] + IMAGE + [42, 8]
+    with make_engine(model_dir, scheduler={"chunked_prefill_size": 5}) as engine:
+        want = engine.generate(input_ids=prompt, image_data=[random_image(100, 80, seed=1)],
+                               sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert json.loads(lines[-1][len("TOKENS="):]) == want.token_ids
