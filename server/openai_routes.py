@@ -123,15 +123,7 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         plan = plan_chat(body, parsers)
-        knows_tools = bool(plan.tools) and manager.template_knows_tools()
-        images = [url for message in body.messages for url in message.image_urls()]
-        placeholder = manager.media.image_placeholder(manager.require_tokenizer()) if images else ""
-        prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools, placeholder),
-                                          plan.tools if knows_tools else None)
-        prompt = manager.encode_rendered(prompt_text)
-        multimodal = None
-        if images:
-            prompt, multimodal = await manager.media.prepare(prompt, images, "messages")
+        prompt_text, prompt, multimodal = await _chat_prompt(manager, body, plan)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _chat_params(manager, body, prompt, plan, top or 0)
         run = _Run(manager, body, [prompt], [params], top, multimodal=[multimodal])
@@ -186,6 +178,21 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
             } for i, c in enumerate(run.choices)],
             "usage": run.usage(),
         })
+
+
+async def _chat_prompt(manager: TokenizerManager, body: ChatCompletionRequest, plan: ChatPlan
+                       ) -> tuple[str, list[int], Any]:
+    """The rendered conversation, its token ids (each image's placeholder expanded) and its images (None: text)."""
+    knows_tools = bool(plan.tools) and manager.template_knows_tools()
+    images = [url for message in body.messages for url in message.image_urls()]
+    placeholder = manager.media.image_placeholder(manager.require_tokenizer()) if images else ""
+    prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools, placeholder),
+                                      plan.tools if knows_tools else None)
+    prompt = manager.encode_rendered(prompt_text)
+    if not images:
+        return prompt_text, prompt, None
+    prompt, multimodal = await manager.media.prepare(prompt, images, "messages")
+    return prompt_text, prompt, multimodal
 
 
 async def _stream_chat(run: _Run) -> Response:
