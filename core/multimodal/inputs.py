@@ -126,18 +126,25 @@ def build_multimodal_batch(entries: list["BatchEntry"], positions: torch.Tensor,
     return MultimodalBatch(to_device(torch.cat(columns, dim=1).contiguous(), device), image_rows)
 
 
-def prepare_request(req: "Req", multimodal_positions: Callable[..., tuple[torch.Tensor, int]] | None,
-                    vocab_size: int) -> None:
-    """Once, when a request with images is queued: its model positions, and its prompt keyed by content."""
-    mm: MultimodalInputs = req.multimodal
+def check_request(req: "Req", multimodal_positions: Callable[..., tuple[torch.Tensor, int]] | None) -> None:
+    """Raise InvalidRequestError when a request with images can never run on this model."""
     if multimodal_positions is None:
         raise InvalidRequestError("this model takes no images or video; send text only", param="image_data")
+    if req.return_logprob and req.logprob_start_len >= 0:
+        raise InvalidRequestError("prompt log-probs are not available for a prompt with images (its image "
+                                  "positions predict no token); leave logprob_start_len at -1", param="logprob_start_len")
     prompt_len = len(req.origin_input_ids)
-    for item in mm.items:
+    for item in req.multimodal.items:
         if item.offset < 0 or item.offset + item.num_tokens > prompt_len:
             raise InvalidRequestError(f"an {item.kind}'s placeholder tokens [{item.offset}, "
                                       f"{item.offset + item.num_tokens}) lie outside the {prompt_len}-token prompt",
                                       param="image_data")
+
+
+def prepare_request(req: "Req", multimodal_positions: Callable[..., tuple[torch.Tensor, int]],
+                    vocab_size: int) -> None:
+    """Once, when a checked request with images is queued: its model positions, and its prompt keyed by content."""
+    mm: MultimodalInputs = req.multimodal
     if mm.mrope_positions is None:
-        mm.mrope_positions, mm.mrope_delta = multimodal_positions(prompt_len, mm.items)
+        mm.mrope_positions, mm.mrope_delta = multimodal_positions(len(req.origin_input_ids), mm.items)
         req.origin_input_ids = mm.key_by_content(req.origin_input_ids, vocab_size)

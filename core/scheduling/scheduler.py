@@ -44,7 +44,7 @@ from treadle.core.execution.embedding_worker import EmbeddingWorker
 from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.grammar import GrammarManager
 from treadle.core.loading.hub import default_served_name
-from treadle.core.multimodal.inputs import prepare_request
+from treadle.core.multimodal import inputs as multimodal
 from treadle.core.registry import Registry, build_registry
 from treadle.core.request import InvalidRequestError, Req, ReqOutput, next_arrival
 from treadle.core.scheduling.decode import DecodeManager
@@ -150,7 +150,7 @@ class Scheduler:
         """Queue a request; raises InvalidRequestError when it can never run (:meth:`check_request`)."""
         self.check_request(req)
         if req.multimodal is not None:
-            prepare_request(req, self.worker.info.multimodal_positions, self.worker.info.vocab_size)
+            multimodal.prepare_request(req, self.worker.info.multimodal_positions, self.worker.info.vocab_size)
         if req.wants_embedding:
             req.hidden_states_from = self.worker.pooling.first_needed_position(len(req.origin_input_ids))
         room = self.context_len - len(req.origin_input_ids)
@@ -167,6 +167,8 @@ class Scheduler:
         validation.check_request(req.origin_input_ids, req.sampling_params, self.request_limits,
                                  top_logprobs_num=req.top_logprobs_num)
         validation.check_task(req.wants_embedding, self.config.model.task)
+        if req.multimodal is not None:
+            multimodal.check_request(req, self.worker.info.multimodal_positions)
         live = self.live_by_rid.get(req.rid)
         if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")

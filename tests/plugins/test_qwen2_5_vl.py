@@ -144,6 +144,9 @@ def test_bad_images_are_refused(model_dir, images):
         assert info.value.code == "invalid_image"
         with pytest.raises(InvalidRequestError, match="marks 1 images .* but 2 were given"):
             engine.generate(input_ids=PROMPTS["one-image"][0], image_data=images)
+        with pytest.raises(InvalidRequestError, match="prompt log-probs are not available"):
+            engine.generate(input_ids=PROMPTS["one-image"][0], image_data=images[:1], return_logprob=True,
+                            logprob_start_len=0)
         info_ = engine.scheduler.worker.info
         strict = MultimodalProcessor(info_.model_dir, info_.hf_config, ImageLimits(max_images_per_request=1,
                                                                                     max_image_pixels=100 * 100))
