@@ -46,6 +46,19 @@ class ModelConfig(Section):
         8, ge=0, le=64, description="with an FP8 lm_head, how many of each row's best FP8 logits are recomputed "
                                     "from the 16-bit weight (kept for it), so greedy tokens and each row's best "
                                     "logits stay the 16-bit head's; 0: none, and an untied 16-bit weight is freed")
+    task: Literal["auto", "generate", "embed"] = Field(
+        "auto", description="generate: sample tokens; embed: return pooled final hidden states (/v1/embeddings, "
+                            "Engine.encode); auto: embed when the checkpoint says so (sentence-transformers' "
+                            "modules.json, an architecture such as Qwen3Model), else generate")
+    pooling: str = Field(
+        "auto", description="embed: how a prompt's hidden states become one vector, a registered pooling (last, "
+                            "mean, cls, or a plugin's); auto: the checkpoint's (1_Pooling/config.json), else last")
+    normalize_embeddings: bool | Literal["auto"] = Field(
+        "auto", description="embed: scale each vector to unit length; auto: as the checkpoint says (a "
+                            "sentence-transformers Normalize module), else true")
+    matryoshka: bool | Literal["auto"] = Field(
+        "auto", description="embed: whether a request may ask for fewer `dimensions` (the vector's head, "
+                            "renormalized); auto: when config.json says is_matryoshka or matryoshka_dimensions")
 
 
 class CacheConfig(Section):
@@ -141,6 +154,18 @@ class RuntimeConfig(Section):
     @classmethod
     def _piecewise_tokens(cls, value: int | str) -> int | str:
         return _at_least_or_auto(value, 0, "piecewise_cuda_graph_max_tokens")
+
+
+class MultimodalConfig(Section):
+    """Images in requests to a vision-language model (docs/multimodal.md)."""
+
+    max_images_per_request: int = Field(16, ge=0, description="more images in one request are a 400")
+    max_image_pixels: int = Field(4096 * 4096, gt=0, description="an image of more pixels (width x height) is a 400")
+    local_media_folders: list[str] = Field(
+        default_factory=list, description="folders whose files requests may name as file:// image URLs (the "
+                                          "server refuses every other path; none: file:// is refused)")
+    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an http(s) image URL")
+    fetch_max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest http(s) image the server fetches")
 
 
 class HttpServerConfig(Section):
@@ -338,6 +363,7 @@ class ServerConfig(BaseSettings):
     grammar: GrammarConfig = Field(default_factory=GrammarConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    multimodal: MultimodalConfig = Field(default_factory=MultimodalConfig)
     plugins: list[str] = Field(default_factory=list)
 
     @classmethod

@@ -38,6 +38,15 @@ class GenerateOutput:
     output_top_logprobs: list[Any] = field(default_factory=list)
 
 
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (``Engine.encode``)."""
+
+    embedding: list[float]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
 def as_server_config(config: ConfigLike) -> ServerConfig:
     """A ServerConfig from a ServerConfig, a dict shaped like the YAML, a YAML path, or None (defaults)."""
     if config is None:
@@ -66,6 +75,7 @@ class Engine:
         # batch resolves its "auto" sizes for throughput (larger prefill chunks, no latency chunks).
         self.scheduler = start_scheduler(self.config, registry, offline=True)
         self.tokenizer = self.scheduler.tokenizer
+        self._multimodal_processor: Any = None  # built on the first request with images
 
     @property
     def resolved_config(self) -> "ResolvedConfig":
@@ -83,12 +93,17 @@ class Engine:
         top_logprobs_num: int = 0,
         priority: int | Sequence[int] | None = None,
         lora_path: str | Sequence[str | None] | None = None,
+        image_data: Sequence[Any] | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
         """Generate for one prompt (returns one output) or a list of prompts (returns a list, in order).
 
         ``lora_path``: the LoRA adapter (a name from ``lora.paths``, or one loaded with
-        :meth:`load_lora_adapter`) for every prompt, or one per prompt (None: the base model)."""
+        :meth:`load_lora_adapter`) for every prompt, or one per prompt (None: the base model).
+        ``image_data`` (a vision-language model): the images of one prompt (a list of bytes, ``data:`` URLs, paths
+        or PIL images), or for a list of prompts one such list each; the prompt marks each image with the model's
+        image token (docs/multimodal.md)."""
         single, token_lists = self._token_lists(prompt, input_ids)
+        token_lists, multimodal = self._with_images(single, token_lists, image_data)
         count = len(token_lists)
         params = _per_request(sampling_params, count, SamplingParams.from_any, "sampling_params")
         priorities = _per_request(priority, count, lambda p: int(p or 0), "priority")
@@ -103,13 +118,45 @@ class Engine:
                 logprob_start_len=logprob_start_len,
                 top_logprobs_num=top_logprobs_num,
                 lora_name=adapter,
+                multimodal=mm,
             )
-            for ids, p, prio, adapter in zip(token_lists, params, priorities, adapters)
+            for ids, p, prio, adapter, mm in zip(token_lists, params, priorities, adapters, multimodal)
         ]
         scheduler = self.scheduler
         for req in reqs:
             scheduler.check_request(req)  # a prompt that can never run fails the call before any step
-        order = iter(queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order))
+        finished = self._run(reqs, queue_order([p.max_new_tokens for p in params], self.config.scheduler.batch_order))
+        outputs = [self._to_output(req, finished[req.rid]) for req in reqs]
+        return outputs[0] if single else outputs
+
+    def encode(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        dimensions: int | None = None,
+    ) -> EmbeddingOutput | list[EmbeddingOutput]:
+        """Embed one prompt (returns one output) or a list of prompts (a list, in order) with an embedding model
+        (``model.task: embed``); ``dimensions`` shortens a Matryoshka model's vectors (renormalized)."""
+        from treadle.core.embedding.vectors import check_dimensions, truncate
+
+        single, token_lists = self._token_lists(prompt, input_ids)
+        scheduler = self.scheduler
+        if scheduler.embeds:
+            check_dimensions(dimensions, scheduler.embedding_info)
+        reqs = [Req(rid=Req.new_rid(), origin_input_ids=ids, sampling_params=SamplingParams(max_new_tokens=1),
+                    wants_embedding=True) for ids in token_lists]
+        for req in reqs:
+            scheduler.check_request(req)
+        finished = self._run(reqs, range(len(reqs)))
+        normalize = scheduler.config.model.normalize_embeddings
+        outputs = [EmbeddingOutput(truncate(finished[req.rid].embedding or [], dimensions, normalize),
+                                   len(req.origin_input_ids), req.cached_tokens) for req in reqs]
+        return outputs[0] if single else outputs
+
+    def _run(self, reqs: list[Req], order: Sequence[int]) -> dict[str, ReqOutput]:
+        """Run ``reqs`` (queued in ``order``) to the end; each one's final output by id."""
+        scheduler = self.scheduler
+        queue = iter(order)
         # The scheduler's per-step work grows with its queue (policy order, admission), so a large batch is
         # fed as requests finish: it holds at most this many unfinished requests, several batches' worth.
         window = QUEUED_PER_RUNNING_REQUEST * scheduler.config.scheduler.max_running_requests
@@ -117,7 +164,7 @@ class Engine:
         finished: dict[str, ReqOutput] = {}
         try:
             while len(finished) < len(reqs):
-                while len(added) - len(finished) < window and (i := next(order, None)) is not None:
+                while len(added) - len(finished) < window and (i := next(queue, None)) is not None:
                     scheduler.add_request(reqs[i])
                     added.append(reqs[i])
                 for output in scheduler.step():
@@ -127,8 +174,7 @@ class Engine:
             for req in added:
                 scheduler.abort_request(req.rid)  # a finished one is no longer there: nothing happens
             raise
-        outputs = [self._to_output(req, finished[req.rid]) for req in reqs]
-        return outputs[0] if single else outputs
+        return finished
 
     def kv_stats(self) -> dict[str, int]:
         """``total_slots``, ``free_slots``, ``cached_slots`` (held by the radix cache), and more."""
@@ -174,6 +220,32 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    def _with_images(self, single: bool, token_lists: list[list[int]], image_data: Any
+                     ) -> tuple[list[list[int]], list[Any]]:
+        """Each prompt's ids with its images' placeholders expanded, and its multimodal inputs (None: text)."""
+        if image_data is None:
+            return token_lists, [None] * len(token_lists)
+        from treadle.core.multimodal.processor import ImageLimits, MultimodalProcessor
+
+        per_prompt = [image_data] if single else list(image_data)
+        if len(per_prompt) != len(token_lists):
+            raise InvalidRequestError(f"image_data has {len(per_prompt)} entries for {len(token_lists)} prompts",
+                                      param="image_data")
+        if self._multimodal_processor is None:
+            info = self.scheduler.worker.info
+            limits = self.config.multimodal
+            self._multimodal_processor = MultimodalProcessor.for_model(
+                info.model_dir, info.hf_config, ImageLimits(limits.max_images_per_request, limits.max_image_pixels))
+        processor = self._multimodal_processor
+        if processor is None:
+            raise InvalidRequestError("this model takes no images; leave out image_data", param="image_data")
+        lists, inputs = [], []
+        for ids, images in zip(token_lists, per_prompt):
+            expanded, mm = processor.process(ids, images) if images else (ids, None)
+            lists.append(expanded)
+            inputs.append(mm)
+        return lists, inputs
 
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

@@ -60,6 +60,11 @@ class Spec:
         """Register QuantizationMethod factories (``treadle.core.loading.quantization_method``):
         ``register("name", factory())``."""
 
+    @hookspec
+    def treadle_register_poolings(self, register: Register) -> None:
+        """Register Pooling factories for embedding models (``treadle.core.embedding.pooling``):
+        ``register("name", factory())``."""
+
 
 # kind -> hook name; the kinds are the keys of `treadle plugins --json`.
 HOOKS_BY_KIND: dict[str, str] = {
@@ -73,6 +78,7 @@ HOOKS_BY_KIND: dict[str, str] = {
     "speculators": "treadle_register_speculators",
     "lora_backends": "treadle_register_lora_backends",
     "quantization_methods": "treadle_register_quantization_methods",
+    "poolings": "treadle_register_poolings",
 }
 
 KIND_LABELS: dict[str, str] = {
@@ -86,4 +92,5 @@ KIND_LABELS: dict[str, str] = {
     "speculators": "speculator",
     "lora_backends": "LoRA backend",
     "quantization_methods": "quantization method",
+    "poolings": "pooling",
 }

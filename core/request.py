@@ -113,6 +113,8 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: only output logprobs; k: input logprobs from position k
     top_logprobs_num: int = 0
+    # An embedding request (model.task: embed): its prompt is pooled into one vector and nothing is sampled.
+    wants_embedding: bool = False
     arrival: int = field(default_factory=next_arrival)  # stamped again by Scheduler.add_request
     lora_name: str | None = None  # the LoRA adapter to run under (None: the base model)
 
@@ -144,6 +146,14 @@ class Req:
     output_token_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    # Embedding state: positions before hidden_states_from may come from the radix cache; ``pooled`` holds the
+    # pooling's parts of the chunks computed so far (host float32), ``embedding`` the finished vector.
+    # Images and video frames of a vision-language request (core/multimodal/inputs.py), None for text.
+    multimodal: Any = None
+    hidden_states_from: int = 0
+    pooled: Any = None
+    embedding: list[float] | None = None
 
     # Bookkeeping.
     retractions: int = 0
@@ -252,3 +262,4 @@ class ReqOutput:
     # The tokens each verify step of this output gave the request (accepted drafts + 1), for the acceptance
     # histogram; empty without speculation.
     new_verify_lengths: list[int] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's vector, with its finishing output

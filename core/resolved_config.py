@@ -30,6 +30,7 @@ from treadle.core.auto_size import (
     resolve_piecewise_max_tokens,
     resolve_speculative_max_batch_size,
 )
+from treadle.core.embedding.checkpoint import CheckpointEmbedding, EmbeddingSettings, resolve_embedding
 from treadle.core.config import (
     AttentionConfig,
     CacheConfig,
@@ -37,6 +38,7 @@ from treadle.core.config import (
     HttpServerConfig,
     LoraConfig,
     ModelConfig,
+    MultimodalConfig,
     ParallelConfig,
     ReasoningConfig,
     RuntimeConfig,
@@ -62,6 +64,9 @@ class ResolvedModelConfig(ModelConfig):
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "float16", "bfloat16"]
     context_length: int
+    task: Literal["generate", "embed"] = "generate"
+    normalize_embeddings: bool = True
+    matryoshka: bool = False
 
 
 class ResolvedCacheConfig(CacheConfig):
@@ -119,6 +124,9 @@ class _FrozenGrammar(GrammarConfig):
 class ResolvedSpeculativeConfig(SpeculativeConfig):
     model_config = _FROZEN
     max_batch_size: int
+class _FrozenMultimodal(MultimodalConfig):
+    model_config = _FROZEN
+    local_media_folders: tuple[str, ...]
 
 
 class ResolvedConfig(ServerConfig):
@@ -138,6 +146,7 @@ class ResolvedConfig(ServerConfig):
     grammar: _FrozenGrammar
     speculative: ResolvedSpeculativeConfig
     lora: ResolvedLoraConfig
+    multimodal: _FrozenMultimodal
     plugins: tuple[str, ...]
 
     def with_attention_backend(self, name: str) -> "ResolvedConfig":
@@ -162,6 +171,7 @@ class RuntimeFacts:
     launch_bound_prefill: bool = False
     lora_max_rank: int = 0  # the adapters' slot rank (lora.max_rank resolved); 0: LoRA is off
     lora_backend: str = ""  # the lora_backends plugin chosen
+    embedding: EmbeddingSettings | None = None  # model.task and its settings (None: the config's, no checkpoint)
 
     @property
     def on_cuda(self) -> bool:
@@ -191,6 +201,9 @@ def resolve_config(config: ServerConfig, facts: RuntimeFacts,
         latency_chunk_size=latency_chunk_size, launch_bound_prefill=facts.launch_bound_prefill)
     values = config.model_dump()
     values["model"].update(device=facts.device, dtype=facts.dtype, context_length=context_length)
+    embedding = facts.embedding or resolve_embedding(config.model, CheckpointEmbedding())
+    values["model"].update(task=embedding.task, pooling=embedding.pooling,
+                           normalize_embeddings=embedding.normalize, matryoshka=embedding.matryoshka)
     values["cache"].update(max_total_tokens=kv_tokens, kv_dtype=facts.kv_dtype)
     values["scheduler"].update(
         max_running_requests=sizes.max_running_requests, chunked_prefill_size=chunked_prefill_size,
@@ -247,7 +260,7 @@ def _kv_pool_and_batch_sizes(config: ServerConfig, facts: RuntimeFacts, context_
 
 # The keys whose "auto" (or null default) the resolution replaces, as (section, key).
 RESOLVED_KEYS = (
-    ("model", "device"), ("model", "dtype"), ("model", "context_length"), ("cache", "max_total_tokens"),
+    ("model", "task"), ("model", "device"), ("model", "dtype"), ("model", "context_length"), ("cache", "max_total_tokens"),
     ("cache", "kv_dtype"), ("scheduler", "max_running_requests"), ("scheduler", "chunked_prefill_size"),
     ("scheduler", "enable_mixed_chunk"), ("scheduler", "latency_chunk_size"), ("scheduler", "prefill_hold_steps"),
     ("runtime", "cuda_graph_max_bs"), ("runtime", "piecewise_cuda_graph_max_tokens"), ("attention", "backend"),

@@ -192,3 +192,16 @@ def _namer(names: Mapping[str, str] | None):
     if not names:
         return lambda field: field
     return lambda field: names.get(field, field)
+
+
+def check_task(wants_embedding: bool, task: str) -> None:
+    """Raise InvalidRequestError for an embedding request to a generation model or the other way round."""
+    if wants_embedding and task != "embed":
+        raise InvalidRequestError(
+            "this model generates text (model.task: generate) and serves no embeddings; send embedding requests "
+            "to a server whose model is an embedding model (model.task: embed)", param="model",
+            code="model_task_mismatch")
+    if not wants_embedding and task == "embed":
+        raise InvalidRequestError(
+            "this model serves embeddings (model.task: embed) and generates no text; use /v1/embeddings "
+            "(Engine.encode offline)", param="model", code="model_task_mismatch")

@@ -29,7 +29,7 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = params["rope_type"]
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # mrope: default frequencies, positions per section (Qwen2.5-VL)
         return inv_freq
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from treadle import __version__
 from treadle.core.validation import InvalidRequestError
+from treadle.server.embedding_routes import add_embedding_routes
 from treadle.server.middleware import AdmissionMiddleware, ApiKeyMiddleware
 from treadle.server.lora_routes import add_lora_routes
 from treadle.server.native_routes import add_native_routes
@@ -41,6 +42,7 @@ def build_app(manager: TokenizerManager, server_info: dict[str, Any] | None = No
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
                            allow_methods=["*"], allow_headers=["*"])
     add_openai_routes(app, manager)
+    add_embedding_routes(app, manager)
     add_native_routes(app, manager, server_info or {})
     add_lora_routes(app, manager)
     return app

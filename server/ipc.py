@@ -40,6 +40,8 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     priority: int = 0
     lora_name: str | None = None  # the LoRA adapter (None: the base model)
+    wants_embedding: bool = False  # /v1/embeddings: pool the prompt into a vector, sample nothing
+    multimodal: Any = None  # the prompt's images (core.multimodal.inputs.MultimodalInputs), None for text
 
 
 @dataclass

@@ -110,6 +110,27 @@ def _per_prompt_adapters(lora_path: str | list[str | None] | None, count: int) -
     return [lora_path or None] * count
 
 
+async def _native_images(manager: TokenizerManager, body: GenerateRequest, prompts: list[list[int]],
+                         is_batch: bool) -> list[Any]:
+    """Each prompt's images (``image_data``) prepared, its ids expanded in place; None for a prompt without."""
+    given = body.image_data
+    if given is None:
+        return [None] * len(prompts)
+    per_prompt = list(given) if is_batch else [given]
+    if len(per_prompt) != len(prompts):
+        raise RequestError(f"image_data has {len(per_prompt)} entries for {len(prompts)} prompts",
+                           param="image_data")
+    prepared: list[Any] = []
+    for index, images in enumerate(per_prompt):
+        sources = [images] if isinstance(images, str) else list(images or [])
+        if not sources:
+            prepared.append(None)
+            continue
+        prompts[index], multimodal = await manager.media.prepare(prompts[index], sources, "image_data")
+        prepared.append(multimodal)
+    return prepared
+
+
 def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
     """``/generate``, the health and info routes, the admin routes and ``/metrics``."""
     _add_generate_route(app, manager)
@@ -122,6 +143,7 @@ def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
     async def generate(body: GenerateRequest, request: Request) -> Response:
         prompts, is_batch = _native_prompts(manager, body)
         param = "text" if body.text is not None else "input_ids"
+        multimodal = await _native_images(manager, body, prompts, is_batch)
         params = SamplingParams(**body.sampling_params.model_dump())
         if isinstance(body.rid, list):
             if len(body.rid) != len(prompts):
@@ -133,10 +155,10 @@ def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
             rids = [manager.new_rid() for _ in prompts]
         adapters = _per_prompt_adapters(body.lora_path, len(prompts))
         reqs = []
-        for rid, ids, adapter in zip(rids, prompts, adapters):
+        for rid, ids, adapter, mm in zip(rids, prompts, adapters, multimodal):
             manager.check_request(ids, params, {"prompt": param, "input_ids": param}, body.top_logprobs_num)
             reqs.append(TokenizedGenerateReq(rid, ids, params, body.return_logprob, body.logprob_start_len,
-                                             body.top_logprobs_num, body.priority, lora_name=adapter))
+                                             body.top_logprobs_num, body.priority, lora_name=adapter, multimodal=mm))
         results = [_NativeResult(rid, ids, body) for rid, ids in zip(rids, prompts)]
         stop = list(params.stop or [])
         stream = manager.submit(reqs, timeout=body.timeout)
@@ -167,7 +189,8 @@ def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_
     async def health_generate(request: Request) -> JSONResponse:
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         token = int(manager.model_info.get("bos_token_id") or 0)
-        stream = manager.submit([TokenizedGenerateReq(manager.new_rid(), [token], params)])
+        embeds = manager.model_info.get("task") == "embed"  # an embedding model: embed one token instead
+        stream = manager.submit([TokenizedGenerateReq(manager.new_rid(), [token], params, wants_embedding=embeds)])
         try:
             await asyncio.wait_for(collect(request, stream, lambda event: None), timeout=60)
         except asyncio.TimeoutError:
@@ -180,7 +203,7 @@ def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_
     async def get_model_info() -> JSONResponse:
         info = _public_model_info(manager)
         info.setdefault("served_model_name", manager.served_model_name)
-        info["is_generation"] = True
+        info["is_generation"] = manager.model_info.get("task", "generate") != "embed"
         info["has_tokenizer"] = manager.tokenizer is not None
         return JSONResponse(info)
 

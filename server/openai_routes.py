@@ -66,7 +66,8 @@ class _Run:
     """The sub-requests of one OpenAI request and the usage they add up to."""
 
     def __init__(self, manager: TokenizerManager, body: _SamplingFields, prompts: list[list[int]],
-                 params: list[SamplingParams], want_logprobs: int | None, echo_logprobs: bool = False) -> None:
+                 params: list[SamplingParams], want_logprobs: int | None, echo_logprobs: bool = False,
+                 multimodal: list[Any] | None = None) -> None:
         self.manager = manager
         self.body = body
         self.prompts = prompts
@@ -86,7 +87,9 @@ class _Run:
             reqs.append(TokenizedGenerateReq(
                 rid, prompts[choice.prompt_index], p, return_logprob=want_logprobs is not None,
                 logprob_start_len=0 if echo_logprobs else -1, top_logprobs_num=want_logprobs or 0,
-                priority=body.priority, lora_name=self.lora_name))
+                priority=body.priority, lora_name=self.lora_name,
+
+                multimodal=multimodal[choice.prompt_index] if multimodal else None))
         self.stream: GenerationStream = manager.submit(reqs, timeout=body.timeout)
 
     def add(self, event: StreamEvent) -> _Choice:
@@ -117,13 +120,10 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         plan = plan_chat(body, parsers)
-        knows_tools = bool(plan.tools) and manager.template_knows_tools()
-        prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools),
-                                          plan.tools if knows_tools else None)
-        prompt = manager.encode_rendered(prompt_text)
+        prompt_text, prompt, multimodal = await _chat_prompt(manager, body, plan)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _chat_params(manager, body, prompt, plan, top or 0)
-        run = _Run(manager, body, [prompt], [params], top)
+        run = _Run(manager, body, [prompt], [params], top, multimodal=[multimodal])
         if body.stream:
             for choice in run.choices:
                 choice.reader = ChoiceReader(plan, prompt_text)
@@ -191,6 +191,21 @@ def _add_model_routes(app: FastAPI, manager: TokenizerManager) -> None:
             raise RequestError(f"the model '{model_id}' does not exist (no such LoRA adapter is loaded)",
                                param="model", status_code=404, code="model_not_found")
         return JSONResponse(card)
+
+
+async def _chat_prompt(manager: TokenizerManager, body: ChatCompletionRequest, plan: ChatPlan
+                       ) -> tuple[str, list[int], Any]:
+    """The rendered conversation, its token ids (each image's placeholder expanded) and its images (None: text)."""
+    knows_tools = bool(plan.tools) and manager.template_knows_tools()
+    images = [url for message in body.messages for url in message.image_urls()]
+    placeholder = manager.media.image_placeholder(manager.require_tokenizer()) if images else ""
+    prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools, placeholder),
+                                      plan.tools if knows_tools else None)
+    prompt = manager.encode_rendered(prompt_text)
+    if not images:
+        return prompt_text, prompt, None
+    prompt, multimodal = await manager.media.prepare(prompt, images, "messages")
+    return prompt_text, prompt, multimodal
 
 
 async def _stream_chat(run: _Run) -> Response:

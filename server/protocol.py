@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
 from treadle.core.request import SamplingParams
 
@@ -113,6 +113,18 @@ class TextContentPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ImageUrlContentPart(_Body):
+    """An image in a chat message (a vision-language model): a data: URL, an http(s) URL or a file:// path."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str = "{}"
@@ -128,7 +140,7 @@ class MessageToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageUrlContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
@@ -139,14 +151,22 @@ class ChatMessage(_Body):
         # Without this, an image part fails every member of the union and the 400 lists their three complaints.
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind != "text":
-                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text only")
+            if kind is not None and kind not in ("text", "image_url"):
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text and "
+                                 "image_url parts")
         return content
 
-    def text(self) -> str:
+    def text(self, image_placeholder: str = "") -> str:
+        """The message's text, each image part written as ``image_placeholder``."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text if isinstance(part, TextContentPart) else image_placeholder
+                           for part in self.content)
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImageUrlContentPart)]
 
 
 class FunctionDefinition(_Body):
@@ -219,6 +239,22 @@ class GenerateRequest(_Body):
     timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
     lora_path: str | list[str | None] | None = Field(
         None, description="the LoRA adapter's name (one for every prompt, or one per prompt; null: the base model)")
+    image_data: str | list[str | list[str] | None] | None = Field(
+        None, description="a vision-language model's images (data: URLs, http(s) URLs, file:// paths): for one "
+                          "prompt an image or a list; for a batch one entry (an image, a list or null) per prompt")
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's shape): ``input`` is a string, a list of strings, token ids or lists of them."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    rid: str | None = None
+    priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
 
 
 class AbortRequest(_Body):

@@ -229,6 +229,8 @@ class SchedulerLoop:
                 logprob_start_len=message.logprob_start_len,
                 top_logprobs_num=message.top_logprobs_num,
                 lora_name=message.lora_name,
+                wants_embedding=message.wants_embedding,
+                multimodal=message.multimodal,
             )
             self.scheduler.add_request(req)
         except ValueError as exc:  # InvalidRequestError and friends: the client's fault

@@ -34,6 +34,7 @@ from treadle.server.ipc import (
     bind_pull,
     connect_push,
 )
+from treadle.server.media import MediaLoader
 from treadle.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class TokenizerManager:
         self.draining = False  # set on SIGTERM: new requests get 503 while running ones finish
         self.max_inflight_requests = inflight_limit(config, model_info)
         self._timed_out: set[str] = set()
+        self.media = MediaLoader(config.multimodal, model_info.get("model_path"))  # images in requests
 
     # ------------------------------------------------------------ lifecycle
 
@@ -281,7 +283,9 @@ class TokenizerManager:
             raise RequestError("the server is shutting down and accepts no new requests", status_code=503,
                                type_="server_error", code="server_shutting_down", headers={"Retry-After": "5"})
         self._admit(len(reqs))
+        task = str(self.model_info.get("task") or "generate")
         for req in reqs:
+            validation.check_task(req.wants_embedding, task)
             if req.rid in self.states:
                 raise RequestError(f"a request with rid '{req.rid}' is already running", param="rid")
         if len({req.rid for req in reqs}) != len(reqs):

@@ -20,8 +20,12 @@
 
     def test_my_lora_backend_conforms():
         check_lora_backend(MyLoRABackend, "cuda", torch.bfloat16)   # or a registered name: "triton"
+
     def test_my_quantization_method_conforms():
         check_quantization_method(MyMethod, {"quant_method": "mine"}, my_layer_tensors)
+
+    def test_my_pooling_conforms():
+        check_pooling(MyPooling)
 
     def test_my_model_splits_over_ranks():
         check_tensor_parallel(make_my_tiny_checkpoint(tmp_path), tp_size=2,
@@ -37,13 +41,14 @@ from typing import Any
 
 from treadle.testing.allocators import check_kv_allocator
 from treadle.testing.lora import check_lora_backend
+from treadle.testing.embedding import check_pooling
 from treadle.testing.parallel import check_tensor_parallel
 from treadle.testing.parsers import check_reasoning_parser, check_tool_parser
 from treadle.testing.policies import check_schedule_policy
 
 __all__ = ["check_attention_backend", "check_grammar_backend", "check_kv_allocator", "check_lora_backend",
-           "check_quantization_method", "check_reasoning_parser", "check_schedule_policy", "check_speculator",
-           "check_tensor_parallel", "check_tool_parser"]
+           "check_pooling", "check_quantization_method", "check_reasoning_parser", "check_schedule_policy",
+           "check_speculator", "check_tensor_parallel", "check_tool_parser"]
 
 
 def __getattr__(name: str) -> Any:

@@ -105,6 +105,9 @@ class ForwardBatch:
     tokens_per_req: int = 1  # new tokens of every request (DECODE: 1, TARGET_VERIFY: k + 1)
     # What the layers may read during this step (adapter per token, per-request values; see batch_context.py).
     batch_context: "BatchContext | None" = None
+    # A step with image or video requests: M-RoPE positions and the rows that take vision-encoder outputs
+    # (core/multimodal/inputs.py); None otherwise.
+    multimodal: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from treadle.core.execution.forward_batch import ForwardBatch
 from treadle.core.execution.overlap import to_device
+from treadle.core.multimodal.inputs import build_multimodal_batch, has_multimodal, shift_positions
 
 if TYPE_CHECKING:
     from treadle.core.execution.attention import AttentionBackend
@@ -36,9 +37,12 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
     req_pool_indices_dev = to_device(req_pool_indices, device)
     out_cache_loc = torch.cat([e.new_slots for e in entries])
     extra: dict[str, Any] = {}
+    multimodal = has_multimodal(entries)
     if mode.is_decode():
         input_ids_dev = next_input_ids.gather(req_pool_indices_dev)
         positions = seq_lens - 1
+        if multimodal:
+            positions = shift_positions(entries, positions, [1] * len(entries))
         logits_indices = torch.arange(len(entries), dtype=torch.int64)
     elif mode.is_verify():
         input_ids_dev, positions, extra = _verify_inputs(entries, req_pool_indices_dev, next_input_ids, draft_ids,
@@ -47,6 +51,9 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
     else:
         input_ids_dev = _extend_input_ids(entries, next_input_ids, device)
         positions, logits_indices, extra = _extend_positions(entries, device)
+        if multimodal:
+            positions = shift_positions(entries, positions, extra["extend_seq_lens_cpu"])
+            extra["multimodal"] = build_multimodal_batch(entries, positions, device)
     return ForwardBatch(
         forward_mode=mode,
         batch_size=len(entries),

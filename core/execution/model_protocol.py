@@ -67,6 +67,13 @@ class ModelTraits:
     - ``capture_hidden_states(tap)`` (method): from the next forward on, record the hidden state entering the layers
       ``tap`` (a ``treadle.layers.decoder.HiddenStateTap``) names into it; None stops (an EAGLE-3 speculator reads
       its target's this way).
+    - ``compute_hidden_states(hidden, forward_batch)`` (method, with ``forward_hidden``): every row's final hidden
+      state (after the final norm) from ``forward_hidden``'s output; what ``model.task: embed`` pools.
+    - ``multimodal_positions(prompt_len, items)`` (method): a vision-language model's positions of a prompt with
+      images (``[3, prompt_len]`` M-RoPE positions, and the delta a position past the prompt adds); its
+      ``forward``/``forward_hidden`` then read ``forward_batch.multimodal`` (core/multimodal/inputs.py).
+    - ``drop_lm_head()`` (method): called before the weights load when the model serves embeddings: the output
+      head is neither built nor loaded (embedding checkpoints have none).
     """
 
     launch_bound_prefill: bool = False
@@ -75,6 +82,14 @@ class ModelTraits:
     weights_loaded: Callable[[], None] | None = None
     splits_forward: bool = False
     capture_hidden_states: Callable[[Any], None] | None = None
+    compute_hidden_states: Callable[[Any, "ForwardBatch"], torch.Tensor] | None = None
+    drop_lm_head: Callable[[], None] | None = None
+    multimodal_positions: Callable[..., Any] | None = None
+
+    @property
+    def embeds(self) -> bool:
+        """Whether the model can serve embeddings (``forward_hidden`` and ``compute_hidden_states``)."""
+        return self.splits_forward and self.compute_hidden_states is not None
 
     @classmethod
     def of(cls, model: Any) -> "ModelTraits":
@@ -87,6 +102,9 @@ class ModelTraits:
             weights_loaded=finish if callable(finish) else None,
             splits_forward=isinstance(model, SplitForwardModel),
             capture_hidden_states=_method(model, "capture_hidden_states"),
+            compute_hidden_states=_method(model, "compute_hidden_states"),
+            drop_lm_head=_method(model, "drop_lm_head"),
+            multimodal_positions=_method(model, "multimodal_positions"),
         )
 
 

@@ -12,6 +12,7 @@ import torch
 
 from treadle.core.config import ServerConfig
 from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_head_counts, tp_min_int
+from treadle.core.embedding.checkpoint import read_checkpoint_embedding, resolve_embedding
 from treadle.core.execution.attention import build_attention_backend, model_sliding_windows
 from treadle.core.execution.batch_context import using_batch_context
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
@@ -66,6 +67,7 @@ class ModelRunner:
                                          if config.lora.requested else None)
 
         # Every "auto" is resolved here, once, into the frozen config the runtime reads; the user's is untouched.
+        self.embedding = resolve_embedding(config.model, read_checkpoint_embedding(self.model_dir, hf))
         resolved = resolve_config(config, self._runtime_facts(offline), agree_min=tp_min_int)
         self.context_len: int = resolved.model.context_length
         self.page_size: int = resolved.cache.page_size
@@ -117,6 +119,7 @@ class ModelRunner:
             launch_bound_prefill=self.model_traits.launch_bound_prefill,
             lora_max_rank=self.lora.max_rank if self.lora is not None else 0,
             lora_backend=self.lora.backend_name if self.lora is not None else "",
+            embedding=self.embedding,
         )
 
     def _use_checkpoint_kv_scales(self) -> None:
@@ -177,3 +180,13 @@ class ModelRunner:
         with using_batch_context(forward_batch.batch_context):
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def forward_hidden_states(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Every row's final hidden state (after the final norm), computed eagerly: what an embedding model
+        (``model.task: embed``) pools."""
+        model = self.model
+        with using_batch_context(forward_batch.batch_context):
+            self.attn_backend.init_forward_metadata(forward_batch)
+            hidden = model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            return model.compute_hidden_states(hidden, forward_batch)

@@ -91,3 +91,4 @@ class LaunchedStep:
     draft_ids: torch.Tensor | None = None  # a TARGET_VERIFY step's drafts, [bs, k] on the device
     # The distributions the drafts were sampled from, [bs, k, vocab] float32 (None: deterministic drafts).
     draft_probs: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None  # an embedding step's pooled parts, [bs, hidden] on the device

@@ -236,7 +236,9 @@ class PiecewiseGraphRunner:
     # ------------------------------------------------------------------- replay
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        return forward_batch.forward_mode.is_extend() and 0 < forward_batch.num_tokens <= self.max_tokens
+        # A step with images runs eagerly: its vision encoder and M-RoPE positions are not captured.
+        return (forward_batch.forward_mode.is_extend() and 0 < forward_batch.num_tokens <= self.max_tokens
+                and forward_batch.multimodal is None)
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for ``forward_batch.logits_indices`` of an extend batch, through the pieces."""

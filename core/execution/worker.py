@@ -68,6 +68,8 @@ class WorkerInfo:
     allocator: "KVAllocator"
     req_to_token_pool: "ReqToTokenPool"
     lora: "LoRAManager | None" = None  # the adapters (lora section); None: LoRA is off
+    # A vision-language model's ``multimodal_positions(prompt_len, items)`` (ModelTraits); None: text only.
+    multimodal_positions: Any = None
 
     @classmethod
     def of(cls, runner: ModelRunner) -> "WorkerInfo":
@@ -76,6 +78,7 @@ class WorkerInfo:
             context_len=runner.context_len, device=runner.device, dtype=runner.dtype, page_size=runner.page_size,
             max_running_requests=int(runner.max_running_requests), max_total_tokens=int(runner.max_total_tokens),
             allocator=runner.allocator, req_to_token_pool=runner.req_to_token_pool, lora=runner.lora,
+            multimodal_positions=runner.model_traits.multimodal_positions,
         )
 
 
@@ -140,7 +143,8 @@ class ModelWorker(Worker):
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
         if self.runner.device.type == "cuda":
-            self.runner._warm_up_prefill(forward=self.forward)
+            embeds = self.config.model.task == "embed"  # no logits: warm up what EmbeddingWorker runs
+            self.runner._warm_up_prefill(forward=self.runner.forward_hidden_states if embeds else self.forward)
 
     # ------------------------------------------------------------------ graphs
 
@@ -153,6 +157,8 @@ class ModelWorker(Worker):
         runner, runtime = self.runner, self.runner.config.runtime
         if runner.device.type != "cuda" or (runtime.disable_cuda_graph and not force):
             return
+        if runner.config.model.task == "embed":
+            return  # prefills only, run eagerly (core/execution/embedding_worker.py)
         backend = runner.attn_backend
         if runner.uses_decode_graphs:
             verify = self.verify_tokens_per_req

@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from treadle.core.embedding.checkpoint import (
+    EmbeddingSettings,
+    causal_lm_architecture,
+    is_bare_model_architecture,
+    read_checkpoint_embedding,
+    resolve_embedding,
+)
 from treadle.core.execution.model_protocol import ModelTraits, accepts_quant_config
 from treadle.core.loading.lazy_weights import (
     LoadTracker,
@@ -51,6 +58,7 @@ def load_model(
     """
     model_dir = resolve_model_path(model_config)
     hf_config = read_hf_config(model_dir)
+    lift_text_config(hf_config)
     model_cls = model_class(hf_config, registry, model_dir)
     target_device = resolve_device(device if device is not None else model_config.device)
     target_dtype = resolve_dtype(dtype if dtype is not None else model_config.dtype, hf_config, target_device)
@@ -59,6 +67,8 @@ def load_model(
     with _building_on(target_device, target_dtype):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config=quant_config)
     _cast_parameters(model, target_dtype)
+    if embedding_settings(model_config, model_dir, hf_config).task == "embed":
+        _serve_embeddings(model, model_dir)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
     else:
@@ -73,6 +83,32 @@ def load_model(
     _finish_weights(model)
     model.requires_grad_(False)
     return model.eval(), hf_config, model_dir
+
+
+def lift_text_config(hf_config: Any) -> None:
+    """A multimodal config keeps its language model's shape under ``text_config``: copy each field the top level
+    lacks to it, so the runtime reads ``num_hidden_layers`` and the rest as from a text model's config."""
+    text = getattr(hf_config, "text_config", None)
+    if text is None or getattr(hf_config, "num_hidden_layers", None) is not None:
+        return
+    for key, value in text.to_dict().items():
+        if getattr(hf_config, key, None) is None:
+            setattr(hf_config, key, value)
+
+
+def embedding_settings(model_config: "ModelConfig", model_dir: str, hf_config: Any) -> EmbeddingSettings:
+    """``model.task`` and the embedding settings, each ``auto`` resolved from the checkpoint."""
+    return resolve_embedding(model_config, read_checkpoint_embedding(model_dir, hf_config))
+
+
+def _serve_embeddings(model: nn.Module, model_dir: str) -> None:
+    traits = ModelTraits.of(model)
+    if not traits.embeds:
+        raise ModelLoadError(f"model.task is embed but {type(model).__name__} (from {model_dir}) has no "
+                             "forward_hidden/compute_hidden_states to return hidden states; serve it with "
+                             "model.task: generate")
+    if traits.drop_lm_head is not None:
+        traits.drop_lm_head()
 
 
 def resolve_model_path(model_config: "ModelConfig") -> str:
@@ -154,6 +190,9 @@ def model_class(hf_config: Any, registry: Any, model_dir: str = "") -> Any:
     try:
         return registry.get("models", name)
     except PluginError:
+        if is_bare_model_architecture(name) and causal_lm_architecture(name) in registry.names("models"):
+            return registry.get("models", causal_lm_architecture(name))  # an embedding checkpoint's bare model
+
         raise ModelLoadError(
             f"model architecture '{name}' (from {model_dir}/config.json) is not supported; "
             f"available: {registry.describe('models')}"

@@ -41,7 +41,8 @@ class RequestLifecycle:
             if req is state.chunked_req:
                 state.chunked_req = None
             self.memory.share_prompt(req)
-            state.running.append(req)
+            if not req.wants_embedding:  # an embedding request ends with this step: it never decodes
+                state.running.append(req)
 
     def retract(self, req: Req) -> None:
         """Free a running request's KV (or the chunked prompt's) and put it back at the front of the queue."""
@@ -51,6 +52,7 @@ class RequestLifecycle:
         else:
             state.running.remove(req)
         self.memory.release(req)
+        req.pooled = None  # its chunks are computed again
         if not req.input_logprobs_sent:  # its prompt's log-probs are computed again when it is admitted again
             req.input_token_logprobs.clear()
             req.input_top_logprobs.clear()

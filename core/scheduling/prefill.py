@@ -204,6 +204,8 @@ class PrefillManager:
         limit = req.seq_len - 1  # at least one token is computed, to produce logits
         if wants_input_logprobs(req):
             limit = min(limit, max(req.logprob_start_len - 1, 0))
+        if req.wants_embedding:
+            limit = min(limit, req.hidden_states_from)  # the pooling reads these positions' hidden states
         usable = min(matched, limit)
         return usable - usable % self.memory.page_size
 

@@ -40,12 +40,15 @@ from treadle.core.config import ServerConfig, validate_plugin_choices
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.model_runner import ModelRunner
 from treadle.core.execution.overlap import LaunchedStep
-from treadle.core.execution.worker import Worker
+from treadle.core.execution.embedding_worker import EmbeddingWorker
+from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.grammar import GrammarManager
 from treadle.core.loading.hub import default_served_name
+from treadle.core.multimodal import inputs as multimodal
 from treadle.core.registry import Registry, build_registry
 from treadle.core.request import InvalidRequestError, Req, ReqOutput, next_arrival
 from treadle.core.scheduling.decode import DecodeManager
+from treadle.core.scheduling.embedding_output import EmbeddingOutputs
 from treadle.core.scheduling.kv_memory import KVMemory
 from treadle.core.scheduling.lifecycle import RequestLifecycle
 from treadle.core.scheduling.observers import StepObserver
@@ -72,6 +75,9 @@ class Scheduler:
         # The model side (core/execution/worker.py); another Worker (a speculative one) may be handed in.
         self.worker: Worker = worker if worker is not None else build_worker(config, self.registry, offline=offline)
         self.config = self.worker.config  # every "auto" resolved; the caller's config stays as it was
+        self.embeds = self.config.model.task == "embed"
+        if self.embeds and isinstance(self.worker, ModelWorker):
+            self.worker = EmbeddingWorker(self.worker, self.registry.get("poolings", self.config.model.pooling)())
         info = self.worker.info
         self.memory = KVMemory.for_worker(info, self.config.cache.disable_radix_cache)
         self.policy = self.registry.get("schedule_policies", config.scheduler.policy)(config.scheduler.seed)
@@ -96,6 +102,8 @@ class Scheduler:
                                               self.policy, self.oom_backoff)
         self.output_processing = OutputProcessing(self.state, self.lifecycle, self.grammar, self.eos_token_ids,
                                                   self.tokenizer, self.context_len)
+        self.embedding_outputs = EmbeddingOutputs(self.state, self.lifecycle, self.worker.pooling,
+                                                  self.config.model.normalize_embeddings) if self.embeds else None
         self._inflight: LaunchedStep | None = None  # queued on the device, its tokens not read yet
         for observer in self.worker.step_observers():
             self.add_observer(observer)
@@ -124,7 +132,16 @@ class Scheduler:
             "dtype": str(info.dtype).removeprefix("torch."),
             "device": str(info.device),
             "has_tokenizer": self.tokenizer is not None,
+            "task": self.config.model.task,
+            **({"embedding": self.embedding_info} if self.embeds else {}),
         }
+
+    @property
+    def embedding_info(self) -> dict[str, Any]:
+        """An embedding model's vector: its size, pooling, normalization and whether it may be truncated."""
+        model = self.config.model
+        return {"dimensions": int(self.worker.info.hf_config.hidden_size), "pooling": model.pooling,
+                "normalize": model.normalize_embeddings, "matryoshka": model.matryoshka}
 
     @cached_property
     def request_limits(self) -> validation.RequestLimits:
@@ -136,6 +153,10 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         """Queue a request; raises InvalidRequestError when it can never run (:meth:`check_request`)."""
         self.check_request(req)
+        if req.multimodal is not None:
+            multimodal.prepare_request(req, self.worker.info.multimodal_positions, self.worker.info.vocab_size)
+        if req.wants_embedding:
+            req.hidden_states_from = self.worker.pooling.first_needed_position(len(req.origin_input_ids))
         room = self.context_len - len(req.origin_input_ids)
         if req.sampling_params.max_new_tokens > room:
             req.sampling_params.max_new_tokens = room
@@ -150,6 +171,9 @@ class Scheduler:
         validation.check_request(req.origin_input_ids, req.sampling_params, self.request_limits,
                                  top_logprobs_num=req.top_logprobs_num)
         req.lora_uid = self._adapter_uid(req.lora_name)
+        validation.check_task(req.wants_embedding, self.config.model.task)
+        if req.multimodal is not None:
+            multimodal.check_request(req, self.worker.info.multimodal_positions)
         live = self.live_by_rid.get(req.rid)
         if live is not None and not live.finished:
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
@@ -249,7 +273,9 @@ class Scheduler:
         if step is None:
             return False
         host = self._wait(step)
-        if self.decode_tokens_per_req > 1 and step.batch.forward_mode is ForwardMode.TARGET_VERIFY:
+        if self.embedding_outputs is not None:
+            self.embedding_outputs.process(step, host)
+        elif self.decode_tokens_per_req > 1 and step.batch.forward_mode is ForwardMode.TARGET_VERIFY:
             self.output_processing.process_verified(step, host)
         else:
             self.output_processing.process(step, host)

@@ -49,6 +49,12 @@ class LlamaModel(nn.Module):
         """``(last layer's output, residual stream)``; their sum is the final hidden state."""
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        return self.run_layers(hidden_states, cos, sin, forward_batch)
+
+    def run_layers(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over input embeddings ``hidden_states`` with rotary tables ``cos``/``sin``
+        (a vision-language model passes its own: image rows, M-RoPE positions)."""
         residual, normed = None, False
         tap = self.hidden_tap
         for layer_id, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms)):
@@ -132,15 +138,37 @@ class LlamaForCausalLM(nn.Module):
         CUDA graphs captured before do not record: capture them again."""
         self.model.hidden_tap = tap
 
+    def compute_hidden_states(self, hidden: tuple[torch.Tensor, torch.Tensor],
+                              forward_batch: ForwardBatch) -> torch.Tensor:
+        """Every row's final hidden state (the final norm applied) from :meth:`forward_hidden`'s output: what an
+        embedding model pools."""
+        hidden_states, residual = hidden
+        return self.model.norm(hidden_states, residual)[0]
+
+    def drop_lm_head(self) -> None:
+        """Serve embeddings: no output head (an embedding checkpoint has none; a causal LM's is skipped)."""
+        self.lm_head = None
+        self.tie_word_embeddings = False
+
     def weights_loaded(self) -> None:
         """Called once every weight is loaded and quantized: each linear layer's decode kernel prefetches the head
         of the next one's weight into L2 (small_batch.chain_l2_prefetch)."""
         small_batch.chain_l2_prefetch([m for m in self.modules() if isinstance(m, (LinearBase, ParallelLMHead))])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        ignored = _IGNORED_SUFFIXES + (("lm_head.weight",) if self.tie_word_embeddings or self.lm_head is None
+                                       else ())
+        if self.lm_head is None:
+            weights = _under_model(weights)
         self.kv_cache_scales = {}
         load_checkpoint(self, split_kv_cache_scales(weights, self.kv_cache_scales), ignored_suffixes=ignored)
+
+
+def _under_model(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """An embedding checkpoint saved from the bare transformer (``Qwen3Model``) names its tensors without the
+    ``model.`` prefix."""
+    for name, tensor in weights:
+        yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), tensor
 
 
 @hookimpl

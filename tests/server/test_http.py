@@ -266,6 +266,12 @@ def _stream_text(path: str, event: dict) -> str:
     return ""  # /generate streams cumulative text; its runs are not compared
 
 
+def test_embeddings_on_a_chat_model_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="serves no embeddings") as info:
+        client.embeddings.create(model=MODEL, input="hello")
+    assert info.value.body["code"] == "model_task_mismatch"
+
+
 def test_native_generate_text_ids_batch_and_stream(http: httpx.Client) -> None:
     one = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
     assert one.status_code == 200
@@ -411,8 +417,11 @@ BAD_REQUESTS = [
     ("two constraints", "/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
      400, "ebnf"),
     ("best_of above n", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
-    ("image content part", "/v1/chat/completions",
+    ("image content part to a text model", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages"),
+    ("audio content part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},
      400, "messages.0.content"),
     ("logit_bias key not a token id", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"a": 1}}, 400,
      "logit_bias.a.[key]"),

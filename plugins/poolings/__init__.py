@@ -1,0 +1,1 @@
+"""Built-in poolings (``last``, ``mean``, ``cls``) for embedding models."""
