@@ -52,7 +52,9 @@ class RandomDraftSpeculator(Speculator):
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         bs, q = len(batch.entries), self.q[:num_drafts]
-        ids = torch.multinomial(q, bs, replacement=True, generator=self.generator).T.contiguous()
+        # Exponential race: argmax(q / E), E ~ Exp(1), samples from q on the device without a sync.
+        noise = torch.empty((bs, *q.shape), device=q.device).exponential_(generator=self.generator)
+        ids = (q.unsqueeze(0) / noise).argmax(dim=-1)
         return Drafts(ids, q.unsqueeze(0).expand(bs, num_drafts, q.shape[-1]))
 
 

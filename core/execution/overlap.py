@@ -68,9 +68,10 @@ class HostCopy:
             self._event.record()
 
     @property
-    def arrived(self) -> bool:
-        """Whether :meth:`wait` would return without waiting (asks the device; never blocks)."""
-        return self._event is None or self._event.query()
+    def waited(self) -> bool:
+        """Whether the values are on the host already: :meth:`wait` returned once, or nothing was on a device.
+        Never asks the device, so every tensor-parallel rank sees the same answer at the same point."""
+        return self._event is None
 
     def wait(self) -> dict[str, Any]:
         if self._event is not None:

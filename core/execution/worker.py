@@ -43,6 +43,7 @@ from treadle.core.registry import Registry
 if TYPE_CHECKING:
     from treadle.core.memory.allocator import KVAllocator
     from treadle.core.memory.pools import ReqToTokenPool
+    from treadle.core.request import Req
     from treadle.core.resolved_config import ResolvedConfig
     from treadle.core.scheduling.observers import StepObserver
     from treadle.core.scheduling.schedule_batch import ScheduleBatch
@@ -89,6 +90,11 @@ class Worker(ABC):
         request (``2 <= t <= k + 1``; DECODE batches when ``t`` is 1) and calls ``launch_forward(batch)`` without
         drafts: the worker supplies ``t - 1`` drafts per request itself (docs/scheduling.md)."""
         return 1
+
+    def decode_tokens_for(self, reqs: Sequence["Req"]) -> int:
+        """The most tokens per request worth computing in the next decode step of ``reqs`` (1 to
+        ``decode_tokens_per_req``); asked only when ``decode_tokens_per_req`` is above 1, before the batch is built."""
+        return self.decode_tokens_per_req
 
     @abstractmethod
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:

@@ -28,7 +28,8 @@ class DecodeManager:
     """
 
     def __init__(self, config: ResolvedConfig, state: SchedulerState, memory: KVMemory, lifecycle: RequestLifecycle,
-                 context_len: int, settle: Callable[[], bool], tokens_per_req: int = 1) -> None:
+                 context_len: int, settle: Callable[[], bool], tokens_per_req: int = 1,
+                 tokens_for: Callable[[list[Req]], int] | None = None) -> None:
         self.config = config
         self.state = state
         self.memory = memory
@@ -36,6 +37,7 @@ class DecodeManager:
         self.context_len = context_len
         self.settle = settle
         self.tokens_per_req = tokens_per_req
+        self.tokens_for = tokens_for  # the worker's decode_tokens_for: fewer when fewer drafts are worth it
 
     def build_batch(self) -> ScheduleBatch | None:
         if self.tokens_per_req > 1:
@@ -100,7 +102,8 @@ class DecodeManager:
         the context length, to the most tokens any request may still take, and to what the pool holds (fewer
         drafts before any retraction); 1 (plain decode) while a request is constrained or uses penalties, whose
         mask and token counts at a draft's position would depend on the drafts before it, and while more requests
-        run than ``speculative.max_batch_size`` (verifying them would cost more than it saves).
+        run than ``speculative.max_batch_size`` (verifying them would cost more than it saves); and to what the
+        worker says is worth verifying (``tokens_for``: a speculator with nothing to propose makes it 1).
         """
         per_req = self.tokens_per_req if len(reqs) <= self.config.speculative.max_batch_size else 1
         most_wanted = 1
@@ -112,6 +115,8 @@ class DecodeManager:
             per_req = min(per_req, self.context_len - 1 - req.kv_len)
             most_wanted = max(most_wanted, remaining_new_tokens(req))
         per_req = max(1, min(per_req, most_wanted))
+        if per_req > 1 and self.tokens_for is not None:
+            per_req = max(1, min(per_req, self.tokens_for(reqs)))
         available = self.memory.available()
         while per_req >= 1:
             need = self.memory.decode_slots_needed(reqs, per_req)

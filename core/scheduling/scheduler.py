@@ -90,7 +90,8 @@ class Scheduler:
             raise ValueError(f"{type(self.worker).__name__}.decode_tokens_per_req must be at least 1 (1: plain "
                              f"decode, k + 1: verify k drafts), got {self.decode_tokens_per_req}")
         self.decode_manager = DecodeManager(self.config, self.state, self.memory, self.lifecycle, self.context_len,
-                                            settle=self.settle, tokens_per_req=self.decode_tokens_per_req)
+                                            settle=self.settle, tokens_per_req=self.decode_tokens_per_req,
+                                            tokens_for=self.worker.decode_tokens_for)
         self.prefill_manager = PrefillManager(self.config, self.state, self.memory, self.decode_manager,
                                               self.policy, self.oom_backoff)
         self.output_processing = OutputProcessing(self.state, self.lifecycle, self.grammar, self.eos_token_ids,

@@ -16,7 +16,8 @@ from treadle.core.execution.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from treadle.core.execution.overlap import LaunchedStep
-    from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
+    from treadle.core.request import Req
+    from treadle.core.scheduling.schedule_batch import ScheduleBatch
 
 
 @dataclass
@@ -30,8 +31,9 @@ class RowTokens:
 
 class RecentTokens:
     """Follows the target's forwards (``step_launched``) and, for a verify batch about to run, says what each
-    row's sequence is (``rows``). Never waits for the device: a step whose results have not arrived counts as
-    unseen."""
+    row's sequence is (``rows``). Never waits for the device nor asks it: a step the scheduler has not read yet
+    counts as unseen (the scheduler reads a verify step before building the next batch, so its tokens are there;
+    the answer depends only on the scheduler's own steps, the same on every tensor-parallel rank)."""
 
     def __init__(self) -> None:
         self._last_verify: "LaunchedStep | None" = None
@@ -41,15 +43,18 @@ class RecentTokens:
             self._last_verify = step
 
     def rows(self, batch: "ScheduleBatch") -> list[RowTokens]:
-        unread = self._unread()
-        return [self._row(entry, unread.get(id(entry.req), ())) for entry in batch.entries]
+        """Each entry's sequence up to its row's first token (at ``entry.kv_start``)."""
+        unread = self.unread()
+        return [self.row(entry.req, entry.kv_start + 1, unread) for entry in batch.entries]
 
     def forget(self) -> None:
         self._last_verify = None
 
-    def _unread(self) -> dict[int, list[int]]:
+    def unread(self) -> dict[int, list[int]]:
+        """``id(req) -> tokens`` of the last verify step the scheduler read (empty when there is none); pass it to
+        :meth:`row`."""
         step = self._last_verify
-        if step is None or step.results is None or not step.results.arrived:
+        if step is None or step.results is None or not step.results.waited:
             return {}
         host = step.results.wait()
         if "accepted" not in host:
@@ -58,10 +63,11 @@ class RecentTokens:
         return {id(entry.req): ids[:count + 1] for entry, ids, count in zip(step.batch.entries, next_ids, accepted)}
 
     @staticmethod
-    def _row(entry: "BatchEntry", unread) -> RowTokens:
-        req = entry.req
+    def row(req: "Req", length: int, unread: dict[int, list[int]]) -> RowTokens:
+        """``req``'s sequence of ``length`` tokens (its last the newest sampled one) as the host knows it;
+        ``unread``: from :meth:`unread`. Before a decode batch is built, ``length`` is ``req.kv_len + 1``."""
+        unread = unread.get(id(req), ())
         known = len(req.origin_input_ids) + len(req.output_ids)
-        length = entry.kv_start + 1  # the row's first token is the sequence's last
         if known + len(unread) <= length:
             return RowTokens(list(unread), length - known - len(unread))
         return RowTokens([], max(0, length - known))  # appended already (or the host is ahead: no guess)

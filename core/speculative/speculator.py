@@ -5,6 +5,8 @@ target's :class:`~treadle.core.execution.worker.ModelWorker`, ``config`` the res
 ``speculative`` section says how many drafts and which method), ``registry`` the plugin registry (a draft
 model is loaded through it like any model). The speculative worker around the target calls it each step:
 
+- :meth:`Speculator.max_drafts` (optional) before a decode batch is built: how many drafts are worth verifying
+  for the running requests (an n-gram look-up with nothing to copy says 0, and the step decodes one token);
 - :meth:`Speculator.propose` for every TARGET_VERIFY batch, before the target's forward: ``t - 1`` drafts per
   request, where ``t`` is the batch's tokens per request (``entry.extend_len``; the first of those ``t``
   tokens is the request's last sampled token, already known);
@@ -54,6 +56,13 @@ class Speculator(ABC):
     @abstractmethod
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         """``num_drafts`` drafts for each entry of ``batch`` (``entry.req``: the request so far)."""
+
+    def max_drafts(self, reqs: list["Req"]) -> int:
+        """The most drafts worth verifying in the next decode step of the running ``reqs``, asked before that
+        step's batch is built (each request's last sampled token will sit at position ``req.kv_len``). Below
+        ``num_draft_tokens`` the step verifies fewer; 0 makes it a plain one-token decode step. Default: always
+        ``num_draft_tokens`` (a speculator that cannot tell in advance)."""
+        return self.num_draft_tokens
 
     def after_target_forward(self, step: "LaunchedStep") -> None:
         """The target's forward of ``step`` was queued (its sampling not yet): default, nothing to do."""

@@ -68,6 +68,14 @@ class SpeculativeWorker(Worker):
         """The target's model runner (what a plain worker's ``runner`` is)."""
         return self.target.runner
 
+    @property
+    def cuda_graphs(self):
+        """The target's decode and verify CUDA graphs (None on the CPU or with graphs off)."""
+        return self.target.cuda_graphs
+
+    def decode_tokens_for(self, reqs: Sequence["Req"]) -> int:
+        return 1 + max(0, min(self.num_draft_tokens, int(self.speculator.max_drafts(list(reqs)))))
+
     def step_observers(self) -> Sequence[StepObserver]:
         return (self._observer,)
 

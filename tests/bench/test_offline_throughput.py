@@ -131,7 +131,8 @@ def test_json_schema_ab_runs_both_at_equal_token_counts(tmp_path, tiny_model_dir
 
 
 def test_speculative_runs_report_the_acceptance_length(tmp_path, tiny_model_dir, capsys):
-    report = run_bench(tmp_path, tiny_model_dir, "--workload", "random",
+    # Outputs long enough for the tiny model to repeat itself, so the n-gram look-up finds something to verify.
+    report = run_bench(tmp_path, tiny_model_dir, "--workload", "random", "--output-len", "24:32",
                        "--set", "plugins=[treadle.plugins.speculators.ngram]", "--set", "speculative.method=ngram",
                        "--set", "speculative.max_batch_size=8")
     (system,) = report["systems"]

@@ -215,3 +215,22 @@ def test_a_script_ending_without_shutdown_stops_its_ranks_cleanly(tmp_path):
     for alarm in ("unexpectedly", "leaked", "resource_tracker", "Traceback"):
         assert alarm not in result.stderr, result.stderr[-3000:]
     assert not list(stores.glob("treadle-tp-*"))
+
+
+def test_tp2_with_ngram_speculation_matches_tp1_plain(tmp_path, stores):
+    """Every rank runs its own speculative worker; the n-gram drafts depend only on what each rank's scheduler read,
+    so the ranks verify the same drafts and keep the same tokens (with retraction under the small pool)."""
+    path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
+    expected, _, reference = _generate(_config(path, 1))
+    reference.shutdown()
+    speculative = {"method": "ngram", "num_tokens": 3, "max_batch_size": 8}
+    engine = Engine(_config(path, 2, speculative=speculative) | {"plugins": ["treadle.plugins.speculators.ngram"]})
+    try:
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o.token_ids for o in outputs] == expected
+        assert sum(o.spec_verify_steps for o in outputs) > 0
+        per_rank = engine.scheduler.kv_stats_per_rank()
+        assert per_rank[0] == per_rank[1]
+        assert_kv_accounted(engine)
+    finally:
+        engine.shutdown()

@@ -17,6 +17,7 @@
 # the 1000-request `random` workload of docs/benchmarks.md and the default config; OFFLINE_ARGS adds variants
 # (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
+# `speculative` runs bench/speculative.py (oracle machinery on Llama-3.1-8B shapes, ngram on SmolLM2).
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
 # and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once; SERVING_SAT_PROMPTS=0
 # skips it); SERVING_TAG prefixes its log and result names, for a second server in the same call.
@@ -131,6 +132,11 @@ PY
       # Waits (at most SOAK_WAIT_S) for a `soak_bg` soak to end, then copies its results into $OUT.
       for _ in $(seq ${SOAK_WAIT_S:-560}); do grep -q "^STAGE soak took" /tmp/soak/soak_run.log 2>/dev/null && break; sleep 1; done
       tail -40 /tmp/soak/soak_run.log; cp /tmp/soak/*.json /tmp/soak/*.log "$OUT"/ 2>/dev/null ;;
+    speculative)
+      # bench/speculative.py: oracle drafts on Llama-3.1-8B shapes (verify step vs decode step, tok/s at bs 1/8/32)
+      # and ngram on SmolLM2 copy-heavy prompts (bs 1 and 256 at once); SPEC_ARGS adds options (--part machinery).
+      timeout ${SPEC_TIMEOUT:-540} python3 -m treadle.bench.speculative --output "$OUT/speculative.json" ${SPEC_ARGS:-} 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/speculative.log" | tail -20 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac

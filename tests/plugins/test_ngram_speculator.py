@@ -10,6 +10,32 @@ import os
 import subprocess
 import sys
 
+def test_max_drafts_says_how_many_are_worth_verifying():
+    """Before a decode batch is built: 0 when no request repeats itself (the step decodes one token each), else the
+    longest continuation found, at most num_draft_tokens."""
+    speculator = NgramSpeculator(4, 1, 3, torch.device("cpu"))
+    fresh = _Req("a", [10, 11, 12, 13], [14])
+    fresh.kv_len = 4  # its last token (14) sits at position 4
+    assert speculator.max_drafts([fresh]) == 0
+    near_end = _Req("b", [1, 2, 3, 7, 8, 1, 2], [3])
+    near_end.kv_len = 7  # "1 2 3" was followed by 7 8 1 2 3 only
+    assert speculator.max_drafts([fresh, near_end]) == 4
+    short = _Req("c", [5, 6, 9, 5], [6])
+    short.kv_len = 4  # "5 6" was followed by 9 5 6: three tokens
+    assert speculator.max_drafts([fresh, short]) == 3
+
+
+def test_a_batch_with_nothing_to_copy_decodes_one_token_at_a_time(tiny_llama_dir):
+    engine = Engine(config(tiny_llama_dir, True))
+    batches = []
+    engine.scheduler.add_observer(type("Modes", (StepObserver,), {
+        "batch_built": lambda self, batch: batches.append(batch.forward_mode.name if batch else None)})())
+    prompt = list(range(100, 140))  # no repeats, and 2 new tokens: nothing to look up
+    output = engine.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert output.spec_verify_steps == 0 and "TARGET_VERIFY" not in batches and "DECODE" in batches
+    assert_kv_accounted(engine)
+
+
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -17,6 +43,7 @@ import pytest
 import torch
 
 from treadle import Engine, SamplingParams
+from treadle.core.scheduling.observers import StepObserver
 from treadle.core.speculative.history import RowTokens
 from treadle.core.speculative.worker import SpeculativeWorker
 from treadle.plugins.speculators.ngram import NgramSpeculator
@@ -192,3 +219,19 @@ if __name__ == "__main__":
     output = engine.generate(input_ids=PROMPTS[:1], sampling_params=params)[0]
     assert_kv_accounted(engine)
     print(",".join(map(str, output.token_ids)), output.spec_verify_steps)
+
+
+def test_a_long_prompt_indexed_at_once_finds_what_token_by_token_indexing_finds():
+    import random
+
+    generator = random.Random(0)
+    prompt = [generator.randrange(50) for _ in range(300)]  # a small vocabulary: many repeated n-grams
+    bulk, stepwise = NgramSpeculator(4, 1, 4, torch.device("cpu")), NgramSpeculator(4, 1, 4, torch.device("cpu"))
+    drafts(bulk, _Req("a", prompt, []))
+    growing = _Req("a", prompt[:1], [])
+    for token in prompt[1:]:  # the same tokens arriving one a step, as outputs
+        growing.output_ids.append(token)
+        drafts(stepwise, growing)
+    assert bulk._indexes["a"].tokens == stepwise._indexes["a"].tokens == prompt
+    assert bulk._indexes["a"].latest.keys() == stepwise._indexes["a"].latest.keys()
+    assert all(bulk._indexes["a"].latest[n] == stepwise._indexes["a"].latest[n] for n in range(1, 5))

@@ -48,7 +48,7 @@ def test_bench_serving_prints_the_acceptance_length(server: ServerHandle, tmp_pa
     from treadle.bench.serving import main
 
     out = tmp_path / "serving.json"
-    rc = main(["--base-url", server.base_url, "--num-prompts", "4", "--input-len", "4:12", "--output-len", "8:12",
+    rc = main(["--base-url", server.base_url, "--num-prompts", "4", "--input-len", "4:12", "--output-len", "24:32",
                "--max-concurrency", "2", "--no-progress", "--output", str(out)])
     assert rc == 0
     summary = json.loads(out.read_text())["summary"]

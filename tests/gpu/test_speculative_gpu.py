@@ -1,0 +1,102 @@
+"""Speculative decoding from the config on CUDA (``speculative.method``): the speculative worker's target captured
+verify graphs for t = 2..k + 1 up to ``speculative.max_batch_size`` requests, verify steps replay them, and greedy
+tokens are the plain run's (ngram and the oracle; float32, triton and flashinfer_triton, token and paged
+allocators); the oracle keeps k + 1 tokens a step; rejection sampling (random drafts with their distributions)
+runs without a device sync inside propose; every KV slot comes back.
+
+Where a run parts from the plain one, it must be at a near-tie (as tests/gpu/test_multi_token_gpu.py explains).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_replays import ReplayCounter
+from treadle import Engine, SamplingParams
+from treadle.testing import check_speculator
+from treadle.testing.engine import assert_kv_accounted
+
+pytestmark = pytest.mark.gpu
+
+K = 4
+NEAR_TIE = 2e-3
+PLUGINS = ["treadle.plugins.speculators.ngram", "treadle.testing.speculator_plugins"]
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(10, 8000, (12,), generator=generator).tolist()
+    # Each ends in a phrase said three times: the n-gram look-up has a continuation to propose from the start.
+    return [torch.randint(10, 8000, (int(n),), generator=generator).tolist() + phrase * 3
+            for n in torch.randint(3, 100, (count,), generator=generator)]
+
+
+def _assert_plain_or_near_tie(outputs, plain) -> None:
+    for i, (got, want) in enumerate(zip(outputs, plain)):
+        part = next((j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if part is None:
+            assert len(got.token_ids) == len(want.token_ids)
+            continue
+        (first, top1), (second, top2) = want.output_top_logprobs[part][:2]
+        assert top1 - top2 <= NEAR_TIE and got.token_ids[part] in (first, second), (
+            f"request {i} parted from the plain run at token {part}, not at a near-tie ({top1} vs {top2})")
+    assert sum(o.token_ids == p.token_ids for o, p in zip(outputs, plain)) >= len(plain) - 2
+
+
+@pytest.mark.parametrize("backend, page_size", [("triton", 1), ("triton", 16), ("flashinfer_triton", 16)])
+@pytest.mark.parametrize("method", ["ngram", "oracle"])
+def test_speculative_worker_replays_verify_graphs_with_the_plain_tokens(real_shape_llama_dir, engine_config, method,
+                                                                        backend, page_size):
+    if backend.startswith("flashinfer"):
+        pytest.importorskip("flashinfer")
+    config = {**engine_config(real_shape_llama_dir, backend, "float32", page_size=page_size), "plugins": PLUGINS}
+    prompts = _prompts(12, seed=3)
+    params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(12)]
+    plain_engine = Engine(config)
+    try:
+        plain = plain_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                      top_logprobs_num=2)
+    finally:
+        plain_engine.shutdown()
+    engine = Engine({**config, "speculative": {"method": method, "num_tokens": K, "max_batch_size": 16}})
+    try:
+        worker = engine.scheduler.worker
+        graphs = worker.target.cuda_graphs
+        assert sorted(graphs.verify) == list(range(2, K + 2))
+        replays = {t: ReplayCounter(graphs.verify[t]) for t in graphs.verify}
+        if method == "oracle":
+            worker.speculator.references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert_kv_accounted(engine)
+    finally:
+        engine.shutdown()
+    assert sum(r.count for r in replays.values()) > 0
+    if method == "oracle":  # every draft right until a near-tie parts the runs
+        assert sum(o.completion_tokens for o in outputs) > 3 * sum(o.spec_verify_steps for o in outputs)
+    _assert_plain_or_near_tie(outputs, plain)
+
+
+def test_rejection_sampling_on_cuda_is_seeded_and_leaves_nothing_behind(real_shape_llama_dir, engine_config):
+    config = {**engine_config(real_shape_llama_dir, "triton", "bfloat16"), "plugins": PLUGINS,
+              "speculative": {"method": "random_drafts", "num_tokens": K, "max_batch_size": 16}}
+    prompts = _prompts(8, seed=4)
+    params = [SamplingParams(max_new_tokens=24, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True) for i in range(8)]
+    runs = []
+    for _ in range(2):
+        engine = Engine(config)
+        try:
+            runs.append([o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)])
+            assert_kv_accounted(engine)
+        finally:
+            engine.shutdown()
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", ["ngram", "random_drafts"])
+def test_the_conformance_kit_on_cuda(real_shape_llama_dir, engine_config, name):
+    from treadle.core.registry import build_registry
+
+    config = engine_config(real_shape_llama_dir, "triton", "float32")
+    check_speculator(build_registry(PLUGINS).get("speculators", name), model_dir=real_shape_llama_dir,
+                     overrides={key: config[key] for key in ("model", "attention", "runtime")} | {"plugins": PLUGINS})
