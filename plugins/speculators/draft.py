@@ -28,10 +28,10 @@ import torch
 
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.overlap import to_device
-from treadle.core.execution.sampler import SamplingBatch, argmax_last_dim, filtered_probs
+from treadle.core.execution.sampler import SamplingBatch, argmax_last_dim, exponential_noise, filtered_probs
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
-from treadle.plugins.speculators.catch_up import CatchUp
+from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
 from treadle.plugins.speculators.draft_memory import DraftMemory, DraftSequence, draft_kv_tokens, draft_server_config
 
 if TYPE_CHECKING:
@@ -84,7 +84,8 @@ class DraftModelSpeculator(Speculator):
         if not inputs.rows:
             return Drafts(token_ids)
         live = [seqs[i] for i in inputs.rows]
-        sampling = sampling_of([reqs[i] for i in inputs.rows], self.vocab_size, self.device)
+        sampling = sampling_of([reqs[i] for i in inputs.rows], [last[i] for i in inputs.rows], self.vocab_size,
+                               self.device)
         drafts, probs = self._run(inputs, live, [last[i] for i in inputs.rows], num_drafts, sampling)
         for i in inputs.rows:
             seq = seqs[i]
@@ -146,7 +147,7 @@ class DraftModelSpeculator(Speculator):
         that samples, their distributions ``[m, n, vocab]``."""
         input_ids = inputs.device_input_ids(self.device, self.target.next_input_ids.ids, self.last_drafts)
         logits = self.draft.forward(self._extend_batch(inputs, seqs, input_ids))
-        token, probs = self._pick(logits, sampling)
+        token, probs = self._pick(logits, sampling, 0)
         tokens, dists = [token], [probs]
         m = len(seqs)
         rows = to_device(torch.tensor([seq.row for seq in seqs], dtype=torch.int64), self.device)
@@ -161,19 +162,18 @@ class DraftModelSpeculator(Speculator):
             for j in range(num_drafts - 1):
                 logits = self.draft.forward(self._decode_batch(rows, token, positions_dev[j], positions[j] + 1,
                                                                slots_dev[j], logits_rows))
-                token, probs = self._pick(logits, sampling)
+                token, probs = self._pick(logits, sampling, j + 1)
                 tokens.append(token)
                 dists.append(probs)
         drafts = torch.stack(tokens, dim=1)
         return drafts, (torch.stack(dists, dim=1) if sampling is not None else None)
 
-    def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, Any]:
+    def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None, step: int) -> tuple[torch.Tensor, Any]:
         logits = logits[:, :self.vocab_size]
         if sampling is None:
             return argmax_last_dim(logits), None
         probs = draft_distribution(logits.float(), sampling, self.vocab_size)
-        noise = torch.empty_like(probs).exponential_()
-        return (probs / noise).argmax(dim=-1), probs
+        return (probs / draft_noise(sampling, step, probs.shape[-1])).argmax(dim=-1), probs
 
     def _extend_batch(self, inputs: CatchUp, seqs: list[DraftSequence], input_ids: torch.Tensor) -> ForwardBatch:
         runner, device = self.draft.runner, self.device
@@ -206,11 +206,25 @@ class DraftModelSpeculator(Speculator):
         )
 
 
-def sampling_of(reqs: list["Req"], vocab_size: int, device: torch.device) -> SamplingBatch | None:
-    """The batch's sampling parameters, or None when every request is greedy (the drafts are argmaxes)."""
+def sampling_of(reqs: list["Req"], last: list[int], vocab_size: int, device: torch.device) -> SamplingBatch | None:
+    """The batch's sampling parameters, or None when every request is greedy (the drafts are argmaxes). ``steps``
+    counts from each request's output position at its last token (``last``), which the host knows exactly (its
+    ``output_ids`` may lag under overlap scheduling)."""
     if all(req.sampling_params.is_greedy for req in reqs):
         return None
-    return SamplingBatch.from_reqs(reqs, vocab_size, device)
+    sampling = SamplingBatch.from_reqs(reqs, vocab_size, device)
+    sampling.steps = index_tensor([p - len(req.origin_input_ids) for req, p in zip(reqs, last)], device)
+    return sampling
+
+
+# Salts a request's seed for its drafts' noise, so that they do not reuse the noise the target samples with.
+DRAFT_SEED_SALT = 0x5BD1E995
+
+
+def draft_noise(sampling: SamplingBatch, step: int, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise ``[rows, vocab]`` for sampling the ``step``-th draft of each request: a function of the request's
+    seed and output position only, so a seeded request drafts (and so keeps) the same tokens in every run."""
+    return exponential_noise(sampling.seeds ^ DRAFT_SEED_SALT, sampling.steps + step, vocab_size)
 
 
 def draft_distribution(logits: torch.Tensor, sampling: SamplingBatch, vocab_size: int) -> torch.Tensor:

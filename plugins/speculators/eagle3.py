@@ -33,7 +33,7 @@ from treadle.core.memory.pools import KVCache
 from treadle.core.speculative.speculator import Drafts, Speculator
 from treadle.layers.decoder import HiddenStateTap
 from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
-from treadle.plugins.speculators.draft import draft_distribution, sampling_of
+from treadle.plugins.speculators.draft import draft_distribution, draft_noise, sampling_of
 from treadle.plugins.speculators.eagle3_graphs import HeadDecodeGraphs
 from treadle.plugins.speculators.eagle3_model import Eagle3Head, aux_layer_ids, load_eagle3_head
 
@@ -131,7 +131,7 @@ class Eagle3Speculator(Speculator):
         if not inputs.rows:
             return Drafts(token_ids)
         live = [entries[i] for i in inputs.rows]
-        sampling = sampling_of([e.req for e in live], self.vocab_size, self.device)
+        sampling = sampling_of([e.req for e in live], [e.kv_start for e in live], self.vocab_size, self.device)
         drafts, probs = self._draft(inputs, feature_rows, live, num_drafts, sampling)
         for entry in live:
             state = self.states[entry.req.rid]
@@ -214,7 +214,7 @@ class Eagle3Speculator(Speculator):
         hidden = self._catch_up(inputs, features)
         last_rows = index_tensor(torch.tensor(inputs.extend_lens).cumsum(0).sub(1).tolist(), self.device)
         hidden = hidden.index_select(0, last_rows)
-        token, probs = self._pick(self.head.logits(hidden), sampling)
+        token, probs = self._pick(self.head.logits(hidden), sampling, 0)
         tokens, dists = [token], [probs]
         m = len(live)
         rows = index_tensor([e.req.req_pool_idx for e in live], self.device)
@@ -228,18 +228,18 @@ class Eagle3Speculator(Speculator):
                 self.attn_backend.init_forward_metadata(batch)
                 hidden = self.head(token, batch.positions, hidden, batch)
                 logits = self.head.logits(hidden)
-            token, probs = self._pick(logits, sampling)
+            token, probs = self._pick(logits, sampling, j)
             tokens.append(token)
             dists.append(probs)
         return torch.stack(tokens, dim=1), (torch.stack(dists, dim=1) if sampling is not None else None)
 
-    def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, Any]:
+    def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None, step: int) -> tuple[torch.Tensor, Any]:
         """Target ids of the next drafts from the head's logits (and their distributions over the target's
         vocabulary when the batch samples)."""
         if sampling is None:
             return self.draft_to_target[argmax_last_dim(logits)], None
         probs = draft_distribution(logits.float(), sampling, logits.shape[-1])
-        picked = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        picked = (probs / draft_noise(sampling, step, probs.shape[-1])).argmax(dim=-1)
         target_probs = torch.zeros(probs.shape[0], self.vocab_size, device=self.device)
         target_probs.index_copy_(1, self.draft_to_target, probs)
         return self.draft_to_target[picked], target_probs
@@ -307,6 +307,9 @@ class Eagle3Speculator(Speculator):
 def build_eagle3_speculator(target: "ModelWorker", config: "ResolvedConfig", registry: "Registry") -> Speculator:
     """The ``eagle3`` factory: loads the head from ``speculative.draft_model_path`` beside the target."""
     spec = config.speculative
+    if config.parallel.tp_size > 1:
+        raise ValueError("speculative.method 'eagle3' runs at parallel.tp_size 1 for now (its head is not sharded); "
+                         "use ngram or draft under tensor parallelism")
     head = load_eagle3_head(spec.draft_model_path, target.info.device, target.info.dtype)
     if head.embed_tokens is None and head.config.vocab_size != target.info.vocab_size:
         raise ValueError(f"the EAGLE-3 head {spec.draft_model_path} is for a vocabulary of {head.config.vocab_size} "

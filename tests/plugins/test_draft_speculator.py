@@ -254,9 +254,9 @@ def test_retraction_in_a_small_pool_keeps_the_tokens_and_frees_both_pools(tiny_l
         assert_draft_pool_full(engine)
 
 
-def test_sampling_requests_run_with_drafts(tiny_llama_dir):
+def test_sampling_requests_run_with_sampled_drafts(tiny_llama_dir, other_draft_dir):
     params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True, seed=i) for i in range(3)]
-    with Engine(engine_config(tiny_llama_dir, tiny_llama_dir, 2)) as engine:
+    with Engine(engine_config(tiny_llama_dir, other_draft_dir, 2)) as engine:
         outputs = engine.generate(input_ids=ENGINE_PROMPTS[:3], sampling_params=params)
         vocab = engine.scheduler.worker.info.vocab_size
         assert all(len(o.token_ids) == 12 and all(0 <= t < vocab for t in o.token_ids) for o in outputs)
