@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -45,6 +45,8 @@ class MultimodalItem:
     num_tokens: int = 0
     seconds_per_grid: float = 1.0
     content_hash: str = ""
+    # The vision encoder's output, kept by the model while a chunked prefill has rows of this item still to come.
+    encoder_output: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.content_hash:

@@ -62,18 +62,23 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return model.run_layers(hidden, cos, sin, forward_batch)
 
     def _write_vision_rows(self, hidden: torch.Tensor, multimodal: MultimodalBatch) -> torch.Tensor:
-        """The encoder's output for every image with rows in this step, one encoder call for all of them."""
-        items: dict[int, MultimodalItem] = {}
+        """The encoder's output for every image with rows in this step, one encoder call for all of them (an image
+        a chunked prefill cuts keeps its output until its last rows are written)."""
+        fresh: dict[int, MultimodalItem] = {}
         for rows in multimodal.image_rows:
-            items.setdefault(id(rows.item), rows.item)
-        pixels = torch.cat([item.pixel_values for item in items.values()]).to(hidden.device, non_blocking=True)
-        encoded = self.visual(pixels, [item.grid_thw for item in items.values()])
-        sizes = [item.num_tokens for item in items.values()]
-        by_item = dict(zip(items, encoded.split(sizes)))
-        hidden = hidden.clone()
+            if rows.item.encoder_output is None:
+                fresh.setdefault(id(rows.item), rows.item)
+        if fresh:
+            pixels = torch.cat([item.pixel_values for item in fresh.values()]).to(hidden.device, non_blocking=True)
+            encoded = self.visual(pixels, [item.grid_thw for item in fresh.values()])
+            for item, output in zip(fresh.values(), encoded.split([item.num_tokens for item in fresh.values()])):
+                item.encoder_output = output
         for rows in multimodal.image_rows:
-            count = rows.end - rows.start
-            hidden[rows.first_row:rows.first_row + count] = by_item[id(rows.item)][rows.start:rows.end].to(hidden.dtype)
+            item = rows.item
+            hidden[rows.first_row:rows.first_row + rows.end - rows.start] = \
+                item.encoder_output[rows.start:rows.end].to(hidden.dtype)
+            if rows.end == item.num_tokens:
+                item.encoder_output = None  # its last rows: no later chunk needs it
         return hidden
 
     def _mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
