@@ -336,7 +336,7 @@ def _check_same_for_every_part(layer: "LinearBase", name: str, shard_id: str, de
                                source: torch.Tensor) -> None:
     """The parts of a merged layer share their input, so a per-input tensor (``g_idx``) must be the same for all."""
     loaded = layer.__dict__.setdefault("_per_input_loaded", set())
-    if name in loaded and not torch.equal(dest, source.to(dest.dtype)):
+    if name in loaded and not torch.equal(dest, source.to(dest.device, dest.dtype)):
         raise QuantizationError(f"{shard_id}.{name} differs from the other parts of its merged layer "
                                 f"({', '.join(layer.shard_ids)}); treadle needs one {name} per input")
     loaded.add(name)

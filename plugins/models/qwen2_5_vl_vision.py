@@ -64,7 +64,7 @@ class VisionTransformer(nn.Module):
             c = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m).transpose(1, 2).reshape(-1)
             rows.append(r.repeat(t))
             cols.append(c.repeat(t))
-        row, col = torch.cat(rows), torch.cat(cols)
+        row, col = torch.cat(rows).to(self.inv_freq.device), torch.cat(cols).to(self.inv_freq.device)
         half = torch.cat([row[:, None] * self.inv_freq, col[:, None] * self.inv_freq], dim=1)
         return torch.cat([half, half], dim=1)
 

@@ -177,4 +177,5 @@ def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_pa
     values["runtime"]["cuda_graph_max_bs"] = max(1, min(config.runtime.cuda_graph_max_bs,
                                                         config.speculative.max_batch_size))
     values.pop("speculative", None)
+    values.pop("lora", None)  # the draft serves no adapters (and the resolved section has keys a config refuses)
     return validate_config(values)

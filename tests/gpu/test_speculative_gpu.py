@@ -50,7 +50,8 @@ def test_speculative_worker_replays_verify_graphs_with_the_plain_tokens(real_sha
                                                                         backend, page_size):
     if backend.startswith("flashinfer"):
         pytest.importorskip("flashinfer")
-    config = {**engine_config(real_shape_llama_dir, backend, "float32", page_size=page_size), "plugins": PLUGINS}
+    dtype = "bfloat16" if backend.startswith("flashinfer") else "float32"  # flashinfer has no float32 KV cache
+    config = {**engine_config(real_shape_llama_dir, backend, dtype, page_size=page_size), "plugins": PLUGINS}
     prompts = _prompts(12, seed=3)
     params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(12)]
     plain_engine = Engine(config)
