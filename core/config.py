@@ -11,18 +11,25 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+# Every section is imported from here; the feature sections live in config_sections.
+from treadle.core.config_sections import (  # noqa: F401
+    DRAFT_MODEL_METHODS,
+    LoraConfig,
+    MultimodalConfig,
+    Section,
+    SpeculativeConfig,
+    at_least_or_auto,
+    positive_or_auto,
+)
 
 ENV_PREFIX = "TREADLE_"
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the offending key."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(Section):
@@ -107,22 +114,22 @@ class SchedulerConfig(Section):
     @field_validator("max_running_requests")
     @classmethod
     def _positive_running(cls, value: int | str) -> int | str:
-        return _positive_or_auto(value, "max_running_requests")
+        return positive_or_auto(value, "max_running_requests")
 
     @field_validator("chunked_prefill_size")
     @classmethod
     def _chunk_size(cls, value: int | str | None) -> int | str | None:
-        return None if value is None else _positive_or_auto(value, "chunked_prefill_size")
+        return None if value is None else positive_or_auto(value, "chunked_prefill_size")
 
     @field_validator("prefill_hold_steps")
     @classmethod
     def _hold_steps(cls, value: int | str) -> int | str:
-        return _at_least_or_auto(value, 0, "prefill_hold_steps")
+        return at_least_or_auto(value, 0, "prefill_hold_steps")
 
     @field_validator("latency_chunk_size")
     @classmethod
     def _latency_chunk(cls, value: int | str) -> int | str:
-        return _at_least_or_auto(value, 0, "latency_chunk_size")
+        return at_least_or_auto(value, 0, "latency_chunk_size")
 
 
 class AttentionConfig(Section):
@@ -148,24 +155,12 @@ class RuntimeConfig(Section):
     @field_validator("cuda_graph_max_bs")
     @classmethod
     def _positive_graph_bs(cls, value: int | str) -> int | str:
-        return _positive_or_auto(value, "cuda_graph_max_bs")
+        return positive_or_auto(value, "cuda_graph_max_bs")
 
     @field_validator("piecewise_cuda_graph_max_tokens")
     @classmethod
     def _piecewise_tokens(cls, value: int | str) -> int | str:
-        return _at_least_or_auto(value, 0, "piecewise_cuda_graph_max_tokens")
-
-
-class MultimodalConfig(Section):
-    """Images in requests to a vision-language model (docs/multimodal.md)."""
-
-    max_images_per_request: int = Field(16, ge=0, description="more images in one request are a 400")
-    max_image_pixels: int = Field(4096 * 4096, gt=0, description="an image of more pixels (width x height) is a 400")
-    local_media_folders: list[str] = Field(
-        default_factory=list, description="folders whose files requests may name as file:// image URLs (the "
-                                          "server refuses every other path; none: file:// is refused)")
-    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an http(s) image URL")
-    fetch_max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest http(s) image the server fetches")
+        return at_least_or_auto(value, 0, "piecewise_cuda_graph_max_tokens")
 
 
 class HttpServerConfig(Section):
@@ -230,37 +225,6 @@ class GrammarConfig(Section):
     any_whitespace: bool = Field(False, description="allow free whitespace between JSON tokens (else compact JSON)")
 
 
-class LoraConfig(Section):
-    paths: dict[str, str] = Field(default_factory=dict, description="adapter name -> PEFT LoRA folder "
-                                  "(adapter_config.json + adapter_model.safetensors), loaded at start")
-    max_loras_per_batch: int = Field(8, ge=1, description="adapters resident on the device at once (slots); "
-                                     "a request whose adapter has no free slot waits")
-    max_loaded_loras: int | None = Field(
-        None, ge=1, description="adapters kept in host memory, the least recently used one not in use evicted "
-                                "(read again from its folder when asked for); null: all of them")
-    max_rank: int | Literal["auto"] = Field(
-        "auto", description="largest adapter rank served (1-256; sizes the device slots); auto: the largest rank "
-                            "among lora.paths, 16 when there are none")
-    backend: str = Field("auto", description="lora_backends plugin; auto: triton on CUDA where registered, else torch")
-    allowed_dirs: list[str] = Field(
-        default_factory=list, description="folders under which /load_lora_adapter may load adapters at run time; "
-                                          "empty: loading at run time is refused (lora.paths are always allowed)")
-
-    @field_validator("max_rank")
-    @classmethod
-    def _rank_range(cls, value: int | str) -> int | str:
-        if value != "auto" and not 1 <= value <= 256:
-            raise ValueError(f"max_rank must be between 1 and 256, or 'auto', got {value}")
-        return value
-
-    @property
-    def requested(self) -> bool:
-        """Whether adapters are served at all (any ``lora`` key away from its default); otherwise nothing of LoRA
-        is built. Judged by value, not by which keys were given: a config crosses processes as a dump."""
-        return any(getattr(self, name) != info.get_default(call_default_factory=True)
-                   for name, info in LoraConfig.model_fields.items())
-
-
 class ParallelConfig(Section):
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (GPUs) that share one copy of the model")
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
@@ -292,58 +256,6 @@ class ParallelConfig(Section):
             if not host or not port.isdigit():
                 raise ValueError(f"dist_init_addr '{self.dist_init_addr}' must look like host:port")
         return self
-
-
-# Speculators that read a second set of weights from speculative.draft_model_path.
-DRAFT_MODEL_METHODS = ("draft", "eagle3", "eagle")
-
-
-class SpeculativeConfig(Section):
-    method: str | None = Field(
-        None, description="speculators plugin that proposes draft tokens the model verifies in one step (ngram, "
-                          "draft, eagle3, or a plugin's name); null: speculative decoding off")
-    num_tokens: int = Field(4, ge=1, le=16, description="draft tokens per request and step (k): a decode step "
-                                                        "verifies k + 1 positions and keeps 1 to k + 1 tokens")
-    topk: int = Field(1, ge=1, description="draft tree width; 1: a chain of drafts (the only shape verified now)")
-    draft_model_path: str | None = Field(
-        None, description="HF folder or .gguf file of the draft weights (draft: a small model of the same "
-                          "tokenizer; eagle3: the EAGLE-3 heads' folder)")
-    ngram_min: int = Field(1, ge=1, description="ngram: the shortest suffix of a request matched in its own "
-                                                 "prompt and output")
-    ngram_max: int = Field(4, ge=1, description="ngram: the longest suffix matched (longer matches win)")
-    max_batch_size: int | Literal["auto"] = Field(
-        "auto", description="decode steps of more running requests than this verify no drafts (one token each, "
-                            "as without speculation: at large batches a verify step costs more than it "
-                            "saves); auto: 32 on CUDA, 4 on the CPU")
-
-    @field_validator("max_batch_size")
-    @classmethod
-    def _positive_batch(cls, value: int | str) -> int | str:
-        return _positive_or_auto(value, "max_batch_size")
-
-    @model_validator(mode="after")
-    def _combination(self) -> "SpeculativeConfig":
-        if self.topk > 1:
-            raise ValueError(f"topk {self.topk}: draft trees are not supported yet; use topk 1 (a chain of "
-                             "num_tokens drafts)")
-        if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min {self.ngram_min} must not exceed ngram_max {self.ngram_max}")
-        if self.method in DRAFT_MODEL_METHODS and not self.draft_model_path:
-            raise ValueError(f"method '{self.method}' needs draft_model_path (the draft weights' folder or "
-                             ".gguf file)")
-        return self
-
-
-def _positive_or_auto(value: int | str, key: str) -> int | str:
-    if value != "auto" and value < 1:
-        raise ValueError(f"{key} must be a positive integer or 'auto', got {value}")
-    return value
-
-
-def _at_least_or_auto(value: int | str, least: int, key: str) -> int | str:
-    if value != "auto" and value < least:
-        raise ValueError(f"{key} must be {least} or more, or 'auto', got {value}")
-    return value
 
 
 class ServerConfig(BaseSettings):
