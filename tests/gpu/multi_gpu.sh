@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Issue 15's runs: tensor parallelism on 2 GPUs (an nvidia-h200-x2). Through the device tool, with carry [".whl"]:
+# Multi-GPU runs on GPUS cards of one host (default 2: an nvidia-h100-x2; GPUS=4 on an -x4, GPUS=8 on an -x8).
+# Through the device tool, with carry [".whl"]:
 #
 #   bash tests/gpu/multi_gpu.sh setup nccl_smoke tp_tests tp_8b tp_70b tp_70b_offline dp
+#   GPUS=8 bash tests/gpu/multi_gpu.sh setup tp_70b tp_70b_offline mixtral_offline dp    # issue 47's runs
 #
 # Each stage writes its log (and JSON) under $OUT; copy the JSON into bench/results/ and the
 # figures into docs/benchmarks.md and docs/parallel.md.
 #   nccl_smoke      one-rank NCCL all-reduce + all-gather captured in a CUDA graph (also runs on one GPU)
 #   tp_tests        tp=2 vs tp=1 greedy parity, triton + flashinfer, CUDA graphs on (NCCL all-reduce captured)
 #   tp_8b           Llama-3.1-8B shapes, bs=1 decode step: tp=1 vs tp=2 (target tp=2 <= 0.6x tp=1), and first tokens equal
-#   tp_70b          Llama-3.1-70B shapes (141 GB bf16: no single GPU holds it), tp=2, bs=1 and bs=32 vs the 2-GPU roofline
-#   tp_70b_offline  Llama-3.1-70B shapes, tp=2, offline throughput on the 1000-request random workload (default config)
-#   dp              Llama-3.1-8B shapes, dp=2 vs dp=1 through the server (default config): all requests at once and 40 req/s
+#   tp_70b          Llama-3.1-70B shapes (141 GB bf16: no single GPU holds it), tp=GPUS, bs=1 and bs=32 vs the roofline
+#   tp_70b_offline  Llama-3.1-70B shapes, tp=GPUS, offline throughput on the 1000-request random workload (default config)
+#   mixtral_offline Mixtral-8x7B shapes, tp=GPUS, offline throughput on the same workload
+#   dp              Llama-3.1-8B shapes, dp=GPUS vs dp=1 through the server (default config): DP_PROMPTS (1000;
+#                   issue 47 asks 2000 at dp=8) requests at once, then 40 req/s
 #   dp_prefix       dp=2 on 8B shapes, a shared-prefix workload (DP_PREFIXES=97 system prompts of DP_PREFIX_LEN=4000
 #                   tokens, more than one replica's KV cache holds, fewer than two hold; an odd count so that round robin
 #                   spreads each prompt over both replicas): parallel.dp_policy prefix_aware vs round_robin, cache hit
@@ -23,6 +27,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
 BACKENDS=${BACKENDS:-triton,flashinfer}
+GPUS=${GPUS:-2}
 shape_dir() {  # write an HF config.json of a bench shape into /tmp/<shape> and print the folder
   python3 -m treadle.bench.shapes "$1" "/tmp/$1"
 }
@@ -36,7 +41,7 @@ serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at o
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1
   done
   # All at once streams 10-25k events/s: eight client processes share them (one caps near 13k out tok/s).
-  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 1000 --input-len 16:600 \
+  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts ${DP_PROMPTS:-1000} --input-len 16:600 \
     --output-len 16:400 --workers 8 --output "$OUT/serving_dp$1_offline.json" 2>&1 | tail -20
   python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 600 --input-len 16:600 \
     --output-len 16:400 --request-rate 40 --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
@@ -96,16 +101,22 @@ for a in one:
           f'{a["first_tokens"] == b["first_tokens"]}')
 PY
       ;;
-    tp_70b) timeout 580 python3 -m treadle.bench.one_batch --tp 2 --shape llama-3.1-70b --batch-sizes 1,32 \
+    tp_70b) timeout 580 python3 -m treadle.bench.one_batch --tp "$GPUS" --shape llama-3.1-70b --batch-sizes 1,32 \
         --input-len 512 --decode-steps 64 --backends "$BACKENDS" --graphs on --no-hf --no-profile \
-        --output "$OUT/one_batch_70b_tp2.json" 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tail -12 ;;
+        --output "$OUT/one_batch_70b_tp$GPUS.json" 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tail -12 ;;
     tp_70b_offline)
       dir=$(shape_dir llama-3.1-70b)
       timeout 580 python3 -m treadle.bench.offline_throughput --workload random --num-prompts 1000 \
         --input-len 16:600 --output-len 16:400 --set model.path="$dir" --set model.load_format=dummy \
-        --set parallel.tp_size=2 --device cuda --dtype bfloat16 --no-progress \
-        --output "$OUT/offline_70b_tp2.json" 2>&1 | tail -15 ;;
-    dp) serve_and_bench 1; serve_and_bench 2 ;;
+        --set parallel.tp_size="$GPUS" --device cuda --dtype bfloat16 --no-progress \
+        --output "$OUT/offline_70b_tp$GPUS.json" 2>&1 | tail -15 ;;
+    mixtral_offline)
+      dir=$(shape_dir mixtral-8x7b)
+      timeout 580 python3 -m treadle.bench.offline_throughput --workload random --num-prompts 1000 \
+        --input-len 16:600 --output-len 16:400 --set model.path="$dir" --set model.load_format=dummy \
+        --set parallel.tp_size="$GPUS" --device cuda --dtype bfloat16 --no-progress \
+        --output "$OUT/offline_mixtral_tp$GPUS.json" 2>&1 | tail -15 ;;
+    dp) serve_and_bench 1; serve_and_bench "$GPUS" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "STAGE $stage took $(( $(date +%s) - t0 )) s"
