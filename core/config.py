@@ -156,6 +156,9 @@ class HttpServerConfig(Section):
     max_queued_requests: int | None = Field(None, ge=0, description="null: sized from the KV pool")
     request_timeout: float | None = Field(None, gt=0, description="seconds; null: no deadline")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds running requests get after SIGTERM")
+    workers: int | Literal["auto"] = Field(
+        "auto", ge=1, description="HTTP processes (FastAPI + tokenizer) sharing the port; auto: one per 4 CPUs, "
+                                  "at most 8, at least 1")
 
     @model_validator(mode="after")
     def _one_source_per_key(self) -> "HttpServerConfig":

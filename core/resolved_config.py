@@ -15,7 +15,7 @@ runner records the one chosen with :meth:`ResolvedConfig.with_attention_backend`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from pydantic import ConfigDict
@@ -23,10 +23,12 @@ from pydantic import ConfigDict
 from treadle.core.auto_size import (
     GPU_LATENCY_CHUNK_SIZE,
     GPU_PREFILL_HOLD_STEPS,
+    available_cpus,
     request_table_bytes,
     resolve_batch_sizes,
     resolve_chunked_prefill_size,
     resolve_cuda_only,
+    resolve_http_workers,
     resolve_piecewise_max_tokens,
 )
 from treadle.core.config import (
@@ -88,6 +90,7 @@ class ResolvedAttentionConfig(AttentionConfig):
 
 class _FrozenServer(HttpServerConfig):
     model_config = _FROZEN
+    workers: int
 
 
 class _FrozenParallel(ParallelConfig):
@@ -143,6 +146,7 @@ class RuntimeFacts:
     offline: bool = False  # an Engine batch (no stream waits on a step) rather than a server
     prefers_mixed_chunks: bool = False
     launch_bound_prefill: bool = False
+    cpu_count: int = field(default_factory=available_cpus)  # sizes server.workers
 
     @property
     def on_cuda(self) -> bool:
@@ -178,6 +182,7 @@ def resolve_config(config: ServerConfig, facts: RuntimeFacts,
         enable_mixed_chunk=sizes.enable_mixed_chunk, latency_chunk_size=latency_chunk_size,
         prefill_hold_steps=resolve_cuda_only(sched.prefill_hold_steps, on_cuda=on_cuda,
                                              cuda_value=GPU_PREFILL_HOLD_STEPS))
+    values["server"].update(workers=resolve_http_workers(config.server.workers, facts.cpu_count))
     values["runtime"].update(cuda_graph_max_bs=sizes.cuda_graph_max_bs, piecewise_cuda_graph_max_tokens=piecewise)
     return ResolvedConfig.model_validate(values)
 
@@ -228,6 +233,7 @@ RESOLVED_KEYS = (
     ("cache", "kv_dtype"), ("scheduler", "max_running_requests"), ("scheduler", "chunked_prefill_size"),
     ("scheduler", "enable_mixed_chunk"), ("scheduler", "latency_chunk_size"), ("scheduler", "prefill_hold_steps"),
     ("runtime", "cuda_graph_max_bs"), ("runtime", "piecewise_cuda_graph_max_tokens"), ("attention", "backend"),
+    ("server", "workers"),
 )
 
 

@@ -6,6 +6,12 @@ Traffic flows one way around a ring (see docs/server.md)::
            ▲                 │
            └── control replies (errors, flush/stats answers)
 
+With ``server.workers > 1`` there are several TokenizerManagers (one per HTTP
+worker process), each with its own inbox. A request carries its worker's id
+(``worker_id``), and everything about it goes back to that worker's inbox:
+the detokenizer's text (it learns the id from ``RegisterDecode``), the
+scheduler's errors and control answers (:class:`WorkerSockets`).
+
 Every socket is PUSH/PULL over ``ipc://`` files in a private temporary folder;
 the receiving side binds, so start order does not matter. Messages are
 dataclasses pickled with ``send_pyobj``.
@@ -15,8 +21,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import zmq
 
@@ -39,6 +45,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0
+    worker_id: int = 0  # the HTTP worker that sent it: its outputs go back there
 
 
 @dataclass
@@ -52,11 +59,14 @@ class AbortReq:
 class ControlReq:
     """A request the scheduler answers with a :class:`ControlReply` carrying the same ``request_id``.
 
-    ``kind`` is ``"flush_cache"`` or ``"stats"``.
+    ``kind`` is ``"flush_cache"``, ``"stats"`` or ``"abort_request"`` (``args["rid"]``: that request and its
+    ``<rid>-<i>`` siblings, on whichever worker they run). The reply goes to worker ``worker_id``.
     """
 
     request_id: str
     kind: str
+    worker_id: int = 0
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,6 +90,7 @@ class QueueTimes:
     """Seconds that requests admitted in the last step waited in the queue (for /metrics)."""
 
     seconds: list[float]
+    worker_id: int = 0
 
 
 @dataclass
@@ -90,6 +101,7 @@ class AddRequestFailed:
     message: str
     param: str | None = None
     status_code: int = 400
+    worker_id: int = 0
 
 
 @dataclass
@@ -117,6 +129,7 @@ class RegisterDecode:
     rid: str
     skip_special_tokens: bool
     stop: list[str]
+    worker_id: int = 0
 
 
 @dataclass
@@ -148,22 +161,46 @@ class BatchStrOut:
 
 @dataclass(frozen=True)
 class IpcAddresses:
-    """The ZMQ endpoint each process binds to receive on."""
+    """The ZMQ endpoint each process binds to receive on.
+
+    ``tokenizer_input`` is HTTP worker 0's inbox (for a data-parallel replica: its controller's), and
+    ``extra_worker_inputs`` those of workers 1, 2, ...
+    """
 
     scheduler_input: str
     detokenizer_input: str
     tokenizer_input: str
     folder: str
+    extra_worker_inputs: tuple[str, ...] = ()
 
     @classmethod
-    def new(cls) -> "IpcAddresses":
+    def new(cls, http_workers: int = 1) -> "IpcAddresses":
         folder = tempfile.mkdtemp(prefix="treadle-ipc-")
         return cls(
             scheduler_input=f"ipc://{os.path.join(folder, 'scheduler')}",
             detokenizer_input=f"ipc://{os.path.join(folder, 'detokenizer')}",
             tokenizer_input=f"ipc://{os.path.join(folder, 'tokenizer')}",
             folder=folder,
+            extra_worker_inputs=tuple(f"ipc://{os.path.join(folder, f'tokenizer-w{worker}')}"
+                                      for worker in range(1, http_workers)),
         )
+
+    @property
+    def worker_inputs(self) -> tuple[str, ...]:
+        """Every HTTP worker's inbox, indexed by worker id."""
+        return (self.tokenizer_input, *self.extra_worker_inputs)
+
+
+class WorkerSockets:
+    """PUSH sockets to every HTTP worker's inbox: a message goes to the worker its request came from."""
+
+    def __init__(self, context: zmq.Context, addresses: Sequence[str]) -> None:
+        self.sockets = [connect_push(context, address) for address in addresses]
+
+    def send(self, worker_id: int, message: Any) -> None:
+        # One inbox (one worker, or a data-parallel replica's controller, which routes on) takes everything.
+        sock = self.sockets[worker_id] if len(self.sockets) > 1 else self.sockets[0]
+        sock.send_pyobj(message)
 
 
 def bind_pull(context: zmq.Context, address: str) -> zmq.Socket:
