@@ -1,6 +1,8 @@
 """The HTTP server end to end: real processes, real HTTP on 127.0.0.1, the official openai client.
 
-One server (with an API key) serves the whole module; the last test shuts it down.
+One server (with an API key) serves the whole module; the last test shuts it down. It runs four HTTP worker
+processes (``server.workers: 4``), so every test here also checks that requests, outputs, errors and control
+requests find their way through several workers; the rest of the server tests run the default single worker.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import pytest
 from treadle.server.launch import ServerHandle, launch_server
 
 API_KEY = "test-key"
+WORKERS = 4
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: str, make_config) -> ServerHandle:
-    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY), timeout=180)
+    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY, workers=WORKERS), timeout=180)
     yield handle
     handle.shutdown(signal.SIGKILL if handle.process.poll() is None else signal.SIGTERM)
 
