@@ -217,7 +217,12 @@ class _Children:
         """Hand every other HTTP worker the model; wait until each serves. False if a stop signal came first."""
         server_info = {"pids": {"server": os.getpid(), **self.pids()}}
         for _, model_send, _ in self.http_workers.values():
-            model_send.send((model_info, tokenizer, server_info))
+            try:
+                model_send.send((model_info, tokenizer, server_info))
+            except OSError:  # that worker is gone
+                time.sleep(0.5)
+                self._check_alive()
+                raise
         for name, (process, _, serving_recv) in self.http_workers.items():
             while not serving_recv.poll(0.2):
                 if should_stop():
