@@ -159,6 +159,8 @@ class HttpServerConfig(Section):
     workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="HTTP processes (FastAPI + tokenizer) sharing the port; auto: one per 4 CPUs, "
                                   "at most 8, at least 1")
+    detokenizers: int = Field(1, ge=1, description="detokenizer processes; HTTP worker w's requests go to detokenizer "
+                                                   "w % detokenizers (at most one per worker)")
 
     @model_validator(mode="after")
     def _one_source_per_key(self) -> "HttpServerConfig":

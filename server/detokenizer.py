@@ -35,11 +35,11 @@ logger = logging.getLogger("treadle.detokenizer")
 _IDLE_POLL_MS = 500
 
 
-def run_detokenizer_process(addresses: IpcAddresses, log_level: str) -> None:
-    """Process entry point: decode until the parent goes away or SIGTERM arrives."""
+def run_detokenizer_process(addresses: IpcAddresses, log_level: str, shard: int = 0) -> None:
+    """Process entry point of detokenizer ``shard``: decode until the parent goes away or SIGTERM arrives."""
     parent_pid = configure_child_process(log_level)
     context = zmq.Context()
-    inbox = bind_pull(context, addresses.detokenizer_input)
+    inbox = bind_pull(context, addresses.detokenizer_inputs[shard])
     outboxes = WorkerSockets(context, addresses.worker_inputs)
     detokenizer = Detokenizer()
     try:

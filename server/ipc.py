@@ -10,7 +10,9 @@ With ``server.workers > 1`` there are several TokenizerManagers (one per HTTP
 worker process), each with its own inbox. A request carries its worker's id
 (``worker_id``), and everything about it goes back to that worker's inbox:
 the detokenizer's text (it learns the id from ``RegisterDecode``), the
-scheduler's errors and control answers (:class:`WorkerSockets`).
+scheduler's errors and control answers (:class:`WorkerSockets`). With
+``server.detokenizers > 1`` the scheduler splits its outputs over the
+detokenizers by the worker each request came from (:class:`DetokenizerSockets`).
 
 Every socket is PUSH/PULL over ``ipc://`` files in a private temporary folder;
 the receiving side binds, so start order does not matter. Messages are
@@ -164,7 +166,8 @@ class IpcAddresses:
     """The ZMQ endpoint each process binds to receive on.
 
     ``tokenizer_input`` is HTTP worker 0's inbox (for a data-parallel replica: its controller's), and
-    ``extra_worker_inputs`` those of workers 1, 2, ...
+    ``extra_worker_inputs`` those of workers 1, 2, ...; ``detokenizer_input`` is detokenizer 0's and
+    ``extra_detokenizer_inputs`` those of detokenizers 1, 2, ... (``server.detokenizers``).
     """
 
     scheduler_input: str
@@ -172,9 +175,10 @@ class IpcAddresses:
     tokenizer_input: str
     folder: str
     extra_worker_inputs: tuple[str, ...] = ()
+    extra_detokenizer_inputs: tuple[str, ...] = ()
 
     @classmethod
-    def new(cls, http_workers: int = 1) -> "IpcAddresses":
+    def new(cls, http_workers: int = 1, detokenizers: int = 1) -> "IpcAddresses":
         folder = tempfile.mkdtemp(prefix="treadle-ipc-")
         return cls(
             scheduler_input=f"ipc://{os.path.join(folder, 'scheduler')}",
@@ -183,12 +187,55 @@ class IpcAddresses:
             folder=folder,
             extra_worker_inputs=tuple(f"ipc://{os.path.join(folder, f'tokenizer-w{worker}')}"
                                       for worker in range(1, http_workers)),
+            extra_detokenizer_inputs=tuple(f"ipc://{os.path.join(folder, f'detokenizer-{shard}')}"
+                                           for shard in range(1, detokenizers)),
         )
 
     @property
     def worker_inputs(self) -> tuple[str, ...]:
         """Every HTTP worker's inbox, indexed by worker id."""
         return (self.tokenizer_input, *self.extra_worker_inputs)
+
+    @property
+    def detokenizer_inputs(self) -> tuple[str, ...]:
+        """Every detokenizer's inbox, indexed by shard."""
+        return (self.detokenizer_input, *self.extra_detokenizer_inputs)
+
+
+class DetokenizerSockets:
+    """PUSH sockets to the detokenizers: HTTP worker ``w``'s requests are decoded by detokenizer ``w % shards``.
+
+    With one detokenizer every message goes there as it is; with several, each step's outputs are split by the
+    shard of each request's worker (known from its ``RegisterDecode`` until its final output).
+    """
+
+    def __init__(self, context: zmq.Context, addresses: Sequence[str]) -> None:
+        self.sockets = [connect_push(context, address) for address in addresses]
+        self.worker_of: dict[str, int] = {}  # rid -> HTTP worker, with several shards only
+
+    def send_to_all(self, message: Any) -> None:
+        for sock in self.sockets:
+            sock.send_pyobj(message)
+
+    def register(self, message: RegisterDecode) -> None:
+        shards = len(self.sockets)
+        if shards > 1:
+            self.worker_of[message.rid] = message.worker_id
+        self.sockets[message.worker_id % shards].send_pyobj(message)
+
+    def send_outputs(self, outputs: list[ReqOutput]) -> None:
+        shards = len(self.sockets)
+        if shards == 1:
+            self.sockets[0].send_pyobj(BatchTokenIDOut(outputs))
+            return
+        by_shard: dict[int, list[ReqOutput]] = {}
+        for output in outputs:
+            worker_id = self.worker_of.get(output.rid, 0)
+            if output.finished_reason is not None:
+                self.worker_of.pop(output.rid, None)
+            by_shard.setdefault(worker_id % shards, []).append(output)
+        for shard, shard_outputs in by_shard.items():
+            self.sockets[shard].send_pyobj(BatchTokenIDOut(shard_outputs))
 
 
 class WorkerSockets:

@@ -77,7 +77,7 @@ def serve(config: ServerConfig) -> None:
     listen_sockets = _bind_all(config.server.host, config.server.port, workers)
     # Until uvicorn runs (loading the model), a signal just stops the start; then DrainingServer handles them.
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    addresses = IpcAddresses.new(workers)
+    addresses = IpcAddresses.new(workers, min(config.server.detokenizers, workers))
     layout = FrontendLayout.create(workers, addresses.folder)  # before any metric is made, here or in a worker
     children = _Children(config, addresses, layout, listen_sockets[1:])
     exit_code = 0
@@ -148,6 +148,10 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, layout: Front
 _HTTP_WORKER = "http-worker-"
 
 
+def _detokenizer_name(shard: int) -> str:
+    return f"detokenizer-{shard}" if shard else "detokenizer"
+
+
 class _Children:
     """The scheduler and detokenizer processes, and HTTP workers 1 .. N-1."""
 
@@ -166,8 +170,9 @@ class _Children:
         self.processes = {
             "scheduler": self.context.Process(
                 target=scheduler_target, args=(config, addresses, ready_send), name="scheduler"),
-            "detokenizer": self.context.Process(
-                target=run_detokenizer_process, args=(addresses, config.server.log_level), name="detokenizer"),
+            **{_detokenizer_name(shard): self.context.Process(
+                target=run_detokenizer_process, args=(addresses, config.server.log_level, shard),
+                name=_detokenizer_name(shard)) for shard in range(len(addresses.detokenizer_inputs))},
         }
         # Each other HTTP worker: its process, the pipe that hands it the model, the one that says it serves.
         self.http_workers: dict[str, tuple[Any, Connection, Connection]] = {}

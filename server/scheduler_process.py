@@ -27,10 +27,10 @@ from treadle.server.ipc import (
     RESOLVED_CONFIG_KEY,
     AbortReq,
     AddRequestFailed,
-    BatchTokenIDOut,
     ControlReply,
     ControlReq,
     DetokenizerInit,
+    DetokenizerSockets,
     IpcAddresses,
     QueueTimes,
     RegisterDecode,
@@ -39,7 +39,6 @@ from treadle.server.ipc import (
     TokenizedGenerateReq,
     WorkerSockets,
     bind_pull,
-    connect_push,
 )
 from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
@@ -74,7 +73,7 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
     _install_step_trace(scheduler)
-    loop.detokenizer.send_pyobj(DetokenizerInit(tokenizer))
+    loop.detokenizers.send_to_all(DetokenizerInit(tokenizer))
     ready.send(("ready", server_model_info(scheduler), tokenizer))
     ready.close()
     try:
@@ -147,7 +146,7 @@ class SchedulerLoop:
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.requests = bind_pull(self.context, addresses.scheduler_input)
-        self.detokenizer = connect_push(self.context, addresses.detokenizer_input)
+        self.detokenizers = DetokenizerSockets(self.context, addresses.detokenizer_inputs)
         self.replies = WorkerSockets(self.context, addresses.worker_inputs)
         self.running = True
         # rid -> (arrival time, HTTP worker), until the request is admitted
@@ -186,7 +185,7 @@ class SchedulerLoop:
         self.context.destroy(linger=0)
 
     def _send_outputs(self, outputs: list[Any]) -> None:
-        self.detokenizer.send_pyobj(BatchTokenIDOut(outputs))
+        self.detokenizers.send_outputs(outputs)
         if self.report_finished:
             finished = [output.rid for output in outputs if output.finished_reason is not None]
             if finished:
@@ -238,7 +237,7 @@ class SchedulerLoop:
             return
         self.arrivals[message.rid] = (time.monotonic(), message.worker_id)
         # add_request produces no output, so this still reaches the detokenizer before the first one.
-        self.detokenizer.send_pyobj(RegisterDecode(
+        self.detokenizers.register(RegisterDecode(
             message.rid, message.sampling_params.skip_special_tokens, list(message.sampling_params.stop or []),
             message.worker_id))
 

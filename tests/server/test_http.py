@@ -1,8 +1,9 @@
 """The HTTP server end to end: real processes, real HTTP on 127.0.0.1, the official openai client.
 
 One server (with an API key) serves the whole module; the last test shuts it down. It runs four HTTP worker
-processes (``server.workers: 4``), so every test here also checks that requests, outputs, errors and control
-requests find their way through several workers; the rest of the server tests run the default single worker.
+processes (``server.workers: 4``) and two detokenizers, so every test here also checks that requests, outputs,
+errors and control requests find their way through several workers; the rest of the server tests run the default
+single worker and detokenizer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from treadle.server.launch import ServerHandle, launch_server
 
 API_KEY = "test-key"
 WORKERS = 4
+DETOKENIZERS = 2  # workers 0 and 2 decode in one, 1 and 3 in the other
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
 
@@ -35,8 +37,8 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: str, make_config) -> ServerHandle:
     # Room for the 200 concurrent streams below (the default queue is sized from the small KV pool).
-    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY, workers=WORKERS, max_queued_requests=256),
-                           timeout=180)
+    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY, workers=WORKERS, detokenizers=DETOKENIZERS,
+                                       max_queued_requests=256), timeout=180)
     yield handle
     handle.shutdown(signal.SIGKILL if handle.process.poll() is None else signal.SIGTERM)
 
@@ -204,7 +206,7 @@ def test_every_worker_takes_connections_and_answers_control_requests(server: Ser
         with contextlib.closing(_client_on_worker(server, worker)) as http:
             info = http.get("/get_server_info").json()
             assert info["http_worker"] == worker and info["config"]["server"]["workers"] == WORKERS
-            assert info["kv"]["total_slots"] == 8192 and len(info["pids"]) == 3 + WORKERS - 1
+            assert info["kv"]["total_slots"] == 8192 and len(info["pids"]) == 2 + DETOKENIZERS + WORKERS - 1
             assert http.post("/flush_cache").json() == {"success": True}
             assert http.post("/abort_request", json={"rid": "nothing-here"}).json() == {"success": False, "aborted": []}
 

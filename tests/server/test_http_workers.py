@@ -17,7 +17,15 @@ from treadle.core.config import ServerConfig
 from treadle.core.request import FinishReason, InvalidRequestError, ReqOutput, SamplingParams
 from treadle.server.detokenizer import Detokenizer
 from treadle.server.inflight import InflightCounts
-from treadle.server.ipc import IpcAddresses, TokenizedGenerateReq, WorkerSockets, bind_pull
+from treadle.server.ipc import (
+    BatchTokenIDOut,
+    DetokenizerSockets,
+    IpcAddresses,
+    RegisterDecode,
+    TokenizedGenerateReq,
+    WorkerSockets,
+    bind_pull,
+)
 from treadle.server.metrics import ServerMetrics
 from treadle.server.scheduler_process import SchedulerLoop
 from treadle.server.tokenizer_manager import RequestError, TokenizerManager
@@ -175,3 +183,31 @@ def test_admission_counts_the_requests_of_every_worker(addresses) -> None:
 def test_auto_workers_are_one_per_four_cpus_up_to_eight(cpus: int, workers: int) -> None:
     assert resolve_http_workers("auto", cpus) == workers
     assert resolve_http_workers(3, cpus) == 3
+
+
+def test_several_detokenizers_each_get_the_tokens_of_their_workers_requests() -> None:
+    addresses = IpcAddresses.new(http_workers=4, detokenizers=2)
+    context = zmq.Context()
+    try:
+        inboxes = [bind_pull(context, address) for address in addresses.detokenizer_inputs]
+        shards = DetokenizerSockets(context, addresses.detokenizer_inputs)
+        for worker_id in range(4):
+            shards.register(RegisterDecode(f"r{worker_id}", True, [], worker_id))
+        shards.send_outputs([ReqOutput(f"r{w}", [5], FinishReason.LENGTH if w == 3 else None, None, 1, 1, 0)
+                             for w in range(4)])
+        received = [[message for message in _drain(inbox)] for inbox in inboxes]
+        registered = [[m.rid for m in messages if isinstance(m, RegisterDecode)] for messages in received]
+        outputs = [[o.rid for m in messages if isinstance(m, BatchTokenIDOut) for o in m.outputs]
+                   for messages in received]
+        assert registered == [["r0", "r2"], ["r1", "r3"]] and outputs == [["r0", "r2"], ["r1", "r3"]]
+        assert sorted(shards.worker_of) == ["r0", "r1", "r2"]  # r3 finished
+    finally:
+        context.destroy(linger=0)
+        shutil.rmtree(addresses.folder, ignore_errors=True)
+
+
+def _drain(inbox) -> list:
+    messages = []
+    while inbox.poll(1000 if not messages else 50):
+        messages.append(inbox.recv_pyobj())
+    return messages
