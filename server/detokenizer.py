@@ -28,7 +28,8 @@ from treadle.server.ipc import (
     WorkerSockets,
     bind_pull,
 )
-from treadle.server.process_utils import configure_child_process
+from treadle.server.front_profile import start_profile
+from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
 logger = logging.getLogger("treadle.detokenizer")
 
@@ -38,6 +39,9 @@ _IDLE_POLL_MS = 500
 def run_detokenizer_process(addresses: IpcAddresses, log_level: str, shard: int = 0) -> None:
     """Process entry point of detokenizer ``shard``: decode until the parent goes away or SIGTERM arrives."""
     parent_pid = configure_child_process(log_level)
+    write_profile = start_profile(f"detokenizer-{shard}")
+    if write_profile is not None:  # the server stops its detokenizers with SIGTERM
+        before_exit_on_sigterm(write_profile)
     context = zmq.Context()
     inbox = bind_pull(context, addresses.detokenizer_inputs[shard])
     outboxes = WorkerSockets(context, addresses.worker_inputs)

@@ -69,8 +69,9 @@ class DrainingServer(uvicorn.Server):
         manager = self.manager
         timeout = manager.config.server.shutdown_timeout
         manager.draining = True
-        logger.info("%s: draining; new requests get 503, %d running requests get up to %g s to finish "
-                    "(send the signal again to stop at once)", name, len(manager.states), timeout)
+        how_to_stop = "" if self.signals_only_drain else " (send the signal again to stop at once)"
+        logger.info("%s: draining; new requests get 503, %d running requests get up to %g s to finish%s",
+                    name, len(manager.states), timeout, how_to_stop)
         await wait_until(lambda: not manager.states, timeout)
         if manager.states:
             logger.warning("aborting %d requests still running after server.shutdown_timeout = %g s",

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from treadle.core.config import ServerConfig
+from treadle.server.front_profile import start_profile
 from treadle.server.inflight import InflightCounts
 from treadle.server.ipc import IpcAddresses
 from treadle.server.process_utils import configure_logging, set_parent_death_signal
@@ -107,8 +108,11 @@ def run_http_worker(worker_id: int, config: ServerConfig, addresses: IpcAddresse
         model_info, tokenizer, server_info = inbox.recv()
     except EOFError:
         return
+    write_profile = start_profile(f"http-worker-{worker_id}")
     status = asyncio.run(_serve(worker_id, config, addresses, layout, listen_socket, outbox,
                                 model_info, tokenizer, server_info))
+    if write_profile is not None:
+        write_profile()
     # Nothing is left to save: skip the interpreter's teardown of torch and friends (seconds, under load), so the
     # main process, which waits for its workers before it stops the scheduler, stops fast.
     logging.shutdown()

@@ -36,6 +36,7 @@ from typing import Any
 
 from treadle.core.auto_size import available_cpus, resolve_http_workers
 from treadle.core.config import ConfigError, ServerConfig, load_config
+from treadle.server.front_profile import start_profile
 from treadle.server.http_workers import FrontendLayout
 from treadle.server.ipc import IpcAddresses
 from treadle.server.process_utils import configure_logging
@@ -87,8 +88,11 @@ def serve(config: ServerConfig) -> None:
             logger.info("stopped before the model finished loading")
             return
         model_info, tokenizer = ready
+        write_profile = start_profile("http-worker-0")
         exit_code = asyncio.run(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
                                           children))
+        if write_profile is not None:
+            write_profile()
     finally:
         children.stop()
         for sock in listen_sockets:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pstats
 import random
 import re
 import signal
@@ -25,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from treadle.server.front_profile import PROFILE_ENV
 from treadle.server.launch import ServerHandle, launch_server
 
 API_KEY = "test-key"
@@ -35,10 +37,16 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str, make_config) -> ServerHandle:
+def front_profile(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("front-profile"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, make_config, front_profile: str) -> ServerHandle:
     # Room for the 200 concurrent streams below (the default queue is sized from the small KV pool).
     handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY, workers=WORKERS, detokenizers=DETOKENIZERS,
-                                       max_queued_requests=256), timeout=180)
+                                       max_queued_requests=256), timeout=180,
+                           env={PROFILE_ENV: front_profile})  # the front's processes profile themselves
     yield handle
     handle.shutdown(signal.SIGKILL if handle.process.poll() is None else signal.SIGTERM)
 
@@ -681,7 +689,7 @@ def test_bench_serving_runs_as_a_module_with_several_client_processes(server: Se
 
 
 def test_sigterm_drains_the_streams_of_every_worker_then_stops_children_and_frees_the_port(
-        server: ServerHandle, http: httpx.Client) -> None:
+        server: ServerHandle, http: httpx.Client, front_profile: str) -> None:
     pids = http.get("/get_server_info").json()["pids"]
     streams = [_DrainedStream(_client_on_worker(server, worker)) for worker in (1, WORKERS - 1)]
     for stream in streams:
@@ -695,6 +703,13 @@ def test_sigterm_drains_the_streams_of_every_worker_then_stops_children_and_free
         assert stream.lines[-1] == "data: [DONE]", stream.lines[-3:]
         last = json.loads(stream.lines[-2][6:])
         assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == DRAIN_TOKENS
+    log = server.log()
+    for alarm in ("Traceback", "unexpectedly", "leaked"):
+        assert alarm not in log, log[-3000:]
+    # TREADLE_FRONT_PROFILE: every HTTP worker and detokenizer wrote its profile as it stopped.
+    names = [f"http-worker-{w}" for w in range(WORKERS)] + [f"detokenizer-{d}" for d in range(DETOKENIZERS)]
+    assert sorted(os.listdir(front_profile)) == sorted(f"{name}.prof" for name in names)
+    assert "handle_routed" in str(pstats.Stats(os.path.join(front_profile, "detokenizer-1.prof")).stats)
     for pid in pids.values():
         assert not _alive(pid), f"child {pid} survived the shutdown"
     with pytest.raises(ConnectionRefusedError):
