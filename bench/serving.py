@@ -20,8 +20,8 @@ streams ``/v1/completions`` and works against any OpenAI-compatible server (a ch
 one token).
 
 One client process parses every streamed event in Python (~0.1 ms each on a 2-core CPU), so at
-thousands of tokens per second it can become the bottleneck it is meant to measure; ``--workers N``
-spreads the requests over N processes (each its share of the arrivals: a Poisson process of
+thousands of tokens per second it can become the bottleneck it is meant to measure; ``--client-processes N``
+(or its older name ``--workers N``; not to be confused with the server's ``server.workers``) spreads the requests over N processes (each its share of the arrivals: a Poisson process of
 ``rate / N``, and of ``--max-concurrency``), started together.
 """
 
@@ -278,8 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=1,
-                        help="client processes sharing the requests (one Python process parses ~10k events/s)")
+    parser.add_argument("--client-processes", "--workers", dest="workers", type=int, default=1,
+                        help="client processes sharing the requests (one Python process parses ~10k events/s); "
+                             "--workers is the older name")
     parser.add_argument("--output", default=None, help="JSON path (default <results folder>/serving_<workload>_<date>.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--keep-token-gaps", action="store_true",
@@ -307,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = build_workload(args.workload, args.num_prompts, token_ids, **params)
 
     if args.workers < 1:
-        parser.error("--workers must be at least 1")
+        parser.error("--client-processes must be at least 1")
     verified_before = acceptance_counts(args.base_url, headers)
     results, wall = run_workers(args.base_url, workload.requests, args.request_rate, args.max_concurrency, args.api,
                                 args.api_key, args.model, args.seed, args.workers, progress=not args.no_progress)

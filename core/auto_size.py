@@ -12,6 +12,7 @@ the CPU; ModelRunner feeds them the measured memory.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 GiB = 1024**3
@@ -116,6 +117,27 @@ def resolve_batch_sizes(
     else:
         mixed = bool(enable_mixed_chunk)
     return BatchSizes(running, min(graph_bs, running), mixed)
+
+
+# server.workers: auto — one HTTP process per this many CPUs (the scheduler, the detokenizer and the clients of a
+# benchmark on the same machine need the rest), at most HTTP_WORKERS_MAX.
+CPUS_PER_HTTP_WORKER = 4
+HTTP_WORKERS_MAX = 8
+
+
+def resolve_http_workers(value: int | str, cpu_count: int) -> int:
+    """``server.workers``: ``auto`` is ``cpu_count // CPUS_PER_HTTP_WORKER`` within 1..``HTTP_WORKERS_MAX``."""
+    if value == "auto":
+        return max(1, min(HTTP_WORKERS_MAX, cpu_count // CPUS_PER_HTTP_WORKER))
+    return int(value)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def resolve_cuda_only(value: int | str, *, on_cuda: bool, cuda_value: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -178,6 +178,11 @@ class HttpServerConfig(Section):
     max_queued_requests: int | None = Field(None, ge=0, description="null: sized from the KV pool")
     request_timeout: float | None = Field(None, gt=0, description="seconds; null: no deadline")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds running requests get after SIGTERM")
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="HTTP processes (FastAPI + tokenizer) sharing the port; auto: one per 4 CPUs, "
+                                  "at most 8, at least 1")
+    detokenizers: int = Field(1, ge=1, description="detokenizer processes; HTTP worker w's requests go to detokenizer "
+                                                   "w % detokenizers (at most one per worker)")
 
     @model_validator(mode="after")
     def _one_source_per_key(self) -> "HttpServerConfig":

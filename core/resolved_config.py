@@ -15,7 +15,7 @@ runner records the one chosen with :meth:`ResolvedConfig.with_attention_backend`
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from pydantic import ConfigDict
@@ -23,10 +23,12 @@ from pydantic import ConfigDict
 from treadle.core.auto_size import (
     GPU_LATENCY_CHUNK_SIZE,
     GPU_PREFILL_HOLD_STEPS,
+    available_cpus,
     request_table_bytes,
     resolve_batch_sizes,
     resolve_chunked_prefill_size,
     resolve_cuda_only,
+    resolve_http_workers,
     resolve_piecewise_max_tokens,
     resolve_speculative_max_batch_size,
 )
@@ -103,6 +105,7 @@ class ResolvedLoraConfig(LoraConfig):
 
 class _FrozenServer(HttpServerConfig):
     model_config = _FROZEN
+    workers: int
 
 
 class _FrozenParallel(ParallelConfig):
@@ -172,6 +175,7 @@ class RuntimeFacts:
     lora_max_rank: int = 0  # the adapters' slot rank (lora.max_rank resolved); 0: LoRA is off
     lora_backend: str = ""  # the lora_backends plugin chosen
     embedding: EmbeddingSettings | None = None  # model.task and its settings (None: the config's, no checkpoint)
+    cpu_count: int = field(default_factory=available_cpus)  # sizes server.workers
 
     @property
     def on_cuda(self) -> bool:
@@ -212,6 +216,7 @@ def resolve_config(config: ServerConfig, facts: RuntimeFacts,
                                              cuda_value=GPU_PREFILL_HOLD_STEPS))
     values["lora"].update(enabled=facts.lora_max_rank > 0, max_rank=facts.lora_max_rank or 16,
                           backend=facts.lora_backend or "torch")
+    values["server"].update(workers=resolve_http_workers(config.server.workers, facts.cpu_count))
     values["runtime"].update(cuda_graph_max_bs=sizes.cuda_graph_max_bs, piecewise_cuda_graph_max_tokens=piecewise)
     values["speculative"].update(
         max_batch_size=resolve_speculative_max_batch_size(config.speculative.max_batch_size, on_cuda=on_cuda))
@@ -265,6 +270,7 @@ RESOLVED_KEYS = (
     ("scheduler", "enable_mixed_chunk"), ("scheduler", "latency_chunk_size"), ("scheduler", "prefill_hold_steps"),
     ("runtime", "cuda_graph_max_bs"), ("runtime", "piecewise_cuda_graph_max_tokens"), ("attention", "backend"),
     ("speculative", "max_batch_size"),
+    ("server", "workers"),
 )
 
 

@@ -10,7 +10,8 @@ scheduler process, or a tensor-parallel group of them, on its own devices), and:
 
 - New requests go to the replica ``parallel.dp_policy`` picks (see :mod:`treadle.server.dp_routing`);
   aborts go where their request went.
-- ``stats`` and ``flush_cache`` reach every replica; the answer sums them and lists each replica.
+- ``stats``, ``flush_cache`` and ``abort_request`` reach every replica; the answer (to the HTTP worker that
+  asked) sums them and lists each replica. Errors and queue times go to the worker named in the message.
 - A replica that dies takes the controller down (exit status 1), and with it the server.
 """
 
@@ -38,6 +39,7 @@ from treadle.server.ipc import (
     ReplicaFinished,
     ShutdownReq,
     TokenizedGenerateReq,
+    WorkerSockets,
     bind_pull,
     connect_push,
 )
@@ -84,6 +86,7 @@ def replica_addresses(addresses: IpcAddresses, replica: int) -> IpcAddresses:
         addresses,
         scheduler_input=f"ipc://{os.path.join(folder, f'scheduler-replica{replica}')}",
         tokenizer_input=controller_replies_address(addresses),
+        extra_worker_inputs=(),
     )
 
 
@@ -174,7 +177,7 @@ class DataParallelController:
         self.context = zmq.Context()
         self.requests = bind_pull(self.context, addresses.scheduler_input)
         self.replies = bind_pull(self.context, controller_replies_address(addresses))
-        self.to_tokenizer = connect_push(self.context, addresses.tokenizer_input)
+        self.to_workers = WorkerSockets(self.context, addresses.worker_inputs)
         self.to_replicas = [
             connect_push(self.context, replica_addresses(addresses, i).scheduler_input) for i in range(replicas.size)]
         self.rid_replica: dict[str, int] = {}
@@ -223,9 +226,10 @@ class DataParallelController:
             for sock in targets:
                 sock.send_pyobj(message)
         elif isinstance(message, ControlReq):
-            self.pending_controls[message.request_id] = _PendingControl(message.kind, self.replicas.size)
+            self.pending_controls[message.request_id] = _PendingControl(
+                message.kind, self.replicas.size, message.worker_id)
             for replica, sock in enumerate(self.to_replicas):
-                sock.send_pyobj(ControlReq(f"{message.request_id}/{replica}", message.kind, message.args))
+                sock.send_pyobj(ControlReq(f"{message.request_id}/{replica}", message.kind, args=message.args))
         elif isinstance(message, ShutdownReq):
             for sock in self.to_replicas:
                 sock.send_pyobj(message)
@@ -241,7 +245,7 @@ class DataParallelController:
                 self._forget(rid)
         elif isinstance(message, AddRequestFailed):
             self._forget(message.rid)
-            self.to_tokenizer.send_pyobj(message)
+            self.to_workers.send(message.worker_id, message)
         elif isinstance(message, ControlReply):
             request_id, _, replica = message.request_id.rpartition("/")
             pending = self.pending_controls.get(request_id)
@@ -250,9 +254,9 @@ class DataParallelController:
             pending.payloads[int(replica)] = message.payload
             if len(pending.payloads) == self.replicas.size:
                 del self.pending_controls[request_id]
-                self.to_tokenizer.send_pyobj(ControlReply(request_id, pending.merged()))
-        else:
-            self.to_tokenizer.send_pyobj(message)
+                self.to_workers.send(pending.worker_id, ControlReply(request_id, pending.merged()))
+        else:  # QueueTimes
+            self.to_workers.send(getattr(message, "worker_id", 0), message)
 
     def _forget(self, rid: str) -> None:
         replica = self.rid_replica.pop(rid, None)
@@ -269,6 +273,7 @@ class DataParallelController:
 class _PendingControl:
     kind: str
     size: int
+    worker_id: int
     payloads: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -276,6 +281,8 @@ class _PendingControl:
         ordered = [self.payloads[i] for i in range(self.size)]
         if self.kind == "flush_cache":
             return {"success": all(p.get("success") for p in ordered)}
+        if self.kind == "abort_request":
+            return {"aborted": [rid for p in ordered for rid in p.get("aborted", [])]}
         if self.kind == "stats":
             kvs = [p["kv"] for p in ordered]
             total = {key: (kvs[0][key] if key == "page_size" else sum(kv[key] for kv in kvs)) for key in kvs[0]}

@@ -1,12 +1,15 @@
 """Start and stop the server: ``serve(config)`` (blocking) and ``launch_server(config)`` (a handle, for tests).
 
 ``serve`` binds the port first (so a busy port fails before the model loads),
-starts the scheduler and detokenizer processes, waits for the model, then runs
-uvicorn in this process. The first SIGINT/SIGTERM drains: new requests get 503,
-running ones get ``server.shutdown_timeout`` seconds to finish, the rest are
-aborted, then uvicorn and the children stop and the process exits 0. A second
-signal stops at once. A child that dies on its own (or the output-routing task
-of this process) takes the server down with an error log line and exit status 1.
+starts the scheduler and detokenizer processes (and, with ``server.workers`` > 1,
+the other HTTP workers: :mod:`treadle.server.http_workers`), waits for the model,
+then runs uvicorn in this process, which is HTTP worker 0. The first
+SIGINT/SIGTERM drains, in every worker: new requests get 503, running ones get
+``server.shutdown_timeout`` seconds to finish, the rest are aborted, then the
+workers, uvicorn and the children stop and the process exits 0. A second signal
+stops at once. A child that dies on its own (an HTTP worker too, or the
+output-routing task of this process) takes the server down with an error log
+line and exit status 1.
 """
 
 from __future__ import annotations
@@ -27,18 +30,22 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from treadle.core.auto_size import available_cpus, resolve_http_workers
 from treadle.core.config import ConfigError, ServerConfig, load_config
+from treadle.server.front_profile import start_profile
+from treadle.server.http_workers import FrontendLayout
 from treadle.server.ipc import IpcAddresses
 from treadle.server.process_utils import configure_logging
 
 logger = logging.getLogger("treadle.server")
 
 _CHILD_STOP_TIMEOUT_S = 10.0
-# After the drain, how long uvicorn waits for responses still being written.
-_RESPONSE_FLUSH_TIMEOUT_S = 5
+# Beyond server.shutdown_timeout, how long the other HTTP workers get to finish draining.
+_WORKER_DRAIN_MARGIN_S = 15.0
 # The config with its secrets travels to a launch_server child in this variable, not on its command line.
 CONFIG_ENV = "TREADLE_LAUNCH_CONFIG_JSON"
 
@@ -67,11 +74,13 @@ def serve(config: ServerConfig) -> None:
     def _note_signal(signum: int, frame: object) -> None:
         stop_signals.append(signum)
 
-    listen_socket = _bind(config.server.host, config.server.port)
+    workers = resolve_http_workers(config.server.workers, available_cpus())  # as the resolved config has it
+    listen_sockets = _bind_all(config.server.host, config.server.port, workers)
     # Until uvicorn runs (loading the model), a signal just stops the start; then DrainingServer handles them.
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    addresses = IpcAddresses.new()
-    children = _Children(config, addresses)
+    addresses = IpcAddresses.new(workers, min(config.server.detokenizers, workers))
+    layout = FrontendLayout.create(workers, addresses.folder)  # before any metric is made, here or in a worker
+    children = _Children(config, addresses, layout, listen_sockets[1:])
     exit_code = 0
     try:
         ready = children.start(should_stop=lambda: bool(stop_signals), while_waiting=_preload_http_stack)
@@ -79,11 +88,17 @@ def serve(config: ServerConfig) -> None:
             logger.info("stopped before the model finished loading")
             return
         model_info, tokenizer = ready
-        exit_code = asyncio.run(_run_http(config, addresses, model_info, tokenizer, listen_socket, children))
+        write_profile = start_profile("http-worker-0")
+        exit_code = asyncio.run(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
+                                          children))
+        if write_profile is not None:
+            write_profile()
     finally:
         children.stop()
-        listen_socket.close()
+        for sock in listen_sockets:
+            sock.close()
         shutil.rmtree(addresses.folder, ignore_errors=True)
+        layout.remove()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         logger.info("server stopped")
@@ -91,35 +106,30 @@ def serve(config: ServerConfig) -> None:
         raise SystemExit(exit_code)
 
 
-async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: dict[str, Any], tokenizer: Any,
-                    listen_socket: socket.socket, children: "_Children") -> int:
-    import uvicorn
+async def _run_http(config: ServerConfig, addresses: IpcAddresses, layout: FrontendLayout,
+                    model_info: dict[str, Any], tokenizer: Any, listen_socket: socket.socket,
+                    children: "_Children") -> int:
+    from treadle.server.http_workers import build_http_server
 
-    from treadle.core.loading.gc_freeze import freeze_startup_objects
-    from treadle.server.draining import DrainingServer
-    from treadle.server.app import build_app
-    from treadle.server.metrics import ServerMetrics
-    from treadle.server.tokenizer_manager import TokenizerManager
-
-    manager = TokenizerManager(config, model_info, tokenizer, addresses, ServerMetrics())
-    app = build_app(manager, {"pids": children.pids()})
-    freeze_startup_objects()  # full collections would walk the tokenizer, FastAPI and torch modules mid-stream
-    uv_config = uvicorn.Config(app, log_level=config.server.log_level,
-                               timeout_graceful_shutdown=_RESPONSE_FLUSH_TIMEOUT_S,
-                               access_log=config.server.log_level == "debug")
+    server = build_http_server(config, addresses, model_info, tokenizer, layout, 0, {"pids": children.pids()})
+    manager = server.manager
+    server.on_drain = children.drain_http_workers
+    server.on_stop_now = children.stop_http_workers_now
     loop = asyncio.get_running_loop()
-    server = DrainingServer(uv_config, manager, loop)
     crashed: list[str] = []
 
     def on_fatal(reason: str) -> None:
         if server.should_exit:
             return
         crashed.append(reason)
-        manager.fail_all(reason)
-        server.should_exit = True
+        server.stop_now(reason, force=False)
 
     def on_child_exit(name: str, code: int | None) -> None:
+        if name.startswith(_HTTP_WORKER) and manager.draining and code == 0:
+            return  # that worker has drained
         if server.should_exit:
+            if not name.startswith(_HTTP_WORKER):
+                children.stop_http_workers_now()  # workers still draining: their requests will not finish
             return
         reason = f"the {name} process exited unexpectedly (exit code {code}); shutting the server down"
         logger.error(reason)
@@ -128,33 +138,57 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, model_info: d
     manager.start(on_fatal)
     children.watch(loop, on_child_exit)
     host, port = listen_socket.getsockname()[:2]
-    logger.info("treadle serves %s at http://%s:%d", manager.served_model_name, host, port)
+    logger.info("treadle serves %s at http://%s:%d with %d HTTP worker%s", manager.served_model_name, host, port,
+                layout.workers, "s" if layout.workers > 1 else "")
     try:
         await server.serve(sockets=[listen_socket])
+        await children.wait_http_workers(config.server.shutdown_timeout + _WORKER_DRAIN_MARGIN_S)
     finally:
         children.unwatch(asyncio.get_running_loop())
         manager.close()
     return 1 if crashed else 0
 
 
-class _Children:
-    """The scheduler and detokenizer processes."""
+_HTTP_WORKER = "http-worker-"
 
-    def __init__(self, config: ServerConfig, addresses: IpcAddresses) -> None:
+
+def _detokenizer_name(shard: int) -> str:
+    return f"detokenizer-{shard}" if shard else "detokenizer"
+
+
+class _Children:
+    """The scheduler and detokenizer processes, and HTTP workers 1 .. N-1."""
+
+    def __init__(self, config: ServerConfig, addresses: IpcAddresses, layout: FrontendLayout,
+                 worker_sockets: list[socket.socket]) -> None:
         from treadle.server.detokenizer import run_detokenizer_process
         from treadle.server.dp_controller import run_dp_controller_process
+        from treadle.server.http_workers import run_http_worker
         from treadle.server.scheduler_process import run_scheduler_process
 
         self.context = mp.get_context("spawn")  # CUDA and threads do not survive fork
         self.ready_recv, ready_send = self.context.Pipe(duplex=False)
+        self._child_ends: list[Connection] = []
         # With data parallelism the "scheduler" is the controller in front of the replicas.
         scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
         self.processes = {
             "scheduler": self.context.Process(
                 target=scheduler_target, args=(config, addresses, ready_send), name="scheduler"),
-            "detokenizer": self.context.Process(
-                target=run_detokenizer_process, args=(addresses, config.server.log_level), name="detokenizer"),
+            **{_detokenizer_name(shard): self.context.Process(
+                target=run_detokenizer_process, args=(addresses, config.server.log_level, shard),
+                name=_detokenizer_name(shard)) for shard in range(len(addresses.detokenizer_inputs))},
         }
+        # Each other HTTP worker: its process, the pipe that hands it the model, the one that says it serves.
+        self.http_workers: dict[str, tuple[Any, Connection, Connection]] = {}
+        for worker_id, sock in enumerate(worker_sockets, start=1):
+            model_recv, model_send = self.context.Pipe(duplex=False)
+            serving_recv, serving_send = self.context.Pipe(duplex=False)
+            name = f"{_HTTP_WORKER}{worker_id}"
+            self.processes[name] = self.context.Process(
+                target=run_http_worker, name=name,
+                args=(worker_id, config, addresses, layout, sock, model_recv, serving_send))
+            self.http_workers[name] = (self.processes[name], model_send, serving_recv)
+            self._child_ends.extend([model_recv, serving_send])
         self._ready_send = ready_send
         self._stopping = False
 
@@ -162,20 +196,20 @@ class _Children:
         return {name: p.pid for name, p in self.processes.items()}
 
     def start(self, should_stop: Any, while_waiting: Any = None) -> tuple[dict[str, Any], Any] | None:
-        """Start both; wait until the scheduler has loaded the model. None if a stop signal came first."""
+        """Start them all; wait until the scheduler has loaded the model and every HTTP worker serves. None if a
+        stop signal came first."""
         for process in self.processes.values():
             process.start()
         self._ready_send.close()
+        for end in self._child_ends:
+            end.close()
         if while_waiting is not None:
             while_waiting()
         scheduler = self.processes["scheduler"]
         while not self.ready_recv.poll(0.2):
             if should_stop():
                 return None
-            for name, process in self.processes.items():
-                if not process.is_alive():
-                    raise ServerStartupError(f"the {name} process exited during startup (exit code "
-                                             f"{process.exitcode}); see its log above")
+            self._check_alive()
         try:
             message = self.ready_recv.recv()
         except EOFError:
@@ -184,7 +218,60 @@ class _Children:
                 f"the scheduler process exited during startup (exit code {scheduler.exitcode})") from None
         if message[0] != "ready":
             raise ServerStartupError(f"the scheduler failed to start: {message[1]}")
+        if not self._start_http_workers(message[1], message[2], should_stop):
+            return None
         return message[1], message[2]
+
+    def _start_http_workers(self, model_info: dict[str, Any], tokenizer: Any, should_stop: Any) -> bool:
+        """Hand every other HTTP worker the model; wait until each serves. False if a stop signal came first."""
+        server_info = {"pids": {"server": os.getpid(), **self.pids()}}
+        for _, model_send, _ in self.http_workers.values():
+            try:
+                model_send.send((model_info, tokenizer, server_info))
+            except OSError:  # that worker is gone
+                time.sleep(0.5)
+                self._check_alive()
+                raise
+        for name, (process, _, serving_recv) in self.http_workers.items():
+            while not serving_recv.poll(0.2):
+                if should_stop():
+                    return False
+                self._check_alive()
+            try:
+                serving_recv.recv()
+            except EOFError:
+                process.join(timeout=5)
+                raise ServerStartupError(f"the {name} process exited during startup (exit code "
+                                         f"{process.exitcode}); see its log above") from None
+        return True
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if not process.is_alive():
+                raise ServerStartupError(f"the {name} process exited during startup (exit code "
+                                         f"{process.exitcode}); see its log above")
+
+    def drain_http_workers(self) -> None:
+        """SIGTERM to the other HTTP workers: they drain as this process does."""
+        self._signal_http_workers(signal.SIGTERM)
+
+    def stop_http_workers_now(self) -> None:
+        """SIGUSR1 to the other HTTP workers: they fail their requests with 503 and exit."""
+        self._signal_http_workers(signal.SIGUSR1)
+
+    def _signal_http_workers(self, sig: int) -> None:
+        for process, _, _ in self.http_workers.values():
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    async def wait_http_workers(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) for the other HTTP workers to exit, as they do once drained."""
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p, _, _ in self.http_workers.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def watch(self, loop: asyncio.AbstractEventLoop, on_exit: Any) -> None:
         for name, process in self.processes.items():
@@ -206,8 +293,11 @@ class _Children:
                     pass
 
     def stop(self) -> None:
-        """SIGTERM both, wait, SIGKILL what is left."""
+        """SIGTERM them all, wait, SIGKILL what is left."""
         self._stopping = True
+        for _, model_send, serving_recv in self.http_workers.values():
+            model_send.close()  # a worker still waiting for the model sees EOF and exits
+            serving_recv.close()
         for process in self.processes.values():
             if process.is_alive():
                 process.terminate()
@@ -250,12 +340,33 @@ def _preload_http_stack() -> None:
     import treadle.server.openai_routes  # noqa: F401
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind_all(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets bound to ``host:port`` (port 0: a free port), with SO_REUSEPORT when several: one for each
+    HTTP worker, the kernel spreading connections over those that listen."""
+    probe = _bind(host, port)  # fails if anything listens there, a server of several workers included
+    if count == 1:
+        return [probe]
+    port = probe.getsockname()[1]
+    probe.close()
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < count:
+            sockets.append(_bind(host, port, reuse_port=True))
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     # proto must say TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on accepted sockets whose
     # proto is IPPROTO_TCP, and with Nagle on, every streamed chunk after a response's headers on a kept-alive
     # connection waits for the client's delayed ACK (~40 ms on Linux).
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

@@ -219,9 +219,10 @@ def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_
             **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
             # The scheduler's count (prompt tokens found in the prefix cache at admission), as under kv.
             "cached_tokens_total": stats["kv"]["cached_tokens_total"],
-            "running_requests": len(manager.states),
+            "running_requests": manager.inflight_requests(),  # every HTTP worker's
             "max_inflight_requests": manager.max_inflight_requests,
             "draining": manager.draining,
+            "http_worker": manager.worker_id,  # the worker process that answered (0 .. server.workers - 1)
             "model_info": _public_model_info(manager),
             **server_info,
             "pids": pids,
@@ -251,10 +252,11 @@ def _add_admin_routes(app: FastAPI, manager: TokenizerManager) -> None:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> JSONResponse:
-        targets = [rid for rid in list(manager.states) if rid == body.rid or rid.startswith(body.rid + "-")]
-        for rid in targets:
-            manager.abort(rid, keep_waiting=True)
-        return JSONResponse({"success": bool(targets), "aborted": targets})
+        # The request may run on any HTTP worker: the scheduler (every replica) aborts it and its ``<rid>-<i>``
+        # siblings, and each one's final 'abort' output reaches the handler on its own worker.
+        aborted = (await manager.control("abort_request", args={"rid": body.rid}))["aborted"]
+        manager.metrics.requests_aborted.inc(len(aborted))
+        return JSONResponse({"success": bool(aborted), "aborted": aborted})
 
 
 def resident_bytes(pid: int | None) -> int | None:

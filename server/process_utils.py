@@ -29,12 +29,17 @@ def configure_child_process(log_level: str) -> int:
     use_a_thread_lock_for_progress_bars()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    set_parent_death_signal(signal.SIGTERM)
+    return os.getppid()
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL (Linux)."""
     if sys.platform.startswith("linux"):
-        try:  # the kernel kills us if the parent dies, even by SIGKILL
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
         except (OSError, AttributeError):
             pass
-    return os.getppid()
 
 
 def use_a_thread_lock_for_progress_bars() -> None:

@@ -27,18 +27,18 @@ from treadle.server.ipc import (
     RESOLVED_CONFIG_KEY,
     AbortReq,
     AddRequestFailed,
-    BatchTokenIDOut,
     ControlReply,
     ControlReq,
     DetokenizerInit,
+    DetokenizerSockets,
     IpcAddresses,
     QueueTimes,
     RegisterDecode,
     ReplicaFinished,
     ShutdownReq,
     TokenizedGenerateReq,
+    WorkerSockets,
     bind_pull,
-    connect_push,
 )
 from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
@@ -73,7 +73,7 @@ def run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: 
     tokenizer = getattr(scheduler, "tokenizer", None)
     loop = SchedulerLoop(scheduler, addresses, parent_pid, report_finished)
     _install_step_trace(scheduler)
-    loop.detokenizer.send_pyobj(DetokenizerInit(tokenizer))
+    loop.detokenizers.send_to_all(DetokenizerInit(tokenizer))
     ready.send(("ready", server_model_info(scheduler), tokenizer))
     ready.close()
     try:
@@ -146,11 +146,13 @@ class SchedulerLoop:
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.requests = bind_pull(self.context, addresses.scheduler_input)
-        self.detokenizer = connect_push(self.context, addresses.detokenizer_input)
-        self.replies = connect_push(self.context, addresses.tokenizer_input)
+        self.detokenizers = DetokenizerSockets(self.context, addresses.detokenizer_inputs)
+        self.replies = WorkerSockets(self.context, addresses.worker_inputs)
         self.running = True
         self.arrivals: dict[str, float] = {}  # rid -> arrival time, until the request is admitted
         self.pending_unloads: list[ControlReq] = []  # adapter unloads waiting for the adapter's requests
+        # rid -> (arrival time, HTTP worker), until the request is admitted
+        self.arrivals: dict[str, tuple[float, int]] = {}
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -176,18 +178,22 @@ class SchedulerLoop:
         """Requests that left the waiting queue in the last step: their queue time goes to /metrics."""
         waiting = {req.rid for req in self.scheduler.waiting}
         admitted = [rid for rid in self.arrivals if rid not in waiting]
-        if admitted:
-            self.replies.send_pyobj(QueueTimes([max(0.0, step_started - self.arrivals.pop(rid)) for rid in admitted]))
+        by_worker: dict[int, list[float]] = {}
+        for rid in admitted:
+            arrived, worker_id = self.arrivals.pop(rid)
+            by_worker.setdefault(worker_id, []).append(max(0.0, step_started - arrived))
+        for worker_id, seconds in by_worker.items():
+            self.replies.send(worker_id, QueueTimes(seconds, worker_id))
 
     def close(self) -> None:
         self.context.destroy(linger=0)
 
     def _send_outputs(self, outputs: list[Any]) -> None:
-        self.detokenizer.send_pyobj(BatchTokenIDOut(outputs))
+        self.detokenizers.send_outputs(outputs)
         if self.report_finished:
             finished = [output.rid for output in outputs if output.finished_reason is not None]
             if finished:
-                self.replies.send_pyobj(ReplicaFinished(finished))
+                self.replies.send(0, ReplicaFinished(finished))
 
     def _drain_requests(self) -> None:
         while True:
@@ -201,16 +207,14 @@ class SchedulerLoop:
         if isinstance(message, TokenizedGenerateReq):
             self._add_request(message)
         elif isinstance(message, AbortReq):
-            self.arrivals.pop(message.rid, None)
-            output = self.scheduler.abort_request(message.rid)
-            if output is not None:
-                self._send_outputs([output])
+            self._abort(message.rid)
         elif isinstance(message, ControlReq):
             if message.kind == "unload_lora_adapter":
                 self.pending_unloads.append(message)
                 self._retry_unloads()
             else:
-                self.replies.send_pyobj(ControlReply(message.request_id, self._control(message)))
+                self.replies.send(message.worker_id,
+                                  ControlReply(message.request_id, self._control(message.kind, message.args)))
         elif isinstance(message, ShutdownReq):
             self.running = False
         else:
@@ -234,19 +238,27 @@ class SchedulerLoop:
             )
             self.scheduler.add_request(req)
         except ValueError as exc:  # InvalidRequestError and friends: the client's fault
-            self.replies.send_pyobj(AddRequestFailed(message.rid, str(exc), getattr(exc, "param", None), 400))
+            self.replies.send(message.worker_id, AddRequestFailed(
+                message.rid, str(exc), getattr(exc, "param", None), 400, message.worker_id))
             return
         except Exception as exc:
             logger.error("add_request failed for %s:\n%s", message.rid, traceback.format_exc())
-            self.replies.send_pyobj(AddRequestFailed(message.rid, f"internal error: {exc}", None, 500))
+            self.replies.send(message.worker_id, AddRequestFailed(
+                message.rid, f"internal error: {exc}", None, 500, message.worker_id))
             return
-        self.arrivals[message.rid] = time.monotonic()
+        self.arrivals[message.rid] = (time.monotonic(), message.worker_id)
         # add_request produces no output, so this still reaches the detokenizer before the first one.
-        self.detokenizer.send_pyobj(RegisterDecode(
-            message.rid, message.sampling_params.skip_special_tokens, list(message.sampling_params.stop or [])))
+        self.detokenizers.register(RegisterDecode(
+            message.rid, message.sampling_params.skip_special_tokens, list(message.sampling_params.stop or []),
+            message.worker_id))
 
-    def _control(self, message: ControlReq) -> dict[str, Any]:
-        kind = message.kind
+    def _abort(self, rid: str) -> None:
+        self.arrivals.pop(rid, None)
+        output = self.scheduler.abort_request(rid)
+        if output is not None:
+            self._send_outputs([output])
+
+    def _control(self, kind: str, args: dict[str, Any]) -> dict[str, Any]:
         if kind == "flush_cache":
             return {"success": bool(self.scheduler.flush_cache())}
         if kind == "stats":
@@ -256,10 +268,19 @@ class SchedulerLoop:
             return {"adapters": lora.describe() if lora is not None else []}
         if kind == "load_lora_adapter":
             try:
-                self.scheduler.load_lora_adapter(message.args["lora_name"], message.args["lora_path"])
+                self.scheduler.load_lora_adapter(args["lora_name"], args["lora_path"])
             except ValueError as exc:  # a bad folder, a name taken, no lora section: the client's to fix
                 return {"error": str(exc)}
             return {"success": True}
+        if kind == "abort_request":
+            # The request and the sub-requests an HTTP worker made of it (``<rid>-<i>``), wherever they came from;
+            # each one's final output reaches its own worker through the detokenizer.
+            target = str(args.get("rid", ""))
+            matching = [rid for rid, req in self.scheduler.live_by_rid.items()
+                        if not req.finished and (rid == target or rid.startswith(target + "-"))]
+            for rid in matching:
+                self._abort(rid)
+            return {"aborted": matching}
         return {"error": f"unknown control request '{kind}'"}
 
     def _retry_unloads(self) -> None:
@@ -269,10 +290,10 @@ class SchedulerLoop:
             try:
                 done = self.scheduler.unload_lora_adapter(message.args["lora_name"])
             except ValueError as exc:
-                self.replies.send_pyobj(ControlReply(message.request_id, {"error": str(exc)}))
+                self.replies.send(message.worker_id, ControlReply(message.request_id, {"error": str(exc)}))
                 continue
             if done:
-                self.replies.send_pyobj(ControlReply(message.request_id, {"success": True}))
+                self.replies.send(message.worker_id, ControlReply(message.request_id, {"success": True}))
             else:
                 waiting.append(message)
         self.pending_unloads = waiting

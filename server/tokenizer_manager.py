@@ -4,6 +4,11 @@ It tokenizes prompts, sends them to the scheduler process, and routes what
 the detokenizer sends back to the HTTP handler waiting for each request.
 Requests that share a handler (the ``n`` choices of one OpenAI request, or a
 batch of prompts) share one :class:`GenerationStream`.
+
+With several HTTP workers (``server.workers``) each worker process has its own
+manager, with its ``worker_id``: it stamps that id on what it sends, receives on
+its own inbox, and admits requests against every worker's count
+(:mod:`treadle.server.inflight`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from treadle.server.ipc import (
     connect_push,
 )
 from treadle.server.media import MediaLoader
+from treadle.server.inflight import InflightCounts, PublishedStates
 from treadle.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -133,10 +139,15 @@ class GenerationStream:
 
 
 class TokenizerManager:
-    """Tokenizes, submits to the scheduler, and routes outputs back to waiting handlers."""
+    """Tokenizes, submits to the scheduler, and routes outputs back to waiting handlers.
+
+    ``worker_id`` is this HTTP worker's index (0 with one worker); ``inflight`` the counts shared with the
+    other workers (None with one worker).
+    """
 
     def __init__(self, config: ServerConfig, model_info: dict[str, Any], tokenizer: Any,
-                 addresses: IpcAddresses, metrics: ServerMetrics) -> None:
+                 addresses: IpcAddresses, metrics: ServerMetrics, worker_id: int = 0,
+                 inflight: InflightCounts | None = None) -> None:
         self.config = config
         self.model_info = model_info
         self.tokenizer = tokenizer
@@ -148,12 +159,14 @@ class TokenizerManager:
             config.model.served_model_name or model_info.get("served_model_name") or model_info.get("model_path")
             or "default"
         )
-        self.states: dict[str, _ReqState] = {}
+        self.worker_id = worker_id
+        self.inflight = inflight
+        self.states: dict[str, _ReqState] = {} if inflight is None else PublishedStates(inflight)
         self._control_waiters: dict[str, asyncio.Future] = {}
         self._sync_context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
         self._to_scheduler = connect_push(self._sync_context, addresses.scheduler_input)
-        self._from_workers = bind_pull(self._async_context, addresses.tokenizer_input)
+        self._from_workers = bind_pull(self._async_context, addresses.worker_inputs[worker_id])
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
         self._template_knows_tools: bool | None = None
@@ -186,6 +199,8 @@ class TokenizerManager:
         self._from_workers.close(linger=0)
         self._sync_context.term()
         self._async_context.term()
+        if self.inflight is not None:
+            self.inflight.publish(0)
 
     def fail_all(self, reason: str) -> None:
         """A worker process died: fail every waiting request so no handler hangs."""
@@ -293,6 +308,7 @@ class TokenizerManager:
         stream = GenerationStream(self, [req.rid for req in reqs])
         for index, req in enumerate(reqs):
             self.states[req.rid] = _ReqState(stream, index, len(req.input_ids))
+            req.worker_id = self.worker_id
             self._to_scheduler.send_pyobj(req)
         self.metrics.requests_received.inc(len(reqs))
         timeout = timeout if timeout is not None else self.config.server.request_timeout
@@ -309,12 +325,17 @@ class TokenizerManager:
                 f"this request asks for {count} sequences (prompts x n) but the server holds at most {limit} "
                 "requests at once (scheduler.max_running_requests + server.max_queued_requests); lower n or "
                 "send fewer prompts per request", param="n", code="too_many_sequences")
-        if len(self.states) + count > limit:
+        inflight = self.inflight_requests()
+        if inflight + count > limit:
             self.metrics.requests_rejected.labels(reason="queue_full").inc()
             raise RequestError(
-                f"the server is at capacity ({len(self.states)} requests running or queued, limit {limit} = "
+                f"the server is at capacity ({inflight} requests running or queued, limit {limit} = "
                 "scheduler.max_running_requests + server.max_queued_requests); retry after a moment",
                 status_code=503, type_="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+
+    def inflight_requests(self) -> int:
+        """Requests running or queued in the whole server (every HTTP worker's)."""
+        return len(self.states) if self.inflight is None else self.inflight.total()
 
     def _expire(self, stream: GenerationStream, timeout: float) -> None:
         """A stream reached its deadline: abort what still runs.
@@ -352,15 +373,16 @@ class TokenizerManager:
         return state is not None
 
     async def control(self, kind: str, timeout: float = 10.0, args: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Ask the scheduler process something (``flush_cache``, ``stats``, the LoRA adapters: see ``ControlReq``)
-        and wait for the answer."""
+        """Ask the scheduler process (with data parallelism: every replica, once) something (``flush_cache``,
+        ``stats``, ``abort_request``, the LoRA adapters: see ``ControlReq``) and wait for the answer, which comes back
+        to this worker."""
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, status_code=503, type_="server_error")
         request_id = uuid.uuid4().hex
         waiter = asyncio.get_running_loop().create_future()
         self._control_waiters[request_id] = waiter
         try:
-            self._to_scheduler.send_pyobj(ControlReq(request_id, kind, dict(args or {})))
+            self._to_scheduler.send_pyobj(ControlReq(request_id, kind, self.worker_id, dict(args or {})))
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
             raise RequestError(f"the scheduler did not answer '{kind}' within {timeout:.0f} s",

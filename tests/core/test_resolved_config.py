@@ -105,3 +105,13 @@ def test_the_resolved_config_is_frozen_typed_and_reported() -> None:
     line = describe_resolution(config, chosen)
     assert "scheduler.max_running_requests 64 (auto)" in line and "attention.backend torch_native (auto)" in line
     assert chosen.model_dump(mode="json")["scheduler"]["max_running_requests"] == 64
+
+
+def test_http_workers_are_sized_from_the_cpus_unless_set() -> None:
+    assert resolve_config(load_config(use_env=False), cpu(cpu_count=16)).server.workers == 4
+    assert resolve_config(load_config(use_env=False), cpu(cpu_count=2)).server.workers == 1
+    two = load_config(overrides={"server.workers": 2}, use_env=False)
+    assert resolve_config(two, cpu(cpu_count=64)).server.workers == 2
+    assert "server.workers 4 (auto)" in describe_resolution(load_config(use_env=False),
+                                                            resolve_config(load_config(use_env=False),
+                                                                           cpu(cpu_count=16)))

@@ -20,6 +20,8 @@
 # `speculative` runs bench/speculative.py (oracle machinery on Llama-3.1-8B shapes, ngram on SmolLM2).
 # `lora` runs `treadle bench lora` (kernels, then end to end; LORA_ARGS="--part kernels" for the kernels only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
+# `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
+# server.workers auto against 1), for the A/B of the HTTP front's processes.
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
 # and runs `treadle bench serving` at 4 req/s and at saturation (600 requests at once; SERVING_SAT_PROMPTS=0
 # skips it); SERVING_TAG prefixes its log and result names, for a second server in the same call.
@@ -110,6 +112,14 @@ for name in ("time_to_first_token", "queue_time", "inter_token_latency"):
 PY
       done
       kill %1 2>/dev/null; wait ;;
+    serving_workers)
+      # The HTTP front's A/B (issue 48): `serving` at saturation only (SERVING_SAT_PROMPTS at once, SERVING_WORKERS
+      # client processes) for each SERVING_VARIANTS entry TAG:SETTINGS, one server after the other on this machine.
+      # Default: server.workers auto (one per 4 CPUs) against server.workers=1.
+      for variant in ${SERVING_VARIANTS:-workers_auto: workers_1:--set=server.workers=1}; do
+        SERVING_TAG="${variant%%:*}_" SERVING_SET="$(echo "${variant#*:}" | tr = ' ' | sed 's/ /=/2')" \
+          SERVING_PROMPTS=0 bash "$0" serving
+      done ;;
     soak)
       # The example 8B config (dummy weights): SOAK_SATURATION_S closed-loop at high concurrency measures the
       # saturated request rate of the soak mix, then SOAK_SECONDS at 80% of it with aborts and disconnects.

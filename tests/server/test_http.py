@@ -1,35 +1,52 @@
 """The HTTP server end to end: real processes, real HTTP on 127.0.0.1, the official openai client.
 
-One server (with an API key) serves the whole module; the last test shuts it down.
+One server (with an API key) serves the whole module; the last test shuts it down. It runs four HTTP worker
+processes (``server.workers: 4``) and two detokenizers, so every test here also checks that requests, outputs,
+errors and control requests find their way through several workers; the rest of the server tests run the default
+single worker and detokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import pstats
 import random
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
+from treadle.server.front_profile import PROFILE_ENV
 from treadle.server.launch import ServerHandle, launch_server
 
 API_KEY = "test-key"
+WORKERS = 4
+DETOKENIZERS = 2  # workers 0 and 2 decode in one, 1 and 3 in the other
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str, make_config) -> ServerHandle:
-    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY), timeout=180)
+def front_profile(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("front-profile"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: str, make_config, front_profile: str) -> ServerHandle:
+    # Room for the 200 concurrent streams below (the default queue is sized from the small KV pool).
+    handle = launch_server(make_config(tiny_model_dir, api_key=API_KEY, workers=WORKERS, detokenizers=DETOKENIZERS,
+                                       max_queued_requests=256), timeout=180,
+                           env={PROFILE_ENV: front_profile})  # the front's processes profile themselves
     yield handle
     handle.shutdown(signal.SIGKILL if handle.process.poll() is None else signal.SIGTERM)
 
@@ -154,6 +171,83 @@ def test_32_concurrent_streams_all_finish(server: ServerHandle, http: httpx.Clie
     assert len(results) == 32 and all(reason in ("length", "stop") for _, reason in results)
     kv = wait_idle(http)
     assert kv["free_slots"] + kv["cached_slots"] == kv["total_slots"]
+
+
+def test_200_concurrent_streams_over_the_workers_have_the_right_text_and_are_counted_once(
+        server: ServerHandle, client: openai.OpenAI, http: httpx.Client) -> None:
+    prompts = [f"stream {i} says" for i in range(8)]
+    expected = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+                for p in prompts]
+    before = http.get("/metrics").text
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, int]:
+        stream = await client.completions.create(model=MODEL, prompt=prompts[i % 8], max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        text, tokens = "", 0
+        async for chunk in stream:
+            text += "".join(choice.text for choice in chunk.choices)
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        return i, text, tokens
+
+    async def run() -> list:
+        # Each stream its own connection (no keep-alive reuse), so the kernel spreads them over the workers.
+        clients = [async_client(server) for _ in range(4)]
+        try:
+            return await asyncio.gather(*(one(clients[i % 4], i) for i in range(200)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(run())
+    assert [text for _, text, _ in results] == [expected[i % 8] for i in range(200)]
+    after = http.get("/metrics").text
+    assert _total(after, "treadle_requests_received_total") - _total(before, "treadle_requests_received_total") == 200
+    assert _total(after, "treadle_requests_finished_total") - _total(before, "treadle_requests_finished_total") == 200
+    generated = _total(after, "treadle_generation_tokens_total") - _total(before, "treadle_generation_tokens_total")
+    assert generated == sum(tokens for _, _, tokens in results)
+    kv = wait_idle(http)
+    assert kv["free_slots"] + kv["cached_slots"] == kv["total_slots"]
+
+
+def test_every_worker_takes_connections_and_answers_control_requests(server: ServerHandle) -> None:
+    for worker in range(WORKERS):
+        with contextlib.closing(_client_on_worker(server, worker)) as http:
+            info = http.get("/get_server_info").json()
+            assert info["http_worker"] == worker and info["config"]["server"]["workers"] == WORKERS
+            assert info["kv"]["total_slots"] == 8192 and len(info["pids"]) == 2 + DETOKENIZERS + WORKERS - 1
+            assert http.post("/flush_cache").json() == {"success": True}
+            assert http.post("/abort_request", json={"rid": "nothing-here"}).json() == {"success": False, "aborted": []}
+
+
+def test_abort_through_one_worker_ends_a_request_on_another(server: ServerHandle) -> None:
+    with contextlib.closing(_client_on_worker(server, 1)) as runner, \
+            contextlib.closing(_client_on_worker(server, 2)) as admin:
+        def generate() -> dict:
+            return runner.post("/generate", json={"text": "abort me", "rid": "cross-abort", "sampling_params": {
+                "max_new_tokens": 400, "ignore_eos": True}}).json()
+
+        async def run() -> tuple[dict, list]:
+            pending = asyncio.get_running_loop().run_in_executor(None, generate)
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                answer = admin.post("/abort_request", json={"rid": "cross-abort"}).json()
+                if answer["success"]:
+                    break
+            return await pending, answer["aborted"]
+
+        result, aborted = asyncio.run(run())
+    assert aborted == ["cross-abort"]
+    assert result["meta_info"]["finish_reason"]["type"] == "abort" and len(result["output_ids"]) < 400
+
+
+def _client_on_worker(server: ServerHandle, worker: int) -> httpx.Client:
+    """A client whose kept-alive connection landed on HTTP worker ``worker`` (the kernel picks by address hash)."""
+    for _ in range(400):
+        http = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60)
+        if http.get("/get_server_info").json()["http_worker"] == worker:
+            return http
+        http.close()
+    raise AssertionError(f"no connection reached worker {worker}")
 
 
 def test_20_mid_stream_disconnects_free_their_kv(server: ServerHandle, http: httpx.Client) -> None:
@@ -622,9 +716,28 @@ def test_bench_serving_runs_as_a_module_with_several_client_processes(server: Se
 # ------------------------------------------------------------------ shutdown (keep last)
 
 
-def test_sigterm_stops_children_and_frees_the_port(server: ServerHandle, http: httpx.Client) -> None:
+def test_sigterm_drains_the_streams_of_every_worker_then_stops_children_and_frees_the_port(
+        server: ServerHandle, http: httpx.Client, front_profile: str) -> None:
     pids = http.get("/get_server_info").json()["pids"]
-    assert server.shutdown(signal.SIGTERM, timeout=30) == 0
+    streams = [_DrainedStream(_client_on_worker(server, worker)) for worker in (1, WORKERS - 1)]
+    for stream in streams:
+        stream.start()
+    assert all(stream.first.wait(60) for stream in streams)
+    server.process.send_signal(signal.SIGTERM)
+    assert not any(stream.lines[-1:] == ["data: [DONE]"] for stream in streams)  # still under way when it came
+    assert server.process.wait(60) == 0
+    for stream in streams:
+        stream.join(10)
+        assert stream.lines[-1] == "data: [DONE]", stream.lines[-3:]
+        last = json.loads(stream.lines[-2][6:])
+        assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == DRAIN_TOKENS
+    log = server.log()
+    for alarm in ("Traceback", "unexpectedly", "leaked"):
+        assert alarm not in log, log[-3000:]
+    # TREADLE_FRONT_PROFILE: every HTTP worker and detokenizer wrote its profile as it stopped.
+    names = [f"http-worker-{w}" for w in range(WORKERS)] + [f"detokenizer-{d}" for d in range(DETOKENIZERS)]
+    assert sorted(os.listdir(front_profile)) == sorted(f"{name}.prof" for name in names)
+    assert "handle_routed" in str(pstats.Stats(os.path.join(front_profile, "detokenizer-1.prof")).stats)
     for pid in pids.values():
         assert not _alive(pid), f"child {pid} survived the shutdown"
     with pytest.raises(ConnectionRefusedError):
@@ -633,6 +746,28 @@ def test_sigterm_stops_children_and_frees_the_port(server: ServerHandle, http: h
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", server.port))
         sock.listen()
+
+
+DRAIN_TOKENS = 480  # the context is 512
+
+
+class _DrainedStream(threading.Thread):
+    """One long streaming /generate on a given client's connection, read in the background."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        super().__init__(daemon=True)
+        self.http = http
+        self.first = threading.Event()
+        self.lines: list[str] = []
+
+    def run(self) -> None:
+        body = {"text": "drain me", "stream": True,
+                "sampling_params": {"max_new_tokens": DRAIN_TOKENS, "ignore_eos": True}}
+        with contextlib.closing(self.http), self.http.stream("POST", "/generate", json=body) as response:
+            for line in response.iter_lines():
+                if line:
+                    self.lines.append(line)
+                    self.first.set()
 
 
 def _alive(pid: int) -> bool:
@@ -645,6 +780,12 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def _total(metrics: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all its label values) in a /metrics text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def _metric(http: httpx.Client, name: str) -> float:

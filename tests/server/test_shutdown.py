@@ -2,8 +2,8 @@
 
 - SIGTERM drains: the streaming request in flight completes, new requests get 503, exit 0.
 - Past ``server.shutdown_timeout`` the rest is aborted; a second SIGINT stops at once.
-- Any process SIGKILLed (scheduler, detokenizer, or the main process with the tokenizer
-  manager) takes the whole server down within 5 s, with no orphan and the port free.
+- Any process SIGKILLed (scheduler, detokenizer, the main process with the tokenizer
+  manager, or another HTTP worker) takes the whole server down within 5 s, with no orphan and the port free.
 """
 
 from __future__ import annotations
@@ -178,9 +178,10 @@ def test_a_second_sigint_stops_at_once(long_context_model: str, make_config) -> 
         _port_free(handle.port)
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "detokenizer", "server"])
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer", "server", "http-worker-1"])
 def test_a_killed_process_takes_everything_down_within_5_s(long_context_model: str, make_config, victim: str) -> None:
-    handle, pids = _start(long_context_model, make_config)
+    # The last one: a server of two HTTP workers whose second worker process dies.
+    handle, pids = _start(long_context_model, make_config, workers=2 if victim.startswith("http-worker") else 1)
     try:
         started = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
