@@ -261,7 +261,7 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle bench serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key", default=None)
@@ -287,6 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="write each request's inter-token gaps (itl_s, seconds) into the JSON, to see which "
                              "steps make the ITL tail (~1 MB per 100k tokens); without it they are left out")
     add_soak_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
