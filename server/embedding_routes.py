@@ -19,7 +19,7 @@ from treadle.core import validation
 from treadle.core.embedding.vectors import check_dimensions, truncate
 from treadle.core.request import SamplingParams
 from treadle.server.ipc import TokenizedGenerateReq
-from treadle.server.openai_routes import _check_model
+from treadle.server.lora_routes import model_adapter
 from treadle.server.protocol import EmbeddingRequest
 from treadle.server.streaming import collect
 from treadle.server.tokenizer_manager import RequestError, StreamEvent, TokenizerManager
@@ -30,7 +30,9 @@ _NAMES = {"prompt": "input", "input_ids": "input"}
 def add_embedding_routes(app: FastAPI, manager: TokenizerManager) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
-        _check_model(manager, body.model)
+        if model_adapter(manager, body.model) is not None:  # a 404 for a model this server does not serve
+            raise RequestError("LoRA adapters serve generation only; /v1/embeddings takes the served model's name",
+                               param="model")
         validation.check_task(True, str(manager.model_info.get("task") or "generate"))
         info = manager.model_info["embedding"]
         check_dimensions(body.dimensions, info)
