@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
 import sys
 import traceback
 
@@ -307,17 +305,9 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def compile_results() -> dict[str, str | None]:
-    pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:  # pragma: no cover - a Triton without the ahead-of-time API
-        pytest.skip("this Triton has no ahead-of-time compile API")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    assert proc.returncode == 0 and lines, f"compile subprocess failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len(RESULT_MARKER):])
+    from aot_compile import compile_in_subprocess
+
+    return compile_in_subprocess(__file__, RESULT_MARKER)
 
 
 def test_every_kernel_is_checked(compile_results):
