@@ -29,8 +29,9 @@ this rank's share) and holds its parameters as ``weight`` and ``bias`` (None whe
 
 Per-request deltas: ``layer.add_output_delta(fn)`` adds ``fn(x, context)`` to the layer's output from then on,
 ``context`` being the step's :class:`~treadle.core.execution.batch_context.BatchContext` (a LoRA adapter is
-``x @ A[adapter].T @ B[adapter].T`` per token); the fused decode paths step aside for a layer that has one. A
-layer without deltas pays one attribute check per call.
+``x @ A[adapter].T @ B[adapter].T`` per token; ``in_place=True``: ``fn(x, context, out)`` adds into the output
+itself); the fused decode paths step aside for a layer that has one. A layer without deltas pays one attribute
+check per call.
 """
 
 from __future__ import annotations
@@ -114,12 +115,14 @@ class LinearBase(nn.Module):
         y = self.quant_method.apply(self, x, self.bias)
         return self.add_output_deltas(x, y) if self.output_deltas else y
 
-    def add_output_delta(self, fn: DeltaFn, reads: BatchContextLayout | None = None) -> Callable[[], None]:
+    def add_output_delta(self, fn: DeltaFn, reads: BatchContextLayout | None = None, *,
+                         in_place: bool = False) -> Callable[[], None]:
         """Add ``fn(x, context)`` to this layer's output from now on (``x`` this rank's input, ``context`` the
-        step's BatchContext or None; see :class:`OutputDelta`). Column-parallel layers add this rank's slice of
-        the output; a row-parallel one adds this rank's partial sum, before the all-reduce. Register before the
-        model runner captures CUDA graphs. Returns a function that removes the delta again."""
-        delta = OutputDelta(fn, reads)
+        step's BatchContext or None; see :class:`OutputDelta`); with ``in_place``, ``fn(x, context, out)`` adds
+        into the output ``out`` itself. Column-parallel layers add this rank's slice of the output; a row-parallel
+        one adds this rank's partial sum, before the all-reduce. Register before the model runner captures CUDA
+        graphs. Returns a function that removes the delta again."""
+        delta = OutputDelta(fn, reads, in_place)
         self.output_deltas = self.output_deltas + (delta,)
 
         def remove() -> None:
