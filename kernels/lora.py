@@ -67,7 +67,8 @@ _GATHER_TILE = 8192
 # Programs a decode-sized launch aims for (about an H100's SMs): fewer, and split-K / narrower column blocks
 # spread the same bytes over more of them.
 _BUSY_PROGRAMS = 128
-_MIN_SPLIT_K = 512  # columns of x per split-K program, at least
+_SPLIT_K = 512  # columns of in per split-K program
+_SPLIT_TILE = 2048  # elements of a per split-K program (4 KB of bf16)
 MAX_PROJECTIONS = 3  # a layer's stacked projections one add_delta handles (q/k/v)
 
 
@@ -172,27 +173,23 @@ def _shrink_gathers(num_tokens: int, rows: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _gather_shrink_blocks(num_tokens: int, rows: int, in_features: int,
                           splittable: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_R, BLOCK_K, columns per slice, slices)`` of a gather shrink. A ``_GATHER_TILE`` of ``a`` per program,
-    a whole row of ``in`` per load; where that would give fewer than ``_BUSY_PROGRAMS`` programs and partial sums
-    may be returned (``splittable``), smaller tiles over slices of ``in`` (split-K, at least 512 columns each)."""
-    elements = num_tokens * rows * in_features
+    """``(BLOCK_R, BLOCK_K, columns per slice, slices)`` of a gather shrink: a ``_GATHER_TILE`` of ``a`` per
+    program, a whole row of ``in`` per load; where that would give fewer than ``_BUSY_PROGRAMS`` programs and
+    partial sums may be returned (``splittable``), 4 KB tiles over slices of ``_SPLIT_K`` columns of ``in``. Two
+    forms per layer shape, whatever the batch: each is compiled once."""
     full_k = min(triton.next_power_of_2(in_features), 2 * _GATHER_TILE)
-    if not splittable or elements >= _BUSY_PROGRAMS * _GATHER_TILE:
+    if not splittable or num_tokens * rows * in_features >= _BUSY_PROGRAMS * _GATHER_TILE or full_k <= _SPLIT_K:
         return max(1, min(triton.next_power_of_2(rows), _GATHER_TILE // full_k)), full_k, in_features, 1
-    tile = max(1024, triton.next_power_of_2(triton.cdiv(elements, _BUSY_PROGRAMS)))
-    block_k = min(full_k, max(_MIN_SPLIT_K, tile // triton.next_power_of_2(rows)))
-    block_r = max(1, min(triton.next_power_of_2(rows), tile // block_k))
-    return block_r, block_k, block_k, triton.cdiv(in_features, block_k)
+    block_r = max(1, min(triton.next_power_of_2(rows), _SPLIT_TILE // _SPLIT_K))
+    return block_r, _SPLIT_K, _SPLIT_K, triton.cdiv(in_features, _SPLIT_K)
 
 
 @functools.lru_cache(maxsize=None)
 def _gather_expand_columns(num_tokens: int, columns: int, widest: int, block_r: int) -> int:
-    """Output columns per gather-expand program: a ``_GATHER_TILE`` block of ``b``, narrower (down to 64) while the
-    launch would have fewer than ``_BUSY_PROGRAMS`` programs."""
+    """Output columns per gather-expand program: a ``_GATHER_TILE`` block of ``b``, or 64 where that would give
+    fewer than ``_BUSY_PROGRAMS`` programs."""
     block_n = max(16, min(triton.next_power_of_2(widest), _GATHER_TILE // block_r))
-    while block_n > 64 and num_tokens * triton.cdiv(columns, block_n) < _BUSY_PROGRAMS:
-        block_n //= 2
-    return block_n
+    return min(block_n, 64) if num_tokens * triton.cdiv(columns, block_n) < _BUSY_PROGRAMS else block_n
 
 
 def _segment_blocks(segments: tuple[tuple[int, int], ...], block_n: int) -> tuple[tuple[int, ...], int]:
@@ -253,7 +250,7 @@ def _load_h(ptrs, mask, stride_hs, scaling, SPLIT: tl.constexpr, PARTIAL: tl.con
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size
 def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
@@ -291,7 +288,7 @@ def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features
              mask=in_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size
 def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
                           stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
                           s0, e0, s1, e1, s2, e2, first1, first2,
