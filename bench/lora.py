@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -108,7 +109,9 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
     model_dir.mkdir(parents=True, exist_ok=True)
     write_config(model_dir, shape)
     print(f"writing {NUM_ADAPTERS} rank-{args.rank} adapters under {work} ...", flush=True)
-    paths = write_adapters(work / "adapters", shape, NUM_ADAPTERS, args.rank)
+    started = time.perf_counter()
+    paths = write_adapters(work / "adapters", shape, NUM_ADAPTERS, args.rank, device="cuda")
+    written_s = time.perf_counter() - started
     base = {"model.path": str(model_dir), "model.load_format": "dummy", "model.dtype": "bfloat16",
             "model.device": "cuda", **dict(item.split("=", 1) for item in args.set)}
     lora = {"lora.paths": paths, "lora.max_loras_per_batch": NUM_ADAPTERS, "lora.max_rank": args.rank,
@@ -117,6 +120,7 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
                               input_len=parse_len_range(args.input_len), output_len=parse_len_range(args.output_len))
     result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens)
     result["workload"] = workload.summary()
+    result["adapters_written_s"] = written_s
     return result
 
 
