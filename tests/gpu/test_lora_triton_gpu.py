@@ -68,6 +68,25 @@ def _reference(x, a, b, ids, scalings, ranks, out):
     return h, result
 
 
+def _replays_match_eager(step, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor):
+    """Capture ``step`` in a CUDA graph, then for each layout of ids (each token another adapter, none, prefill-like
+    runs, one request's adapter) with new inputs: the replay's ``out`` equals the eager call's; yields the layout
+    after each (``ids``, ``x`` and ``out`` hold that call's)."""
+    step()  # compiles outside the capture (Triton kernels only: no cuBLAS state to warm on a side stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed, layout in enumerate(["distinct", "none", "prefill", "one"]):
+        ids.copy_(_ids(ids.shape[0], layout, seed=seed + 10))
+        x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+        graph.replay()
+        replayed = out.clone()
+        step()
+        assert torch.equal(replayed, out), f"replay with {layout} ids differs from the eager call"
+        yield layout
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_conformance_kit(dtype: torch.dtype) -> None:
     check_lora_backend("triton", "cuda", dtype)
@@ -116,21 +135,7 @@ def test_graph_replay_with_changing_adapters(num_tokens: int) -> None:
             backend.expand(h, b, ids, rank_tensor, qkv[:, start:start + width])
             start += width
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed, layout in enumerate(["distinct", "none", "prefill", "one"]):
-        ids.copy_(_ids(num_tokens, layout, seed=seed + 10))
-        x.copy_(torch.randn(num_tokens, 4096, device="cuda").to(dtype))
-        graph.replay()
-        replayed = qkv.clone()
-        step()
-        assert torch.equal(replayed, qkv), f"replay with {layout} ids differs from the eager call"
+    for _ in _replays_match_eager(step, x, ids, qkv):
         start = 0
         for (a, b, scalings, rank_tensor), width in zip(pieces, widths):
             _, expected = _reference(x, a, b, ids, scalings, rank_tensor, base[:, start:start + width])
@@ -196,18 +201,5 @@ def test_stacked_graph_replay_with_changing_adapters(num_tokens: int) -> None:
         qkv.copy_(base)
         backend.add_delta(x, weights, ids, qkv)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed, layout in enumerate(["distinct", "none", "prefill", "one"]):
-        ids.copy_(_ids(num_tokens, layout, seed=seed + 10))
-        x.copy_(torch.randn(num_tokens, 4096, device="cuda").to(dtype))
-        graph.replay()
-        replayed = qkv.clone()
-        step()
-        assert torch.equal(replayed, qkv), f"replay with {layout} ids differs from the eager call"
+    for _ in _replays_match_eager(step, x, ids, qkv):
+        pass
