@@ -5,8 +5,9 @@ base model, in one run.
 [--spread 16] [--set KEY=VALUE ...] [--output PATH]``
 
 - ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
-  layers' deltas against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter, bs=32 with 32
-  adapters, bs=256 and an 8192-token prefill over 16.
+  layers' deltas (one shrink and one expand per fused layer, as the engine runs them; and per projection, the
+  earlier form, for comparison) against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter,
+  bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
@@ -25,6 +26,7 @@ import datetime as dt
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -66,10 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def format_kernel_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"LoRA kernels ({rows[0]['backend']}, rank {rows[0]['rank']}, 7 projections x 32 layers) vs base matmuls"
              if rows else "LoRA kernels: no cases",
-             f"{'case':34s} {'base ms':>9s} {'lora ms':>9s} {'both ms':>9s} {'ratio':>7s}"]
+             f"{'case':34s} {'base ms':>9s} {'lora ms':>9s} {'both ms':>9s} {'ratio':>7s} {'per-proj ms':>11s}"]
     for row in rows:
+        per_projection = row.get("lora_per_projection_ms")
         lines.append(f"{row['case']:34s} {row['base_ms']:9.3f} {row['lora_ms']:9.3f} {row['base_plus_lora_ms']:9.3f} "
-                     f"{row['ratio']:7.3f}")
+                     f"{row['ratio']:7.3f} " + (f"{per_projection:11.3f}" if per_projection is not None else ""))
     return "\n".join(lines)
 
 
@@ -106,7 +109,9 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
     model_dir.mkdir(parents=True, exist_ok=True)
     write_config(model_dir, shape)
     print(f"writing {NUM_ADAPTERS} rank-{args.rank} adapters under {work} ...", flush=True)
-    paths = write_adapters(work / "adapters", shape, NUM_ADAPTERS, args.rank)
+    started = time.perf_counter()
+    paths = write_adapters(work / "adapters", shape, NUM_ADAPTERS, args.rank, device="cuda")
+    written_s = time.perf_counter() - started
     base = {"model.path": str(model_dir), "model.load_format": "dummy", "model.dtype": "bfloat16",
             "model.device": "cuda", **dict(item.split("=", 1) for item in args.set)}
     lora = {"lora.paths": paths, "lora.max_loras_per_batch": NUM_ADAPTERS, "lora.max_rank": args.rank,
@@ -115,6 +120,7 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
                               input_len=parse_len_range(args.input_len), output_len=parse_len_range(args.output_len))
     result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens)
     result["workload"] = workload.summary()
+    result["adapters_written_s"] = written_s
     return result
 
 

@@ -1,12 +1,14 @@
 """The kernel half of ``treadle bench lora``: the LoRA deltas of all seven projections of Llama-3.1-8B's 32 layers
 against the base projections' matmuls, each replayed from one CUDA graph (device time, no launch gaps).
 
-Per case (tokens, adapters) three graphs run the 32 layers' linear work: the base matmuls alone (the fused
-``qkv``, ``o``, ``gate_up`` and ``down`` weights, cuBLAS), the LoRA deltas alone (for each of the seven projections
-a shrink and an expand into the column slice of its fused output, the way a fused layer calls a backend), and
-both. Every layer has its own weights and its own stacked adapters, so a step reads them from memory as a decode
-step does, not from L2. The ratio ``(base + LoRA) / base`` is what the deltas add to the linear layers' time;
-the whole decode step (attention, norms, sampling) is the end-to-end half's business.
+Per case (tokens, adapters) four graphs run the 32 layers' linear work: the base matmuls alone (the fused
+``qkv``, ``o``, ``gate_up`` and ``down`` weights, cuBLAS), the LoRA deltas alone as the engine adds them (one
+``add_delta`` per fused layer: one shrink for its stacked projections, one expand into its output, 8 launches a
+layer), both, and the deltas per projection (a shrink and an expand into each projection's column slice, 14
+launches a layer: the form before the projections were stacked, for comparison). Every layer has its own weights
+and its own stacked adapters, so a step reads them from memory as a decode step does, not from L2. The ratio
+``(base + LoRA) / base`` is what the deltas add to the linear layers' time; the whole decode step (attention, norms,
+sampling) is the end-to-end half's business.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from treadle.core.lora.backend import StackedLoRA
 
 # Llama-3.1-8B: (in, out) of each projection, and the fused weights the base model runs.
 PROJECTIONS = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
@@ -52,27 +56,30 @@ def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...]
     layers = [_Layer(max_slots, rank, dtype, device, seed=i) for i in range(NUM_LAYERS)]
     results = []
     for case in cases:
-        base_s, lora_s, both_s = _case_seconds(layers, _Inputs(case, layers[0], max_slots, rank, dtype, device),
-                                               backend, replays)
+        base_s, lora_s, both_s, split_s = _case_seconds(
+            layers, _Inputs(case, layers[0], dtype, device), backend, replays)
         results.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "rank": rank,
                         "backend": backend_name, "base_ms": 1e3 * base_s, "lora_ms": 1e3 * lora_s,
-                        "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s})
-        print(f"{case.label}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, both {1e3 * both_s:.3f} ms",
-              flush=True)
+                        "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s,
+                        "lora_per_projection_ms": 1e3 * split_s})
+        print(f"{case.label}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, both {1e3 * both_s:.3f} ms, "
+              f"LoRA per projection {1e3 * split_s:.3f} ms", flush=True)
         torch.cuda.empty_cache()
     return results
 
 
-def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any, replays: int) -> tuple[float, float, float]:
-    """Seconds per 32-layer step of the base matmuls, the LoRA deltas, and both."""
+def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any,
+                  replays: int) -> tuple[float, float, float, float]:
+    """Seconds per 32-layer step of the base matmuls, the LoRA deltas, both, and the deltas per projection."""
     return (_graph_seconds(lambda: _base(layers, inputs), replays),
             _graph_seconds(lambda: _lora(layers, inputs, backend), replays),
-            _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays))
+            _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays),
+            _graph_seconds(lambda: _lora_per_projection(layers, inputs, backend), replays))
 
 
 class _Layer:
-    """One decoder layer's fused base weights and, per projection, adapters stacked into slots (``a`` [slots, R,
-    in], ``b`` [slots, out, R]; small random values, every slot of rank ``rank``)."""
+    """One decoder layer's fused base weights and, per fused weight, its projections' adapters stacked as the
+    engine stacks them (:class:`StackedLoRA`; small random values, every slot of rank ``rank``)."""
 
     def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device, seed: int) -> None:
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -83,18 +90,22 @@ class _Layer:
             self.weights[fused] = (torch.randn(out_features, in_features, device=device, generator=gen,
                                                dtype=dtype) * 0.02)
         self.adapters = {}
-        for name, (in_features, out_features) in PROJECTIONS.items():
-            a = torch.randn(slots, rank, in_features, device=device, generator=gen, dtype=dtype) * 0.02
-            b = torch.randn(slots, out_features, rank, device=device, generator=gen, dtype=dtype) * 0.02
-            self.adapters[name] = (a, b)
+        for fused, parts in FUSED.items():
+            in_features, widths = PROJECTIONS[parts[0]][0], [PROJECTIONS[p][1] for p in parts]
+            starts = [sum(widths[:i]) for i in range(len(parts))]
+            self.adapters[fused] = StackedLoRA(
+                a=torch.randn(slots, len(parts) * rank, in_features, device=device, generator=gen, dtype=dtype) * 0.02,
+                b=torch.randn(slots, sum(widths), rank, device=device, generator=gen, dtype=dtype) * 0.02,
+                scalings=torch.full((len(parts), slots), 2.0, device=device),
+                ranks=torch.full((len(parts), slots), rank, dtype=torch.int32, device=device),
+                segments=tuple((start, start + width) for start, width in zip(starts, widths)))
 
 
 class _Inputs:
     """A case's activations and fused outputs (shared by the layers: their values do not matter) and its
-    adapter ids, scalings and ranks."""
+    adapter ids."""
 
-    def __init__(self, case: KernelCase, layer: _Layer, slots: int, rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, case: KernelCase, layer: _Layer, dtype: torch.dtype, device: torch.device) -> None:
         self.x = {fused: torch.randn(case.tokens, weight.shape[1], device=device, dtype=dtype)
                   for fused, weight in layer.weights.items()}
         self.out = {fused: torch.empty(case.tokens, weight.shape[0], device=device, dtype=dtype)
@@ -102,8 +113,6 @@ class _Inputs:
         tokens = torch.arange(case.tokens, device=device)
         run = -(-case.tokens // case.adapters)
         self.adapter_ids = tokens // run if case.prefill else tokens % case.adapters
-        self.scalings = torch.full((slots,), 2.0, device=device)
-        self.ranks = torch.full((slots,), rank, dtype=torch.int32, device=device)
 
 
 def _base(layers: list[_Layer], inputs: _Inputs) -> None:
@@ -114,14 +123,18 @@ def _base(layers: list[_Layer], inputs: _Inputs) -> None:
 
 def _lora(layers: list[_Layer], inputs: _Inputs, backend: Any) -> None:
     for layer in layers:
-        for fused, parts in FUSED.items():
-            x, out, start = inputs.x[fused], inputs.out[fused], 0
-            for name in parts:
-                a, b = layer.adapters[name]
-                width = PROJECTIONS[name][1]
-                h = backend.shrink(x, a, inputs.adapter_ids, inputs.scalings, inputs.ranks)
-                backend.expand(h, b, inputs.adapter_ids, inputs.ranks, out[:, start:start + width])
-                start += width
+        for fused, weights in layer.adapters.items():
+            backend.add_delta(inputs.x[fused], weights, inputs.adapter_ids, inputs.out[fused])
+
+
+def _lora_per_projection(layers: list[_Layer], inputs: _Inputs, backend: Any) -> None:
+    for layer in layers:
+        for fused, weights in layer.adapters.items():
+            x, out = inputs.x[fused], inputs.out[fused]
+            for p, (start, end) in enumerate(weights.segments):
+                a, b, scalings, ranks = weights.projection(p)
+                h = backend.shrink(x, a, inputs.adapter_ids, scalings, ranks)
+                backend.expand(h, b, inputs.adapter_ids, ranks, out[:, start:end])
 
 
 def _graph_seconds(step: Callable[[], Any], replays: int) -> float:

@@ -5,15 +5,25 @@
 ``expand``: ``out[t] += h[t] @ b[s].T``, ``out`` possibly a strided column slice. ``s`` is token ``t``'s slot in
 ``adapter_ids`` (-1: none); ``ranks[s]`` bounds the work (``a`` and ``b`` are zero past it).
 
-The form is picked by the number of tokens (and the padded rank) alone, so a CUDA graph captures one form,
+``add_delta`` is one linear layer's whole LoRA path in two launches: a fused layer's projections (q/k/v, gate/up:
+up to :data:`MAX_PROJECTIONS`) stacked, ``a`` ``[slots, P * R, in]``, one shrink reads ``x`` once for all of
+them; one expand adds every projection's delta into its columns of the layer's output in place (no zeroed buffer,
+no separate add). The same kernels serve the two-call contract with one projection. Each row of ranks knows its
+projection (``row // R``), each block of output columns its projection (the grid's blocks per projection, from the
+segments' bounds), so one batch mixes adapters of any ranks per projection.
+
+The form is picked by the number of tokens (and the stacked ranks) alone, so a CUDA graph captures one form,
 whatever the ids:
 
-- **gather** (decode: up to 64 tokens, and the shrink up to ``4096 // max_rank``): each program takes one token
-  and a block of ranks (shrink) or of output columns (expand), loads its adapter's rows through the token's slot
-  and reduces in float32 registers (no ``tl.dot``, which would pad one token to 16 rows). A shrink program reads a
-  whole ``in`` row of ``a`` in one wide load, so a one-token step costs about one memory latency per kernel; on
-  Hopper both launch with PDL and load their weights while the kernel before finishes. Programs past the slot's
-  rank, and tokens without an adapter, load no weights.
+- **gather** (decode: up to 64 tokens, and the shrink up to ``4096 // rows``): each program takes one token and a
+  block of ranks (shrink) or of output columns (expand), loads its adapter's rows through the token's slot (one
+  read of the slot per program) and reduces in float32 registers (no ``tl.dot``, which would pad one token to 16
+  rows). Where one token per program would leave the GPU nearly idle (a few tokens: a skinny ``T x in x rank``
+  GEMM), ``add_delta``'s shrink splits ``in`` over programs (split-K) and writes float32 partial sums that the
+  expand adds up, scales and rounds as it loads them: no atomics, no extra launch. The expand's program streams a
+  block of ``b`` rows (``[columns, R]``, contiguous) in one wide load. On Hopper both launch with PDL and load
+  their weights while the kernel before finishes. Programs past the slot's rank, and tokens without an adapter,
+  load no weights.
 - **slot-grouped expand** (up to 1024 tokens: large decode batches, small mixed ones): one program per slot,
   block of output columns and span of 256 tokens holds its adapter's block of ``b`` in registers and adds it to
   each of the slot's tokens in the span, so ``b`` is read once per adapter instead of once per token.
@@ -24,14 +34,16 @@ whatever the ids:
   of columns that takes one pass per distinct slot in its block (the smallest remaining each time), each pass
   loading only its own rows. Nothing is sorted on the host.
 
-Both accumulate in float32 and round once: ``h`` after the scaling, ``out`` after adding the delta to it. Nothing
-reads the ids on the host and the grids depend on shapes only, so both run under CUDA-graph capture.
+Both accumulate in float32 and round once: ``h`` after the scaling (to ``x``'s dtype), ``out`` after adding the
+delta to it. Nothing reads the ids on the host and the grids depend on shapes only, so all run under CUDA-graph
+capture.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,75 +53,160 @@ import triton.language as tl
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.pdl import wait_for_previous
 
-# The gather kernels run up to 64 tokens (decode graphs), and the shrink's up to 4096 // max_rank tokens (256 at
-# rank 16): one token per program, each reading its adapter's rows through L2. Past those the weights are read per
+# The gather kernels run up to 64 tokens (decode graphs), and the shrink's up to 4096 // rows tokens (256 at rank
+# 16): one token per program, each reading its adapter's rows through L2. Past those the weights are read per
 # block of tokens: the expand's slot-grouped kernel up to 1024 tokens (each program holds one adapter's block of
 # ``b`` for a span of 256 tokens), then the segmented tiles of both.
 GATHER_MAX_TOKENS = 64
-_SHRINK_GATHER_ELEMENTS = 4096  # tokens x max_rank
+_SHRINK_GATHER_ELEMENTS = 4096  # tokens x stacked ranks
 GROUPED_MAX_TOKENS = 1024
 _GROUPED_SPAN = 256
 # Elements of one gather program's weight tile: 16 KB of bf16 per load, wide enough that a one-token shrink of
-# in=4096 is one load per program, small enough for 4-8 warps' registers (a shrink of in=14336 takes one rank
-# row of up to twice that: still one load).
+# in=4096 is one load per program, small enough for 4-8 warps' registers.
 _GATHER_TILE = 8192
+# Programs a decode-sized launch aims for (about an H100's SMs): fewer, and split-K / narrower column blocks
+# spread the same bytes over more of them.
+_BUSY_PROGRAMS = 128
+_SPLIT_K = 512  # columns of in per split-K program
+_SPLIT_TILE = 2048  # elements of a per split-K program (4 KB of bf16)
+MAX_PROJECTIONS = 3  # a layer's stacked projections one add_delta handles (q/k/v)
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
            ranks: torch.Tensor) -> torch.Tensor:
     """``[T, R]`` in ``x``'s dtype: ``scalings[s] * x[t] @ a[s].T`` per token, zero for ``adapter_ids[t] < 0``."""
-    num_tokens, in_features = x.shape
-    slots, rank_dim = a.shape[0], a.shape[1]
-    h = torch.empty((num_tokens, rank_dim), dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return h
-    common = (x, a, adapter_ids, scalings, ranks, h, num_tokens, in_features, rank_dim,
-              x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), h.stride(0))
-    if num_tokens <= max(GATHER_MAX_TOKENS, _SHRINK_GATHER_ELEMENTS // rank_dim):
-        block_k = min(triton.next_power_of_2(in_features), 2 * _GATHER_TILE)
-        block_r = max(1, min(triton.next_power_of_2(rank_dim), _GATHER_TILE // block_k))
-        grid = (num_tokens, triton.cdiv(rank_dim, block_r))
-        pdl = pdl_enabled(x.device)
-        _shrink_gather_kernel[grid](*common, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl, launch_pdl=pdl,
-                                    num_warps=_gather_warps(block_r * block_k))
-    else:
-        block_m = 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
-        block_r = max(16, min(64, triton.next_power_of_2(rank_dim)))
-        block_k = max(16, min(128, triton.next_power_of_2(in_features)))
-        grid = (triton.cdiv(num_tokens, block_m), slots, triton.cdiv(rank_dim, block_r))
-        _shrink_segmented_kernel[grid](*common, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                                       IEEE=_ieee_dot(x), num_warps=4, num_stages=3)
+    h = torch.empty((x.shape[0], a.shape[1]), dtype=x.dtype, device=x.device)
+    _shrink(x, a, adapter_ids, scalings, ranks, a.shape[1], h.unsqueeze(0), final=True)
     return h
 
 
 def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: torch.Tensor,
            out: torch.Tensor) -> None:
     """``out[t] += h[t] @ b[s].T`` per token with a slot; ``out`` may be any strided 2-D view."""
-    num_tokens, rank_dim = h.shape
-    slots, out_features = b.shape[0], b.shape[1]
+    _expand(h.unsqueeze(0), None, b, adapter_ids, ranks, ((0, out.shape[1]),), out)
+
+
+def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
+              ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor) -> None:
+    """A layer's stacked projections (``a`` ``[slots, P * R, in]``, ``b`` ``[slots, width, R]`` indexed by output
+    column, ``scalings``/``ranks`` ``[P, slots]``, projection ``p`` on columns ``segments[p]``) added into ``out``
+    in place: one shrink, one expand."""
+    num_tokens, rows = x.shape[0], a.shape[1]
     if num_tokens == 0:
         return
-    common = (h, b, adapter_ids, ranks, out, num_tokens, out_features, rank_dim,
-              h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1))
+    split = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True)[3] if _shrink_gathers(num_tokens, rows) else 1
+    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
+    _shrink(x, a, adapter_ids, scalings, ranks, b.shape[2], partials, final=False)
+    _expand(partials, scalings, b, adapter_ids, ranks, segments, out)
+
+
+def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor, ranks: torch.Tensor,
+            rank_dim: int, h: torch.Tensor, final: bool) -> None:
+    """Into ``h`` ``[split, T, rows]``: the scaled, rounded shrink (``final``, split 1) or float32 partial sums of
+    ``split`` slices of ``in``, unscaled (for :func:`_expand` to finish)."""
+    num_tokens, in_features = x.shape
+    slots, rows = a.shape[0], a.shape[1]
+    if num_tokens == 0:
+        return
+    common = (x, a, adapter_ids, scalings, ranks, h, num_tokens, in_features, rank_dim, rows,
+              _projection_stride(scalings), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+              h.stride(0), h.stride(1))
+    if _shrink_gathers(num_tokens, rows):
+        block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, in_features, not final)
+        if split != h.shape[0]:
+            raise ValueError(f"the shrink takes {split} slices of in here, not {h.shape[0]}")
+        grid = (num_tokens, triton.cdiv(rows, block_r), split)
+        pdl = pdl_enabled(x.device)
+        _shrink_gather_kernel[grid](*common, k_per_split, BLOCK_R=block_r, BLOCK_K=block_k, FINAL=final, PDL=pdl,
+                                    launch_pdl=pdl, num_warps=_gather_warps(block_r * block_k))
+    else:
+        block_m = 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
+        block_r = max(16, min(64, triton.next_power_of_2(rows)))
+        block_k = max(16, min(128, triton.next_power_of_2(in_features)))
+        grid = (triton.cdiv(num_tokens, block_m), slots, triton.cdiv(rows, block_r))
+        _shrink_segmented_kernel[grid](*common, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, FINAL=final,
+                                       IEEE=_ieee_dot(x), num_warps=4, num_stages=3)
+
+
+def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, adapter_ids: torch.Tensor,
+            ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor) -> None:
+    """``out`` += each projection's delta in its columns; ``h`` ``[split, T, rows]``: partial sums to add up and
+    scale (``scalings`` given) or the finished shrink (``scalings`` None, split 1)."""
+    split, num_tokens, _ = h.shape
+    slots, rank_dim = b.shape[0], b.shape[2]
+    if num_tokens == 0:
+        return
+    partial = scalings is not None
+    proj_stride = _projection_stride(ranks)
+    common = (h, b, adapter_ids, scalings if partial else ranks, ranks, out, num_tokens, rank_dim, proj_stride,
+              h.stride(0), h.stride(1), h.stride(2), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+              out.stride(1))
+    flags = {"SPLIT": split, "PARTIAL": partial}
     if num_tokens <= GATHER_MAX_TOKENS:
         block_r = max(2, triton.next_power_of_2(rank_dim))
-        block_n = max(16, min(triton.next_power_of_2(out_features), _GATHER_TILE // block_r))
-        grid = (num_tokens, triton.cdiv(out_features, block_n))
+        widest = max(end - start for start, end in segments)
+        block_n = _gather_expand_columns(num_tokens, sum(e - s for s, e in segments), widest, block_r)
+        bounds, blocks = _segment_blocks(segments, block_n)
         pdl = pdl_enabled(h.device)
-        _expand_gather_kernel[grid](*common, BLOCK_N=block_n, BLOCK_R=block_r, PDL=pdl, launch_pdl=pdl,
-                                    num_warps=_gather_warps(block_r * block_n))
+        _expand_gather_kernel[(num_tokens, blocks)](*common, *bounds, BLOCK_N=block_n, BLOCK_R=block_r, **flags,
+                                                    PDL=pdl, launch_pdl=pdl,
+                                                    num_warps=_gather_warps(block_r * block_n))
         return
-    block_n = max(16, min(128, triton.next_power_of_2(out_features)))
+    block_n = max(16, min(128, triton.next_power_of_2(max(end - start for start, end in segments))))
+    bounds, blocks = _segment_blocks(segments, block_n)
     tile_r = max(16, min(64, triton.next_power_of_2(rank_dim)))  # a tensor-core tile's ranks
     if num_tokens <= GROUPED_MAX_TOKENS and rank_dim <= tile_r:
         span = min(_GROUPED_SPAN, max(64, triton.next_power_of_2(num_tokens)))
-        grid = (slots, triton.cdiv(out_features, block_n), triton.cdiv(num_tokens, span))
-        _expand_grouped_kernel[grid](*common, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
-                                     IEEE=_ieee_dot(h), num_warps=4)
+        grid = (slots, blocks, triton.cdiv(num_tokens, span))
+        _expand_grouped_kernel[grid](*common, *bounds, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
+                                     **flags, IEEE=_ieee_dot(out), num_warps=4)
     else:
-        grid = (triton.cdiv(num_tokens, 64), triton.cdiv(out_features, block_n))
-        _expand_segmented_kernel[grid](*common, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
-                                       IEEE=_ieee_dot(h), num_warps=4, num_stages=2)
+        grid = (triton.cdiv(num_tokens, 64), blocks)
+        _expand_segmented_kernel[grid](*common, *bounds, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r, **flags,
+                                       IEEE=_ieee_dot(out), num_warps=4, num_stages=2)
+
+
+def _shrink_gathers(num_tokens: int, rows: int) -> bool:
+    return num_tokens <= max(GATHER_MAX_TOKENS, _SHRINK_GATHER_ELEMENTS // rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_shrink_blocks(num_tokens: int, rows: int, in_features: int,
+                          splittable: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_R, BLOCK_K, columns per slice, slices)`` of a gather shrink: a ``_GATHER_TILE`` of ``a`` per
+    program, a whole row of ``in`` per load; where that would give fewer than ``_BUSY_PROGRAMS`` programs and
+    partial sums may be returned (``splittable``), 4 KB tiles over slices of ``_SPLIT_K`` columns of ``in``. Two
+    forms per layer shape, whatever the batch: each is compiled once."""
+    full_k = min(triton.next_power_of_2(in_features), 2 * _GATHER_TILE)
+    if not splittable or num_tokens * rows * in_features >= _BUSY_PROGRAMS * _GATHER_TILE or full_k <= _SPLIT_K:
+        return max(1, min(triton.next_power_of_2(rows), _GATHER_TILE // full_k)), full_k, in_features, 1
+    block_r = max(1, min(triton.next_power_of_2(rows), _SPLIT_TILE // _SPLIT_K))
+    return block_r, _SPLIT_K, _SPLIT_K, triton.cdiv(in_features, _SPLIT_K)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_expand_columns(num_tokens: int, columns: int, widest: int, block_r: int) -> int:
+    """Output columns per gather-expand program: a ``_GATHER_TILE`` block of ``b``, or 64 where that would give
+    fewer than ``_BUSY_PROGRAMS`` programs."""
+    block_n = max(16, min(triton.next_power_of_2(widest), _GATHER_TILE // block_r))
+    return min(block_n, 64) if num_tokens * triton.cdiv(columns, block_n) < _BUSY_PROGRAMS else block_n
+
+
+def _segment_blocks(segments: tuple[tuple[int, int], ...], block_n: int) -> tuple[tuple[int, ...], int]:
+    """The expand kernels' segment arguments (three projections' column bounds, then the first block of the second
+    and third) and the number of column blocks; missing projections are empty."""
+    if len(segments) > MAX_PROJECTIONS:
+        raise ValueError(f"add_delta stacks at most {MAX_PROJECTIONS} projections, not {len(segments)}")
+    end = segments[-1][1]
+    padded = list(segments) + [(end, end)] * (MAX_PROJECTIONS - len(segments))
+    counts = [triton.cdiv(stop - start, block_n) for start, stop in padded]
+    bounds = tuple(v for pair in padded for v in pair) + (counts[0], counts[0] + counts[1])
+    return bounds, sum(counts)
+
+
+def _projection_stride(per_projection: torch.Tensor) -> int:
+    """Elements between projections of ``[P, slots]`` scalings/ranks (0 for one projection's ``[slots]``)."""
+    return per_projection.stride(0) if per_projection.dim() == 2 else 0
 
 
 def _gather_warps(tile: int) -> int:
@@ -131,85 +228,121 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim,
-                          stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hm,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Before the wait only what no kernel of this step writes: the ids (copied in before the step), ranks,
-    # scalings and the adapter's first weight block (kernels/pdl.py). Out-of-rank rows and tokens without an
-    # adapter mask every weight load, so they read nothing.
-    slot = tl.load(Ids + token)
-    with_adapter = slot >= 0
-    slot = tl.maximum(slot, 0)
-    rank = tl.where(with_adapter, tl.load(Ranks + slot), 0)
-    scaling = tl.load(Scalings + slot)
-    r_mask = offs_r < rank
-    x_limit = tl.where(tl.program_id(1) * BLOCK_R < rank, in_features, 0)  # an idle program reads no x
-    rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
-    w = tl.load(rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & (offs_k < in_features)[None, :], other=0.0)
-    wait_for_previous(PDL)
-    result = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
-        result += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        k = k0 + BLOCK_K + offs_k  # the next block (past in_features: nothing is read)
-        w = tl.load(rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < in_features)[None, :], other=0.0)
-    result = tl.where(r_mask, result * scaling, 0.0)  # exact zeros past the rank, whatever an unused slot holds
-    tl.store(H + token * stride_hm + offs_r, result.to(H.dtype.element_ty), mask=offs_r < rank_dim)
+def _segment(block, s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N: tl.constexpr):
+    """A block of output columns' projection, its columns and their mask (projection p on columns [s_p, e_p),
+    its blocks from first_p on)."""
+    proj = (block >= first1).to(tl.int32) + (block >= first2).to(tl.int32)
+    start = tl.where(proj == 0, s0, tl.where(proj == 1, s1, s2))
+    end = tl.where(proj == 0, e0, tl.where(proj == 1, e1, e2))
+    first = tl.where(proj == 0, 0, tl.where(proj == 1, first1, first2))
+    offs_n = start + (block - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return proj, offs_n, offs_n < end
 
 
 @triton.jit
-def _expand_gather_kernel(H, B, Ids, Ranks, Out, num_tokens, out_features, rank_dim,
-                          stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
-                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+def _load_h(ptrs, mask, stride_hs, scaling, SPLIT: tl.constexpr, PARTIAL: tl.constexpr):
+    """The shrink's values at ``ptrs``: as stored, or the sum of ``SPLIT`` float32 partials times ``scaling``."""
+    if PARTIAL:
+        acc = tl.load(ptrs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ptrs + s * stride_hs, mask=mask, other=0.0)
+        return acc * scaling
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size
+def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
+                          stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    n_mask = offs_n < out_features
-    # The adapter's weight block before the wait, as in the shrink; h and out after it.
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Before the wait only what no kernel of this step writes: the ids (copied in before the step), ranks,
+    # scalings and the adapter's first weight block (kernels/pdl.py). Out-of-rank rows and tokens without an
+    # adapter mask every weight load, so they read nothing. Row r is rank r % R of projection r // R.
     slot = tl.load(Ids + token)
     with_adapter = slot >= 0
     slot = tl.maximum(slot, 0)
-    rank = tl.where(with_adapter, tl.load(Ranks + slot), 0)
+    proj = offs_r // rank_dim
+    in_rows = offs_r < rows
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
+    r_mask = offs_r - proj * rank_dim < rank
+    scaling = tl.load(Scalings + proj * proj_stride + slot, mask=in_rows, other=0.0)
+    x_limit = tl.where(tl.max(r_mask.to(tl.int32), axis=0) > 0, k_end, 0)  # an idle program reads no x
+    a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
+    k = k_start + offs_k
+    w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    wait_for_previous(PDL)
+    result = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
+        result += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        k = k0 + BLOCK_K + offs_k  # the next block (past the slice: nothing is read)
+        w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    if FINAL:
+        result = result * scaling
+    result = tl.where(r_mask, result, 0.0)  # exact zeros past the rank, whatever an unused slot holds
+    tl.store(H + tl.program_id(2) * stride_hs + token * stride_hm + offs_r, result.to(H.dtype.element_ty),
+             mask=in_rows)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size
+def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
+                          stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+                          s0, e0, s1, e1, s2, e2, first1, first2,
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+                          PDL: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    # The adapter's block of b (its columns' rows, contiguous) before the wait, as in the shrink; h and out after.
+    slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
     r_mask = offs_r < rank
     w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
                 mask=n_mask[:, None] & r_mask[None, :], other=0.0)
     wait_for_previous(PDL)
     if with_adapter:  # rows without an adapter are not touched
-        h = tl.load(H + token * stride_hm + offs_r * stride_hr, mask=r_mask, other=0.0).to(tl.float32)
-        delta = tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+        scaling = tl.load(Scalings + proj * proj_stride + slot)
+        h = _load_h(H + token * stride_hm + (proj * rank_dim + offs_r) * stride_hr, r_mask, stride_hs, scaling,
+                    SPLIT, PARTIAL)
         where = Out + token * stride_om + offs_n * stride_on
         current = tl.load(where, mask=n_mask, other=0.0)
+        if PARTIAL:  # rounded once, as the finished shrink is
+            h = h.to(current.dtype)
+        delta = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
         tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
 
 
 @triton.jit
-def _shrink_segmented_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim,
-                             stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hm,
+def _shrink_segmented_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
+                             stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm,
                              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             FINAL: tl.constexpr, IEEE: tl.constexpr):
     # One program per block of tokens, slot and block of ranks: it works only if the slot is in the block (one
     # slot for a block inside a request), so a block of many adapters' tokens is many programs, not a long one.
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.program_id(1)
-    r_start = tl.program_id(2) * BLOCK_R
-    offs_r = r_start + tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < num_tokens
     ids = tl.load(Ids + offs_m, mask=m_mask, other=-1)
     h_tile = H + offs_m[:, None].to(tl.int64) * stride_hm + offs_r[None, :]
-    r_in = (offs_r < rank_dim)[None, :]
+    in_rows = offs_r < rows
     if slot == 0:  # the first slot's programs also write the zero rows of tokens without an adapter
         tl.store(h_tile, tl.zeros([BLOCK_M, BLOCK_R], dtype=H.dtype.element_ty),
-                 mask=(m_mask & (ids < 0))[:, None] & r_in)
+                 mask=(m_mask & (ids < 0))[:, None] & in_rows[None, :])
     mine = ids == slot
     if tl.max(mine.to(tl.int32), axis=0) > 0:
-        rank = tl.load(Ranks + slot)
-        r_mask = offs_r < rank
+        proj = offs_r // rank_dim
+        rank = tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0)
+        r_mask = offs_r - proj * rank_dim < rank
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        if r_start < rank:
+        if tl.max(r_mask.to(tl.int32), axis=0) > 0:
             x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
             a_cols = A + slot * stride_as + offs_r[None, :].to(tl.int64) * stride_ar
             for k0 in range(0, in_features, BLOCK_K):
@@ -218,35 +351,40 @@ def _shrink_segmented_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_featu
                 x = tl.load(x_rows + k[None, :] * stride_xk, mask=mine[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
                 acc = _dot(x, w, acc, IEEE)
-        result = tl.where(r_mask[None, :], acc * tl.load(Scalings + slot), 0.0)
-        tl.store(h_tile, result.to(H.dtype.element_ty), mask=mine[:, None] & r_in)
+        if FINAL:
+            acc = acc * tl.load(Scalings + proj * proj_stride + slot, mask=in_rows, other=0.0)[None, :]
+        result = tl.where(r_mask[None, :], acc, 0.0)
+        tl.store(h_tile, result.to(H.dtype.element_ty), mask=mine[:, None] & in_rows[None, :])
 
 
 @triton.jit
-def _expand_grouped_kernel(H, B, Ids, Ranks, Out, num_tokens, out_features, rank_dim,
-                           stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+def _expand_grouped_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
+                           stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+                           s0, e0, s1, e1, s2, e2, first1, first2,
                            SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                           IEEE: tl.constexpr):
+                           SPLIT: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     # One program per slot, block of output columns and span of tokens: it loads its adapter's block of b once
     # and adds it to every token of the slot in the span, so b is read once per adapter, not once per token.
     slot = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     span_start = tl.program_id(2) * SPAN
     offs_span = span_start + tl.arange(0, SPAN)
     span_ids = tl.load(Ids + offs_span, mask=offs_span < num_tokens, other=-1)
     if tl.max((span_ids == slot).to(tl.int32), axis=0) > 0:
-        rank = tl.load(Ranks + slot)
+        rank = tl.load(Ranks + proj * proj_stride + slot)
+        scaling = tl.load(Scalings + proj * proj_stride + slot)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        n_mask = offs_n < out_features
         w = tl.load(B + slot * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None] * stride_br,
                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         for m0 in tl.static_range(0, SPAN, BLOCK_M):
             offs_m = span_start + m0 + tl.arange(0, BLOCK_M)
             mine = tl.load(Ids + offs_m, mask=offs_m < num_tokens, other=-1) == slot
             if tl.max(mine.to(tl.int32), axis=0) > 0:
-                h = tl.load(H + offs_m[:, None].to(tl.int64) * stride_hm + offs_r[None, :] * stride_hr,
-                            mask=mine[:, None] & r_mask[None, :], other=0.0)
+                h = _load_h(H + offs_m[:, None].to(tl.int64) * stride_hm + (proj * rank_dim + offs_r[None, :]) *
+                            stride_hr, mine[:, None] & r_mask[None, :], stride_hs, scaling, SPLIT, PARTIAL)
+                if PARTIAL:
+                    h = h.to(Out.dtype.element_ty)
                 delta = _dot(h, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
                 tile_mask = mine[:, None] & n_mask[None, :]
                 where = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
@@ -255,29 +393,33 @@ def _expand_grouped_kernel(H, B, Ids, Ranks, Out, num_tokens, out_features, rank
 
 
 @triton.jit
-def _expand_segmented_kernel(H, B, Ids, Ranks, Out, num_tokens, out_features, rank_dim,
-                             stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+def _expand_segmented_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
+                             stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+                             s0, e0, s1, e1, s2, e2, first1, first2,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             SPLIT: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     m_mask = offs_m < num_tokens
-    n_mask = offs_n < out_features
     ids = tl.load(Ids + offs_m, mask=m_mask, other=-1)
     with_adapter = ids >= 0
     remaining = with_adapter
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    h_rows = H + offs_m[:, None].to(tl.int64) * stride_hm
+    h_rows = H + offs_m[:, None].to(tl.int64) * stride_hm + proj * rank_dim * stride_hr
     while tl.max(remaining.to(tl.int32), axis=0) > 0:
         slot = tl.min(tl.where(remaining, ids, 2**62), axis=0)
         mine = remaining & (ids == slot)
-        rank = tl.load(Ranks + slot)
+        rank = tl.load(Ranks + proj * proj_stride + slot)
+        scaling = tl.load(Scalings + proj * proj_stride + slot)
         b_cols = B + slot * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn
         for r0 in range(0, rank, BLOCK_R):
             r = r0 + offs_r
             r_mask = r < rank
-            h = tl.load(h_rows + r[None, :] * stride_hr, mask=mine[:, None] & r_mask[None, :], other=0.0)
+            h = _load_h(h_rows + r[None, :] * stride_hr, mine[:, None] & r_mask[None, :], stride_hs, scaling, SPLIT,
+                        PARTIAL)
+            if PARTIAL:
+                h = h.to(Out.dtype.element_ty)
             w = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
             acc = _dot(h, w, acc, IEEE)
         remaining = remaining & (ids != slot)

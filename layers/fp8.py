@@ -127,6 +127,9 @@ class Fp8LinearMethod(LinearMethod):
         return small_batch.add_rmsnorm_matmul(layer.small_batch, x, layer.weight, layer.weight_scale, residual,
                                               norm_weight, eps, layer.l2_prefetch)
 
+    def fuses_add_rmsnorm(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        return not self.config.dequantize and small_batch.fuses_add_rmsnorm(layer.small_batch, x)
+
     def _small_batch_kernels(self, layer: LinearBase) -> SmallBatchKernels | None:
         from treadle.kernels.small_batch import FP8_CONFIGS
 

@@ -29,8 +29,10 @@ this rank's share) and holds its parameters as ``weight`` and ``bias`` (None whe
 
 Per-request deltas: ``layer.add_output_delta(fn)`` adds ``fn(x, context)`` to the layer's output from then on,
 ``context`` being the step's :class:`~treadle.core.execution.batch_context.BatchContext` (a LoRA adapter is
-``x @ A[adapter].T @ B[adapter].T`` per token); the fused decode paths step aside for a layer that has one. A
-layer without deltas pays one attribute check per call.
+``x @ A[adapter].T @ B[adapter].T`` per token; ``in_place=True``: ``fn(x, context, out)`` adds into the output
+itself); the fused decode paths step aside for a layer that has one, except that in-place deltas join the residual
+ahead of a fused add + RMSNorm the quant method says will run (``fuses_add_rmsnorm``). A layer without deltas
+pays one attribute check per call.
 """
 
 from __future__ import annotations
@@ -114,12 +116,14 @@ class LinearBase(nn.Module):
         y = self.quant_method.apply(self, x, self.bias)
         return self.add_output_deltas(x, y) if self.output_deltas else y
 
-    def add_output_delta(self, fn: DeltaFn, reads: BatchContextLayout | None = None) -> Callable[[], None]:
+    def add_output_delta(self, fn: DeltaFn, reads: BatchContextLayout | None = None, *,
+                         in_place: bool = False) -> Callable[[], None]:
         """Add ``fn(x, context)`` to this layer's output from now on (``x`` this rank's input, ``context`` the
-        step's BatchContext or None; see :class:`OutputDelta`). Column-parallel layers add this rank's slice of
-        the output; a row-parallel one adds this rank's partial sum, before the all-reduce. Register before the
-        model runner captures CUDA graphs. Returns a function that removes the delta again."""
-        delta = OutputDelta(fn, reads)
+        step's BatchContext or None; see :class:`OutputDelta`); with ``in_place``, ``fn(x, context, out)`` adds
+        into the output ``out`` itself. Column-parallel layers add this rank's slice of the output; a row-parallel
+        one adds this rank's partial sum, before the all-reduce. Register before the model runner captures CUDA
+        graphs. Returns a function that removes the delta again."""
+        delta = OutputDelta(fn, reads, in_place)
         self.output_deltas = self.output_deltas + (delta,)
 
         def remove() -> None:
@@ -295,10 +299,26 @@ class RowParallelLinear(LinearBase):
         if self.tp_size != 1:
             return self._all_reduce_add_rmsnorm(x, residual, norm)
         apply = getattr(self.quant_method, "apply_add_rmsnorm", None)
-        # A layer with output deltas runs unfused: its matmul, the deltas, then the norm.
-        if apply is None or self.bias is not None or self.output_deltas:
+        if apply is None or self.bias is not None:
             return None
+        if self.output_deltas:
+            return self._add_rmsnorm_with_deltas(x, residual, norm, apply)
         return apply(self, x, residual, norm.weight, norm.eps)
+
+    def _add_rmsnorm_with_deltas(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                                 apply: Callable) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The in-place deltas added into ``residual`` first, then the kernel adds this layer's matmul to it: the
+        same sum, a kernel less than the matmul, the deltas and the norm apart. Only where the method says its
+        kernel runs for ``x`` (else None, ``residual`` untouched: the caller runs the layer, then the norm)."""
+        fuses = getattr(self.quant_method, "fuses_add_rmsnorm", None)
+        if fuses is None or not all(d.in_place for d in self.output_deltas) or not fuses(self, x):
+            return None
+        add_deltas(self.output_deltas, x, residual)
+        fused = apply(self, x, residual, norm.weight, norm.eps)
+        if fused is None:
+            raise RuntimeError(f"{type(self.quant_method).__name__}.fuses_add_rmsnorm promised a kernel that "
+                               "apply_add_rmsnorm did not run")
+        return fused
 
     def _all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
                                 norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

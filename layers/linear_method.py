@@ -46,6 +46,11 @@ class LinearMethod(ABC):
         then the norm."""
         return None
 
+    def fuses_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        """Whether :meth:`apply_add_rmsnorm` runs its kernel for ``x`` (known before the call: a layer with output
+        deltas adds them into the residual first, then lets the kernel add its output). False: not known."""
+        return False
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, decode-sized batches of a 16-bit
@@ -83,6 +88,9 @@ class UnquantizedLinearMethod(LinearMethod):
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         return small_batch.add_rmsnorm_matmul(layer.small_batch, x, layer.weight, None, residual, norm_weight, eps,
                                               layer.l2_prefetch)
+
+    def fuses_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        return small_batch.fuses_add_rmsnorm(layer.small_batch, x)
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:

@@ -138,13 +138,18 @@ def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weigh
     """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for ``y = x @ (weight * scale).T``, the norm computed
     by the kernel's last program to finish, where ``kernels`` chose a GEMV for one row of ``x`` (a decode step of
     one request: the layer's next norm needs no kernel of its own); None otherwise."""
-    config = _config_for(kernels, x)
-    if config is None or not config.gemv or x.shape[0] != 1:
+    if not fuses_add_rmsnorm(kernels, x):
         return None
     from treadle.kernels.small_batch import small_batch_matmul
 
-    return small_batch_matmul(_unit_stride(x), weight, scale, config,
+    return small_batch_matmul(_unit_stride(x), weight, scale, _config_for(kernels, x),
                               add_rmsnorm=(residual.contiguous(), norm_weight, eps), prefetch=prefetch)
+
+
+def fuses_add_rmsnorm(kernels: SmallBatchKernels | None, x: torch.Tensor) -> bool:
+    """Whether :func:`add_rmsnorm_matmul` runs its kernel for ``x`` (rather than returning None)."""
+    config = _config_for(kernels, x)
+    return config is not None and config.gemv and x.shape[0] == 1
 
 
 def chain_l2_prefetch(layers: Sequence[Any]) -> None:

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from treadle.core.execution.batch_context import NO_ADAPTER
-from treadle.core.lora.backend import LoRABackend
+from treadle.core.lora.backend import LoRABackend, StackedLoRA
 
 LoRABackendFactory = Callable[[int, int, "torch.device | str", torch.dtype], LoRABackend]
 
@@ -16,6 +16,10 @@ _RANKS = (16, 8, 3, 1)
 _MAX_RANK = 16
 _IN_FEATURES = 80  # not a power of two: kernels must mask the tail
 _OUT_FEATURES = 48
+# A stacked layer's projections (q/k/v-like): their output widths and, per projection, each slot's rank (mixed:
+# the first slot leaves the second projection alone).
+_STACKED_WIDTHS = (48, 16, 16)
+_STACKED_RANKS = ((16, 8, 3, 1), (0, 16, 5, 2), (4, 1, 16, 9))
 
 
 def check_lora_backend(
@@ -24,6 +28,7 @@ def check_lora_backend(
     dtype: torch.dtype = torch.float32,
     *,
     token_counts: tuple[int, ...] = (1, 5, 33, 70, 300, 1100),
+    stacked_token_counts: tuple[int, ...] | None = None,
     seed: int = 0,
 ) -> None:
     """Assert that a LoRA backend (a registered name, or a ``factory(max_slots, max_rank, device, dtype)``)
@@ -38,7 +43,10 @@ def check_lora_backend(
     - ``expand`` adds ``h[t] @ b[s].T`` into ``out``, also when ``out`` is a strided column slice of a wider
       tensor: rows of ``NO_ADAPTER`` tokens and the columns outside the slice are left bit for bit;
     - a batch where no token has an adapter adds nothing;
-    - on a CUDA device: shrink and expand captured in a CUDA graph and replayed with other adapter ids (and other
+    - ``add_delta`` (for each number of tokens in ``stacked_token_counts``, default ``token_counts``) adds three
+      stacked projections' deltas, each slot of its own rank per projection, into their columns of a layer's
+      output in place: rows of ``NO_ADAPTER`` tokens and the columns outside the projections left bit for bit;
+    - on a CUDA device: shrink and expand, and add_delta, captured in a CUDA graph and replayed with other adapter ids (and other
       inputs) give what they give eagerly.
 
     Raises AssertionError naming the broken rule.
@@ -53,12 +61,16 @@ def check_lora_backend(
         for layout in ("decode", "prefill"):
             ids = _adapter_ids(num_tokens, layout, generator).to(device)
             _check_batch(built, weights, ids, f"{name} ({dtype}, {num_tokens} tokens, {layout} ids)", generator)
+    stacked = _StackedWeights(generator, torch.device(device), dtype)
+    for num_tokens in token_counts if stacked_token_counts is None else stacked_token_counts:
+        ids = _adapter_ids(num_tokens, "decode", generator).to(device)
+        _check_stacked(built, stacked, ids, f"{name} ({dtype}, add_delta, {num_tokens} tokens)", generator)
     nobody = torch.full((max(token_counts),), NO_ADAPTER, dtype=torch.int64, device=device)
     _check_batch(built, weights, nobody, f"{name} ({dtype}, no token with an adapter)", generator)
     if torch.device(device).type == "cuda":
         for num_tokens in token_counts:
-            _check_graph_replay(built, weights, num_tokens, f"{name} ({dtype}, CUDA graph of {num_tokens} tokens)",
-                                generator)
+            _check_graph_replay(built, weights, stacked, num_tokens,
+                                f"{name} ({dtype}, CUDA graph of {num_tokens} tokens)", generator)
 
 
 class _LoRAWeights:
@@ -111,16 +123,67 @@ def _check_batch(backend: LoRABackend, weights: _LoRAWeights, ids: torch.Tensor,
         _expect_close(out, expected, weights.tolerance, f"{where}: expand into {kind}")
 
 
-def _check_graph_replay(backend: LoRABackend, weights: _LoRAWeights, num_tokens: int, where: str,
-                        generator: torch.Generator) -> None:
+class _StackedWeights:
+    """Three random projections stacked as a layer's StackedLoRA, output columns 2 to 82 of a layer of 86."""
+
+    def __init__(self, generator: torch.Generator, device: torch.device, dtype: torch.dtype) -> None:
+        slots, count = len(_RANKS), len(_STACKED_WIDTHS)
+        a = torch.randn(slots, count * _MAX_RANK, _IN_FEATURES, generator=generator) / _IN_FEATURES ** 0.5
+        b = torch.zeros(slots, 2 + sum(_STACKED_WIDTHS), _MAX_RANK)
+        segments, start = [], 2
+        for p, width in enumerate(_STACKED_WIDTHS):
+            segments.append((start, start + width))
+            b[:, start:start + width] = torch.randn(slots, width, _MAX_RANK, generator=generator) / 4
+            for slot, rank in enumerate(_STACKED_RANKS[p]):
+                a[slot, p * _MAX_RANK + rank:(p + 1) * _MAX_RANK] = 0
+                b[slot, start:start + width, rank:] = 0
+            start += width
+        self.width = start + 4
+        self.weights = StackedLoRA(a.to(device, dtype), b.to(device, dtype),
+                                   (torch.rand(count, slots, generator=generator) * 2 + 0.25).to(device),
+                                   torch.tensor(_STACKED_RANKS, dtype=torch.int32, device=device), tuple(segments))
+        self.tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        self.dtype, self.device = dtype, device
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus every projection's delta, in float64, h rounded to x's dtype as the contract rounds it."""
+        w, chosen, rank = self.weights, ids.clamp(min=0).cpu(), _MAX_RANK
+        expected, keep = out.cpu().double(), (ids.cpu() != NO_ADAPTER).unsqueeze(-1)
+        for p, (start, end) in enumerate(w.segments):
+            a = w.a.cpu().double()[chosen, p * rank:(p + 1) * rank]
+            h = torch.einsum("ti,tri->tr", x.cpu().double(), a) * w.scalings.cpu().double()[p, chosen][:, None]
+            h = h.to(self.dtype).double()
+            expected[:, start:end] += torch.einsum("tr,tor->to", h, w.b.cpu().double()[chosen, start:end]) * keep
+        return expected
+
+
+def _check_stacked(backend: LoRABackend, stacked: _StackedWeights, ids: torch.Tensor, where: str,
+                   generator: torch.Generator) -> None:
+    num_tokens = ids.shape[0]
+    x = torch.randn(num_tokens, _IN_FEATURES, generator=generator).to(stacked.device, stacked.dtype)
+    out = torch.randn(num_tokens, stacked.width, generator=generator).to(stacked.device, stacked.dtype)
+    before, x_before = out.clone(), x.clone()
+    backend.add_delta(x, stacked.weights, ids, out)
+    _expect(torch.equal(x, x_before), f"{where}: modified x")
+    none = ids == NO_ADAPTER
+    _expect(torch.equal(out[none], before[none]), f"{where}: changed rows of tokens without an adapter")
+    first, last = stacked.weights.segments[0][0], stacked.weights.segments[-1][1]
+    _expect(torch.equal(out[:, :first], before[:, :first]) and torch.equal(out[:, last:], before[:, last:]),
+            f"{where}: wrote columns outside the projections")
+    _expect_close(out, stacked.reference(x, ids, before), stacked.tolerance, where)
+
+
+def _check_graph_replay(backend: LoRABackend, weights: _LoRAWeights, stacked: _StackedWeights, num_tokens: int,
+                        where: str, generator: torch.Generator) -> None:
     x = weights.random(num_tokens, _IN_FEATURES, generator=generator)
     ids = _adapter_ids(num_tokens, "decode", generator).to(weights.device)
-    out = torch.zeros(num_tokens, _OUT_FEATURES, dtype=weights.dtype, device=weights.device)
+    out = torch.zeros(num_tokens, _OUT_FEATURES + stacked.width, dtype=weights.dtype, device=weights.device)
 
     def step() -> None:
         out.zero_()
         backend.expand(backend.shrink(x, weights.a, ids, weights.scalings, weights.ranks), weights.b, ids,
-                       weights.ranks, out)
+                       weights.ranks, out[:, :_OUT_FEATURES])
+        backend.add_delta(x, stacked.weights, ids, out[:, _OUT_FEATURES:])
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,6 +48,14 @@ class LosesStridedOut(EinsumBackend):
         super().expand(h, b, adapter_ids, ranks, out.contiguous() if not out.is_contiguous() else out)
 
 
+class OneScalingPerLayer(EinsumBackend):
+    """A stacked layer's projections all scaled by the first one's scalings."""
+
+    def add_delta(self, x, weights, adapter_ids, out):
+        first = weights.scalings[:1].expand_as(weights.scalings)
+        super().add_delta(x, dataclasses.replace(weights, scalings=first), adapter_ids, out)
+
+
 class NotABackend:
     def __init__(self, *args) -> None:
         pass
@@ -60,6 +70,7 @@ def test_plain_arithmetic_passes(dtype: torch.dtype) -> None:
     (IgnoresScalings, "shrink: differs from the reference arithmetic"),
     (DeltaForEveryRow, "changed rows of tokens without an adapter"),
     (LosesStridedOut, "expand into a strided column slice: differs from the reference"),
+    (OneScalingPerLayer, "add_delta, 1 tokens\\): differs from the reference"),
     (NotABackend, "not a LoRABackend"),
 ])
 def test_broken_backend_is_named(backend, message: str) -> None:

@@ -7,22 +7,53 @@ its slot in ``adapter_ids`` (``[num_tokens]`` int64, :data:`~treadle.core.execut
 for none), read from the step's batch context. The delta of token ``t`` is
 ``scalings[s] * (x[t] @ a[s].T) @ b[s].T`` for its slot ``s``, nothing for ``NO_ADAPTER``.
 
-A backend is built by ``factory(max_slots, max_rank, device, dtype)`` and computes that in two calls, so a
-fused projection (qkv, gate_up) shrinks once per sub-projection and expands into column slices of one output:
+A backend is built by ``factory(max_slots, max_rank, device, dtype)`` and computes that in two calls:
 
 - :meth:`LoRABackend.shrink`: ``[num_tokens, R]`` = scaled ``x @ a[s].T`` per token;
 - :meth:`LoRABackend.expand`: adds ``h @ b[s].T`` into ``out`` (which may be a column slice: a strided view).
 
-Both must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
-same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic
-within the dtype's rounding.
+The engine calls :meth:`LoRABackend.add_delta` once per linear layer: a fused layer's projections (q/k/v of a
+``qkv_proj``, gate/up of a ``gate_up_proj``) stacked in one :class:`StackedLoRA`, their deltas added into the
+layer's output in place. Its default shrinks and expands each projection in turn through the two calls above, so a
+backend that has only those works unchanged; the built-ins override it to shrink every projection in one kernel
+(reading ``x`` once) and expand into the output in another, with no separate add.
+
+All of them must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
+same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic within the dtype's
+rounding.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class StackedLoRA:
+    """The adapters of one linear layer, its ``P`` projections stacked: ``a`` ``[slots, P * R, in]`` (projection
+    ``p``'s ``A`` in rows ``p * R`` to ``(p + 1) * R``), ``b`` ``[slots, width, R]`` whose row ``n`` is output column
+    ``n`` (projection ``p``'s ``B`` in the rows of its columns, ``segments[p]`` = ``(start, end)``), ``scalings``
+    ``[P, slots]`` float32 and ``ranks`` ``[P, slots]`` int32 (0: the slot's adapter leaves the projection alone)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scalings: torch.Tensor
+    ranks: torch.Tensor
+    segments: tuple[tuple[int, int], ...]
+
+    @property
+    def rank_dim(self) -> int:
+        """``R``: the padded rank of every projection (``lora.max_rank``)."""
+        return int(self.b.shape[2])
+
+    def projection(self, p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projection ``p``'s ``a`` ``[slots, R, in]``, ``b`` ``[slots, end - start, R]``, scalings and ranks
+        (views into the stacked tensors)."""
+        rank, (start, end) = self.rank_dim, self.segments[p]
+        return self.a[:, p * rank:(p + 1) * rank], self.b[:, start:end], self.scalings[p], self.ranks[p]
 
 
 class LoRABackend(ABC):
@@ -39,3 +70,12 @@ class LoRABackend(ABC):
                out: torch.Tensor) -> None:
         """``out[t] += h[t] @ b[s].T`` for each token's slot ``s`` (``b`` ``[slots, out_features, R]``); rows
         of ``NO_ADAPTER`` are left as they are. ``out`` may be a strided column slice of a wider output."""
+
+    def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[t, start:end] += scalings[p, s] * (x[t] @ a_p[s].T) @ b_p[s].T`` for every projection ``p`` of
+        ``weights`` (its columns ``segments[p]``) and each token's slot ``s``: the layer's output ``out`` changed in
+        place, rows of ``NO_ADAPTER`` and columns outside the segments left as they are. The default runs
+        :meth:`shrink` and :meth:`expand` per projection."""
+        for p, (start, end) in enumerate(weights.segments):
+            a, b, scalings, ranks = weights.projection(p)
+            self.expand(self.shrink(x, a, adapter_ids, scalings, ranks), b, adapter_ids, ranks, out[:, start:end])

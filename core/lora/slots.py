@@ -3,7 +3,8 @@ delta that adds each token's adapter to the layer (``layer.add_output_delta``).
 
 Every targeted projection (the model's q/k/v/o/gate/up/down) gets ``a`` ``[slots, max_rank, in]`` and ``b``
 ``[slots, out, max_rank]`` of this tensor-parallel rank's share, as the ``lora_backends`` contract describes
-(core/lora/backend.py): a column-parallel projection holds its rows of ``B`` (the rows of the base weight this rank
+(core/lora/backend.py): views into its layer's stacked tensors (a fused qkv / gate_up layer's projections one above
+the other, so the backend adds them all with one shrink and one expand). A column-parallel projection holds its rows of ``B`` (the rows of the base weight this rank
 holds, KV heads replicated as the base's are), a row-parallel one its columns of ``A`` (its delta is a partial sum
 that the layer's all-reduce adds up with the other ranks'). Loading an adapter into a slot copies its tensors in,
 zeros beyond its rank; a projection the adapter leaves alone is zero in that slot.
@@ -23,7 +24,7 @@ from torch import nn
 from treadle.core.distributed.parallel import tp_kv_head_start
 from treadle.core.execution.batch_context import BatchContext, BatchContextLayout
 from treadle.core.lora.adapter import PROJECTIONS, LoRAAdapter
-from treadle.core.lora.backend import LoRABackend
+from treadle.core.lora.backend import LoRABackend, StackedLoRA
 
 READS = BatchContextLayout(adapter_ids=True)
 
@@ -65,27 +66,37 @@ class ProjectionSlots:
 
 
 class LayerSlots:
-    """The projections of one linear layer (one, or the shards of a stacked qkv / gate_up layer) and its delta."""
+    """The projections of one linear layer (one, or the shards of a stacked qkv / gate_up layer), stacked as the
+    backend's :class:`~treadle.core.lora.backend.StackedLoRA` (each projection's tensors are views into it), and
+    the in-place delta that adds them into the layer's output."""
 
-    def __init__(self, layer: nn.Module, projections: list[ProjectionSlots], backend: LoRABackend) -> None:
+    def __init__(self, layer: nn.Module, named: list[tuple[str, Any]], backend: LoRABackend, slots: int,
+                 max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
         self.layer = layer
-        self.projections = projections
         self.backend = backend
-        self.out_rows = sum(p.out_rows for p in projections) if getattr(layer, "splits_output", True) else int(
-            layer.out_features)
-        self.remove = layer.add_output_delta(self.delta, READS)
+        shapes = [_projection_shape(layer, shard) for _, shard in named]
+        in_features, in_start = shapes[0][0], shapes[0][1]
+        width = max(out_offset + rows for *_, out_offset, rows in shapes)
+        count = len(named)
+        with torch.inference_mode():
+            self.weights = StackedLoRA(
+                a=torch.zeros(slots, count * max_rank, in_features, dtype=dtype, device=device),
+                b=torch.zeros(slots, width, max_rank, dtype=dtype, device=device),
+                scalings=torch.zeros(count, slots, dtype=torch.float32, device=device),
+                ranks=torch.zeros(count, slots, dtype=torch.int32, device=device),
+                segments=tuple((out_offset, out_offset + rows) for *_, out_offset, rows in shapes))
+        self.projections = []
+        for p, ((name, _), (_, _, out_start, out_offset, _)) in enumerate(zip(named, shapes)):
+            a, b, scalings, ranks = self.weights.projection(p)
+            self.projections.append(ProjectionSlots(name, a, b, scalings, ranks, in_start, out_start, out_offset))
+        self.remove = layer.add_output_delta(self.delta, READS, in_place=True)
 
-    def delta(self, x: torch.Tensor, context: BatchContext | None) -> torch.Tensor | None:
-        """Each token's adapter change of this layer's output (None: no token of this step has an adapter)."""
+    def delta(self, x: torch.Tensor, context: BatchContext | None, out: torch.Tensor) -> None:
+        """Add each token's adapter change of this layer's output into ``out`` (nothing when no token of this step
+        has an adapter)."""
         if context is None or context.adapter_ids is None:
-            return None
-        ids = context.adapter_ids
-        out = x.new_zeros(x.shape[0], self.out_rows)
-        backend = self.backend
-        for p in self.projections:
-            h = backend.shrink(x, p.a, ids, p.scalings, p.ranks)
-            backend.expand(h, p.b, ids, p.ranks, out[:, p.out_offset:p.out_offset + p.out_rows])
-        return out
+            return
+        self.backend.add_delta(x, self.weights, context.adapter_ids, out)
 
 
 def model_projections(model: nn.Module) -> Iterator[tuple[nn.Module, list[tuple[str, Any]]]]:
@@ -119,14 +130,13 @@ def build_layer_slots(model: nn.Module, backend: LoRABackend, slots: int, max_ra
     projections by HF name."""
     by_name: dict[str, ProjectionSlots] = {}
     for layer, named in model_projections(model):
-        projections = [_projection(layer, name, shard, slots, max_rank, device, dtype) for name, shard in named]
-        LayerSlots(layer, projections, backend)
-        by_name.update((p.name, p) for p in projections)
+        by_name.update((p.name, p) for p in LayerSlots(layer, named, backend, slots, max_rank, device, dtype).projections)
     return by_name
 
 
-def _projection(layer: nn.Module, name: str, shard: Any, slots: int, max_rank: int, device: torch.device,
-                dtype: torch.dtype) -> ProjectionSlots:
+def _projection_shape(layer: nn.Module, shard: Any) -> tuple[int, int, int, int, int]:
+    """``(in_features, in_start, out_start, out_offset, rows)`` of one projection's share on this rank: its columns
+    of ``A`` (from ``in_start``), its rows of ``B`` (from ``out_start``) and where they sit in the layer's output."""
     tp_rank, tp_size = int(getattr(layer, "tp_rank", 0)), int(getattr(layer, "tp_size", 1))
     in_features, in_start, out_offset = int(layer.in_features), 0, 0
     if shard is not None:  # a stacked column-parallel layer: this shard's rows, at its offset in the output
@@ -139,15 +149,7 @@ def _projection(layer: nn.Module, name: str, shard: Any, slots: int, max_rank: i
         rows, out_start = int(layer.out_features), 0
         in_features //= tp_size
         in_start = tp_rank * in_features
-    with torch.inference_mode():
-        return ProjectionSlots(
-            name=name,
-            a=torch.zeros(slots, max_rank, in_features, dtype=dtype, device=device),
-            b=torch.zeros(slots, rows, max_rank, dtype=dtype, device=device),
-            scalings=torch.zeros(slots, dtype=torch.float32, device=device),
-            ranks=torch.zeros(slots, dtype=torch.int32, device=device),
-            in_start=in_start, out_start=out_start, out_offset=out_offset,
-        )
+    return in_features, in_start, out_start, out_offset, rows
 
 
 def _shard_row_start(layer: nn.Module, shard: Any, rows: int, tp_rank: int, tp_size: int) -> int:

@@ -2,6 +2,7 @@
 
 Shrink is one matmul against every slot's ``A`` at once (``[T, slots * R]``, a few times a projection's rank) and
 a gather of each token's own slot; expand is one small matmul per slot with the other slots' rows masked to zero.
+A layer's stacked projections (``add_delta``) shrink in one matmul and expand per projection into the output.
 Both run the same ops whatever the adapter ids are, with no host-device sync, so CUDA graphs capture them; the
 work grows with the number of slots, which is what the ``triton`` backend's kernels avoid.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from treadle.core.hookspecs import hookimpl
-from treadle.core.lora.backend import LoRABackend
+from treadle.core.lora.backend import LoRABackend, StackedLoRA
 
 
 class TorchLoRABackend(LoRABackend):
@@ -29,6 +30,18 @@ class TorchLoRABackend(LoRABackend):
         # NO_ADAPTER rows (and CUDA-graph padding) get a zero scale: no branch on the ids.
         scale = scalings.index_select(0, chosen) * (adapter_ids >= 0).to(scalings.dtype)
         return (own * scale.unsqueeze(1).to(own.dtype)).to(x.dtype)
+
+    def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor) -> None:
+        slots, rows, in_features = weights.a.shape
+        rank = weights.rank_dim
+        every = (x @ weights.a.reshape(slots * rows, in_features).T).view(-1, slots, rows)
+        chosen = adapter_ids.clamp(min=0)
+        own = every.gather(1, chosen.view(-1, 1, 1).expand(-1, 1, rows)).squeeze(1)
+        scale = weights.scalings.index_select(1, chosen).T * (adapter_ids >= 0).to(weights.scalings.dtype)[:, None]
+        h = (own * scale.repeat_interleave(rank, dim=1).to(own.dtype)).to(x.dtype)
+        for p, (start, end) in enumerate(weights.segments):
+            self.expand(h[:, p * rank:(p + 1) * rank], weights.b[:, start:end], adapter_ids, weights.ranks[p],
+                        out[:, start:end])
 
     def expand(self, h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: torch.Tensor,
                out: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """The ``triton`` LoRA backend: treadle's Triton shrink and expand kernels (kernels/lora.py) for batches whose tokens
 use different adapters of different ranks, decode (one token per program, gathered through its slot) and prefill
-(tensor-core tiles over blocks of tokens that share an adapter) alike.
+(tensor-core tiles over blocks of tokens that share an adapter) alike. ``add_delta`` is a layer's whole LoRA path in
+two launches: one shrink for its stacked projections, one expand into the layer's output in place.
 
 Registered even where Triton is missing (so ``treadle plugins`` lists it); building it there fails with the
 install hint. Triton is imported only when the backend is built.
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from treadle.core.hookspecs import Register, hookimpl
-from treadle.core.lora.backend import LoRABackend
+from treadle.core.lora.backend import LoRABackend, StackedLoRA
 
 
 class TritonLoRABackend(LoRABackend):
@@ -38,6 +39,13 @@ class TritonLoRABackend(LoRABackend):
     def expand(self, h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: torch.Tensor,
                out: torch.Tensor) -> None:
         self._kernels.expand(h, b, adapter_ids, ranks, out)
+
+    def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor) -> None:
+        if len(weights.segments) > self._kernels.MAX_PROJECTIONS:  # no such layer among the model families
+            super().add_delta(x, weights, adapter_ids, out)
+            return
+        self._kernels.add_delta(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
+                                weights.segments, out)
 
 
 def _interpreting() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from graph_replays import ReplayCounter
+from near_tie import assert_plain_or_near_tie
 from peft_adapters import ALL_PROJECTIONS, ATTENTION, make_peft_adapter, peft_greedy
 from treadle import Engine
 
@@ -38,22 +39,24 @@ def _config(model_dir: str, adapters: dict[str, str], backend: str, dtype: str, 
             "plugins": ["treadle.plugins.lora_backends.torch", "treadle.plugins.lora_backends.triton"]}
 
 
-def _run(config: dict) -> tuple[list[list[int]], int, int]:
+def _run(config: dict) -> tuple[list, int, int]:
+    """The requests' outputs (with their two best log-probs per token) and the decode and prefill graph replays."""
     with Engine(config) as engine:
         worker = engine.scheduler.worker
         decode, prefill = ReplayCounter(worker.cuda_graphs), ReplayCounter(worker.piecewise_graphs)
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(NAMES))]
-        outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=NAMES)
-        return [o.token_ids for o in outputs], decode.count, prefill.count
+        outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=NAMES, return_logprob=True,
+                                  top_logprobs_num=2)
+        return outputs, decode.count, prefill.count
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_float32_matches_peft_through_cuda_graphs(real_shape_llama_dir, adapters, backend):
     references = {name: peft_greedy(real_shape_llama_dir, path, PROMPTS, GREEDY["max_new_tokens"])
                   for name, path in {**adapters, None: None}.items()}
-    tokens, decode_replays, prefill_replays = _run(_config(real_shape_llama_dir, adapters, backend, "float32", True))
+    outputs, decode_replays, prefill_replays = _run(_config(real_shape_llama_dir, adapters, backend, "float32", True))
     assert decode_replays > 0 and prefill_replays > 0
-    assert tokens == [references[name][i % len(PROMPTS)] for i, name in enumerate(NAMES)]
+    assert [o.token_ids for o in outputs] == [references[name][i % len(PROMPTS)] for i, name in enumerate(NAMES)]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +79,13 @@ def fp8_llama_dir(real_shape_llama_dir, tmp_path_factory) -> str:
 def test_bfloat16_graphs_replay_what_eager_steps_compute(real_shape_llama_dir, fp8_llama_dir, adapters, weights,
                                                          backend):
     """Decode graphs replay the adapters' deltas as eager steps compute them, 16-bit and FP8 base weights alike
-    (the adapters stay 16-bit)."""
+    (the adapters stay 16-bit). A graph runs its batch padded, so its GEMMs differ in shape from the eager steps'
+    and bf16 rounding may flip a near-tie of the random weights: each request equals its eager twin or parts from
+    it first at a near-tie of the eager run's two best tokens."""
     model_dir = fp8_llama_dir if weights == "fp8" else real_shape_llama_dir
     eager, _, _ = _run(_config(model_dir, adapters, backend, "bfloat16", False))
     graphed, decode_replays, _ = _run(_config(model_dir, adapters, backend, "bfloat16", True))
     assert decode_replays > 0
-    assert graphed == eager
-    assert eager[0] != eager[3] and eager[1] != eager[4]  # each adapter changes the base's tokens
+    assert_plain_or_near_tie(graphed, eager, min_equal=len(NAMES) // 2)
+    tokens = [o.token_ids for o in eager]
+    assert tokens[0] != tokens[3] and tokens[1] != tokens[4]  # each adapter changes the base's tokens

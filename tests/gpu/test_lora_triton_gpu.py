@@ -68,6 +68,25 @@ def _reference(x, a, b, ids, scalings, ranks, out):
     return h, result
 
 
+def _replays_match_eager(step, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor):
+    """Capture ``step`` in a CUDA graph, then for each layout of ids (each token another adapter, none, prefill-like
+    runs, one request's adapter) with new inputs: the replay's ``out`` equals the eager call's; yields the layout
+    after each (``ids``, ``x`` and ``out`` hold that call's)."""
+    step()  # compiles outside the capture (Triton kernels only: no cuBLAS state to warm on a side stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed, layout in enumerate(["distinct", "none", "prefill", "one"]):
+        ids.copy_(_ids(ids.shape[0], layout, seed=seed + 10))
+        x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+        graph.replay()
+        replayed = out.clone()
+        step()
+        assert torch.equal(replayed, out), f"replay with {layout} ids differs from the eager call"
+        yield layout
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_conformance_kit(dtype: torch.dtype) -> None:
     check_lora_backend("triton", "cuda", dtype)
@@ -116,23 +135,71 @@ def test_graph_replay_with_changing_adapters(num_tokens: int) -> None:
             backend.expand(h, b, ids, rank_tensor, qkv[:, start:start + width])
             start += width
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for seed, layout in enumerate(["distinct", "none", "prefill", "one"]):
-        ids.copy_(_ids(num_tokens, layout, seed=seed + 10))
-        x.copy_(torch.randn(num_tokens, 4096, device="cuda").to(dtype))
-        graph.replay()
-        replayed = qkv.clone()
-        step()
-        assert torch.equal(replayed, qkv), f"replay with {layout} ids differs from the eager call"
+    for _ in _replays_match_eager(step, x, ids, qkv):
         start = 0
         for (a, b, scalings, rank_tensor), width in zip(pieces, widths):
             _, expected = _reference(x, a, b, ids, scalings, rank_tensor, base[:, start:start + width])
             torch.testing.assert_close(qkv[:, start:start + width].float(), expected, atol=3e-2, rtol=2e-2)
             start += width
+
+
+# Llama-3.1-8B's fused layers: input width, and the output widths of their stacked projections
+FUSED = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+         "down": (14336, (4096,))}
+
+
+def _stacked(in_features: int, widths: tuple[int, ...], max_rank: int, dtype: torch.dtype):
+    """A StackedLoRA of ``widths`` projections, each slot's rank differing per projection (0: none)."""
+    from treadle.core.lora.backend import StackedLoRA
+
+    pieces = [_adapters(in_features, width, max_rank, [min(r, max_rank) for r in ranks], dtype, seed=p)
+              for p, (width, ranks) in enumerate(zip(widths, ([16, 64, 8, 32, 1, 16, 48, 16],
+                                                              [0, 16, 64, 8, 16, 4, 16, 2],
+                                                              [64, 0, 16, 16, 8, 32, 1, 16])))]
+    starts = [sum(widths[:p]) for p in range(len(widths))]
+    weights = StackedLoRA(torch.cat([a for a, *_ in pieces], dim=1), torch.cat([b for _, b, *_ in pieces], dim=1),
+                          torch.stack([s for *_, s, _ in pieces]), torch.stack([r for *_, r in pieces]),
+                          tuple((start, start + width) for start, width in zip(starts, widths)))
+    return weights, pieces
+
+
+@pytest.mark.parametrize("fused", list(FUSED))
+@pytest.mark.parametrize(("num_tokens", "layout"), [
+    (1, "distinct"), (4, "distinct"),  # split-K gather shrink, gather expand
+    (32, "distinct"), (64, "one"),  # gather
+    (200, "distinct"), (1500, "prefill"),  # slot-grouped / segmented
+])
+def test_stacked_layers_match_torch(fused: str, num_tokens: int, layout: str) -> None:
+    """add_delta on a fused layer (one shrink, one expand into its output) against each projection's float32
+    reference in its columns."""
+    in_features, widths = FUSED[fused]
+    dtype, max_rank = torch.bfloat16, 64
+    weights, pieces = _stacked(in_features, widths, max_rank, dtype)
+    ids = _ids(num_tokens, layout, seed=num_tokens)
+    x = torch.randn(num_tokens, in_features, device="cuda").to(dtype)
+    out = torch.randn(num_tokens, sum(widths), device="cuda").to(dtype)
+    before = out.clone()
+    _backend(max_rank, dtype).add_delta(x, weights, ids, out)
+    for (a, b, scalings, ranks), (start, end) in zip(pieces, weights.segments):
+        _, expected = _reference(x, a, b, ids, scalings, ranks, before[:, start:end])
+        torch.testing.assert_close(out[:, start:end].float(), expected, atol=3e-2, rtol=2e-2)
+    assert torch.equal(out[ids == NO_ADAPTER], before[ids == NO_ADAPTER])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 512])
+def test_stacked_graph_replay_with_changing_adapters(num_tokens: int) -> None:
+    """add_delta of a fused qkv captured once, replayed with other ids and inputs: what the eager call gives."""
+    dtype, max_rank = torch.bfloat16, 32
+    weights, _ = _stacked(4096, (4096, 1024, 1024), max_rank, dtype)
+    backend = _backend(max_rank, dtype)
+    x = torch.randn(num_tokens, 4096, device="cuda").to(dtype)
+    ids = _ids(num_tokens, "distinct", seed=0)
+    base = torch.randn(num_tokens, 6144, device="cuda").to(dtype)
+    qkv = torch.empty_like(base)
+
+    def step() -> None:
+        qkv.copy_(base)
+        backend.add_delta(x, weights, ids, qkv)
+
+    for _ in _replays_match_eager(step, x, ids, qkv):
+        pass

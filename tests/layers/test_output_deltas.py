@@ -120,6 +120,46 @@ def test_fused_paths_add_the_deltas_too(lora, registry, expected):
     assert not calls  # a layer with deltas runs its matmul, the deltas, then the epilogue's math
 
 
+class FusesOneRow(TorchFusedMethod):
+    """Says ahead that its fused add + RMSNorm runs for one-row inputs (as the GPU's one-token GEMV does)."""
+
+    def fuses_add_rmsnorm(self, layer, x):
+        return x.shape[0] == 1
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_in_place_deltas_join_the_residual_before_the_fused_norm(in_place):
+    """A row-parallel layer whose method fuses add + RMSNorm adds its in-place deltas into the residual and keeps
+    the fused kernel (one row); the result is the unfused layer-then-norm's. Other rows, and deltas that return a
+    tensor, run unfused with the residual untouched."""
+    from treadle.layers.linear import RowParallelLinear
+    from treadle.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    calls = Counter()
+    layer, norm = RowParallelLinear(16, 8), RMSNorm(8)
+    layer.weight.data.normal_()
+    norm.weight.data.uniform_(0.5, 1.5)
+    change = torch.randn(8)
+    if in_place:
+        layer.add_output_delta(lambda x, context, out: out.add_(change * x[:, :1]), in_place=True)
+    else:
+        layer.add_output_delta(lambda x, context: change * x[:, :1])
+    layer.quant_method = FusesOneRow(calls)
+    for rows in (1, 3):
+        x, residual = torch.randn(rows, 16), torch.randn(rows, 8)
+        expected = norm(F.linear(x, layer.weight) + change * x[:, :1], residual.clone())
+        kept = residual.clone()
+        fused = layer.forward_add_rmsnorm(x, residual, norm)
+        if rows == 1 and in_place:
+            assert calls["add_rmsnorm"] == 1
+            for got, want in zip(fused, expected):
+                torch.testing.assert_close(got, want)
+        else:
+            assert fused is None and torch.equal(residual, kept)
+    assert calls["add_rmsnorm"] == (1 if in_place else 0)
+
+
 def test_removing_the_deltas_restores_the_base_model(lora, registry, expected):
     model_runner = runner(lora.model_dir, registry)
     removers = lora.register(model_runner.model)

@@ -85,6 +85,17 @@ SCENARIOS = {
 }
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
+# add_delta: a layer's projections stacked, mixed ranks per projection, into the middle columns of its output.
+# Scenario -> (tokens, dtype, max_rank, in, projection widths). One token at in=1024 splits in over two programs
+# (the expand adds the partial sums up); 70 tokens of two projections: gather shrink, slot-grouped expand; 150 of
+# three: segmented shrink; rank 128: segmented expand. The conformance kit's add_delta check adds gather at 5.
+STACKED_SCENARIOS = {
+    "stacked_split_k_one_token_bf16": (1, torch.bfloat16, 8, 1024, (16, 8, 8)),
+    "stacked_grouped_70_tokens_bf16": (70, torch.bfloat16, 8, 40, (24, 24)),
+    "stacked_segmented_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
+    "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
+}
+
 
 def run_scenario(name: str) -> dict:
     from treadle.kernels import lora
@@ -119,12 +130,68 @@ def run_scenario(name: str) -> dict:
     }
 
 
+def make_stacked_case(num_tokens: int, dtype: torch.dtype, max_rank: int, in_features: int, widths: tuple,
+                      seed: int):
+    """Four slots of random ranks per projection (0: the slot's adapter leaves it alone), the projections at
+    columns 3.. of a wider output, ids a random slot or none per token."""
+    from treadle.core.lora.backend import StackedLoRA
+
+    gen = torch.Generator().manual_seed(seed)
+    slots, count = 4, len(widths)
+    ranks = torch.randint(0, max_rank + 1, (count, slots), generator=gen, dtype=torch.int32)
+    ranks[:, 0] = max_rank
+    a = torch.randn(slots, count * max_rank, in_features, generator=gen) / in_features ** 0.5
+    b = torch.zeros(slots, 3 + sum(widths), max_rank)
+    segments, start = [], 3
+    for p, width in enumerate(widths):
+        segments.append((start, start + width))
+        b[:, start:start + width] = torch.randn(slots, width, max_rank, generator=gen) / max_rank ** 0.5
+        for slot in range(slots):
+            a[slot, p * max_rank + int(ranks[p, slot]):(p + 1) * max_rank] = 0
+            b[slot, start:start + width, int(ranks[p, slot]):] = 0
+        start += width
+    weights = StackedLoRA(a.to(dtype), b.to(dtype), torch.rand(count, slots, generator=gen) * 2 + 0.25, ranks,
+                          tuple(segments))
+    ids = torch.randint(-1, slots, (num_tokens,), generator=gen)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    return x, weights, ids, torch.randn(num_tokens, start + 5, generator=gen).to(dtype)
+
+
+def reference_add_delta(x, weights, ids, out) -> torch.Tensor:
+    """Each projection's shrink (rounded to x's dtype) and expand per token, in float64."""
+    result = out.double().clone()
+    for p, (start, end) in enumerate(weights.segments):
+        a, b, scalings, ranks = weights.projection(p)
+        h = reference_shrink(x, a, ids, scalings, ranks).to(x.dtype)
+        result[:, start:end] = reference_expand(h, b, ids, ranks, out[:, start:end])
+    return result
+
+
+def run_stacked_scenario(name: str) -> dict:
+    from treadle.kernels import lora
+
+    num_tokens, dtype, max_rank, in_features, widths = STACKED_SCENARIOS[name]
+    x, weights, ids, out = make_stacked_case(num_tokens, dtype, max_rank, in_features, widths, seed=len(name))
+    before = out.clone()
+    lora.add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out)
+    first, last = weights.segments[0][0], weights.segments[-1][1]
+    none = ids == NO_ADAPTER
+    return {"error": _relative_error(out, reference_add_delta(x, weights, ids, before)),
+            "outside_untouched": torch.equal(out[:, :first], before[:, :first])
+            and torch.equal(out[:, last:], before[:, last:]),
+            "no_adapter_rows_untouched": torch.equal(out[none], before[none]),
+            "split": lora._gather_shrink_blocks(num_tokens, weights.a.shape[1], in_features, True)[3]
+            if lora._shrink_gathers(num_tokens, weights.a.shape[1]) else 1,
+            "tolerance": TOLERANCE[dtype]}
+
+
 def run_conformance(dtype_name: str) -> dict:
     from treadle.plugins.lora_backends.triton import TritonLoRABackend
     from treadle.testing import check_lora_backend
 
     # Every kernel form (gather, slot-grouped, segmented) at fewer sizes than the kit's default, for the interpreter
-    check_lora_backend(TritonLoRABackend, "cpu", getattr(torch, dtype_name), token_counts=(1, 33, 300, 1100))
+    check_lora_backend(TritonLoRABackend, "cpu", getattr(torch, dtype_name), token_counts=(1, 33, 300, 1100),
+                       stacked_token_counts=(5,))
     return {"passed": True}
 
 
@@ -135,6 +202,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _run_all() -> dict:
     results = {}
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
+            **{name: (run_stacked_scenario, name) for name in STACKED_SCENARIOS},
             "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
@@ -173,6 +241,17 @@ def test_kernels_match_reference(name: str, interpreted_results: dict[str, dict]
     assert result["spaced_error"] <= result["tolerance"], f"strided expand: relative error {result['spaced_error']}"
     assert result["outside_untouched"], "expand wrote columns outside the out slice"
     assert result["no_adapter_rows_untouched"], "expand changed rows of tokens without an adapter"
+
+
+@pytest.mark.parametrize("name", list(STACKED_SCENARIOS))
+def test_stacked_projections_add_into_their_columns(name: str, interpreted_results: dict[str, dict]) -> None:
+    result = interpreted_results[name]
+    assert "traceback" not in result, result.get("traceback")
+    assert result["error"] <= result["tolerance"], f"add_delta: relative error {result['error']}"
+    assert result["outside_untouched"], "add_delta wrote columns outside the projections"
+    assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
+    if name == "stacked_split_k_one_token_bf16":
+        assert result["split"] == 2  # in=1024 over two programs' slices
 
 
 def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) -> None:

@@ -199,24 +199,36 @@ def _lora_kernels() -> dict:
     from treadle.kernels import lora
 
     shrink = {"X": "*bf16", "A": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "H": "*bf16"}
-    expand = {"H": "*bf16", "B": "*bf16", "Ids": "*i64", "Ranks": "*i32", "Out": "*bf16"}
+    expand = {"H": "*bf16", "B": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "Out": "*bf16"}
     fp32 = {name: "*fp32" if kind == "*bf16" else kind for name, kind in shrink.items()}
+    # add_delta's halves: float32 partial sums out of the shrink, into the expand
+    partials, summed = {**shrink, "H": "*fp32"}, {**expand, "H": "*fp32"}
     return {
         "lora_shrink_gather[pdl]": lambda: _check_pdl(True, _compile(
-            lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=2, BLOCK_K=4096, PDL=True)), triggers=False),
+            lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=2, BLOCK_K=4096, FINAL=True, PDL=True)),
+            triggers=False),
         "lora_shrink_gather[in=14336]": lambda: _compile(
-            lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=1, BLOCK_K=16384, PDL=False)),
+            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=1, BLOCK_K=16384, FINAL=False, PDL=False)),
+        "lora_shrink_gather[split-k]": lambda: _compile(
+            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=4, BLOCK_K=512, FINAL=False, PDL=True)),
         "lora_expand_gather[pdl]": lambda: _check_pdl(True, _compile(
-            lora._expand_gather_kernel, expand, set(), dict(BLOCK_N=512, BLOCK_R=16, PDL=True)), triggers=False),
+            lora._expand_gather_kernel, expand, set(), dict(BLOCK_N=512, BLOCK_R=16, SPLIT=1, PARTIAL=False,
+                                                            PDL=True)), triggers=False),
+        "lora_expand_gather[split-k]": lambda: _compile(
+            lora._expand_gather_kernel, summed, set(), dict(BLOCK_N=64, BLOCK_R=16, SPLIT=28, PARTIAL=True,
+                                                            PDL=True)),
         "lora_expand_grouped": lambda: _compile(
-            lora._expand_grouped_kernel, expand, set(), dict(SPAN=256, BLOCK_M=64, BLOCK_N=128, BLOCK_R=16,
-                                                             IEEE=False)),
+            lora._expand_grouped_kernel, summed, set(), dict(SPAN=256, BLOCK_M=64, BLOCK_N=128, BLOCK_R=16, SPLIT=1,
+                                                             PARTIAL=True, IEEE=False)),
         "lora_shrink_segmented": lambda: _compile(
-            lora._shrink_segmented_kernel, shrink, set(), dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=128, IEEE=False)),
+            lora._shrink_segmented_kernel, partials, set(), dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=128, FINAL=False,
+                                                                 IEEE=False)),
         "lora_shrink_segmented[fp32]": lambda: _compile(
-            lora._shrink_segmented_kernel, fp32, set(), dict(BLOCK_M=32, BLOCK_R=64, BLOCK_K=128, IEEE=True)),
+            lora._shrink_segmented_kernel, fp32, set(), dict(BLOCK_M=32, BLOCK_R=64, BLOCK_K=128, FINAL=True,
+                                                             IEEE=True)),
         "lora_expand_segmented": lambda: _compile(
-            lora._expand_segmented_kernel, expand, set(), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, IEEE=False)),
+            lora._expand_segmented_kernel, summed, set(), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, SPLIT=1,
+                                                               PARTIAL=True, IEEE=False)),
     }
 
 
@@ -283,7 +295,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "exact_top_chunks", "exact_top_recompute", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
-           "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_expand_gather[pdl]", "lora_expand_grouped",
+           "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k]",
+           "lora_expand_gather[pdl]", "lora_expand_gather[split-k]", "lora_expand_grouped",
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented"]
 
 
