@@ -221,3 +221,24 @@ def test_triton_backend_matches_torch_native(model_dir):
         want = engine.generate(input_ids=prompt, image_data=[random_image(100, 80, seed=1)],
                                sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     assert json.loads(lines[-1][len("TOKENS="):]) == want.token_ids
+
+
+@pytest.mark.parametrize("build", ["under-device", "moved"])
+def test_vision_encoder_keeps_to_the_input_device(build):
+    """The encoder makes its index and rotary tensors on the device of its input and weights, whether it was built
+    under ``torch.device`` (as the loader builds it) or moved after: on the meta device a tensor left on the host
+    fails as it does on CUDA ("Expected all tensors to be on the same device")."""
+    from types import SimpleNamespace
+
+    from treadle.plugins.models.qwen2_5_vl_vision import VisionTransformer
+
+    config = SimpleNamespace(spatial_merge_size=2, patch_size=14, window_size=56, fullatt_block_indexes=[1],
+                             hidden_size=32, in_channels=3, num_heads=2, depth=2, intermediate_size=64,
+                             out_hidden_size=64, temporal_patch_size=2)
+    if build == "under-device":
+        with torch.device("meta"):
+            encoder = VisionTransformer(config)
+    else:
+        encoder = VisionTransformer(config).to("meta")
+    merged = encoder(torch.empty(2 * 8 * 8 + 4 * 4, 3 * 2 * 14 * 14, device="meta"), [(2, 8, 8), (1, 4, 4)])
+    assert merged.device.type == "meta" and merged.shape == (36, 64)
