@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -245,13 +246,19 @@ class Engine:
         if processor is None:
             raise InvalidRequestError("this model takes no images or video; leave out image_data and video_data",
                                       param="image_data" if image_data is not None else "video_data")
-        lists, inputs = [], []
-        for ids, images, videos in zip(token_lists, per_prompt["image_data"], per_prompt["video_data"]):
-            expanded, mm = processor.process(ids, images or (), video_data=videos or ()) if images or videos \
-                else (ids, None)
-            lists.append(expanded)
-            inputs.append(mm)
-        return lists, inputs
+
+        def prepare(ids: list[int], images: Any, videos: Any) -> tuple[list[int], Any]:
+            return processor.process(ids, images or (), video_data=videos or ()) if images or videos else (ids, None)
+
+        jobs = list(zip(token_lists, per_prompt["image_data"], per_prompt["video_data"]))
+        if sum(bool(images or videos) for _, images, videos in jobs) > 1:
+            # The image processor's resize and normalize run in numpy and PIL, which let go of the GIL: many
+            # prompts' images are prepared side by side (a 1024x768 image takes ~0.1 s on one core).
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                prepared = list(pool.map(lambda job: prepare(*job), jobs))
+        else:
+            prepared = [prepare(*job) for job in jobs]
+        return [ids for ids, _ in prepared], [mm for _, mm in prepared]
 
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

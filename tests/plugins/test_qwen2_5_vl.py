@@ -82,9 +82,10 @@ def test_matches_hf(model_dir, images, name, scheduler):
 def test_text_only_and_image_requests_batched_together(model_dir, images):
     text = [5, 17, 42, 8, 99, 3]
     with make_engine(model_dir) as engine:
-        outs = engine.generate(input_ids=[text, PROMPTS["one-image"][0]], image_data=[[], images[:1]],
-                               sampling_params=GREEDY)
+        outs = engine.generate(input_ids=[text, PROMPTS["one-image"][0], PROMPTS["one-image"][0]],
+                               image_data=[[], images[:1], images[:1]], sampling_params=GREEDY)  # prepared in threads
     assert outs[0].token_ids == hf_vl_greedy(model_dir, text, [], NEW_TOKENS)[0]
+    assert outs[2].token_ids == outs[1].token_ids
     assert outs[1].token_ids == hf_vl_greedy(model_dir, expanded_ids(model_dir, PROMPTS["one-image"][0],
                                                                      images[:1]), images[:1], NEW_TOKENS)[0]
 
