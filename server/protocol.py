@@ -293,6 +293,30 @@ class EmbeddingRequest(_Body):
     timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
 
 
+class ScoreRequest(_Body):
+    """POST /v1/score (vLLM's shape): ``text_1`` scored against each of ``text_2`` (one text_1), or pairwise."""
+
+    model: str | None = None
+    text_1: StrictStr | list[StrictStr] = Field(min_length=1)
+    text_2: StrictStr | list[StrictStr] = Field(min_length=1)
+    rid: str | None = None
+    priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+
+
+class RerankRequest(_Body):
+    """POST /v1/rerank (Jina's and Cohere's shape): ``documents`` ordered by their score against ``query``."""
+
+    model: str | None = None
+    query: StrictStr
+    documents: list[StrictStr] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+    rid: str | None = None
+    priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+
+
 class AbortRequest(_Body):
     """POST /abort_request."""
 
