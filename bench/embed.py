@@ -2,9 +2,9 @@
 
 ``python -m treadle.bench.embed`` builds an 8B embedding model's shape (Qwen3-Embedding-8B: a bare ``Qwen3Model``
 with last-token pooling, normalized) with dummy weights, embeds ``--passages`` random passages of
-``--min-len``..``--max-len`` tokens with treadle, then with HF transformers (``AutoModel``, sdpa attention,
-batches of ``--hf-batch-size`` passages sorted by length and right-padded, the last real token pooled), and prints
-embeddings/s and tokens/s of each. Results go to ``--output`` (default: the results folder).
+``--min-len``..``--max-len`` tokens with HF transformers (``AutoModel``, sdpa attention, batches of
+``--hf-batch-size`` passages sorted by length and right-padded, the last real token pooled), then with treadle, and
+prints embeddings/s and tokens/s of each. Results go to ``--output`` (default: the results folder).
 """
 
 from __future__ import annotations
@@ -150,12 +150,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     systems: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_embedding_model(Path(tmp) / "qwen3-embedding", shape)
-        systems["treadle"] = run_treadle(folder, prompts, overrides)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        # HF first: its model is gone (and its memory back) when it returns, so treadle's KV pool is sized on a
+        # clean device; an engine shut down first may still hold memory the HF model would then need.
         if not args.no_hf:
             systems["hf"] = run_hf(folder, prompts, args.hf_batch_size)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        systems["treadle"] = run_treadle(folder, prompts, overrides)
     for result in systems.values():
         result["embeddings_per_s"] = len(prompts) / result["seconds"]
         result["tokens_per_s"] = tokens / result["seconds"]

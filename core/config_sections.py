@@ -27,15 +27,20 @@ def at_least_or_auto(value: int | str, least: int, key: str) -> int | str:
 
 
 class MultimodalConfig(Section):
-    """Images in requests to a vision-language model (docs/multimodal.md)."""
+    """Images and videos in requests to a vision-language model (docs/multimodal.md)."""
 
     max_images_per_request: int = Field(16, ge=0, description="more images in one request are a 400")
-    max_image_pixels: int = Field(4096 * 4096, gt=0, description="an image of more pixels (width x height) is a 400")
+    max_image_pixels: int = Field(4096 * 4096, gt=0, description="an image (or a video frame) of more pixels (width x "
+                                                                  "height) is a 400")
+    max_videos_per_request: int = Field(2, ge=0, description="more videos in one request are a 400")
+    max_video_frames: int = Field(64, gt=0, description="a video of more frames is a 400")
+    max_video_pixels: int = Field(64 * 1024 * 768, gt=0, description="a video whose frames hold more pixels in all "
+                                                                     "(width x height x frames) is a 400")
     local_media_folders: list[str] = Field(
-        default_factory=list, description="folders whose files requests may name as file:// image URLs (the "
+        default_factory=list, description="folders whose files requests may name as file:// image or video URLs (the "
                                           "server refuses every other path; none: file:// is refused)")
-    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an http(s) image URL")
-    fetch_max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest http(s) image the server fetches")
+    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an http(s) image or video URL")
+    fetch_max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest http(s) image or video the server fetches")
 
 
 class LoraConfig(Section):

@@ -171,7 +171,7 @@ def _check_tools(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def template_messages(messages: list[ChatMessage], plan: ChatPlan, knows_tools: bool,
-                      image_placeholder: str = "") -> list[dict[str, Any]]:
+                      image_placeholder: str = "", video_placeholder: str = "") -> list[dict[str, Any]]:
     """The conversation as the chat template takes it.
 
     Templates that know tools get ``tool_calls`` and ``tool`` messages as they are. For the
@@ -181,7 +181,7 @@ def template_messages(messages: list[ChatMessage], plan: ChatPlan, knows_tools: 
     """
     out: list[dict[str, Any]] = []
     for m in messages:
-        message: dict[str, Any] = {"role": m.role, "content": m.text(image_placeholder)}
+        message: dict[str, Any] = {"role": m.role, "content": m.text(image_placeholder, video_placeholder)}
         if m.tool_calls:
             if knows_tools:
                 message["tool_calls"] = [

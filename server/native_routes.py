@@ -110,25 +110,31 @@ def _per_prompt_adapters(lora_path: str | list[str | None] | None, count: int) -
     return [lora_path or None] * count
 
 
-async def _native_images(manager: TokenizerManager, body: GenerateRequest, prompts: list[list[int]],
-                         is_batch: bool) -> list[Any]:
-    """Each prompt's images (``image_data``) prepared, its ids expanded in place; None for a prompt without."""
-    given = body.image_data
-    if given is None:
-        return [None] * len(prompts)
-    per_prompt = list(given) if is_batch else [given]
-    if len(per_prompt) != len(prompts):
-        raise RequestError(f"image_data has {len(per_prompt)} entries for {len(prompts)} prompts",
-                           param="image_data")
+async def _native_media(manager: TokenizerManager, body: GenerateRequest, prompts: list[list[int]],
+                        is_batch: bool) -> list[Any]:
+    """Each prompt's images (``image_data``) and videos (``video_data``) prepared, its ids expanded in place; None
+    for a prompt without."""
+    images = _per_prompt_media(body.image_data, len(prompts), is_batch, "image_data")
+    videos = _per_prompt_media(body.video_data, len(prompts), is_batch, "video_data")
     prepared: list[Any] = []
-    for index, images in enumerate(per_prompt):
-        sources = [images] if isinstance(images, str) else list(images or [])
-        if not sources:
+    for index, (image_sources, video_sources) in enumerate(zip(images, videos)):
+        if not image_sources and not video_sources:
             prepared.append(None)
             continue
-        prompts[index], multimodal = await manager.media.prepare(prompts[index], sources, "image_data")
+        prompts[index], multimodal = await manager.media.prepare(prompts[index], image_sources, "image_data",
+                                                                 video_sources, "video_data")
         prepared.append(multimodal)
     return prepared
+
+
+def _per_prompt_media(given: Any, count: int, is_batch: bool, param: str) -> list[list[Any]]:
+    """``image_data`` or ``video_data`` as one list of items per prompt (a lone URL is a list of one)."""
+    if given is None:
+        return [[] for _ in range(count)]
+    per_prompt = list(given) if is_batch else [given]
+    if len(per_prompt) != count:
+        raise RequestError(f"{param} has {len(per_prompt)} entries for {count} prompts", param=param)
+    return [[items] if isinstance(items, str) else list(items or []) for items in per_prompt]
 
 
 def add_native_routes(app: FastAPI, manager: TokenizerManager, server_info: dict[str, Any]) -> None:
@@ -143,7 +149,7 @@ def _add_generate_route(app: FastAPI, manager: TokenizerManager) -> None:
     async def generate(body: GenerateRequest, request: Request) -> Response:
         prompts, is_batch = _native_prompts(manager, body)
         param = "text" if body.text is not None else "input_ids"
-        multimodal = await _native_images(manager, body, prompts, is_batch)
+        multimodal = await _native_media(manager, body, prompts, is_batch)
         params = SamplingParams(**body.sampling_params.model_dump())
         if isinstance(body.rid, list):
             if len(body.rid) != len(prompts):

@@ -195,16 +195,20 @@ def _add_model_routes(app: FastAPI, manager: TokenizerManager) -> None:
 
 async def _chat_prompt(manager: TokenizerManager, body: ChatCompletionRequest, plan: ChatPlan
                        ) -> tuple[str, list[int], Any]:
-    """The rendered conversation, its token ids (each image's placeholder expanded) and its images (None: text)."""
+    """The rendered conversation, its token ids (each image's and video's placeholder expanded) and its images and
+    videos (None: text)."""
     knows_tools = bool(plan.tools) and manager.template_knows_tools()
     images = [url for message in body.messages for url in message.image_urls()]
-    placeholder = manager.media.image_placeholder(manager.require_tokenizer()) if images else ""
-    prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools, placeholder),
+    videos = [video for message in body.messages for video in message.videos()]
+    media = manager.media
+    image_mark = media.image_placeholder(manager.require_tokenizer()) if images else ""
+    video_mark = media.video_placeholder(manager.require_tokenizer()) if videos else ""
+    prompt_text = manager.render_chat(template_messages(body.messages, plan, knows_tools, image_mark, video_mark),
                                       plan.tools if knows_tools else None)
     prompt = manager.encode_rendered(prompt_text)
-    if not images:
+    if not images and not videos:
         return prompt_text, prompt, None
-    prompt, multimodal = await manager.media.prepare(prompt, images, "messages")
+    prompt, multimodal = await media.prepare(prompt, images, "messages", videos, "messages")
     return prompt_text, prompt, multimodal
 
 

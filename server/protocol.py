@@ -125,6 +125,28 @@ class ImageUrlContentPart(_Body):
     image_url: ImageUrl
 
 
+class VideoUrl(_Body):
+    url: str
+
+
+class VideoUrlContentPart(_Body):
+    """A video in a chat message: one URL (data:, http(s) or file://) of an animated GIF, WebP or PNG."""
+
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+class VideoFramesContentPart(_Body):
+    """A video in a chat message as its frames, each an image URL (data:, http(s) or file://), taken at 2 frames
+    per second (Qwen2.5-VL's tooling's ``{"type": "video", "video": [...]}``)."""
+
+    type: Literal["video"]
+    video: list[str] = Field(min_length=1)
+
+
+MEDIA_PART_TYPES = ("text", "image_url", "video_url", "video")
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str = "{}"
@@ -140,7 +162,8 @@ class MessageToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart | ImageUrlContentPart] | None = None
+    content: str | list[TextContentPart | ImageUrlContentPart | VideoUrlContentPart | VideoFramesContentPart] | None \
+        = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
@@ -148,18 +171,20 @@ class ChatMessage(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
-        # Without this, an image part fails every member of the union and the 400 lists their three complaints.
+        # Without this, an unknown part fails every member of the union and the 400 lists all their complaints.
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind not in ("text", "image_url"):
-                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text and "
-                                 "image_url parts")
+            if kind is not None and kind not in MEDIA_PART_TYPES:
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text, "
+                                 "image_url, video_url and video parts")
         return content
 
-    def text(self, image_placeholder: str = "") -> str:
-        """The message's text, each image part written as ``image_placeholder``."""
+    def text(self, image_placeholder: str = "", video_placeholder: str = "") -> str:
+        """The message's text, each image part written as ``image_placeholder``, each video as
+        ``video_placeholder``."""
         if isinstance(self.content, list):
-            return "".join(part.text if isinstance(part, TextContentPart) else image_placeholder
+            return "".join(part.text if isinstance(part, TextContentPart) else
+                           image_placeholder if isinstance(part, ImageUrlContentPart) else video_placeholder
                            for part in self.content)
         return self.content or ""
 
@@ -167,6 +192,13 @@ class ChatMessage(_Body):
         if not isinstance(self.content, list):
             return []
         return [part.image_url.url for part in self.content if isinstance(part, ImageUrlContentPart)]
+
+    def videos(self) -> list[str | list[str]]:
+        """Each video part: its URL, or its frames' URLs."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.video_url.url if isinstance(part, VideoUrlContentPart) else list(part.video)
+                for part in self.content if isinstance(part, (VideoUrlContentPart, VideoFramesContentPart))]
 
 
 class FunctionDefinition(_Body):
@@ -242,6 +274,10 @@ class GenerateRequest(_Body):
     image_data: str | list[str | list[str] | None] | None = Field(
         None, description="a vision-language model's images (data: URLs, http(s) URLs, file:// paths): for one "
                           "prompt an image or a list; for a batch one entry (an image, a list or null) per prompt")
+    video_data: str | list[str | list[str] | list[str | list[str]] | None] | None = Field(
+        None, description="a vision-language model's videos, each a URL (an animated GIF, WebP or PNG) or a list of "
+                          "frame URLs: for one prompt a video URL or a list of videos; for a batch one entry (a "
+                          "video URL, a list of videos or null) per prompt")
 
 
 class EmbeddingRequest(_Body):
@@ -252,6 +288,30 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    rid: str | None = None
+    priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+
+
+class ScoreRequest(_Body):
+    """POST /v1/score (vLLM's shape): ``text_1`` scored against each of ``text_2`` (one text_1), or pairwise."""
+
+    model: str | None = None
+    text_1: StrictStr | list[StrictStr] = Field(min_length=1)
+    text_2: StrictStr | list[StrictStr] = Field(min_length=1)
+    rid: str | None = None
+    priority: int = 0
+    timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")
+
+
+class RerankRequest(_Body):
+    """POST /v1/rerank (Jina's and Cohere's shape): ``documents`` ordered by their score against ``query``."""
+
+    model: str | None = None
+    query: StrictStr
+    documents: list[StrictStr] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
     rid: str | None = None
     priority: int = 0
     timeout: float | None = Field(None, gt=0, description="deadline in seconds (default server.request_timeout)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -56,10 +56,20 @@ def random_image(width: int, height: int, seed: int = 0) -> Any:
     return Image.fromarray(pixels, "RGB")
 
 
-def hf_vl_greedy(model_dir: str, input_ids: list[int], images: list[Any], max_new_tokens: int
-                 ) -> tuple[list[int], torch.Tensor]:
-    """HF transformers' greedy tokens for a prompt whose image tokens are already expanded (as treadle expands
-    them), and the logits of its first step."""
+def animated_gif(frames: Sequence[Any], duration_ms: int = 500) -> bytes:
+    """``frames`` (PIL images) as the bytes of an animated GIF showing each for ``duration_ms``."""
+    import io
+
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=list(frames[1:]), duration=duration_ms, loop=0)
+    return buffer.getvalue()
+
+
+def hf_vl_greedy(model_dir: str, input_ids: list[int], images: list[Any], max_new_tokens: int,
+                 videos: Sequence[Any] = ()) -> tuple[list[int], torch.Tensor]:
+    """HF transformers' greedy tokens for a prompt whose image and video tokens are already expanded (as treadle
+    expands them), and the logits of its first step. ``videos``: the prompt's video items (``MultimodalItem``s of
+    kind ``video``, as treadle's processor makes them)."""
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -68,6 +78,10 @@ def hf_vl_greedy(model_dir: str, input_ids: list[int], images: list[Any], max_ne
     if images:
         processed = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
         kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+    if videos:
+        kwargs.update(pixel_values_videos=torch.cat([video.pixel_values for video in videos]),
+                      video_grid_thw=torch.tensor([video.grid_thw for video in videos]),
+                      second_per_grid_ts=torch.tensor([video.seconds_per_grid for video in videos]))
     with torch.no_grad():
         out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)

@@ -19,6 +19,7 @@
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
 # `speculative` runs bench/speculative.py (oracle machinery on Llama-3.1-8B shapes, ngram on SmolLM2).
 # `lora` runs `treadle bench lora` (kernels, then end to end; LORA_ARGS="--part kernels" for the kernels only).
+# `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.
@@ -160,6 +161,16 @@ PY
       # one of them), with the ratios against the targets (bench/quant.py).
       timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
+    embed)
+      # Qwen3-Embedding-8B shape (dummy, bf16): 1000 passages of 16-512 tokens, HF transformers then Engine.encode
+      # in one run (bench/embed.py; EMBED_ARGS="--passages 500" for a shorter run).
+      timeout ${EMBED_TIMEOUT:-300} python3 -m treadle.bench.embed --output "$OUT/embed.json" ${EMBED_ARGS:-} 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/embed.log" | tail -12 ;;
+    vl)
+      # Qwen2.5-VL-7B shape (dummy, bf16): 500 requests with one 1024x768 image against the same text-only, and the
+      # vision encoder's time per image (bench/vl.py; VL_ARGS="--requests 200" for a shorter run).
+      timeout ${VL_TIMEOUT:-300} python3 -m treadle.bench.vl --output "$OUT/vl.json" ${VL_ARGS:-} 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/vl.log" | tail -12 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -1,21 +1,24 @@
 """Qwen2.5-VL on the GPU: the tiny checkpoint gives HF transformers' greedy tokens on the CUDA attention backends
-(float32; decode through CUDA graphs, which run M-RoPE requests as shifted 1-D rotary), whole and chunked; and the
-vision-language benchmark runs end to end at Qwen2.5-VL-7B's shape on a few requests."""
+for two images and for a video of three frames (float32; decode through CUDA graphs, which run M-RoPE requests as
+shifted 1-D rotary), whole and chunked; and the vision-language benchmark runs end to end at Qwen2.5-VL-7B's shape
+on a few requests."""
 
 from __future__ import annotations
 
 import pytest
+from transformers import AutoConfig
 
 from treadle import Engine, SamplingParams
 from treadle.core.multimodal.processor import MultimodalProcessor
-from treadle.testing.multimodal import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, hf_vl_greedy, \
-    make_tiny_qwen2_5_vl, random_image
+from treadle.testing.multimodal import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_END_ID, VISION_START_ID, \
+    hf_vl_greedy, make_tiny_qwen2_5_vl, random_image
 
 pytestmark = pytest.mark.gpu
 
 PLUGINS = ["treadle.plugins.models.qwen2_5_vl"]
 IMAGE = [VISION_START_ID, IMAGE_TOKEN_ID, VISION_END_ID]
 PROMPT = [5, 17, 42] + IMAGE + [8, 99, 3, 250] + IMAGE + [11, 7]
+VIDEO_PROMPT = [5, 17, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID, 42, 8]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
@@ -23,6 +26,10 @@ def test_matches_hf_on_cuda(tmp_path, backend: str) -> None:
     path = make_tiny_qwen2_5_vl(tmp_path)
     images = [random_image(200, 150, seed=1), random_image(90, 120, seed=2)]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    frames = [random_image(100, 80, seed=seed) for seed in (3, 4, 5)]
+    video_ids, video = MultimodalProcessor.for_model(path, AutoConfig.from_pretrained(path)).process(
+        VIDEO_PROMPT, [], video_data=[frames])
+    want_video = hf_vl_greedy(path, video_ids, [], 12, videos=video.items)[0]
     for chunk in (None, 9):
         config = {"model": {"path": path, "dtype": "float32", "device": "cuda"}, "attention": {"backend": backend},
                   "cache": {"max_total_tokens": 4096}, "scheduler": {"chunked_prefill_size": chunk},
@@ -30,9 +37,11 @@ def test_matches_hf_on_cuda(tmp_path, backend: str) -> None:
         with Engine(config) as engine:
             info = engine.scheduler.worker.info
             ids = MultimodalProcessor.for_model(info.model_dir, info.hf_config).process(PROMPT, images)[0]
-            outs = engine.generate(input_ids=[PROMPT, PROMPT[:3]], image_data=[images, []], sampling_params=params)
+            outs = engine.generate(input_ids=[PROMPT, PROMPT[:3], VIDEO_PROMPT], image_data=[images, [], []],
+                                   video_data=[[], [], [frames]], sampling_params=params)
         assert outs[0].token_ids == hf_vl_greedy(path, ids, images, 12)[0]
         assert outs[1].token_ids == hf_vl_greedy(path, PROMPT[:3], [], 12)[0]
+        assert outs[2].token_ids == want_video
 
 
 def test_vl_benchmark_runs(tmp_path) -> None:

@@ -82,9 +82,10 @@ def test_matches_hf(model_dir, images, name, scheduler):
 def test_text_only_and_image_requests_batched_together(model_dir, images):
     text = [5, 17, 42, 8, 99, 3]
     with make_engine(model_dir) as engine:
-        outs = engine.generate(input_ids=[text, PROMPTS["one-image"][0]], image_data=[[], images[:1]],
-                               sampling_params=GREEDY)
+        outs = engine.generate(input_ids=[text, PROMPTS["one-image"][0], PROMPTS["one-image"][0]],
+                               image_data=[[], images[:1], images[:1]], sampling_params=GREEDY)  # prepared in threads
     assert outs[0].token_ids == hf_vl_greedy(model_dir, text, [], NEW_TOKENS)[0]
+    assert outs[2].token_ids == outs[1].token_ids
     assert outs[1].token_ids == hf_vl_greedy(model_dir, expanded_ids(model_dir, PROMPTS["one-image"][0],
                                                                      images[:1]), images[:1], NEW_TOKENS)[0]
 
@@ -110,21 +111,16 @@ def test_repeated_image_hits_the_cache(model_dir, images):
 
 
 def test_video_matches_hf(model_dir):
-    """Two temporal patches of a 4x4-patch video (random pixels): temporal positions step by
-    tokens_per_second * seconds_per_grid."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+    """A video as the scheduler takes it (two temporal patches of random pixels; temporal positions step by
+    tokens_per_second * seconds_per_grid = 3) and a video of three frames through Engine.generate(video_data=...)
+    (frames paired, the last repeated; 2 frames per second) give HF transformers' greedy tokens."""
     generator = torch.Generator().manual_seed(3)
     pixels = torch.randn(2 * 4 * 4, 3 * 2 * 14 * 14, generator=generator)
     prompt = [5, 17, VISION_START_ID] + [VIDEO_TOKEN_ID] * 8 + [VISION_END_ID, 42, 8]
     item = MultimodalItem("video", pixels, (2, 4, 4), offset=3, num_tokens=8, seconds_per_grid=1.5)
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        want = hf.generate(ids, pixel_values_videos=pixels, video_grid_thw=torch.tensor([[2, 4, 4]]),
-                           second_per_grid_ts=torch.tensor([1.5]), mm_token_type_ids=2 * (ids == VIDEO_TOKEN_ID).int(),
-                           do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                           pad_token_id=0)[0, len(prompt):].tolist()
+    want = hf_vl_greedy(model_dir, prompt, [], NEW_TOKENS, videos=[item])[0]
+    frames = [random_image(100, 80, seed=s) for s in range(3)]
+    video_prompt = [5, 17, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID, 42, 8]
     with make_engine(model_dir, scheduler={"chunked_prefill_size": 6}) as engine:
         req = Req(rid="video", origin_input_ids=prompt, sampling_params=GREEDY, multimodal=MultimodalInputs([item]))
         scheduler = engine.scheduler
@@ -132,7 +128,54 @@ def test_video_matches_hf(model_dir):
         while not req.finished:
             scheduler.step()
         assert req.output_ids == want
+        out = engine.generate(input_ids=video_prompt, video_data=[frames], sampling_params=GREEDY)
+        ids, inputs = processor_of(engine).process(video_prompt, [], video_data=[frames])
+        assert inputs.items[0].grid_thw[0] == 2 and inputs.items[0].seconds_per_grid == 1.0
+        assert out.token_ids == hf_vl_greedy(model_dir, ids, [], NEW_TOKENS, videos=inputs.items)[0]
         assert_kv_accounted(engine)
+
+
+def processor_of(engine: Engine, **limits):
+    from treadle.core.multimodal.processor import ImageLimits, MultimodalProcessor
+
+    info = engine.scheduler.worker.info if isinstance(engine, Engine) else engine
+    return MultimodalProcessor(info.model_dir, info.hf_config, ImageLimits(**limits))
+
+
+def test_video_frames_pair_up_like_the_encoder_expects(model_dir):
+    """Two equal frames make exactly the patches of that frame as an image (an image is a frame shown twice); an
+    animated GIF is cut into its frames at the rate its durations give; the limits and a corrupt video are 400s."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from treadle.core.multimodal.video import VideoFrames
+    from treadle.testing.multimodal import animated_gif
+
+    processor = processor_of(SimpleNamespace(model_dir=model_dir, hf_config=AutoConfig.from_pretrained(model_dir)),
+                             max_videos_per_request=1, max_video_frames=4, max_video_pixels=3 * 100 * 80)
+    frame, other = (random_image(100, 80, seed=seed).quantize(64).convert("RGB") for seed in (1, 2))  # GIF-exact
+    video = [5, VISION_START_ID, VIDEO_TOKEN_ID, VISION_END_ID]
+    _, as_video = processor.process(video, [], video_data=[[frame, frame]])
+    _, as_image = processor.process(IMAGE, [frame])
+    assert torch.equal(as_video.items[0].pixel_values, as_image.items[0].pixel_values)
+    assert as_video.items[0].grid_thw == as_image.items[0].grid_thw
+    _, from_gif = processor.process(video, [], video_data=[animated_gif([frame, other], duration_ms=250)])
+    _, from_list = processor.process(video, [], video_data=[VideoFrames([frame, other], fps=4.0)])
+    assert torch.equal(from_gif.items[0].pixel_values, from_list.items[0].pixel_values)
+    second = processor.process(IMAGE, [other])[1].items[0].pixel_values.view(-1, 3, 2, 14, 14)[:, :, 0]
+    assert torch.equal(from_list.items[0].pixel_values.view(-1, 3, 2, 14, 14)[:, :, 1], second)  # (c, t, h, w)
+    assert from_gif.items[0].seconds_per_grid == 0.5 and from_gif.items[0].content_hash == \
+        from_list.items[0].content_hash
+    for data, message, code in [([[frame] * 5], "max_video_frames = 4", "video_too_large"),
+                                ([[frame] * 4], "max_video_pixels = 24000", "video_too_large"),
+                                ([[frame], [frame]], "max_videos_per_request = 1", "too_many_videos"),
+                                ([b"GIF89a broken"], "not a video this server can decode", "invalid_video"),
+                                ([[frame, random_image(90, 80)]], "frames of a video must be of one size",
+                                 "invalid_video")]:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            processor.process(video * len(data), [], video_data=data)
+        assert info.value.code == code
 
 
 def test_bad_images_are_refused(model_dir, images):
@@ -179,3 +222,24 @@ def test_triton_backend_matches_torch_native(model_dir):
         want = engine.generate(input_ids=prompt, image_data=[random_image(100, 80, seed=1)],
                                sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     assert json.loads(lines[-1][len("TOKENS="):]) == want.token_ids
+
+
+@pytest.mark.parametrize("build", ["under-device", "moved"])
+def test_vision_encoder_keeps_to_the_input_device(build):
+    """The encoder makes its index and rotary tensors on the device of its input and weights, whether it was built
+    under ``torch.device`` (as the loader builds it) or moved after: on the meta device a tensor left on the host
+    fails as it does on CUDA ("Expected all tensors to be on the same device")."""
+    from types import SimpleNamespace
+
+    from treadle.plugins.models.qwen2_5_vl_vision import VisionTransformer
+
+    config = SimpleNamespace(spatial_merge_size=2, patch_size=14, window_size=56, fullatt_block_indexes=[1],
+                             hidden_size=32, in_channels=3, num_heads=2, depth=2, intermediate_size=64,
+                             out_hidden_size=64, temporal_patch_size=2)
+    if build == "under-device":
+        with torch.device("meta"):
+            encoder = VisionTransformer(config)
+    else:
+        encoder = VisionTransformer(config).to("meta")
+    merged = encoder(torch.empty(2 * 8 * 8 + 4 * 4, 3 * 2 * 14 * 14, device="meta"), [(2, 8, 8), (1, 4, 4)])
+    assert merged.device.type == "meta" and merged.shape == (36, 64)

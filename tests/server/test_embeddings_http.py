@@ -95,3 +95,25 @@ def test_health_generate_and_model_info(server: ServerHandle) -> None:
     info = httpx.get(f"{server.base_url}/get_model_info", timeout=30).json()
     assert info["is_generation"] is False and info["task"] == "embed"
     assert info["embedding"] == {"dimensions": 64, "pooling": "last", "normalize": True, "matryoshka": True}
+
+
+def test_score_and_rerank_are_cosine_similarities(server: ServerHandle, client: openai.OpenAI) -> None:
+    """/v1/score (one text_1 against each text_2, and pairwise) and /v1/rerank answer the cosine similarity of the
+    texts' embeddings; rerank orders the documents by it and keeps top_n; a mismatched pairing is a 400."""
+    vectors = torch.tensor([item.embedding for item in client.embeddings.create(model="tiny", input=TEXTS).data])
+    vectors = torch.nn.functional.normalize(vectors.double(), dim=-1)
+    want = (vectors[1:] @ vectors[0]).tolist()
+    one_to_many = httpx.post(f"{server.base_url}/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:]},
+                             timeout=60).json()
+    assert [item["score"] for item in one_to_many["data"]] == pytest.approx(want, abs=1e-5)
+    pairwise = httpx.post(f"{server.base_url}/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]},
+                          timeout=60).json()
+    assert [item["score"] for item in pairwise["data"]] == pytest.approx(
+        [want[0], float(vectors[1] @ vectors[2])], abs=1e-5)
+    ranked = httpx.post(f"{server.base_url}/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1},
+                        timeout=60).json()["results"]
+    best = max(range(2), key=lambda i: want[i])
+    assert len(ranked) == 1 and ranked[0]["index"] == best and ranked[0]["document"]["text"] == TEXTS[1 + best]
+    assert ranked[0]["relevance_score"] == pytest.approx(want[best], abs=1e-5)
+    mismatched = httpx.post(f"{server.base_url}/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}, timeout=60)
+    assert mismatched.status_code == 400 and "text_1 has 2 texts" in mismatched.json()["error"]["message"]
