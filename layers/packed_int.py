@@ -6,8 +6,11 @@ output and input features and how many values share one stored element there) an
 layout, :class:`UnpackedWeight`; once loaded, :class:`PackedIntLinearMethod` repacks that into what the kernels
 read (``kernels/packed_int.py``), whatever the format:
 
-- ``weight``: int32 ``[N, K * bits / 32]``, the unsigned values ``u`` of each row packed along K, lowest bits first
-  (element ``k`` of a row sits in word ``k // (32 / bits)`` at bit ``bits * (k % (32 / bits))``);
+- ``weight``: int32 ``[N, K * bits / 32]``, the unsigned values ``u`` of each row packed along K, lowest bits first,
+  in panels of 16 words (:func:`pack_panels`): value slot ``j`` (bits ``bits * j`` up) of a panel's word ``c`` holds
+  the panel's element ``16 * j + c``, so one slot of a panel's words meets 16 contiguous activations (``panels``
+  True; a K that is not whole panels packs plainly, element ``k`` in word ``k // (32 / bits)``, and runs the torch
+  path);
 - ``weight_scales``: ``[N, groups]`` in the model dtype; ``weight_zeros``: ``[N, groups]`` (the unsigned zero
   point) or None for symmetric weights, whose zero is ``2**(bits - 1)``;
 - act-order (GPTQ ``desc_act``): the input columns are sorted by group once (``input_perm``, applied to ``x``) and
@@ -38,6 +41,10 @@ from treadle.layers.linear_method import LinearMethod, set_weight_attrs
 
 if TYPE_CHECKING:
     from treadle.layers.linear import LinearBase
+
+
+# Words per panel of the kernels' layout (:func:`pack_panels`; kernels/packed_int.py reads the same).
+PANEL_WORDS = 16
 
 
 @dataclass(frozen=True)
@@ -243,10 +250,14 @@ def repack_into(layer: nn.Module, unpacked: UnpackedWeight, scheme: IntWeightSch
             g_idx = g_idx[layer.input_perm]
             values = values[:, layer.input_perm]
             layer.input_perm = layer.input_perm.to(torch.int32 if values.is_cuda else torch.int64)
+            if torch.equal(g_idx, torch.arange(in_features, device=g_idx.device) // group):
+                g_idx = None  # GPTQ's act-order: sorted, every group is whole, so the kernels need no g_idx
     if unpacked.values.max() >= 1 << scheme.bits or unpacked.values.min() < 0:
         raise QuantizationError(f"{type(layer).__name__}: stored values do not fit {scheme.bits} bits")
     layer.bits, layer.group_size = scheme.bits, group
-    layer.weight = nn.Parameter(pack_rows(values, scheme.bits), requires_grad=False)
+    layer.panels = in_features % (PANEL_WORDS * 32 // scheme.bits) == 0
+    packed = pack_panels(values, scheme.bits) if layer.panels else pack_rows(values, scheme.bits)
+    layer.weight = nn.Parameter(packed, requires_grad=False)
     zeros = unpacked.zeros
     if zeros is not None and bool((zeros == 1 << (scheme.bits - 1)).all()):
         zeros = None  # symmetric after all: the kernels use the midpoint
@@ -266,6 +277,24 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per_word, device=values.device, dtype=torch.int64) * bits
     words = (values.to(torch.int64).view(rows, cols // per_word, per_word) << shifts).sum(-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+def pack_panels(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``values`` [N, K] packed for the kernels: each row in panels of ``PANEL_WORDS`` int32 words whose
+    value slot ``j`` of word ``c`` holds the panel's element ``PANEL_WORDS * j + c`` (K a multiple of the panel)."""
+    rows, cols = values.shape
+    per_word = 32 // bits
+    panels = values.reshape(rows, cols // (PANEL_WORDS * per_word), per_word, PANEL_WORDS).transpose(-1, -2)
+    return pack_rows(panels.reshape(rows, cols), bits)
+
+
+def unpack_panels(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The values [N, K] (int32) of :func:`pack_panels`' ``words``."""
+    values = unpack_last(words, bits)
+    rows, cols = values.shape
+    per_word = 32 // bits
+    panels = values.reshape(rows, cols // (PANEL_WORDS * per_word), PANEL_WORDS, per_word).transpose(-1, -2)
+    return panels.reshape(rows, cols)
 
 
 def unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -290,7 +319,8 @@ def dequantize_stored(fmt: PackedIntFormat, stored: dict[str, torch.Tensor]) -> 
 
 def dequantize_layer(layer: nn.Module) -> torch.Tensor:
     """The layer's weight [N, K] in float32, its columns in the (sorted) order its kernels see them."""
-    values = unpack_last(layer.weight.data, layer.bits).to(torch.float32)
+    unpack = unpack_panels if getattr(layer, "panels", False) else unpack_last
+    values = unpack(layer.weight.data, layer.bits).to(torch.float32)
     columns = values.shape[1]
     groups = (layer.g_idx.to(torch.int64) if layer.g_idx is not None
               else torch.arange(columns, device=values.device) // layer.group_size)

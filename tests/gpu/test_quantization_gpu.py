@@ -30,7 +30,7 @@ def _reference(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_order):
     from treadle.kernels.packed_int import plan_kernels
-    from treadle.layers.packed_int import pack_rows
+    from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k + bits + group)
     values = torch.randint(0, 1 << bits, (n, k), device=DEVICE, generator=gen)
@@ -41,9 +41,9 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
     if act_order:
         groups = groups[torch.randperm(k, device=DEVICE, generator=gen)].sort().values
     weight = _reference(values, scales, zeros, groups, bits)
-    packed = pack_rows(values, bits)
+    packed = pack_panels(values, bits)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    plan = plan_kernels(n, k, bits, group, act_order, sm_count)
+    plan = plan_kernels(n, k, bits, group, sm_count)
     for rows in (1, 7, 16, 32, 200, 600):
         x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         expected = x.float() @ weight.t()
@@ -57,17 +57,17 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
 def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
     from treadle.kernels.fused_ops import silu_mul
     from treadle.kernels.packed_int import gemv_candidates, int_gemv
-    from treadle.layers.packed_int import pack_rows
+    from treadle.layers.packed_int import pack_panels
 
     n, k = 28672, 4096  # Llama-3.1-8B's gate_up_proj
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
     scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
     zeros = torch.randint(0, 16, (n, k // 128), device=DEVICE, generator=gen).to(torch.bfloat16) if asym else None
-    packed = pack_rows(values, 4)
+    packed = pack_panels(values, 4)
     x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for tiles in [t for t in gemv_candidates(n, k, 128, sm_count) if t.split_k == 1]:
+    for tiles in [t for t in gemv_candidates(n, k, 4, sm_count) if t.split_k == 1]:
         fused = int_gemv(x, packed, scales, zeros, 4, 128, tiles, silu_mul=True)
         separate = silu_mul(int_gemv(x, packed, scales, zeros, 4, 128, tiles))
         assert torch.allclose(fused.float(), separate.float(), rtol=2**-7, atol=1e-5), tiles
@@ -76,20 +76,20 @@ def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
 @pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
 def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
-    from treadle.layers.packed_int import pack_rows
+    from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
     values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
     scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
     weight = _reference(values, scales, None, torch.arange(k, device=DEVICE) // 128, 4)
-    packed = pack_rows(values, 4)
+    packed = pack_panels(values, 4)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for tiles in gemv_candidates(n, k, 128, sm_count) + tile_candidates(n, k, 16, sm_count) + \
-            tile_candidates(n, k, 64, sm_count):
+    for tiles in gemv_candidates(n, k, 4, sm_count) + tile_candidates(n, k, 4, 16, sm_count) + \
+            tile_candidates(n, k, 4, 64, sm_count):
         rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
         x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
-            int_dot(x, packed, scales, None, None, 4, 128, tiles)
+            int_dot(x, packed, scales, None, 4, 128, tiles)
         expected = x.float() @ weight.t()
         assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
 
