@@ -114,14 +114,17 @@ class PackedIntFormat:
 class PackedIntConfig:
     """The quant_config of a model with integer weights: each linear layer not in ``ignored`` (module names, or
     ``re:`` regular expressions, as compressed-tensors writes them) gets a :class:`PackedIntLinearMethod` reading
-    ``fmt``; ``method`` names the quantization method for messages. MoE experts arrive dequantized
-    (:meth:`checkpoint_stream`); on a ``device`` with FP8 matmuls (a GPU of compute capability 8.9+) the fused
-    experts quantize them to FP8 as each layer loads (``experts_fp8``), so a 4-bit Mixtral-8x7B fits one H100."""
+    ``fmt``; ``method`` names the quantization method for messages. MoE experts arrive as each expert's
+    :class:`UnpackedWeight` (:meth:`checkpoint_stream`): the fused experts keep them packed (``expert_scheme``,
+    ``layers/int_experts.py``) where their shapes allow, else dequantize them, and then, on a ``device`` with FP8
+    matmuls (a GPU of compute capability 8.9+), quantize them to FP8 as each layer loads (``experts_fp8``).
+    Act-order experts (a permutation of the input per expert) are always dequantized."""
 
     def __init__(self, method: str, fmt: PackedIntFormat, ignored: tuple[str, ...] = (),
                  device: torch.device | None = None) -> None:
         self.method, self.fmt, self.ignored = method, fmt, ignored
         self.experts_fp8 = device is not None and experts_in_fp8(device)
+        self.expert_scheme = None if fmt.scheme.act_order else fmt.scheme
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if prefix and is_listed(prefix, self.ignored):
@@ -129,8 +132,9 @@ class PackedIntConfig:
         return PackedIntLinearMethod(self.fmt)
 
     def checkpoint_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``weights`` with each MoE expert's quantized tensors (names under ``.experts.``) replaced by its
-        dequantized ``weight`` once all of them have arrived: the fused experts run 16-bit weights."""
+        """``weights`` with each MoE expert's quantized tensors (names under ``.experts.``) replaced, once all of
+        them have arrived, by ``<expert>.weight``: its :class:`UnpackedWeight`, which the fused experts keep packed
+        or dequantize (``layers/int_experts.py``)."""
         names = {spec.name for spec in self.fmt.tensors(256, 256, 256, False)}
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, loaded in weights:
@@ -141,7 +145,7 @@ class PackedIntConfig:
             parts = pending.setdefault(stem, {})
             parts[kind] = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
             if len(parts) == len(names):
-                yield f"{stem}.weight", dequantize_stored(self.fmt, pending.pop(stem))
+                yield f"{stem}.weight", self.fmt.unpack(pending.pop(stem), 0, 0)
         if pending:
             stem, parts = next(iter(pending.items()))
             raise CheckpointError(f"expert tensors missing from the checkpoint: {stem} has only {sorted(parts)}; "
@@ -305,14 +309,13 @@ def unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(*words.shape[:-1], words.shape[-1] * per_word)
 
 
-def dequantize_stored(fmt: PackedIntFormat, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One weight [N, K] in float32 from its checkpoint tensors in ``fmt``."""
-    unpacked = fmt.unpack({name: tensor for name, tensor in stored.items()}, 0, 0)
+def dequantize_unpacked(unpacked: UnpackedWeight, scheme: IntWeightScheme) -> torch.Tensor:
+    """``unpacked``'s weight [N, K] in float32."""
     values = unpacked.values.to(torch.float32)
     columns = values.shape[1]
     groups = (unpacked.g_idx.to(torch.int64) if unpacked.g_idx is not None
-              else torch.arange(columns, device=values.device) // fmt.scheme.group(columns))
-    zeros = (float(1 << (fmt.scheme.bits - 1)) if unpacked.zeros is None
+              else torch.arange(columns, device=values.device) // scheme.group(columns))
+    zeros = (float(1 << (scheme.bits - 1)) if unpacked.zeros is None
              else unpacked.zeros.to(torch.float32).index_select(1, groups))
     return (values - zeros) * unpacked.scales.to(torch.float32).index_select(1, groups)
 
