@@ -170,8 +170,7 @@ def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
-    i16 = tiles.i16 and bits == 4 and x.dtype in _MAGIC16
-    magic, offset = _MAGIC16[x.dtype] if i16 else (0, 0.0)
+    i16, magic, offset = widening(bits, x.dtype, tiles.i16)
     _int_dot_kernel[grid](
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
@@ -181,7 +180,15 @@ def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
     return out
 
 
-# bf16 0x4300 is 128.0 and fp16 0x6400 is 1024.0; or'ing a 4-bit value into their low mantissa bits adds it.
+def widening(bits: int, dtype: torch.dtype, i16: bool = True) -> tuple[bool, int, float]:
+    """``(I16, MAGIC16, OFFSET16)`` of the ``tl.dot`` kernels: 4-bit values widen to 16-bit activations with integer
+    ops alone (or'ed into the mantissa of bf16 128.0 / fp16 1024.0, whose value they then add to), else through
+    float32."""
+    if i16 and bits == 4 and dtype in _MAGIC16:
+        return (True, *_MAGIC16[dtype])
+    return False, 0, 0.0
+
+
 _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
@@ -328,27 +335,19 @@ def _widened(words, J: tl.constexpr, BITS: tl.constexpr, I16: tl.constexpr, MAGI
 
 
 @triton.jit
-def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
-                    stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
-                    OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_end, stride_sn, BITS: tl.constexpr,
+                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
+                OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 ``[BLOCK_M, BLOCK_N]`` sums of the activation rows (``x_rows``: their first 16 columns' pointers)
+    with the weight rows (``w_cols``: ``[16, BLOCK_N]`` pointers to a row's first panel, transposed) over
+    ``[k_begin, k_end)``: per panel, value slot ``j`` of its words times the 16 activation columns it holds; each
+    group's sums take its scale, and its zero (plus the widening's offset) through the rows' activation sums."""
     PACK: tl.constexpr = 32 // BITS
     PANEL: tl.constexpr = 16 * PACK
     HALF: tl.constexpr = 1 << (BITS - 1)
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, 16)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    k_begin = pid_k * k_per_split
-    w_cols = w_ptr + offs_n[None, :] * stride_wn + offs_c[:, None]  # [16 words, BLOCK_N]: a panel, transposed
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_per_split, PANEL):
+    for k0 in range(k_begin, k_end, PANEL):
         words = tl.load(w_cols + k0 // PACK, mask=n_mask[None, :], other=0, eviction_policy="evict_first")
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -366,6 +365,27 @@ def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
                 acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
                 part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
+                    stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
+                    OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, 16)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_begin = pid_k * k_per_split
+    acc = _dot_panels(x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :], m_mask,
+                      w_ptr + offs_n[None, :] * stride_wn + offs_c[:, None], s_ptr, z_ptr, offs_n, n_mask, k_begin,
+                      k_begin + k_per_split, stride_sn, BITS, GROUP, HAS_ZEROS, I16, MAGIC16, OFFSET16, BLOCK_M,
+                      BLOCK_N)
     tile = offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
