@@ -1,5 +1,6 @@
 """The integer-weight kernels (kernels/packed_int.py) at Llama-3.1-8B's projection shapes against bf16, on one GPU:
-``python -m treadle.bench.quant_kernels [--rows 1,8,32] [--explore] [--output PATH]`` (about a minute on an H100).
+``python -m treadle.bench.quant_kernels [--rows 1,8,32] [--explore] [--moe] [--output PATH]`` (about a minute on an
+H100).
 
 Per shape (qkv, o, gate_up, down) and rows M: bfloat16 ``F.linear`` (cuBLAS) on the same shape, and every launch
 config the loader would time for W4A16 (compressed-tensors' symmetric groups of 128; ``--zeros`` adds AWQ-style
@@ -7,7 +8,8 @@ zero points), each replayed from a CUDA graph with the weight cycled through cop
 decode step reads it. Each line: microseconds, the speed-up over bf16, and the fraction of the W4A16 roofline
 (bytes of the packed weight, its scales and zeros, the activations and the output, at the measured copy bandwidth).
 The summary adds the four shapes up per decoder layer (what a decode step spends in its linear layers, times 32
-layers) with the fastest config of each, as the loader picks them. ``--explore`` times a wider grid of configs.
+layers) with the fastest config of each, as the loader picks them. ``--explore`` times a wider grid of configs;
+``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against W4A16 ones, per token count).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from treadle.bench.results_folder import results_dir
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336)}
 LAYERS = 32  # Llama-3.1-8B's decoder layers
+MIXTRAL_MOE = (8, 4096, 14336, 2)  # experts, hidden, intermediate, top-k
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,14 +60,45 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{bf16_s / seconds:5.2f}x  {roofline_s / seconds:5.0%} of roofline  {tiles}")
     print()
     print(summary(results, rows_list))
+    moe = moe_rows(rows_list, bandwidth, device) if args.moe else []
     report = {"benchmark": "quant_kernels", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(device), "copy_bandwidth_GBps": bandwidth / 1e9,
-              "zeros": args.zeros, "results": results}
+              "zeros": args.zeros, "results": results, "moe": moe}
     output = Path(args.output) if args.output else results_dir() / f"quant_kernels_{dt.date.today():%Y%m%d}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")
     return 0
+
+
+def moe_rows(rows_list: list[int], bandwidth: float, device: torch.device) -> list[dict]:
+    """One Mixtral-8x7B MoE layer (8 experts of 4096 x 14336, top-2, random routing): the 16-bit fused experts
+    against W4A16 ones (symmetric, groups of 128), per token count; the roofline reads each routed expert once."""
+    from treadle.kernels.fused_moe import fused_experts
+    from treadle.kernels.packed_int_moe import fused_int_experts
+    from treadle.layers.fused_moe import route_top_k
+    from treadle.layers.small_batch import graph_seconds
+
+    experts, hidden, inter, top_k = MIXTRAL_MOE
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.01
+    w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.01
+    packed = []
+    for n, k in ((2 * inter, hidden), (hidden, inter)):
+        packed += [torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), dtype=torch.int32, device=device),
+                   (torch.rand(experts, n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16), None]
+    expert_bytes = sum(t[0].numel() * 4 + t[1].numel() * 2 for t in (packed[:2], packed[3:5])) // experts
+    rows = []
+    for tokens in rows_list:
+        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+        weights, ids = route_top_k(torch.randn(tokens, experts, device=device), top_k)
+        bf16_s = graph_seconds(lambda i: fused_experts(x, w13, w2, weights, ids))
+        int4_s = graph_seconds(lambda i: fused_int_experts(x, *packed, weights, ids, 4, 128))
+        roofline_s = ids.unique().numel() * expert_bytes / bandwidth
+        rows.append({"tokens": tokens, "bf16_us": bf16_s * 1e6, "w4a16_us": int4_s * 1e6,
+                     "speedup": bf16_s / int4_s, "roofline_fraction": roofline_s / int4_s})
+        print(f"mixtral moe layer T={tokens:<3} bf16 {bf16_s * 1e6:8.1f} us  w4a16 {int4_s * 1e6:8.1f} us  "
+              f"{bf16_s / int4_s:5.2f}x  {roofline_s / int4_s:5.0%} of roofline")
+    return rows
 
 
 def candidates(n: int, k: int, rows: int, device: torch.device, explore: bool) -> list:
@@ -152,6 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
     parser.add_argument("--explore", action="store_true", help="time a wider grid of launch configs")
+    parser.add_argument("--moe", action="store_true", help="also one Mixtral-8x7B MoE layer, 16-bit against W4A16")
     parser.add_argument("--output")
     return parser
 

@@ -123,3 +123,32 @@ def test_quantized_checkpoint_generates_the_dequantized_models_tokens(tmp_path, 
             outputs.append([out.token_ids for out in engine.generate(input_ids=prompts, sampling_params=params)])
     # Same weights up to bf16 rounding of the dequantized copy: the first tokens agree.
     assert [ids[:8] for ids in outputs[0]] == [ids[:8] for ids in outputs[1]]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 600])  # the GEMVs, then grouped tiles of 16, 64 and 128 rows
+@pytest.mark.parametrize("asym", [False, True])
+def test_int4_experts_kernels_match_the_dequantizing_reference(tokens, asym):
+    from types import SimpleNamespace
+
+    from treadle.kernels.packed_int_moe import fused_int_experts
+    from treadle.layers.int_experts import fused_int_experts_reference
+    from treadle.layers.packed_int import IntWeightScheme, pack_panels
+
+    experts, hidden, inter, top_k = 8, 4096, 1792, 2  # Mixtral-8x7B's experts at tp=8 (a smaller intermediate)
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    packed = {}
+    for name, (n, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+        values = torch.randint(0, 16, (experts, n, k), device=DEVICE, generator=gen)
+        packed[f"{name}_proj"] = torch.stack([pack_panels(v, 4) for v in values])
+        packed[f"{name}_scales"] = (torch.rand(experts, n, k // 128, device=DEVICE, generator=gen) * 0.002
+                                    + 0.001).to(torch.bfloat16)
+        packed[f"{name}_zeros"] = torch.randint(0, 16, (experts, n, k // 128), device=DEVICE, generator=gen).to(
+            torch.bfloat16) if asym else None
+    layer = SimpleNamespace(int_scheme=IntWeightScheme(4, 128), int_group=128, panels=True, num_experts=experts,
+                            **packed)
+    x = torch.randn(tokens, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
+    weights, ids = torch.rand(tokens, experts, device=DEVICE, generator=gen).softmax(-1).topk(top_k)
+    got = fused_int_experts(x, packed["gate_up_proj"], packed["gate_up_scales"], packed["gate_up_zeros"],
+                            packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, 4, 128)
+    expected = fused_int_experts_reference(x, layer, weights, ids)
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-2
