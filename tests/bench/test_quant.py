@@ -45,3 +45,14 @@ def test_dummy_packed_weights_load_and_run(tmp_path):
     assert layer.weight.dtype == torch.int32 and layer.weight.shape == (256, 512 // 8)
     assert layer.weight_scales.shape == (256, 4)
     assert torch.isfinite(prefill_logits(model, [5, 6, 7])).all()
+
+
+def test_memory_fit_counts_packed_int_weights_in_their_bits():
+    from treadle.bench.memory_fit import memory_need
+
+    gib = 1 << 30
+    bf16, w4a16, awq, mixtral = (memory_need(MODEL_SHAPES[name], "bfloat16", 0).weights / gib for name in (
+        "llama-3.1-8b", "llama-3.1-8b-w4a16", "llama-3.1-8b-awq", "mixtral-8x7b-w4a16"))
+    # 8B: 13.0 GiB of projections at 2 bytes become 0.5 + 2/128 (scales) bytes; AWQ's zeros add as much again.
+    assert 14.9 < bf16 < 15.0 and 5.2 < w4a16 < 5.4 and w4a16 < awq < w4a16 + 0.15
+    assert mixtral < 24  # a 4-bit Mixtral-8x7B fits one 80 GB GPU with room for its KV cache
