@@ -195,7 +195,8 @@ class PackedIntLinearMethod(LinearMethod):
                                                     not layer.splits_output)
         for spec in layer.checkpoint_tensors:
             param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
-            set_weight_attrs(param, weight_loader=_sharded_loader(layer, spec), keep_dtype=not spec.dtype.is_floating_point)
+            set_weight_attrs(param, weight_loader=_sharded_loader(layer, spec), dummy_fills_rank=True,
+                             keep_dtype=not spec.dtype.is_floating_point)
             layer.register_parameter(spec.name, param)
 
     def process_weights_after_loading(self, layer: "LinearBase") -> None:

@@ -56,3 +56,24 @@ def test_memory_fit_counts_packed_int_weights_in_their_bits():
     # 8B: 13.0 GiB of projections at 2 bytes become 0.5 + 2/128 (scales) bytes; AWQ's zeros add as much again.
     assert 14.9 < bf16 < 15.0 and 5.2 < w4a16 < 5.4 and w4a16 < awq < w4a16 + 0.15
     assert mixtral < 24  # a 4-bit Mixtral-8x7B fits one 80 GB GPU with room for its KV cache
+
+
+def test_dummy_packed_weights_fill_a_tensor_parallel_rank(tmp_path, monkeypatch):
+    # Rank 1 of 2 (no group is needed to build and fill one): the packed layers' tensors are filled in their
+    # rank's shapes, not through the loader, which expects the full checkpoint tensors.
+    from treadle.bench.shapes import TINY, W4A16_CONFIG, write_config
+    from treadle.core.config import ModelConfig
+    from treadle.core.distributed import parallel
+    from treadle.core.loading.model_loader import load_model
+    from treadle.core.registry import build_registry
+
+    monkeypatch.setattr(parallel, "_group", parallel.TensorParallelGroup(rank=1, size=2))
+    model_dir = write_config(tmp_path, {**TINY, "quantization_config": W4A16_CONFIG})
+    registry = build_registry(plugin_modules=["treadle.plugins.models.llama",
+                                              "treadle.plugins.quantization.compressed_tensors"],
+                              load_entry_points=False)
+    model, _, _ = load_model(ModelConfig(path=model_dir, load_format="dummy", device="cpu", dtype="float32"),
+                             registry)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == torch.int32 and down.weight.shape == (256, 256 // 8)
+    assert down.weight_scales.shape == (256, 2) and bool((down.weight_scales != 0).any())
