@@ -113,7 +113,7 @@ def candidates(n: int, k: int, rows: int, device: torch.device, explore: bool) -
                        for block_w in (16, 32, 64) for split in (1, 2, 4, 8) for warps in (1, 2, 4)
                        if (k // 8) % (block_w * split) == 0 and block_n * block_w <= 32 * 32 * warps]
         return list(dict.fromkeys(listed))
-    listed = tile_candidates(n, k, 4, 16 if rows <= 16 else 64, sm_count)
+    listed = tile_candidates(n, k, 4, 16 if rows <= 16 else 32 if rows <= 32 else 64, sm_count)
     if explore:
         listed += [IntTiles(block_m, block_n, 16, split, warps, i16) for block_m in (16, 32, 64)
                    for block_n in (32, 64, 128) for split in (1, 2, 4) for warps in (4, 8) for i16 in (True, False)

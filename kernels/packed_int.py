@@ -57,14 +57,15 @@ class IntTiles:
 @dataclass(frozen=True)
 class IntKernelPlan:
     """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
-    row, ``small`` for up to 16 rows, ``medium`` up to ``DOT_MAX_ROWS``, then :func:`dequantize` and
-    ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
+    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``DOT_MAX_ROWS``, then
+    :func:`dequantize` and ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
 
     bits: int
     group: int
     gemv: IntTiles
     small: IntTiles
     medium: IntTiles
+    large: IntTiles
 
     def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
                      ) -> torch.Tensor | None:
@@ -81,7 +82,7 @@ class IntKernelPlan:
             if rows == 1:
                 return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv)
             if rows <= DOT_MAX_ROWS:
-                tiles = self.small if rows <= 16 else self.medium
+                tiles = self.small if rows <= 16 else self.medium if rows <= 32 else self.large
                 return int_dot(x, weight, scales, zeros, self.bits, self.group, tiles)
         return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
 
@@ -95,8 +96,7 @@ def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
         return None
     choose = pick or (lambda candidates, rows: candidates[0])
     return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1),
-                         choose(tile_candidates(n, k, bits, 16, sm_count), 16),
-                         choose(tile_candidates(n, k, bits, 64, sm_count), 64))
+                         *(choose(tile_candidates(n, k, bits, rows, sm_count), rows) for rows in (16, 32, 64)))
 
 
 def tiles_shape(k: int, bits: int, group: int) -> bool:
@@ -124,9 +124,10 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
 
 
 def tile_candidates(n: int, k: int, bits: int, rows: int, sm_count: int) -> list[IntTiles]:
-    """``tl.dot`` tile configs for batches of about ``rows`` tokens (one panel per K step)."""
+    """``tl.dot`` tile configs for batches of about ``rows`` tokens (one panel per K step): as many tile rows as the
+    batch has, up to 64 (the tensor cores' work on padding rows is not free at 32)."""
     words = k * bits // 32
-    block_m = 16 if rows <= 16 else 64
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     shapes = ((64, 4), (32, 4), (128, 4)) if rows <= 16 else ((64, 4), (128, 8), (32, 4))
     candidates = []
     for block_n, warps in shapes:

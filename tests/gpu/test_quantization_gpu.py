@@ -85,7 +85,7 @@ def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     packed = pack_panels(values, 4)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     for tiles in gemv_candidates(n, k, 4, sm_count) + tile_candidates(n, k, 4, 16, sm_count) + \
-            tile_candidates(n, k, 4, 64, sm_count):
+            tile_candidates(n, k, 4, 32, sm_count) + tile_candidates(n, k, 4, 64, sm_count):
         rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
         x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
