@@ -19,7 +19,10 @@ from treadle.kernels.fused_moe import align_by_expert, default_config, takes_gem
 from treadle.kernels.fused_ops import silu_mul
 from treadle.kernels.packed_int import _dot_panels, _gemv_rows, widening
 
-_GEMV_ROWS, _GEMV_WORDS, _GEMV_WARPS = 16, 32, 2  # weight rows and words per step of a GEMV program
+# Weight rows, words per step and warps of a GEMV program: the gate/up GEMV has two row blocks per program and
+# top_k * I / 16 programs per token; the down GEMV's H / 8 programs per token each read top_k experts' rows.
+_GEMV_ROWS, _GEMV_WORDS, _GEMV_WARPS = 16, 32, 2
+_DOWN_ROWS, _DOWN_WARPS = 8, 1
 
 
 def fused_int_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Tensor | None,
@@ -60,10 +63,10 @@ def _gemvs(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Ten
         w13.stride(1), s13.stride(0), s13.stride(1), BITS=bits, GROUP=group, HAS_ZEROS=z13 is not None,
         BLOCK_N=_GEMV_ROWS, BLOCK_W=_block_words(hidden, bits), num_warps=_GEMV_WARPS)
     out = torch.empty_like(x)
-    _moe_int_down_kernel[(num_tokens, triton.cdiv(hidden, _GEMV_ROWS))](
+    _moe_int_down_kernel[(num_tokens, triton.cdiv(hidden, _DOWN_ROWS))](
         activated, w2, s2, z2 if z2 is not None else s2, ids, weights, out, hidden, inter, w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(1), TOP_K=top_k, BITS=bits, GROUP=group, HAS_ZEROS=z2 is not None,
-        BLOCK_N=_GEMV_ROWS, BLOCK_W=_block_words(inter, bits), num_warps=_GEMV_WARPS)
+        BLOCK_N=_DOWN_ROWS, BLOCK_W=_block_words(inter, bits), num_warps=_DOWN_WARPS)
     return out
 
 
