@@ -27,9 +27,7 @@ def test_the_w4a16_shape_is_llama_8b_with_a_pack_quantized_config():
     assert shape["hidden_size"] == 4096 and shape["quantization_config"]["format"] == "pack-quantized"
 
 
-def test_dummy_packed_weights_load_and_run(tmp_path):
-    # What the bench loads on the GPU: a W4A16 config.json and load_format dummy (no checkpoint).
-    from prefill_logits import prefill_logits
+def _dummy_w4a16_model(tmp_path):
     from treadle.bench.shapes import TINY, W4A16_CONFIG, write_config
     from treadle.core.config import ModelConfig
     from treadle.core.loading.model_loader import load_model
@@ -41,6 +39,14 @@ def test_dummy_packed_weights_load_and_run(tmp_path):
                               load_entry_points=False)
     model, _, _ = load_model(ModelConfig(path=model_dir, load_format="dummy", device="cpu", dtype="float32"),
                              registry)
+    return model
+
+
+def test_dummy_packed_weights_load_and_run(tmp_path):
+    # What the bench loads on the GPU: a W4A16 config.json and load_format dummy (no checkpoint).
+    from prefill_logits import prefill_logits
+
+    model = _dummy_w4a16_model(tmp_path)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight.dtype == torch.int32 and layer.weight.shape == (256, 512 // 8)
     assert layer.weight_scales.shape == (256, 4)
@@ -61,19 +67,10 @@ def test_memory_fit_counts_packed_int_weights_in_their_bits():
 def test_dummy_packed_weights_fill_a_tensor_parallel_rank(tmp_path, monkeypatch):
     # Rank 1 of 2 (no group is needed to build and fill one): the packed layers' tensors are filled in their
     # rank's shapes, not through the loader, which expects the full checkpoint tensors.
-    from treadle.bench.shapes import TINY, W4A16_CONFIG, write_config
-    from treadle.core.config import ModelConfig
     from treadle.core.distributed import parallel
-    from treadle.core.loading.model_loader import load_model
-    from treadle.core.registry import build_registry
 
     monkeypatch.setattr(parallel, "_group", parallel.TensorParallelGroup(rank=1, size=2))
-    model_dir = write_config(tmp_path, {**TINY, "quantization_config": W4A16_CONFIG})
-    registry = build_registry(plugin_modules=["treadle.plugins.models.llama",
-                                              "treadle.plugins.quantization.compressed_tensors"],
-                              load_entry_points=False)
-    model, _, _ = load_model(ModelConfig(path=model_dir, load_format="dummy", device="cpu", dtype="float32"),
-                             registry)
+    model = _dummy_w4a16_model(tmp_path)
     down = model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == torch.int32 and down.weight.shape == (256, 256 // 8)
     assert down.weight_scales.shape == (256, 2) and bool((down.weight_scales != 0).any())
