@@ -112,7 +112,7 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     row tiles alone leave the GPU short of programs to keep the memory busy."""
     words = k * bits // 32
     candidates = []
-    for block_n, block_w, warps in ((16, 16, 1), (32, 16, 2), (16, 32, 2), (32, 32, 4), (64, 16, 4), (8, 32, 1)):
+    for block_n, block_w, warps in ((16, 16, 1), (16, 32, 1), (32, 16, 2), (16, 32, 2), (32, 32, 4), (8, 32, 1)):
         if words % block_w:
             continue
         split = _split(n, words, block_n, block_w, 4 * sm_count)
