@@ -1,6 +1,6 @@
 """Which Triton kernels (``kernels/packed_int.py``) each integer weight shape runs, chosen once at load.
 
-For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` tiles (at 16 and 64 rows)
+For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` tiles (at 16, 32 and 64 rows)
 are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the weight so it is
 read from memory as a decode step reads it (``layers/small_batch.py``'s timing), and the fastest kept. With
 ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run.
