@@ -70,12 +70,33 @@ def kv_cache_bytes(hf: dict[str, Any], slots: int, dtype_bytes: int) -> int:
 def memory_need(hf: dict[str, Any], dtype: str, kv_slots: int, tp_size: int = 1, with_peer: bool = False,
                 fp8: bool = False) -> MemoryNeed:
     """What one rank of a ``tp_size`` group holds: its share of the weights and KV, and a peer's copy.
-    ``fp8`` (or an FP8 checkpoint): the layers' projections take one byte a parameter (quantized as they load)."""
+    ``fp8`` (or an FP8 checkpoint): the layers' projections take one byte a parameter (quantized as they load);
+    an integer checkpoint's (GPTQ, AWQ, compressed-tensors), their packed bits plus their group scales and zeros."""
     size = DTYPE_BYTES[dtype]
     projections, rest = parameter_counts(hf)
-    fp8 = fp8 or (hf.get("quantization_config") or {}).get("quant_method") == "fp8"
-    weights = (projections * (1 if fp8 else size) + rest * size) // tp_size
+    per_parameter = 1.0 if fp8 else projection_bytes(hf.get("quantization_config") or {}, size)
+    weights = (int(projections * per_parameter) + rest * size) // tp_size
     return MemoryNeed(weights, kv_cache_bytes(hf, kv_slots, size) // tp_size, weights if with_peer else 0)
+
+
+def projection_bytes(quantization: dict[str, Any], size: int) -> float:
+    """Bytes per parameter of the projections a checkpoint's ``quantization_config`` stores (``size``: 16-bit)."""
+    method = quantization.get("quant_method")
+    if method == "fp8":
+        return 1.0
+    if method in ("gptq", "awq"):
+        bits, group = quantization.get("bits", 4), quantization.get("group_size", 128)
+        zeros = method == "awq" and quantization.get("zero_point", True) or method == "gptq" and \
+            not quantization.get("sym", True)
+    elif method == "compressed-tensors":
+        weights = next(iter((quantization.get("config_groups") or {}).values()), {}).get("weights") or {}
+        if weights.get("type") == "float":
+            return 1.0
+        bits, group, zeros = weights.get("num_bits", 8), weights.get("group_size"), not weights.get("symmetric", True)
+    else:
+        return float(size)
+    per_group = size * (2 if zeros else 1) / group if group and group > 0 else 0.0
+    return bits / 8 + per_group
 
 
 def available_bytes(device: torch.device) -> int:

@@ -9,6 +9,9 @@ runs, with the same settings for both:
   (packed int4 weights, their scales, the 16-bit lm_head) plus the KV cache;
 - ``treadle bench offline``'s 1000-request ``random`` workload (docs/benchmarks.md); ``--runs`` picks either.
 
+``--shape mixtral-8x7b`` runs the offline workload on Mixtral-8x7B's W4A16 shape alone (--format w4a16; its
+experts packed, through the integer fused-MoE kernels): bf16 does not fit one H100.
+
 Then prints the ratios against the targets of docs/quantization.md (bs=1 >= 2.4x bf16 and >= 80% of the W4A16
 roofline; bs=32 >= 1.6x; offline >= 1.0x) and writes the JSON of both runs under ``--out``.
 """
@@ -27,6 +30,8 @@ TARGETS = {1: 2.4, 32: 1.6}
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.shape != "llama-3.1-8b":
+        return _quantized_only(args)
     out = Path(args.out)
     folders = {}
     for name in ("llama-3.1-8b", f"llama-3.1-8b-{args.format}"):
@@ -56,6 +61,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _quantized_only(args: argparse.Namespace) -> int:
+    """A shape that does not fit one GPU in bf16 (``--shape mixtral-8x7b``: 93 GB): the offline run of its W4A16
+    twin alone (its experts packed, through the integer fused-MoE kernels)."""
+    from treadle.bench import offline_throughput
+
+    name = f"{args.shape}-{args.format}"
+    folder = Path(args.out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    model = write_config(folder, MODEL_SHAPES[name])
+    output = Path(args.out) / f"offline_{name}.json"
+    offline_throughput.main(["--workload", "random", "--num-prompts", str(args.num_prompts), "--input-len",
+                             "16:600", "--output-len", "16:400", "--set", f"model.path={model}", "--set",
+                             "model.load_format=dummy", "--dtype", "bfloat16", "--device", "cuda", "--no-progress",
+                             "--output", str(output)])
+    system = json.loads(output.read_text())["systems"][-1]
+    print(f"\n{name} offline: {system['output_throughput_tok_s']:.0f} out tok/s ({args.num_prompts} requests)")
+    return 0
+
+
 def summary(one_batch: dict, offline: dict | None, quantized: str) -> str:
     """The W4A16 rows against their targets."""
     lines = [f"{'':<28}{'bf16 ms':>9}{'w4a16 ms':>10}{'speed-up':>10}{'target':>8}{'roofline':>10}"]
@@ -79,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m treadle.bench.quant", description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["w4a16", "awq"], default="w4a16",
                         help="w4a16: compressed-tensors symmetric (no zero points); awq: AutoAWQ with zero points")
+    parser.add_argument("--shape", choices=["llama-3.1-8b", "mixtral-8x7b"], default="llama-3.1-8b",
+                        help="mixtral-8x7b: the W4A16 offline run alone (bf16 does not fit one H100)")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--runs", default="one-batch,offline",
                         help="one-batch (decode steps at --batch-sizes), offline (the 1000-request run), or both")

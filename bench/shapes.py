@@ -108,8 +108,9 @@ AWQ_CONFIG: dict[str, Any] = {"quant_method": "awq", "bits": 4, "group_size": 12
 MODEL_SHAPES = {**SHAPES, "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B,  # what write_config may write
                 "llama-3.1-8b-w4a16": {**LLAMA_3_1_8B, "quantization_config": W4A16_CONFIG},
                 "llama-3.1-8b-awq": {**LLAMA_3_1_8B, "quantization_config": AWQ_CONFIG},
-                # The attention in 4 bits; the experts, dequantized at load, in FP8 on an H100 (docs/quantization.md).
-                "mixtral-8x7b-w4a16": {**MIXTRAL_8X7B, "quantization_config": W4A16_CONFIG}}
+                # The attention and the experts in 4 bits (the experts through the integer fused-MoE kernels).
+                "mixtral-8x7b-w4a16": {**MIXTRAL_8X7B, "quantization_config": W4A16_CONFIG},
+                "mixtral-8x7b-awq": {**MIXTRAL_8X7B, "quantization_config": AWQ_CONFIG}}
 # A few-layer model of the same kind, for smoke tests on the CPU.
 TINY: dict[str, Any] = {
     **LLAMA_3_1_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

@@ -1,15 +1,23 @@
-"""Triton kernels for integer weights with group scales (W4A16, W8A16), in ``layers/packed_int.py``'s layout:
-``weight`` int32 ``[N, K * bits / 32]`` (each row packed along K, lowest bits first), ``scales`` / ``zeros``
-``[N, groups]``, optional ``g_idx`` ``[K]`` (act-order: each column's group).
+"""Triton kernels for integer weights with group scales (W4A16, W8A16), in ``layers/packed_int.py``'s panel layout:
+``weight`` int32 ``[N, K * bits / 32]``, each row cut into panels of 16 words whose value ``j`` of word ``c`` is
+the row's element ``16 * j + c`` of the panel (so the activations of one value slot of a panel's words are 16
+contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 
-- :func:`int_gemv` — one token (no act-order): each program streams ``BLOCK_N`` rows of packed words once, unpacks
-  them in registers, multiplies by x in float32 and applies each group's scale (and zero) to the group's sums;
-  split-K programs (K cut into ranges, for shapes with few output tiles) add float32 partials atomically.
-- :func:`int_dot` — a few to a few hundred rows: each K step dequantizes a ``[BLOCK_K, BLOCK_N]`` tile of the
-  weight to the activations' dtype in registers and multiplies on the tensor cores (``tl.dot``, float32 sums).
-- :func:`dequantize` — larger batches: the whole weight to 16 bits once per call, then the library matmul.
+- :func:`int_gemv` — one token: each program streams ``block_n`` rows, ``block_w`` words per step (the next step's
+  words loaded before this one's arithmetic), and turns each 4-bit value into float32 with one integer op (the
+  value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation) and one add; sums
+  stay per word column in registers and meet their group's scale once per group, so the only cross-thread
+  reduction is the last one. Split-K programs store float32 partials that the last of a tile's programs sums (no
+  second kernel, no memset).
+- :func:`int_dot` — 2 to ``DOT_MAX_ROWS`` rows: per panel, each value slot ``j`` of the words is widened to the
+  activations' dtype in registers (4-bit: ``u | 0x4300`` read as bf16 is ``128 + u`` exactly, no conversion
+  instruction) and multiplied on the tensor cores by the 16 activation columns it belongs to; each group's sums
+  take its scale and zero (and the widening's offset, through the rows' activation sums) once.
+- :func:`dequantize` — larger batches (compute-bound): the 16-bit weight once per call, then the library matmul;
+  also act-order weights whose sorted groups are not uniform (``g_idx``).
 
-:func:`choose_kernels` picks per weight shape, once at load, which kernel and tiles each batch size runs.
+:func:`plan_kernels` lists, per weight shape, the launch configs each batch size may run; the loader times them
+(``layers/int_kernel_choice.py``) once at load.
 """
 
 from __future__ import annotations
@@ -22,298 +30,385 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from treadle.kernels.pdl import allow_next, wait_for_previous
+from treadle.kernels.pdl import enabled as pdl_enabled
+from treadle.kernels.small_batch import _arrivals
+
+PANEL_WORDS = 16  # words per panel (layers/packed_int.py's pack_panels)
+# Batches up to this many rows run the tiles that widen the weight in registers; larger ones dequantize it once
+# per call and run the library matmul.
+DOT_MAX_ROWS = 256
+
 
 @dataclass(frozen=True)
 class IntTiles:
-    """One launch's tiles: ``block_m`` 0 means the GEMV; ``split_k`` K ranges reduced atomically. ``dup``: each value
-    loads its own word (addresses repeat ``32 / bits`` times, served by L1) and shifts it, instead of loading each
-    word once and splitting it in registers (a reshape whose cost depends on the layout Triton picks)."""
+    """One launch's tiles: ``block_m`` 0 means the GEMV; ``block_w`` packed words per row per K step (a multiple of
+    the 16-word panel; the tiles of ``int_dot`` take one panel per step); ``split_k`` K ranges whose float32
+    partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone."""
 
     block_m: int
     block_n: int
-    block_k: int
+    block_w: int = PANEL_WORDS
     split_k: int = 1
     num_warps: int = 4
-    dup: bool = False
-
-
-# Batches up to this many rows run the tiles that dequantize in registers; larger ones dequantize the whole weight
-# once and run the library matmul (compute-bound there: the 16-bit weight is read from L2-sized tiles either way).
-DOT_MAX_ROWS = 256
+    i16: bool = False
 
 
 @dataclass(frozen=True)
 class IntKernelPlan:
     """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
-    row (None: ``small``), ``small`` for up to 16 rows, ``medium`` up to ``DOT_MAX_ROWS``, then :func:`dequantize`
-    and ``F.linear``."""
+    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``DOT_MAX_ROWS``, then
+    :func:`dequantize` and ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
 
     bits: int
     group: int
-    gemv: IntTiles | None
+    gemv: IntTiles
     small: IntTiles
     medium: IntTiles
+    large: IntTiles
 
     def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
                      ) -> torch.Tensor | None:
         """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
         needs no split-K; None: the caller runs the matmul, then ``silu_mul``."""
-        if x.shape[0] != 1 or self.gemv is None or self.gemv.split_k != 1:
+        if x.shape[0] != 1 or self.gemv.split_k != 1:
             return None
         return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             g_idx: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows == 1 and self.gemv is not None:
-            return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv)
-        if rows <= DOT_MAX_ROWS:
-            tiles = self.small if rows <= 16 else self.medium
-            return int_dot(x, weight, scales, zeros, g_idx, self.bits, self.group, tiles)
+        if g_idx is None:
+            if rows == 1:
+                return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv)
+            if rows <= DOT_MAX_ROWS:
+                tiles = self.small if rows <= 16 else self.medium if rows <= 32 else self.large
+                return int_dot(x, weight, scales, zeros, self.bits, self.group, tiles)
         return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
 
 
-def plan_kernels(n: int, k: int, bits: int, group: int, act_order: bool, sm_count: int,
+def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
                  pick: Callable[[list[IntTiles], int], IntTiles] | None = None) -> IntKernelPlan | None:
-    """The kernels for a weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch path).
-    ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the model loader times them on
-    the GPU); without it, the first candidate, whose split-K fills ``2 * sm_count`` programs."""
-    if k % 128 or not (group % 128 == 0 or 128 % group == 0):
+    """The kernels for a panel-packed weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch
+    path). ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them
+    on the GPU); without it, the first candidate."""
+    if not tiles_shape(k, bits, group):
         return None
     choose = pick or (lambda candidates, rows: candidates[0])
-    gemv = None if act_order else choose(gemv_candidates(n, k, group, sm_count), 1)
-    small = choose(tile_candidates(n, k, 16, sm_count), 16)
-    medium = choose(tile_candidates(n, k, 64, sm_count), 64)
-    return IntKernelPlan(bits, group, gemv, small, medium)
+    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1),
+                         *(choose(tile_candidates(n, k, bits, rows, sm_count), rows) for rows in (16, 32, 64)))
 
 
-def gemv_candidates(n: int, k: int, group: int, sm_count: int) -> list[IntTiles]:
-    """One-token GEMV configs for an ``n`` x ``k`` weight: rows per program, K per step (whole groups, or within one),
-    both ways of unpacking, split-K filling the GPU and twice that."""
+def tiles_shape(k: int, bits: int, group: int) -> bool:
+    """Whether the kernels take a K of ``k`` ``bits``-bit values in groups of ``group``: whole panels, and groups
+    that are whole value slots of a panel (16 columns each) or whole panels."""
+    panel = PANEL_WORDS * 32 // bits
+    return k % panel == 0 and group % 16 == 0 and (panel % group == 0 or group % panel == 0)
+
+
+def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
+    """One-token GEMV configs for an ``n`` x ``k`` weight: rows per program, words per step and warps such that each
+    thread holds several rows of the same columns (the activations it widens serve them all), split-K where the
+    row tiles alone leave the GPU short of programs to keep the memory busy."""
+    words = k * bits // 32
     candidates = []
-    for block_n, block_k, warps in ((32, 256, 4), (16, 256, 4), (64, 128, 8), (32, 128, 4)):
-        if k % block_k or not (group % block_k == 0 or block_k % group == 0):
+    for block_n, block_w, warps in ((16, 16, 1), (16, 32, 1), (32, 16, 2), (16, 32, 2), (32, 32, 4), (8, 32, 1)):
+        if words % block_w:
             continue
-        split = _split(n, k, block_n, block_k, sm_count)
-        for dup in (False, True):
-            for factor in (1, 2):
-                tiles = IntTiles(0, block_n, block_k, split * factor, warps, dup)
-                if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
-                    candidates.append(tiles)
+        split = _split(n, words, block_n, block_w, 4 * sm_count)
+        for tiles in (IntTiles(0, block_n, block_w, split, warps),
+                      IntTiles(0, block_n, block_w, max(split // 2, 1), warps)):
+            if tiles not in candidates:
+                candidates.append(tiles)
     return candidates
 
 
-def tile_candidates(n: int, k: int, rows: int, sm_count: int) -> list[IntTiles]:
-    """``tl.dot`` tile configs for batches of about ``rows`` tokens."""
-    block_m = 16 if rows <= 16 else 64
-    shapes = ((64, 128, 4), (128, 128, 8), (32, 128, 4)) if rows <= 16 else ((128, 64, 8), (64, 64, 4), (128, 128, 8))
+def tile_candidates(n: int, k: int, bits: int, rows: int, sm_count: int) -> list[IntTiles]:
+    """``tl.dot`` tile configs for batches of about ``rows`` tokens (one panel per K step): as many tile rows as the
+    batch has, up to 64 (the tensor cores' work on padding rows is not free at 32)."""
+    words = k * bits // 32
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    shapes = ((64, 4), (32, 4), (128, 4)) if rows <= 16 else ((64, 4), (128, 8), (32, 4))
     candidates = []
-    for block_n, block_k, warps in shapes:
-        if k % block_k:
-            continue
-        split = _split(n, k, block_n, block_k, sm_count) if rows <= 16 else 1
-        for dup in (False, True):
-            for factor in ((1, 2) if rows <= 16 else (1,)):
-                tiles = IntTiles(block_m, block_n, block_k, split * factor, warps, dup)
-                if k % (tiles.split_k * block_k) == 0 and tiles not in candidates:
-                    candidates.append(tiles)
+    for block_n, warps in shapes:
+        split = _split(n, words, block_n, PANEL_WORDS, 2 * sm_count)
+        for i16 in ((True, False) if bits == 4 else (False,)):
+            tiles = IntTiles(block_m, block_n, PANEL_WORDS, split, warps, i16)
+            if tiles not in candidates:
+                candidates.append(tiles)
     return candidates
 
 
-def _split(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
+def _split(n: int, words: int, block_n: int, block_w: int, programs: int) -> int:
     tiles, split = triton.cdiv(n, block_n), 1
-    while tiles * split < 2 * sm_count and split < 8 and k % (2 * split * block_k) == 0:
+    while tiles * split < programs and split < 8 and words % (2 * split * block_w) == 0:
         split *= 2
     return split
 
 
 def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group: int, tiles: IntTiles, silu_mul: bool = False) -> torch.Tensor:
-    """``x [M, K] @ dequantized(weight).T`` one program row per token (meant for M = 1); no act-order. With
-    ``silu_mul`` (no split-K) the weight is ``[gate | up]`` and the result ``silu(gate) * up``, in one kernel."""
-    rows, k = x.shape
+    """``x [1, K] @ dequantized(weight).T``. With ``silu_mul`` (no split-K) the weight is ``[gate | up]`` and the
+    result ``silu(gate) * up``, in one kernel."""
+    k = x.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = _output(rows, n, x.dtype, x.device, tiles.split_k)
-    groups_per_block = max(tiles.block_k // group, 1)
-    grid = (triton.cdiv(n, tiles.block_n), tiles.split_k, rows)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
+    partials = _partials(tiles.split_k, 1, n, x.device)
+    pdl = pdl_enabled(x.device)
     _int_gemv_kernel[grid](
-        x, weight, scales, zeros if zeros is not None else scales, out, n, k // tiles.split_k,
-        x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, NG=groups_per_block, GSZ=tiles.block_k // groups_per_block,
-        HAS_ZEROS=zeros is not None, ATOMIC=tiles.split_k > 1, SILU_MUL=silu_mul, DUP=tiles.dup,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-    return out if tiles.split_k == 1 else out.to(x.dtype)
+        x, weight, scales, zeros if zeros is not None else scales, out, partials,
+        _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0),
+        BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
+        BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
+    return out
 
 
-def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None, bits: int, group: int, tiles: IntTiles) -> torch.Tensor:
-    """``x [M, K] @ dequantized(weight).T``, each weight tile dequantized in registers and multiplied by ``tl.dot``."""
+def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+            group: int, tiles: IntTiles) -> torch.Tensor:
+    """``x [M, K] @ dequantized(weight).T``, each panel's values widened in registers and multiplied by ``tl.dot``."""
     rows, k = x.shape
     n = weight.shape[0]
-    out = _output(rows, n, x.dtype, x.device, tiles.split_k)
-    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    i16, magic, offset = widening(bits, x.dtype, tiles.i16)
     _int_dot_kernel[grid](
-        x, weight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales, out,
-        rows, n, k // tiles.split_k, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, HAS_GIDX=g_idx is not None,
-        ATOMIC=tiles.split_k > 1, DUP=tiles.dup, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-    return out if tiles.split_k == 1 else out.to(x.dtype)
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
+        _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
+        scales.stride(0), out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
+        SPLIT_K=tiles.split_k, I16=i16, MAGIC16=magic, OFFSET16=offset, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, num_warps=tiles.num_warps)
+    return out
+
+
+def widening(bits: int, dtype: torch.dtype, i16: bool = True) -> tuple[bool, int, float]:
+    """``(I16, MAGIC16, OFFSET16)`` of the ``tl.dot`` kernels: 4-bit values widen to 16-bit activations with integer
+    ops alone (or'ed into the mantissa of bf16 128.0 / fp16 1024.0, whose value they then add to), else through
+    float32."""
+    if i16 and bits == 4 and dtype in _MAGIC16:
+        return (True, *_MAGIC16[dtype])
+    return False, 0, 0.0
+
+
+_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, g_idx: torch.Tensor | None,
                bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight ``[N, K]`` in ``dtype`` (into ``out`` when given)."""
+    """The weight ``[N, K]`` in ``dtype`` (into ``out`` when given), K in natural order."""
     n, k = weight.shape[0], weight.shape[1] * (32 // bits)
     out = torch.empty(n, k, dtype=dtype, device=weight.device) if out is None else out
-    block_n, block_k = 32, 128
-    _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
+    block_n = 32
+    _dequantize_kernel[(triton.cdiv(n, block_n), weight.shape[1] // PANEL_WORDS)](
         weight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales, out, n,
         weight.stride(0), scales.stride(0), out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
-        HAS_GIDX=g_idx is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+        HAS_GIDX=g_idx is not None, BLOCK_N=block_n)
     return out
 
 
-def _output(rows: int, n: int, dtype: torch.dtype, device: torch.device, split_k: int) -> torch.Tensor:
+def _partials(split_k: int, rows: int, n: int, device: torch.device) -> torch.Tensor:
     if split_k == 1:
-        return torch.empty(rows, n, dtype=dtype, device=device)
-    return torch.zeros(rows, n, dtype=torch.float32, device=device)
+        return torch.empty(1, dtype=torch.float32, device=device)
+    return torch.empty(split_k, rows, n, dtype=torch.float32, device=device)
 
 
 @triton.jit
-def _unpack(words, BITS: tl.constexpr, PACK: tl.constexpr):
-    """[R, W] int32 words -> [R, W * PACK] unsigned values as float32, lowest bits first."""
-    shifts = tl.arange(0, PACK) * BITS
-    values = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(values, [words.shape[0], words.shape[1] * PACK]).to(tl.float32)
+def _slot_times_x(words, x, J: tl.constexpr, BITS: tl.constexpr, CENTERED: tl.constexpr):
+    """``(u - 2**(BITS-1)) * x`` (``u * x`` unless ``CENTERED``) for value slot ``J`` of each word, ``x`` float32 per
+    word column. The value becomes float32 ``2**23 + u * 2**SHIFT`` with one and-or where it may stay at its bit
+    position ``SHIFT`` (below bit 23), a shift too where it may not (then ``SHIFT`` is 0); subtracting the exact
+    ``2**23 (+ HALF * 2**SHIFT)`` leaves ``(u - HALF) * 2**SHIFT`` exactly, and the power of two moves onto ``x``."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    SHIFT: tl.constexpr = BITS * J if BITS * J + BITS <= 23 else 0
+    BIAS: tl.constexpr = 8388608.0 + (1 << (BITS - 1)) * (1 << SHIFT) if CENTERED else 8388608.0
+    if BITS * J + BITS <= 23:
+        bits = (words & (MASK << (BITS * J))) | 0x4B000000
+    else:
+        bits = ((words >> (BITS * J)) & MASK) | 0x4B000000
+    return (bits.to(tl.float32, bitcast=True) - BIAS) * (x * (1.0 / (1 << SHIFT)))[None, :]
 
 
 @triton.jit
 def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
-               BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr, HAS_ZEROS: tl.constexpr,
-               DUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 sums of one activation row (at ``x_ptr``) with the weight rows ``offs_n`` over one K range; the K
-    step holds ``NG`` groups of ``GSZ`` columns (one group, or part of one, when ``NG`` is 1)."""
+               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    """float32 sums of the activation row with the weight rows ``offs_n`` over one K range."""
     PACK: tl.constexpr = 32 // BITS
+    PANEL: tl.constexpr = 16 * PACK
+    STEP: tl.constexpr = BLOCK_W * PACK
+    JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK  # value slots per group fold
+    ONE_PANEL: tl.constexpr = BLOCK_W == 16
+    offs_w = tl.arange(0, BLOCK_W)
+    panel_base = (offs_w // 16) * PANEL  # each word column's panel, as a K offset within the step
+    x_cols = panel_base + offs_w % 16
+    w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
+    k_end = k_begin + k_per_split
+    words = tl.load(w_rows + k_begin // PACK, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    wait_for_previous(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, STEP):
+        # The next step's words (the last step reloads its own: an L2 hit instead of a predicate).
+        upcoming = tl.load(w_rows + tl.minimum(k0 + STEP, k_end - STEP) // PACK, mask=n_mask[:, None], other=0,
+                           eviction_policy="evict_first")
+        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
+            part += _slot_times_x(words, x, j, BITS, not HAS_ZEROS)
+            if HAS_ZEROS:
+                x_sum += x
+            if (j + 1) % JG == 0:
+                if ONE_PANEL:
+                    g = (k0 + 16 * (j + 1 - JG)) // GROUP
+                    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+                    if HAS_ZEROS:
+                        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+                else:
+                    g = (k0 + panel_base + 16 * (j + 1 - JG)) // GROUP
+                    index = offs_n[:, None] * stride_sn + g[None, :]
+                    s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                    if HAS_ZEROS:
+                        z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                if HAS_ZEROS:
+                    acc += s * (part - z * x_sum[None, :])
+                    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+                else:
+                    acc += s * part
+                part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        words = upcoming
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
+                     stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                     PDL: tl.constexpr):
+    # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_begin = pid_k * k_per_split
+    acc = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
+                     GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL)
+    if SILU_MUL:
+        up = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
+                        BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False)
+        allow_next(PDL)
+        # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + offs_n, (silu * up.to(out_ptr.dtype.element_ty).to(tl.float32))
+                 .to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        allow_next(PDL)
+        _store_or_reduce(acc, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask, pid_k,
+                         SPLIT_K)
+
+
+@triton.jit
+def _store_or_reduce(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_K: tl.constexpr):
+    """Store ``acc``; with split-K each program stores its float32 partial and counts itself in, and the last of
+    the tile's programs to arrive (the count's release/acquire makes the others' stores visible) sums the partials
+    and resets the count for the next call."""
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partials + pid_k * split_stride, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part is stored before the count releases it
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.load(partials, mask=mask, other=0.0, cache_modifier=".cg")
+            for split in tl.static_range(1, SPLIT_K):
+                total += tl.load(partials + split * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrival, 0, sem="relaxed")
+            tl.store(out, total.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _widened(words, J: tl.constexpr, BITS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr, dtype):
+    """Value slot ``J`` of each word in ``dtype``: ``u + OFFSET16`` from integer ops alone (I16), else ``u``."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if I16:
+        return (((words >> (BITS * J)) & MASK) | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+    bits = ((words >> (BITS * J)) & MASK) | 0x4B000000
+    return (bits.to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+
+
+@triton.jit
+def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_end, stride_sn, BITS: tl.constexpr,
+                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
+                OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 ``[BLOCK_M, BLOCK_N]`` sums of the activation rows (``x_rows``: their first 16 columns' pointers)
+    with the weight rows (``w_cols``: ``[16, BLOCK_N]`` pointers to a row's first panel, transposed) over
+    ``[k_begin, k_end)``: per panel, value slot ``j`` of its words times the 16 activation columns it holds; each
+    group's sums take its scale, and its zero (plus the widening's offset) through the rows' activation sums."""
+    PACK: tl.constexpr = 32 // BITS
+    PANEL: tl.constexpr = 16 * PACK
     HALF: tl.constexpr = 1 << (BITS - 1)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if DUP:
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (offs_k // PACK)[None, :], mask=n_mask[:, None],
-                            other=0, eviction_policy="evict_first")
-            q = ((words >> ((offs_k % PACK) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        else:
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + tl.arange(0, BLOCK_K // PACK))[None, :],
-                            mask=n_mask[:, None], other=0, eviction_policy="evict_first")
-            q = _unpack(words, BITS, PACK)
-        x = tl.load(x_ptr + offs_k).to(tl.float32)
-        if NG == 1:
-            s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=n_mask, other=0).to(tl.float32)
-            sums, x_sum = tl.sum(q * x[None, :], axis=1), tl.sum(x, axis=0)
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + offs_n * stride_sn + k0 // GROUP, mask=n_mask, other=0).to(tl.float32)
-                acc += s * (sums - z * x_sum)
-            else:
-                acc += s * (sums - HALF * x_sum)
-        else:
-            group_sums = tl.sum(tl.reshape(q * x[None, :], [BLOCK_N, NG, GSZ]), axis=2)
-            x_sums = tl.sum(tl.reshape(x, [NG, GSZ]), axis=1)
-            g = k0 // GROUP + tl.arange(0, NG)
-            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=n_mask[:, None], other=0)
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=n_mask[:, None], other=0)
-                acc += tl.sum(s.to(tl.float32) * (group_sums - z.to(tl.float32) * x_sums[None, :]), axis=1)
-            else:
-                acc += tl.sum(s.to(tl.float32) * (group_sums - HALF * x_sums[None, :]), axis=1)
+    JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, PANEL):
+        words = tl.load(w_cols + k0 // PACK, mask=n_mask[None, :], other=0, eviction_policy="evict_first")
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            x = tl.load(x_rows + k0 + 16 * j, mask=m_mask[:, None], other=0)
+            part = tl.dot(x, _widened(words, j, BITS, I16, MAGIC16, x.dtype), part)
+            x_sum += tl.sum(x.to(tl.float32), axis=1)
+            if (j + 1) % JG == 0:
+                g = (k0 + 16 * (j + 1 - JG)) // GROUP
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+                if HAS_ZEROS:
+                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+                else:
+                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
+                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     return acc
 
 
 @triton.jit
-def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, k_per_split, stride_xm, stride_wn, stride_sn,
-                     stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, GSZ: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr, SILU_MUL: tl.constexpr, DUP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = tl.program_id(1) * k_per_split
-    row = tl.program_id(2)
-    n_mask = offs_n < N
-    x_row = x_ptr + row * stride_xm
-    acc = _gemv_rows(x_row, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
-                     GROUP, NG, GSZ, HAS_ZEROS, DUP, BLOCK_N, BLOCK_K)
-    out = out_ptr + row * stride_om + offs_n
-    if SILU_MUL:
-        up = _gemv_rows(x_row, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
-                        BITS, GROUP, NG, GSZ, HAS_ZEROS, DUP, BLOCK_N, BLOCK_K)
-        # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out, (silu * up.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=n_mask)
-    elif ATOMIC:
-        tl.atomic_add(out, acc, mask=n_mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn, stride_sn, BITS: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, DUP: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """The weight's ``[BLOCK_K, len(offs_n)]`` tile at column ``k0``, dequantized to float32."""
-    PACK: tl.constexpr = 32 // BITS
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    if DUP:
-        words = tl.load(w_ptr + offs_n[None, :] * stride_wn + (offs_k // PACK)[:, None], mask=n_mask[None, :],
-                        other=0)
-        q = ((words >> ((offs_k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-    else:
-        offs_w = tl.arange(0, BLOCK_K // PACK)
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PACK + offs_w)[None, :], mask=n_mask[:, None],
-                        other=0)
-        q = tl.trans(_unpack(words, BITS, PACK))
-    g = tl.load(g_ptr + offs_k) if HAS_GIDX else offs_k // GROUP
-    index = offs_n[None, :] * stride_sn + g[:, None]
-    s = tl.load(s_ptr + index, mask=n_mask[None, :], other=0).to(tl.float32)
-    if HAS_ZEROS:
-        return (q - tl.load(z_ptr + index, mask=n_mask[None, :], other=0).to(tl.float32)) * s
-    return (q - (1 << (BITS - 1))) * s
-
-
-@triton.jit
-def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, k_per_split, stride_xm, stride_wn, stride_sn,
-                    stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    HAS_GIDX: tl.constexpr, ATOMIC: tl.constexpr, DUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_begin = tl.program_id(2) * k_per_split
+def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
+                    stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
+                    OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, 16)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
-                    mask=m_mask[:, None], other=0)
-        w = _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn, stride_sn, BITS, GROUP,
-                              HAS_ZEROS, HAS_GIDX, DUP, BLOCK_K)
-        acc = tl.dot(x, w.to(x.dtype), acc)
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    k_begin = pid_k * k_per_split
+    acc = _dot_panels(x_ptr + offs_m[:, None] * stride_xm + offs_c[None, :], m_mask,
+                      w_ptr + offs_n[None, :] * stride_wn + offs_c[:, None], s_ptr, z_ptr, offs_n, n_mask, k_begin,
+                      k_begin + k_per_split, stride_sn, BITS, GROUP, HAS_ZEROS, I16, MAGIC16, OFFSET16, BLOCK_M,
+                      BLOCK_N)
+    tile = offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
+                     arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K)
 
 
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, BITS: tl.constexpr,
-                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program: BLOCK_N rows of one panel, written in natural K order (value slot j: 16 contiguous columns).
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    n_mask = offs_n < N
-    w = _dequantized_tile(w_ptr, s_ptr, z_ptr, g_ptr, offs_n, n_mask, k0, stride_wn, stride_sn, BITS, GROUP,
-                          HAS_ZEROS, HAS_GIDX, True, BLOCK_K)
-    out = out_ptr + offs_n[None, :] * stride_on + (k0 + tl.arange(0, BLOCK_K))[:, None]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+    offs_c = tl.arange(0, 16)
+    n_mask = offs_n[:, None] < N
+    panel = tl.program_id(1)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + panel * 16 + offs_c[None, :], mask=n_mask, other=0)
+    for j in tl.static_range(PACK):
+        cols = panel * 16 * PACK + 16 * j + offs_c
+        g = tl.load(g_ptr + cols) if HAS_GIDX else cols // GROUP
+        index = offs_n[:, None] * stride_sn + g[None, :]
+        s = tl.load(s_ptr + index, mask=n_mask, other=0).to(tl.float32)
+        zero = tl.load(z_ptr + index, mask=n_mask, other=0).to(tl.float32) if HAS_ZEROS else (1 << (BITS - 1))
+        w = (((words >> (BITS * j)) & MASK).to(tl.float32) - zero) * s
+        tl.store(out_ptr + offs_n[:, None] * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=n_mask)

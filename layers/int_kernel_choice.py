@@ -1,6 +1,6 @@
 """Which Triton kernels (``kernels/packed_int.py``) each integer weight shape runs, chosen once at load.
 
-For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` tiles (at 16 and 64 rows)
+For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` tiles (at 16, 32 and 64 rows)
 are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the weight so it is
 read from memory as a decode step reads it (``layers/small_batch.py``'s timing), and the fastest kept. With
 ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run.
@@ -23,25 +23,24 @@ logger = logging.getLogger(__name__)
 def int_kernel_plan(layer: nn.Module) -> Any:
     """The kernels a repacked layer (``layers/packed_int.py``) runs on its GPU (an ``IntKernelPlan``), timed once
     per weight shape; None off CUDA or with ``TREADLE_DISABLE_FUSED_OPS=1`` (the torch path)."""
-    if not layer.weight.is_cuda:
+    if not layer.weight.is_cuda or not layer.panels:
         return None
     if not use_triton(layer.weight):
         return None
     from treadle.kernels.packed_int import plan_kernels
 
     n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
-    act_order = layer.g_idx is not None
-    key = (n, k, layer.bits, layer.group_size, act_order, layer.weight_zeros is not None, layer.int_out_dtype,
+    key = (n, k, layer.bits, layer.group_size, layer.weight_zeros is not None, layer.int_out_dtype,
            str(layer.weight.device))
     if key not in _plans:
         sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
         pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
-        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, act_order, sm_count, pick)
+        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, sm_count, pick)
         logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
     return _plans[key]  # an IntKernelPlan, or None: the torch path
 
 
-# (N, K, bits, group, act-order, zeros, dtype, device) -> the kernels that shape runs (timed once per process).
+# (N, K, bits, group, zeros, dtype, device) -> the kernels that shape runs (timed once per process).
 _plans: dict[tuple, Any] = {}
 
 
@@ -51,7 +50,7 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
     from treadle.kernels.packed_int import int_dot, int_gemv
 
     weights = small_batch.weight_copies(layer.weight.data)
-    scales, zeros, g_idx = layer.weight_scales.data, layer.weight_zeros, layer.g_idx
+    scales, zeros = layer.weight_scales.data, layer.weight_zeros
     k = layer.weight.shape[1] * (32 // layer.bits)
 
     def pick(candidates: list, rows: int) -> Any:
@@ -61,8 +60,7 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
             def run(i: int, tiles=tiles) -> torch.Tensor:
                 if tiles.block_m == 0:
                     return int_gemv(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
-                return int_dot(x, weights[i % len(weights)], scales, zeros, g_idx, layer.bits, layer.group_size,
-                               tiles)
+                return int_dot(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
             try:
                 timings[tiles] = small_batch.graph_seconds(run)
             except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal

@@ -13,9 +13,10 @@ per tensor or per output row) keep their experts in FP8, with a float32 scale pe
 ``input_scale`` is read and ignored. ``model.quantization: fp8`` on a 16-bit checkpoint quantizes the experts
 once they are loaded, one scale per weight row, as it does the dense layers. Where the device has no FP8 matmuls
 (``QuantizationConfig.dequantize``) an FP8 checkpoint's experts are dequantized at load into the model dtype
-instead, rounded as a dense FP8 layer's are. Integer checkpoints (GPTQ, AWQ, compressed-tensors) hand the experts
-their weights dequantized (``layers/packed_int.py``): 16-bit here, or quantized to FP8 once loaded where the device
-multiplies FP8 (``experts_fp8``).
+instead, rounded as a dense FP8 layer's are. Integer checkpoints (GPTQ, AWQ, compressed-tensors) keep their experts
+packed (``layers/int_experts.py``: W4A16/W8A16 through the int fused-MoE kernels) where the shapes are whole groups
+and there is no act-order; otherwise the experts are dequantized as they load: 16-bit here, or quantized to FP8
+once loaded where the device multiplies FP8 (``experts_fp8``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from treadle.core.loading.lazy_weights import lazy_parameter
 from treadle.core.distributed.parallel import get_tp_rank, get_tp_size, tp_all_reduce
 from treadle.core.loading.quantization import FP8_DTYPE
 from treadle.layers.fused_moe import fused_experts, route_top_k
+from treadle.layers.int_experts import (
+    create_int_expert_params, fused_int_experts, int_experts_fit, leave_int_experts, load_int_expert,
+)
+from treadle.layers.packed_int import IntWeightScheme, UnpackedWeight, dequantize_unpacked
 from treadle.kernels.fp8_ops import dequantize, quantize_per_channel
 from treadle.layers.linear import CheckpointError, loaded_shape, narrow_loaded, set_weight_attrs
 
@@ -52,7 +57,7 @@ class SparseMoE(nn.Module):
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True,
-        fp8: bool = False, quantize_at_load: bool = False,
+        fp8: bool = False, quantize_at_load: bool = False, int_scheme: IntWeightScheme | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -62,16 +67,21 @@ class SparseMoE(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         # The router is small and every rank needs all its scores: replicated, never quantized.
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        local = intermediate_size // self.tp_size
+        keep_int = int_experts_fit(int_scheme, hidden_size, local)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, self.tp_rank, self.tp_size, fp8=fp8,
-                                    lazy=quantize_at_load)
-        if quantize_at_load:
+                                    lazy=quantize_at_load and not keep_int, int_scheme=int_scheme, keep_int=keep_int)
+        if quantize_at_load and not keep_int:
             self.experts.quant_method = _QuantizeExpertsAtLoad()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_top_k(self.gate(hidden_states), self.top_k, self.renormalize)
         experts = self.experts
-        out = fused_experts(hidden_states, experts.gate_up_proj, experts.down_proj, topk_weights, topk_ids,
-                            experts.gate_up_scale, experts.down_scale)
+        if experts.int_scheme is not None:
+            out = fused_int_experts(hidden_states, experts, topk_weights, topk_ids)
+        else:
+            out = fused_experts(hidden_states, experts.gate_up_proj, experts.down_proj, topk_weights, topk_ids,
+                                experts.gate_up_scale, experts.down_scale)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -87,7 +97,8 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
                 f"unsupported MoE feature in the model config: {key}={getattr(config, key)!r} ({feature}); "
                 "treadle's SparseMoE supports routed experts only"
             )
-    # Another method's quant config (int4/int8 weights): its experts arrive dequantized (layers/packed_int.py).
+    # Another method's quant config (int4/int8 weights): its experts stay packed (layers/int_experts.py) where their
+    # shapes allow, else arrive dequantized.
     fp8_config = quant_config if hasattr(quant_config, "checkpoint_quantized") else None
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if not num_experts:
@@ -101,6 +112,7 @@ def sparse_moe_from_config(config: Any, quant_config: Any = None) -> SparseMoE:
         fp8=bool(fp8_config is not None and fp8_config.checkpoint_quantized and not fp8_config.dequantize),
         quantize_at_load=bool(fp8_config is not None and not fp8_config.checkpoint_quantized)
         or bool(getattr(quant_config, "experts_fp8", False)),
+        int_scheme=getattr(quant_config, "expert_scheme", None),
     )
 
 
@@ -113,7 +125,8 @@ class FusedExperts(nn.Module):
     core/loading/lazy_weights.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 fp8: bool = False, lazy: bool = False):
+                 fp8: bool = False, lazy: bool = False, int_scheme: IntWeightScheme | None = None,
+                 keep_int: bool = False):
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(
@@ -136,6 +149,10 @@ class FusedExperts(nn.Module):
             self.down_scale = nn.Parameter(torch.ones(num_experts, hidden_size), requires_grad=False)
             for param in (self.gate_up_proj, self.down_proj, self.gate_up_scale, self.down_scale):
                 set_weight_attrs(param, keep_dtype=True)
+        # An integer checkpoint's experts (layers/int_experts.py): kept packed, or dequantized as they load.
+        self.checkpoint_scheme, self.int_scheme = int_scheme, None
+        if keep_int and int_scheme is not None:
+            create_int_expert_params(self, int_scheme)
         # FP8 checkpoints: an expert's weight and its scale may arrive in either order.
         self._fp8_unscaled: set[tuple[int, str]] = set()
         self._fp8_scales: dict[tuple[int, str], torch.Tensor] = {}
@@ -167,6 +184,13 @@ class FusedExperts(nn.Module):
             return None
         if parts[2] == "input_scale":
             return set()  # a static activation scale: the experts run unquantized activations
+        if isinstance(loaded, UnpackedWeight):  # an integer checkpoint's expert (PackedIntConfig.checkpoint_stream)
+            if self.int_scheme is not None:
+                load_int_expert(self, expert, shard, loaded)
+                return {f"{expert}.{_CANONICAL_NAMES[shard]}.weight"}
+            loaded = dequantize_unpacked(loaded, self.checkpoint_scheme)
+        elif self.int_scheme is not None:
+            leave_int_experts(self)  # a checkpoint that quantized the rest of the model, not its experts
         if self.fp8:
             return self._load_fp8(expert, shard, parts[2], loaded)
         key = (expert, shard)

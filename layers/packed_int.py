@@ -6,8 +6,11 @@ output and input features and how many values share one stored element there) an
 layout, :class:`UnpackedWeight`; once loaded, :class:`PackedIntLinearMethod` repacks that into what the kernels
 read (``kernels/packed_int.py``), whatever the format:
 
-- ``weight``: int32 ``[N, K * bits / 32]``, the unsigned values ``u`` of each row packed along K, lowest bits first
-  (element ``k`` of a row sits in word ``k // (32 / bits)`` at bit ``bits * (k % (32 / bits))``);
+- ``weight``: int32 ``[N, K * bits / 32]``, the unsigned values ``u`` of each row packed along K, lowest bits first,
+  in panels of 16 words (:func:`pack_panels`): value slot ``j`` (bits ``bits * j`` up) of a panel's word ``c`` holds
+  the panel's element ``16 * j + c``, so one slot of a panel's words meets 16 contiguous activations (``panels``
+  True; a K that is not whole panels packs plainly, element ``k`` in word ``k // (32 / bits)``, and runs the torch
+  path);
 - ``weight_scales``: ``[N, groups]`` in the model dtype; ``weight_zeros``: ``[N, groups]`` (the unsigned zero
   point) or None for symmetric weights, whose zero is ``2**(bits - 1)``;
 - act-order (GPTQ ``desc_act``): the input columns are sorted by group once (``input_perm``, applied to ``x``) and
@@ -38,6 +41,10 @@ from treadle.layers.linear_method import LinearMethod, set_weight_attrs
 
 if TYPE_CHECKING:
     from treadle.layers.linear import LinearBase
+
+
+# Words per panel of the kernels' layout (:func:`pack_panels`; kernels/packed_int.py reads the same).
+PANEL_WORDS = 16
 
 
 @dataclass(frozen=True)
@@ -107,14 +114,17 @@ class PackedIntFormat:
 class PackedIntConfig:
     """The quant_config of a model with integer weights: each linear layer not in ``ignored`` (module names, or
     ``re:`` regular expressions, as compressed-tensors writes them) gets a :class:`PackedIntLinearMethod` reading
-    ``fmt``; ``method`` names the quantization method for messages. MoE experts arrive dequantized
-    (:meth:`checkpoint_stream`); on a ``device`` with FP8 matmuls (a GPU of compute capability 8.9+) the fused
-    experts quantize them to FP8 as each layer loads (``experts_fp8``), so a 4-bit Mixtral-8x7B fits one H100."""
+    ``fmt``; ``method`` names the quantization method for messages. MoE experts arrive as each expert's
+    :class:`UnpackedWeight` (:meth:`checkpoint_stream`): the fused experts keep them packed (``expert_scheme``,
+    ``layers/int_experts.py``) where their shapes allow, else dequantize them, and then, on a ``device`` with FP8
+    matmuls (a GPU of compute capability 8.9+), quantize them to FP8 as each layer loads (``experts_fp8``).
+    Act-order experts (a permutation of the input per expert) are always dequantized."""
 
     def __init__(self, method: str, fmt: PackedIntFormat, ignored: tuple[str, ...] = (),
                  device: torch.device | None = None) -> None:
         self.method, self.fmt, self.ignored = method, fmt, ignored
         self.experts_fp8 = device is not None and experts_in_fp8(device)
+        self.expert_scheme = None if fmt.scheme.act_order else fmt.scheme
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if prefix and is_listed(prefix, self.ignored):
@@ -122,8 +132,9 @@ class PackedIntConfig:
         return PackedIntLinearMethod(self.fmt)
 
     def checkpoint_stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``weights`` with each MoE expert's quantized tensors (names under ``.experts.``) replaced by its
-        dequantized ``weight`` once all of them have arrived: the fused experts run 16-bit weights."""
+        """``weights`` with each MoE expert's quantized tensors (names under ``.experts.``) replaced, once all of
+        them have arrived, by ``<expert>.weight``: its :class:`UnpackedWeight`, which the fused experts keep packed
+        or dequantize (``layers/int_experts.py``)."""
         names = {spec.name for spec in self.fmt.tensors(256, 256, 256, False)}
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, loaded in weights:
@@ -134,7 +145,7 @@ class PackedIntConfig:
             parts = pending.setdefault(stem, {})
             parts[kind] = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
             if len(parts) == len(names):
-                yield f"{stem}.weight", dequantize_stored(self.fmt, pending.pop(stem))
+                yield f"{stem}.weight", self.fmt.unpack(pending.pop(stem), 0, 0)
         if pending:
             stem, parts = next(iter(pending.items()))
             raise CheckpointError(f"expert tensors missing from the checkpoint: {stem} has only {sorted(parts)}; "
@@ -184,7 +195,8 @@ class PackedIntLinearMethod(LinearMethod):
                                                     not layer.splits_output)
         for spec in layer.checkpoint_tensors:
             param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
-            set_weight_attrs(param, weight_loader=_sharded_loader(layer, spec), keep_dtype=not spec.dtype.is_floating_point)
+            set_weight_attrs(param, weight_loader=_sharded_loader(layer, spec), dummy_fills_rank=True,
+                             keep_dtype=not spec.dtype.is_floating_point)
             layer.register_parameter(spec.name, param)
 
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
@@ -243,10 +255,14 @@ def repack_into(layer: nn.Module, unpacked: UnpackedWeight, scheme: IntWeightSch
             g_idx = g_idx[layer.input_perm]
             values = values[:, layer.input_perm]
             layer.input_perm = layer.input_perm.to(torch.int32 if values.is_cuda else torch.int64)
+            if torch.equal(g_idx, torch.arange(in_features, device=g_idx.device) // group):
+                g_idx = None  # GPTQ's act-order: sorted, every group is whole, so the kernels need no g_idx
     if unpacked.values.max() >= 1 << scheme.bits or unpacked.values.min() < 0:
         raise QuantizationError(f"{type(layer).__name__}: stored values do not fit {scheme.bits} bits")
     layer.bits, layer.group_size = scheme.bits, group
-    layer.weight = nn.Parameter(pack_rows(values, scheme.bits), requires_grad=False)
+    layer.panels = in_features % (PANEL_WORDS * 32 // scheme.bits) == 0
+    packed = pack_panels(values, scheme.bits) if layer.panels else pack_rows(values, scheme.bits)
+    layer.weight = nn.Parameter(packed, requires_grad=False)
     zeros = unpacked.zeros
     if zeros is not None and bool((zeros == 1 << (scheme.bits - 1)).all()):
         zeros = None  # symmetric after all: the kernels use the midpoint
@@ -268,6 +284,24 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
 
+def pack_panels(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``values`` [N, K] packed for the kernels: each row in panels of ``PANEL_WORDS`` int32 words whose
+    value slot ``j`` of word ``c`` holds the panel's element ``PANEL_WORDS * j + c`` (K a multiple of the panel)."""
+    rows, cols = values.shape
+    per_word = 32 // bits
+    panels = values.reshape(rows, cols // (PANEL_WORDS * per_word), per_word, PANEL_WORDS).transpose(-1, -2)
+    return pack_rows(panels.reshape(rows, cols), bits)
+
+
+def unpack_panels(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The values [N, K] (int32) of :func:`pack_panels`' ``words``."""
+    values = unpack_last(words, bits)
+    rows, cols = values.shape
+    per_word = 32 // bits
+    panels = values.reshape(rows, cols // (PANEL_WORDS * per_word), PANEL_WORDS, per_word).transpose(-1, -2)
+    return panels.reshape(rows, cols)
+
+
 def unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 ``words`` [..., C] unpacked along the last dimension, lowest bits first: [..., C * 32 / bits] (int32)."""
     per_word = 32 // bits
@@ -276,21 +310,21 @@ def unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(*words.shape[:-1], words.shape[-1] * per_word)
 
 
-def dequantize_stored(fmt: PackedIntFormat, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One weight [N, K] in float32 from its checkpoint tensors in ``fmt``."""
-    unpacked = fmt.unpack({name: tensor for name, tensor in stored.items()}, 0, 0)
+def dequantize_unpacked(unpacked: UnpackedWeight, scheme: IntWeightScheme) -> torch.Tensor:
+    """``unpacked``'s weight [N, K] in float32."""
     values = unpacked.values.to(torch.float32)
     columns = values.shape[1]
     groups = (unpacked.g_idx.to(torch.int64) if unpacked.g_idx is not None
-              else torch.arange(columns, device=values.device) // fmt.scheme.group(columns))
-    zeros = (float(1 << (fmt.scheme.bits - 1)) if unpacked.zeros is None
+              else torch.arange(columns, device=values.device) // scheme.group(columns))
+    zeros = (float(1 << (scheme.bits - 1)) if unpacked.zeros is None
              else unpacked.zeros.to(torch.float32).index_select(1, groups))
     return (values - zeros) * unpacked.scales.to(torch.float32).index_select(1, groups)
 
 
 def dequantize_layer(layer: nn.Module) -> torch.Tensor:
     """The layer's weight [N, K] in float32, its columns in the (sorted) order its kernels see them."""
-    values = unpack_last(layer.weight.data, layer.bits).to(torch.float32)
+    unpack = unpack_panels if getattr(layer, "panels", False) else unpack_last
+    values = unpack(layer.weight.data, layer.bits).to(torch.float32)
     columns = values.shape[1]
     groups = (layer.g_idx.to(torch.int64) if layer.g_idx is not None
               else torch.arange(columns, device=values.device) // layer.group_size)

@@ -296,7 +296,9 @@ def _fill_dummy(param: nn.Parameter, generators: dict[torch.device, torch.Genera
         noise = torch.empty(param.shape, dtype=torch.float32, device=param.device)
         param.copy_(noise.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator))
         return
-    if not sharded or loader is None:
+    # ``dummy_fills_rank``: a tensor whose loader takes checkpoint layouts a full draw cannot stand in for (packed
+    # integer weights' scales) is filled in this rank's shape.
+    if not sharded or loader is None or getattr(param, "dummy_fills_rank", False):
         param.uniform_(-_DUMMY_WEIGHT_RANGE, _DUMMY_WEIGHT_RANGE, generator=generator)
         return
     _fill_full_then_shard(param, loader, generator)

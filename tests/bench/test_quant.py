@@ -27,9 +27,7 @@ def test_the_w4a16_shape_is_llama_8b_with_a_pack_quantized_config():
     assert shape["hidden_size"] == 4096 and shape["quantization_config"]["format"] == "pack-quantized"
 
 
-def test_dummy_packed_weights_load_and_run(tmp_path):
-    # What the bench loads on the GPU: a W4A16 config.json and load_format dummy (no checkpoint).
-    from prefill_logits import prefill_logits
+def _dummy_w4a16_model(tmp_path):
     from treadle.bench.shapes import TINY, W4A16_CONFIG, write_config
     from treadle.core.config import ModelConfig
     from treadle.core.loading.model_loader import load_model
@@ -41,7 +39,38 @@ def test_dummy_packed_weights_load_and_run(tmp_path):
                               load_entry_points=False)
     model, _, _ = load_model(ModelConfig(path=model_dir, load_format="dummy", device="cpu", dtype="float32"),
                              registry)
+    return model
+
+
+def test_dummy_packed_weights_load_and_run(tmp_path):
+    # What the bench loads on the GPU: a W4A16 config.json and load_format dummy (no checkpoint).
+    from prefill_logits import prefill_logits
+
+    model = _dummy_w4a16_model(tmp_path)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight.dtype == torch.int32 and layer.weight.shape == (256, 512 // 8)
     assert layer.weight_scales.shape == (256, 4)
     assert torch.isfinite(prefill_logits(model, [5, 6, 7])).all()
+
+
+def test_memory_fit_counts_packed_int_weights_in_their_bits():
+    from treadle.bench.memory_fit import memory_need
+
+    gib = 1 << 30
+    bf16, w4a16, awq, mixtral = (memory_need(MODEL_SHAPES[name], "bfloat16", 0).weights / gib for name in (
+        "llama-3.1-8b", "llama-3.1-8b-w4a16", "llama-3.1-8b-awq", "mixtral-8x7b-w4a16"))
+    # 8B: 13.0 GiB of projections at 2 bytes become 0.5 + 2/128 (scales) bytes; AWQ's zeros add as much again.
+    assert 14.9 < bf16 < 15.0 and 5.2 < w4a16 < 5.4 and w4a16 < awq < w4a16 + 0.15
+    assert mixtral < 24  # a 4-bit Mixtral-8x7B fits one 80 GB GPU with room for its KV cache
+
+
+def test_dummy_packed_weights_fill_a_tensor_parallel_rank(tmp_path, monkeypatch):
+    # Rank 1 of 2 (no group is needed to build and fill one): the packed layers' tensors are filled in their
+    # rank's shapes, not through the loader, which expects the full checkpoint tensors.
+    from treadle.core.distributed import parallel
+
+    monkeypatch.setattr(parallel, "_group", parallel.TensorParallelGroup(rank=1, size=2))
+    model = _dummy_w4a16_model(tmp_path)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == torch.int32 and down.weight.shape == (256, 256 // 8)
+    assert down.weight_scales.shape == (256, 2) and bool((down.weight_scales != 0).any())

@@ -21,6 +21,7 @@
 # `lora` runs `treadle bench lora` (kernels, then end to end; LORA_ARGS="--part kernels" for the kernels only).
 # `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
+# `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min).
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
@@ -171,6 +172,11 @@ PY
       # vision encoder's time per image (bench/vl.py; VL_ARGS="--requests 200" for a shorter run).
       timeout ${VL_TIMEOUT:-300} python3 -m treadle.bench.vl --output "$OUT/vl.json" ${VL_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/vl.log" | tail -12 ;;
+    quant_kernels)
+      # The integer kernels alone per Llama-3.1-8B projection shape at bs 1/8/32 against bf16 F.linear and the
+      # roofline, and one Mixtral-8x7B MoE layer (bench/quant_kernels.py; QUANTK_ARGS="--explore" for a wider grid).
+      timeout ${QUANTK_TIMEOUT:-300} python3 -m treadle.bench.quant_kernels --moe --output "$OUT/quant_kernels.json" \
+        ${QUANTK_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quant_kernels.log" | tail -60 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac

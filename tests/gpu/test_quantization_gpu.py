@@ -30,7 +30,7 @@ def _reference(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_order):
     from treadle.kernels.packed_int import plan_kernels
-    from treadle.layers.packed_int import pack_rows
+    from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k + bits + group)
     values = torch.randint(0, 1 << bits, (n, k), device=DEVICE, generator=gen)
@@ -41,9 +41,9 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
     if act_order:
         groups = groups[torch.randperm(k, device=DEVICE, generator=gen)].sort().values
     weight = _reference(values, scales, zeros, groups, bits)
-    packed = pack_rows(values, bits)
+    packed = pack_panels(values, bits)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    plan = plan_kernels(n, k, bits, group, act_order, sm_count)
+    plan = plan_kernels(n, k, bits, group, sm_count)
     for rows in (1, 7, 16, 32, 200, 600):
         x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         expected = x.float() @ weight.t()
@@ -57,17 +57,17 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
 def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
     from treadle.kernels.fused_ops import silu_mul
     from treadle.kernels.packed_int import gemv_candidates, int_gemv
-    from treadle.layers.packed_int import pack_rows
+    from treadle.layers.packed_int import pack_panels
 
     n, k = 28672, 4096  # Llama-3.1-8B's gate_up_proj
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
     scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
     zeros = torch.randint(0, 16, (n, k // 128), device=DEVICE, generator=gen).to(torch.bfloat16) if asym else None
-    packed = pack_rows(values, 4)
+    packed = pack_panels(values, 4)
     x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for tiles in [t for t in gemv_candidates(n, k, 128, sm_count) if t.split_k == 1]:
+    for tiles in [t for t in gemv_candidates(n, k, 4, sm_count) if t.split_k == 1]:
         fused = int_gemv(x, packed, scales, zeros, 4, 128, tiles, silu_mul=True)
         separate = silu_mul(int_gemv(x, packed, scales, zeros, 4, 128, tiles))
         assert torch.allclose(fused.float(), separate.float(), rtol=2**-7, atol=1e-5), tiles
@@ -76,20 +76,20 @@ def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
 @pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
 def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
-    from treadle.layers.packed_int import pack_rows
+    from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
     values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
     scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
     weight = _reference(values, scales, None, torch.arange(k, device=DEVICE) // 128, 4)
-    packed = pack_rows(values, 4)
+    packed = pack_panels(values, 4)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for tiles in gemv_candidates(n, k, 128, sm_count) + tile_candidates(n, k, 16, sm_count) + \
-            tile_candidates(n, k, 64, sm_count):
+    for tiles in gemv_candidates(n, k, 4, sm_count) + tile_candidates(n, k, 4, 16, sm_count) + \
+            tile_candidates(n, k, 4, 32, sm_count) + tile_candidates(n, k, 4, 64, sm_count):
         rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
         x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
-            int_dot(x, packed, scales, None, None, 4, 128, tiles)
+            int_dot(x, packed, scales, None, 4, 128, tiles)
         expected = x.float() @ weight.t()
         assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
 
@@ -123,3 +123,32 @@ def test_quantized_checkpoint_generates_the_dequantized_models_tokens(tmp_path, 
             outputs.append([out.token_ids for out in engine.generate(input_ids=prompts, sampling_params=params)])
     # Same weights up to bf16 rounding of the dequantized copy: the first tokens agree.
     assert [ids[:8] for ids in outputs[0]] == [ids[:8] for ids in outputs[1]]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 600])  # the GEMVs, then grouped tiles of 16, 64 and 128 rows
+@pytest.mark.parametrize("asym", [False, True])
+def test_int4_experts_kernels_match_the_dequantizing_reference(tokens, asym):
+    from types import SimpleNamespace
+
+    from treadle.kernels.packed_int_moe import fused_int_experts
+    from treadle.layers.int_experts import fused_int_experts_reference
+    from treadle.layers.packed_int import IntWeightScheme, pack_panels
+
+    experts, hidden, inter, top_k = 8, 4096, 1792, 2  # Mixtral-8x7B's experts at tp=8 (a smaller intermediate)
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    packed = {}
+    for name, (n, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+        values = torch.randint(0, 16, (experts, n, k), device=DEVICE, generator=gen)
+        packed[f"{name}_proj"] = torch.stack([pack_panels(v, 4) for v in values])
+        packed[f"{name}_scales"] = (torch.rand(experts, n, k // 128, device=DEVICE, generator=gen) * 0.002
+                                    + 0.001).to(torch.bfloat16)
+        packed[f"{name}_zeros"] = torch.randint(0, 16, (experts, n, k // 128), device=DEVICE, generator=gen).to(
+            torch.bfloat16) if asym else None
+    layer = SimpleNamespace(int_scheme=IntWeightScheme(4, 128), int_group=128, panels=True, num_experts=experts,
+                            **packed)
+    x = torch.randn(tokens, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
+    weights, ids = torch.rand(tokens, experts, device=DEVICE, generator=gen).softmax(-1).topk(top_k)
+    got = fused_int_experts(x, packed["gate_up_proj"], packed["gate_up_scales"], packed["gate_up_zeros"],
+                            packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, 4, 128)
+    expected = fused_int_experts_reference(x, layer, weights, ids)
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-2

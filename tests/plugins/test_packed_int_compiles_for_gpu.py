@@ -1,6 +1,7 @@
 """The integer-weight Triton kernels (kernels/packed_int.py) compile for an H100 (sm_90) on a machine without a GPU:
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
-this reuses). Both ways of unpacking, split-K, the SiLU·mul epilogue, zero points, act-order, 4 and 8 bits."""
+this reuses). Split-K, the SiLU·mul epilogue, zero points, both ways of widening, act-order, 4 and 8 bits, and the
+integer experts' fused-MoE kernels."""
 
 from __future__ import annotations
 
@@ -13,26 +14,35 @@ from pathlib import Path
 import pytest
 
 RESULT_MARKER = "AOT-RESULTS:"
-POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32"}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
+            "partials_ptr": "*fp32", "arrivals_ptr": "*i32"}
 
 
 def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
-    # (dup, groups per K step, zeros, split-K, SiLU·mul) for the GEMV; every constexpr branch is taken at least once.
-    gemvs = [(False, 1, False, False, False), (True, 2, True, True, False), (False, 2, True, False, True),
-             (True, 1, False, False, True)]
+    # (words per step, zeros, split-K, SiLU·mul, bits) for the GEMV; every constexpr branch is taken at least once.
+    gemvs = [(16, False, 1, False, 4), (32, True, 4, False, 4), (16, True, 1, True, 4), (32, False, 2, False, 8)]
     variants = {}
-    for dup, ng, zeros, atomic, silu in gemvs:
-        name = f"gemv[dup={dup},groups={ng},zeros={zeros},split_k={atomic},silu_mul={silu}]"
-        variants[name] = ("_int_gemv_kernel", {"out_ptr": "*fp32" if atomic else "*bf16"},
-                          dict(BITS=4, GROUP=128, NG=ng, GSZ=128, HAS_ZEROS=zeros, ATOMIC=atomic, SILU_MUL=silu,
-                               DUP=dup, BLOCK_N=32, BLOCK_K=128 * ng))
-    for dup, bits, gidx, block_m, atomic in ((False, 4, True, 64, False), (True, 8, False, 16, True)):
-        name = f"dot[dup={dup},bits={bits},act_order={gidx},block_m={block_m},split_k={atomic}]"
-        variants[name] = ("_int_dot_kernel", {"out_ptr": "*fp32" if atomic else "*bf16"},
-                          dict(BITS=bits, GROUP=128, HAS_ZEROS=True, HAS_GIDX=gidx, ATOMIC=atomic, DUP=dup,
-                               BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128))
+    for block_w, zeros, split, silu, bits in gemvs:
+        name = f"gemv[words={block_w},zeros={zeros},split_k={split},silu_mul={silu},bits={bits}]"
+        variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
+                          dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, BLOCK_N=16,
+                               BLOCK_W=block_w, PDL=True))
+    for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
+        name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
+        variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
+                          dict(BITS=bits, GROUP=group, HAS_ZEROS=True, SPLIT_K=split, I16=i16, MAGIC16=0x4300,
+                               OFFSET16=128.0, BLOCK_M=block_m, BLOCK_N=64))
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
-                              dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=False, BLOCK_N=32, BLOCK_K=128))
+                              dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
+    # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
+    moe = {"ids_ptr": "*i64", "out_ptr": "*bf16", "act_ptr": "*bf16", "a_ptr": "*bf16", "route_ptr": "*fp32",
+           "c_ptr": "*bf16", "row_weight_ptr": "*fp32", "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}
+    gemv = dict(BITS=4, GROUP=128, HAS_ZEROS=True, BLOCK_N=16, BLOCK_W=32)
+    variants["moe_gate_up_gemv"] = ("packed_int_moe._moe_int_gate_up_kernel", moe, gemv)
+    variants["moe_down_gemv"] = ("packed_int_moe._moe_int_down_kernel", moe, {**gemv, "TOP_K": 2})
+    variants["moe_grouped"] = ("packed_int_moe._grouped_int_kernel", moe,
+                               dict(BITS=4, GROUP=128, HAS_ZEROS=False, I16=True, MAGIC16=0x4300, OFFSET16=128.0,
+                                    MUL_ROW_WEIGHT=True, BLOCK_M=64, BLOCK_N=128))
     return variants
 
 
@@ -40,12 +50,14 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int
+    from treadle.kernels import packed_int, packed_int_moe
 
+    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
+        module, _, kernel = kernel.rpartition(".")
         try:
-            aot._compile(getattr(packed_int, kernel), {**POINTERS, **pointers}, set(), constexprs)
+            aot._compile(getattr(modules[module or "packed_int"], kernel), {**POINTERS, **pointers}, set(), constexprs)
             results[name] = None
         except Exception:  # reported per variant so one failure does not hide the others
             results[name] = traceback.format_exc()

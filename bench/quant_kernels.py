@@ -1,0 +1,195 @@
+"""The integer-weight kernels (kernels/packed_int.py) at Llama-3.1-8B's projection shapes against bf16, on one GPU:
+``python -m treadle.bench.quant_kernels [--rows 1,8,32] [--explore] [--moe] [--output PATH]`` (about a minute on an
+H100).
+
+Per shape (qkv, o, gate_up, down) and rows M: bfloat16 ``F.linear`` (cuBLAS) on the same shape, and every launch
+config the loader would time for W4A16 (compressed-tensors' symmetric groups of 128; ``--zeros`` adds AWQ-style
+zero points), each replayed from a CUDA graph with the weight cycled through copies so it is read from memory as a
+decode step reads it. Each line: microseconds, the speed-up over bf16, and the fraction of the W4A16 roofline
+(bytes of the packed weight, its scales and zeros, the activations and the output, at the measured copy bandwidth).
+The summary adds the four shapes up per decoder layer (what a decode step spends in its linear layers, times 32
+layers) with the fastest config of each, as the loader picks them. ``--explore`` times a wider grid of configs;
+``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against W4A16 ones, per token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from treadle.bench.results_folder import results_dir
+
+SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+          "down_proj": (4096, 14336)}
+LAYERS = 32  # Llama-3.1-8B's decoder layers
+MIXTRAL_MOE = (8, 4096, 14336, 2)  # experts, hidden, intermediate, top-k
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from treadle.layers.small_batch import graph_seconds
+
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for name, (n, k) in SHAPES.items():
+        weight = _Packed(n, k, args.zeros, device)
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.01
+        dense_copies = _copies(dense)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            bf16_s = graph_seconds(lambda i: F.linear(x, dense_copies[i % len(dense_copies)]))
+            roofline_s = (weight.bytes + 2 * rows * (n + k)) / bandwidth
+            for tiles in candidates(n, k, rows, device, args.explore):
+                try:
+                    seconds = graph_seconds(lambda i, tiles=tiles: weight.run(x, i, tiles))
+                except Exception as exc:  # a config that does not compile here is reported, not fatal
+                    print(f"{name} M={rows} {tiles}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                results.append({"shape": name, "n": n, "k": k, "rows": rows, "tiles": str(tiles),
+                                "us": seconds * 1e6, "bf16_us": bf16_s * 1e6, "speedup": bf16_s / seconds,
+                                "roofline_fraction": roofline_s / seconds})
+                print(f"{name:<13} M={rows:<3} {seconds * 1e6:8.1f} us  bf16 {bf16_s * 1e6:8.1f} us  "
+                      f"{bf16_s / seconds:5.2f}x  {roofline_s / seconds:5.0%} of roofline  {tiles}")
+    print()
+    print(summary(results, rows_list))
+    moe = moe_rows(rows_list, bandwidth, device) if args.moe else []
+    report = {"benchmark": "quant_kernels", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(device), "copy_bandwidth_GBps": bandwidth / 1e9,
+              "zeros": args.zeros, "results": results, "moe": moe}
+    output = Path(args.output) if args.output else results_dir() / f"quant_kernels_{dt.date.today():%Y%m%d}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
+    return 0
+
+
+def moe_rows(rows_list: list[int], bandwidth: float, device: torch.device) -> list[dict]:
+    """One Mixtral-8x7B MoE layer (8 experts of 4096 x 14336, top-2, random routing): the 16-bit fused experts
+    against W4A16 ones (symmetric, groups of 128), per token count; the roofline reads each routed expert once."""
+    from treadle.kernels.fused_moe import fused_experts
+    from treadle.kernels.packed_int_moe import fused_int_experts
+    from treadle.layers.fused_moe import route_top_k
+    from treadle.layers.small_batch import graph_seconds
+
+    experts, hidden, inter, top_k = MIXTRAL_MOE
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.01
+    w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.01
+    packed = []
+    for n, k in ((2 * inter, hidden), (hidden, inter)):
+        packed += [torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), dtype=torch.int32, device=device),
+                   (torch.rand(experts, n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16), None]
+    expert_bytes = sum(t[0].numel() * 4 + t[1].numel() * 2 for t in (packed[:2], packed[3:5])) // experts
+    rows = []
+    for tokens in rows_list:
+        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+        weights, ids = route_top_k(torch.randn(tokens, experts, device=device), top_k)
+        bf16_s = graph_seconds(lambda i: fused_experts(x, w13, w2, weights, ids))
+        int4_s = graph_seconds(lambda i: fused_int_experts(x, *packed, weights, ids, 4, 128))
+        roofline_s = ids.unique().numel() * expert_bytes / bandwidth
+        rows.append({"tokens": tokens, "bf16_us": bf16_s * 1e6, "w4a16_us": int4_s * 1e6,
+                     "speedup": bf16_s / int4_s, "roofline_fraction": roofline_s / int4_s})
+        print(f"mixtral moe layer T={tokens:<3} bf16 {bf16_s * 1e6:8.1f} us  w4a16 {int4_s * 1e6:8.1f} us  "
+              f"{bf16_s / int4_s:5.2f}x  {roofline_s / int4_s:5.0%} of roofline")
+    return rows
+
+
+def candidates(n: int, k: int, rows: int, device: torch.device, explore: bool) -> list:
+    """The configs the loader times for a batch of ``rows`` (``layers/int_kernel_choice.py``), or a wider grid."""
+    from treadle.kernels.packed_int import IntTiles, gemv_candidates, tile_candidates
+
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    if rows == 1:
+        listed = gemv_candidates(n, k, 4, sm_count)
+        if explore:
+            listed += [IntTiles(0, block_n, block_w, split, warps) for block_n in (8, 16, 32, 64)
+                       for block_w in (16, 32, 64) for split in (1, 2, 4, 8) for warps in (1, 2, 4)
+                       if (k // 8) % (block_w * split) == 0 and block_n * block_w <= 32 * 32 * warps]
+        return list(dict.fromkeys(listed))
+    listed = tile_candidates(n, k, 4, 16 if rows <= 16 else 32 if rows <= 32 else 64, sm_count)
+    if explore:
+        listed += [IntTiles(block_m, block_n, 16, split, warps, i16) for block_m in (16, 32, 64)
+                   for block_n in (32, 64, 128) for split in (1, 2, 4) for warps in (4, 8) for i16 in (True, False)
+                   if block_m >= min(rows, 64) // 2]
+    return list(dict.fromkeys(listed))
+
+
+class _Packed:
+    """A random W4A16 weight in the kernels' layout, with copies to cycle through."""
+
+    def __init__(self, n: int, k: int, zeros: bool, device: torch.device) -> None:
+        self.words = _copies(torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device))
+        self.scales = (torch.rand(n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16)
+        self.zeros = torch.randint(0, 16, (n, k // 128), device=device).to(torch.bfloat16) if zeros else None
+        self.bytes = self.words[0].numel() * 4 + self.scales.numel() * 2 * (2 if zeros else 1)
+
+    def run(self, x: torch.Tensor, i: int, tiles) -> torch.Tensor:
+        from treadle.kernels.packed_int import int_dot, int_gemv
+
+        words = self.words[i % len(self.words)]
+        if tiles.block_m == 0:
+            return int_gemv(x, words, self.scales, self.zeros, 4, 128, tiles)
+        return int_dot(x, words, self.scales, self.zeros, 4, 128, tiles)
+
+
+def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    from treadle.layers.small_batch import weight_copies
+
+    return weight_copies(weight)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read plus write)."""
+    source = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * source.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def summary(results: list[dict], rows_list: list[int]) -> str:
+    """Per rows: each shape's fastest config, and the four shapes' sum times the layers against bf16."""
+    lines = [f"{'':<22}{'bf16 us':>9}{'w4a16 us':>10}{'speed-up':>10}{'roofline':>10}  fastest config"]
+    for rows in rows_list:
+        layer_bf16 = layer_w4 = 0.0
+        for shape in SHAPES:
+            timed = [r for r in results if r["shape"] == shape and r["rows"] == rows]
+            if not timed:
+                continue
+            best = min(timed, key=lambda r: r["us"])
+            layer_bf16 += best["bf16_us"]
+            layer_w4 += best["us"]
+            lines.append(f"{shape + f' M={rows}':<22}{best['bf16_us']:>9.1f}{best['us']:>10.1f}"
+                         f"{best['speedup']:>9.2f}x{best['roofline_fraction']:>9.0%}  {best['tiles']}")
+        if layer_w4:
+            lines.append(f"{f'x{LAYERS} layers M={rows}':<22}{layer_bf16 * LAYERS / 1e3:>8.2f}m"
+                         f"{layer_w4 * LAYERS / 1e3:>9.2f}m{layer_bf16 / layer_w4:>9.2f}x  (ms of linear layers per "
+                         "decode step)")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m treadle.bench.quant_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
+    parser.add_argument("--explore", action="store_true", help="time a wider grid of launch configs")
+    parser.add_argument("--moe", action="store_true", help="also one Mixtral-8x7B MoE layer, 16-bit against W4A16")
+    parser.add_argument("--output")
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

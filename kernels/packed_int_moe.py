@@ -1,0 +1,160 @@
+"""Triton fused-MoE kernels for integer experts (W4A16, W8A16) in ``layers/packed_int.py``'s panel layout, behind
+``layers/int_experts.py``'s :func:`fused_int_experts`.
+
+The same two ways as 16-bit experts (``kernels/fused_moe.py``): a decode step of a few tokens (fewer assignments
+than experts) runs two GEMVs per (token, expert) assignment, the one-token integer GEMV's loop
+(``kernels/packed_int.py``) on the assignment's expert — the first with ``silu(gate) * up`` in its epilogue, the
+second summing the token's ``k`` routed outputs — so nothing is sorted or padded; larger batches sort the
+assignments by expert (``align_by_expert``) and run a grouped GEMM whose tiles widen each panel of their expert's
+packed weight in registers for ``tl.dot``. Nothing syncs with the host: the layer captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.kernels.fused_moe import align_by_expert, default_config, takes_gemv
+from treadle.kernels.fused_ops import silu_mul
+from treadle.kernels.packed_int import _dot_panels, _gemv_rows, widening
+
+# Weight rows, words per step and warps of a GEMV program: the gate/up GEMV has two row blocks per program and
+# top_k * I / 16 programs per token; the down GEMV's H / 8 programs per token each read top_k experts' rows.
+_GEMV_ROWS, _GEMV_WORDS, _GEMV_WARPS = 16, 32, 2
+_DOWN_ROWS, _DOWN_WARPS = 8, 1
+
+
+def fused_int_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Tensor | None,
+                      w2: torch.Tensor, s2: torch.Tensor, z2: torch.Tensor | None, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for packed experts: ``w13`` int32
+    ``[E, 2I, H * bits / 32]`` with ``s13`` / ``z13`` ``[E, 2I, H / group]``, ``w2`` ``[E, H, I * bits / 32]``
+    with ``s2`` / ``z2`` ``[E, H, I / group]`` (zeros None: symmetric)."""
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    if takes_gemv(num_tokens, top_k, num_experts):
+        return _gemvs(x, w13, s13, z13, w2, s2, z2, weights, topk_ids, bits, group)
+    num_rows = num_tokens * top_k
+    config = default_config(num_rows, x.dtype)
+    sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
+    gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
+    _grouped(x, w13, s13, z13, gate_up, sorted_rows, block_experts, config, top_k, None, bits, group)
+    activated = silu_mul(gate_up)
+    down = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    _grouped(activated, w2, s2, z2, down, sorted_rows, block_experts, config, 1, weights, bits, group)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _gemvs(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Tensor | None, w2: torch.Tensor,
+           s2: torch.Tensor, z2: torch.Tensor | None, weights: torch.Tensor, topk_ids: torch.Tensor, bits: int,
+           group: int) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    inter, top_k = w13.shape[1] // 2, topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    activated = torch.empty((num_tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    _moe_int_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, _GEMV_ROWS))](
+        x, w13, s13, z13 if z13 is not None else s13, ids, activated, hidden, inter, top_k, w13.stride(0),
+        w13.stride(1), s13.stride(0), s13.stride(1), BITS=bits, GROUP=group, HAS_ZEROS=z13 is not None,
+        BLOCK_N=_GEMV_ROWS, BLOCK_W=_block_words(hidden, bits), num_warps=_GEMV_WARPS)
+    out = torch.empty_like(x)
+    _moe_int_down_kernel[(num_tokens, triton.cdiv(hidden, _DOWN_ROWS))](
+        activated, w2, s2, z2 if z2 is not None else s2, ids, weights, out, hidden, inter, w2.stride(0),
+        w2.stride(1), s2.stride(0), s2.stride(1), TOP_K=top_k, BITS=bits, GROUP=group, HAS_ZEROS=z2 is not None,
+        BLOCK_N=_DOWN_ROWS, BLOCK_W=_block_words(inter, bits), num_warps=_DOWN_WARPS)
+    return out
+
+
+def _block_words(k: int, bits: int) -> int:
+    return _GEMV_WORDS if (k * bits // 32) % _GEMV_WORDS == 0 else 16
+
+
+def _grouped(a: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             out: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor, config, a_row_divisor: int,
+             row_weights: torch.Tensor | None, bits: int, group: int) -> None:
+    """``out[r] = a[r // a_row_divisor] @ dequantized(weights[expert(r)]).T`` (times ``row_weights[r]``) for each
+    sorted row ``r``."""
+    _, n, _ = weights.shape
+    i16, magic, offset = widening(bits, a.dtype)
+    _grouped_int_kernel[(block_experts.numel(), triton.cdiv(n, config.block_n))](
+        a, weights, scales, zeros if zeros is not None else scales, out,
+        row_weights if row_weights is not None else out, sorted_rows, block_experts, n, a.shape[1], out.shape[0],
+        a_row_divisor, a.stride(0), weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(1),
+        out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, I16=i16, MAGIC16=magic,
+        OFFSET16=offset, MUL_ROW_WEIGHT=row_weights is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps)
+
+
+@triton.jit
+def _moe_int_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, out_ptr, K, inter, top_k, stride_we, stride_wn,
+                            stride_se, stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    assignment = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    expert = tl.load(ids_ptr + assignment).to(tl.int64)
+    x_row = x_ptr + (assignment // top_k).to(tl.int64) * K
+    w, s, z = w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
+    gate = _gemv_rows(x_row, w, s, z, offs_n, n_mask, 0, K, stride_wn, stride_sn, BITS, GROUP, HAS_ZEROS, BLOCK_N,
+                      BLOCK_W, False)
+    up = _gemv_rows(x_row, w, s, z, offs_n + inter, n_mask, 0, K, stride_wn, stride_sn, BITS, GROUP, HAS_ZEROS,
+                    BLOCK_N, BLOCK_W, False)
+    dtype = out_ptr.dtype.element_ty
+    # Rounded where the grouped path rounds: the gate/up products, then silu(gate) * up.
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + assignment.to(tl.int64) * inter + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype),
+             mask=n_mask)
+
+
+@triton.jit
+def _moe_int_down_kernel(act_ptr, w_ptr, s_ptr, z_ptr, ids_ptr, route_ptr, out_ptr, hidden, K, stride_we, stride_wn,
+                         stride_se, stride_sn, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        assignment = token * TOP_K + j
+        expert = tl.load(ids_ptr + assignment).to(tl.int64)
+        acc = _gemv_rows(act_ptr + assignment * K, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+                         z_ptr + expert * stride_se, offs_n, n_mask, 0, K, stride_wn, stride_sn, BITS, GROUP,
+                         HAS_ZEROS, BLOCK_N, BLOCK_W, False)
+        # Each routed output rounded as the grouped path stores it, then summed in float32 as its sum over k does.
+        total += (acc * tl.load(route_ptr + assignment)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * hidden + offs_n, total.to(dtype), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _grouped_int_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr, N, K,
+                        num_rows, a_row_divisor, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr,
+                        MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, MUL_ROW_WEIGHT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < num_rows
+    a_rows = tl.where(row_mask, rows // a_row_divisor, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_c = tl.arange(0, 16)
+    acc = _dot_panels(a_ptr + a_rows[:, None] * stride_am + offs_c[None, :], row_mask,
+                      w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_c[:, None],
+                      s_ptr + expert * stride_se, z_ptr + expert * stride_se, offs_n, n_mask, 0, K, stride_sn, BITS,
+                      GROUP, HAS_ZEROS, I16, MAGIC16, OFFSET16, BLOCK_M, BLOCK_N)
+    if MUL_ROW_WEIGHT:
+        acc = acc * tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
