@@ -39,6 +39,7 @@ from treadle.core.execution.overlap import HostCopy, LaunchedStep, NextInputIds,
 from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
 from treadle.core.execution.sampler import Sampler, SamplingBatch, accepted_draft_counts
 from treadle.core.registry import Registry
+from treadle.core.speculative.tree import TreeLayout, compact_kept_path, verify_tree
 
 if TYPE_CHECKING:
     from treadle.core.lora.manager import LoRAManager
@@ -212,14 +213,18 @@ class ModelWorker(Worker):
                 return piecewise.replay(forward_batch)
         return self.runner.forward(forward_batch)
 
-    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
+    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None,
+                       draft_parents: torch.Tensor | None = None) -> LaunchedStep:
+        """``draft_parents`` (``[bs, k]``, with ``draft_ids``): the drafts form trees, each draft's parent draft
+        (-1: the request's last token; core/speculative/tree.py), verified under a tree mask."""
         runner = self.runner
         batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
+        tree = TreeLayout.of(draft_parents) if draft_parents is not None else None
         forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
-                                            draft_ids)
+                                            draft_ids, tree)
         if runner.lora is not None:
             forward_batch.batch_context = adapter_context(batch, forward_batch)
-        return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids)
+        return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids, tree=tree)
 
     def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
                         prompt_logprob_entries: Sequence[int] = ()) -> None:
@@ -257,6 +262,8 @@ class ModelWorker(Worker):
         bs, per_req = forward_batch.batch_size, forward_batch.tokens_per_req
         sampling = SamplingBatch.from_reqs(step.batch.reqs, self.info.vocab_size, self.info.device,
                                            tokens_per_req=per_req)
+        if step.tree is not None:
+            return self._sample_tree(step, sampling, vocab_mask)
         result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask, draft_ids=step.draft_ids,
                               draft_probs=step.draft_probs)
         token_ids = result.next_token_ids.view(bs, per_req)
@@ -271,6 +278,23 @@ class ModelWorker(Worker):
                                                                                                    token_ids)
             self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
             tensors["accepted"] = accepted
+        return tensors
+
+
+    def _sample_tree(self, step: LaunchedStep, sampling: SamplingBatch,
+                     vocab_mask: torch.Tensor | None) -> dict[str, Any]:
+        """A verify step over draft trees (core/speculative/tree.py): the kept path's tokens, log-probs and K/V
+        laid out as a chain's, so the scheduler reads it as one."""
+        forward_batch = step.forward_batch
+        verdict = verify_tree(self.sampler, step.logits, sampling, step.tree, step.draft_ids, vocab_mask)
+        tensors: dict[str, Any] = {"next_ids": verdict.token_ids, "accepted": verdict.accepted,
+                                   "logprobs": verdict.logprobs, "top_values": None, "top_ids": None}
+        if verdict.top_logprobs is not None:
+            tensors["top_values"], tensors["top_ids"] = verdict.top_logprobs
+        compact_kept_path(self.runner.kv_cache, self.runner.req_to_token_pool.req_to_token,
+                          forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, verdict.path,
+                          verdict.accepted)
+        self.next_input_ids.record_accepted(forward_batch.req_pool_indices, verdict.token_ids, verdict.accepted)
         return tensors
 
 
