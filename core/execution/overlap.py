@@ -95,3 +95,6 @@ class LaunchedStep:
     pooled: torch.Tensor | None = None  # an embedding step's pooled parts, [bs, hidden] on the device
     # A TARGET_VERIFY step over draft trees: their layout (core/speculative/tree.py); None for chains.
     tree: "TreeLayout | None" = None
+    # Its kept drafts then the target's token, [bs, t] on the device, once its sampling is queued (drafters that
+    # catch up on the kept path read them).
+    kept_ids: torch.Tensor | None = None

@@ -295,6 +295,7 @@ class ModelWorker(Worker):
                           forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, verdict.path,
                           verdict.accepted)
         self.next_input_ids.record_accepted(forward_batch.req_pool_indices, verdict.token_ids, verdict.accepted)
+        step.kept_ids = verdict.token_ids
         return tensors
 
 
