@@ -132,8 +132,8 @@ def check_tree_backend(backend, name: str, registry: Registry) -> None:
     """Refuse draft trees (``speculative.topk`` > 1) on an attention backend that cannot mask them."""
     if getattr(backend, "supports_tree_mask", False):
         return
-    able = [backend_name for backend_name in registry.names("attention_backends")
-            if getattr(registry.get("attention_backends", backend_name), "supports_tree_mask", False)]
+    able = [backend_name for backend_name in registry.names("attention")
+            if getattr(registry.get("attention", backend_name), "supports_tree_mask", False)]
     raise ValueError(f"speculative.topk > 1 verifies draft trees, which attention backend '{name}' "
                      f"({type(backend).__name__}) cannot mask; use attention.backend: {' or '.join(able)}, or "
                      "speculative.topk: 1")
