@@ -127,11 +127,13 @@ class ModelWorker(Worker):
 
     ``verify_tokens_per_req``: the ``k + 1`` of the TARGET_VERIFY steps to capture in CUDA graphs (a speculative
     worker asks for its own; empty: verify steps run eagerly or through the prefill graphs), for batch sizes up to
-    ``verify_max_bs`` (None: every decode graph's). Plain decode is captured as it is without them.
+    ``verify_max_bs`` (None: every decode graph's); ``verify_trees``: those steps verify draft trees (their graphs
+    take a tree mask). Plain decode is captured as it is without them.
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
-                 verify_tokens_per_req: Sequence[int] = (), verify_max_bs: int | None = None) -> None:
+                 verify_tokens_per_req: Sequence[int] = (), verify_max_bs: int | None = None,
+                 verify_trees: bool = False) -> None:
         self.runner = ModelRunner(config, registry, offline=offline)
         self.config = self.runner.config
         self.context = AttentionContext.of(self.runner)
@@ -140,6 +142,7 @@ class ModelWorker(Worker):
         self.next_input_ids = NextInputIds(self.runner.req_to_token_pool.size, self.runner.device)
         self.verify_tokens_per_req = tuple(sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}))
         self.verify_max_bs = verify_max_bs
+        self.verify_trees = verify_trees  # verify steps carry draft trees (their graphs a tree mask)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
@@ -170,7 +173,7 @@ class ModelWorker(Worker):
             max_bs = min(runtime.cuda_graph_max_bs, runner.max_running_requests)
             self.cuda_graphs = CudaGraphRunner(runner.model, backend, self.context, max_bs,
                                                prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify,
-                                               verify_max_bs=self.verify_max_bs)
+                                               verify_max_bs=self.verify_max_bs, verify_trees=self.verify_trees)
         else:
             logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
                         runner.config.attention.backend)

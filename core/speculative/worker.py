@@ -51,7 +51,11 @@ class SpeculativeWorker(Worker):
     def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
                  speculator: Speculator | None = None) -> None:
         num_tokens = config.speculative.num_tokens
-        self.target = ModelWorker(config, registry, offline=offline, verify_tokens_per_req=range(2, num_tokens + 2))
+        if config.speculative.topk > 1 and config.attention.backend != "auto":  # before any graph is captured
+            check_tree_backend(registry.get("attention", config.attention.backend), config.attention.backend,
+                               registry)
+        self.target = ModelWorker(config, registry, offline=offline, verify_tokens_per_req=range(2, num_tokens + 2),
+                                  verify_trees=config.speculative.topk > 1)
         self.info, self.config = self.target.info, self.target.config
         if speculator is None:
             factory = registry.get("speculators", config.speculative.method)

@@ -238,6 +238,8 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         split = metadata.decode_from
         requests = slice(0, split)  # the whole batch when there is no decode tail
+        # A tree verify step's mask: converted once per step eagerly; a captured graph's is a uint8 static input.
+        tree_mask = metadata.tree_mask if metadata.tree_mask is not None else forward_batch.tree_mask
         tokens = slice(0, metadata.decode_tokens_from if split is not None else q.shape[0])
         if split is None or split > 0:
             self._extend.extend_attention(
@@ -258,8 +260,8 @@ class TritonAttnBackend(AttentionBackend):
                 self.extend_block_m,
                 self.extend_block_n,
                 *kv_scales(kv_cache, layer.layer_id),
-                tree_mask=metadata.tree_mask,
-                positions=forward_batch.positions if metadata.tree_mask is not None else None,
+                tree_mask=tree_mask,
+                positions=forward_batch.positions if tree_mask is not None else None,
             )
         if split is not None:
             assert metadata.decode is not None
