@@ -289,6 +289,9 @@ class ModelWorker(Worker):
         """A verify step over draft trees (core/speculative/tree.py): the kept path's tokens, log-probs and K/V
         laid out as a chain's, so the scheduler reads it as one."""
         forward_batch = step.forward_batch
+        if vocab_mask is not None:
+            raise ValueError("grammar masks are not applied to draft trees: a constrained request decodes one token a "
+                             "step or verifies chains (speculative.topk 1)")
         verdict = verify_tree(self.sampler, step.logits, sampling, step.tree, step.draft_ids, vocab_mask)
         tensors: dict[str, Any] = {"next_ids": verdict.token_ids, "accepted": verdict.accepted,
                                    "logprobs": verdict.logprobs, "top_values": None, "top_ids": None}
