@@ -154,7 +154,7 @@ class DraftModelSpeculator(Speculator):
         """A step of the target other than the verify step of a proposal settles that proposal (a plain decode
         step may follow a verify step); a prefill chunk is prefilled in the draft too, so that the first verify
         step of a request has only its last token to catch up on."""
-        if step.tree is not None:
+        if getattr(step, "tree", None) is not None:
             self._tree_step = step
         prefills = []
         for entry in step.batch.entries:
