@@ -1,6 +1,6 @@
 """Draft trees (``speculative.topk`` > 1): the target verifies every node of each request's tree in one forward under a
 tree mask and keeps the longest path it would have produced itself, whichever child that path goes through; greedy
-output equals plain decoding's token for token, seeded sampled output too, and the sampled tokens have the target's
+output equals plain decoding's token for token (under a sliding window too), seeded sampled output too, and the sampled tokens have the target's
 distribution (chi-square); the kept path's K/V is moved into place and every KV slot comes back. (Each node's logits
 against HF's, and the decode step after the K/V moved, for torch_native and triton's interpreted kernels:
 tests/core/test_verify_step.py.) A backend that cannot mask trees is refused (methods that draft chains:
@@ -83,6 +83,20 @@ def test_broken_trees_give_the_plain_greedy_tokens(tiny_llama_dir, plain, memory
     spec = oracle_tree(tiny_llama_dir, plain, breaks=True, **sections)
     outputs = spec.generate(input_ids=PROMPTS, sampling_params=greedy())
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert_kv_accounted(spec)
+
+
+def test_trees_under_a_sliding_window_give_the_plain_greedy_tokens(tiny_mistral_dir):
+    """A window of 8 keys: a node counts it from its depth's position, not its place in the step (topk 3)."""
+    prompts = [[5, 17, 42, 8, 99, 3, 250, 11, 7, 7, 9, 12], [300, 301, 9]]
+    params = greedy((21, 9))
+    plain = engine(tiny_mistral_dir, None).generate(input_ids=prompts, sampling_params=params)
+    spec = engine(tiny_mistral_dir, "oracle_tree", speculative={"topk": 3})
+    speculator = spec.scheduler.worker.speculator
+    speculator.references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    speculator.breaks = True
+    assert [o.token_ids for o in spec.generate(input_ids=prompts, sampling_params=params)] == \
+        [o.token_ids for o in plain]
     assert_kv_accounted(spec)
 
 
