@@ -1,10 +1,10 @@
 """Draft trees (``speculative.topk`` > 1): the target verifies every node of each request's tree in one forward under a
 tree mask and keeps the longest path it would have produced itself, whichever child that path goes through; greedy
-output equals plain decoding's token for token (under a sliding window too), seeded sampled output too, and the sampled tokens have the target's
-distribution (chi-square); the kept path's K/V is moved into place and every KV slot comes back. (Each node's logits
-against HF's, and the decode step after the K/V moved, for torch_native and triton's interpreted kernels:
-tests/core/test_verify_step.py.) A backend that cannot mask trees is refused (methods that draft chains:
-tests/core/test_speculative_config.py)."""
+output equals plain decoding's token for token (under a sliding window too), seeded sampled output too, and the
+sampled tokens have the target's distribution (chi-square); the kept path's K/V is moved into place and every KV slot
+comes back. (Each node's logits against HF's, and the decode step after the K/V moved, for torch_native and triton's
+interpreted kernels: tests/core/test_verify_step.py.) A backend that cannot mask trees is refused (methods that draft
+chains: tests/core/test_speculative_config.py)."""
 
 from __future__ import annotations
 
