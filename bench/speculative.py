@@ -2,7 +2,9 @@
 
 ``--part machinery`` (GPU): Llama-3.1-8B shapes with dummy weights and the test ``oracle`` speculator, which
 proposes the target's own greedy continuation so every draft is accepted: what the verify machinery costs and
-gives. Per batch size (1, 8, 32 by default) the decode step of plain decoding and the verify step of k + 1 tokens,
+gives. With ``--topk`` above 1 the drafts form trees (``oracle_tree``: ``topk`` children per depth, the right one
+last), so a verify step of ``k + 1`` nodes keeps ``k // topk`` drafts and its time includes the tree mask and the
+kept path's K/V move. Per batch size (1, 8, 32 by default) the decode step of plain decoding and the verify step of k + 1 tokens,
 each timed as ``(time for N new tokens - time for 1) / steps``, and tokens/s of both.
 
 ``--part ngram`` (any device): the embedded SmolLM2 with the ``ngram`` speculator on a copy-heavy workload
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m treadle.bench.speculative", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["machinery", "ngram", "all"], default="all")
     parser.add_argument("--num-tokens", type=int, default=4, help="drafts per step (k)")
+    parser.add_argument("--topk", type=int, default=1, help="machinery: draft tree width (1: chains)")
     parser.add_argument("--batch-sizes", default="1,8,32", help="machinery: batch sizes")
     parser.add_argument("--prompt-len", type=int, default=512, help="machinery: prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=257, help="machinery: tokens generated per request")
@@ -121,7 +124,8 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
         free_memory()
-    spec = {"speculative.method": "oracle", "speculative.num_tokens": args.num_tokens,
+    spec = {"speculative.method": "oracle" if args.topk == 1 else "oracle_tree",
+            "speculative.num_tokens": args.num_tokens, "speculative.topk": args.topk,
             "speculative.max_batch_size": max_bs}
     engine = Engine(load_config(overrides={**base, **spec, **_sets(args)}, use_env=False))
     try:
@@ -141,7 +145,8 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         engine.shutdown()
         free_memory()
-    return {"model": f"{args.model_dir or 'llama-3.1-8b'} (dummy weights)", "num_tokens": args.num_tokens, "prompt_len": args.prompt_len,
+    return {"model": f"{args.model_dir or 'llama-3.1-8b'} (dummy weights)", "num_tokens": args.num_tokens,
+            "topk": args.topk, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "device": str(device), "rows": list(rows.values())}
 
 
@@ -175,7 +180,8 @@ def _time_steps(engine: Any, token_lists: list[list[int]], args: argparse.Namesp
 
 def format_machinery(result: dict[str, Any]) -> str:
     k = result["num_tokens"]
-    lines = [f"speculative machinery: {result['model']}, oracle drafts, k = {k}, {result['device']}",
+    shape = "oracle drafts" if result.get("topk", 1) == 1 else f"oracle trees of width {result['topk']}"
+    lines = [f"speculative machinery: {result['model']}, {shape}, k = {k}, {result['device']}",
              f"{'bs':>4}  {'decode ms':>10}  {'verify ms':>10}  {'verify/decode':>13}  {'accept len':>10}  "
              f"{'plain tok/s':>11}  {'spec tok/s':>10}  {'speed-up':>8}"]
     for r in result["rows"]:

@@ -76,6 +76,9 @@ class LoraConfig(Section):
 
 # Speculators that read a second set of weights from speculative.draft_model_path.
 DRAFT_MODEL_METHODS = ("draft", "eagle3", "eagle")
+# Built-in speculators by the draft shapes they propose (speculative.topk > 1: trees; a plugin's own are not checked).
+TREE_METHODS = ("draft",)
+CHAIN_ONLY_METHODS = ("ngram", "eagle3", "eagle")
 
 
 class SpeculativeConfig(Section):
@@ -84,7 +87,8 @@ class SpeculativeConfig(Section):
                           "draft, eagle3, or a plugin's name); null: speculative decoding off")
     num_tokens: int = Field(4, ge=1, le=16, description="draft tokens per request and step (k): a decode step "
                                                         "verifies k + 1 positions and keeps 1 to k + 1 tokens")
-    topk: int = Field(1, ge=1, description="draft tree width; 1: a chain of drafts (the only shape verified now)")
+    topk: int = Field(1, ge=1, description="draft tree width: the children a node of the draft tree may have "
+                                            "(draft); 1: a chain of drafts")
     draft_model_path: str | None = Field(
         None, description="HF folder or .gguf file of the draft weights (draft: a small model of the same "
                           "tokenizer; eagle3: the EAGLE-3 heads' folder)")
@@ -103,9 +107,12 @@ class SpeculativeConfig(Section):
 
     @model_validator(mode="after")
     def _combination(self) -> "SpeculativeConfig":
-        if self.topk > 1:
-            raise ValueError(f"topk {self.topk}: draft trees are not supported yet; use topk 1 (a chain of "
-                             "num_tokens drafts)")
+        if self.topk > 1 and self.method in CHAIN_ONLY_METHODS:
+            raise ValueError(f"topk {self.topk}: method '{self.method}' proposes chains only; use topk 1 with it, "
+                             f"or a method that drafts trees ({', '.join(TREE_METHODS)})")
+        if self.topk > self.num_tokens:
+            raise ValueError(f"topk {self.topk} must not exceed num_tokens {self.num_tokens} (a tree holds "
+                             "num_tokens drafts, topk of them at the first level at most)")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} must not exceed ngram_max {self.ngram_max}")
         if self.method in DRAFT_MODEL_METHODS and not self.draft_model_path:

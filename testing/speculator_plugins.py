@@ -4,12 +4,17 @@
 - ``oracle``: proposes each request's continuation from a plain run (``speculator.references``: prompt ids ->
   output ids, set after the engine is built), so every draft is right while the run repeats the plain one: the
   machinery measured with acceptance k + 1 (``bench/speculative.py``).
+- ``oracle_tree``: the oracle's continuation as a draft tree (``speculative.topk`` children per depth, at least
+  2): at every depth the wrong children first, then the right one, which the next depth continues, so a step keeps
+  ``num_tokens // topk`` drafts; with ``breaks`` set, every child goes wrong at a depth drawn from a seeded
+  generator, so steps keep anywhere from none to all of the right path.
 - ``random_drafts``: drafts sampled on the device from a fixed random distribution ``q`` per position, returned
   with ``q`` (``Drafts.probs``), so verify steps go through rejection sampling.
 """
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +46,37 @@ class OracleSpeculator(Speculator):
         return Drafts(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
 
 
+class OracleTreeSpeculator(OracleSpeculator):
+    """The reference continuation as a tree of ``topk`` children per depth, the right one last (module docstring)."""
+
+    def __init__(self, num_draft_tokens: int, device: torch.device, vocab_size: int, topk: int = 2,
+                 seed: int = 0) -> None:
+        super().__init__(num_draft_tokens, device)
+        self.vocab_size = vocab_size
+        self.topk = max(2, topk)
+        self.breaks = False
+        self.rng = random.Random(seed)
+
+    def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
+        right_rows = super().propose(batch, num_drafts).token_ids.tolist()
+        tokens, parents = [], []
+        for right in right_rows:
+            broken_at = self.rng.randint(0, num_drafts) if self.breaks else num_drafts
+            row_tokens, row_parents, parent = [], [], -1
+            for depth in range(num_drafts):
+                for child in range(self.topk):
+                    if len(row_tokens) == num_drafts:
+                        break
+                    is_right = child == self.topk - 1 and depth < broken_at
+                    row_tokens.append(right[depth] if is_right else (right[depth] + 1 + child) % self.vocab_size)
+                    row_parents.append(parent)
+                parent = len(row_tokens) - 1
+            tokens.append(row_tokens)
+            parents.append(row_parents)
+        return Drafts(to_device(torch.tensor(tokens, dtype=torch.int64), self.device),
+                      parents=to_device(torch.tensor(parents, dtype=torch.int64), self.device))
+
+
 class RandomDraftSpeculator(Speculator):
     """Drafts drawn on the device from ``q`` (``[num_draft_tokens, vocab]``, fixed by ``seed``), with ``q``."""
 
@@ -62,6 +98,11 @@ def make_oracle(target, config, registry) -> OracleSpeculator:
     return OracleSpeculator(config.speculative.num_tokens, target.info.device)
 
 
+def make_oracle_tree(target, config, registry) -> OracleTreeSpeculator:
+    spec = config.speculative
+    return OracleTreeSpeculator(spec.num_tokens, target.info.device, target.info.vocab_size, spec.topk)
+
+
 def make_random_drafts(target, config, registry) -> RandomDraftSpeculator:
     return RandomDraftSpeculator(config.speculative.num_tokens, target.info.vocab_size, target.info.device)
 
@@ -69,4 +110,5 @@ def make_random_drafts(target, config, registry) -> RandomDraftSpeculator:
 @hookimpl
 def treadle_register_speculators(register) -> None:
     register("oracle", make_oracle)
+    register("oracle_tree", make_oracle_tree)
     register("random_drafts", make_random_drafts)

@@ -25,7 +25,9 @@ def check_speculator(factory: SpeculatorFactory, *, model_dir: str | None = None
     built in a temporary folder), greedy, with requests that finish at different steps. Checked:
 
     - every ``propose(batch, n)`` returns :class:`Drafts` whose ``token_ids`` are ``[bs, n]`` int64 on the
-      target's device with ids inside the vocabulary, and whose ``probs`` are None or ``[bs, n, vocab]`` float32
+      target's device with ids inside the vocabulary, whose ``parents`` (a tree's, with ``speculative.topk`` > 1 in
+      ``overrides``) are None or ``[bs, n]`` int64 each -1 or an earlier draft's index, and whose ``probs`` are None
+      or ``[bs, n, vocab]`` float32
       there; on CUDA, ``propose`` does not synchronize the device (``torch.cuda.set_sync_debug_mode``);
     - the outputs are the plain run's token for token, and every KV slot comes back;
     - ``request_released`` is called for every request and may be called again for the same one.
@@ -119,6 +121,15 @@ def _check_drafts(name: str, drafts: Any, shape: tuple[int, int], device: torch.
                 and probs.device.type == device.type,
                 f"{name}.propose: probs must be float32 {[*shape, vocab]} on {device}, got {probs.dtype} "
                 f"{list(probs.shape)} on {probs.device}")
+    if drafts.parents is not None:
+        parents = drafts.parents
+        _expect(tuple(parents.shape) == shape and parents.dtype == torch.int64 and parents.device.type == device.type,
+                f"{name}.propose: parents must be int64 {list(shape)} on {device}, got {parents.dtype} "
+                f"{list(parents.shape)} on {parents.device}")
+        if device.type == "cpu":
+            below = torch.arange(shape[1]).unsqueeze(0)
+            _expect(bool(((parents >= -1) & (parents < below)).all()),
+                    f"{name}.propose: a draft's parent must be -1 (the last token) or an earlier draft's index")
 
 
 def _expect(condition: bool, message: str) -> None:

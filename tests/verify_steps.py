@@ -53,8 +53,9 @@ class HandDriver:
         req.output_ids.append(int(step.results.wait()["next_ids"][0]))
         return req
 
-    def verify(self, reqs: list[Req], drafts: torch.Tensor):
-        """One TARGET_VERIFY step over ``reqs`` with ``drafts`` [bs, k]; returns the launched step (logits kept)."""
+    def verify(self, reqs: list[Req], drafts: torch.Tensor, parents: torch.Tensor | None = None):
+        """One TARGET_VERIFY step over ``reqs`` with ``drafts`` [bs, k] (a tree's with ``parents``); returns the
+        launched step (logits kept)."""
         k = int(drafts.shape[1])
         entries = []
         for req in reqs:
@@ -63,8 +64,11 @@ class HandDriver:
             req.kv_slots = torch.cat([req.kv_slots, slots])
             entries.append(BatchEntry(req, start, k + 1, slots, write_from=start,
                                       logit_positions=range(start, start + k + 1), input_on_device=True))
-        return self.worker.launch_forward(ScheduleBatch(ForwardMode.TARGET_VERIFY, entries),
-                                          draft_ids=drafts.to(self.worker.info.device))
+        device = self.worker.info.device
+        batch = ScheduleBatch(ForwardMode.TARGET_VERIFY, entries)
+        if parents is None:
+            return self.worker.launch_forward(batch, draft_ids=drafts.to(device))
+        return self.worker.launch_forward(batch, draft_ids=drafts.to(device), draft_parents=parents.to(device))
 
     def decode(self, req: Req, token: int | None) -> torch.Tensor:
         """One decode step of ``req`` fed ``token`` (None: the token sampled last, already on the device);
@@ -121,3 +125,42 @@ def hf_logits(hf_model, sequence: list[int], positions: int) -> torch.Tensor:
     """HF's float32 logits at the last ``positions`` positions of ``sequence``."""
     with torch.no_grad():
         return hf_model(torch.tensor([sequence], device=hf_model.device)).logits[0, -positions:].float().cpu()
+
+
+@dataclass
+class TreeRun:
+    node_logits: torch.Tensor  # [t, vocab]: the tree verify step's logits at each node
+    expected_logits: torch.Tensor  # [t, vocab]: HF's after the prompt, the first token and each node's path
+    accepted: int
+    next_ids: list[int]  # the step's kept drafts and the target's token after them
+    greedy: list[int]  # HF's greedy continuation after the first token (3 tokens)
+    next_logits: torch.Tensor  # the decode step after it, on the kept path's K/V moved into place
+    expected_next: torch.Tensor  # HF's on the prompt, the first token and ``greedy``
+
+
+def verify_tree_against_hf(worker, hf_model, prompt: list[int]) -> TreeRun:
+    """A tree of 5 drafts (root -> 0, 1; 0 -> 2; 1 -> 3 -> 4) whose right path, HF's greedy one, goes through the
+    second child (1 -> 3; 4 is wrong): one verify step, then one decode step on the K/V it kept."""
+    driver = HandDriver(worker)
+    vocab = worker.info.vocab_size
+    req = driver.prefill(prompt)
+    sequence = prompt + req.output_ids
+    greedy: list[int] = []
+    for _ in range(3):
+        greedy.append(int(hf_logits(hf_model, sequence + greedy, 1)[0].argmax()))
+    g1, g2, g3 = greedy
+    drafts = torch.tensor([[(g1 + 1) % vocab, g1, (g2 + 5) % vocab, g2, (g3 + 1) % vocab]])
+    parents = torch.tensor([[-1, -1, 0, 1, 3]])
+    paths = [[], [0], [1], [0, 2], [1, 3], [1, 3, 4]]
+    kv_start = req.kv_len
+    step = driver.verify([req], drafts, parents)
+    node_logits = step.logits.float().cpu().clone()
+    expected = torch.stack([hf_logits(hf_model, sequence + drafts[0, path].tolist(), 1)[0] for path in paths])
+    worker.launch_sampling(step)
+    host = step.results.wait()
+    accepted = int(host["accepted"][0])
+    driver.allocator.free(torch.tensor(req.truncate_kv(kv_start + accepted + 1), dtype=torch.int64))
+    req.output_ids.extend(host["next_ids"][0, :accepted + 1].tolist())
+    next_logits = driver.decode(req, None)
+    return TreeRun(node_logits, expected, accepted, host["next_ids"][0, :accepted + 1].tolist(), greedy, next_logits,
+                   hf_logits(hf_model, sequence + greedy, 1)[0])

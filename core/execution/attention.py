@@ -54,6 +54,9 @@ class AttentionBackend(ABC):
     # Whether TARGET_VERIFY steps may be captured too: the capture hook is then also called with
     # ``mode=TARGET_VERIFY`` and ``num_tokens = bs * tokens_per_req``, the replay hook with ``num_tokens=`` the same.
     supports_verify_cuda_graph: bool = False
+    # Whether TARGET_VERIFY steps over draft trees run here (speculative.topk > 1): such a step's new tokens attend
+    # to the whole prefix and to ``forward_batch.tree_mask`` (their ancestors and themselves) instead of causally.
+    supports_tree_mask: bool = False
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:

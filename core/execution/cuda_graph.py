@@ -95,7 +95,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: nn.Module, attn_backend: "AttentionBackend", context: "AttentionContext",
                  max_bs: int, *, prune: bool = True, verify_tokens_per_req: Sequence[int] = (),
-                 verify_max_bs: int | None = None) -> None:
+                 verify_max_bs: int | None = None, verify_trees: bool = False) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.context = context
@@ -134,7 +134,9 @@ class CudaGraphRunner:
         # By tokens_per_req, captured largest first; batch sizes up to the first captured one >= verify_max_bs.
         verify_bs = [bs for bs in self.batch_sizes if bs < (verify_max_bs or max_bs)]
         verify_bs += [bs for bs in self.batch_sizes if bs >= (verify_max_bs or max_bs)][:1]
-        self.verify = {t: _VerifyGraphs(self, t, verify_bs) for t in verify_sizes}
+        # Draft trees (speculative.topk > 1): every verify step carries a tree mask, a static input of its graphs.
+        self.verify_trees = verify_trees
+        self.verify = {t: _VerifyGraphs(self, t, verify_bs, verify_trees) for t in verify_sizes}
         self.capture()
 
     # ------------------------------------------------------------------ capture
@@ -284,6 +286,7 @@ class CudaGraphRunner:
     def can_run_verify(self, forward_batch: ForwardBatch) -> bool:
         return (
             forward_batch.forward_mode.is_verify()
+            and (forward_batch.tree_mask is not None) == self.verify_trees
             and forward_batch.tokens_per_req in self.verify
             and 0 < forward_batch.batch_size <= self.verify[forward_batch.tokens_per_req].max_bs
         )
@@ -297,7 +300,8 @@ class _VerifyGraphs:
     """The TARGET_VERIFY graphs of one ``tokens_per_req`` t: static inputs for ``max_bs * t`` tokens (every
     one's logits wanted) and one graph per batch size, in the owner's memory pool."""
 
-    def __init__(self, owner: CudaGraphRunner, tokens_per_req: int, batch_sizes: Sequence[int]) -> None:
+    def __init__(self, owner: CudaGraphRunner, tokens_per_req: int, batch_sizes: Sequence[int],
+                 trees: bool = False) -> None:
         self.owner = owner
         self.tokens_per_req = t = tokens_per_req
         # A padding row attends over its own t tokens after a prefix of fill - 1 keys.
@@ -315,6 +319,9 @@ class _VerifyGraphs:
             self.prefix_lens = self.seq_lens - t
             self.extend_lens = torch.full((max_bs,), t, dtype=torch.int64, device=device)
             self.extend_starts = torch.arange(max_bs, dtype=torch.int64, device=device) * t
+            # A tree verify step's mask, uint8 [max_bs, t, t]; padding rows keep a valid one (each node sees itself).
+            self.tree_mask = torch.ones(t, t, device=device).tril().to(torch.uint8).repeat(max_bs, 1, 1) if trees \
+                else None
         self.seq_lens_cpu = torch.full((max_bs,), self.seq_len_fill_value, dtype=torch.int64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -345,6 +352,7 @@ class _VerifyGraphs:
             extend_seq_lens=self.extend_lens[:bs], extend_prefix_lens=self.prefix_lens[:bs],
             extend_start_loc=self.extend_starts[:bs], extend_seq_lens_cpu=[t] * bs,
             extend_prefix_lens_cpu=[fill - t] * bs, tokens_per_req=t,
+            tree_mask=self.tree_mask[:bs] if self.tree_mask is not None else None,
         )
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -354,6 +362,8 @@ class _VerifyGraphs:
         bs = sizes[bisect.bisect_left(sizes, raw_bs)]
         raw_n, n, fill = raw_bs * t, bs * t, self.seq_len_fill_value
         seq_lens_cpu = _copy_inputs(self, forward_batch, raw_bs, bs, t, fill)
+        if self.tree_mask is not None:
+            self.tree_mask[:raw_bs].copy_(forward_batch.tree_mask)
         torch.sub(self.seq_lens[:bs], t, out=self.prefix_lens[:bs])
         self.owner.attn_backend.init_forward_metadata_replay_cuda_graph(
             bs, self.req_pool_indices[:bs], self.seq_lens[:bs], forward_batch.seq_lens_sum + (bs - raw_bs) * fill,

@@ -108,6 +108,11 @@ class ForwardBatch:
     # A step with image or video requests: M-RoPE positions and the rows that take vision-encoder outputs
     # (core/multimodal/inputs.py); None otherwise.
     multimodal: Any = None
+    # A TARGET_VERIFY step over draft trees (speculative.topk > 1): [bs, t, t] bool, True where new token b is new
+    # token a or one of its ancestors (what a attends to among the step's tokens, besides the whole prefix; its
+    # position is kv_start + depth). None: the new tokens attend causally. Backends that read it say
+    # ``supports_tree_mask``.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

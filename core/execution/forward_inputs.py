@@ -22,13 +22,16 @@ if TYPE_CHECKING:
     from treadle.core.execution.attention_context import AttentionContext
     from treadle.core.execution.overlap import NextInputIds
     from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
+    from treadle.core.speculative.tree import TreeLayout
 
 
 def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", attn_backend: "AttentionBackend",
-                        next_input_ids: "NextInputIds", draft_ids: torch.Tensor | None = None) -> ForwardBatch:
+                        next_input_ids: "NextInputIds", draft_ids: torch.Tensor | None = None,
+                        tree: "TreeLayout | None" = None) -> ForwardBatch:
     """The device inputs of ``batch``. Decode rows take their input token from ``next_input_ids``; a
     TARGET_VERIFY batch (every entry ``extend_len = k + 1`` tokens, ``input_on_device``) takes its first token
-    per request from there and the other ``k`` from ``draft_ids`` (``[bs, k]`` on the device)."""
+    per request from there and the other ``k`` from ``draft_ids`` (``[bs, k]`` on the device). ``tree``: the
+    drafts form trees (core/speculative/tree.py): each token sits at ``kv_start + depth`` under a tree mask."""
     device = context.device
     entries = batch.entries
     mode = batch.forward_mode
@@ -48,6 +51,10 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
         input_ids_dev, positions, extra = _verify_inputs(entries, req_pool_indices_dev, next_input_ids, draft_ids,
                                                          device)
         logits_indices = torch.arange(int(positions.shape[0]), dtype=torch.int64)
+        if tree is not None:
+            extra["tree_mask"] = tree.ancestors
+            prefix = to_device(torch.tensor([e.kv_start for e in entries], dtype=torch.int64), device)
+            positions = (prefix.unsqueeze(1) + tree.depth).flatten()
     else:
         input_ids_dev = _extend_input_ids(entries, next_input_ids, device)
         positions, logits_indices, extra = _extend_positions(entries, device)
@@ -58,7 +65,7 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
         forward_mode=mode,
         batch_size=len(entries),
         input_ids=input_ids_dev,
-        positions=to_device(positions, device),
+        positions=to_device(positions, device) if positions.device.type == "cpu" else positions,
         req_pool_indices=req_pool_indices_dev,
         seq_lens=to_device(seq_lens, device),
         seq_lens_cpu=seq_lens,

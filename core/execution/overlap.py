@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from treadle.core.execution.forward_batch import ForwardBatch
     from treadle.core.scheduling.schedule_batch import ScheduleBatch
+    from treadle.core.speculative.tree import TreeLayout
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -92,3 +93,8 @@ class LaunchedStep:
     # The distributions the drafts were sampled from, [bs, k, vocab] float32 (None: deterministic drafts).
     draft_probs: torch.Tensor | None = None
     pooled: torch.Tensor | None = None  # an embedding step's pooled parts, [bs, hidden] on the device
+    # A TARGET_VERIFY step over draft trees: their layout (core/speculative/tree.py); None for chains.
+    tree: "TreeLayout | None" = None
+    # Its kept drafts then the target's token, [bs, t] on the device, once its sampling is queued (drafters that
+    # catch up on the kept path read them).
+    kept_ids: torch.Tensor | None = None

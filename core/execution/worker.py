@@ -39,6 +39,7 @@ from treadle.core.execution.overlap import HostCopy, LaunchedStep, NextInputIds,
 from treadle.core.execution.piecewise_graph import PiecewiseGraphRunner
 from treadle.core.execution.sampler import Sampler, SamplingBatch, accepted_draft_counts
 from treadle.core.registry import Registry
+from treadle.core.speculative.tree import TreeLayout, compact_kept_path, verify_tree
 
 if TYPE_CHECKING:
     from treadle.core.lora.manager import LoRAManager
@@ -126,11 +127,13 @@ class ModelWorker(Worker):
 
     ``verify_tokens_per_req``: the ``k + 1`` of the TARGET_VERIFY steps to capture in CUDA graphs (a speculative
     worker asks for its own; empty: verify steps run eagerly or through the prefill graphs), for batch sizes up to
-    ``verify_max_bs`` (None: every decode graph's). Plain decode is captured as it is without them.
+    ``verify_max_bs`` (None: every decode graph's); ``verify_trees``: those steps verify draft trees (their graphs
+    take a tree mask). Plain decode is captured as it is without them.
     """
 
     def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
-                 verify_tokens_per_req: Sequence[int] = (), verify_max_bs: int | None = None) -> None:
+                 verify_tokens_per_req: Sequence[int] = (), verify_max_bs: int | None = None,
+                 verify_trees: bool = False) -> None:
         self.runner = ModelRunner(config, registry, offline=offline)
         self.config = self.runner.config
         self.context = AttentionContext.of(self.runner)
@@ -139,6 +142,7 @@ class ModelWorker(Worker):
         self.next_input_ids = NextInputIds(self.runner.req_to_token_pool.size, self.runner.device)
         self.verify_tokens_per_req = tuple(sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}))
         self.verify_max_bs = verify_max_bs
+        self.verify_trees = verify_trees  # verify steps carry draft trees (their graphs a tree mask)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
@@ -169,7 +173,7 @@ class ModelWorker(Worker):
             max_bs = min(runtime.cuda_graph_max_bs, runner.max_running_requests)
             self.cuda_graphs = CudaGraphRunner(runner.model, backend, self.context, max_bs,
                                                prune=bool(runtime.cuda_graph_prune), verify_tokens_per_req=verify,
-                                               verify_max_bs=self.verify_max_bs)
+                                               verify_max_bs=self.verify_max_bs, verify_trees=self.verify_trees)
         else:
             logger.info("attention backend %s has no CUDA-graph support; decode runs eagerly",
                         runner.config.attention.backend)
@@ -212,14 +216,18 @@ class ModelWorker(Worker):
                 return piecewise.replay(forward_batch)
         return self.runner.forward(forward_batch)
 
-    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
+    def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None,
+                       draft_parents: torch.Tensor | None = None) -> LaunchedStep:
+        """``draft_parents`` (``[bs, k]``, with ``draft_ids``): the drafts form trees, each draft's parent draft
+        (-1: the request's last token; core/speculative/tree.py), verified under a tree mask."""
         runner = self.runner
         batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
+        tree = TreeLayout.of(draft_parents) if draft_parents is not None else None
         forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
-                                            draft_ids)
+                                            draft_ids, tree)
         if runner.lora is not None:
             forward_batch.batch_context = adapter_context(batch, forward_batch)
-        return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids)
+        return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids, tree=tree)
 
     def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
                         prompt_logprob_entries: Sequence[int] = ()) -> None:
@@ -257,6 +265,8 @@ class ModelWorker(Worker):
         bs, per_req = forward_batch.batch_size, forward_batch.tokens_per_req
         sampling = SamplingBatch.from_reqs(step.batch.reqs, self.info.vocab_size, self.info.device,
                                            tokens_per_req=per_req)
+        if step.tree is not None:
+            return self._sample_tree(step, sampling, vocab_mask)
         result = self.sampler(step.logits, sampling, vocab_mask=vocab_mask, draft_ids=step.draft_ids,
                               draft_probs=step.draft_probs)
         token_ids = result.next_token_ids.view(bs, per_req)
@@ -271,6 +281,27 @@ class ModelWorker(Worker):
                                                                                                    token_ids)
             self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
             tensors["accepted"] = accepted
+        return tensors
+
+
+    def _sample_tree(self, step: LaunchedStep, sampling: SamplingBatch,
+                     vocab_mask: torch.Tensor | None) -> dict[str, Any]:
+        """A verify step over draft trees (core/speculative/tree.py): the kept path's tokens, log-probs and K/V
+        laid out as a chain's, so the scheduler reads it as one."""
+        forward_batch = step.forward_batch
+        if vocab_mask is not None:
+            raise ValueError("grammar masks are not applied to draft trees: a constrained request decodes one token a "
+                             "step or verifies chains (speculative.topk 1)")
+        verdict = verify_tree(self.sampler, step.logits, sampling, step.tree, step.draft_ids, vocab_mask)
+        tensors: dict[str, Any] = {"next_ids": verdict.token_ids, "accepted": verdict.accepted,
+                                   "logprobs": verdict.logprobs, "top_values": None, "top_ids": None}
+        if verdict.top_logprobs is not None:
+            tensors["top_values"], tensors["top_ids"] = verdict.top_logprobs
+        compact_kept_path(self.runner.kv_cache, self.runner.req_to_token_pool.req_to_token,
+                          forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, verdict.path,
+                          verdict.accepted)
+        self.next_input_ids.record_accepted(forward_batch.req_pool_indices, verdict.token_ids, verdict.accepted)
+        step.kept_ids = verdict.token_ids
         return tensors
 
 

@@ -9,7 +9,8 @@ model is loaded through it like any model). The speculative worker around the ta
   for the running requests (an n-gram look-up with nothing to copy says 0, and the step decodes one token);
 - :meth:`Speculator.propose` for every TARGET_VERIFY batch, before the target's forward: ``t - 1`` drafts per
   request, where ``t`` is the batch's tokens per request (``entry.extend_len``; the first of those ``t``
-  tokens is the request's last sampled token, already known);
+  tokens is the request's last sampled token, already known); with ``speculative.topk`` > 1 they may form a
+  tree (``Drafts.parents``);
 - :meth:`Speculator.after_target_forward` after each forward of the target is queued (prefill chunks and
   verify steps alike): a draft model catches its own KV cache up, EAGLE reads the target's hidden states;
 - :meth:`Speculator.request_released` when a request leaves the running batch (finished, aborted or
@@ -41,10 +42,18 @@ class Drafts:
     last sampled token. ``probs`` ``[bs, n, vocab]`` float32 (or None): the distribution each draft was sampled
     from, for rejection sampling; None means the drafts are deterministic proposals (a lookup, a greedy draft
     model), which rejection sampling treats as one-hot. Under greedy sampling ``probs`` is not read.
+
+    ``parents`` ``[bs, n]`` int64 (or None: a chain) makes each request's drafts a tree (``speculative.topk`` > 1):
+    ``parents[i, j]`` is the index of draft ``j``'s parent among the request's drafts, below ``j``, or -1 for a
+    child of the request's last sampled token; a chain is ``parents[i, j] = j - 1``. Up to ``n`` nodes, so a node
+    of depth ``d`` verifies the position ``d`` past the last token; the target keeps the longest root-to-node path
+    it would have produced itself (core/speculative/tree.py). Tree drafts carry no ``probs``: a tree's nodes are
+    proposals (a draft model's top-k), kept by matching the target's own token at their parent, which is exact.
     """
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
 
 class Speculator(ABC):

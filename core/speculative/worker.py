@@ -25,6 +25,7 @@ from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.registry import Registry
 from treadle.core.scheduling.observers import StepObserver
 from treadle.core.speculative.speculator import Drafts, Speculator
+from treadle.core.speculative.tree import chain_parents
 
 if TYPE_CHECKING:
     from treadle.core.request import Req
@@ -50,13 +51,20 @@ class SpeculativeWorker(Worker):
     def __init__(self, config: ServerConfig, registry: Registry, *, offline: bool = False,
                  speculator: Speculator | None = None) -> None:
         num_tokens = config.speculative.num_tokens
-        self.target = ModelWorker(config, registry, offline=offline, verify_tokens_per_req=range(2, num_tokens + 2))
+        if config.speculative.topk > 1 and config.attention.backend != "auto":  # before any graph is captured
+            check_tree_backend(registry.get("attention", config.attention.backend), config.attention.backend,
+                               registry)
+        self.target = ModelWorker(config, registry, offline=offline, verify_tokens_per_req=range(2, num_tokens + 2),
+                                  verify_trees=config.speculative.topk > 1)
         self.info, self.config = self.target.info, self.target.config
         if speculator is None:
             factory = registry.get("speculators", config.speculative.method)
             speculator = factory(self.target, self.config, registry)
         self.speculator = speculator
         self.num_draft_tokens = max(1, min(num_tokens, int(getattr(speculator, "num_draft_tokens", num_tokens))))
+        self.trees = config.speculative.topk > 1
+        if self.trees:
+            check_tree_backend(self.target.runner.attn_backend, config.attention.backend, registry)
         self._observer = _ReleasedRequests(speculator)
 
     @property
@@ -80,11 +88,14 @@ class SpeculativeWorker(Worker):
         return (self._observer,)
 
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
-        drafts = None
+        drafts = parents = None
         if batch.forward_mode is ForwardMode.TARGET_VERIFY and draft_ids is None:
             drafts = self.propose(batch)
             draft_ids = drafts.token_ids
-        step = self.target.launch_forward(batch, draft_ids)
+            if self.trees:
+                parents = drafts.parents if drafts.parents is not None else chain_parents(*draft_ids.shape,
+                                                                                          draft_ids.device)
+        step = self.target.launch_forward(batch, draft_ids, draft_parents=parents)
         if drafts is not None:
             step.draft_probs = drafts.probs
         self.speculator.after_target_forward(step)
@@ -99,6 +110,17 @@ class SpeculativeWorker(Worker):
             raise ValueError(f"speculator {type(self.speculator).__name__} proposed drafts of shape "
                              f"{tuple(drafts.token_ids.shape)}; a verify batch of {expected[0]} requests and "
                              f"{num_drafts} drafts each needs {expected}")
+        if drafts.parents is not None:
+            name = type(self.speculator).__name__
+            if not self.trees:
+                raise ValueError(f"speculator {name} proposed a draft tree (Drafts.parents) but speculative.topk "
+                                 "is 1; set speculative.topk above 1 to verify trees")
+            if tuple(drafts.parents.shape) != expected:
+                raise ValueError(f"speculator {name} proposed parents of shape {tuple(drafts.parents.shape)}; "
+                                 f"its drafts need {expected}")
+            if drafts.probs is not None:
+                raise ValueError(f"speculator {name} proposed a draft tree with probs: tree drafts are proposals "
+                                 "kept by matching the target's own tokens; leave Drafts.probs None")
         return drafts
 
     def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
@@ -108,6 +130,17 @@ class SpeculativeWorker(Worker):
     def release_graphs(self) -> None:
         self.speculator.release_graphs()
         self.target.release_graphs()
+
+
+def check_tree_backend(backend, name: str, registry: Registry) -> None:
+    """Refuse draft trees (``speculative.topk`` > 1) on an attention backend that cannot mask them."""
+    if getattr(backend, "supports_tree_mask", False):
+        return
+    able = [backend_name for backend_name in registry.names("attention")
+            if getattr(registry.get("attention", backend_name), "supports_tree_mask", False)]
+    raise ValueError(f"speculative.topk > 1 verifies draft trees, which attention backend '{name}' "
+                     f"({type(backend).__name__}) cannot mask; use attention.backend: {' or '.join(able)}, or "
+                     "speculative.topk: 1")
 
 
 class _ReleasedRequests(StepObserver):

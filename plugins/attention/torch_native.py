@@ -41,6 +41,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     """
 
     supports_cuda_graph = False
+    supports_tree_mask = True  # TARGET_VERIFY steps over draft trees (ForwardBatch.tree_mask)
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
@@ -216,6 +217,7 @@ class _ExtendIndex:
     kv_slots: torch.Tensor
     new_kv_rows: torch.Tensor
     device: torch.device
+    tree_mask: torch.Tensor | None = None  # a tree verify step's [bs, t, t] (ForwardBatch.tree_mask)
     _masks: dict[int | None, list[torch.Tensor | None]] = field(default_factory=dict)
 
     @classmethod
@@ -238,14 +240,18 @@ class _ExtendIndex:
             kv_slots=rows.flatten().index_select(0, in_rows.to(device, non_blocking=True)),
             new_kv_rows=_concat_ranges(new_kv_starts, new_lens).to(device, non_blocking=True),
             device=device,
+            tree_mask=forward_batch.tree_mask,
         )
 
     def masks(self, window: int | None) -> list[torch.Tensor | None]:
         """Per request, a boolean ``[new_len, seq_len]`` mask (True = attend), None where every key is visible."""
         if window not in self._masks:
-            self._masks[window] = [
-                _causal_mask(seq - new, new, window, self.device) for seq, new in zip(self.seq_lens, self.new_lens)
-            ]
+            if self.tree_mask is not None:
+                self._masks[window] = [_tree_mask(seq - new, self.tree_mask[i], window)
+                                       for i, (seq, new) in enumerate(zip(self.seq_lens, self.new_lens))]
+            else:
+                self._masks[window] = [_causal_mask(seq - new, new, window, self.device)
+                                       for seq, new in zip(self.seq_lens, self.new_lens)]
         return self._masks[window]
 
 
@@ -305,6 +311,18 @@ def _causal_mask(prefix_len: int, new_len: int, window: int | None, device: torc
     visible = key_pos <= query_pos
     if window is not None:
         visible &= key_pos > query_pos - window
+    return visible
+
+
+def _tree_mask(prefix_len: int, ancestors: torch.Tensor, window: int | None) -> torch.Tensor:
+    """A tree verify row's ``[t, prefix_len + t]`` mask: the whole prefix, then the node's ancestors and itself;
+    node ``a`` sits at position ``prefix_len + depth[a]`` (what a sliding window counts from)."""
+    t = ancestors.shape[0]
+    visible = torch.cat([torch.ones(t, prefix_len, dtype=torch.bool, device=ancestors.device), ancestors], dim=1)
+    if window is not None:
+        depth = ancestors.sum(dim=1) - 1
+        key_pos = torch.cat([torch.arange(prefix_len, device=ancestors.device), prefix_len + depth])
+        visible &= key_pos[None, :] > (prefix_len + depth)[:, None] - window
     return visible
 
 

@@ -33,6 +33,7 @@ from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
 from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
 from treadle.plugins.speculators.draft_memory import DraftMemory, DraftSequence, draft_kv_tokens, draft_server_config
+from treadle.plugins.speculators.draft_tree import DraftTrees
 
 if TYPE_CHECKING:
     from treadle.core.execution.overlap import LaunchedStep
@@ -48,8 +49,12 @@ logger = logging.getLogger(__name__)
 class DraftModelSpeculator(Speculator):
     """Drafts with a small model's :class:`ModelWorker` (``draft``) for the target worker ``target``."""
 
-    def __init__(self, target: "ModelWorker", draft: "ModelWorker", num_draft_tokens: int) -> None:
+    def __init__(self, target: "ModelWorker", draft: "ModelWorker", num_draft_tokens: int, topk: int = 1,
+                 max_requests: int = 1) -> None:
         check_same_vocabulary(target.info, draft.info)
+        # Draft trees (topk > 1) for verify batches of up to max_requests requests; None: chains.
+        self.trees = DraftTrees(draft, topk, num_draft_tokens, max_requests) if topk > 1 else None
+        self._tree_step: "LaunchedStep | None" = None  # the last tree verify step, its kept path not copied yet
         self.target = target
         self.draft = draft
         self.num_draft_tokens = num_draft_tokens
@@ -74,7 +79,9 @@ class DraftModelSpeculator(Speculator):
         for seq, position in zip(seqs, last):
             if seq is not None:
                 seq.settle(position)
-        ok = self.memory.reserve(seqs, [position + num_drafts for position in last])
+        self._copy_kept_paths()
+        ahead = num_drafts if self.trees is None else 1  # a tree's nodes write their K/V to scratch slots
+        ok = self.memory.reserve(seqs, [position + ahead for position in last])
         inputs = CatchUp()
         for i, (req, position, seq) in enumerate(zip(reqs, last, seqs)):
             if ok[i] and seq is not None:
@@ -86,6 +93,8 @@ class DraftModelSpeculator(Speculator):
         live = [seqs[i] for i in inputs.rows]
         sampling = sampling_of([reqs[i] for i in inputs.rows], [last[i] for i in inputs.rows], self.vocab_size,
                                self.device)
+        if self.trees is not None:
+            return self._propose_trees(inputs, seqs, last, num_drafts, token_ids)
         drafts, probs = self._run(inputs, live, [last[i] for i in inputs.rows], num_drafts, sampling)
         for i in inputs.rows:
             seq = seqs[i]
@@ -103,10 +112,50 @@ class DraftModelSpeculator(Speculator):
             full_probs.index_copy_(0, index, probs)
         return Drafts(token_ids, full_probs)
 
+    def _propose_trees(self, inputs: CatchUp, seqs: list[DraftSequence | None], last: list[int], num_drafts: int,
+                       token_ids: torch.Tensor) -> Drafts:
+        """Draft trees (plugins/speculators/draft_tree.py) for the rows of ``inputs``; the rows that sit out propose
+        a chain of token 0. A tree's drafts are proposals without distributions (core/speculative/tree.py)."""
+        live = [seqs[i] for i in inputs.rows]
+        live_last = [last[i] for i in inputs.rows]
+        input_ids = inputs.device_input_ids(self.device, self.target.next_input_ids.ids, self.last_drafts)
+        root_logits = self.draft.forward(self._extend_batch(inputs, live, input_ids))
+        drafts, parents = self.trees.grow(root_logits, [seq.row for seq in live], live_last, num_drafts,
+                                          self.vocab_size, self._decode_batch)
+        for i in inputs.rows:
+            seq = seqs[i]
+            # Only the last token's K/V sits in the request's own row; the kept drafts are caught up on next time,
+            # read from the buffer of last drafts once the verify step has laid its kept path there.
+            seq.seen, seq.proposed_at, seq.proposed, seq.drafts_at = last[i] + 1, -1, num_drafts, last[i]
+        bs = token_ids.shape[0]
+        all_parents = torch.arange(-1, num_drafts - 1, device=self.device).expand(bs, num_drafts).clone()
+        if len(inputs.rows) == bs:
+            return Drafts(drafts, parents=parents)
+        index = to_device(torch.tensor(inputs.rows, dtype=torch.int64), self.device)
+        token_ids.index_copy_(0, index, drafts)
+        all_parents.index_copy_(0, index, parents)
+        return Drafts(token_ids, parents=all_parents)
+
+    def _copy_kept_paths(self) -> None:
+        """Lay the last tree verify step's kept drafts in the buffer of last drafts (device to device), where the
+        catch-up reads the ones the host has not appended yet."""
+        step, self._tree_step = self._tree_step, None
+        if step is None or step.kept_ids is None:
+            return
+        pairs = [(i, seq.row) for i, entry in enumerate(step.batch.entries)
+                 if (seq := self.memory.sequences.get(entry.req.rid)) is not None]
+        if not pairs:
+            return
+        width = min(step.kept_ids.shape[1] - 1, self.last_drafts.shape[1])
+        entries, rows = (index_tensor(values, self.device) for values in zip(*pairs))
+        self.last_drafts[:, :width].index_copy_(0, rows, step.kept_ids.index_select(0, entries)[:, :width])
+
     def after_target_forward(self, step: "LaunchedStep") -> None:
         """A step of the target other than the verify step of a proposal settles that proposal (a plain decode
         step may follow a verify step); a prefill chunk is prefilled in the draft too, so that the first verify
         step of a request has only its last token to catch up on."""
+        if getattr(step, "tree", None) is not None:
+            self._tree_step = step
         prefills = []
         for entry in step.batch.entries:
             seq = self.memory.sequences.get(entry.req.rid)
@@ -119,6 +168,7 @@ class DraftModelSpeculator(Speculator):
 
     def _prefill(self, entries: list["BatchEntry"]) -> None:
         """The draft's forward over the prompt tokens of the target's prefill chunks (all on the host)."""
+        self._copy_kept_paths()
         seqs = [self.memory.sequence(entry.req) for entry in entries]
         ends = [entry.kv_start + entry.extend_len for entry in entries]
         ok = self.memory.reserve(seqs, ends)
@@ -263,7 +313,11 @@ def build_draft_speculator(target: "ModelWorker", config: "ResolvedConfig", regi
         raise ValueError("speculative.method 'draft' needs speculative.draft_model_path (a model folder or "
                          ".gguf file of the target's tokenizer)")
     kv_tokens = draft_kv_tokens(target.info, spec.num_tokens, spec.draft_model_path, config.cache.mem_fraction)
-    draft_config = draft_server_config(config, target.info, spec.draft_model_path, kv_tokens)
+    spare_rows = 0
+    if spec.topk > 1:  # a draft tree's scratch rows and slots (plugins/speculators/draft_tree.py)
+        spare_rows = int(spec.max_batch_size) * spec.topk
+        kv_tokens += spare_rows * max(1, spec.num_tokens - spec.topk)
+    draft_config = draft_server_config(config, target.info, spec.draft_model_path, kv_tokens, spare_rows)
     try:
         draft = ModelWorker(draft_config, registry)
     except torch.cuda.OutOfMemoryError as exc:
@@ -272,7 +326,7 @@ def build_draft_speculator(target: "ModelWorker", config: "ResolvedConfig", regi
             f"tokens after the target's: lower cache.mem_fraction (now {config.cache.mem_fraction}) to leave room "
             "for them (docs/speculative.md)") from exc
     logger.info("draft model %s: KV pool of %d tokens", draft.info.model_dir, draft.info.max_total_tokens)
-    return DraftModelSpeculator(target, draft, spec.num_tokens)
+    return DraftModelSpeculator(target, draft, spec.num_tokens, spec.topk, int(spec.max_batch_size))
 
 
 @hookimpl

@@ -161,10 +161,12 @@ def _weight_bytes_of(hf: Any) -> int:
     return 2 * (hf.num_hidden_layers * per_layer + 2 * hf.vocab_size * hidden)
 
 
-def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_path: str, kv_tokens: int) -> Any:
+def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_path: str, kv_tokens: int,
+                        spare_rows: int = 0) -> Any:
     """The draft model's ServerConfig: the target's, with the draft's folder, its own KV pool (``kv_tokens``
-    slots, page size 1), the target's context length, dtype, device and running limit, decode graphs up to the
-    largest verify batch."""
+    slots, page size 1), the target's context length, dtype, device and running limit (plus ``spare_rows``
+    request-table rows: a draft tree's scratch rows), decode graphs up to the largest verify batch (times
+    ``speculative.topk``: a tree's levels decode that many rows per request)."""
     values = config.model_dump()
     values["model"] = {"path": draft_path, "dtype": config.model.dtype, "device": config.model.device,
                        "seed": config.model.seed, "context_length": target.context_len,
@@ -175,7 +177,8 @@ def draft_server_config(config: "ResolvedConfig", target: "WorkerInfo", draft_pa
                        "kv_dtype": "fp8_e4m3" if config.cache.kv_dtype == "fp8_e4m3" else "auto"}
     # The draft decodes only verify batches: no larger than speculative.max_batch_size.
     values["runtime"]["cuda_graph_max_bs"] = max(1, min(config.runtime.cuda_graph_max_bs,
-                                                        config.speculative.max_batch_size))
+                                                        config.speculative.max_batch_size * config.speculative.topk))
+    values["scheduler"]["max_running_requests"] = config.scheduler.max_running_requests + spare_rows
     values.pop("speculative", None)
     values.pop("lora", None)  # the draft serves no adapters (and the resolved section has keys a config refuses)
     return validate_config(values)

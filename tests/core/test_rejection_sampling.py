@@ -6,12 +6,12 @@ match path: tests/plugins/test_ngram_speculator.py checks seeded outputs equal p
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from treadle.core.execution.sampler import Sampler, SamplingBatch
 from treadle.core.request import Req, SamplingParams
+
+from chi_square import chi_square_passes
 
 VOCAB, K, REQUESTS = 12, 2, 30000
 T = K + 1
@@ -39,21 +39,6 @@ def target_distribution(logits: torch.Tensor) -> torch.Tensor:
         kept[token] = probs[token]
         mass += float(probs[token])
     return kept / kept.sum()
-
-
-def chi_square_passes(samples: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Pearson's chi-square against ``expected`` over tokens with expected count >= 5, at significance 1e-4
-    (Wilson-Hilferty's quantile); a token with zero expected probability must never appear."""
-    counts = torch.bincount(samples, minlength=VOCAB).double()
-    n = int(counts.sum())
-    if counts[expected == 0].sum() > 0:
-        return False
-    cells = expected * n >= 5
-    statistic = float((((counts - expected * n) ** 2) / (expected * n))[cells].sum())
-    df = int(cells.sum()) - 1
-    z = 3.719  # the standard normal's 1 - 1e-4 quantile
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return statistic < critical
 
 
 def setup(seed: int = 0):

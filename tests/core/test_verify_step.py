@@ -22,7 +22,7 @@ if __name__ == "__main__":
 import pytest
 import torch
 
-from verify_steps import hf_logits, verify_against_decode
+from verify_steps import hf_logits, verify_against_decode, verify_tree_against_hf
 
 K_VALUES = (1, 2, 3, 4)
 SHARED = 6  # request 1's prompt starts with request 0's first SHARED tokens, on request 0's KV
@@ -58,6 +58,19 @@ def check_verify(worker, hf_model, k: int, atol: float = 1e-4) -> None:
     assert torch.equal(run.next_input, greedy.gather(1, kept[:, None]).squeeze(1))
 
 
+def check_tree(worker, hf_model, atol: float = 1e-4) -> None:
+    """Raise AssertionError unless a tree verify step's logits at every node are HF's after the node's path, the
+    kept path is the right one through a second child, and the decode step after it reads the K/V moved into place."""
+    run = verify_tree_against_hf(worker, hf_model, prompts(worker.info.vocab_size, seed=5)[0])
+    torch.testing.assert_close(run.node_logits, run.expected_logits, atol=atol, rtol=atol)
+    assert run.accepted == 2 and run.next_ids == run.greedy
+    torch.testing.assert_close(run.next_logits, run.expected_next, atol=atol, rtol=atol)
+
+
+def test_tree_verify_logits_follow_each_nodes_path_with_torch_native(torch_native_worker, hf_model) -> None:
+    check_tree(torch_native_worker, hf_model)
+
+
 def _hf(model_dir: str):
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +98,7 @@ def test_verify_logits_equal_decode_steps_and_hf_with_triton_interpreted(tiny_ll
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.split() == [f"verified-k={k}" for k in K_VALUES]
+    assert proc.stdout.split() == [f"verified-k={k}" for k in K_VALUES] + ["verified-tree"]
 
 
 if __name__ == "__main__":
@@ -94,3 +107,5 @@ if __name__ == "__main__":
     for k in K_VALUES:
         check_verify(worker, hf, k)
         print(f"verified-k={k}", flush=True)
+    check_tree(worker, hf)
+    print("verified-tree", flush=True)

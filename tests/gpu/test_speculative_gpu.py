@@ -2,7 +2,8 @@
 verify graphs for t = 2..k + 1 up to ``speculative.max_batch_size`` requests, verify steps replay them, and greedy
 tokens are the plain run's (ngram and the oracle; float32, triton and flashinfer_triton, token and paged
 allocators); the oracle keeps k + 1 tokens a step; rejection sampling (random drafts with their distributions)
-runs without a device sync inside propose; every KV slot comes back.
+runs without a device sync inside propose; oracle trees (topk 2) replay verify graphs that take a tree mask; every
+KV slot comes back.
 
 Where a run parts from the plain one, it must be at a near-tie (as tests/gpu/test_multi_token_gpu.py explains).
 """
@@ -34,10 +35,12 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend, page_size", [("triton", 1), ("triton", 16), ("flashinfer_triton", 16)])
-@pytest.mark.parametrize("method", ["ngram", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "oracle", "oracle_tree"])
 def test_speculative_worker_replays_verify_graphs_with_the_plain_tokens(real_shape_llama_dir, engine_config, method,
                                                                         backend, page_size):
     if backend.startswith("flashinfer"):
+        if method == "oracle_tree":
+            pytest.skip("flashinfer cannot mask draft trees (refused at start-up)")
         pytest.importorskip("flashinfer")
     dtype = "bfloat16" if backend.startswith("flashinfer") else "float32"  # flashinfer has no float32 KV cache
     config = {**engine_config(real_shape_llama_dir, backend, dtype, page_size=page_size), "plugins": PLUGINS}
@@ -49,21 +52,24 @@ def test_speculative_worker_replays_verify_graphs_with_the_plain_tokens(real_sha
                                       top_logprobs_num=2)
     finally:
         plain_engine.shutdown()
-    engine = Engine({**config, "speculative": {"method": method, "num_tokens": K, "max_batch_size": 16}})
+    trees = method == "oracle_tree"  # topk 2: the right draft second among two children, two kept a step
+    engine = Engine({**config, "speculative": {"method": method, "num_tokens": K, "max_batch_size": 16,
+                                               "topk": 2 if trees else 1}})
     try:
         worker = engine.scheduler.worker
         graphs = worker.target.cuda_graphs
-        assert sorted(graphs.verify) == list(range(2, K + 2))
+        assert sorted(graphs.verify) == list(range(2, K + 2)) and graphs.verify_trees == trees
         replays = {t: ReplayCounter(graphs.verify[t]) for t in graphs.verify}
-        if method == "oracle":
+        if method != "ngram":
             worker.speculator.references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         assert_kv_accounted(engine)
     finally:
         engine.shutdown()
     assert sum(r.count for r in replays.values()) > 0
-    if method == "oracle":  # every draft right until a near-tie parts the runs
-        assert sum(o.completion_tokens for o in outputs) > 3 * sum(o.spec_verify_steps for o in outputs)
+    if method != "ngram":  # every draft right until a near-tie parts the runs
+        kept = 1.8 if trees else 3
+        assert sum(o.completion_tokens for o in outputs) > kept * sum(o.spec_verify_steps for o in outputs)
     assert_plain_or_near_tie(outputs, plain, min_equal=len(plain) - 2, near_tie=NEAR_TIE)
 
 
@@ -90,3 +96,4 @@ def test_the_conformance_kit_on_cuda(real_shape_llama_dir, engine_config, name):
     config = engine_config(real_shape_llama_dir, "triton", "float32")
     check_speculator(build_registry(PLUGINS).get("speculators", name), model_dir=real_shape_llama_dir,
                      overrides={key: config[key] for key in ("model", "attention", "runtime")} | {"plugins": PLUGINS})
+

@@ -45,6 +45,7 @@ class ExtendMetadata:
     """
 
     max_extend_len: int
+    tree_mask: torch.Tensor | None = None  # a tree verify step's, as uint8 (ForwardBatch.tree_mask)
     decode_from: int | None = None
     decode_tokens_from: int = 0
     decode: DecodeMetadata | None = None
@@ -78,6 +79,7 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
     supports_verify_cuda_graph = True
+    supports_tree_mask = True
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
@@ -136,7 +138,9 @@ class TritonAttnBackend(AttentionBackend):
             lens = forward_batch.extend_seq_lens_cpu
             # Without host lengths, the token count bounds every request's extend length.
             metadata = ExtendMetadata(max(lens, default=0) if lens is not None else forward_batch.num_tokens)
-            if lens is not None and self.split_mixed_decodes:
+            if forward_batch.tree_mask is not None:
+                metadata.tree_mask = forward_batch.tree_mask.to(torch.uint8)
+            elif lens is not None and self.split_mixed_decodes:
                 self._split_decode_tail(metadata, lens)
         else:
             metadata = None
@@ -234,6 +238,8 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         split = metadata.decode_from
         requests = slice(0, split)  # the whole batch when there is no decode tail
+        # A tree verify step's mask: converted once per step eagerly; a captured graph's is a uint8 static input.
+        tree_mask = metadata.tree_mask if metadata.tree_mask is not None else forward_batch.tree_mask
         tokens = slice(0, metadata.decode_tokens_from if split is not None else q.shape[0])
         if split is None or split > 0:
             self._extend.extend_attention(
@@ -254,6 +260,8 @@ class TritonAttnBackend(AttentionBackend):
                 self.extend_block_m,
                 self.extend_block_n,
                 *kv_scales(kv_cache, layer.layer_id),
+                tree_mask=tree_mask,
+                positions=forward_batch.positions if tree_mask is not None else None,
             )
         if split is not None:
             assert metadata.decode is not None

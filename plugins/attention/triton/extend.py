@@ -34,7 +34,7 @@ def _online_softmax_step(scores, mask, m_i, l_i, acc, v, PRECISION: tl.constexpr
 @triton.jit
 def _extend_kernel(
     Q, K_new, V_new, O, K_cache, V_cache, Req_to_token,
-    Req_pool_indices, Extend_start_loc, Extend_seq_lens, Extend_prefix_lens,
+    Req_pool_indices, Extend_start_loc, Extend_seq_lens, Extend_prefix_lens, Tree_mask, Positions,
     qk_scale, k_scale, v_scale, window,
     stride_q_tok, stride_q_head,
     stride_kn_tok, stride_kn_head,
@@ -46,7 +46,7 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr, TREE: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -63,7 +63,10 @@ def _extend_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         m_mask = offs_m < extend_len
         d_mask = offs_d < HEAD_DIM
-        q_pos = prefix_len + offs_m  # absolute position of each query
+        if TREE:  # a tree verify step: a node's position is its depth past the prefix
+            q_pos = tl.load(Positions + first_tok + offs_m, mask=m_mask, other=0).to(tl.int32)
+        else:
+            q_pos = prefix_len + offs_m  # absolute position of each query
         # Each query sees keys at absolute positions > key_floor (-1: no window).
         key_floor = tl.where(window > 0, q_pos - window, -1)
         q = tl.load(
@@ -103,8 +106,14 @@ def _extend_kernel(
             v = tl.load(V_new + (first_tok + offs_n)[:, None] * stride_vn_tok + kv_head * stride_vn_head
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-            visible = (n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
-                       & (prefix_len + offs_n[None, :] > key_floor[:, None]))
+            if TREE:  # Tree_mask [bs, t, t]: a node sees its ancestors and itself (t = extend_len)
+                seen = tl.load(Tree_mask + (req * extend_len + offs_m[:, None]) * extend_len + offs_n[None, :],
+                               mask=m_mask[:, None] & n_mask[None, :], other=0)
+                key_pos = tl.load(Positions + first_tok + offs_n, mask=n_mask, other=0).to(tl.int32)
+                visible = n_mask[None, :] & (seen != 0) & (key_pos[None, :] > key_floor[:, None])
+            else:
+                visible = (n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
+                           & (prefix_len + offs_n[None, :] > key_floor[:, None]))
             m_i, l_i, acc = _online_softmax_step(scores, visible, m_i, l_i, acc, v, PRECISION)
 
         # Every real query sees at least itself, so l_i > 0 on rows that are stored.
@@ -134,6 +143,8 @@ def extend_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Attention of every new token over its request's prefix and earlier new tokens, into ``out``.
 
@@ -144,6 +155,10 @@ def extend_attention(
     every ``extend_seq_lens[i]``) sizes the grid. A query at position i sees keys j with
     ``i - sliding_window < j <= i`` (None: all ``j <= i``). An FP8 cache holds ``k / k_scale`` and
     ``v / v_scale``; this step's k, v are used as given.
+
+    ``tree_mask`` (``[bs, t, t]`` bool, every request ``t`` new tokens) and ``positions`` (``[num_tokens]``): a
+    verify step over draft trees, where new token ``a`` sees new token ``b`` only where ``tree_mask[i, a, b]`` and
+    sits at ``positions[a]`` (for the sliding window).
     """
     bs = int(req_pool_indices.shape[0])
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -157,6 +172,8 @@ def extend_attention(
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, req_to_token,
         req_pool_indices, extend_start_loc, extend_seq_lens, extend_prefix_lens,
+        tree_mask.to(torch.uint8) if tree_mask is not None else extend_seq_lens,
+        positions if positions is not None else extend_seq_lens,
         scaling * _LOG2E, k_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -170,6 +187,7 @@ def extend_attention(
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        TREE=tree_mask is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
