@@ -307,16 +307,17 @@ class DpNodeStopped(Exception):
 class NodeLink:
     """A node's connection to node 0's controller (one DEALER socket named after the node)."""
 
-    def __init__(self, config: ServerConfig, layout: DpNodeLayout) -> None:
-        self.layout = layout
+    def __init__(self, config: ServerConfig, layout: DpNodeLayout | None = None) -> None:
+        self.layout = layout or DpNodeLayout.of(config)
         self.summary = layout_summary(config)
         self.context = zmq.Context()
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.ROUTING_ID, f"node{layout.node_rank}".encode())
-        self.dealer.connect(layout.address)
+        self.dealer.setsockopt(zmq.ROUTING_ID, f"node{self.layout.node_rank}".encode())
+        self.dealer.connect(self.layout.address)
         self.last_heard = time.monotonic()
         self._last_beat = 0.0
+        self.joined = False
 
     def join(self) -> int:
         """Say hello and wait for the welcome; returns node 0's detokenizer count."""
@@ -328,6 +329,7 @@ class NodeLink:
             frames = self.dealer.recv_multipart()
             if frames[0] == b"welcome":
                 self.last_heard = time.monotonic()
+                self.joined = True
                 return int(frames[1])
             if frames[0] == b"refuse":
                 raise DpNodeError(f"node 0 at {self.layout.address} refused node {self.layout.node_rank}: "
@@ -353,8 +355,8 @@ class NodeLink:
             self.send([b"beat"])
 
     def close(self) -> None:
-        """Close the link and the agent's sockets (a last ``dead`` or ``failed`` gets 2 s to leave)."""
-        self.context.destroy(linger=_STOP_LINGER_MS)
+        """Close the link and the agent's sockets (once joined, a last ``dead`` or ``failed`` gets 2 s to leave)."""
+        self.context.destroy(linger=_STOP_LINGER_MS if self.joined else 0)
 
 
 class NodeAgent:

@@ -4,17 +4,24 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import Any, Iterator
 
 import httpx
 import openai
 import pytest
+import zmq
 
-from treadle.core.config import ParallelConfig, ServerConfig
+from treadle.core.config import ConfigError, ParallelConfig, ServerConfig, load_config
 from treadle.core.engine import Engine
+from treadle.server.dp_nodes import DpNodeError, DpNodeStopped, HeadLink, NodeAgent, NodeLink, serve_dp_node
+from treadle.server.dp_replicas import controller_replies_address, replica_addresses
+from treadle.server.ipc import AbortReq, BatchTokenIDOut, IpcAddresses, ReplicaFinished, bind_pull, connect_push
 from treadle.server.launch import CONFIG_ENV, _free_port, launch_server
 
 PROMPTS = ["The capital of France is", "Once upon a time there was"]
@@ -25,6 +32,157 @@ def _two_node_config(config: ServerConfig, node_rank: int, port: int, **parallel
     config.parallel = ParallelConfig(dp_size=2, nnodes=2, node_rank=node_rank, dist_init_addr=f"127.0.0.1:{port}",
                                      **parallel)
     return config
+
+
+# ------------------------------------------------------------------ the layout
+
+
+def test_replicas_spread_evenly_or_as_counted() -> None:
+    assert ParallelConfig(dp_size=4, nnodes=2, dist_init_addr="h:1").replicas_per_node() == [2, 2]
+    three = ParallelConfig(dp_size=3, nnodes=2, dist_init_addr="h:1", dp_replicas_per_node=[2, 1], tp_size=4)
+    assert three.replicas_per_node() == [2, 1]  # tp_size need not split over the nodes: each replica has one
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"parallel.dp_size": 3, "parallel.nnodes": 2, "parallel.dist_init_addr": "h:1"}, "does not split evenly"),
+    ({"parallel.dp_size": 3, "parallel.nnodes": 2, "parallel.dist_init_addr": "h:1",
+      "parallel.dp_replicas_per_node": [2, 2]}, "3 .dp_size. in all"),
+    ({"parallel.dp_size": 2, "parallel.nnodes": 2, "parallel.dist_init_addr": "h:1",
+      "parallel.dp_replicas_per_node": [2, 0]}, "at least one"),
+    ({"parallel.dp_size": 2, "parallel.dp_replicas_per_node": [2]}, "leave it unset"),
+    ({"parallel.dp_size": 2, "parallel.nnodes": 2}, "needs dist_init_addr"),
+])
+def test_bad_data_parallel_layouts_are_config_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides, use_env=False)
+
+
+# ------------------------------------------------------------------ the link, without models
+
+
+def _layout_config(model_dir: str, port: int, node_rank: int, counts: list[int], timeout: float = 30) -> ServerConfig:
+    config = ServerConfig(model={"path": model_dir})
+    config.parallel = ParallelConfig(dp_size=sum(counts), nnodes=2, node_rank=node_rank, dp_replicas_per_node=counts,
+                                     dist_init_addr=f"127.0.0.1:{port}", dist_timeout_s=timeout)
+    return config
+
+
+class _Head:
+    """Node 0's end of the link, serviced in a thread; replies it relays land in ``replies``."""
+
+    def __init__(self, config: ServerConfig, detokenizer: str) -> None:
+        self.link = HeadLink(config, [detokenizer])
+        self.replies: list[Any] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            self.link.router.poll(50)
+            self.link.service(self.replies.append)
+        self.link.close()  # says stop to the nodes
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def head_and_node(tiny_model_dir: str, tmp_path) -> Iterator[tuple[_Head, NodeLink, zmq.Socket]]:
+    port = _free_port("127.0.0.1")
+    context = zmq.Context()
+    detokenizer = bind_pull(context, f"ipc://{tmp_path}/detokenizer")
+    head = _Head(_layout_config(tiny_model_dir, port, 0, [2, 1]), f"ipc://{tmp_path}/detokenizer")
+    node = NodeLink(_layout_config(tiny_model_dir, port, 1, [2, 1]))
+    yield head, node, detokenizer
+    head.close()
+    node.close()
+    context.destroy(linger=0)
+
+
+class _Replicas:
+    dead: str | None = None
+
+    def check_alive(self) -> bool:
+        return self.dead is None
+
+
+def _until(condition: Any, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_the_link_relays_both_ways_and_node_0_stops_the_node(head_and_node) -> None:
+    head, node, detokenizer = head_and_node
+    assert node.join() == 1  # welcomed, told node 0 has one detokenizer
+    addresses = IpcAddresses.new(1, 1)
+    agent = NodeAgent(node, addresses, node.layout)
+    replica2 = bind_pull(node.context, replica_addresses(addresses, 2).scheduler_input)
+    node.send([b"ready", pickle.dumps([7])])  # its replica's pid
+    _until(lambda: agent.relay_once() is None and head.link.all_ready())
+    assert head.link.replica_pids() == {2: 7}
+
+    head.link.send(2, AbortReq("r1"))  # from this thread: the head thread only reads from the ROUTER
+    _until(lambda: agent.relay_once() is None and replica2.poll(0))
+    assert replica2.recv_pyobj() == AbortReq("r1")
+    to_controller = connect_push(node.context, controller_replies_address(addresses))
+    to_detokenizer = connect_push(node.context, addresses.detokenizer_input)
+    to_controller.send_pyobj(ReplicaFinished(["r1"]))
+    to_detokenizer.send_pyobj(BatchTokenIDOut([]))
+    _until(lambda: agent.relay_once() is None and bool(head.replies) and detokenizer.poll(0))
+    assert head.replies == [ReplicaFinished(["r1"])] and detokenizer.recv_pyobj() == BatchTokenIDOut([])
+
+    head.close()
+    with pytest.raises(DpNodeStopped):
+        for _ in range(50):
+            agent.relay_once()
+
+
+def test_a_dead_replica_on_a_node_fails_node_0(head_and_node) -> None:
+    head, node, _ = head_and_node
+    node.join()
+    agent = NodeAgent(node, IpcAddresses.new(1, 1), node.layout)
+    replicas = _Replicas()
+    replicas.dead = "data-parallel replica 2 (pid 9) exited unexpectedly (exit code -9); shutting the server down"
+    assert agent.run(replicas) == 1
+    _until(lambda: head.link.fatal is not None)
+    assert head.link.fatal.startswith("data-parallel node 1: data-parallel replica 2 (pid 9) exited")
+
+
+def test_node_0_refuses_a_node_whose_layout_differs(tiny_model_dir: str, tmp_path) -> None:
+    port = _free_port("127.0.0.1")
+    head = _Head(_layout_config(tiny_model_dir, port, 0, [2, 1]), f"ipc://{tmp_path}/detokenizer")
+    node = NodeLink(_layout_config(tiny_model_dir, port, 1, [1, 2]))
+    try:
+        with pytest.raises(DpNodeError, match=r"refused node 1: .*dp_replicas_per_node \[1, 2\] \(node 0: \[2, 1\]\)"):
+            node.join()
+    finally:
+        head.close()
+        node.close()
+
+
+def test_a_node_that_cannot_reach_node_0_fails_within_the_timeout(tiny_model_dir: str) -> None:
+    config = _layout_config(tiny_model_dir, _free_port("127.0.0.1"), 1, [1, 1], timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(DpNodeError, match="could not reach node 0's data-parallel controller at tcp://127.0.0.1"):
+        serve_dp_node(config)
+    assert time.monotonic() - started < 5
+
+
+def test_node_0_fails_when_a_node_does_not_join_in_time(tiny_model_dir: str, tmp_path) -> None:
+    link = HeadLink(_layout_config(tiny_model_dir, _free_port("127.0.0.1"), 0, [1, 1], timeout=0.2),
+                    [f"ipc://{tmp_path}/detokenizer"])
+    try:
+        with pytest.raises(DpNodeError, match=r"node\(s\) \[1\] did not join at tcp://127.0.0.1:\d+ within"):
+            link.wait_ready(lambda: None)
+    finally:
+        link.close()
+
+
+# ------------------------------------------------------------------ two nodes, end to end
 
 
 def _alive(pid: int) -> bool:
