@@ -122,6 +122,7 @@ class HeadLink:
         self.context = zmq.Context()  # its own: closing it at SIGTERM must not wait for the controller's sockets
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.IPV6, 1)
         try:
             self.router.bind(f"tcp://{_bracketed(_resolve(self.layout.host))}:{self.layout.port}")
         except (zmq.ZMQError, OSError) as exc:
@@ -130,6 +131,7 @@ class HeadLink:
                               f"(parallel.dist_init_addr): {exc}; it must be an address of node 0 and a free port")
         self.detokenizers = [connect_push(self.context, address) for address in detokenizer_addresses]
         self.nodes: dict[int, _RemoteNode] = {}
+        self.rank_of: dict[bytes, int] = {}  # a joined node's socket identity -> its node_rank
         self.fatal: str | None = None
         self.started = time.monotonic()
         self._last_beat = 0.0
@@ -179,7 +181,7 @@ class HeadLink:
 
     def _handle(self, frames: list[bytes], on_reply: Callable[[Any], None] | None) -> None:
         identity, kind, rest = frames[0], frames[1], frames[2:]
-        rank = next((r for r, node in self.nodes.items() if node.identity == identity), None)
+        rank = self.rank_of.get(identity)
         if kind == b"hello":
             self._hello(identity, pickle.loads(rest[0]))
             return
@@ -196,7 +198,7 @@ class HeadLink:
             node.pids = pickle.loads(rest[0])
             logger.info("data-parallel node %d is ready: replicas %s", rank, list(self.layout.replicas_of(rank)))
         elif kind in (b"failed", b"dead"):
-            self._fail(f"data-parallel node {rank}: {rest[0].decode()}; shutting the server down")
+            self._fail(f"data-parallel node {rank}: {rest[0].decode()}")
 
     def _hello(self, identity: bytes, summary: dict[str, Any]) -> None:
         rank = summary.get("node_rank")
@@ -218,6 +220,7 @@ class HeadLink:
             logger.warning("data-parallel node %d serves model %r, node 0 %r", rank, summary.get("model"),
                            self.expected["model"])
         self.nodes[rank] = _RemoteNode(identity, time.monotonic())
+        self.rank_of[identity] = rank
         self.router.send_multipart([identity, b"welcome", str(len(self.detokenizers)).encode()])
         logger.info("data-parallel node %d joined", rank)
 
@@ -290,7 +293,7 @@ def serve_dp_node(config: ServerConfig) -> int:
         except DpNodeStopped:
             return 0
     except (KeyboardInterrupt, SystemExit):
-        link.tell(b"dead", "it was stopped by a signal")
+        link.tell(b"dead", "it was stopped by a signal; shutting the server down")
         return 0
     finally:
         if replicas is not None:
@@ -313,6 +316,7 @@ class NodeLink:
         self.context = zmq.Context()
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.IPV6, 1)
         self.dealer.setsockopt(zmq.ROUTING_ID, f"node{self.layout.node_rank}".encode())
         self.dealer.connect(self.layout.address)
         self.last_heard = time.monotonic()

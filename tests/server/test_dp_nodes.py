@@ -60,8 +60,8 @@ def test_bad_data_parallel_layouts_are_config_errors(overrides: dict, message: s
 # ------------------------------------------------------------------ the link, without models
 
 
-def _layout_config(model_dir: str, port: int, node_rank: int, counts: list[int], timeout: float = 30) -> ServerConfig:
-    config = ServerConfig(model={"path": model_dir})
+def _layout_config(port: int, node_rank: int, counts: list[int], timeout: float = 30) -> ServerConfig:
+    config = ServerConfig(model={"path": "/models/tiny"})  # nothing is loaded
     config.parallel = ParallelConfig(dp_size=sum(counts), nnodes=2, node_rank=node_rank, dp_replicas_per_node=counts,
                                      dist_init_addr=f"127.0.0.1:{port}", dist_timeout_s=timeout)
     return config
@@ -89,12 +89,12 @@ class _Head:
 
 
 @pytest.fixture
-def head_and_node(tiny_model_dir: str, tmp_path) -> Iterator[tuple[_Head, NodeLink, zmq.Socket]]:
+def head_and_node(tmp_path) -> Iterator[tuple[_Head, NodeLink, zmq.Socket]]:
     port = _free_port("127.0.0.1")
     context = zmq.Context()
     detokenizer = bind_pull(context, f"ipc://{tmp_path}/detokenizer")
-    head = _Head(_layout_config(tiny_model_dir, port, 0, [2, 1]), f"ipc://{tmp_path}/detokenizer")
-    node = NodeLink(_layout_config(tiny_model_dir, port, 1, [2, 1]))
+    head = _Head(_layout_config(port, 0, [2, 1]), f"ipc://{tmp_path}/detokenizer")
+    node = NodeLink(_layout_config(port, 1, [2, 1]))
     yield head, node, detokenizer
     head.close()
     node.close()
@@ -152,10 +152,10 @@ def test_a_dead_replica_on_a_node_fails_node_0(head_and_node) -> None:
     assert head.link.fatal.startswith("data-parallel node 1: data-parallel replica 2 (pid 9) exited")
 
 
-def test_node_0_refuses_a_node_whose_layout_differs(tiny_model_dir: str, tmp_path) -> None:
+def test_node_0_refuses_a_node_whose_layout_differs(tmp_path) -> None:
     port = _free_port("127.0.0.1")
-    head = _Head(_layout_config(tiny_model_dir, port, 0, [2, 1]), f"ipc://{tmp_path}/detokenizer")
-    node = NodeLink(_layout_config(tiny_model_dir, port, 1, [1, 2]))
+    head = _Head(_layout_config(port, 0, [2, 1]), f"ipc://{tmp_path}/detokenizer")
+    node = NodeLink(_layout_config(port, 1, [1, 2]))
     try:
         with pytest.raises(DpNodeError, match=r"refused node 1: .*dp_replicas_per_node \[1, 2\] \(node 0: \[2, 1\]\)"):
             node.join()
@@ -164,16 +164,16 @@ def test_node_0_refuses_a_node_whose_layout_differs(tiny_model_dir: str, tmp_pat
         node.close()
 
 
-def test_a_node_that_cannot_reach_node_0_fails_within_the_timeout(tiny_model_dir: str) -> None:
-    config = _layout_config(tiny_model_dir, _free_port("127.0.0.1"), 1, [1, 1], timeout=0.5)
+def test_a_node_that_cannot_reach_node_0_fails_within_the_timeout() -> None:
+    config = _layout_config(_free_port("127.0.0.1"), 1, [1, 1], timeout=0.5)
     started = time.monotonic()
     with pytest.raises(DpNodeError, match="could not reach node 0's data-parallel controller at tcp://127.0.0.1"):
         serve_dp_node(config)
     assert time.monotonic() - started < 5
 
 
-def test_node_0_fails_when_a_node_does_not_join_in_time(tiny_model_dir: str, tmp_path) -> None:
-    link = HeadLink(_layout_config(tiny_model_dir, _free_port("127.0.0.1"), 0, [1, 1], timeout=0.2),
+def test_node_0_fails_when_a_node_does_not_join_in_time(tmp_path) -> None:
+    link = HeadLink(_layout_config(_free_port("127.0.0.1"), 0, [1, 1], timeout=0.2),
                     [f"ipc://{tmp_path}/detokenizer"])
     try:
         with pytest.raises(DpNodeError, match=r"node\(s\) \[1\] did not join at tcp://127.0.0.1:\d+ within"):
@@ -235,10 +235,10 @@ def test_two_nodes_serve_dp2_and_a_dead_remote_replica_takes_both_down(tiny_mode
             assert int(f.read().split(") ")[1].split()[1]) == node1.pid  # it runs under "node 1"
         head_pids = [info["model_info"]["replica_pids"][0], info["pids"]["scheduler"], info["pids"]["detokenizer"]]
         os.kill(remote_replica, signal.SIGKILL)
-        assert handle.process.wait(timeout=20) == 1
-        assert node1.wait(timeout=20) == 1
+        assert handle.process.wait(timeout=60) == 1
+        assert node1.wait(timeout=60) == 1
         assert "data-parallel node 1: data-parallel replica 1" in handle.log()
-        assert not _gone_within(head_pids, 10)
+        assert not _gone_within(head_pids, 30)
     finally:
         if handle is not None:
             handle.shutdown(signal.SIGKILL)
