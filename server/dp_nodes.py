@@ -12,7 +12,7 @@ Frames on the link (the first frame says what the rest is):
 - node → head: ``hello`` (the node's layout, checked against node 0's), ``ready`` (its replicas' pids),
   ``reply`` (a replica's answer for the controller), ``detok`` + shard (a replica's message for that detokenizer,
   relayed unopened), ``failed`` / ``dead`` + why (its replicas failed to start or one exited), ``beat``.
-- head → node: ``welcome`` (with the detokenizer count) or ``refuse`` + why, ``to`` + replica (a request, abort,
+- head → node: ``welcome`` or ``refuse`` + why, ``to`` + replica (a request, abort,
   control or shutdown for that replica, relayed unopened), ``stop``, ``beat``.
 
 Each side sends a ``beat`` every second; one that hears nothing for ``NODE_SILENCE_LIMIT_S`` treats the other as
@@ -43,8 +43,9 @@ HEARTBEAT_S = 1.0
 NODE_SILENCE_LIMIT_S = 20.0
 _POLL_MS = 200
 _STOP_LINGER_MS = 2000
-# What must agree between nodes for them to serve as one (node_rank aside).
-_SHARED_LAYOUT_KEYS = ("tp_size", "dp_size", "nnodes", "dp_replicas_per_node")
+# What must agree between nodes for them to serve as one (node_rank aside): the parallel layout, and the
+# detokenizer count that a node's replicas split their outputs by (a node's shard k is node 0's shard k).
+_SHARED_LAYOUT_KEYS = ("tp_size", "dp_size", "nnodes", "dp_replicas_per_node", "detokenizers")
 
 
 class DpNodeError(RuntimeError):
@@ -88,8 +89,8 @@ class DpNodeLayout:
 def layout_summary(config: ServerConfig) -> dict[str, Any]:
     """What a node says in its hello: the keys that must match node 0's, its rank and its model."""
     par = config.parallel
-    return {"node_rank": par.node_rank, "model": config.model.path,
-            **{key: getattr(par, key) for key in _SHARED_LAYOUT_KEYS}}
+    return {"node_rank": par.node_rank, "model": config.model.path, "detokenizers": config.server.detokenizers,
+            **{key: getattr(par, key) for key in _SHARED_LAYOUT_KEYS if key != "detokenizers"}}
 
 
 def _bracketed(host: str) -> str:
@@ -190,7 +191,9 @@ class HeadLink:
         node = self.nodes[rank]
         node.last_heard = time.monotonic()
         if kind == b"detok":
-            self.detokenizers[int(rest[0])].send(rest[1])
+            # A request's worker w is below node 0's worker count, so the node sent it to shard w % detokenizers,
+            # which is node 0's shard for w too; only messages for every shard (DetokenizerInit) wrap around.
+            self.detokenizers[int(rest[0]) % len(self.detokenizers)].send(rest[1])
         elif kind == b"reply":
             if on_reply is not None:
                 on_reply(pickle.loads(rest[0]))
@@ -221,7 +224,7 @@ class HeadLink:
                            self.expected["model"])
         self.nodes[rank] = _RemoteNode(identity, time.monotonic())
         self.rank_of[identity] = rank
-        self.router.send_multipart([identity, b"welcome", str(len(self.detokenizers)).encode()])
+        self.router.send_multipart([identity, b"welcome"])
         logger.info("data-parallel node %d joined", rank)
 
     def _check_deadlines(self, now: float) -> None:
@@ -272,19 +275,19 @@ def serve_dp_node(config: ServerConfig) -> int:
     when the node cannot join or its replicas cannot start)."""
     layout = DpNodeLayout.of(config)
     link = NodeLink(config, layout)
-    replicas = None
+    addresses = IpcAddresses.new(1, config.server.detokenizers)
+    replicas = Replicas(config, addresses, layout.local_replicas)
     try:
-        shards = link.join()
-        addresses = IpcAddresses.new(1, shards)
-        agent = NodeAgent(link, addresses, layout)
-        replicas = Replicas(config, addresses, layout.local_replicas)
-        logger.info("node %d joined node 0 at %s; starting data-parallel replicas %s", layout.node_rank,
+        agent = NodeAgent(link, addresses, layout)  # binds the replicas' outboxes before they start
+        replicas.launch()  # the model loads while this node joins
+        link.join()
+        logger.info("node %d joined node 0 at %s; data-parallel replicas %s are starting", layout.node_rank,
                     layout.address, list(layout.local_replicas))
         try:
-            replicas.start(while_waiting=agent.relay_once)
+            replicas.wait_ready(while_waiting=agent.relay_once)
         except DpNodeStopped:
             return 0
-        except BaseException as exc:
+        except Exception as exc:
             link.tell(b"failed", f"its replicas failed to start ({exc})")
             raise DpNodeError(f"this node's data-parallel replicas failed to start: {exc}") from None
         link.send([b"ready", _pickled([p.pid for p in replicas.processes])])
@@ -296,11 +299,9 @@ def serve_dp_node(config: ServerConfig) -> int:
         link.tell(b"dead", "it was stopped by a signal; shutting the server down")
         return 0
     finally:
-        if replicas is not None:
-            replicas.stop()
+        replicas.stop()
         link.close()
-        if replicas is not None:
-            shutil.rmtree(replicas.addresses.folder, ignore_errors=True)
+        shutil.rmtree(addresses.folder, ignore_errors=True)
 
 
 class DpNodeStopped(Exception):
@@ -323,8 +324,8 @@ class NodeLink:
         self._last_beat = 0.0
         self.joined = False
 
-    def join(self) -> int:
-        """Say hello and wait for the welcome; returns node 0's detokenizer count."""
+    def join(self) -> None:
+        """Say hello and wait for node 0's welcome (raises :class:`DpNodeError` on a refusal or the timeout)."""
         self.send([b"hello", _pickled(self.summary)])
         deadline = time.monotonic() + self.layout.join_timeout_s
         while time.monotonic() < deadline:
@@ -334,7 +335,7 @@ class NodeLink:
             if frames[0] == b"welcome":
                 self.last_heard = time.monotonic()
                 self.joined = True
-                return int(frames[1])
+                return
             if frames[0] == b"refuse":
                 raise DpNodeError(f"node 0 at {self.layout.address} refused node {self.layout.node_rank}: "
                                   f"{frames[1].decode()}")

@@ -57,15 +57,20 @@ class Replicas:
         self.indices = indices if indices is not None else range(config.parallel.dp_size)
         self.context = mp.get_context("spawn")
         self.processes: list[Any] = []
+        self._pipes: list[Connection] = []  # each launched replica's "ready" pipe
         self.dead: str | None = None
 
     def start(self, while_waiting: Callable[[], None] | None = None) -> tuple[dict[str, Any], Any]:
         """Start them and wait until each has loaded the model (calling ``while_waiting`` meanwhile, if given);
         returns the first one's model info and tokenizer."""
+        self.launch()
+        return self.wait_ready(while_waiting)
+
+    def launch(self) -> None:
+        """Start the processes (they load the model in the background)."""
         from treadle.server.scheduler_process import run_replica_process
 
         config = replica_config(self.config)
-        pipes = []
         for local, replica in enumerate(self.indices):
             receive, send = self.context.Pipe(duplex=False)
             process = self.context.Process(
@@ -77,8 +82,11 @@ class Replicas:
                 process.start()
             send.close()
             self.processes.append(process)
-            pipes.append(receive)
-        infos = [self._wait_ready(local, pipe, while_waiting) for local, pipe in enumerate(pipes)]
+            self._pipes.append(receive)
+
+    def wait_ready(self, while_waiting: Callable[[], None] | None = None) -> tuple[dict[str, Any], Any]:
+        """Wait until every launched replica has loaded the model; the first one's model info and tokenizer."""
+        infos = [self._wait_ready(local, pipe, while_waiting) for local, pipe in enumerate(self._pipes)]
         return infos[0]
 
     def _wait_ready(self, local: int, pipe: Connection,

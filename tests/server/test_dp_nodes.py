@@ -117,7 +117,7 @@ def _until(condition: Any, seconds: float = 10) -> None:
 
 def test_the_link_relays_both_ways_and_node_0_stops_the_node(head_and_node) -> None:
     head, node, detokenizer = head_and_node
-    assert node.join() == 1  # welcomed, told node 0 has one detokenizer
+    node.join()
     addresses = IpcAddresses.new(1, 1)
     agent = NodeAgent(node, addresses, node.layout)
     replica2 = bind_pull(node.context, replica_addresses(addresses, 2).scheduler_input)
