@@ -124,6 +124,9 @@ class HeadLink:
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.IPV6, 1)
+        # A ROUTER drops what it cannot queue: no queue limit, so a burst of requests for a node is never lost.
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.RCVHWM, 0)
         try:
             self.router.bind(f"tcp://{_bracketed(_resolve(self.layout.host))}:{self.layout.port}")
         except (zmq.ZMQError, OSError) as exc:
@@ -173,8 +176,7 @@ class HeadLink:
     def wait_ready(self, check_local: Callable[[], None]) -> None:
         """Service the link until every node's replicas are ready; raise :class:`DpNodeError` on a failure."""
         while not self.all_ready():
-            if self.router.poll(_POLL_MS):
-                pass
+            self.router.poll(_POLL_MS)
             self.service()
             check_local()
             if self.fatal:
@@ -318,6 +320,8 @@ class NodeLink:
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.IPV6, 1)
+        self.dealer.setsockopt(zmq.SNDHWM, 0)  # never block the relay on a slow link
+        self.dealer.setsockopt(zmq.RCVHWM, 0)
         self.dealer.setsockopt(zmq.ROUTING_ID, f"node{self.layout.node_rank}".encode())
         self.dealer.connect(self.layout.address)
         self.last_heard = time.monotonic()

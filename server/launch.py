@@ -314,13 +314,17 @@ class _Children:
 
 
 def _serve_node_ranks(config: ServerConfig) -> None:
-    from treadle.core.distributed.tensor_parallel import run_node_ranks
     from treadle.server.dp_nodes import DpNodeError, serve_dp_node
 
     # SIGTERM/SIGINT here stop the ranks or replicas (they die with this process); node 0 then fails.
     previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = serve_dp_node(config) if config.parallel.dp_size > 1 else run_node_ranks(config)
+        if config.parallel.dp_size > 1:
+            status = serve_dp_node(config)  # this process only relays: it never imports torch
+        else:
+            from treadle.core.distributed.tensor_parallel import run_node_ranks
+
+            status = run_node_ranks(config)
     except DpNodeError as exc:
         raise ServerStartupError(str(exc)) from None
     finally:
