@@ -235,11 +235,18 @@ class ParallelConfig(Section):
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
     dp_policy: Literal["round_robin", "shortest_queue", "prefix_aware"] = Field(
         "prefix_aware", description="how the data-parallel controller picks a replica")
-    nnodes: int = Field(1, ge=1, description="machines the tensor-parallel group spans (one `treadle serve` each)")
-    node_rank: int = Field(0, ge=0, description="this machine's index; 0 runs the HTTP server and rank 0")
+    nnodes: int = Field(1, ge=1, description="machines the server spans (one `treadle serve` each): those of one "
+                                               "tensor-parallel group, or with dp_size > 1 those the replicas spread over")
+    node_rank: int = Field(0, ge=0, description="this machine's index; 0 runs the HTTP server (and rank 0, or the "
+                                                "data-parallel controller)")
     dist_init_addr: str | None = Field(
-        None, description="host:port of rank 0's torch.distributed TCP store; needed when nnodes > 1")
-    dist_timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails")
+        None, description="host:port of node 0, reachable from every node: rank 0's torch.distributed TCP store, or "
+                          "with dp_size > 1 the data-parallel controller's port; needed when nnodes > 1")
+    dist_timeout_s: float = Field(600.0, gt=0, description="a collective waiting longer than this fails; so does a "
+                                                           "node that has not reached node 0 by then")
+    dp_replicas_per_node: list[int] | None = Field(
+        None, description="with dp_size > 1 over nnodes > 1: how many replicas each node runs, node 0 first "
+                          "(summing to dp_size); null: dp_size / nnodes each")
     custom_all_reduce: bool | Literal["auto"] = Field(
         "auto", description="peer-to-peer all-reduce for small tensor-parallel messages (NCCL for the rest): auto "
                             "uses it where all ranks can (CUDA, one node, peer access), true requires it, false is NCCL")
@@ -248,19 +255,44 @@ class ParallelConfig(Section):
     def _layout(self) -> "ParallelConfig":
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
-        if self.tp_size % self.nnodes != 0:
-            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} "
-                             "(every node runs tp_size / nnodes ranks)")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr: host:port of node 0, reachable from every node")
-        if self.dp_size > 1 and (self.nnodes > 1 or self.dist_init_addr):
-            raise ValueError("dp_size > 1 runs on one node, each replica with its own private rendezvous; "
-                             "leave nnodes at 1 and dist_init_addr unset (or run one multi-node server per replica)")
+        if self.dp_size > 1:
+            self._check_data_parallel_nodes()
+        elif self.tp_size % self.nnodes != 0:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} "
+                             "(every node runs tp_size / nnodes ranks)")
+        if self.dp_replicas_per_node is not None and (self.dp_size == 1 or self.nnodes == 1):
+            raise ValueError("dp_replicas_per_node applies to data parallelism over several nodes "
+                             "(dp_size > 1 and nnodes > 1); leave it unset")
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"dist_init_addr '{self.dist_init_addr}' must look like host:port")
         return self
+
+    def _check_data_parallel_nodes(self) -> None:
+        if self.nnodes == 1:
+            if self.dist_init_addr:
+                raise ValueError("dp_size > 1 on one node gives each replica its own private rendezvous; leave "
+                                 "dist_init_addr unset (or set nnodes to spread the replicas over several nodes)")
+            return
+        counts = self.dp_replicas_per_node
+        if counts is None:
+            if self.dp_size % self.nnodes:
+                raise ValueError(f"dp_size {self.dp_size} does not split evenly over nnodes {self.nnodes}; set "
+                                 f"dp_replicas_per_node (one count per node, summing to {self.dp_size})")
+            return
+        if len(counts) != self.nnodes or sum(counts) != self.dp_size or min(counts) < 1:
+            raise ValueError(f"dp_replicas_per_node {counts} must give each of the {self.nnodes} nodes at least one "
+                             f"replica, {self.dp_size} (dp_size) in all")
+
+    def replicas_per_node(self) -> list[int]:
+        """How many data-parallel replicas each node runs (node 0 first); every replica's tp_size ranks share
+        its node."""
+        if self.nnodes == 1 or self.dp_size == 1:
+            return [self.dp_size]
+        return list(self.dp_replicas_per_node or [self.dp_size // self.nnodes] * self.nnodes)
 
 
 class ServerConfig(BaseSettings):

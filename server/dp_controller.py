@@ -10,25 +10,30 @@ scheduler process, or a tensor-parallel group of them, on its own devices), and:
 
 - New requests go to the replica ``parallel.dp_policy`` picks (see :mod:`treadle.server.dp_routing`);
   aborts go where their request went.
-- ``stats``, ``flush_cache`` and ``abort_request`` reach every replica; the answer (to the HTTP worker that
-  asked) sums them and lists each replica. Errors and queue times go to the worker named in the message.
-- A replica that dies takes the controller down (exit status 1), and with it the server.
+- ``stats``, ``flush_cache``, ``abort_request`` and the LoRA controls reach every replica; the answer (to the
+  HTTP worker that asked) merges them and lists each replica. Errors and queue times go to the worker named in
+  the message.
+- With ``parallel.nnodes > 1`` the replicas of nodes 1, 2, ... run there and are reached through the
+  :class:`~treadle.server.dp_nodes.HeadLink`; their traffic for the detokenizers passes through here.
+- A replica that dies (on any node), or a node that falls silent, takes the controller down (exit status 1),
+  and with it the server; stopping the controller stops the other nodes' replicas too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import time
 import traceback
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
 from treadle.core.config import ServerConfig
+from treadle.server.dp_nodes import DpNodeError, HeadLink
+from treadle.server.dp_replicas import Replicas, controller_replies_address, replica_addresses
 from treadle.server.dp_routing import ReplicaRouter
 from treadle.server.ipc import (
     AbortReq,
@@ -43,27 +48,32 @@ from treadle.server.ipc import (
     bind_pull,
     connect_push,
 )
-from treadle.server.process_utils import configure_child_process
+from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
 logger = logging.getLogger("treadle.dp_controller")
 
 _POLL_MS = 200
-_REPLICA_STOP_TIMEOUT_S = 10.0
 _CONTROL_TIMEOUT_S = 60.0
 
 
 def run_dp_controller_process(config: ServerConfig, addresses: IpcAddresses, ready: Connection) -> None:
-    """Process entry point: start the replicas, report readiness on ``ready``, route until told to stop."""
+    """Process entry point: start the replicas (this node's; with other nodes, wait for theirs), report readiness
+    on ``ready``, route until told to stop."""
     parent_pid = configure_child_process(config.server.log_level)
-    replicas = Replicas(config, addresses)
+    link: HeadLink | None = None
+    replicas = Replicas(config, addresses, range(config.parallel.replicas_per_node()[0]))
     try:
         try:
-            model_info, tokenizer = replicas.start()
+            if config.parallel.nnodes > 1:
+                link = HeadLink(config, addresses.detokenizer_inputs)
+                before_exit_on_sigterm(link.close)  # SIGTERM: the other nodes stop their replicas too
+            model_info, tokenizer = _start_replicas(config, replicas, link)
         except BaseException as exc:
-            logger.error("the data-parallel replicas failed to start:\n%s", traceback.format_exc())
-            ready.send(("error", f"{type(exc).__name__}: {exc}"))
+            if not isinstance(exc, DpNodeError):
+                logger.error("the data-parallel replicas failed to start:\n%s", traceback.format_exc())
+            ready.send(("error", str(exc) if isinstance(exc, DpNodeError) else f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1)
-        controller = DataParallelController(config, addresses, replicas, parent_pid)
+        controller = DataParallelController(config, addresses, replicas, parent_pid, link)
         ready.send(("ready", model_info, tokenizer))
         ready.close()
         try:
@@ -73,113 +83,58 @@ def run_dp_controller_process(config: ServerConfig, addresses: IpcAddresses, rea
             raise SystemExit(1)
         finally:
             controller.close()
-        if replicas.dead:
+        if replicas.dead or (link is not None and link.fatal):
             raise SystemExit(1)
     finally:
+        if link is not None:
+            link.close()
         replicas.stop()
 
 
-def replica_addresses(addresses: IpcAddresses, replica: int) -> IpcAddresses:
-    """Replica ``replica`` receives on its own address and answers the controller, not the tokenizer manager."""
-    folder = addresses.folder
-    return dataclasses.replace(
-        addresses,
-        scheduler_input=f"ipc://{os.path.join(folder, f'scheduler-replica{replica}')}",
-        tokenizer_input=controller_replies_address(addresses),
-        extra_worker_inputs=(),
-    )
+def _start_replicas(config: ServerConfig, replicas: Replicas, link: HeadLink | None) -> tuple[dict[str, Any], Any]:
+    """Start this node's replicas, and wait for the other nodes' (serving the link meanwhile)."""
+    while_waiting = None
+    if link is not None:
+        def while_waiting() -> None:
+            link.router.poll(_POLL_MS)
+            link.service()
+            if link.fatal:
+                raise DpNodeError(link.fatal)
 
+    model_info, tokenizer = replicas.start(while_waiting)
+    pids = {replica: p.pid for replica, p in zip(replicas.indices, replicas.processes)}
+    nodes = [0] * len(replicas.indices)
+    if link is not None:
+        def check_local() -> None:
+            if not replicas.check_alive():
+                raise DpNodeError(replicas.dead or "a replica exited")
 
-def controller_replies_address(addresses: IpcAddresses) -> str:
-    return f"ipc://{os.path.join(addresses.folder, 'dp-controller-replies')}"
-
-
-class Replicas:
-    """The replica processes: start (each on its slice of the visible GPUs), watch, stop."""
-
-    def __init__(self, config: ServerConfig, addresses: IpcAddresses) -> None:
-        self.config = config
-        self.addresses = addresses
-        self.size = config.parallel.dp_size
-        self.context = mp.get_context("spawn")
-        self.processes: list[Any] = []
-        self.dead: str | None = None
-
-    def start(self) -> tuple[dict[str, Any], Any]:
-        from treadle.server.scheduler_process import run_replica_process
-
-        replica_config = self.config.model_copy(deep=True)
-        replica_config.parallel.dp_size = 1
-        pipes = []
-        for replica in range(self.size):
-            receive, send = self.context.Pipe(duplex=False)
-            process = self.context.Process(
-                target=run_replica_process, name=f"scheduler-dp{replica}",
-                args=(replica_config, replica_addresses(self.addresses, replica), send),
-                kwargs={"report_finished": True},
-            )
-            with _visible_devices(self.config, replica):
-                process.start()
-            send.close()
-            self.processes.append(process)
-            pipes.append(receive)
-        infos = [self._wait_ready(replica, pipe) for replica, pipe in enumerate(pipes)]
-        model_info, tokenizer = infos[0]
-        model_info = {**model_info, "dp_size": self.size, "replica_pids": [p.pid for p in self.processes]}
-        return model_info, tokenizer
-
-    def _wait_ready(self, replica: int, pipe: Connection) -> tuple[dict[str, Any], Any]:
-        process = self.processes[replica]
-        while not pipe.poll(0.2):
-            if not process.is_alive():
-                raise RuntimeError(f"data-parallel replica {replica} exited during startup "
-                                   f"(exit code {process.exitcode}); see its log above")
-        try:
-            message = pipe.recv()
-        except EOFError:
-            raise RuntimeError(f"data-parallel replica {replica} exited during startup") from None
-        if message[0] != "ready":
-            raise RuntimeError(f"data-parallel replica {replica} failed to start: {message[1]}")
-        return message[1], message[2]
-
-    def check_alive(self) -> bool:
-        """False (and ``dead`` set) once any replica has exited."""
-        ready = wait([p.sentinel for p in self.processes], timeout=0)
-        if ready:
-            replica = next(i for i, p in enumerate(self.processes) if p.sentinel in ready)
-            process = self.processes[replica]
-            process.join(timeout=1)
-            self.dead = (f"data-parallel replica {replica} (pid {process.pid}) exited unexpectedly "
-                         f"(exit code {process.exitcode}); shutting the server down")
-            logger.error(self.dead)
-            return False
-        return True
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()
-        deadline = time.monotonic() + _REPLICA_STOP_TIMEOUT_S
-        for process in self.processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        link.wait_ready(check_local)
+        pids.update(link.replica_pids())
+        nodes = [link.layout.node_of(replica) for replica in range(config.parallel.dp_size)]
+    size = config.parallel.dp_size
+    return {**model_info, "dp_size": size, "replica_pids": [pids[i] for i in range(size)],
+            "replica_nodes": nodes}, tokenizer
 
 
 class DataParallelController:
     """Routes the tokenizer manager's messages to replicas and merges what comes back."""
 
-    def __init__(self, config: ServerConfig, addresses: IpcAddresses, replicas: Replicas, parent_pid: int) -> None:
+    def __init__(self, config: ServerConfig, addresses: IpcAddresses, replicas: Replicas, parent_pid: int,
+                 link: HeadLink | None = None) -> None:
         self.replicas = replicas
+        self.link = link
         self.parent_pid = parent_pid
-        self.router = ReplicaRouter(config.parallel.dp_policy, replicas.size)
+        self.size = config.parallel.dp_size
+        self.router = ReplicaRouter(config.parallel.dp_policy, self.size)
         self.context = zmq.Context()
         self.requests = bind_pull(self.context, addresses.scheduler_input)
         self.replies = bind_pull(self.context, controller_replies_address(addresses))
         self.to_workers = WorkerSockets(self.context, addresses.worker_inputs)
-        self.to_replicas = [
-            connect_push(self.context, replica_addresses(addresses, i).scheduler_input) for i in range(replicas.size)]
+        self.to_replicas: list[Any] = [
+            connect_push(self.context, replica_addresses(addresses, i).scheduler_input) for i in replicas.indices]
+        if link is not None:
+            self.to_replicas += [_RemoteReplica(link, i) for i in link.remote_replicas]
         self.rid_replica: dict[str, int] = {}
         self.pending_controls: dict[str, _PendingControl] = {}
         self.running = True
@@ -188,10 +143,16 @@ class DataParallelController:
         poller = zmq.Poller()
         poller.register(self.requests, zmq.POLLIN)
         poller.register(self.replies, zmq.POLLIN)
+        if self.link is not None:
+            poller.register(self.link.router, zmq.POLLIN)
         while self.running:
             events = dict(poller.poll(_POLL_MS))
             if self.replies in events:
                 self._drain(self.replies, self._on_reply)
+            if self.link is not None:
+                self.link.service(self._on_reply)  # relays, beats, and notices a failed node
+                if self.link.fatal:
+                    return
             if self.requests in events:
                 self._drain(self.requests, self._on_request)
             if not self.replicas.check_alive():
@@ -227,11 +188,11 @@ class DataParallelController:
                 sock.send_pyobj(message)
         elif isinstance(message, ControlReq):
             self.pending_controls[message.request_id] = _PendingControl(
-                message.kind, self.replicas.size, message.worker_id)
+                message.kind, self.size, message.worker_id)
             for replica, sock in enumerate(self.to_replicas):
                 sock.send_pyobj(ControlReq(f"{message.request_id}/{replica}", message.kind, args=message.args))
-        elif isinstance(message, ShutdownReq):
-            for sock in self.to_replicas:
+        elif isinstance(message, ShutdownReq):  # the other nodes' replicas stop when the link closes
+            for sock in self.to_replicas[:len(self.replicas.indices)]:
                 sock.send_pyobj(message)
             self.running = False
         else:
@@ -252,7 +213,7 @@ class DataParallelController:
             if pending is None:
                 return  # expired
             pending.payloads[int(replica)] = message.payload
-            if len(pending.payloads) == self.replicas.size:
+            if len(pending.payloads) == self.size:
                 del self.pending_controls[request_id]
                 self.to_workers.send(pending.worker_id, ControlReply(request_id, pending.merged()))
         else:  # QueueTimes
@@ -267,6 +228,17 @@ class DataParallelController:
         now = time.monotonic()
         for request_id in [r for r, p in self.pending_controls.items() if now - p.created > _CONTROL_TIMEOUT_S]:
             del self.pending_controls[request_id]
+
+
+class _RemoteReplica:
+    """A replica on another node, reached through the link: sends like a PUSH socket to a local one."""
+
+    def __init__(self, link: HeadLink, replica: int) -> None:
+        self.link = link
+        self.replica = replica
+
+    def send_pyobj(self, message: Any) -> None:
+        self.link.send(self.replica, message)
 
 
 @dataclasses.dataclass
@@ -289,36 +261,3 @@ class _PendingControl:
             return {"kv": total, "replicas": kvs}
         errors = [p["error"] for p in ordered if "error" in p]
         return {"error": errors[0]} if errors else ordered[0]
-
-
-class _visible_devices:
-    """Around a replica's start on CUDA: show it only its ``tp_size`` GPUs (the replica sees them as 0..tp-1)."""
-
-    def __init__(self, config: ServerConfig, replica: int) -> None:
-        self.active = config.model.device != "cpu" and _cuda_device_count() > 0
-        tp = config.parallel.tp_size
-        if self.active:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            devices = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
-            self.devices = ",".join(devices[replica * tp:(replica + 1) * tp])
-
-    def __enter__(self) -> None:
-        if self.active:
-            self.saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.devices
-
-    def __exit__(self, *exc: object) -> None:
-        if self.active:
-            if self.saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = self.saved
-
-
-def _cuda_device_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0

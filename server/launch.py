@@ -57,8 +57,8 @@ class ServerStartupError(RuntimeError):
 def serve(config: ServerConfig) -> None:
     """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if a child process crashes.
 
-    On a node other than node 0 of a multi-node tensor-parallel group (``parallel.node_rank > 0``)
-    it runs only this node's scheduler ranks (no HTTP) until rank 0 stops them.
+    On a node other than node 0 (``parallel.node_rank > 0``) it runs only this node's scheduler ranks (no HTTP)
+    until rank 0 stops them, or with ``parallel.dp_size > 1`` this node's replicas until node 0's controller does.
     """
     configure_logging(config.server.log_level)
     if config.parallel.node_rank > 0:
@@ -314,12 +314,19 @@ class _Children:
 
 
 def _serve_node_ranks(config: ServerConfig) -> None:
-    from treadle.core.distributed.tensor_parallel import run_node_ranks
+    from treadle.server.dp_nodes import DpNodeError, serve_dp_node
 
-    # SIGTERM/SIGINT here stop the ranks (they die with this process); the group on node 0 then fails.
+    # SIGTERM/SIGINT here stop the ranks or replicas (they die with this process); node 0 then fails.
     previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = run_node_ranks(config)
+        if config.parallel.dp_size > 1:
+            status = serve_dp_node(config)  # this process only relays: it never imports torch
+        else:
+            from treadle.core.distributed.tensor_parallel import run_node_ranks
+
+            status = run_node_ranks(config)
+    except DpNodeError as exc:
+        raise ServerStartupError(str(exc)) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

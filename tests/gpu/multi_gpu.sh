@@ -19,6 +19,9 @@
 #                   tokens, more than one replica's KV cache holds, fewer than two hold; an odd count so that round robin
 #                   spreads each prompt over both replicas): parallel.dp_policy prefix_aware vs round_robin, cache hit
 #                   rate and throughput (target prefix_aware >= 1.3x)
+#   dp_nodes        dp=2 as two "nodes" on this host (node 1: GPU 1, its own `treadle serve` joining node 0's controller
+#                   over TCP at 127.0.0.1:29555; node 0: GPU 0 + HTTP), 8B shapes, DP_PROMPTS requests at once (compare
+#                   with the dp stage's dp=2), then SIGTERM to node 0: both must exit 0
 #   ar_tests        the peer-to-peer all-reduce (issue 48): conformance against NCCL (1 KiB..8 MiB, bf16/fp16/fp32,
 #                   eager and CUDA graphs) and a tp=2 Engine using it
 #   tp_decode       all-reduce latency by size (NCCL, one-shot, two-shot) and the bs=1/32 decode step of 8B shapes:
@@ -61,6 +64,28 @@ prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all
     --question-len 16:48 --output-len 16:64 --workers 4 --no-progress \
     --output "$OUT/serving_dp2_prefix_$1.json" 2>&1 | tail -16
   kill "$pid"; wait "$pid"
+}
+two_nodes() {  # dp=2 over two "nodes" of this host, one GPU each
+  local dir; dir=$(shape_dir llama-3.1-8b); local port=31020
+  local common=(--set model.path="$dir" --set model.load_format=dummy --set parallel.dp_size=2
+    --set parallel.nnodes=2 --set parallel.dist_init_addr=127.0.0.1:29555)
+  CUDA_VISIBLE_DEVICES=1 python3 -m treadle.server.launch "${common[@]}" --set parallel.node_rank=1 \
+    > "$OUT/dp_nodes_node1.log" 2>&1 &
+  local node1=$!
+  CUDA_VISIBLE_DEVICES=0 python3 -m treadle.server.launch "${common[@]}" --set server.port=$port \
+    > "$OUT/dp_nodes_node0.log" 2>&1 &
+  local node0=$!
+  for _ in $(seq 1 300); do
+    grep -q "Traceback\|ERROR" "$OUT/dp_nodes_node0.log" && break
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1
+  done
+  curl -s "http://127.0.0.1:$port/get_server_info" | python3 -c \
+    'import json,sys; m=json.load(sys.stdin)["model_info"]; print("replica_nodes", m["replica_nodes"])'
+  timeout 300 python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts ${DP_PROMPTS:-1000} \
+    --input-len 16:600 --output-len 16:400 --workers 8 --output "$OUT/serving_dp2_two_nodes.json" 2>&1 | tail -20
+  curl -s "http://127.0.0.1:$port/get_server_info" | python3 -c \
+    'import json,sys; print("finished per replica", [r["kv"]["finished"] for r in json.load(sys.stdin)["replicas"]])'
+  kill "$node0"; wait "$node0"; echo "node 0 exit $?"; wait "$node1"; echo "node 1 exit $? (both must be 0)"
 }
 for stage in "$@"; do
   t0=$(date +%s)
@@ -117,6 +142,7 @@ PY
         --set parallel.tp_size="$GPUS" --device cuda --dtype bfloat16 --no-progress \
         --output "$OUT/offline_mixtral_tp$GPUS.json" 2>&1 | tail -15 ;;
     dp) serve_and_bench 1; serve_and_bench "$GPUS" ;;
+    dp_nodes) two_nodes ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "STAGE $stage took $(( $(date +%s) - t0 )) s"
