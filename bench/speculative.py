@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import sys
 import tempfile
 import time
@@ -193,8 +192,8 @@ def format_machinery(result: dict[str, Any]) -> str:
 def ngram(args: argparse.Namespace) -> dict[str, Any]:
     """SmolLM2 on copy-heavy prompts, one at a time and ``args.many`` at once, with and without ``ngram``.
 
-    Both engines stay up and their runs alternate (``--rounds`` times, the order swapped each round), so that a
-    shared machine's changing load falls on both alike; tokens/s are over all rounds."""
+    Both engines stay up and their runs alternate batch by batch (``--rounds`` times, which goes first swapped
+    each time), so that a shared machine's changing load falls on both alike; tokens/s are over all rounds."""
     from treadle import Engine, SamplingParams
     from treadle.core.config import load_config
     from treadle.testing.tokenizer import chat_prompt_ids
@@ -209,15 +208,19 @@ def ngram(args: argparse.Namespace) -> dict[str, Any]:
         modes = {"bs1": [[p] for p in prompts[:args.prompts]],
                  f"bs{args.many}": [[prompts[i % len(prompts)] for i in range(args.many)]]}
         totals = {(name, mode): [0, 0, 0.0] for name in engines for mode in modes}  # tokens, verify steps, seconds
-        outputs: dict[str, dict[str, list[list[int]]]] = {name: {} for name in engines}
+        outputs: dict[str, dict[str, dict[int, list[list[int]]]]] = {name: {} for name in engines}
         for engine in engines.values():
             engine.generate(input_ids=prompts[:2], sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0))
         for round_ in range(args.rounds):
-            for name in (list(engines) if round_ % 2 == 0 else list(engines)[::-1]):
-                for mode, batches in modes.items():
-                    engines[name].flush_cache()
-                    counts, outputs[name][mode] = _timed(engines[name], batches, params)
-                    totals[name, mode] = [a + b for a, b in zip(totals[name, mode], counts)]
+            for mode, batches in modes.items():
+                for b, batch in enumerate(batches):
+                    # Batch by batch, which engine goes first alternating: both see the same load.
+                    order = list(engines) if (round_ + b) % 2 == 0 else list(engines)[::-1]
+                    for name in order:
+                        engines[name].flush_cache()
+                        counts, ids = _timed(engines[name], [batch], params)
+                        totals[name, mode] = [x + y for x, y in zip(totals[name, mode], counts)]
+                        outputs[name].setdefault(mode, {})[b] = ids
         result: dict[str, Any] = {
             "model": "SmolLM2-135M-Instruct (embedded)", "num_tokens": args.num_tokens, "many": args.many,
             "rounds": args.rounds, "new_tokens": args.ngram_new_tokens,
@@ -227,7 +230,7 @@ def ngram(args: argparse.Namespace) -> dict[str, Any]:
             for mode in modes:
                 tokens, steps, seconds = totals[name, mode]
                 result[name][f"{mode}_tok_s"] = tokens / seconds
-                result[name][f"{mode}_acceptance_length"] = tokens / steps if steps else math.nan
+                result[name][f"{mode}_acceptance_length"] = tokens / steps if steps else None  # JSON null
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -268,10 +271,14 @@ def format_ngram(result: dict[str, Any]) -> str:
              f"{'':>8}  {'bs1 tok/s':>10}  {'accept len':>10}  {f'bs{many} tok/s':>12}  {'accept len':>10}"]
     for name in ("plain", "ngram"):
         r = result[name]
-        lines.append(f"{name:>8}  {r['bs1_tok_s']:>10.1f}  {r['bs1_acceptance_length']:>10.2f}  "
-                     f"{r[f'bs{many}_tok_s']:>12.1f}  {r[f'bs{many}_acceptance_length']:>10.2f}")
+        lines.append(f"{name:>8}  {r['bs1_tok_s']:>10.1f}  {_length(r['bs1_acceptance_length']):>10}  "
+                     f"{r[f'bs{many}_tok_s']:>12.1f}  {_length(r[f'bs{many}_acceptance_length']):>10}")
     lines.append(f"{'ratio':>8}  {result['bs1_speedup']:>9.2f}x  {'':>10}  {result[f'bs{many}_speedup']:>11.2f}x")
     return "\n".join(lines)
+
+
+def _length(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _sets(args: argparse.Namespace) -> dict[str, str]:
