@@ -174,7 +174,7 @@ def _explore(backend: GrammarBackend, constraint: Constraint, texts: dict[int, s
                 queue.append(new)
         assert len(paths) <= _MAX_TEXTS, f"{constraint.kind} {constraint.text!r}: more than {_MAX_TEXTS} texts"
     _check_batched_fill(backend, compiled, [paths[text] for text in sorted(reached)[:8]], width)
-    _check_rollback(backend, compiled, [paths[text] for text in sorted(reached, key=len)[-4:]], width, eos)
+    _check_rollback(backend, compiled, [paths[max(reached, key=len)]], width, eos)
     rejected = backend.new_matcher(compiled)
     bad = next((t for t in texts if t not in reached[""]), None)
     if bad is not None:
@@ -212,12 +212,13 @@ def _check_rollback(backend: GrammarBackend, compiled: Any, paths: list[list[int
         if not matcher.is_terminated() and matcher.accept_token(eos):
             paths.append(path + [eos])
     for path in paths:
-        depth = min(len(path), getattr(backend.new_matcher(compiled), "max_rollback_tokens", 0))
-        for n in range(1, depth + 1):
-            matcher, fresh = backend.new_matcher(compiled), backend.new_matcher(compiled)
-            for token in path:
-                assert matcher.accept_token(token), f"accept_token refused {token} while replaying {path}"
+        matcher = backend.new_matcher(compiled)
+        depth = min(len(path), getattr(matcher, "max_rollback_tokens", 0))
+        for token in path:
+            assert matcher.accept_token(token), f"accept_token refused {token} while replaying {path}"
+        for n in sorted({1, 2, depth} & set(range(1, depth + 1))):
             matcher.rollback(n)
+            fresh = backend.new_matcher(compiled)
             for token in path[:len(path) - n]:
                 fresh.accept_token(token)
             rolled, expected = (torch.zeros((1, width), dtype=torch.int32) for _ in range(2))
@@ -225,6 +226,8 @@ def _check_rollback(backend: GrammarBackend, compiled: Any, paths: list[list[int
             fresh.fill_bitmask(expected, 0)
             assert torch.equal(rolled, expected) and matcher.is_terminated() == fresh.is_terminated(), (
                 f"after the tokens {path}, rollback({n}) does not return to the state after {path[:len(path) - n]}")
+            for token in path[len(path) - n:]:  # forward again, as speculative decoding does after a rollback
+                assert matcher.accept_token(token), f"accept_token refused {token} again after rollback({n})"
 
 
 def _allowed_ids(row: torch.Tensor, vocab_size: int) -> set[int]:
