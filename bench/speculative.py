@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import sys
 import tempfile
 import time
@@ -58,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record: dict[str, Any] = {
         "benchmark": "speculative", "command": "python -m treadle.bench.speculative " + " ".join(argv or sys.argv[1:]),
         "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
-        "treadle_commit": git_commit(),
+        "treadle_commit": git_commit(), **({"note": args.note} if args.note else {}),
     }
     if args.part in ("machinery", "all"):
         record["machinery"] = machinery(args)
@@ -90,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="ngram: how many of the workload's prompts run one at a time")
     parser.add_argument("--many", type=int, default=256, help="ngram: requests at once in the high-batch run")
     parser.add_argument("--ngram-new-tokens", type=int, default=128, help="ngram: max_new_tokens per request")
+    parser.add_argument("--rounds", type=int, default=1, help="ngram: alternating runs of both engines")
+    parser.add_argument("--note", default=None, help="a note stored in the JSON (where and how it ran)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (both)")
     parser.add_argument("--output", default=None)
     return parser
@@ -195,7 +196,10 @@ def format_machinery(result: dict[str, Any]) -> str:
 
 
 def ngram(args: argparse.Namespace) -> dict[str, Any]:
-    """SmolLM2 on copy-heavy prompts, one at a time and ``args.many`` at once, with and without ``ngram``."""
+    """SmolLM2 on copy-heavy prompts, one at a time and ``args.many`` at once, with and without ``ngram``.
+
+    Both engines stay up and their runs alternate batch by batch (``--rounds`` times, which goes first swapped
+    each time), so that a shared machine's changing load falls on both alike; tokens/s are over all rounds."""
     from treadle import Engine, SamplingParams
     from treadle.core.config import load_config
     from treadle.testing.tokenizer import chat_prompt_ids
@@ -203,33 +207,54 @@ def ngram(args: argparse.Namespace) -> dict[str, Any]:
     base = {"cache.max_total_tokens": 65536, "plugins": [NGRAM_PLUGIN], **_sets(args)}
     variants = {"plain": {}, "ngram": {"speculative.method": "ngram", "speculative.num_tokens": args.num_tokens}}
     params = SamplingParams(max_new_tokens=args.ngram_new_tokens, temperature=0.0)
-    result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct (embedded)", "num_tokens": args.num_tokens}
-    outputs: dict[str, dict[str, list[list[int]]]] = {}
-    for name, overrides in variants.items():
-        engine = Engine(load_config(overrides={**base, **overrides}, use_env=False))
-        try:
-            prompts = [chat_prompt_ids(engine.tokenizer, ask.format(text)) for ask in ASKS for text in TEXTS]
-            many = [prompts[i % len(prompts)] for i in range(args.many)]
-            prompts = prompts[:args.prompts]
+    engines = {name: Engine(load_config(overrides={**base, **overrides}, use_env=False))
+               for name, overrides in variants.items()}
+    try:
+        prompts = [chat_prompt_ids(engines["plain"].tokenizer, ask.format(text)) for ask, text in _pairs()]
+        modes = {"bs1": [[p] for p in prompts[:args.prompts]],
+                 f"bs{args.many}": [[prompts[i % len(prompts)] for i in range(args.many)]]}
+        totals = {(name, mode): [0, 0, 0.0] for name in engines for mode in modes}  # tokens, verify steps, seconds
+        outputs: dict[str, dict[str, dict[int, list[list[int]]]]] = {name: {} for name in engines}
+        for engine in engines.values():
             engine.generate(input_ids=prompts[:2], sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0))
-            one_at_a_time, single = _timed(engine, [[p] for p in prompts], params)
-            at_once, batch = _timed(engine, [many], params)
-            outputs[name] = {"single": single, "many": batch}
-            result[name] = {"bs1_tok_s": one_at_a_time["tok_s"], "bs1_acceptance_length": one_at_a_time["accept"],
-                            f"bs{args.many}_tok_s": at_once["tok_s"], f"bs{args.many}_acceptance_length":
-                            at_once["accept"], "device": engine.model_info["device"]}
-        finally:
+        for round_ in range(args.rounds):
+            for mode, batches in modes.items():
+                for b, batch in enumerate(batches):
+                    # Batch by batch, which engine goes first alternating: both see the same load.
+                    order = list(engines) if (round_ + b) % 2 == 0 else list(engines)[::-1]
+                    for name in order:
+                        engines[name].flush_cache()
+                        counts, ids = _timed(engines[name], [batch], params)
+                        totals[name, mode] = [x + y for x, y in zip(totals[name, mode], counts)]
+                        outputs[name].setdefault(mode, {})[b] = ids
+        result: dict[str, Any] = {
+            "model": "SmolLM2-135M-Instruct (embedded)", "num_tokens": args.num_tokens, "many": args.many,
+            "rounds": args.rounds, "new_tokens": args.ngram_new_tokens,
+            "max_batch_size": engines["ngram"].resolved_config.speculative.max_batch_size}
+        for name, engine in engines.items():
+            result[name] = {"device": engine.model_info["device"]}
+            for mode in modes:
+                tokens, steps, seconds = totals[name, mode]
+                result[name][f"{mode}_tok_s"] = tokens / seconds
+                result[name][f"{mode}_acceptance_length"] = tokens / steps if steps else None  # JSON null
+    finally:
+        for engine in engines.values():
             engine.shutdown()
-            free_memory()
+        free_memory()
     result["identical_outputs"] = outputs["plain"] == outputs["ngram"]
-    result["bs1_speedup"] = result["ngram"]["bs1_tok_s"] / result["plain"]["bs1_tok_s"]
-    result[f"bs{args.many}_speedup"] = result["ngram"][f"bs{args.many}_tok_s"] / result["plain"][f"bs{args.many}_tok_s"]
-    result["many"] = args.many
+    for mode in modes:
+        result[f"{mode}_speedup"] = result["ngram"][f"{mode}_tok_s"] / result["plain"][f"{mode}_tok_s"]
     return result
 
 
-def _timed(engine: Any, batches: list[list[list[int]]], params: Any) -> tuple[dict[str, float], list[list[int]]]:
-    """Generate each batch in turn; output tokens/s over all and tokens per verify step (nan without any)."""
+def _pairs() -> list[tuple[str, str]]:
+    """Every (ask, text), ordered so that any first few cover different asks and texts (a Latin square)."""
+    n = len(ASKS)
+    return [(ASKS[i % n], TEXTS[(i % n + i // n) % n]) for i in range(n * n)]
+
+
+def _timed(engine: Any, batches: list[list[list[int]]], params: Any) -> tuple[list[float], list[list[int]]]:
+    """Generate each batch in turn: ``[output tokens, verify steps, seconds]`` and the outputs' tokens."""
     device = torch.device(engine.model_info["device"])
     tokens = steps = 0
     ids: list[list[int]] = []
@@ -241,21 +266,25 @@ def _timed(engine: Any, batches: list[list[list[int]]], params: Any) -> tuple[di
             steps += output.spec_verify_steps
             ids.append(output.token_ids)
     synchronize(device)
-    elapsed = time.perf_counter() - start
-    return {"tok_s": tokens / elapsed, "accept": tokens / steps if steps else math.nan}, ids
+    return [tokens, steps, time.perf_counter() - start], ids
 
 
 def format_ngram(result: dict[str, Any]) -> str:
     many = result["many"]
     lines = [f"ngram on copy-heavy prompts: {result['model']}, k = {result['num_tokens']}, "
-             f"{result['plain']['device']}; greedy outputs identical: {result['identical_outputs']}",
+             f"{result['plain']['device']}, speculation off above {result['max_batch_size']} running requests; "
+             f"greedy outputs identical: {result['identical_outputs']}",
              f"{'':>8}  {'bs1 tok/s':>10}  {'accept len':>10}  {f'bs{many} tok/s':>12}  {'accept len':>10}"]
     for name in ("plain", "ngram"):
         r = result[name]
-        lines.append(f"{name:>8}  {r['bs1_tok_s']:>10.1f}  {r['bs1_acceptance_length']:>10.2f}  "
-                     f"{r[f'bs{many}_tok_s']:>12.1f}  {r[f'bs{many}_acceptance_length']:>10.2f}")
+        lines.append(f"{name:>8}  {r['bs1_tok_s']:>10.1f}  {_length(r['bs1_acceptance_length']):>10}  "
+                     f"{r[f'bs{many}_tok_s']:>12.1f}  {_length(r[f'bs{many}_acceptance_length']):>10}")
     lines.append(f"{'ratio':>8}  {result['bs1_speedup']:>9.2f}x  {'':>10}  {result[f'bs{many}_speedup']:>11.2f}x")
     return "\n".join(lines)
+
+
+def _length(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _sets(args: argparse.Namespace) -> dict[str, str]:

@@ -18,12 +18,15 @@ Writes JSON to ``--output`` (default: the results folder outside the tree, bench
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from treadle import Engine, SamplingParams
+from treadle.bench.offline_results import git_commit, machine_info
 from treadle.bench.results_folder import default_output
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--set", action="append", default=[], help="section.key=value for both engines")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--note", default=None, help="a note stored in the JSON (where and how it ran)")
     args = parser.parse_args(argv)
     from treadle.core.config import load_config
     from treadle.core.loading.default_model import default_model, find_default_gguf
@@ -79,7 +83,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         accept = f"{row['acceptance_length']:.2f}" if row["acceptance_length"] else "-"
         print(f"{row['batch_size']:>4} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>12.1f} "
               f"{row['spec_tok_s'] / row['plain_tok_s']:>6.2f} {accept:>10} {row['identical']}")
-    result = {"method": args.method, "target": target, "draft": draft, "num_tokens": args.num_tokens, "rows": rows}
+    result = {"benchmark": "speculative_models", "method": args.method, "target": target, "draft": draft,
+              "num_tokens": args.num_tokens, "max_new_tokens": args.max_new_tokens, "rows": rows,
+              "command": "python -m treadle.bench.speculative_models " + " ".join(sys.argv[1:] if argv is None else argv),
+              "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info(),
+              "treadle_commit": git_commit(), **({"note": args.note} if args.note else {})}
     output = args.output or default_output(f"speculative_{args.method}_{int(time.time())}.json")
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w") as file:

@@ -49,6 +49,11 @@ class Constraint:
 class GrammarMatcher(ABC):
     """One request's position in its constraint."""
 
+    #: How many accepted tokens :meth:`rollback` can undo. Speculative decoding verifies at most this many drafts
+    #: of the request per step: it walks the matcher through them to mask each verified position, then rolls it
+    #: back (:meth:`GrammarManager.verify_mask`). 0, the default, keeps the request at one token per step.
+    max_rollback_tokens: int = 0
+
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (CPU int32, ``bitmask_width`` words)."""
@@ -60,6 +65,10 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def is_terminated(self) -> bool:
         """True once the constraint is complete and admits no further token."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (at most :attr:`max_rollback_tokens`); optional."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back (its max_rollback_tokens is 0)")
 
 
 class GrammarBackend(ABC):
@@ -213,6 +222,41 @@ class GrammarManager:
         self.backend.fill_bitmasks([reqs[row].grammar for row in rows], host, rows)
         return host.to(self.device, non_blocking=True)
 
+    def verify_mask(self, reqs: Sequence[Req], draft_ids: Callable[[], list[list[int]]]) -> torch.Tensor | None:
+        """A verify step's bitmask on the device, a row per verified position, or None when no request is
+        constrained. ``draft_ids()``: each request's ``k`` drafts on the host (called only when one is constrained).
+
+        Row ``i * (k + 1) + j`` is what request ``i``'s constraint allows after its drafts ``0 .. j - 1``: the
+        matcher is walked through them, then rolled back, so that only the tokens the step keeps advance it (in
+        :meth:`accept`, as in plain decoding). A draft the constraint forbids ends the walk: its own row forbids
+        it, so the target rejects it, greedy or sampled, and the rows after it (positions that cannot be kept)
+        allow everything; so does every row after a draft that completes the constraint.
+        """
+        if all(req.grammar is None for req in reqs):
+            return None
+        drafts = draft_ids()
+        per_req = len(drafts[0]) + 1
+        host = self._host_mask(len(reqs) * per_req)
+        host.fill_(-1)
+        walking = [i for i, req in enumerate(reqs) if req.grammar is not None]
+        walked = dict.fromkeys(walking, 0)
+        for j in range(per_req):
+            self.backend.fill_bitmasks([reqs[i].grammar for i in walking], host, [i * per_req + j for i in walking])
+            if j == per_req - 1:
+                break
+            still = []
+            for i in walking:
+                token, matcher = drafts[i][j], reqs[i].grammar
+                if _allows(host[i * per_req + j], token) and matcher.accept_token(token):
+                    walked[i] += 1
+                    if not matcher.is_terminated():
+                        still.append(i)
+            walking = still
+        for i, count in walked.items():
+            if count:
+                reqs[i].grammar.rollback(count)
+        return host.to(self.device, non_blocking=True)
+
     def accept(self, req: Req, token_id: int) -> bool:
         """Advance ``req``'s matcher past its sampled token; True when the constraint is now complete."""
         matcher = req.grammar
@@ -236,6 +280,11 @@ class GrammarManager:
                                 for _ in range(2)]
         self._next_host_mask ^= 1
         return self._host_masks[self._next_host_mask][:rows]
+
+
+def _allows(row: torch.Tensor, token_id: int) -> bool:
+    """Whether bitmask ``row`` (host int32) has ``token_id``'s bit set."""
+    return 0 <= token_id < 32 * row.numel() and (int(row[token_id >> 5]) >> (token_id & 31)) & 1 == 1
 
 
 def _tokenizer_key(tokenizer: Any, vocab_size: int) -> str:

@@ -174,6 +174,7 @@ def _explore(backend: GrammarBackend, constraint: Constraint, texts: dict[int, s
                 queue.append(new)
         assert len(paths) <= _MAX_TEXTS, f"{constraint.kind} {constraint.text!r}: more than {_MAX_TEXTS} texts"
     _check_batched_fill(backend, compiled, [paths[text] for text in sorted(reached)[:8]], width)
+    _check_rollback(backend, compiled, [paths[max(reached, key=len)]], width, eos)
     rejected = backend.new_matcher(compiled)
     bad = next((t for t in texts if t not in reached[""]), None)
     if bad is not None:
@@ -198,6 +199,35 @@ def _check_batched_fill(backend: GrammarBackend, compiled: Any, prefixes: list[l
         matcher.fill_bitmask(alone, 0)
         assert torch.equal(batched[row], alone[0]), f"fill_bitmasks row {row} differs from fill_bitmask"
     assert not batched[0::2].any(), "fill_bitmasks wrote rows it was not given"
+
+
+def _check_rollback(backend: GrammarBackend, compiled: Any, paths: list[list[int]], width: int, eos: int) -> None:
+    """Where matchers can roll back (``max_rollback_tokens`` > 0, what speculative decoding needs): after a path
+    (and after it the stop token, where that is the token that terminates the matcher), ``rollback(n)`` leaves the
+    mask and the termination of a fresh matcher that accepted all but the last ``n`` tokens."""
+    for path in list(paths):
+        matcher = backend.new_matcher(compiled)
+        for token in path:
+            matcher.accept_token(token)
+        if not matcher.is_terminated() and matcher.accept_token(eos):
+            paths.append(path + [eos])
+    for path in paths:
+        matcher = backend.new_matcher(compiled)
+        depth = min(len(path), getattr(matcher, "max_rollback_tokens", 0))
+        for token in path:
+            assert matcher.accept_token(token), f"accept_token refused {token} while replaying {path}"
+        for n in sorted({1, 2, depth} & set(range(1, depth + 1))):
+            matcher.rollback(n)
+            fresh = backend.new_matcher(compiled)
+            for token in path[:len(path) - n]:
+                fresh.accept_token(token)
+            rolled, expected = (torch.zeros((1, width), dtype=torch.int32) for _ in range(2))
+            matcher.fill_bitmask(rolled, 0)
+            fresh.fill_bitmask(expected, 0)
+            assert torch.equal(rolled, expected) and matcher.is_terminated() == fresh.is_terminated(), (
+                f"after the tokens {path}, rollback({n}) does not return to the state after {path[:len(path) - n]}")
+            for token in path[len(path) - n:]:  # forward again, as speculative decoding does after a rollback
+                assert matcher.accept_token(token), f"accept_token refused {token} again after rollback({n})"
 
 
 def _allowed_ids(row: torch.Tensor, vocab_size: int) -> set[int]:

@@ -90,6 +90,9 @@ class LaunchedStep:
     logits: torch.Tensor | None  # dropped once sampling has been queued
     results: HostCopy | None = None  # the sampled ids (and log-probs) on their way to the host
     draft_ids: torch.Tensor | None = None  # a TARGET_VERIFY step's drafts, [bs, k] on the device
+    # The same drafts on their way to the host ("ids"), copied before the target's forward was queued: what a
+    # constrained request's masks are built from (None: no request of the step is constrained).
+    host_draft_ids: HostCopy | None = None
     # The distributions the drafts were sampled from, [bs, k, vocab] float32 (None: deterministic drafts).
     draft_probs: torch.Tensor | None = None
     pooled: torch.Tensor | None = None  # an embedding step's pooled parts, [bs, hidden] on the device

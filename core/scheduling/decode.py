@@ -100,18 +100,24 @@ class DecodeManager:
 
         ``t`` is the worker's ``k + 1``, lowered so that no request computes a position whose token would lie past
         the context length, to the most tokens any request may still take, and to what the pool holds (fewer
-        drafts before any retraction); 1 (plain decode) while a request is constrained or uses penalties, whose
-        mask and token counts at a draft's position would depend on the drafts before it, and while more requests
-        run than ``speculative.max_batch_size`` (verifying them would cost more than it saves); and to what the
-        worker says is worth verifying (``tokens_for``: a speculator with nothing to propose makes it 1).
+        drafts before any retraction); 1 (plain decode) while a request uses penalties, whose token counts at a
+        draft's position would depend on the drafts before it, and while more requests run than
+        ``speculative.max_batch_size`` (verifying them would cost more than it saves); for a constrained request, to
+        ``1 +`` what its matcher can roll back (``GrammarMatcher.max_rollback_tokens``: each position's mask comes
+        from walking the matcher through the drafts before it; 1 with draft trees); and to what the worker says is worth verifying
+        (``tokens_for``: a speculator with nothing to propose makes it 1).
         """
         per_req = self.tokens_per_req if len(reqs) <= self.config.speculative.max_batch_size else 1
         most_wanted = 1
         for req in reqs:
             params = req.sampling_params
-            if req.grammar is not None or params.has_penalties:
+            if params.has_penalties:
                 per_req = 1
                 break
+            if req.grammar is not None:  # its drafts are masked by walking its matcher, which then rolls back
+                # A tree's nodes would each need the mask of their own path: constrained requests decode plainly.
+                rollback = 0 if self.config.speculative.topk > 1 else getattr(req.grammar, "max_rollback_tokens", 0)
+                per_req = min(per_req, 1 + max(0, rollback))
             per_req = min(per_req, self.context_len - 1 - req.kv_len)
             most_wanted = max(most_wanted, remaining_new_tokens(req))
         per_req = max(1, min(per_req, most_wanted))

@@ -406,12 +406,22 @@ class Scheduler:
         """
         batch = step.batch
         prompt_logprobs = [i for i, entry in enumerate(batch.entries) if wants_input_logprobs(entry.req)]
-        self.worker.launch_sampling(step, self._vocab_mask(batch), prompt_logprobs)
+        self.worker.launch_sampling(step, self._vocab_mask(step), prompt_logprobs)
 
-    def _vocab_mask(self, batch: ScheduleBatch) -> torch.Tensor | None:
-        """Hook right before sampling: the allowed-token mask of constrained rows (None: no constraints).
+    def _vocab_mask(self, step: LaunchedStep) -> torch.Tensor | None:
+        """Hook right before sampling: the allowed-token mask of constrained rows (None: no constraints); a verify
+        step's has a row per verified position (``GrammarManager.verify_mask``).
 
         By now the previous step's tokens have been processed, so per-request constraint state is current;
         the mask is built on the host while the device still runs this step's forward.
         """
-        return self.grammar.vocab_mask(batch.reqs)
+        if step.draft_ids is None:
+            return self.grammar.vocab_mask(step.batch.reqs)
+        return self.grammar.verify_mask(step.batch.reqs, lambda: _host_draft_ids(step))
+
+
+def _host_draft_ids(step: LaunchedStep) -> list[list[int]]:
+    """A verify step's drafts on the host: from the copy the worker started, else copied now."""
+    if step.host_draft_ids is not None:
+        return step.host_draft_ids.wait()["ids"].tolist()
+    return step.draft_ids.tolist()

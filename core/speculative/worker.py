@@ -20,7 +20,7 @@ import torch
 
 from treadle.core.config import ServerConfig
 from treadle.core.execution.forward_batch import ForwardMode
-from treadle.core.execution.overlap import LaunchedStep
+from treadle.core.execution.overlap import HostCopy, LaunchedStep
 from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.registry import Registry
 from treadle.core.scheduling.observers import StepObserver
@@ -95,7 +95,14 @@ class SpeculativeWorker(Worker):
             if self.trees:
                 parents = drafts.parents if drafts.parents is not None else chain_parents(*draft_ids.shape,
                                                                                           draft_ids.device)
+        host_draft_ids = None
+        if draft_ids is not None and any(req.grammar is not None for req in batch.reqs):
+            # Constrained rows mask each verified position by walking their matcher through the drafts (the
+            # scheduler's vocab mask): the copy starts before the target's forward, so waiting for it does not
+            # wait for that forward.
+            host_draft_ids = HostCopy({"ids": draft_ids})
         step = self.target.launch_forward(batch, draft_ids, draft_parents=parents)
+        step.host_draft_ids = host_draft_ids
         if drafts is not None:
             step.draft_probs = drafts.probs
         self.speculator.after_target_forward(step)

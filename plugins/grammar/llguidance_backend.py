@@ -75,7 +75,10 @@ class LLGuidanceBackend(GrammarBackend):
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    """An llguidance LLMatcher; it terminates as soon as the grammar admits nothing but a stop token."""
+    """An llguidance LLMatcher; it terminates as soon as the grammar admits nothing but a stop token. It keeps
+    every accepted token's state, so any number of them can be undone."""
+
+    max_rollback_tokens = 1 << 30
 
     def __init__(self, matcher: Any) -> None:
         from llguidance.torch import fill_next_token_bitmask
@@ -91,6 +94,9 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
 
 
 def _closed_objects(schema: Any) -> Any:

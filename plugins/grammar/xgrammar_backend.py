@@ -40,6 +40,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "contains", 
                   "unevaluatedProperties", "unevaluatedItems", "additionalItems")
 
 logger = logging.getLogger(__name__)
+_UNLIMITED = 1 << 30  # how many accepted tokens a matcher can undo: all of them
 
 
 class XGrammarBackend(GrammarBackend):
@@ -154,7 +155,10 @@ class _Compiled:
 
 class XGrammarMatcher(GrammarMatcher):
     """An xgrammar GrammarMatcher; it terminates once a stop token is accepted after a complete match.
-    ``mask`` (an int32 bitmask row) narrows each filled row further."""
+    ``mask`` (an int32 bitmask row) narrows each filled row further. Built without a rollback limit: it keeps
+    every accepted token's state, so any number of them can be undone."""
+
+    max_rollback_tokens = _UNLIMITED
 
     def __init__(self, matcher: Any, mask: torch.Tensor | None = None) -> None:
         self._matcher = matcher
@@ -170,6 +174,9 @@ class XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
 
 
 def _no_control_characters(info: Any, vocab_size: int, any_whitespace: bool) -> torch.Tensor:

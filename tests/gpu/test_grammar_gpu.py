@@ -57,3 +57,34 @@ def test_constrained_batch_on_cuda_matches_overlap_off(model_dir, backend):
             assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", out.text)
         elif i % 4 == 3:
             assert re.fullmatch(r"(yes|no)( [a-z]+){2}", out.text)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_verify_steps_mask_every_position_on_cuda(model_dir, method):
+    """Constrained requests under speculation on CUDA (verify graphs, overlap on, drafts copied home before the
+    target's forward): the outputs keep their constraints, they were verified (not decoded one token a step), and
+    greedy tokens are the plain run's but where a numerically different verify step flips a near-tie."""
+    from treadle.testing.engine import assert_kv_accounted
+
+    prompts = [[5, 17, 42, 8, 99, 5, 17, 42, 8, 99], [300, 301, 9, 300, 301, 9], [7, 7, 7, 120, 121, 122], [44, 45]] * 2
+    params = [SamplingParams(max_new_tokens=48, temperature=0, json_schema=json.dumps(SCHEMA)),
+              SamplingParams(max_new_tokens=32, temperature=0, regex=r"[a-z]{3}-[0-9]{2,4}"),
+              SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=48, temperature=0.7, seed=5, regex=r"(yes|no)( [a-z]+){2}")] * 2
+    config = {"model": {"path": model_dir, "device": "cuda"}, "plugins": [f"treadle.plugins.speculators.{method}"]}
+    with Engine(config) as plain_engine:
+        plain = plain_engine.generate(input_ids=prompts, sampling_params=params)
+    spec = {"method": method, "num_tokens": 3, **({"draft_model_path": model_dir} if method == "draft" else {})}
+    with Engine({**config, "speculative": spec}) as engine:
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert_kv_accounted(engine)
+    for i, out in enumerate(outputs):
+        if i % 4 == 0:
+            assert set(json.loads(out.text)) == {"n", "tag"}, out.text
+        elif i % 4 == 1:
+            assert re.fullmatch(r"[a-z]{3}-[0-9]{2,4}", out.text), out.text
+        elif i % 4 == 3:
+            assert re.fullmatch(r"(yes|no)( [a-z]+){2}", out.text), out.text
+    assert sum(o.spec_verify_steps for i, o in enumerate(outputs) if i % 4 in (0, 1)) > 0
+    greedy = [i for i in range(len(prompts)) if i % 4 != 3]
+    assert sum(outputs[i].token_ids == plain[i].token_ids for i in greedy) >= len(greedy) - 2
