@@ -28,11 +28,11 @@ CONSTRAINED = [SamplingParams(max_new_tokens=40, temperature=0.0, json_schema=SC
                SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)]  # an unconstrained neighbour
 
 
-def engine_config(model_dir: str, backend: str, method: str | None = None) -> dict:
+def engine_config(model_dir: str, backend: str, method: str | None = None, topk: int = 1) -> dict:
     config = {"model": {"path": model_dir}, "cache": {"max_total_tokens": 2048}, "plugins": PLUGINS,
               "grammar": {"backend": backend}}
     if method is not None:
-        config["speculative"] = {"method": method, "num_tokens": 3,
+        config["speculative"] = {"method": method, "num_tokens": 3, "topk": topk,
                                  **({"draft_model_path": model_dir} if method == "draft" else {})}
     return config
 
@@ -56,6 +56,17 @@ def test_greedy_constrained_output_is_the_plain_runs(tiny_llama_text_dir, backen
             # The draft model is the target: whatever its unmasked argmax has that the constraint allows is kept.
             assert sum(o.completion_tokens for o in constrained) > sum(o.spec_verify_steps for o in constrained)
             assert_kv_accounted(engine)
+
+
+def test_with_draft_trees_a_constrained_request_decodes_plainly(tiny_llama_text_dir):
+    """A tree's nodes would each need their own path's mask: a batch holding a constrained request takes one token
+    a step, with the plain run's tokens."""
+    with Engine(engine_config(tiny_llama_text_dir, "xgrammar")) as plain:
+        expected = plain.generate(input_ids=prompts(plain), sampling_params=CONSTRAINED)
+    with Engine(engine_config(tiny_llama_text_dir, "xgrammar", "draft", topk=2)) as engine:
+        outputs = engine.generate(input_ids=prompts(engine), sampling_params=CONSTRAINED)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert_kv_accounted(engine)
 
 
 def test_sampled_constrained_output_still_matches(tiny_llama_text_dir):
