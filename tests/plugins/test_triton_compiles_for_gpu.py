@@ -60,13 +60,16 @@ def _attention_kernels() -> dict:
                 dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
                      MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary,
                      PDL=pdl)), triggers=False)
-        checks[f"extend[{kv}]"] = lambda kv=kv, fp8=fp8: _compile(
-            extend._extend_kernel,
-            {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
-             "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Extend_start_loc": "*i64",
-             "Extend_seq_lens": "*i64", "Extend_prefix_lens": "*i64"},
-            {"qk_scale", "k_scale", "v_scale"},
-            dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=fp8))
+        for tree in (False, True):  # TREE: a draft tree's verify step (tree mask, positions by depth)
+            checks[f"extend[{kv}" + (",tree]" if tree else "]")] = lambda kv=kv, fp8=fp8, tree=tree: _compile(
+                extend._extend_kernel,
+                {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "O": "*bf16", "K_cache": f"*{kv}",
+                 "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Extend_start_loc": "*i64",
+                 "Extend_seq_lens": "*i64", "Extend_prefix_lens": "*i64",
+                 "Tree_mask": "*u8" if tree else "*i64", "Positions": "*i64"},
+                {"qk_scale", "k_scale", "v_scale"},
+                dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PRECISION="tf32", KV_FP8=fp8,
+                     TREE=tree))
     checks["flashinfer_page_table"] = lambda: _compile(
         _page_table_kernel(), {"req_to_token": "*i32", "req_pool_indices": "*i64", "seq_lens": "*i64",
                                "kv_indptr": "*i32", "kv_indices": "*i32"}, set(), dict(PAGE_SIZE=16, BLOCK=128))
@@ -283,7 +286,7 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
 KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
            "decode[bf16,store_kv=True,rotary,pdl]", "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]",
            "decode[fp8e4nv,store_kv=True,rotary]", "decode[fp8e4nv,store_kv=True,rotary,pdl]",
-           "extend[bf16]", "extend[fp8e4nv]",
+           "extend[bf16]", "extend[fp8e4nv]", "extend[bf16,tree]", "extend[fp8e4nv,tree]",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,pdl]",
            "small_batch[bf16,gemv,silu_mul,pdl]", "small_batch[fp8,gemv,even]",
