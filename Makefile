@@ -57,8 +57,14 @@ shell: $(STAMP)
 
 # One intra-op thread: the suite runs several torch processes at once (server
 # tests), and on two cores competing thread pools make every small op wait.
+# Test files run in parallel, one per CPU (at most TEST_WORKERS_MAX), each file's
+# tests in one worker so that a module's server or model is built once;
+# TEST_WORKERS=0 runs them in this process (pdb, -s).
+TEST_WORKERS ?= auto
+TEST_WORKERS_MAX ?= 4
+XDIST_ARGS = -n $(TEST_WORKERS) --maxprocesses $(TEST_WORKERS_MAX) --dist loadfile --durations 15
 test: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(if $(filter -q --quiet,$(PYTEST_ARGS)),,-q) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest $(if $(filter -q --quiet,$(PYTEST_ARGS)),,-q) $(XDIST_ARGS) $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu

@@ -33,10 +33,15 @@ def test_serve_takes_port_host_config_and_any_key():
                             "--server.host 0.0.0.0 --set scheduler.policy=lpm --set cache.page_size=1")
 
 
+PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile", "--durations", "15"]
+
+
 def test_pytest_args_pass_through_without_a_second_quiet_flag():
     """`-q -q` would hide pytest's summary line (N passed)."""
-    assert _dry_run("test", "PYTEST_ARGS=-q").split("pytest")[1].split() == ["-q"]
-    assert _dry_run("test", "PYTEST_ARGS=tests/core -x").split("pytest")[1].split() == ["-q", "tests/core", "-x"]
+    assert _dry_run("test", "PYTEST_ARGS=-q").split("pytest")[1].split() == [*PARALLEL, "-q"]
+    assert _dry_run("test", "PYTEST_ARGS=tests/core -x").split("pytest")[1].split() == \
+        ["-q", *PARALLEL, "tests/core", "-x"]
+    assert _dry_run("test", "TEST_WORKERS=0").split("pytest")[1].split()[:3] == ["-q", "-n", "0"]
 
 
 @pytest.mark.skipif(not (ROOT / ".venv" / ".treadle-installed").exists(), reason="the suite runs outside make's .venv")
