@@ -25,6 +25,7 @@ import torch
 from verify_steps import hf_logits, verify_against_decode, verify_tree_against_hf
 
 K_VALUES = (1, 2, 3, 4)
+INTERPRETED_K_VALUES = (1, 4)  # the interpreter is slow: the shortest and longest; torch_native checks every k
 SHARED = 6  # request 1's prompt starts with request 0's first SHARED tokens, on request 0's KV
 
 
@@ -98,13 +99,13 @@ def test_verify_logits_equal_decode_steps_and_hf_with_triton_interpreted(tiny_ll
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.split() == [f"verified-k={k}" for k in K_VALUES] + ["verified-tree"]
+    assert proc.stdout.split() == [f"verified-k={k}" for k in INTERPRETED_K_VALUES] + ["verified-tree"]
 
 
 if __name__ == "__main__":
     model_dir = sys.argv[1]
     worker, hf = build_worker(model_dir, "triton"), _hf(model_dir)
-    for k in K_VALUES:
+    for k in INTERPRETED_K_VALUES:
         check_verify(worker, hf, k)
         print(f"verified-k={k}", flush=True)
     check_tree(worker, hf)
