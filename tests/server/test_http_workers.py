@@ -138,7 +138,10 @@ def test_outputs_errors_and_control_answers_reach_the_worker_that_sent_the_reque
             # /abort_request through worker 0 reaches requests that workers 1 and 2 hold, and their own handlers
             # get the final 'abort' output.
             held = [managers[1].submit([_req("job-0")]), managers[2].submit([_req("job-1")])]
-            backend.pump(step=False)
+            deadline = time.monotonic() + 30  # two workers' sockets: either request may arrive first
+            while len(backend.scheduler.live_by_rid) < 2 and time.monotonic() < deadline:
+                backend.pump(step=False)
+                await asyncio.sleep(0.01)
             answer = await _until(backend, managers[0].control("abort_request", args={"rid": "job"}), step=False)
             assert sorted(answer["aborted"]) == ["job-0", "job-1"]
             for stream in held:
