@@ -27,14 +27,14 @@ def test_parse_variant_changes_only_what_it_names() -> None:
 def test_every_case_and_variant_is_timed_and_the_variants_agree(tmp_path: Path) -> None:
     output = tmp_path / "decode.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "treadle.bench.decode_attention", "--device", "cpu", "--batch-sizes", "1,3",
+    command = [sys.executable, "-m", "treadle.bench.decode_attention", "--device", "cpu", "--batch-sizes", "3",
                "--context", "7,70", "--layers", "2", "--heads", "4,2,16",
                "--variants", ",min_split_tokens=16;decode_block_n=16", "--output", str(output)]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(output.read_text())["results"]
-    assert [(r["bs"], r["context"], r["variant"]) for r in rows] == [
-        (bs, context, variant) for bs in (1, 3) for context in (7, 70)
+    assert [(r["bs"], r["context"], r["variant"]) for r in rows] == [  # bs 3: the interpreter is slow
+        (3, context, variant) for context in (7, 70)
         for variant in ("defaults", "min_split_tokens=16;decode_block_n=16")]
     assert rows[1]["settings"] == {**TUNABLES, "min_split_tokens": 16, "decode_block_n": 16}
     assert all(r["us_per_layer"] > 0 and r["max_abs_diff_vs_first"] < 1e-4 for r in rows)

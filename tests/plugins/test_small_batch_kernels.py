@@ -25,8 +25,9 @@ CONFIGS = {"fp8": FP8_CONFIGS, "16bit": SIXTEEN_BIT_CONFIGS}
 # 32 x 2048 fits the GEMV tiles exactly (their unmasked loads; GEMV configs only, the tl.dot tiles have no such path).
 SHAPES = [(100, 1000), (40, 200), (32, 2048)]
 EVEN_SHAPE = (32, 2048)
-ROWS = [1, 3, 16, 20]  # 20: the 32-row tiles
+DOT_ROWS = [1, 16, 20]  # 16: a whole 16-row tile; 20: the 32-row tiles, part masked
 GEMV_ROWS = [1, 3]  # GEMV configs run one program per row: more rows check nothing new, slowly
+ROWS = sorted(set(DOT_ROWS + GEMV_ROWS))
 # Outputs are rounded to 16 bits (bfloat16: 2^-9 relative); a lost or doubled K block is off by far more.
 MAX_RELATIVE_ERROR = 1e-2
 # silu(gate) * up rounds three times (gate and up, silu, the product) where the interpreter truncates bfloat16.
@@ -55,7 +56,8 @@ for n, k in json.loads(sys.argv[1]):
                 # W8A8 configs multiply x quantized per token: against that x, to the same tolerance.
                 quantized_x = dequantize(*quantize_per_token(x), torch.float32) @ reference_weight.t()
                 for index, config in enumerate(configs):
-                    if (dtype == torch.bfloat16 and not config.gemv) or (config.gemv and rows not in GEMV_ROWS):
+                    if (dtype == torch.bfloat16 and not config.gemv) or rows not in (GEMV_ROWS if config.gemv
+                                                                                     else DOT_ROWS):
                         continue
                     if [n, k] == EVEN_SHAPE and not config.gemv:
                         continue
@@ -96,7 +98,7 @@ print("RESULTS " + json.dumps(errors))
 @pytest.fixture(scope="module")
 def relative_errors() -> dict[str, float]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", f"GEMV_ROWS = {GEMV_ROWS}\nEVEN_SHAPE = {list(EVEN_SHAPE)}\n"
+    proc = subprocess.run([sys.executable, "-c", f"GEMV_ROWS = {GEMV_ROWS}\nDOT_ROWS = {DOT_ROWS}\nEVEN_SHAPE = {list(EVEN_SHAPE)}\n"
                            f"BFLOAT16_SHAPE = {list(SHAPES[0])}\n" + CHECKS,
                            json.dumps(SHAPES),
                            json.dumps(ROWS)],
@@ -120,7 +122,7 @@ def test_configs_cover_split_k_and_the_one_row_gemv(kind):
 
 
 CASES = [(kind, index, rows, n, k) for kind, configs in CONFIGS.items() for index, config in enumerate(configs)
-         for rows in (GEMV_ROWS if config.gemv else ROWS) for n, k in SHAPES if config.gemv or (n, k) != EVEN_SHAPE]
+         for rows in (GEMV_ROWS if config.gemv else DOT_ROWS) for n, k in SHAPES if config.gemv or (n, k) != EVEN_SHAPE]
 
 
 @pytest.mark.parametrize("kind, index, rows, n, k", CASES,
