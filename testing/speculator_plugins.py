@@ -36,6 +36,10 @@ class OracleSpeculator(Speculator):
         self.references: dict[tuple[int, ...], list[int]] = {}
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
+        return Drafts(to_device(torch.tensor(self.continuations(batch, num_drafts), dtype=torch.int64), self.device))
+
+    def continuations(self, batch: "ScheduleBatch", num_drafts: int) -> list[list[int]]:
+        """Each entry's next ``num_drafts`` reference tokens, on the host."""
         rows = []
         for entry in batch.entries:
             prompt = entry.req.origin_input_ids
@@ -43,7 +47,7 @@ class OracleSpeculator(Speculator):
             start = entry.kv_start + 1 - len(prompt)  # the first draft's index in the output
             row = output[start:start + num_drafts]
             rows.append(row + [0] * (num_drafts - len(row)))
-        return Drafts(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
+        return rows
 
 
 class OracleTreeSpeculator(OracleSpeculator):
@@ -58,7 +62,7 @@ class OracleTreeSpeculator(OracleSpeculator):
         self.rng = random.Random(seed)
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
-        right_rows = super().propose(batch, num_drafts).token_ids.tolist()
+        right_rows = self.continuations(batch, num_drafts)
         tokens, parents = [], []
         for right in right_rows:
             broken_at = self.rng.randint(0, num_drafts) if self.breaks else num_drafts
@@ -73,8 +77,9 @@ class OracleTreeSpeculator(OracleSpeculator):
                 parent = len(row_tokens) - 1
             tokens.append(row_tokens)
             parents.append(row_parents)
-        return Drafts(to_device(torch.tensor(tokens, dtype=torch.int64), self.device),
-                      parents=to_device(torch.tensor(parents, dtype=torch.int64), self.device))
+        # Both in one host-to-device copy; nothing here waits for the device.
+        tokens_and_parents = to_device(torch.tensor([tokens, parents], dtype=torch.int64), self.device)
+        return Drafts(tokens_and_parents[0], parents=tokens_and_parents[1])
 
 
 class RandomDraftSpeculator(Speculator):

@@ -53,8 +53,7 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
         logits_indices = torch.arange(int(positions.shape[0]), dtype=torch.int64)
         if tree is not None:
             extra["tree_mask"] = tree.ancestors
-            prefix = to_device(torch.tensor([e.kv_start for e in entries], dtype=torch.int64), device)
-            positions = (prefix.unsqueeze(1) + tree.depth).flatten()
+            positions = (extra["extend_prefix_lens"].unsqueeze(1) + tree.depth).flatten()
     else:
         input_ids_dev = _extend_input_ids(entries, next_input_ids, device)
         positions, logits_indices, extra = _extend_positions(entries, device)

@@ -101,3 +101,5 @@ class LaunchedStep:
     # Its kept drafts then the target's token, [bs, t] on the device, once its sampling is queued (drafters that
     # catch up on the kept path read them).
     kept_ids: torch.Tensor | None = None
+    # And the kept path's node at each depth, [bs, t] (core/speculative/tree.py): whose K/V moves into place.
+    kept_path: torch.Tensor | None = None

@@ -245,6 +245,11 @@ class ModelWorker(Worker):
                 tensors.update(prompt_logprob_tensors(step.batch, step.logits, prompt_logprob_entries))
         step.results = HostCopy(tensors)
         step.logits = None
+        if step.kept_path is not None:
+            # Queued after the results' copy home, so the host reads them (and builds the next step) while the
+            # device moves the kept path's K/V; the next step's kernels run after it on the same stream.
+            with torch.inference_mode():
+                compact_kept_path(self.runner.kv_cache, step.forward_batch.out_cache_loc, step.kept_path)
 
     def _sample_last_rows(self, step: LaunchedStep, vocab_mask: torch.Tensor | None) -> dict[str, Any]:
         batch, logits = step.batch, step.logits
@@ -297,11 +302,9 @@ class ModelWorker(Worker):
                                    "logprobs": verdict.logprobs, "top_values": None, "top_ids": None}
         if verdict.top_logprobs is not None:
             tensors["top_values"], tensors["top_ids"] = verdict.top_logprobs
-        compact_kept_path(self.runner.kv_cache, self.runner.req_to_token_pool.req_to_token,
-                          forward_batch.req_pool_indices, forward_batch.extend_prefix_lens, verdict.path,
-                          verdict.accepted)
         self.next_input_ids.record_accepted(forward_batch.req_pool_indices, verdict.token_ids, verdict.accepted)
         step.kept_ids = verdict.token_ids
+        step.kept_path = verdict.path
         return tensors
 
 

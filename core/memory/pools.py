@@ -38,7 +38,8 @@ class ReqToTokenPool:
 
 
 class KVCache:
-    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]``.
+    """Per-layer K and V buffers of shape ``[num_slots, num_kv_heads, head_dim]`` (``k_buffers``, ``v_buffers``),
+    views of one tensor ``kv_buffer`` ``[2 * num_layers, num_slots, num_kv_heads, head_dim]``.
 
     The first ``page_size`` slots are padding that no request owns: CUDA-graph
     padding and dummy writes go there.
@@ -69,9 +70,12 @@ class KVCache:
         self.is_fp8 = dtype in FP8_KV_DTYPES
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
-        shape = (size + page_size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # Every layer's K then every layer's V in one tensor, so that moving slots in all layers (a draft tree's
+        # kept path, core/speculative/tree.py) is one gather and one scatter, not two per layer.
+        self.kv_buffer = torch.zeros((2 * num_layers, size + page_size, num_kv_heads, head_dim), dtype=dtype,
+                                     device=self.device)
+        self.k_buffers = list(self.kv_buffer[:num_layers].unbind(0))
+        self.v_buffers = list(self.kv_buffer[num_layers:].unbind(0))
         self._store_kv = _one_kernel_kv_write(self.device)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
@@ -79,6 +83,11 @@ class KVCache:
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self.v_buffers[layer_id]
+
+    def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the K and V of slots ``source`` to slots ``target`` (int64, same length, on the device) in every
+        layer: every source is read before any target is written (two kernels, whatever the layer count)."""
+        self.kv_buffer.index_copy_(1, target, self.kv_buffer.index_select(1, source))
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (``[n, num_kv_heads, head_dim]`` or flattened) at slots ``loc``; on a GPU with Triton,

@@ -17,6 +17,8 @@ matches no child is distributed as the residual. Nothing here leaves the device.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,8 +41,15 @@ class TreeLayout:
 
     @classmethod
     def of(cls, draft_parents: torch.Tensor) -> "TreeLayout":
-        """From ``draft_parents`` ``[bs, t - 1]`` (each draft's parent draft, -1: the root), by pointer jumping:
-        after ``r`` squarings a node sees its ancestors up to ``2 ** r`` levels up."""
+        """From ``draft_parents`` ``[bs, t - 1]`` (each draft's parent draft, -1: the root): on a CUDA device in
+        one kernel (kernels/tree_layout.py; the target's forward waits for it), elsewhere :meth:`by_squaring`."""
+        kernel = _layout_kernel() if draft_parents.device.type == "cuda" else None
+        return cls(*kernel(draft_parents)) if kernel is not None else cls.by_squaring(draft_parents)
+
+    @classmethod
+    def by_squaring(cls, draft_parents: torch.Tensor) -> "TreeLayout":
+        """The layout in torch operations, by pointer jumping: after ``r`` squarings of the reachability matrix a
+        node sees its ancestors up to ``2 ** r`` levels up."""
         bs, n = draft_parents.shape
         t = n + 1
         device = draft_parents.device
@@ -52,6 +61,16 @@ class TreeLayout:
             reach = torch.bmm(reach, reach).clamp_(max=1.0)
         ancestors = reach > 0
         return cls(parents, ancestors, ancestors.sum(dim=2) - 1)
+
+
+@functools.cache
+def _layout_kernel():
+    """``kernels.tree_layout.tree_layout`` where Triton is installed, else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from treadle.kernels.tree_layout import tree_layout
+
+    return tree_layout
 
 
 def chain_parents(bs: int, n: int, device: torch.device) -> torch.Tensor:
@@ -109,28 +128,25 @@ def verify_tree(sampler: "Sampler", logits: torch.Tensor, sampling: "SamplingBat
         sampling.steps = (sampling.steps.view(bs, t)[:, :1] + tree.depth).flatten()
     result = sampler(logits, sampling, vocab_mask=vocab_mask)
     path, accepted = kept_path(tree, draft_ids, result.next_token_ids.view(bs, t))
-    rows = (path + torch.arange(bs, device=path.device).unsqueeze(1) * t).flatten()
-    token_ids = result.next_token_ids.index_select(0, rows).view(bs, t)
+    token_ids = result.next_token_ids.view(bs, t).gather(1, path)
     logprobs = top = None
     if result.logprobs is not None:
-        logprobs = result.logprobs.index_select(0, rows).view(bs, t)
+        logprobs = result.logprobs.view(bs, t).gather(1, path)
     if result.top_logprobs is not None:
         values, ids = result.top_logprobs
-        top = (values.index_select(0, rows).view(bs, t, -1), ids.index_select(0, rows).view(bs, t, -1))
+        columns = path.unsqueeze(2).expand(bs, t, values.shape[-1])
+        top = (values.view(bs, t, -1).gather(1, columns), ids.view(bs, t, -1).gather(1, columns))
     return TreeVerdict(token_ids, accepted, path, logprobs, top)
 
 
-def compact_kept_path(kv_cache, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                      kv_starts: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> None:
+def compact_kept_path(kv_cache, out_cache_loc: torch.Tensor, path: torch.Tensor) -> None:
     """Copy the K/V of each request's kept path (:func:`kept_path`) from the slots of positions ``kv_start + node``
-    to those of ``kv_start + depth``, in every layer (``kv_cache``: the target's KVCache). All sources are read
-    before any slot is written; the positions past the kept path copy their slot onto itself."""
+    to those of ``kv_start + depth``, in every layer (``kv_cache``: the target's KVCache; ``out_cache_loc``
+    ``[bs * t]``: the step's new slots, request ``i``'s position ``kv_start + j`` at ``i * t + j``). All sources are
+    read before any slot is written. Past the kept path a position gets the kept node's K/V: those positions are
+    computed again (their slots given back or written) before anything reads them.
+
+    One gather of indices and one gather and scatter over all layers: no host sync, no loop over layers."""
     bs, t = path.shape
-    levels = torch.arange(t, device=path.device).view(1, t)
-    source_columns = torch.where(levels <= accepted.view(bs, 1), path, levels)
-    rows = req_pool_indices.view(bs, 1).expand(bs, t)
-    source = req_to_token[rows, kv_starts.view(bs, 1) + source_columns].flatten().long()
-    target = req_to_token[rows, kv_starts.view(bs, 1) + levels].flatten().long()
-    for layer in range(kv_cache.num_layers):
-        for buffer in (kv_cache.get_key_buffer(layer), kv_cache.get_value_buffer(layer)):
-            buffer.index_copy_(0, target, buffer.index_select(0, source))
+    slots = out_cache_loc.view(bs, t)
+    kv_cache.copy_slots(slots.gather(1, path).flatten(), out_cache_loc.long())

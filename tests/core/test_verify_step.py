@@ -68,6 +68,21 @@ def check_tree(worker, hf_model, atol: float = 1e-4) -> None:
     torch.testing.assert_close(run.next_logits, run.expected_next, atol=atol, rtol=atol)
 
 
+def check_tree_layout_kernel() -> None:
+    """Raise AssertionError unless the tree layout kernel (kernels/tree_layout.py, what CUDA devices run) gives
+    the torch layout's parents, ancestors and depth for chains, stars and mixed trees in one batch."""
+    from treadle.core.speculative.tree import TreeLayout
+    from treadle.kernels.tree_layout import tree_layout
+
+    generator = torch.Generator().manual_seed(0)
+    trees = [[-1, 0, 1, 2, 3, 4, 5, 6], [-1, -1, -1, -1, -1, -1, -1, -1], [-1, -1, 1, 1, 3, 3, 5, 5],
+             [int(torch.randint(-1, j, (1,), generator=generator)) for j in range(8)]]  # parents before children
+    parents = torch.tensor(trees, dtype=torch.int64)
+    layout = TreeLayout.by_squaring(parents)
+    for got, want in zip(tree_layout(parents), (layout.parents, layout.ancestors, layout.depth)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
 def test_tree_verify_logits_follow_each_nodes_path_with_torch_native(torch_native_worker, hf_model) -> None:
     check_tree(torch_native_worker, hf_model)
 
@@ -99,7 +114,8 @@ def test_verify_logits_equal_decode_steps_and_hf_with_triton_interpreted(tiny_ll
     proc = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.split() == [f"verified-k={k}" for k in INTERPRETED_K_VALUES] + ["verified-tree"]
+    assert proc.stdout.split() == [f"verified-k={k}" for k in INTERPRETED_K_VALUES] + ["verified-tree",
+                                                                                              "verified-tree-layout-kernel"]
 
 
 if __name__ == "__main__":
@@ -110,3 +126,5 @@ if __name__ == "__main__":
         print(f"verified-k={k}", flush=True)
     check_tree(worker, hf)
     print("verified-tree", flush=True)
+    check_tree_layout_kernel()
+    print("verified-tree-layout-kernel", flush=True)
