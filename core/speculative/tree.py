@@ -42,9 +42,9 @@ class TreeLayout:
     @classmethod
     def of(cls, draft_parents: torch.Tensor) -> "TreeLayout":
         """From ``draft_parents`` ``[bs, t - 1]`` (each draft's parent draft, -1: the root): on a CUDA device in
-        one kernel (kernels/tree_layout.py; the target's forward waits for it), elsewhere :meth:`by_squaring`."""
-        kernel = _layout_kernel() if draft_parents.device.type == "cuda" else None
-        return cls(*kernel(draft_parents)) if kernel is not None else cls.by_squaring(draft_parents)
+        one kernel (kernels/draft_trees.py; the target's forward waits for it), elsewhere :meth:`by_squaring`."""
+        kernels = _tree_kernels() if draft_parents.device.type == "cuda" else None
+        return cls(*kernels.tree_layout(draft_parents)) if kernels is not None else cls.by_squaring(draft_parents)
 
     @classmethod
     def by_squaring(cls, draft_parents: torch.Tensor) -> "TreeLayout":
@@ -64,13 +64,13 @@ class TreeLayout:
 
 
 @functools.cache
-def _layout_kernel():
-    """``kernels.tree_layout.tree_layout`` where Triton is installed, else None."""
+def _tree_kernels():
+    """The module ``kernels/draft_trees.py`` where Triton is installed, else None."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from treadle.kernels.tree_layout import tree_layout
+    from treadle.kernels import draft_trees
 
-    return tree_layout
+    return draft_trees
 
 
 def chain_parents(bs: int, n: int, device: torch.device) -> torch.Tensor:
@@ -127,8 +127,13 @@ def verify_tree(sampler: "Sampler", logits: torch.Tensor, sampling: "SamplingBat
     if sampling.steps is not None:
         sampling.steps = (sampling.steps.view(bs, t)[:, :1] + tree.depth).flatten()
     result = sampler(logits, sampling, vocab_mask=vocab_mask)
-    path, accepted = kept_path(tree, draft_ids, result.next_token_ids.view(bs, t))
-    token_ids = result.next_token_ids.view(bs, t).gather(1, path)
+    node_tokens = result.next_token_ids.view(bs, t)
+    kernels = _tree_kernels() if node_tokens.device.type == "cuda" else None
+    if kernels is not None:  # one launch for what follows in torch
+        path, accepted, token_ids = kernels.kept_path(tree.parents, tree.ancestors, tree.depth, draft_ids, node_tokens)
+    else:
+        path, accepted = kept_path(tree, draft_ids, node_tokens)
+        token_ids = node_tokens.gather(1, path)
     logprobs = top = None
     if result.logprobs is not None:
         logprobs = result.logprobs.view(bs, t).gather(1, path)

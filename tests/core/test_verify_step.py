@@ -68,11 +68,12 @@ def check_tree(worker, hf_model, atol: float = 1e-4) -> None:
     torch.testing.assert_close(run.next_logits, run.expected_next, atol=atol, rtol=atol)
 
 
-def check_tree_layout_kernel() -> None:
-    """Raise AssertionError unless the tree layout kernel (kernels/tree_layout.py, what CUDA devices run) gives
-    the torch layout's parents, ancestors and depth for chains, stars and mixed trees in one batch."""
-    from treadle.core.speculative.tree import TreeLayout
-    from treadle.kernels.tree_layout import tree_layout
+def check_tree_kernels() -> None:
+    """Raise AssertionError unless the draft tree kernels (kernels/draft_trees.py, what CUDA devices run) give the
+    torch layout's parents, ancestors and depth, and torch's kept path, accepted count and path tokens, for chains,
+    stars and mixed trees in one batch, over node tokens that match their children's drafts often."""
+    from treadle.core.speculative.tree import TreeLayout, kept_path as torch_kept_path
+    from treadle.kernels.draft_trees import kept_path, tree_layout
 
     generator = torch.Generator().manual_seed(0)
     trees = [[-1, 0, 1, 2, 3, 4, 5, 6], [-1, -1, -1, -1, -1, -1, -1, -1], [-1, -1, 1, 1, 3, 3, 5, 5],
@@ -81,6 +82,13 @@ def check_tree_layout_kernel() -> None:
     layout = TreeLayout.by_squaring(parents)
     for got, want in zip(tree_layout(parents), (layout.parents, layout.ancestors, layout.depth)):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    for _ in range(8):
+        drafts = torch.randint(0, 2, parents.shape, generator=generator)
+        node_tokens = torch.randint(0, 2, (parents.shape[0], parents.shape[1] + 1), generator=generator)
+        path, accepted = torch_kept_path(layout, drafts, node_tokens)
+        got = kept_path(layout.parents, layout.ancestors, layout.depth, drafts, node_tokens)
+        for got_one, want in zip(got, (path, accepted, node_tokens.gather(1, path))):
+            assert torch.equal(got_one, want), (got_one, want)
 
 
 def test_tree_verify_logits_follow_each_nodes_path_with_torch_native(torch_native_worker, hf_model) -> None:
@@ -115,7 +123,7 @@ def test_verify_logits_equal_decode_steps_and_hf_with_triton_interpreted(tiny_ll
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.split() == [f"verified-k={k}" for k in INTERPRETED_K_VALUES] + ["verified-tree",
-                                                                                              "verified-tree-layout-kernel"]
+                                                                                              "verified-tree-kernels"]
 
 
 if __name__ == "__main__":
@@ -126,5 +134,5 @@ if __name__ == "__main__":
         print(f"verified-k={k}", flush=True)
     check_tree(worker, hf)
     print("verified-tree", flush=True)
-    check_tree_layout_kernel()
-    print("verified-tree-layout-kernel", flush=True)
+    check_tree_kernels()
+    print("verified-tree-kernels", flush=True)

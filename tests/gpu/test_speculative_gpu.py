@@ -2,8 +2,8 @@
 verify graphs for t = 2..k + 1 up to ``speculative.max_batch_size`` requests, verify steps replay them, and greedy
 tokens are the plain run's (ngram and the oracle; float32, triton and flashinfer_triton, token and paged
 allocators); the oracle keeps k + 1 tokens a step; rejection sampling (random drafts with their distributions)
-runs without a device sync inside propose; oracle trees (topk 2) replay verify graphs that take a tree mask; every
-KV slot comes back.
+runs without a device sync inside propose; oracle trees (topk 2) replay verify graphs that take a tree mask (one request: every step); every
+KV slot comes back. The draft tree kernels (kernels/draft_trees.py) give the torch layout and kept path on CUDA.
 
 Where a run parts from the plain one, it must be at a near-tie (as tests/gpu/test_multi_token_gpu.py explains).
 """
@@ -97,3 +97,39 @@ def test_the_conformance_kit_on_cuda(real_shape_llama_dir, engine_config, name):
     check_speculator(build_registry(PLUGINS).get("speculators", name), model_dir=real_shape_llama_dir,
                      overrides={key: config[key] for key in ("model", "attention", "runtime")} | {"plugins": PLUGINS})
 
+
+
+def test_draft_tree_kernels_match_torch_on_cuda():
+    from treadle.core.speculative.tree import TreeLayout, kept_path
+    from treadle.kernels.draft_trees import kept_path as kernel_kept_path, tree_layout
+
+    generator = torch.Generator().manual_seed(0)
+    for t in (2, 5, 9, 17):
+        parents = torch.tensor([[int(torch.randint(-1, j, (1,), generator=generator)) for j in range(t - 1)]
+                                for _ in range(6)], device="cuda")
+        layout = TreeLayout.by_squaring(parents)
+        for got, want in zip(tree_layout(parents), (layout.parents, layout.ancestors, layout.depth)):
+            assert torch.equal(got, want)
+        drafts = torch.randint(0, 2, (6, t - 1), generator=generator).cuda()
+        tokens = torch.randint(0, 2, (6, t), generator=generator).cuda()
+        path, accepted = kept_path(layout, drafts, tokens)
+        for got, want in zip(kernel_kept_path(layout.parents, layout.ancestors, layout.depth, drafts, tokens),
+                             (path, accepted, tokens.gather(1, path))):
+            assert torch.equal(got, want)
+
+
+def test_one_request_replays_a_tree_verify_graph_every_step(real_shape_llama_dir, engine_config):
+    config = {**engine_config(real_shape_llama_dir, "triton", "float32"), "plugins": PLUGINS}
+    prompt = _prompts(1, seed=5)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    with Engine(config) as plain_engine:
+        plain = plain_engine.generate(input_ids=prompt, sampling_params=params)
+    config["speculative"] = {"method": "oracle_tree", "num_tokens": K, "topk": 2, "max_batch_size": 16}
+    with Engine(config) as engine:
+        graphs = engine.scheduler.worker.target.cuda_graphs
+        replays = [ReplayCounter(graphs.verify[t]) for t in graphs.verify]
+        engine.scheduler.worker.speculator.references = {tuple(prompt[0]): plain[0].token_ids}
+        output = engine.generate(input_ids=prompt, sampling_params=params)[0]
+        assert_kv_accounted(engine)
+    # Every verify step that gave tokens replayed a graph (none fell back to an eager forward).
+    assert sum(r.count for r in replays) >= output.spec_verify_steps > 0
