@@ -73,6 +73,17 @@ def _tree_kernels():
     return draft_trees
 
 
+def warm_up_tree_kernels(device: torch.device, num_drafts: int) -> None:
+    """Compile the tree kernels (kernels/draft_trees.py) before a request waits for them: a tree of
+    ``num_drafts`` drafts through the layout and the kept path, on a CUDA device with Triton (else nothing)."""
+    kernels = _tree_kernels() if device.type == "cuda" else None
+    if kernels is None:
+        return
+    layout = TreeLayout.of(chain_parents(1, num_drafts, device))
+    tokens = torch.zeros(1, num_drafts + 1, dtype=torch.int64, device=device)
+    kernels.kept_path(layout.parents, layout.ancestors, layout.depth, tokens[:, 1:], tokens)
+
+
 def chain_parents(bs: int, n: int, device: torch.device) -> torch.Tensor:
     """``[bs, n]``: the parents of a chain of ``n`` drafts (each draft's parent is the draft before it)."""
     return (torch.arange(n, dtype=torch.int64, device=device) - 1).expand(bs, n)

@@ -25,7 +25,7 @@ from treadle.core.execution.worker import ModelWorker, Worker
 from treadle.core.registry import Registry
 from treadle.core.scheduling.observers import StepObserver
 from treadle.core.speculative.speculator import Drafts, Speculator
-from treadle.core.speculative.tree import chain_parents
+from treadle.core.speculative.tree import chain_parents, warm_up_tree_kernels
 
 if TYPE_CHECKING:
     from treadle.core.request import Req
@@ -65,6 +65,7 @@ class SpeculativeWorker(Worker):
         self.trees = config.speculative.topk > 1
         if self.trees:
             check_tree_backend(self.target.runner.attn_backend, config.attention.backend, registry)
+            warm_up_tree_kernels(self.info.device, self.num_draft_tokens)
         self._observer = _ReleasedRequests(speculator)
 
     @property
