@@ -9,11 +9,12 @@ from treadle.core.memory.allocator import KVAllocator
 
 
 class TokenKVAllocator(KVAllocator):
-    """Hands out single KV slots from a free stack; slot 0 is padding.
+    """Hands out single KV slots from a free queue; slot 0 is padding.
 
-    Allocation takes slots from the front of the free tensor and ``free``
-    appends them back, so one call costs a slice or a concatenation whatever
-    the number of tokens.
+    The free slots sit in a ring of ``size`` entries: allocation takes them from its head and ``free`` appends
+    them at its tail, so one call costs a copy of the slots it takes or gives back, whatever the pool's size
+    (a concatenation onto the whole free list cost a copy of every free slot: a draft tree verify step gives back
+    its rejected slots every step).
     """
 
     def __init__(self, size: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
@@ -26,17 +27,22 @@ class TokenKVAllocator(KVAllocator):
 
     @property
     def free_slots(self) -> int:
-        return int(self._free.numel())
+        return self._count
 
     def alloc_extend(
         self, prefix_lens: list[int], extend_lens: list[int], last_slots: list[int]
     ) -> torch.Tensor | None:
         self.check_alloc_args(prefix_lens, extend_lens, last_slots)
         need = sum(extend_lens)
-        if need > self._free.numel():
+        if need > self._count:
             return None
-        slots = self._free[:need]
-        self._free = self._free[need:]
+        start, end = self._head, self._head + need
+        if end <= self.size:
+            slots = self._ring[start:end].clone()
+        else:
+            slots = torch.cat([self._ring[start:], self._ring[:end - self.size]])
+        self._head = end % self.size
+        self._count -= need
         self._is_free[slots] = False
         return slots
 
@@ -46,10 +52,18 @@ class TokenKVAllocator(KVAllocator):
         slots = slots.to(device="cpu", dtype=torch.int64).flatten()
         _check_owned(slots, self._is_free, 1, self.size)
         self._is_free[slots] = True
-        self._free = torch.cat([self._free, slots])
+        tail = (self._head + self._count) % self.size
+        count = slots.numel()
+        first = min(count, self.size - tail)
+        self._ring[tail:tail + first] = slots[:first]
+        if first < count:  # wrapped round
+            self._ring[:count - first] = slots[first:]
+        self._count += count
 
     def clear(self) -> None:
-        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._ring = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._head = 0  # the ring's first free slot
+        self._count = self.size
         # Indexed by slot; guards the accounting against double frees.
         self._is_free = torch.ones(self.size + 1, dtype=torch.bool)
         self._is_free[0] = False
