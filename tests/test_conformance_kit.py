@@ -41,7 +41,7 @@ class LeakyAllocator(TokenKVAllocator):
 class PartialWhenShortAllocator(TokenKVAllocator):
     def alloc_extend(self, prefix_lens, extend_lens, last_slots):
         if sum(extend_lens) > self.free_slots:
-            self._free = self._free[1:]  # takes a slot, then refuses
+            super().alloc_extend([0], [1], [-1])  # takes a slot, then refuses
             return None
         return super().alloc_extend(prefix_lens, extend_lens, last_slots)
 
