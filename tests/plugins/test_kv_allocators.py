@@ -29,6 +29,18 @@ def test_token_allocator_hands_out_distinct_real_slots_and_takes_them_back():
     assert allocator.free_slots == 0
 
 
+def test_token_allocator_hands_slots_back_out_first_freed_first_across_its_ring_end():
+    allocator = TokenKVAllocator(8, 1)
+    held = allocator.alloc_extend([0], [6], [-1]).tolist()  # 1..6
+    allocator.free(torch.tensor([3, 1, 5, 2]))
+    assert allocator.alloc_extend([0], [4], [-1]).tolist() == [7, 8, 3, 1]  # the ring's end, then its start
+    allocator.free(torch.tensor([7, 8, 3]))
+    assert allocator.alloc_extend([0], [5], [-1]).tolist() == [5, 2, 7, 8, 3]
+    assert allocator.free_slots == 0
+    allocator.free(torch.tensor([held[3], held[5], 1, 5, 2, 7, 8, 3]))  # written across the ring's end
+    assert allocator.free_slots == 8 and sorted(allocator.alloc_extend([0], [8], [-1]).tolist()) == list(range(1, 9))
+
+
 def test_token_allocator_refuses_without_allocating_when_short():
     allocator = TokenKVAllocator(5, 1)
     assert allocator.alloc_extend([0, 0], [3, 3], [-1, -1]) is None
