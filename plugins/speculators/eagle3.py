@@ -94,6 +94,7 @@ class Eagle3Speculator(Speculator):
         target.capture_graphs()  # again, now recording the hidden states
         # Draft trees' frontier nodes write their pairs to scratch slots past the target's (eagle3_tree.py).
         scratch = tree_scratch_slots(topk, num_draft_tokens, max_requests) if topk > 1 else 0
+        scratch = -(-scratch // target.info.page_size) * target.info.page_size  # whole pages, for paged views
         self.kv_cache = KVCache(target.info.max_total_tokens + scratch, target.info.page_size, 1,
                                 head.midlayer.self_attn.num_kv_heads, head.midlayer.self_attn.head_dim,
                                 runner.kv_dtype, self.device)
