@@ -192,6 +192,22 @@ class ReferenceEagle3:
         return out, logits
 
 
+def record_proposals(speculator) -> list[tuple[tuple[int, ...], int, object]]:
+    """Make ``speculator.propose`` record ``(prompt, last token's position, that request's Drafts row)``."""
+    recorded = []
+    propose = speculator.propose
+
+    def recording_propose(batch, num_drafts):
+        drafts = propose(batch, num_drafts)
+        for i, entry in enumerate(batch.entries):
+            row = type(drafts)(drafts.token_ids[i], parents=None if drafts.parents is None else drafts.parents[i])
+            recorded.append((tuple(entry.req.origin_input_ids), entry.kv_start, row))
+        return drafts
+
+    speculator.propose = recording_propose
+    return recorded
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -201,21 +217,12 @@ def test_proposals_are_what_eagle3_computes(tiny_llama_dir, eagle_dir, plain_out
     k = 3
     config = engine_config(tiny_llama_dir, eagle_dir, k, overlap)
     config["cache"]["disable_radix_cache"] = True  # a cached prefix brings a pair computed for another request
-    proposals = []
     with Engine(config) as engine:
-        speculator = engine.scheduler.worker.speculator
-        propose = speculator.propose
-
-        def recording_propose(batch, num_drafts):
-            drafts = propose(batch, num_drafts)
-            proposals.extend((tuple(e.req.origin_input_ids), e.kv_start, row)
-                             for e, row in zip(batch.entries, drafts.token_ids.tolist()))
-            return drafts
-
-        speculator.propose = recording_propose
+        recorded = record_proposals(engine.scheduler.worker.speculator)
         engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
     full = {tuple(p): p + o.token_ids for p, o in zip(PROMPTS, plain_outputs)}
+    proposals = [(prompt, last, drafts.token_ids.tolist()) for prompt, last, drafts in recorded]
     assert len(proposals) > 20
     for prompt, last, drafts in proposals[::3]:
         assert drafts == reference.drafts(full[prompt][:last + 1], len(drafts)), (prompt, last)
@@ -289,24 +296,15 @@ def test_tree_nodes_are_the_top_children_eagle3_computes(tiny_llama_dir, tmp_pat
     config = engine_config(tiny_llama_dir, eagle_dir, 5)
     config["speculative"]["topk"] = 2
     config["cache"]["disable_radix_cache"] = True
-    trees = []
     with Engine(config) as engine:
-        speculator = engine.scheduler.worker.speculator
-        propose = speculator.propose
-
-        def recording_propose(batch, num_drafts):
-            drafts = propose(batch, num_drafts)
-            trees.extend((tuple(e.req.origin_input_ids), e.kv_start, tokens, parents) for e, tokens, parents in
-                         zip(batch.entries, drafts.token_ids.tolist(), drafts.parents.tolist()))
-            return drafts
-
-        speculator.propose = recording_propose
+        recorded = record_proposals(engine.scheduler.worker.speculator)
         outputs = engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY[:2])
     reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
     full = {tuple(p): p + o.token_ids for p, o in zip(PROMPTS, outputs)}
-    assert len(trees) > 4
+    assert len(recorded) > 4
     deep = 0
-    for prompt, last, tokens, parents in trees:
+    for prompt, last, drafts in recorded:
+        tokens, parents = drafts.token_ids.tolist(), drafts.parents.tolist()
         sequence = full[prompt][:last + 1]
         paths = {-1: ()}
         for j, (token, parent) in enumerate(zip(tokens, parents)):
