@@ -234,6 +234,8 @@ def test_the_conformance_kit_passes_it(tiny_llama_dir, eagle_dir):
 
     check_speculator(build_eagle3_speculator, model_dir=tiny_llama_dir,
                      overrides={"speculative": {"draft_model_path": eagle_dir}})
+    check_speculator(build_eagle3_speculator, model_dir=tiny_llama_dir,
+                     overrides={"speculative": {"draft_model_path": eagle_dir, "topk": 2}})
 
 
 MEMORY = {

@@ -255,7 +255,10 @@ def test_a_tree_branches_at_each_earlier_continuation():
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_trees_give_the_plain_greedy_tokens(tiny_llama_dir, plain, overlap):
+def test_trees_give_the_plain_greedy_and_seeded_tokens(tiny_llama_dir, plain, overlap):
+    seeded = [SamplingParams(max_new_tokens=n, temperature=0.7, top_p=0.9, seed=9 + n, ignore_eos=True)
+              for n in BUDGETS]
+    _, expected = run(tiny_llama_dir, False, overlap=overlap, params=seeded)
     engine_config = config(tiny_llama_dir, True, overlap=overlap)
     engine_config["speculative"].update(topk=2, num_tokens=4)
     engine = Engine(engine_config)
@@ -264,4 +267,12 @@ def test_trees_give_the_plain_greedy_tokens(tiny_llama_dir, plain, overlap):
     assert summary(outputs) == summary(plain)
     steps = sum(o.spec_verify_steps for o in outputs)
     assert 0 < steps < sum(o.completion_tokens for o in outputs) - len(outputs), "drafts must be accepted"
+    assert summary(engine.generate(input_ids=PROMPTS, sampling_params=seeded)) == summary(expected)
     assert_kv_accounted(engine)
+
+
+def test_the_conformance_kit_passes_ngram_trees(tiny_llama_dir):
+    from treadle.plugins.speculators.ngram import make_ngram_speculator
+    from treadle.testing import check_speculator
+
+    check_speculator(make_ngram_speculator, model_dir=tiny_llama_dir, overrides={"speculative": {"topk": 2}})
