@@ -12,7 +12,8 @@ poisons the output), runs the backend and the reference on identical copies, and
 attention output and the K/V the backend wrote. Scenarios: extend with a cached prefix (aligned and
 unaligned to pages, and no prefix), decode (and, for a backend that ``applies_rotary`` to decode
 batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
-the same 2 or more new tokens after its prefix: an extend-shaped step), each with GQA, with and without a
+the same 2 or more new tokens after its prefix: an extend-shaped step; for a backend with ``supports_tree_mask``
+also over random draft trees, ``ForwardBatch.tree_mask``), each with GQA, with and without a
 sliding window, for every page size asked for; on CUDA, for a backend with ``supports_cuda_graph``,
 decode captured in a CUDA graph at a padded batch size and replayed twice with new lengths, and the
 same for TARGET_VERIFY with ``supports_verify_cuda_graph``. The reference computes in float32 from the
@@ -34,6 +35,7 @@ import torch
 
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.memory.pools import FP8_KV_DTYPES
+from treadle.core.speculative.tree import TreeLayout
 from treadle.testing.attention_graphs import check_graph_replay
 from treadle.testing.attention_world import (
     LAYER_ID,
@@ -117,6 +119,8 @@ def check_attention_backend(
             if check_verify:
                 for tokens in sorted({2, verify_tokens}):
                     _check_verify(factory, configure, world, tokens, tol, context, generator)
+                if getattr(factory, "supports_tree_mask", False):
+                    _check_tree_verify(factory, configure, world, verify_tokens, tol, context, generator)
             graphs = check_cuda_graph
             if graphs is None:
                 graphs = device.type == "cuda" and bool(getattr(factory, "supports_cuda_graph", False))
@@ -130,7 +134,11 @@ def check_attention_backend(
 
 def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens: list[int],
                 extend_lens: list[int], tol: tuple[float, float], context: str, generator: torch.Generator) -> None:
-    step = make_step(world, mode, prefix_lens, extend_lens, generator)
+    _check_prepared_step(factory, configure, world, make_step(world, mode, prefix_lens, extend_lens, generator), tol,
+                         context)
+
+
+def _check_prepared_step(factory, configure, world: World, step, tol: tuple[float, float], context: str) -> None:
     expected, ref_cache = reference(world, step)
     cache = world.fresh_cache()
     backend = build_backend(factory, configure, world, cache)
@@ -181,3 +189,18 @@ def _check_verify(factory, configure, world: World, tokens: int, tol: tuple[floa
     prefix_lens = [int(torch.randint(0, n - tokens + 1, (1,), generator=generator)) for n in world.max_lens]
     _check_step(factory, configure, world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens),
                 tol, f"TARGET_VERIFY of {tokens} tokens per request with {context}", generator)
+
+
+def _check_tree_verify(factory, configure, world: World, tokens: int, tol: tuple[float, float], context: str,
+                       generator: torch.Generator) -> None:
+    """A TARGET_VERIFY step over draft trees (``supports_tree_mask``): each request's ``tokens`` new tokens form a
+    random tree, each at the position of its depth past the prefix and attending to the prefix and its ancestors."""
+    prefix_lens = [int(torch.randint(0, n - tokens + 1, (1,), generator=generator)) for n in world.max_lens]
+    parents = torch.tensor([[int(torch.randint(-1, j, (1,), generator=generator)) for j in range(tokens - 1)]
+                            for _ in prefix_lens], dtype=torch.int64)
+    layout = TreeLayout.by_squaring(parents)
+    step = make_step(world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens), generator)
+    positions = (torch.tensor(prefix_lens)[:, None] + layout.depth).flatten().to(world.device)
+    step = dataclasses.replace(step, positions=positions, tree_mask=layout.ancestors.to(world.device))
+    _check_prepared_step(factory, configure, world, step, tol,
+                         f"TARGET_VERIFY over draft trees of {tokens} tokens per request with {context}")

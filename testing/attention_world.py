@@ -150,6 +150,7 @@ class Step:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    tree_mask: torch.Tensor | None = None  # a TARGET_VERIFY step over draft trees: [bs, t, t] (ForwardBatch's)
 
     def forward_batch(self, pool: ReqToTokenPool, cache: KVCache, backend: Any) -> ForwardBatch:
         device = cache.device
@@ -177,6 +178,7 @@ class Step:
             extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
             extend_prefix_lens_cpu=list(self.prefix_lens) if extend else None,
             tokens_per_req=self.extend_lens[0] if self.mode.is_verify() else 1,
+            tree_mask=self.tree_mask,
         )
 
 

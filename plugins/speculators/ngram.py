@@ -64,7 +64,8 @@ class NgramSpeculator(Speculator):
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         if self.topk > 1:
-            trees = [self._tree(entry.req, row, num_drafts) for entry, row in zip(batch.entries, self.recent.rows(batch))]
+            trees = [self._tree(entry.req, row, num_drafts)
+                     for entry, row in zip(batch.entries, self.recent.rows(batch))]
             tokens, parents = zip(*trees) if trees else ((), ())
             return Drafts(to_device(torch.tensor(tokens, dtype=torch.int64).view(-1, num_drafts), self.device),
                           parents=to_device(torch.tensor(parents, dtype=torch.int64).view(-1, num_drafts), self.device))
