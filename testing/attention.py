@@ -35,7 +35,6 @@ import torch
 
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.memory.pools import FP8_KV_DTYPES
-from treadle.core.speculative.tree import TreeLayout
 from treadle.testing.attention_graphs import check_graph_replay
 from treadle.testing.attention_world import (
     LAYER_ID,
@@ -47,6 +46,7 @@ from treadle.testing.attention_world import (
     build_backend,
     extend_scenarios,
     make_step,
+    make_tree_step,
     reference,
 )
 
@@ -130,6 +130,10 @@ def check_attention_backend(
                 check_graph_replay(factory, configure, world, tol,
                                    f"CUDA-graph TARGET_VERIFY of {verify_tokens} tokens per request with {context}",
                                    generator, tokens_per_req=verify_tokens)
+                if getattr(factory, "supports_tree_mask", False):
+                    check_graph_replay(factory, configure, world, tol, f"CUDA-graph TARGET_VERIFY over draft trees "
+                                       f"of {verify_tokens} tokens per request with {context}", generator,
+                                       tokens_per_req=verify_tokens, trees=True)
 
 
 def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens: list[int],
@@ -196,11 +200,6 @@ def _check_tree_verify(factory, configure, world: World, tokens: int, tol: tuple
     """A TARGET_VERIFY step over draft trees (``supports_tree_mask``): each request's ``tokens`` new tokens form a
     random tree, each at the position of its depth past the prefix and attending to the prefix and its ancestors."""
     prefix_lens = [int(torch.randint(0, n - tokens + 1, (1,), generator=generator)) for n in world.max_lens]
-    parents = torch.tensor([[int(torch.randint(-1, j, (1,), generator=generator)) for j in range(tokens - 1)]
-                            for _ in prefix_lens], dtype=torch.int64)
-    layout = TreeLayout.by_squaring(parents)
-    step = make_step(world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens), generator)
-    positions = (torch.tensor(prefix_lens)[:, None] + layout.depth).flatten().to(world.device)
-    step = dataclasses.replace(step, positions=positions, tree_mask=layout.ancestors.to(world.device))
+    step = make_tree_step(world, prefix_lens, tokens, generator)
     _check_prepared_step(factory, configure, world, step, tol,
                          f"TARGET_VERIFY over draft trees of {tokens} tokens per request with {context}")
