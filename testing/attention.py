@@ -115,25 +115,34 @@ def check_attention_backend(
             if not world.fp8:  # rotated K/V are no longer exact in FP8, which the comparison relies on
                 _check_rotary_decode(factory, configure, world, decode_lens, tol,
                                      f"decode, rotary embedding applied by the backend, with {context}", generator)
-            verify_tokens = min(4, min(world.max_lens))  # k + 1: every request must hold that many tokens
-            if check_verify:
-                for tokens in sorted({2, verify_tokens}):
-                    _check_verify(factory, configure, world, tokens, tol, context, generator)
-                if getattr(factory, "supports_tree_mask", False):
-                    _check_tree_verify(factory, configure, world, verify_tokens, tol, context, generator)
             graphs = check_cuda_graph
             if graphs is None:
                 graphs = device.type == "cuda" and bool(getattr(factory, "supports_cuda_graph", False))
             if graphs:
                 check_graph_replay(factory, configure, world, tol, f"CUDA-graph decode with {context}", generator)
-            if graphs and check_verify and getattr(factory, "supports_verify_cuda_graph", False):
-                check_graph_replay(factory, configure, world, tol,
-                                   f"CUDA-graph TARGET_VERIFY of {verify_tokens} tokens per request with {context}",
-                                   generator, tokens_per_req=verify_tokens)
-                if getattr(factory, "supports_tree_mask", False):
-                    check_graph_replay(factory, configure, world, tol, f"CUDA-graph TARGET_VERIFY over draft trees "
-                                       f"of {verify_tokens} tokens per request with {context}", generator,
-                                       tokens_per_req=verify_tokens, trees=True)
+            if check_verify:
+                _check_verify_steps(factory, configure, world, tol, context, generator, graphs)
+
+
+def _check_verify_steps(factory, configure, world: World, tol: tuple[float, float], context: str,
+                        generator: torch.Generator, graphs: bool) -> None:
+    """TARGET_VERIFY steps of 2 and k + 1 tokens, over draft trees too (``supports_tree_mask``), and through CUDA
+    graphs (``supports_verify_cuda_graph``, when ``graphs``)."""
+    verify_tokens = min(4, min(world.max_lens))  # k + 1: every request must hold that many tokens
+    trees = bool(getattr(factory, "supports_tree_mask", False))
+    for tokens in sorted({2, verify_tokens}):
+        _check_verify(factory, configure, world, tokens, tol, context, generator)
+    if trees:
+        _check_tree_verify(factory, configure, world, verify_tokens, tol, context, generator)
+    if not (graphs and getattr(factory, "supports_verify_cuda_graph", False)):
+        return
+    check_graph_replay(factory, configure, world, tol,
+                       f"CUDA-graph TARGET_VERIFY of {verify_tokens} tokens per request with {context}",
+                       generator, tokens_per_req=verify_tokens)
+    if trees:
+        check_graph_replay(factory, configure, world, tol, f"CUDA-graph TARGET_VERIFY over draft trees of "
+                           f"{verify_tokens} tokens per request with {context}", generator,
+                           tokens_per_req=verify_tokens, trees=True)
 
 
 def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens: list[int],
