@@ -25,6 +25,7 @@ PROMPTS = [
     [400, 7, 7, 7, 9, 10, 11, 12, 13],
 ]
 BUDGETS = (21, 6, 17, 30)
+SHORT_PROMPTS = [[300, 301, 9], [400, 7]]
 GREEDY = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in BUDGETS]
 AUX = [-1, 0, 1]  # layer outputs: the inputs of layers 0 and 1 and the last hidden state of the 2-layer target
 
@@ -295,14 +296,15 @@ def test_tree_nodes_are_the_top_children_eagle3_computes(tiny_llama_dir, tmp_pat
     the node's path (siblings share their parent's score, so the tree keeps a node's best children). The head's
     weights are large, so that what a node reads (its parent's hidden state, its ancestors' pairs) shows."""
     eagle_dir = make_eagle3_head(tmp_path, target_config(tiny_llama_dir), 128, AUX, seed=3, scale=1.0)
-    config = engine_config(tiny_llama_dir, eagle_dir, 5)
+    config = engine_config(tiny_llama_dir, eagle_dir, 7)
     config["speculative"]["topk"] = 2
     config["cache"]["disable_radix_cache"] = True
     with Engine(config) as engine:
         recorded = record_proposals(engine.scheduler.worker.speculator)
-        outputs = engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY[:2])
+        # Short prompts, so that the tree's own pairs weigh in each node's attention.
+        outputs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY[:2])
     reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
-    full = {tuple(p): p + o.token_ids for p, o in zip(PROMPTS, outputs)}
+    full = {tuple(p): p + o.token_ids for p, o in zip(SHORT_PROMPTS, outputs)}
     assert len(recorded) > 4
     deep = 0
     for prompt, last, drafts in recorded:
