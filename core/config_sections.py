@@ -77,8 +77,8 @@ class LoraConfig(Section):
 # Speculators that read a second set of weights from speculative.draft_model_path.
 DRAFT_MODEL_METHODS = ("draft", "eagle3", "eagle")
 # Built-in speculators by the draft shapes they propose (speculative.topk > 1: trees; a plugin's own are not checked).
-TREE_METHODS = ("draft",)
-CHAIN_ONLY_METHODS = ("ngram", "eagle3", "eagle")
+TREE_METHODS = ("draft", "eagle3", "ngram")
+CHAIN_ONLY_METHODS = ("eagle",)
 
 
 class SpeculativeConfig(Section):
@@ -87,8 +87,9 @@ class SpeculativeConfig(Section):
                           "draft, eagle3, or a plugin's name); null: speculative decoding off")
     num_tokens: int = Field(4, ge=1, le=16, description="draft tokens per request and step (k): a decode step "
                                                         "verifies k + 1 positions and keeps 1 to k + 1 tokens")
-    topk: int = Field(1, ge=1, description="draft tree width: the children a node of the draft tree may have "
-                                            "(draft); 1: a chain of drafts")
+    topk: int = Field(1, ge=1, description="draft tree width (draft, eagle3: the children a node of the draft tree "
+                                            "may have; ngram: the most continuations branching in one tree); "
+                                            "1: a chain of drafts")
     draft_model_path: str | None = Field(
         None, description="HF folder or .gguf file of the draft weights (draft: a small model of the same "
                           "tokenizer; eagle3: the EAGLE-3 heads' folder)")

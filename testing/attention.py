@@ -12,7 +12,8 @@ poisons the output), runs the backend and the reference on identical copies, and
 attention output and the K/V the backend wrote. Scenarios: extend with a cached prefix (aligned and
 unaligned to pages, and no prefix), decode (and, for a backend that ``applies_rotary`` to decode
 batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
-the same 2 or more new tokens after its prefix: an extend-shaped step), each with GQA, with and without a
+the same 2 or more new tokens after its prefix: an extend-shaped step; for a backend with ``supports_tree_mask``
+also over random draft trees, ``ForwardBatch.tree_mask``), each with GQA, with and without a
 sliding window, for every page size asked for; on CUDA, for a backend with ``supports_cuda_graph``,
 decode captured in a CUDA graph at a padded batch size and replayed twice with new lengths, and the
 same for TARGET_VERIFY with ``supports_verify_cuda_graph``. The reference computes in float32 from the
@@ -45,6 +46,7 @@ from treadle.testing.attention_world import (
     build_backend,
     extend_scenarios,
     make_step,
+    make_tree_step,
     reference,
 )
 
@@ -113,24 +115,43 @@ def check_attention_backend(
             if not world.fp8:  # rotated K/V are no longer exact in FP8, which the comparison relies on
                 _check_rotary_decode(factory, configure, world, decode_lens, tol,
                                      f"decode, rotary embedding applied by the backend, with {context}", generator)
-            verify_tokens = min(4, min(world.max_lens))  # k + 1: every request must hold that many tokens
-            if check_verify:
-                for tokens in sorted({2, verify_tokens}):
-                    _check_verify(factory, configure, world, tokens, tol, context, generator)
             graphs = check_cuda_graph
             if graphs is None:
                 graphs = device.type == "cuda" and bool(getattr(factory, "supports_cuda_graph", False))
             if graphs:
                 check_graph_replay(factory, configure, world, tol, f"CUDA-graph decode with {context}", generator)
-            if graphs and check_verify and getattr(factory, "supports_verify_cuda_graph", False):
-                check_graph_replay(factory, configure, world, tol,
-                                   f"CUDA-graph TARGET_VERIFY of {verify_tokens} tokens per request with {context}",
-                                   generator, tokens_per_req=verify_tokens)
+            if check_verify:
+                _check_verify_steps(factory, configure, world, tol, context, generator, graphs)
+
+
+def _check_verify_steps(factory, configure, world: World, tol: tuple[float, float], context: str,
+                        generator: torch.Generator, graphs: bool) -> None:
+    """TARGET_VERIFY steps of 2 and k + 1 tokens, over draft trees too (``supports_tree_mask``), and through CUDA
+    graphs (``supports_verify_cuda_graph``, when ``graphs``)."""
+    verify_tokens = min(4, min(world.max_lens))  # k + 1: every request must hold that many tokens
+    trees = bool(getattr(factory, "supports_tree_mask", False))
+    for tokens in sorted({2, verify_tokens}):
+        _check_verify(factory, configure, world, tokens, tol, context, generator)
+    if trees:
+        _check_tree_verify(factory, configure, world, verify_tokens, tol, context, generator)
+    if not (graphs and getattr(factory, "supports_verify_cuda_graph", False)):
+        return
+    check_graph_replay(factory, configure, world, tol,
+                       f"CUDA-graph TARGET_VERIFY of {verify_tokens} tokens per request with {context}",
+                       generator, tokens_per_req=verify_tokens)
+    if trees:
+        check_graph_replay(factory, configure, world, tol, f"CUDA-graph TARGET_VERIFY over draft trees of "
+                           f"{verify_tokens} tokens per request with {context}", generator,
+                           tokens_per_req=verify_tokens, trees=True)
 
 
 def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens: list[int],
                 extend_lens: list[int], tol: tuple[float, float], context: str, generator: torch.Generator) -> None:
-    step = make_step(world, mode, prefix_lens, extend_lens, generator)
+    _check_prepared_step(factory, configure, world, make_step(world, mode, prefix_lens, extend_lens, generator), tol,
+                         context)
+
+
+def _check_prepared_step(factory, configure, world: World, step, tol: tuple[float, float], context: str) -> None:
     expected, ref_cache = reference(world, step)
     cache = world.fresh_cache()
     backend = build_backend(factory, configure, world, cache)
@@ -181,3 +202,13 @@ def _check_verify(factory, configure, world: World, tokens: int, tol: tuple[floa
     prefix_lens = [int(torch.randint(0, n - tokens + 1, (1,), generator=generator)) for n in world.max_lens]
     _check_step(factory, configure, world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens),
                 tol, f"TARGET_VERIFY of {tokens} tokens per request with {context}", generator)
+
+
+def _check_tree_verify(factory, configure, world: World, tokens: int, tol: tuple[float, float], context: str,
+                       generator: torch.Generator) -> None:
+    """A TARGET_VERIFY step over draft trees (``supports_tree_mask``): each request's ``tokens`` new tokens form a
+    random tree, each at the position of its depth past the prefix and attending to the prefix and its ancestors."""
+    prefix_lens = [int(torch.randint(0, n - tokens + 1, (1,), generator=generator)) for n in world.max_lens]
+    step = make_tree_step(world, prefix_lens, tokens, generator)
+    _check_prepared_step(factory, configure, world, step, tol,
+                         f"TARGET_VERIFY over draft trees of {tokens} tokens per request with {context}")

@@ -9,14 +9,17 @@ from typing import Any, Callable
 import torch
 
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
-from treadle.testing.attention_world import World, assert_kv_written, assert_output, build_backend, make_step, reference
+from treadle.testing.attention_world import (
+    World, assert_kv_written, assert_output, build_backend, make_step, make_tree_step, reference,
+)
 
 
 def check_graph_replay(factory: Callable[[Any], Any], configure: Callable[[Any], None] | None, world: World,
                      tol: tuple[float, float], context: str, generator: torch.Generator,
-                     tokens_per_req: int = 1) -> None:
-    """Capture a step of ``tokens_per_req`` new tokens per request (1: DECODE, more: TARGET_VERIFY) at a padded
-    batch size, then replay it twice with new lengths and new inputs."""
+                     tokens_per_req: int = 1, trees: bool = False) -> None:
+    """Capture a step of ``tokens_per_req`` new tokens per request (1: DECODE, more: TARGET_VERIFY; ``trees``: over
+    draft trees, the tree mask a static input) at a padded batch size, then replay it twice with new lengths and
+    new inputs."""
     device, t = world.device, tokens_per_req
     mode = ForwardMode.TARGET_VERIFY if t > 1 else ForwardMode.DECODE
     real_bs = len(world.rows)
@@ -28,8 +31,13 @@ def check_graph_replay(factory: Callable[[Any], Any], configure: Callable[[Any],
     fill = int(backend.get_cuda_graph_seq_len_fill_value()) + t - 1
     static = _static_inputs(world, graph_bs, t, fill)
     forward_batch = _static_forward_batch(world, cache, backend, static, mode, graph_bs, t, fill)
+    tree = {}
+    if trees:  # padding rows keep a valid mask (a chain)
+        static.tree_mask = torch.ones(t, t, device=device).tril().to(torch.uint8).repeat(graph_bs, 1, 1)
+        forward_batch.tree_mask = tree["tree_mask"] = static.tree_mask
     layer = world.layer()
-    backend.init_forward_metadata_capture_cuda_graph(graph_bs, graph_bs * t, static.rows, static.seq_lens, mode)
+    backend.init_forward_metadata_capture_cuda_graph(graph_bs, graph_bs * t, static.rows, static.seq_lens, mode,
+                                                     **tree)
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -43,14 +51,16 @@ def check_graph_replay(factory: Callable[[Any], Any], configure: Callable[[Any],
     for replay in range(2):
         lens = [int(torch.randint(t, n + 1, (1,), generator=generator)) for n in world.max_lens]
         lens[replay % real_bs] = world.max_lens[replay % real_bs]
-        step = make_step(world, mode, [n - t for n in lens], [t] * real_bs, generator)
+        prefix_lens = [n - t for n in lens]
+        step = (make_tree_step(world, prefix_lens, t, generator) if trees
+                else make_step(world, mode, prefix_lens, [t] * real_bs, generator))
         expected, ref_cache = reference(world, step)
         world.restore(cache)  # in place: the graph captured these buffers
         _load(static, step, lens, fill, t)
         extra = {"num_tokens": graph_bs * t} if t > 1 else {}
         backend.init_forward_metadata_replay_cuda_graph(
             graph_bs, static.rows, static.seq_lens, int(static.seq_lens_cpu.sum()), mode,
-            seq_lens_cpu=static.seq_lens_cpu, **extra,
+            seq_lens_cpu=static.seq_lens_cpu, **extra, **tree,
         )
         graph.replay()
         torch.cuda.synchronize(device)
@@ -68,6 +78,8 @@ def _static_inputs(world: World, graph_bs: int, t: int, fill: int) -> SimpleName
         seq_lens_cpu=torch.full((graph_bs,), fill, dtype=torch.int64),
         prefix_lens=seq_lens - t,
         out_cache_loc=torch.zeros(n, dtype=torch.int64, device=device),
+        positions=torch.zeros(n, dtype=torch.int64, device=device),
+        tree_mask=None,
         q=torch.zeros(n, s.num_heads * s.head_dim, dtype=world.dtype, device=device),
         k=torch.zeros(n, s.num_kv_heads * s.head_dim, dtype=world.dtype, device=device),
         v=torch.zeros(n, s.num_kv_heads * s.head_dim, dtype=world.dtype, device=device),
@@ -86,7 +98,7 @@ def _static_forward_batch(world: World, cache: Any, backend: Any, static: Simple
     return ForwardBatch(
         forward_mode=mode, batch_size=graph_bs,
         input_ids=torch.zeros(n, dtype=torch.int64, device=device),
-        positions=torch.zeros(n, dtype=torch.int64, device=device),
+        positions=static.positions,
         req_pool_indices=static.rows, seq_lens=static.seq_lens, seq_lens_cpu=static.seq_lens_cpu,
         out_cache_loc=static.out_cache_loc, seq_lens_sum=graph_bs * fill,
         logits_indices=torch.arange(n, device=device),
@@ -106,5 +118,9 @@ def _load(static: SimpleNamespace, step: Any, lens: list[int], fill: int, t: int
     static.seq_lens_cpu[:real_bs].copy_(torch.tensor(lens))
     static.out_cache_loc.zero_()
     static.out_cache_loc[:real_bs * t].copy_(step.out_cache_loc)
+    static.positions.zero_()
+    static.positions[:real_bs * t].copy_(step.positions)
+    if static.tree_mask is not None:
+        static.tree_mask[:real_bs].copy_(step.tree_mask)
     for name in ("q", "k", "v"):
         getattr(static, name)[:real_bs * t].copy_(getattr(step, name))

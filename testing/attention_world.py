@@ -17,6 +17,7 @@ from treadle.core.execution.attention import RadixAttention
 from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.memory.pools import FP8_KV_DTYPES, KVCache, ReqToTokenPool
+from treadle.core.speculative.tree import TreeLayout
 
 TOLERANCES = {  # (atol, rtol) against the float32 reference
     torch.float32: (1e-3, 1e-3),
@@ -150,6 +151,7 @@ class Step:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    tree_mask: torch.Tensor | None = None  # a TARGET_VERIFY step over draft trees: [bs, t, t] (ForwardBatch's)
 
     def forward_batch(self, pool: ReqToTokenPool, cache: KVCache, backend: Any) -> ForwardBatch:
         device = cache.device
@@ -177,6 +179,7 @@ class Step:
             extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
             extend_prefix_lens_cpu=list(self.prefix_lens) if extend else None,
             tokens_per_req=self.extend_lens[0] if self.mode.is_verify() else 1,
+            tree_mask=self.tree_mask,
         )
 
 
@@ -198,6 +201,18 @@ def make_step(world: World, mode: ForwardMode, prefix_lens: list[int], extend_le
         k=world.kv_values(tokens, "k", LAYER_ID, generator).view(tokens, -1),
         v=world.kv_values(tokens, "v", LAYER_ID, generator).view(tokens, -1),
     )
+
+
+def make_tree_step(world: World, prefix_lens: list[int], tokens: int, generator: torch.Generator) -> Step:
+    """A TARGET_VERIFY step whose ``tokens`` new tokens per request form a random draft tree: each at the position
+    of its depth past the prefix, attending to the prefix and its ancestors (``tree_mask``)."""
+    parents = torch.tensor([[int(torch.randint(-1, j, (1,), generator=generator)) for j in range(tokens - 1)]
+                            for _ in prefix_lens], dtype=torch.int64)
+    layout = TreeLayout.by_squaring(parents)
+    step = make_step(world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens), generator)
+    step.positions = (torch.tensor(prefix_lens)[:, None] + layout.depth).flatten().to(world.device)
+    step.tree_mask = layout.ancestors.to(world.device)
+    return step
 
 
 def extend_scenarios(max_lens: list[int], page_size: int,

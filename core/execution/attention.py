@@ -56,6 +56,8 @@ class AttentionBackend(ABC):
     supports_verify_cuda_graph: bool = False
     # Whether TARGET_VERIFY steps over draft trees run here (speculative.topk > 1): such a step's new tokens attend
     # to the whole prefix and to ``forward_batch.tree_mask`` (their ancestors and themselves) instead of causally.
+    # With ``supports_verify_cuda_graph`` too, the capture and replay hooks of tree verify steps get the keyword
+    # ``tree_mask=``: the graph's static ``[bs, t, t]`` uint8 mask (holding the step's at replay, before the hook).
     supports_tree_mask: bool = False
 
     @classmethod

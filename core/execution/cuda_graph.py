@@ -330,7 +330,7 @@ class _VerifyGraphs:
         owner, n = self.owner, bs * self.tokens_per_req
         forward_batch = self._static_forward_batch(bs)
         owner.attn_backend.init_forward_metadata_capture_cuda_graph(
-            bs, n, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.TARGET_VERIFY)
+            bs, n, self.req_pool_indices[:bs], self.seq_lens[:bs], ForwardMode.TARGET_VERIFY, **self._tree_mask(bs))
 
         def run() -> torch.Tensor:
             return owner.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
@@ -367,9 +367,13 @@ class _VerifyGraphs:
         torch.sub(self.seq_lens[:bs], t, out=self.prefix_lens[:bs])
         self.owner.attn_backend.init_forward_metadata_replay_cuda_graph(
             bs, self.req_pool_indices[:bs], self.seq_lens[:bs], forward_batch.seq_lens_sum + (bs - raw_bs) * fill,
-            ForwardMode.TARGET_VERIFY, seq_lens_cpu=seq_lens_cpu, num_tokens=n)
+            ForwardMode.TARGET_VERIFY, seq_lens_cpu=seq_lens_cpu, num_tokens=n, **self._tree_mask(bs))
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_n]
+
+    def _tree_mask(self, bs: int) -> dict[str, torch.Tensor]:
+        """The keyword a tree-masking backend's capture and replay hooks get: the static mask of ``bs`` rows."""
+        return {} if self.tree_mask is None else {"tree_mask": self.tree_mask[:bs]}
 
     def release(self) -> None:
         for graph in self.graphs.values():

@@ -24,6 +24,7 @@ from treadle.core.execution.attention import AttentionBackend, head_layout
 from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.hookspecs import Register, hookimpl
+from treadle.kernels.tree_mask import pack_tree_mask, tree_mask_bytes
 
 if TYPE_CHECKING:
     from treadle.core.execution.attention import RadixAttention
@@ -48,11 +49,14 @@ class FlashInferAttnBackend(AttentionBackend):
     prefill and tensor-core decode share one JIT module) and ``use_tensor_cores``
     (decode through FlashInfer's prefill kernel; default when a KV head serves 4 or
     more query heads). TARGET_VERIFY steps go through the prefill wrapper, and are captured in CUDA graphs
-    through a CUDA-graph prefill wrapper per ``(batch size, tokens_per_req)``.
+    through a CUDA-graph prefill wrapper per ``(batch size, tokens_per_req)``. A verify step over draft trees
+    (``forward_batch.tree_mask``) is planned with a packed custom mask (kernels/tree_mask.py) built on the device at
+    plan time; its graphs' wrappers hold a shared mask buffer that each replay's plan fills.
     """
 
     supports_cuda_graph = True
     supports_verify_cuda_graph = True
+    supports_tree_mask = True
 
     @classmethod
     def auto_priority(cls, device: torch.device) -> int | None:
@@ -113,6 +117,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_kv_indptr: torch.Tensor | None = None
         self._graph_kv_indices: torch.Tensor | None = None
         self._graph_last_page_len: torch.Tensor | None = None
+        self._graph_mask: torch.Tensor | None = None  # tree verify graphs' packed masks (the largest one's size)
+        self._graph_mask_indptr: torch.Tensor | None = None
 
     @property
     def prefill_wrapper(self) -> Any:
@@ -140,7 +146,8 @@ class FlashInferAttnBackend(AttentionBackend):
             extend_lens = _host_lens(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
             prefix_lens = _host_lens(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
             seq_lens_cpu = torch.tensor(extend_lens, dtype=torch.int64) + torch.tensor(prefix_lens, dtype=torch.int64)
-            self._plan_extend(forward_batch, torch.tensor(extend_lens, dtype=torch.int64), seq_lens_cpu)
+            self._plan_extend(forward_batch, torch.tensor(extend_lens, dtype=torch.int64), seq_lens_cpu,
+                              forward_batch.tree_mask)
         else:
             self._forward_wrapper = None
         forward_batch.attn_metadata = self._forward_wrapper
@@ -151,16 +158,18 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_kv_indices = torch.zeros(max_bs * pages_per_request, dtype=torch.int32, device=self.device)
         self._graph_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._graph_wrappers = {}
         self._graph_verify_wrappers = {}
 
     def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode,
+        tree_mask: torch.Tensor | None = None,
     ) -> None:
         if self._graph_kv_indptr is None or self._graph_last_page_len is None or self._graph_kv_indices is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
         if not mode.is_decode():
-            self._capture_verify(bs, num_tokens, req_pool_indices, seq_lens, mode)
+            self._capture_verify(bs, num_tokens, req_pool_indices, seq_lens, mode, tree_mask)
             return
         wrapper = self._new_decode_wrapper(
             use_cuda_graph=True,
@@ -181,11 +190,12 @@ class FlashInferAttnBackend(AttentionBackend):
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> None:
         if seq_lens_cpu is None:
             raise ValueError("the flashinfer backend needs seq_lens_cpu to plan a CUDA-graph replay without a sync")
         if not mode.is_decode():
-            self._replay_verify(bs, req_pool_indices, seq_lens, seq_lens_cpu, mode, num_tokens)
+            self._replay_verify(bs, req_pool_indices, seq_lens, seq_lens_cpu, mode, num_tokens, tree_mask)
             return
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
@@ -255,21 +265,32 @@ class FlashInferAttnBackend(AttentionBackend):
         self._forward_decodes = True
 
     def _plan_extend(self, forward_batch: ForwardBatch, extend_lens_cpu: torch.Tensor,
-                     seq_lens_cpu: torch.Tensor) -> None:
+                     seq_lens_cpu: torch.Tensor, tree_mask: torch.Tensor | None = None) -> None:
         qo_indptr_cpu = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
         torch.cumsum(extend_lens_cpu, 0, out=qo_indptr_cpu[1:])
         self._plan_prefill(self.prefill_wrapper, qo_indptr_cpu.pin_memory(), forward_batch.req_pool_indices,
-                           forward_batch.seq_lens, seq_lens_cpu)
+                           forward_batch.seq_lens, seq_lens_cpu, tree_mask)
 
     def _plan_prefill(self, wrapper: Any, qo_indptr_cpu: torch.Tensor, req_pool_indices: torch.Tensor,
-                      seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor) -> None:
+                      seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, tree_mask: torch.Tensor | None = None
+                      ) -> None:
+        """Plan ``wrapper`` for these requests: causally, or over draft trees (``tree_mask`` ``[bs, t, t]``, a
+        verify step's) with their packed mask (kernels/tree_mask.py), which carries the sliding window too (a node
+        counts it from its depth's position, not its place in the step)."""
         kv_indptr_cpu, last_page_len_cpu = self._page_counts(seq_lens_cpu)
         kv_indices = self._page_indices_scratch(seq_lens_cpu)
         self._fill_page_indices(kv_indices, req_pool_indices, seq_lens)
+        mask = {}
+        if tree_mask is not None:
+            packed = torch.empty(tree_mask_bytes(tree_mask.shape[1], seq_lens_cpu), dtype=torch.uint8,
+                                 device=self.device)
+            mask = {"packed_custom_mask": pack_tree_mask(tree_mask, seq_lens, packed, self.sliding_window)}
         wrapper.plan(
             qo_indptr_cpu, kv_indptr_cpu, kv_indices, last_page_len_cpu,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, window_left=self.window_left, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
+            causal=tree_mask is None, window_left=self.window_left if tree_mask is None else -1,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype, **mask,
         )
         self._forward_wrapper = wrapper
         self._forward_decodes = False
@@ -277,31 +298,44 @@ class FlashInferAttnBackend(AttentionBackend):
     # -- TARGET_VERIFY under CUDA graphs --------------------------------------------------------
 
     def _capture_verify(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                        mode: ForwardMode) -> None:
+                        mode: ForwardMode, tree_mask: torch.Tensor | None = None) -> None:
         tokens_per_req = _tokens_per_req(bs, num_tokens, mode)
         assert self._graph_qo_indptr is not None and self._graph_kv_indptr is not None
+        mask_buffers = {}
+        if tree_mask is not None:  # a packed mask of up to bs requests at full context
+            mask_buffers = {"custom_mask_buf": self._graph_mask_buffer(
+                bs * tokens_per_req * (self.context_len + tokens_per_req)),
+                            "mask_indptr_buf": self._graph_mask_indptr[: bs + 1]}
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=self._graph_qo_indptr[: bs + 1],
             paged_kv_indptr_buf=self._graph_kv_indptr[: bs + 1],
             paged_kv_indices_buf=self._graph_kv_indices,
             paged_kv_last_page_len_buf=self._graph_last_page_len[:bs],
-            backend=self.prefill_backend,
+            backend=self.prefill_backend, **mask_buffers,
         )
         self._graph_verify_wrappers[(bs, tokens_per_req)] = wrapper
         seq_lens_cpu = seq_lens.to("cpu")  # capture time: a sync here is harmless
         self._plan_prefill(wrapper, self._verify_qo_indptr(bs, tokens_per_req), req_pool_indices, seq_lens,
-                           seq_lens_cpu)
+                           seq_lens_cpu, tree_mask)
+
+    def _graph_mask_buffer(self, num_bytes: int) -> torch.Tensor:
+        """The tree verify graphs' packed-mask buffer, shared by every graph (the largest is captured first); a
+        wrapper keeps the buffer it was built with."""
+        if self._graph_mask is None or self._graph_mask.numel() < num_bytes:
+            self._graph_mask = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device)
+        return self._graph_mask
 
     def _replay_verify(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                       seq_lens_cpu: torch.Tensor, mode: ForwardMode, num_tokens: int | None) -> None:
+                       seq_lens_cpu: torch.Tensor, mode: ForwardMode, num_tokens: int | None,
+                       tree_mask: torch.Tensor | None = None) -> None:
         tokens_per_req = _tokens_per_req(bs, num_tokens, mode)
         wrapper = self._graph_verify_wrappers.get((bs, tokens_per_req))
         if wrapper is None:
             raise ValueError(f"no TARGET_VERIFY CUDA graph was captured for batch size {bs} and {tokens_per_req} "
                              f"tokens per request; captured: {sorted(self._graph_verify_wrappers)}")
         self._plan_prefill(wrapper, self._verify_qo_indptr(bs, tokens_per_req), req_pool_indices, seq_lens,
-                           seq_lens_cpu)
+                           seq_lens_cpu, tree_mask)
 
     def _verify_qo_indptr(self, bs: int, tokens_per_req: int) -> torch.Tensor:
         """Pinned host ``[0, t, 2t, ..., bs * t]`` (int32), built once per shape."""

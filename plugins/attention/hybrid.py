@@ -39,6 +39,7 @@ class FlashInferTritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
     supports_verify_cuda_graph = True
+    supports_tree_mask = True  # verify steps (chains or trees) are FlashInfer's
     small_decode_batch: int | None = None
 
     @classmethod
@@ -69,10 +70,15 @@ class FlashInferTritonAttnBackend(AttentionBackend):
             self.large.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode,
+        tree_mask: torch.Tensor | None = None,
     ) -> None:
-        backend = self._decode_backend(bs) if mode.is_decode() else self.large
-        backend.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, mode)
+        if mode.is_decode():
+            self._decode_backend(bs).init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices,
+                                                                              seq_lens, mode)
+        else:
+            self.large.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, mode,
+                                                                tree_mask=tree_mask)
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -83,13 +89,14 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> None:
         if mode.is_decode():
             self._decode_backend(bs).init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens,
                                                                              seq_lens_sum, mode, seq_lens_cpu)
         else:
             self.large.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum, mode,
-                                                               seq_lens_cpu, num_tokens=num_tokens)
+                                                               seq_lens_cpu, num_tokens=num_tokens, tree_mask=tree_mask)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.large.get_cuda_graph_seq_len_fill_value()

@@ -33,7 +33,7 @@ from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
 from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
 from treadle.plugins.speculators.draft_memory import DraftMemory, DraftSequence, draft_kv_tokens, draft_server_config
-from treadle.plugins.speculators.draft_tree import DraftTrees
+from treadle.plugins.speculators.draft_tree import DraftTrees, TreeLevel
 
 if TYPE_CHECKING:
     from treadle.core.execution.overlap import LaunchedStep
@@ -53,7 +53,7 @@ class DraftModelSpeculator(Speculator):
                  max_requests: int = 1) -> None:
         check_same_vocabulary(target.info, draft.info)
         # Draft trees (topk > 1) for verify batches of up to max_requests requests; None: chains.
-        self.trees = DraftTrees(draft, topk, num_draft_tokens, max_requests) if topk > 1 else None
+        self.trees = DraftTrees.for_worker(draft, topk, num_draft_tokens, max_requests) if topk > 1 else None
         self._tree_step: "LaunchedStep | None" = None  # the last tree verify step, its kept path not copied yet
         self.target = target
         self.draft = draft
@@ -121,7 +121,7 @@ class DraftModelSpeculator(Speculator):
         input_ids = inputs.device_input_ids(self.device, self.target.next_input_ids.ids, self.last_drafts)
         root_logits = self.draft.forward(self._extend_batch(inputs, live, input_ids))
         drafts, parents = self.trees.grow(root_logits, [seq.row for seq in live], live_last, num_drafts,
-                                          self.vocab_size, self._decode_batch)
+                                          self.vocab_size, self._tree_level)
         for i in inputs.rows:
             seq = seqs[i]
             # Only the last token's K/V sits in the request's own row; the kept drafts are caught up on next time,
@@ -243,6 +243,12 @@ class DraftModelSpeculator(Speculator):
             extend_start_loc=to_device(starts, device), extend_seq_lens_cpu=inputs.extend_lens,
             extend_prefix_lens_cpu=inputs.prefix_lens,
         )
+
+    def _tree_level(self, level: TreeLevel) -> torch.Tensor:
+        """One decode step of a draft tree's frontier (plugins/speculators/draft_tree.py): its logits."""
+        rows = level.rows.shape[0]
+        return self.draft.forward(self._decode_batch(level.rows, level.tokens, level.positions, level.seq_lens,
+                                                     level.slots, torch.arange(rows, device=self.device)))
 
     def _decode_batch(self, rows: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                       seq_lens: torch.Tensor, slots: torch.Tensor, logits_rows: torch.Tensor) -> ForwardBatch:

@@ -13,6 +13,10 @@ known at the next step. :meth:`Eagle3Speculator.propose` computes the pending pa
 sampled token in one extend step, whose last row gives the first draft, then runs ``n - 1`` decode steps that
 feed the head its own output hidden state. Drafts are greedy, or sampled (with ``Drafts.probs``) for requests
 that sample; draft-vocabulary ids become target ids through ``d2t``.
+
+With ``speculative.topk`` > 1 the head grows draft trees instead (eagle3_tree.py) from its output at the last
+sampled token. The verify step's features wait in node order; once its kept path is known (its sampling queued),
+they are laid in depth order and its kept drafts in the buffer of last drafts, as a chain's would be.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
 from treadle.plugins.speculators.draft import draft_distribution, draft_noise, sampling_of
 from treadle.plugins.speculators.eagle3_graphs import HeadDecodeGraphs
 from treadle.plugins.speculators.eagle3_model import Eagle3Head, aux_layer_ids, load_eagle3_head
+from treadle.plugins.speculators.eagle3_tree import HeadTrees, tree_scratch_slots
 
 if TYPE_CHECKING:
     from treadle.core.execution.overlap import LaunchedStep
@@ -68,7 +73,8 @@ class HeadState:
 class Eagle3Speculator(Speculator):
     """Drafts with an EAGLE-3 head over the hidden states of the target worker ``target`` (module docstring)."""
 
-    def __init__(self, target: "ModelWorker", head: Eagle3Head, num_draft_tokens: int, registry: "Registry") -> None:
+    def __init__(self, target: "ModelWorker", head: Eagle3Head, num_draft_tokens: int, registry: "Registry",
+                 topk: int = 1, max_requests: int = 1) -> None:
         runner = target.runner
         self.target, self.head, self.num_draft_tokens = target, head, num_draft_tokens
         self.device, self.vocab_size = target.info.device, target.info.vocab_size
@@ -86,10 +92,14 @@ class Eagle3Speculator(Speculator):
                                   self.device)
         capture(self.tap)
         target.capture_graphs()  # again, now recording the hidden states
-        self.kv_cache = KVCache(target.info.max_total_tokens, target.info.page_size, 1,
+        # Draft trees' frontier nodes write their pairs to scratch slots past the target's (eagle3_tree.py).
+        scratch = tree_scratch_slots(topk, num_draft_tokens, max_requests) if topk > 1 else 0
+        scratch = -(-scratch // target.info.page_size) * target.info.page_size  # whole pages, for paged views
+        self.kv_cache = KVCache(target.info.max_total_tokens + scratch, target.info.page_size, 1,
                                 head.midlayer.self_attn.num_kv_heads, head.midlayer.self_attn.head_dim,
                                 runner.kv_dtype, self.device)
-        self.attn_backend, _ = build_attention_backend(registry, config.attention.backend, self._context(target))
+        self.attn_backend, backend_name = build_attention_backend(registry, config.attention.backend,
+                                                                  self._context(target))
         rows = target.info.req_to_token_pool.size
         self.pending = torch.zeros(rows, num_draft_tokens + 1, head.config.hidden_size, dtype=runner.dtype,
                                    device=self.device)
@@ -100,6 +110,13 @@ class Eagle3Speculator(Speculator):
         if target.cuda_graphs is not None and getattr(self.attn_backend, "supports_cuda_graph", False):
             max_bs = min(config.runtime.cuda_graph_max_bs, config.speculative.max_batch_size)
             self.graphs = HeadDecodeGraphs(head, self.attn_backend, self._context(target), max_bs)
+        self.trees: HeadTrees | None = None
+        if topk > 1:
+            self.trees = HeadTrees(head, self.kv_cache, self._context(target), backend_name, registry,
+                                   target.info.req_to_token_pool.req_to_token,
+                                   target.info.max_total_tokens + target.info.page_size, topk, num_draft_tokens,
+                                   max_requests, graphs=self.graphs is not None)
+        self._tree_step: "LaunchedStep | None" = None  # the last tree verify step, its features not laid out yet
 
     def _context(self, target: "ModelWorker") -> AttentionContext:
         attn = self.head.midlayer.self_attn
@@ -117,6 +134,7 @@ class Eagle3Speculator(Speculator):
         token_ids = torch.zeros(len(entries), num_drafts, dtype=torch.int64, device=self.device)
         if num_drafts < 1:
             return Drafts(token_ids)
+        self._lay_kept_paths()
         batch.write_req_to_token(self.target.info.req_to_token_pool.req_to_token)  # the drafts' slots
         inputs, feature_rows = CatchUp(), []
         for i, entry in enumerate(entries):
@@ -131,11 +149,11 @@ class Eagle3Speculator(Speculator):
         if not inputs.rows:
             return Drafts(token_ids)
         live = [entries[i] for i in inputs.rows]
+        if self.trees is not None:
+            return self._propose_trees(inputs, feature_rows, live, num_drafts, token_ids)
         sampling = sampling_of([e.req for e in live], [e.kv_start for e in live], self.vocab_size, self.device)
         drafts, probs = self._draft(inputs, feature_rows, live, num_drafts, sampling)
-        for entry in live:
-            state = self.states[entry.req.rid]
-            state.seen, state.drafts_at, state.proposed = entry.kv_start, entry.kv_start, num_drafts
+        self._proposed(live, num_drafts)
         rows = index_tensor([e.req.req_pool_idx for e in live], self.device)
         self.last_drafts[:, :num_drafts].index_copy_(0, rows, drafts)
         if len(live) == len(entries):
@@ -149,10 +167,48 @@ class Eagle3Speculator(Speculator):
             full_probs.index_copy_(0, index, probs)
         return Drafts(token_ids, full_probs)
 
+    def _propose_trees(self, inputs: CatchUp, feature_rows: list[int], live: list["BatchEntry"], num_drafts: int,
+                       token_ids: torch.Tensor) -> Drafts:
+        """Draft trees (eagle3_tree.py) for the requests of ``inputs``; the others propose a chain of token 0."""
+        root = self._root_hidden(inputs, feature_rows)
+        drafts, parents = self.trees.grow(root, [e.req.req_pool_idx for e in live], [e.kv_start - 1 for e in live],
+                                          num_drafts, self.draft_to_target)
+        self._proposed(live, num_drafts)
+        bs = token_ids.shape[0]
+        if len(live) == bs:
+            return Drafts(drafts, parents=parents)
+        all_parents = torch.arange(-1, num_drafts - 1, device=self.device).expand(bs, num_drafts).clone()
+        index = index_tensor(inputs.rows, self.device)
+        token_ids.index_copy_(0, index, drafts)
+        all_parents.index_copy_(0, index, parents)
+        return Drafts(token_ids, parents=all_parents)
+
+    def _proposed(self, live: list["BatchEntry"], num_drafts: int) -> None:
+        for entry in live:
+            state = self.states[entry.req.rid]
+            state.seen, state.drafts_at, state.proposed = entry.kv_start, entry.kv_start, num_drafts
+
+    def _lay_kept_paths(self) -> None:
+        """The last tree verify step's features in depth order along its kept path, and its kept drafts in the
+        buffer of last drafts (device to device; its sampling is queued by now)."""
+        step, self._tree_step = self._tree_step, None
+        if step is None or step.kept_path is None:
+            return
+        rows, path = step.forward_batch.req_pool_indices, step.kept_path
+        bs, t = path.shape
+        kept = self.pending.index_select(0, rows)[:, :t].gather(
+            1, path.unsqueeze(2).expand(bs, t, self.pending.shape[-1]))
+        self.pending[:, :t].index_copy_(0, rows, kept)
+        width = min(t - 1, self.last_drafts.shape[1])
+        self.last_drafts[:, :width].index_copy_(0, rows, step.kept_ids[:, :width])
+
     @torch.inference_mode()
     def after_target_forward(self, step: "LaunchedStep") -> None:
         forward_batch = step.forward_batch
         entries = step.batch.entries
+        self._lay_kept_paths()
+        if step.tree is not None:
+            self._tree_step = step
         if not entries:
             return
         features = self.head.features(self.tap.output(forward_batch.num_tokens))
@@ -170,6 +226,8 @@ class Eagle3Speculator(Speculator):
         self.states.pop(req.rid, None)
 
     def release_graphs(self) -> None:
+        if self.trees is not None:
+            self.trees.release_graphs()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -209,11 +267,7 @@ class Eagle3Speculator(Speculator):
 
     def _draft(self, inputs: CatchUp, feature_rows: list[int], live: list["BatchEntry"], num_drafts: int,
                sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        features = self.pending.view(-1, self.pending.shape[-1]).index_select(0, index_tensor(feature_rows,
-                                                                                              self.device))
-        hidden = self._catch_up(inputs, features)
-        last_rows = index_tensor(torch.tensor(inputs.extend_lens).cumsum(0).sub(1).tolist(), self.device)
-        hidden = hidden.index_select(0, last_rows)
+        hidden = self._root_hidden(inputs, feature_rows)
         token, probs = self._pick(self.head.logits(hidden), sampling, 0)
         tokens, dists = [token], [probs]
         m = len(live)
@@ -232,6 +286,14 @@ class Eagle3Speculator(Speculator):
             tokens.append(token)
             dists.append(probs)
         return torch.stack(tokens, dim=1), (torch.stack(dists, dim=1) if sampling is not None else None)
+
+    def _root_hidden(self, inputs: CatchUp, feature_rows: list[int]) -> torch.Tensor:
+        """The catch-up over the pending pairs; the head's output hidden state at each request's last pair."""
+        features = self.pending.view(-1, self.pending.shape[-1]).index_select(0, index_tensor(feature_rows,
+                                                                                              self.device))
+        hidden = self._catch_up(inputs, features)
+        last_rows = index_tensor(torch.tensor(inputs.extend_lens).cumsum(0).sub(1).tolist(), self.device)
+        return hidden.index_select(0, last_rows)
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None, step: int) -> tuple[torch.Tensor, Any]:
         """Target ids of the next drafts from the head's logits (and their distributions over the target's
@@ -315,7 +377,7 @@ def build_eagle3_speculator(target: "ModelWorker", config: "ResolvedConfig", reg
         raise ValueError(f"the EAGLE-3 head {spec.draft_model_path} is for a vocabulary of {head.config.vocab_size} "
                          f"tokens, the target's has {target.info.vocab_size}: it belongs to another model")
     logger.info("EAGLE-3 head %s: draft vocabulary of %d tokens", spec.draft_model_path, head.draft_vocab_size)
-    return Eagle3Speculator(target, head, spec.num_tokens, registry)
+    return Eagle3Speculator(target, head, spec.num_tokens, registry, spec.topk, int(spec.max_batch_size))
 
 
 @hookimpl

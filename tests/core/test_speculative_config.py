@@ -21,8 +21,8 @@ def test_speculation_is_off_by_default():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"speculative.method": "ngram", "speculative.topk": 2}, r"speculative: .*topk 2: method 'ngram' proposes "
-                                                              r"chains only"),
+    ({"speculative.method": "eagle", "speculative.topk": 2}, r"speculative: .*topk 2: method 'eagle' proposes "
+                                                              r"chains only; .*\(draft, eagle3, ngram\)"),
     ({"speculative.topk": 5}, r"topk 5 must not exceed num_tokens 4"),
     ({"speculative.ngram_min": 5, "speculative.ngram_max": 3}, r"ngram_min 5 must not exceed ngram_max 3"),
     ({"speculative.method": "draft"}, r"method 'draft' needs draft_model_path"),

@@ -159,5 +159,8 @@ def test_a_backend_that_cannot_mask_trees_is_refused():
     class Flat:
         supports_tree_mask = False
 
-    with pytest.raises(ValueError, match="attention backend 'flashinfer'.*torch_native or triton"):
-        check_tree_backend(Flat(), "flashinfer", build_registry())
+    registry = build_registry()
+    able = [name for name in registry.names("attention") if registry.get("attention", name).supports_tree_mask]
+    assert {"torch_native", "triton", "flashinfer", "flashinfer_triton"} <= set(able)
+    with pytest.raises(ValueError, match="attention backend 'flat'.*use attention.backend: .*flashinfer_triton"):
+        check_tree_backend(Flat(), "flat", registry)

@@ -2,7 +2,8 @@
 verify graphs for t = 2..k + 1 up to ``speculative.max_batch_size`` requests, verify steps replay them, and greedy
 tokens are the plain run's (ngram and the oracle; float32, triton and flashinfer_triton, token and paged
 allocators); the oracle keeps k + 1 tokens a step; rejection sampling (random drafts with their distributions)
-runs without a device sync inside propose; oracle trees (topk 2) replay verify graphs that take a tree mask (one request: every step); every
+runs without a device sync inside propose; oracle trees (topk 2, flashinfer_triton included) replay verify graphs that take a
+tree mask (one request: every step); every
 KV slot comes back. The draft tree kernels (kernels/draft_trees.py) give the torch layout and kept path on CUDA.
 
 Where a run parts from the plain one, it must be at a near-tie (as tests/gpu/test_multi_token_gpu.py explains).
@@ -39,9 +40,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 def test_speculative_worker_replays_verify_graphs_with_the_plain_tokens(real_shape_llama_dir, engine_config, method,
                                                                         backend, page_size):
     if backend.startswith("flashinfer"):
-        if method == "oracle_tree":
-            pytest.skip("flashinfer cannot mask draft trees (refused at start-up)")
-        pytest.importorskip("flashinfer")
+        pytest.importorskip("flashinfer")  # trees too: a packed custom mask (tests/gpu/test_flashinfer_trees_gpu.py)
     dtype = "bfloat16" if backend.startswith("flashinfer") else "float32"  # flashinfer has no float32 KV cache
     config = {**engine_config(real_shape_llama_dir, backend, dtype, page_size=page_size), "plugins": PLUGINS}
     prompts = _prompts(12, seed=3)

@@ -25,6 +25,7 @@ PROMPTS = [
     [400, 7, 7, 7, 9, 10, 11, 12, 13],
 ]
 BUDGETS = (21, 6, 17, 30)
+SHORT_PROMPTS = [[300, 301, 9], [400, 7]]
 GREEDY = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in BUDGETS]
 AUX = [-1, 0, 1]  # layer outputs: the inputs of layers 0 and 1 and the last hidden state of the 2-layer target
 
@@ -142,6 +143,11 @@ class ReferenceEagle3:
 
     def drafts(self, sequence: list[int], n: int) -> list[int]:
         """The ``n`` drafts after ``sequence`` (its last token: the last one sampled)."""
+        return self.walk(sequence, n)[0]
+
+    def walk(self, sequence: list[int], n: int, path: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
+        """``(drafts, last logits)``: ``n`` steps after ``sequence``, each feeding the head's argmax (a target id)
+        or, for the first ``len(path)`` steps, ``path``'s tokens instead; the logits are the last step's."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         w, config = self.w, self.config
@@ -178,11 +184,29 @@ class ReferenceEagle3:
                 hidden = mlp + summed
                 logits = _rms(hidden[-1], w["norm.weight"], eps) @ w["lm_head.weight"].T
                 draft = int(logits.argmax()) * 2  # d2t of the tiny head: draft id d is target id 2d
+                if len(out) < len(path):
+                    draft = path[len(out)]
                 out.append(draft)
                 # The next pair: the head's own output as the feature, the draft as the token.
                 features = torch.cat([features, hidden[-1:]])
                 tokens.append(draft)
-        return out
+        return out, logits
+
+
+def record_proposals(speculator) -> list[tuple[tuple[int, ...], int, object]]:
+    """Make ``speculator.propose`` record ``(prompt, last token's position, that request's Drafts row)``."""
+    recorded = []
+    propose = speculator.propose
+
+    def recording_propose(batch, num_drafts):
+        drafts = propose(batch, num_drafts)
+        for i, entry in enumerate(batch.entries):
+            row = type(drafts)(drafts.token_ids[i], parents=None if drafts.parents is None else drafts.parents[i])
+            recorded.append((tuple(entry.req.origin_input_ids), entry.kv_start, row))
+        return drafts
+
+    speculator.propose = recording_propose
+    return recorded
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -194,21 +218,12 @@ def test_proposals_are_what_eagle3_computes(tiny_llama_dir, eagle_dir, plain_out
     k = 3
     config = engine_config(tiny_llama_dir, eagle_dir, k, overlap)
     config["cache"]["disable_radix_cache"] = True  # a cached prefix brings a pair computed for another request
-    proposals = []
     with Engine(config) as engine:
-        speculator = engine.scheduler.worker.speculator
-        propose = speculator.propose
-
-        def recording_propose(batch, num_drafts):
-            drafts = propose(batch, num_drafts)
-            proposals.extend((tuple(e.req.origin_input_ids), e.kv_start, row)
-                             for e, row in zip(batch.entries, drafts.token_ids.tolist()))
-            return drafts
-
-        speculator.propose = recording_propose
+        recorded = record_proposals(engine.scheduler.worker.speculator)
         engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
     full = {tuple(p): p + o.token_ids for p, o in zip(PROMPTS, plain_outputs)}
+    proposals = [(prompt, last, drafts.token_ids.tolist()) for prompt, last, drafts in recorded]
     assert len(proposals) > 20
     for prompt, last, drafts in proposals[::3]:
         assert drafts == reference.drafts(full[prompt][:last + 1], len(drafts)), (prompt, last)
@@ -220,6 +235,8 @@ def test_the_conformance_kit_passes_it(tiny_llama_dir, eagle_dir):
 
     check_speculator(build_eagle3_speculator, model_dir=tiny_llama_dir,
                      overrides={"speculative": {"draft_model_path": eagle_dir}})
+    check_speculator(build_eagle3_speculator, model_dir=tiny_llama_dir,
+                     overrides={"speculative": {"draft_model_path": eagle_dir, "topk": 2}})
 
 
 MEMORY = {
@@ -251,3 +268,55 @@ def test_other_families_record_their_hidden_states_for_the_head(tmp_path, family
     with Engine(engine_config(target, head, 3)) as engine:
         assert [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)] == plain
         assert_kv_accounted(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_trees_give_the_plain_greedy_and_seeded_tokens(tiny_llama_dir, eagle_dir, plain_outputs, overlap):
+    """topk 2, 4 drafts: the head grows trees from its own output (scratch rows and slots of its own); greedy and
+    seeded sampled output are the plain runs', every KV slot comes back."""
+    seeded = [SamplingParams(max_new_tokens=n, temperature=0.7, top_p=0.9, seed=5 + n, ignore_eos=True)
+              for n in BUDGETS]
+    with Engine(engine_config(tiny_llama_dir, overlap=overlap)) as engine:
+        expected = engine.generate(input_ids=PROMPTS, sampling_params=seeded)
+    config = engine_config(tiny_llama_dir, eagle_dir, 4, overlap=overlap)
+    config["speculative"]["topk"] = 2
+    with Engine(config) as engine:
+        assert engine.scheduler.worker.speculator.trees is not None
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+        assert all(o.spec_verify_steps > 0 for o in outputs)
+        sampled = engine.generate(input_ids=PROMPTS, sampling_params=seeded)
+        assert [o.token_ids for o in sampled] == [o.token_ids for o in expected]
+        assert_kv_accounted(engine)
+        assert not engine.scheduler.worker.speculator.states
+
+
+def test_tree_nodes_are_the_top_children_eagle3_computes(tiny_llama_dir, tmp_path):
+    """In a tree (topk 2) each node's children, and the root's, are the likeliest tokens of a plain-torch EAGLE-3 fed
+    the node's path (siblings share their parent's score, so the tree keeps a node's best children). The head's
+    weights are large, so that what a node reads (its parent's hidden state, its ancestors' pairs) shows."""
+    eagle_dir = make_eagle3_head(tmp_path, target_config(tiny_llama_dir), 128, AUX, seed=3, scale=1.0)
+    config = engine_config(tiny_llama_dir, eagle_dir, 7)
+    config["speculative"]["topk"] = 2
+    config["cache"]["disable_radix_cache"] = True
+    with Engine(config) as engine:
+        recorded = record_proposals(engine.scheduler.worker.speculator)
+        # Short prompts, so that the tree's own pairs weigh in each node's attention.
+        outputs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY[:2])
+    reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
+    full = {tuple(p): p + o.token_ids for p, o in zip(SHORT_PROMPTS, outputs)}
+    assert len(recorded) > 4
+    deep = 0
+    for prompt, last, drafts in recorded:
+        tokens, parents = drafts.token_ids.tolist(), drafts.parents.tolist()
+        sequence = full[prompt][:last + 1]
+        paths = {-1: ()}
+        for j, (token, parent) in enumerate(zip(tokens, parents)):
+            paths[j] = paths[parent] + (token,)
+        for node, path in paths.items():
+            children = sorted(t for t, p in zip(tokens, parents) if p == node)
+            if children:
+                top = reference.walk(sequence, len(path) + 1, path)[1].topk(len(children)).indices * 2
+                assert children == sorted(top.tolist()), (prompt, last, path)
+                deep += len(path) > 1
+    assert deep > 0, "some trees must branch below their first level"

@@ -235,3 +235,44 @@ def test_a_long_prompt_indexed_at_once_finds_what_token_by_token_indexing_finds(
     assert bulk._indexes["a"].tokens == stepwise._indexes["a"].tokens == prompt
     assert bulk._indexes["a"].latest.keys() == stepwise._indexes["a"].latest.keys()
     assert all(bulk._indexes["a"].latest[n] == stepwise._indexes["a"].latest[n] for n in range(1, 5))
+
+
+def test_a_tree_branches_at_each_earlier_continuation():
+    """topk 2: "1 2 3" was followed by 4 5 6, later by 7 8 9; both continuations branch from the root, grown a depth
+    at a time; continuations that agree share their nodes, and a short tree is padded by a chain."""
+    speculator = NgramSpeculator(4, 1, 3, torch.device("cpu"), topk=2)
+    req = _Req("a", [1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 7, 8, 9, 0, 1, 2, 3], [])
+    assert speculator._tree(req, RowTokens([], 0), 4) == ([7, 4, 8, 5], [-1, -1, 0, 1])
+    same = _Req("b", [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6, 0, 1, 2, 3], [])  # 4 5 0 and 4 6 0 share their 4
+    assert speculator._tree(same, RowTokens([], 0), 4) == ([4, 6, 5, 0], [-1, 0, 0, 1])
+    short = _Req("c", [1, 2, 9, 1, 2], [])  # one continuation (9 1 2), then its last token repeated
+    assert speculator._tree(short, RowTokens([], 0), 4) == ([9, 1, 2, 2], [-1, 0, 1, 2])
+    fresh = _Req("d", [10, 11, 12], [])
+    assert speculator._tree(fresh, RowTokens([], 0), 3) == ([12, 12, 12], [-1, 0, 1])
+    # max_drafts counts the tree's nodes; a chain speculator on the same prompt sees one continuation's.
+    req.kv_len = len(req.origin_input_ids) - 1
+    assert speculator.max_drafts([req]) == 4
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_trees_give_the_plain_greedy_and_seeded_tokens(tiny_llama_dir, plain, overlap):
+    seeded = [SamplingParams(max_new_tokens=n, temperature=0.7, top_p=0.9, seed=9 + n, ignore_eos=True)
+              for n in BUDGETS]
+    _, expected = run(tiny_llama_dir, False, overlap=overlap, params=seeded)
+    engine_config = config(tiny_llama_dir, True, overlap=overlap)
+    engine_config["speculative"].update(topk=2, num_tokens=4)
+    engine = Engine(engine_config)
+    assert engine.scheduler.worker.trees
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert summary(outputs) == summary(plain)
+    steps = sum(o.spec_verify_steps for o in outputs)
+    assert 0 < steps < sum(o.completion_tokens for o in outputs) - len(outputs), "drafts must be accepted"
+    assert summary(engine.generate(input_ids=PROMPTS, sampling_params=seeded)) == summary(expected)
+    assert_kv_accounted(engine)
+
+
+def test_the_conformance_kit_passes_ngram_trees(tiny_llama_dir):
+    from treadle.plugins.speculators.ngram import make_ngram_speculator
+    from treadle.testing import check_speculator
+
+    check_speculator(make_ngram_speculator, model_dir=tiny_llama_dir, overrides={"speculative": {"topk": 2}})

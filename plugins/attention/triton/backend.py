@@ -155,7 +155,8 @@ class TritonAttnBackend(AttentionBackend):
         self._graph_arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture_cuda_graph(
-        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode
+        self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode,
+        tree_mask: torch.Tensor | None = None,  # read from the static forward batch instead
     ) -> None:
         self.forward_metadata = self._graph_decode_metadata(bs, mode, num_tokens)
 
@@ -168,6 +169,7 @@ class TritonAttnBackend(AttentionBackend):
         mode: ForwardMode,
         seq_lens_cpu: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> None:
         # The captured kernels read req_pool_indices and seq_lens (and a verify step's extend fields) from the
         # runner's static buffers and derive split counts from them on the device, so only the scratch needs
