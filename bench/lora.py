@@ -2,12 +2,13 @@
 base model, in one run.
 
 ``treadle bench lora [--part kernels|engine|all] [--backend triton] [--rank 16] [--num-prompts 1000]
-[--spread 16] [--set KEY=VALUE ...] [--output PATH]``
+[--spread 16] [--set KEY=VALUE ...] [--sweep [--choice FIELD=N,...]] [--output PATH]``
 
 - ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
   layers' deltas (one shrink and one expand per fused layer, as the engine runs them; and per projection, the
   earlier form, for comparison) against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter,
-  bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16.
+  bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16. With ``--sweep``: the ``triton`` backend's
+  kernel choices (kernels/lora_fused.py) side by side per decode size, each as ``(base + LoRA) / base``.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
@@ -48,7 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "backend": args.backend, "rank": args.rank,
     }
-    if args.part in ("kernels", "all"):
+    if args.part in ("kernels", "all") and args.sweep:
+        from treadle.bench.lora_kernels import SWEEP_CHOICES, run_kernel_sweep
+
+        choices = (SWEEP_CHOICES[0], *(_choice_fields(text) for text in args.choice)) if args.choice else SWEEP_CHOICES
+        report["kernel_sweep"] = run_kernel_sweep(args.rank, choices)
+        print(format_sweep_table(report["kernel_sweep"]), flush=True)
+    elif args.part in ("kernels", "all"):
         from treadle.bench.lora_kernels import run_kernel_cases
 
         report["kernels"] = run_kernel_cases(args.backend, args.rank)
@@ -74,6 +81,28 @@ def format_kernel_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{row['case']:34s} {row['base_ms']:9.3f} {row['lora_ms']:9.3f} {row['base_plus_lora_ms']:9.3f} "
                      f"{row['ratio']:7.3f} " + (f"{per_projection:11.3f}" if per_projection is not None else ""))
     return "\n".join(lines)
+
+
+def format_sweep_table(rows: list[dict[str, Any]]) -> str:
+    """Per case, each kernel choice's ``(base + LoRA) / base`` and its change against the case's first row (the
+    two-launch default)."""
+    lines = ["LoRA kernel choices (triton, 7 projections x 32 layers): (base + LoRA) / base per decode size",
+             f"{'case':22s} {'choice':34s} {'base ms':>8s} {'lora ms':>8s} {'ratio':>7s} {'vs default':>10s}"]
+    first: dict[str, float] = {}
+    for row in rows:
+        default = first.setdefault(row["case"], row["ratio"])
+        lines.append(f"{row['case']:22s} {row['choice']:34s} {row['base_ms']:8.3f} {row['lora_ms']:8.3f} "
+                     f"{row['ratio']:7.3f} {row['ratio'] - default:+10.3f}")
+    return "\n".join(lines)
+
+
+def _choice_fields(text: str) -> dict[str, int | None]:
+    """``fused_max_tokens=32,fused_block_n=256`` -> its fields (``none`` for None)."""
+    fields: dict[str, int | None] = {}
+    for pair in filter(None, text.split(",")):
+        key, _, value = pair.partition("=")
+        fields[key.strip()] = None if value.strip().lower() == "none" else int(value)
+    return fields
 
 
 def format_engine_table(result: dict[str, Any]) -> str:
@@ -141,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapters-dir", help="where to write the model config and adapters (default: a temp folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="engine part: override a config key of both engines (repeatable)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="kernels part: time the triton backend's kernel choices (kernels/lora_fused.py) "
+                             "against its two-launch default per decode size, instead of the fixed cases")
+    parser.add_argument("--choice", action="append", default=[], metavar="FIELD=N,...",
+                        help="with --sweep: a LoRAKernelChoice to time instead of the built-in list (repeatable), "
+                             "e.g. fused_max_tokens=32,fused_block_n=256,grouped_shrink_min_tokens=32")
     parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
     return parser
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.bench.lora import format_engine_table, format_kernel_table
+from treadle.bench.lora import _choice_fields, format_engine_table, format_kernel_table, format_sweep_table
 from treadle.bench.lora_engine import TARGET_MODULES, write_adapters
 from treadle.bench.shapes import TINY
 
@@ -43,3 +43,12 @@ def test_tables_mark_each_ratio_against_its_target() -> None:
                           for prefix in ("offline", "bs=1", "bs=32"))
     assert offline.endswith(">= 0.85 ok") and bs1.endswith("<= 1.10 MISSED") and bs32.endswith("<= 1.25 ok")
     assert format_engine_table({"skipped": "no lora config"}) == "end to end: skipped: no lora config"
+
+
+def test_sweep_table_compares_each_choice_with_the_default_of_its_case() -> None:
+    rows = [{"case": "bs=1, 1 adapter", "choice": "two-launch", "base_ms": 5.0, "lora_ms": 0.9, "ratio": 1.18},
+            {"case": "bs=1, 1 adapter", "choice": "fused<=64/n256", "base_ms": 5.0, "lora_ms": 0.4, "ratio": 1.08}]
+    fused = format_sweep_table(rows).splitlines()[-1]
+    assert "fused<=64/n256" in fused and fused.endswith("1.080     -0.100")
+    assert _choice_fields("fused_max_tokens=32, grouped_shrink_min_tokens=none") == {
+        "fused_max_tokens": 32, "grouped_shrink_min_tokens": None}

@@ -7,6 +7,7 @@ on its scenario's result. Checks that launch no kernel run in the pytest process
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -95,6 +96,18 @@ STACKED_SCENARIOS = {
     "stacked_segmented_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
+# kernels/lora_fused.py's forms, chosen by a LoRAKernelChoice: the one-launch fused kernel at 1 token (in=1024, two
+# tiles of a) and at 32 (16 columns a program: several blocks per projection); the grouped shrink's split-K slices
+# with the gather expand (32 tokens) and the slot-grouped one (100).
+CHOICE_SCENARIOS = {
+    "fused_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)), {"fused_max_tokens": 1}),
+    "fused_32_tokens_fp32": ((32, torch.float32, 16, 40, (24, 8, 8)),
+                             {"fused_max_tokens": 32, "fused_block_n": 16}),
+    "grouped_shrink_32_tokens_bf16": ((32, torch.bfloat16, 8, 300, (24, 24)),
+                                      {"grouped_shrink_min_tokens": 0, "grouped_split_k": 128}),
+    "grouped_shrink_100_tokens_fp32": ((100, torch.float32, 16, 300, (24, 8, 8)),
+                                       {"grouped_shrink_min_tokens": 64, "grouped_split_k": 128}),
+}
 
 
 def run_scenario(name: str) -> dict:
@@ -168,12 +181,17 @@ def reference_add_delta(x, weights, ids, out) -> torch.Tensor:
 
 
 def run_stacked_scenario(name: str) -> dict:
-    from treadle.kernels import lora
+    from treadle.kernels import lora, lora_fused
 
-    num_tokens, dtype, max_rank, in_features, widths = STACKED_SCENARIOS[name]
+    if name in CHOICE_SCENARIOS:
+        (num_tokens, dtype, max_rank, in_features, widths), fields = CHOICE_SCENARIOS[name]
+        add_delta = functools.partial(lora_fused.add_delta, choice=lora_fused.LoRAKernelChoice(**fields))
+    else:
+        num_tokens, dtype, max_rank, in_features, widths = STACKED_SCENARIOS[name]
+        add_delta = lora.add_delta
     x, weights, ids, out = make_stacked_case(num_tokens, dtype, max_rank, in_features, widths, seed=len(name))
     before = out.clone()
-    lora.add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out)
+    add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out)
     first, last = weights.segments[0][0], weights.segments[-1][1]
     none = ids == NO_ADAPTER
     return {"error": _relative_error(out, reference_add_delta(x, weights, ids, before)),
@@ -202,7 +220,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _run_all() -> dict:
     results = {}
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
-            **{name: (run_stacked_scenario, name) for name in STACKED_SCENARIOS},
+            **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
             "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
@@ -243,7 +261,7 @@ def test_kernels_match_reference(name: str, interpreted_results: dict[str, dict]
     assert result["no_adapter_rows_untouched"], "expand changed rows of tokens without an adapter"
 
 
-@pytest.mark.parametrize("name", list(STACKED_SCENARIOS))
+@pytest.mark.parametrize("name", [*STACKED_SCENARIOS, *CHOICE_SCENARIOS])
 def test_stacked_projections_add_into_their_columns(name: str, interpreted_results: dict[str, dict]) -> None:
     result = interpreted_results[name]
     assert "traceback" not in result, result.get("traceback")

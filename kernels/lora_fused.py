@@ -1,0 +1,180 @@
+"""Alternative forms of a layer's LoRA path (``add_delta``), chosen by a :class:`LoRAKernelChoice`, for the decode
+sizes where kernels/lora.py's two launches (a shrink, an expand) cost more than the bytes they move.
+
+- **fused** (a few tokens): shrink and expand in one launch. A program per token and block of output columns
+  recomputes its token's ``h`` for its projection (``rank x in`` MACs, ``a`` read through L2 after the first
+  program) and adds ``h @ b.T`` to its columns. A layer's LoRA is then one launch instead of two; at bs=1 the
+  launch, not the 2.6 MB a Llama-3.1-8B layer's rank-16 adapter holds, is what costs.
+- **grouped shrink** (from a chosen size up to ``GROUPED_MAX_TOKENS``): a program per slot, block of ranks and
+  slice of ``in`` (split-K) runs its adapter's ``a`` slice over every span of tokens that has one of its tokens
+  (``tl.dot`` over the span), writing float32 partial sums that kernels/lora.py's expand adds up. Each adapter's
+  ``a`` is read once per step, where the segmented shrink reads it once per block of tokens and walks all of
+  ``in`` in one program (bs=256 over 16 adapters: 128 programs, 112 serial steps for ``down_proj``).
+
+Both keep the arithmetic of kernels/lora.py's ``add_delta`` (float32 sums, ``h`` scaled and rounded to ``out``'s
+dtype once, ``out`` rounded once after the add), mixed ranks per projection, rows without an adapter untouched,
+and grids from shapes only (CUDA graphs capture one form whatever the ids). :data:`DEFAULT` is what the ``triton``
+backend runs; ``treadle bench lora --part kernels --sweep`` times the others side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.kernels import lora
+from treadle.kernels.pdl import enabled as pdl_enabled
+from treadle.kernels.pdl import wait_for_previous
+
+
+@dataclass(frozen=True)
+class LoRAKernelChoice:
+    """Which form ``add_delta`` takes per number of tokens: ``fused_max_tokens`` (0: never) tokens or fewer run
+    the fused kernel with ``fused_block_n`` output columns a program (at most ``max_rank`` 64); more tokens, up to
+    ``GROUPED_MAX_TOKENS``, take the grouped shrink past ``grouped_shrink_min_tokens`` (None: never) with slices of
+    ``grouped_split_k`` columns of ``in``; everything else runs kernels/lora.py's forms."""
+
+    fused_max_tokens: int = 0
+    fused_block_n: int = 256
+    grouped_shrink_min_tokens: int | None = None
+    grouped_split_k: int = 1024
+
+    @property
+    def name(self) -> str:
+        parts = []
+        if self.fused_max_tokens:
+            parts.append(f"fused<={self.fused_max_tokens}/n{self.fused_block_n}")
+        if self.grouped_shrink_min_tokens is not None:
+            parts.append(f"grouped>{self.grouped_shrink_min_tokens}/k{self.grouped_split_k}")
+        return "+".join(parts) or "two-launch"
+
+
+DEFAULT = LoRAKernelChoice()
+_FUSED_MAX_RANK = 64  # h's ranks live in one register block
+_FUSED_TILE = 8192  # elements of an ``a`` tile per load, as the gather kernels'
+
+
+def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
+              ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
+              choice: LoRAKernelChoice = DEFAULT) -> None:
+    """kernels/lora.py's ``add_delta`` (same arguments and result) in the form ``choice`` picks for this size."""
+    num_tokens, rows = x.shape[0], a.shape[1]
+    if num_tokens == 0:
+        return
+    rank_dim = b.shape[2]
+    if num_tokens <= choice.fused_max_tokens and rank_dim <= _FUSED_MAX_RANK:
+        _fused(x, a, b, adapter_ids, scalings, ranks, segments, out, choice.fused_block_n)
+        return
+    grouped_from = choice.grouped_shrink_min_tokens
+    if grouped_from is None or not grouped_from < num_tokens <= lora.GROUPED_MAX_TOKENS:
+        lora.add_delta(x, a, b, adapter_ids, scalings, ranks, segments, out)
+        return
+    k_per_split = min(choice.grouped_split_k, x.shape[1])
+    split = triton.cdiv(x.shape[1], k_per_split)
+    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
+    block_r = max(16, min(64, triton.next_power_of_2(rows)))
+    grid = (a.shape[0], triton.cdiv(rows, block_r), split)
+    _shrink_grouped_kernel[grid](x, a, adapter_ids, ranks, partials, num_tokens, x.shape[1], rank_dim, rows,
+                                 lora._projection_stride(ranks), k_per_split, x.stride(0), x.stride(1), a.stride(0),
+                                 a.stride(1), a.stride(2), partials.stride(0), partials.stride(1),
+                                 BLOCK_M=16 if num_tokens <= 64 else 32, BLOCK_R=block_r, BLOCK_K=128,
+                                 IEEE=lora._ieee_dot(x), num_warps=4, num_stages=3)
+    lora._expand(partials, scalings, b, adapter_ids, ranks, segments, out)
+
+
+def _fused(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
+           ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor, block_n: int) -> None:
+    num_tokens, in_features = x.shape
+    rank_dim = b.shape[2]
+    block_r, block_k = _fused_blocks(rank_dim, in_features)
+    block_n = max(16, min(block_n, triton.next_power_of_2(max(end - start for start, end in segments))))
+    bounds, blocks = lora._segment_blocks(segments, block_n)
+    pdl = pdl_enabled(x.device)
+    _fused_kernel[(num_tokens, blocks)](
+        x, a, b, adapter_ids, scalings, ranks, out, in_features, rank_dim, lora._projection_stride(ranks),
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), *bounds, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl,
+        launch_pdl=pdl, num_warps=lora._gather_warps(max(block_r * block_k, block_r * block_n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_blocks(rank_dim: int, in_features: int) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_K)``: every rank of a projection, and ``in`` in tiles of ``_FUSED_TILE`` elements."""
+    block_r = max(2, triton.next_power_of_2(rank_dim))
+    return block_r, max(16, min(triton.next_power_of_2(in_features), _FUSED_TILE // block_r))
+
+
+@triton.jit
+def _fused_kernel(X, A, B, Ids, Scalings, Ranks, Out, in_features, rank_dim, proj_stride,
+                  stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
+                  stride_om, stride_on, s0, e0, s1, e1, s2, e2, first1, first2,
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    proj, offs_n, n_mask = lora._segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Weights only before the wait (kernels/pdl.py): the token's slot (filled before the step), its rank, its block
+    # of b and its first tile of a. Tokens without an adapter and ranks past the slot's load nothing.
+    slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
+    r_mask = offs_r < rank
+    w_b = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
+                  mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    a_rows = A + slot * stride_as + (proj * rank_dim + offs_r)[:, None].to(tl.int64) * stride_ar
+    w_a = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & (offs_k < in_features)[None, :],
+                  other=0.0)
+    wait_for_previous(PDL)
+    if rank > 0:  # rows without an adapter (or whose adapter leaves this projection alone) are not touched
+        h = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, in_features, BLOCK_K):
+            xs = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < in_features,
+                         other=0.0)
+            h += tl.sum(w_a.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
+            k = k0 + BLOCK_K + offs_k
+            w_a = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < in_features)[None, :],
+                          other=0.0)
+        where = Out + token * stride_om + offs_n * stride_on
+        current = tl.load(where, mask=n_mask, other=0.0)
+        h = (h * tl.load(Scalings + proj * proj_stride + slot)).to(current.dtype)  # rounded as the shrink's is
+        delta = tl.sum(w_b.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
+
+
+@triton.jit
+def _shrink_grouped_kernel(X, A, Ids, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride, k_per_split,
+                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm,
+                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # One program per slot, block of ranks and slice of in: its adapter's slice of a meets every span of tokens
+    # that holds one of the slot's tokens, so a is read from memory once per step (the spans' re-reads hit L2).
+    slot = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_rows = offs_r < rows
+    proj = offs_r // rank_dim
+    rank = tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0)
+    r_mask = offs_r - proj * rank_dim < rank
+    if tl.max(r_mask.to(tl.int32), axis=0) > 0:
+        a_cols = A + slot * stride_as + offs_r[None, :].to(tl.int64) * stride_ar
+        for m0 in range(0, num_tokens, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            mine = tl.load(Ids + offs_m, mask=offs_m < num_tokens, other=-1) == slot
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+                acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+                for k0 in range(k_start, k_end, BLOCK_K):
+                    k = k0 + offs_k
+                    k_mask = k < k_end
+                    xs = tl.load(x_rows + k[None, :] * stride_xk, mask=mine[:, None] & k_mask[None, :], other=0.0)
+                    w = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+                    acc = lora._dot(xs, w, acc, IEEE)
+                # Unscaled float32 partial sums; the expand reads only the slot's tokens' rows within the rank.
+                tl.store(H + tl.program_id(2) * stride_hs + offs_m[:, None].to(tl.int64) * stride_hm +
+                         offs_r[None, :], tl.where(r_mask[None, :], acc, 0.0), mask=mine[:, None] & in_rows[None, :])

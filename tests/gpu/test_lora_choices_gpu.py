@@ -1,0 +1,106 @@
+"""kernels/lora_fused.py's forms of a layer's LoRA path (every ``LoRAKernelChoice`` of ``treadle bench lora
+--sweep``) at Llama-3.1-8B's stacked shapes against the ``torch`` backend, and captured in a CUDA graph then
+replayed with other adapter ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SLOTS = 8
+NO_ADAPTER = -1
+# Llama-3.1-8B's fused layers: (in, projection widths)
+LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+def _choices():
+    from treadle.bench.lora_kernels import SWEEP_CHOICES
+    from treadle.kernels.lora_fused import LoRAKernelChoice
+
+    return [LoRAKernelChoice(**fields) for fields in SWEEP_CHOICES[1:]]
+
+
+def _stacked(in_features: int, widths: tuple[int, ...], max_rank: int, seed: int):
+    from treadle.core.lora.backend import StackedLoRA
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    count = len(widths)
+    ranks = torch.tensor([[16, 8, 0, 16, 1, 12, 16, 4]] * count, dtype=torch.int32, device="cuda")
+    ranks[-1, 2] = max_rank  # a slot that changes only the last projection
+    a = torch.randn(SLOTS, count * max_rank, in_features, device="cuda", generator=gen) / in_features ** 0.5
+    b = torch.randn(SLOTS, sum(widths), max_rank, device="cuda", generator=gen) / max_rank ** 0.5
+    segments, start = [], 0
+    for p, width in enumerate(widths):
+        segments.append((start, start + width))
+        for slot in range(SLOTS):
+            rank = int(ranks[p, slot])
+            a[slot, p * max_rank + rank:(p + 1) * max_rank] = 0
+            b[slot, start:start + width, rank:] = 0
+        start += width
+    scalings = torch.linspace(0.5, 2.0, SLOTS * count, device="cuda").view(count, SLOTS)
+    return StackedLoRA(a.bfloat16(), b.bfloat16(), scalings, ranks, tuple(segments))
+
+
+def _ids(num_tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(NO_ADAPTER, SLOTS, (num_tokens,), generator=gen).to("cuda")
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
+def test_every_choice_matches_torch_backend(layer: str, num_tokens: int) -> None:
+    from treadle.plugins.lora_backends.torch import TorchLoRABackend
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    in_features, widths = LAYERS[layer]
+    weights = _stacked(in_features, widths, 16, seed=num_tokens)
+    x = torch.randn(num_tokens, in_features, device="cuda").bfloat16()
+    ids = _ids(num_tokens, seed=num_tokens)
+    out = torch.randn(num_tokens, sum(widths), device="cuda").bfloat16()
+    expected = out.float().clone()
+    TorchLoRABackend(SLOTS, 16, "cuda", torch.float32).add_delta(x.float(), _float(weights), ids, expected)
+    backend = TritonLoRABackend(SLOTS, 16, "cuda", torch.bfloat16)
+    for choice in _choices():
+        backend.kernel_choice = choice
+        got = out.clone()
+        backend.add_delta(x, weights, ids, got)
+        torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2, msg=lambda m: f"{choice.name}: {m}")
+        assert torch.equal(got[ids == NO_ADAPTER], out[ids == NO_ADAPTER]), choice.name
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
+def test_every_choice_replays_from_a_graph_with_other_ids(num_tokens: int) -> None:
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    in_features, widths = LAYERS["qkv"]
+    weights = _stacked(in_features, widths, 16, seed=3)
+    backend = TritonLoRABackend(SLOTS, 16, "cuda", torch.bfloat16)
+    x = torch.randn(num_tokens, in_features, device="cuda").bfloat16()
+    ids = _ids(num_tokens, seed=1)
+    out = torch.zeros(num_tokens, sum(widths), device="cuda").bfloat16()
+    for choice in _choices():
+        backend.kernel_choice = choice
+
+        def step() -> None:
+            out.zero_()
+            backend.add_delta(x, weights, ids, out)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for seed in range(2, 4):
+            ids.copy_(_ids(num_tokens, seed=seed))
+            graph.replay()
+            replayed = out.clone()
+            step()
+            assert torch.equal(replayed, out), f"{choice.name}: replay differs from the eager call"
+
+
+def _float(weights):
+    from treadle.core.lora.backend import StackedLoRA
+
+    return StackedLoRA(weights.a.float(), weights.b.float(), weights.scalings, weights.ranks, weights.segments)
