@@ -78,7 +78,9 @@ SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters
                KernelCase("bs=32, 32 adapters", 32, 32), KernelCase("bs=64, 16 adapters", 64, 16),
                KernelCase("bs=128, 16 adapters", 128, 16), KernelCase("bs=256, 16 adapters", 256, 16))
 SWEEP_CHOICES = ({},
-                 *({"fused_max_tokens": 64, "fused_block_n": n} for n in (128, 256, 512, 1024)),
+                 *({"fused_max_tokens": 64, "fused_columns": c, "fused_block_n": n, "fused_tile": t}
+                   for c, n, t in ((256, 256, 8192), (1024, 256, 8192), (4096, 512, 8192), (16384, 512, 8192),
+                                   (1024, 256, 16384))),
                  *({"grouped_shrink_min_tokens": 0, "grouped_split_k": k} for k in (512, 1024, 2048)))
 
 

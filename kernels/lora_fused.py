@@ -1,9 +1,10 @@
 """Alternative forms of a layer's LoRA path (``add_delta``), chosen by a :class:`LoRAKernelChoice`, for the decode
 sizes where kernels/lora.py's two launches (a shrink, an expand) cost more than the bytes they move.
 
-- **fused** (a few tokens): shrink and expand in one launch. A program per token and block of output columns
+- **fused** (a few tokens): shrink and expand in one launch. A program per token and chunk of output columns
   recomputes its token's ``h`` for its projection (``rank x in`` MACs, ``a`` read through L2 after the first
-  program) and adds ``h @ b.T`` to its columns. A layer's LoRA is then one launch instead of two; at bs=1 the
+  program) and adds ``h @ b.T`` to its chunk a block of columns at a time (wide chunks: fewer recomputations,
+  longer programs). A layer's LoRA is then one launch instead of two; at bs=1 the
   launch, not the 2.6 MB a Llama-3.1-8B layer's rank-16 adapter holds, is what costs.
 - **grouped shrink** (from a chosen size up to ``GROUPED_MAX_TOKENS``): a program per slot, block of ranks and
   slice of ``in`` (split-K) runs its adapter's ``a`` slice over every span of tokens that has one of its tokens
@@ -34,12 +35,15 @@ from treadle.kernels.pdl import wait_for_previous
 @dataclass(frozen=True)
 class LoRAKernelChoice:
     """Which form ``add_delta`` takes per number of tokens: ``fused_max_tokens`` (0: never) tokens or fewer run
-    the fused kernel with ``fused_block_n`` output columns a program (at most ``max_rank`` 64); more tokens, up to
+    the fused kernel (at most ``max_rank`` 64): a program per token and chunk of ``fused_columns`` output columns,
+    ``fused_block_n`` at a time, reading ``a`` in tiles of ``fused_tile`` elements; more tokens, up to
     ``GROUPED_MAX_TOKENS``, take the grouped shrink past ``grouped_shrink_min_tokens`` (None: never) with slices of
     ``grouped_split_k`` columns of ``in``; everything else runs kernels/lora.py's forms."""
 
     fused_max_tokens: int = 0
+    fused_columns: int = 256
     fused_block_n: int = 256
+    fused_tile: int = 8192
     grouped_shrink_min_tokens: int | None = None
     grouped_split_k: int = 1024
 
@@ -47,7 +51,8 @@ class LoRAKernelChoice:
     def name(self) -> str:
         parts = []
         if self.fused_max_tokens:
-            parts.append(f"fused<={self.fused_max_tokens}/n{self.fused_block_n}")
+            parts.append(f"fused<={self.fused_max_tokens}/c{self.fused_columns}/n{self.fused_block_n}"
+                         f"/t{self.fused_tile}")
         if self.grouped_shrink_min_tokens is not None:
             parts.append(f"grouped>{self.grouped_shrink_min_tokens}/k{self.grouped_split_k}")
         return "+".join(parts) or "two-launch"
@@ -55,7 +60,6 @@ class LoRAKernelChoice:
 
 DEFAULT = LoRAKernelChoice()
 _FUSED_MAX_RANK = 64  # h's ranks live in one register block
-_FUSED_TILE = 8192  # elements of an ``a`` tile per load, as the gather kernels'
 
 
 def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
@@ -67,7 +71,7 @@ def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: to
         return
     rank_dim = b.shape[2]
     if num_tokens <= choice.fused_max_tokens and rank_dim <= _FUSED_MAX_RANK:
-        _fused(x, a, b, adapter_ids, scalings, ranks, segments, out, choice.fused_block_n)
+        _fused(x, a, b, adapter_ids, scalings, ranks, segments, out, choice)
         return
     grouped_from = choice.grouped_shrink_min_tokens
     if grouped_from is None or not grouped_from < num_tokens <= lora.GROUPED_MAX_TOKENS:
@@ -87,45 +91,56 @@ def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: to
 
 
 def _fused(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
-           ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor, block_n: int) -> None:
+           ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
+           choice: LoRAKernelChoice) -> None:
     num_tokens, in_features = x.shape
     rank_dim = b.shape[2]
-    block_r, block_k = _fused_blocks(rank_dim, in_features)
-    block_n = max(16, min(block_n, triton.next_power_of_2(max(end - start for start, end in segments))))
-    bounds, blocks = lora._segment_blocks(segments, block_n)
+    block_r, block_k = _fused_blocks(rank_dim, in_features, choice.fused_tile)
+    widest = triton.next_power_of_2(max(end - start for start, end in segments))
+    block_n = max(16, min(choice.fused_block_n, widest))
+    columns = max(block_n, min(choice.fused_columns, widest))
+    bounds, blocks = lora._segment_blocks(segments, columns)
     pdl = pdl_enabled(x.device)
     _fused_kernel[(num_tokens, blocks)](
-        x, a, b, adapter_ids, scalings, ranks, out, in_features, rank_dim, lora._projection_stride(ranks),
+        x, a, b, adapter_ids, scalings, ranks, out, in_features, rank_dim, lora._projection_stride(ranks), columns,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), *bounds, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl,
         launch_pdl=pdl, num_warps=lora._gather_warps(max(block_r * block_k, block_r * block_n)))
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_blocks(rank_dim: int, in_features: int) -> tuple[int, int]:
-    """``(BLOCK_R, BLOCK_K)``: every rank of a projection, and ``in`` in tiles of ``_FUSED_TILE`` elements."""
+def _fused_blocks(rank_dim: int, in_features: int, tile: int) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_K)``: every rank of a projection, and ``in`` in tiles of ``tile`` elements of ``a``."""
     block_r = max(2, triton.next_power_of_2(rank_dim))
-    return block_r, max(16, min(triton.next_power_of_2(in_features), _FUSED_TILE // block_r))
+    return block_r, max(16, min(triton.next_power_of_2(in_features), tile // block_r))
 
 
 @triton.jit
-def _fused_kernel(X, A, B, Ids, Scalings, Ranks, Out, in_features, rank_dim, proj_stride,
+def _fused_kernel(X, A, B, Ids, Scalings, Ranks, Out, in_features, rank_dim, proj_stride, columns,
                   stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,
                   stride_om, stride_on, s0, e0, s1, e1, s2, e2, first1, first2,
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # A program per token and chunk of ``columns`` output columns of one projection: it computes the token's h for
+    # that projection, then adds h @ b.T to its chunk BLOCK_N columns at a time.
     token = tl.program_id(0).to(tl.int64)
-    proj, offs_n, n_mask = lora._segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    block = tl.program_id(1)
+    proj = (block >= first1).to(tl.int32) + (block >= first2).to(tl.int32)
+    start = tl.where(proj == 0, s0, tl.where(proj == 1, s1, s2))
+    chunk_start = start + (block - tl.where(proj == 0, 0, tl.where(proj == 1, first1, first2))) * columns
+    chunk_end = tl.minimum(chunk_start + columns, tl.where(proj == 0, e0, tl.where(proj == 1, e1, e2)))
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    # Weights only before the wait (kernels/pdl.py): the token's slot (filled before the step), its rank, its block
-    # of b and its first tile of a. Tokens without an adapter and ranks past the slot's load nothing.
+    offs_n = chunk_start + tl.arange(0, BLOCK_N)
+    # Weights only before the wait (kernels/pdl.py): the token's slot (filled before the step), its rank, its first
+    # block of b and its first tile of a. Tokens without an adapter and ranks past the slot's load nothing.
     slot = tl.load(Ids + token)
     with_adapter = slot >= 0
     slot = tl.maximum(slot, 0)
     rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
     r_mask = offs_r < rank
-    w_b = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
-                  mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    b_rows = B + slot * stride_bs + offs_r[None, :] * stride_br
+    w_b = tl.load(b_rows + offs_n[:, None].to(tl.int64) * stride_bn,
+                  mask=(offs_n < chunk_end)[:, None] & r_mask[None, :], other=0.0)
     a_rows = A + slot * stride_as + (proj * rank_dim + offs_r)[:, None].to(tl.int64) * stride_ar
     w_a = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & (offs_k < in_features)[None, :],
                   other=0.0)
@@ -139,11 +154,17 @@ def _fused_kernel(X, A, B, Ids, Scalings, Ranks, Out, in_features, rank_dim, pro
             k = k0 + BLOCK_K + offs_k
             w_a = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < in_features)[None, :],
                           other=0.0)
-        where = Out + token * stride_om + offs_n * stride_on
-        current = tl.load(where, mask=n_mask, other=0.0)
-        h = (h * tl.load(Scalings + proj * proj_stride + slot)).to(current.dtype)  # rounded as the shrink's is
-        delta = tl.sum(w_b.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-        tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
+        h = (h * tl.load(Scalings + proj * proj_stride + slot)).to(Out.dtype.element_ty)  # rounded as the shrink's
+        for n0 in range(chunk_start, chunk_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < chunk_end
+            where = Out + token * stride_om + offs_n * stride_on
+            current = tl.load(where, mask=n_mask, other=0.0)
+            delta = tl.sum(w_b.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+            tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
+            following = offs_n + BLOCK_N
+            w_b = tl.load(b_rows + following[:, None].to(tl.int64) * stride_bn,
+                          mask=(following < chunk_end)[:, None] & r_mask[None, :], other=0.0)
 
 
 @triton.jit

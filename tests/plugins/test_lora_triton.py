@@ -96,13 +96,13 @@ STACKED_SCENARIOS = {
     "stacked_segmented_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
-# kernels/lora_fused.py's forms, chosen by a LoRAKernelChoice: the one-launch fused kernel at 1 token (in=1024, two
-# tiles of a) and at 32 (16 columns a program: several blocks per projection); the grouped shrink's split-K slices
-# with the gather expand (32 tokens) and the slot-grouped one (100).
+# kernels/lora_fused.py's forms, chosen by a LoRAKernelChoice: the one-launch fused kernel at 1 token (in=1024 in
+# four tiles of a) and at 32 (chunks of 32 columns, 16 at a time: q in two chunks, the second and k/v partial);
+# the grouped shrink's split-K slices with the gather expand (32 tokens) and the slot-grouped one (100).
 CHOICE_SCENARIOS = {
-    "fused_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)), {"fused_max_tokens": 1}),
-    "fused_32_tokens_fp32": ((32, torch.float32, 16, 40, (24, 8, 8)),
-                             {"fused_max_tokens": 32, "fused_block_n": 16}),
+    "fused_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)), {"fused_max_tokens": 1, "fused_tile": 2048}),
+    "fused_32_tokens_fp32": ((32, torch.float32, 16, 40, (40, 8, 8)),
+                             {"fused_max_tokens": 32, "fused_columns": 32, "fused_block_n": 16}),
     "grouped_shrink_32_tokens_bf16": ((32, torch.bfloat16, 8, 300, (24, 24)),
                                       {"grouped_shrink_min_tokens": 0, "grouped_split_k": 128}),
     "grouped_shrink_100_tokens_fp32": ((100, torch.float32, 16, 300, (24, 8, 8)),
