@@ -11,8 +11,8 @@ and its own stacked adapters, so a step reads them from memory as a decode step 
 sampling) is the end-to-end half's business.
 
 :func:`run_kernel_sweep` (``--sweep``) times the ``triton`` backend's alternative forms (kernels/lora_fused.py's
-``LoRAKernelChoice``: one-launch fused decode, grouped split-K shrink) against the two-launch default, per decode
-size, each as ``(base + LoRA) / base`` of the same run.
+``LoRAKernelChoice``: one-launch fused and barrier decode kernels, grouped split-K shrink) against the two-launch
+default, per decode size, each as ``(base + LoRA) / base`` of the same run.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ SWEEP_CHOICES = ({},
                  *({"fused_max_tokens": 64, "fused_columns": c, "fused_block_n": n, "fused_tile": t}
                    for c, n, t in ((256, 256, 8192), (1024, 256, 8192), (4096, 512, 8192), (16384, 512, 8192),
                                    (1024, 256, 16384))),
+                 *({"barrier_max_tokens": 64, "barrier_split_k": k, "barrier_block_n": n}
+                   for k, n in ((256, 128), (512, 256), (1024, 512))),
                  *({"grouped_shrink_min_tokens": 0, "grouped_split_k": k} for k in (512, 1024, 2048)))
 
 
@@ -119,7 +121,7 @@ def _changes_form(choice: Any, tokens: int) -> bool:
     from treadle.kernels.lora import GROUPED_MAX_TOKENS
 
     grouped_from = choice.grouped_shrink_min_tokens
-    return tokens <= choice.fused_max_tokens or (grouped_from is not None
+    return tokens <= max(choice.fused_max_tokens, choice.barrier_max_tokens) or (grouped_from is not None
                                                  and grouped_from < tokens <= GROUPED_MAX_TOKENS)
 
 

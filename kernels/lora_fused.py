@@ -6,6 +6,12 @@ sizes where kernels/lora.py's two launches (a shrink, an expand) cost more than 
   program) and adds ``h @ b.T`` to its chunk a block of columns at a time (wide chunks: fewer recomputations,
   longer programs). A layer's LoRA is then one launch instead of two; at bs=1 the
   launch, not the 2.6 MB a Llama-3.1-8B layer's rank-16 adapter holds, is what costs.
+- **barrier** (a few tokens): split-K shrink and expand in one launch. Each program takes a ticket (an atomic
+  count) on arrival: the first tickets shrink a slice of ``in`` for a token into float32 partial sums and count
+  themselves done; the others, a token's block of output columns each, load their block of ``b``, wait (spinning
+  on that count) until every shrink is done, then add up the partials and expand. A ticket is taken only by a
+  program that runs, so every shrink's program is running or done whenever an expand waits: no deadlock whatever
+  the GPU's program order. The last program to finish resets the counts (one small buffer per layer).
 - **grouped shrink** (from a chosen size up to ``GROUPED_MAX_TOKENS``): a program per slot, block of ranks and
   slice of ``in`` (split-K) runs its adapter's ``a`` slice over every span of tokens that has one of its tokens
   (``tl.dot`` over the span), writing float32 partial sums that kernels/lora.py's expand adds up. Each adapter's
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -36,7 +43,9 @@ from treadle.kernels.pdl import wait_for_previous
 class LoRAKernelChoice:
     """Which form ``add_delta`` takes per number of tokens: ``fused_max_tokens`` (0: never) tokens or fewer run
     the fused kernel (at most ``max_rank`` 64): a program per token and chunk of ``fused_columns`` output columns,
-    ``fused_block_n`` at a time, reading ``a`` in tiles of ``fused_tile`` elements; more tokens, up to
+    ``fused_block_n`` at a time, reading ``a`` in tiles of ``fused_tile`` elements; then, up to
+    ``barrier_max_tokens``, the barrier kernel (split-K shrink programs of ``barrier_split_k`` columns of ``in``,
+    expand programs of ``barrier_block_n`` columns, in one launch); more tokens, up to
     ``GROUPED_MAX_TOKENS``, take the grouped shrink past ``grouped_shrink_min_tokens`` (None: never) with slices of
     ``grouped_split_k`` columns of ``in``; everything else runs kernels/lora.py's forms."""
 
@@ -44,6 +53,9 @@ class LoRAKernelChoice:
     fused_columns: int = 256
     fused_block_n: int = 256
     fused_tile: int = 8192
+    barrier_max_tokens: int = 0
+    barrier_split_k: int = 512
+    barrier_block_n: int = 256
     grouped_shrink_min_tokens: int | None = None
     grouped_split_k: int = 1024
 
@@ -53,6 +65,8 @@ class LoRAKernelChoice:
         if self.fused_max_tokens:
             parts.append(f"fused<={self.fused_max_tokens}/c{self.fused_columns}/n{self.fused_block_n}"
                          f"/t{self.fused_tile}")
+        if self.barrier_max_tokens:
+            parts.append(f"barrier<={self.barrier_max_tokens}/k{self.barrier_split_k}/n{self.barrier_block_n}")
         if self.grouped_shrink_min_tokens is not None:
             parts.append(f"grouped>{self.grouped_shrink_min_tokens}/k{self.grouped_split_k}")
         return "+".join(parts) or "two-launch"
@@ -72,6 +86,9 @@ def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: to
     rank_dim = b.shape[2]
     if num_tokens <= choice.fused_max_tokens and rank_dim <= _FUSED_MAX_RANK:
         _fused(x, a, b, adapter_ids, scalings, ranks, segments, out, choice)
+        return
+    if num_tokens <= choice.barrier_max_tokens:
+        _barrier(x, a, b, adapter_ids, scalings, ranks, segments, out, choice)
         return
     grouped_from = choice.grouped_shrink_min_tokens
     if grouped_from is None or not grouped_from < num_tokens <= lora.GROUPED_MAX_TOKENS:
@@ -106,6 +123,41 @@ def _fused(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), *bounds, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl,
         launch_pdl=pdl, num_warps=lora._gather_warps(max(block_r * block_k, block_r * block_n)))
+
+
+def _barrier(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
+             ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
+             choice: LoRAKernelChoice) -> None:
+    num_tokens, in_features = x.shape
+    rows, rank_dim = a.shape[1], b.shape[2]
+    k_per_split = min(choice.barrier_split_k, in_features)
+    split = triton.cdiv(in_features, k_per_split)
+    block_rows = max(2, triton.next_power_of_2(rows))
+    block_k = max(16, min(triton.next_power_of_2(k_per_split), 8192 // block_rows))
+    block_n = max(16, min(choice.barrier_block_n, triton.next_power_of_2(max(e - s for s, e in segments))))
+    bounds, blocks = lora._segment_blocks(segments, block_n)
+    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
+    _barrier_kernel[(num_tokens * (split + blocks),)](
+        x, a, b, adapter_ids, scalings, ranks, out, partials, _counts(a), num_tokens, in_features, rank_dim, rows,
+        lora._projection_stride(ranks), k_per_split, split, blocks, x.stride(0), x.stride(1), a.stride(0),
+        a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        partials.stride(0), partials.stride(1), *bounds, BLOCK_N=block_n, BLOCK_R=max(2, triton.next_power_of_2(
+            rank_dim)), BLOCK_ROWS=block_rows, BLOCK_K=block_k, SPLIT=split, PDL=pdl, launch_pdl=pdl,
+        num_warps=lora._gather_warps(max(block_rows * block_k, block_n * rank_dim)))
+
+
+_COUNTS: dict[Any, torch.Tensor] = {}
+
+
+def _counts(a: torch.Tensor) -> torch.Tensor:
+    """The barrier kernel's three counts (tickets, shrinks done, programs done) for the layer whose adapters are
+    ``a``: zero between launches (the last program resets them), one buffer per layer so that no two launches
+    share one."""
+    key = (a.device, a.data_ptr())
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(3, dtype=torch.int32, device=a.device)
+    return _COUNTS[key]
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,3 +251,73 @@ def _shrink_grouped_kernel(X, A, Ids, Ranks, H, num_tokens, in_features, rank_di
                 # Unscaled float32 partial sums; the expand reads only the slot's tokens' rows within the rank.
                 tl.store(H + tl.program_id(2) * stride_hs + offs_m[:, None].to(tl.int64) * stride_hm +
                          offs_r[None, :], tl.where(r_mask[None, :], acc, 0.0), mask=mine[:, None] & in_rows[None, :])
+
+
+@triton.jit
+def _barrier_kernel(X, A, B, Ids, Scalings, Ranks, Out, Partials, Counts, num_tokens, in_features, rank_dim, rows,
+                    proj_stride, k_per_split, split, column_blocks, stride_xm, stride_xk, stride_as, stride_ar,
+                    stride_ak, stride_bs, stride_bn, stride_br, stride_om, stride_on, stride_ps, stride_pm,
+                    s0, e0, s1, e1, s2, e2, first1, first2,
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT: tl.constexpr, PDL: tl.constexpr):
+    # The counts are reset by the previous launch's last program: read them only after the wait.
+    wait_for_previous(PDL)
+    ticket = tl.atomic_add(Counts, 1, sem="relaxed")
+    shrinks = num_tokens * split
+    if ticket < shrinks:  # a slice of in for one token, every stacked row: float32 partial sums
+        token = (ticket // split).to(tl.int64)
+        part = ticket % split
+        offs_r = tl.arange(0, BLOCK_ROWS)
+        offs_k = tl.arange(0, BLOCK_K)
+        k_start = part * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, in_features)
+        slot = tl.load(Ids + token)
+        with_adapter = slot >= 0
+        slot = tl.maximum(slot, 0)
+        proj = offs_r // rank_dim
+        in_rows = offs_r < rows
+        rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
+        r_mask = offs_r - proj * rank_dim < rank
+        a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
+        result = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        if tl.max(r_mask.to(tl.int32), axis=0) > 0:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                k = k0 + offs_k
+                k_mask = k < k_end
+                w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                xs = tl.load(X + token * stride_xm + k * stride_xk, mask=k_mask, other=0.0)
+                result += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
+        tl.store(Partials + part * stride_ps + token * stride_pm + offs_r, result, mask=in_rows)
+        tl.debug_barrier()  # every thread's part is stored before the count releases it
+        tl.atomic_add(Counts + 1, 1, sem="release")
+    else:  # a block of output columns for one token, once every shrink is done
+        expand = ticket - shrinks
+        token = (expand // column_blocks).to(tl.int64)
+        proj, offs_n, n_mask = lora._segment(expand % column_blocks, s0, e0, s1, e1, s2, e2, first1, first2,
+                                             BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        slot = tl.load(Ids + token)
+        with_adapter = slot >= 0
+        slot = tl.maximum(slot, 0)
+        rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
+        r_mask = offs_r < rank
+        w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
+                    mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        done = tl.atomic_add(Counts + 1, 0, sem="acquire")
+        while done < shrinks:
+            done = tl.atomic_add(Counts + 1, 0, sem="acquire")
+        tl.debug_barrier()
+        if rank > 0:  # rows without an adapter (or whose adapter leaves this projection alone) are not touched
+            h_ptrs = Partials + token * stride_pm + proj * rank_dim + offs_r
+            h = tl.load(h_ptrs, mask=r_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                h += tl.load(h_ptrs + s * stride_ps, mask=r_mask, other=0.0, cache_modifier=".cg")
+            where = Out + token * stride_om + offs_n * stride_on
+            current = tl.load(where, mask=n_mask, other=0.0)
+            h = (h * tl.load(Scalings + proj * proj_stride + slot)).to(current.dtype)  # rounded as the shrink's is
+            delta = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+            tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
+    if tl.atomic_add(Counts + 2, 1, sem="acq_rel") == shrinks + num_tokens * column_blocks - 1:
+        tl.atomic_xchg(Counts, 0, sem="relaxed")  # every program has its ticket and has passed the wait
+        tl.atomic_xchg(Counts + 1, 0, sem="relaxed")
+        tl.atomic_xchg(Counts + 2, 0, sem="relaxed")

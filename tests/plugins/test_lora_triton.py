@@ -98,11 +98,17 @@ STACKED_SCENARIOS = {
 }
 # kernels/lora_fused.py's forms, chosen by a LoRAKernelChoice: the one-launch fused kernel at 1 token (in=1024 in
 # four tiles of a) and at 32 (chunks of 32 columns, 16 at a time: q in two chunks, the second and k/v partial);
-# the grouped shrink's split-K slices with the gather expand (32 tokens) and the slot-grouped one (100).
+# the barrier kernel's split-K shrinks and expands in one launch at 1 and 32 tokens (its counts reset for the next
+# launch: the one-token scenario runs it twice); the grouped shrink's split-K slices with the gather expand (32
+# tokens) and the slot-grouped one (100).
 CHOICE_SCENARIOS = {
     "fused_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)), {"fused_max_tokens": 1, "fused_tile": 2048}),
     "fused_32_tokens_fp32": ((32, torch.float32, 16, 40, (40, 8, 8)),
                              {"fused_max_tokens": 32, "fused_columns": 32, "fused_block_n": 16}),
+    "barrier_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)),
+                               {"barrier_max_tokens": 1, "barrier_split_k": 256, "barrier_block_n": 16}),
+    "barrier_32_tokens_fp32": ((32, torch.float32, 16, 200, (24, 8, 8)),
+                               {"barrier_max_tokens": 32, "barrier_split_k": 128, "barrier_block_n": 16}),
     "grouped_shrink_32_tokens_bf16": ((32, torch.bfloat16, 8, 300, (24, 24)),
                                       {"grouped_shrink_min_tokens": 0, "grouped_split_k": 128}),
     "grouped_shrink_100_tokens_fp32": ((100, torch.float32, 16, 300, (24, 8, 8)),
@@ -191,6 +197,8 @@ def run_stacked_scenario(name: str) -> dict:
         add_delta = lora.add_delta
     x, weights, ids, out = make_stacked_case(num_tokens, dtype, max_rank, in_features, widths, seed=len(name))
     before = out.clone()
+    if name == "barrier_one_token_bf16":  # a first launch, whose last program must leave the counts at zero
+        add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out.clone())
     add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out)
     first, last = weights.segments[0][0], weights.segments[-1][1]
     none = ids == NO_ADAPTER
@@ -198,6 +206,7 @@ def run_stacked_scenario(name: str) -> dict:
             "outside_untouched": torch.equal(out[:, :first], before[:, :first])
             and torch.equal(out[:, last:], before[:, last:]),
             "no_adapter_rows_untouched": torch.equal(out[none], before[none]),
+            "counts_zero": all(int(counts.abs().sum()) == 0 for counts in lora_fused._COUNTS.values()),
             "split": lora._gather_shrink_blocks(num_tokens, weights.a.shape[1], in_features, True)[3]
             if lora._shrink_gathers(num_tokens, weights.a.shape[1]) else 1,
             "tolerance": TOLERANCE[dtype]}
@@ -268,6 +277,7 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
     assert result["error"] <= result["tolerance"], f"add_delta: relative error {result['error']}"
     assert result["outside_untouched"], "add_delta wrote columns outside the projections"
     assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
+    assert result["counts_zero"], "the barrier kernel left its counts for the next launch non-zero"
     if name == "stacked_split_k_one_token_bf16":
         assert result["split"] == 2  # in=1024 over two programs' slices
 
