@@ -250,6 +250,34 @@ def _load_h(ptrs, mask, stride_hs, scaling, SPLIT: tl.constexpr, PARTIAL: tl.con
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride):
+    """Token ``token``'s slot (clamped to 0 for none) and, over stacked rows ``offs_r`` of ``a``, each row's
+    projection, whether it exists and whether it is within the slot's rank of that projection (none without an
+    adapter)."""
+    slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    proj = offs_r // rank_dim
+    in_rows = offs_r < rows
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
+    return slot, proj, in_rows, offs_r - proj * rank_dim < rank
+
+
+@triton.jit
+def token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_stride, stride_bs, stride_bn, stride_br):
+    """Token ``token``'s slot (clamped to 0 for none), whether it has an adapter, its projection's rank mask over
+    ``offs_r`` and its block of ``b`` (rows ``offs_n``; nothing loaded past the rank or without an adapter)."""
+    slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
+    r_mask = offs_r < rank
+    w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    return slot, with_adapter, r_mask, w
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size
 def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
@@ -262,13 +290,7 @@ def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features
     # Before the wait only what no kernel of this step writes: the ids (copied in before the step), ranks,
     # scalings and the adapter's first weight block (kernels/pdl.py). Out-of-rank rows and tokens without an
     # adapter mask every weight load, so they read nothing. Row r is rank r % R of projection r // R.
-    slot = tl.load(Ids + token)
-    with_adapter = slot >= 0
-    slot = tl.maximum(slot, 0)
-    proj = offs_r // rank_dim
-    in_rows = offs_r < rows
-    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
-    r_mask = offs_r - proj * rank_dim < rank
+    slot, proj, in_rows, r_mask = token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride)
     scaling = tl.load(Scalings + proj * proj_stride + slot, mask=in_rows, other=0.0)
     x_limit = tl.where(tl.max(r_mask.to(tl.int32), axis=0) > 0, k_end, 0)  # an idle program reads no x
     a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
@@ -298,13 +320,8 @@ def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim,
     proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     # The adapter's block of b (its columns' rows, contiguous) before the wait, as in the shrink; h and out after.
-    slot = tl.load(Ids + token)
-    with_adapter = slot >= 0
-    slot = tl.maximum(slot, 0)
-    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
-    r_mask = offs_r < rank
-    w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    slot, with_adapter, r_mask, w = token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_stride,
+                                                  stride_bs, stride_bn, stride_br)
     wait_for_previous(PDL)
     if with_adapter:  # rows without an adapter are not touched
         scaling = tl.load(Scalings + proj * proj_stride + slot)

@@ -271,13 +271,7 @@ def _barrier_kernel(X, A, B, Ids, Scalings, Ranks, Out, Partials, Counts, num_to
         offs_k = tl.arange(0, BLOCK_K)
         k_start = part * k_per_split
         k_end = tl.minimum(k_start + k_per_split, in_features)
-        slot = tl.load(Ids + token)
-        with_adapter = slot >= 0
-        slot = tl.maximum(slot, 0)
-        proj = offs_r // rank_dim
-        in_rows = offs_r < rows
-        rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
-        r_mask = offs_r - proj * rank_dim < rank
+        slot, proj, in_rows, r_mask = lora.token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride)
         a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
         result = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         if tl.max(r_mask.to(tl.int32), axis=0) > 0:
@@ -296,18 +290,13 @@ def _barrier_kernel(X, A, B, Ids, Scalings, Ranks, Out, Partials, Counts, num_to
         proj, offs_n, n_mask = lora._segment(expand % column_blocks, s0, e0, s1, e1, s2, e2, first1, first2,
                                              BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
-        slot = tl.load(Ids + token)
-        with_adapter = slot >= 0
-        slot = tl.maximum(slot, 0)
-        rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
-        r_mask = offs_r < rank
-        w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
-                    mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        slot, with_adapter, r_mask, w = lora.token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r,
+                                                           proj_stride, stride_bs, stride_bn, stride_br)
         done = tl.atomic_add(Counts + 1, 0, sem="acquire")
         while done < shrinks:
             done = tl.atomic_add(Counts + 1, 0, sem="acquire")
         tl.debug_barrier()
-        if rank > 0:  # rows without an adapter (or whose adapter leaves this projection alone) are not touched
+        if tl.max(r_mask.to(tl.int32), axis=0) > 0:  # rows without an adapter (or rank 0 here) are not touched
             h_ptrs = Partials + token * stride_pm + proj * rank_dim + offs_r
             h = tl.load(h_ptrs, mask=r_mask, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT):

@@ -1,5 +1,5 @@
-"""kernels/lora_fused.py's forms of a layer's LoRA path (every ``LoRAKernelChoice`` of ``treadle bench lora
---sweep``) at Llama-3.1-8B's stacked shapes against the ``torch`` backend, and captured in a CUDA graph then
+"""kernels/lora_fused.py's forms of a layer's LoRA path (each kind of ``LoRAKernelChoice`` that ``treadle bench
+lora --sweep`` times) at Llama-3.1-8B's stacked shapes against the ``torch`` backend, and captured in a CUDA graph then
 replayed with other adapter ids."""
 
 from __future__ import annotations
@@ -15,11 +15,17 @@ NO_ADAPTER = -1
 LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
+# One of each form the sweep times (bench/lora_kernels.py SWEEP_CHOICES), at its widest reach.
+CHOICES = ({"fused_max_tokens": 256, "fused_columns": 256, "fused_block_n": 256},
+           {"fused_max_tokens": 256, "fused_columns": 16384, "fused_block_n": 512, "fused_tile": 16384},
+           {"barrier_max_tokens": 256, "barrier_split_k": 512, "barrier_block_n": 256},
+           {"grouped_shrink_min_tokens": 0, "grouped_split_k": 1024})
+
+
 def _choices():
-    from treadle.bench.lora_kernels import SWEEP_CHOICES
     from treadle.kernels.lora_fused import LoRAKernelChoice
 
-    return [LoRAKernelChoice(**fields) for fields in SWEEP_CHOICES[1:]]
+    return [LoRAKernelChoice(**fields) for fields in CHOICES]
 
 
 def _stacked(in_features: int, widths: tuple[int, ...], max_rank: int, seed: int):
