@@ -264,49 +264,70 @@ def _barrier_kernel(X, A, B, Ids, Scalings, Ranks, Out, Partials, Counts, num_to
     wait_for_previous(PDL)
     ticket = tl.atomic_add(Counts, 1, sem="relaxed")
     shrinks = num_tokens * split
-    if ticket < shrinks:  # a slice of in for one token, every stacked row: float32 partial sums
-        token = (ticket // split).to(tl.int64)
-        part = ticket % split
-        offs_r = tl.arange(0, BLOCK_ROWS)
-        offs_k = tl.arange(0, BLOCK_K)
-        k_start = part * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, in_features)
-        slot, proj, in_rows, r_mask = lora.token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride)
-        a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
-        result = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-        if tl.max(r_mask.to(tl.int32), axis=0) > 0:
-            for k0 in range(k_start, k_end, BLOCK_K):
-                k = k0 + offs_k
-                k_mask = k < k_end
-                w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                xs = tl.load(X + token * stride_xm + k * stride_xk, mask=k_mask, other=0.0)
-                result += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
-        tl.store(Partials + part * stride_ps + token * stride_pm + offs_r, result, mask=in_rows)
-        tl.debug_barrier()  # every thread's part is stored before the count releases it
-        tl.atomic_add(Counts + 1, 1, sem="release")
-    else:  # a block of output columns for one token, once every shrink is done
+    if ticket < shrinks:
+        _barrier_shrink(X, A, Ids, Ranks, Partials, Counts, ticket // split, ticket % split, in_features, rank_dim,
+                        rows, proj_stride, k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak,
+                        stride_ps, stride_pm, BLOCK_ROWS, BLOCK_K)
+    else:
         expand = ticket - shrinks
-        token = (expand // column_blocks).to(tl.int64)
-        proj, offs_n, n_mask = lora._segment(expand % column_blocks, s0, e0, s1, e1, s2, e2, first1, first2,
-                                             BLOCK_N)
-        offs_r = tl.arange(0, BLOCK_R)
-        slot, with_adapter, r_mask, w = lora.token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r,
-                                                           proj_stride, stride_bs, stride_bn, stride_br)
-        done = tl.atomic_add(Counts + 1, 0, sem="acquire")
-        while done < shrinks:
-            done = tl.atomic_add(Counts + 1, 0, sem="acquire")
-        tl.debug_barrier()
-        if tl.max(r_mask.to(tl.int32), axis=0) > 0:  # rows without an adapter (or rank 0 here) are not touched
-            h_ptrs = Partials + token * stride_pm + proj * rank_dim + offs_r
-            h = tl.load(h_ptrs, mask=r_mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                h += tl.load(h_ptrs + s * stride_ps, mask=r_mask, other=0.0, cache_modifier=".cg")
-            where = Out + token * stride_om + offs_n * stride_on
-            current = tl.load(where, mask=n_mask, other=0.0)
-            h = (h * tl.load(Scalings + proj * proj_stride + slot)).to(current.dtype)  # rounded as the shrink's is
-            delta = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-            tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
+        _barrier_expand(B, Ids, Scalings, Ranks, Out, Partials, Counts, expand // column_blocks,
+                        expand % column_blocks, shrinks, rank_dim, proj_stride, stride_bs, stride_bn, stride_br,
+                        stride_om, stride_on, stride_ps, stride_pm, s0, e0, s1, e1, s2, e2, first1, first2,
+                        BLOCK_N, BLOCK_R, SPLIT)
     if tl.atomic_add(Counts + 2, 1, sem="acq_rel") == shrinks + num_tokens * column_blocks - 1:
         tl.atomic_xchg(Counts, 0, sem="relaxed")  # every program has its ticket and has passed the wait
         tl.atomic_xchg(Counts + 1, 0, sem="relaxed")
         tl.atomic_xchg(Counts + 2, 0, sem="relaxed")
+
+
+@triton.jit
+def _barrier_shrink(X, A, Ids, Ranks, Partials, Counts, token, part, in_features, rank_dim, rows, proj_stride,
+                    k_per_split, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_ps, stride_pm,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A slice of ``in`` for one token, every stacked row: float32 partial sums, then counted done."""
+    token = token.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = part * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    slot, proj, in_rows, r_mask = lora.token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride)
+    a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
+    result = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    if tl.max(r_mask.to(tl.int32), axis=0) > 0:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < k_end
+            w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            xs = tl.load(X + token * stride_xm + k * stride_xk, mask=k_mask, other=0.0)
+            result += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
+    tl.store(Partials + part * stride_ps + token * stride_pm + offs_r, result, mask=in_rows)
+    tl.debug_barrier()  # every thread's part is stored before the count releases it
+    tl.atomic_add(Counts + 1, 1, sem="release")
+
+
+@triton.jit
+def _barrier_expand(B, Ids, Scalings, Ranks, Out, Partials, Counts, token, block, shrinks, rank_dim, proj_stride,
+                    stride_bs, stride_bn, stride_br, stride_om, stride_on, stride_ps, stride_pm,
+                    s0, e0, s1, e1, s2, e2, first1, first2,
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr):
+    """A block of output columns for one token: its block of ``b`` loaded, then, once every shrink is done, the
+    partials added up, scaled, rounded and expanded into ``out``."""
+    token = token.to(tl.int64)
+    proj, offs_n, n_mask = lora._segment(block, s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    slot, with_adapter, r_mask, w = lora.token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r,
+                                                       proj_stride, stride_bs, stride_bn, stride_br)
+    done = tl.atomic_add(Counts + 1, 0, sem="acquire")
+    while done < shrinks:
+        done = tl.atomic_add(Counts + 1, 0, sem="acquire")
+    tl.debug_barrier()
+    if tl.max(r_mask.to(tl.int32), axis=0) > 0:  # rows without an adapter (or rank 0 here) are not touched
+        h_ptrs = Partials + token * stride_pm + proj * rank_dim + offs_r
+        h = tl.load(h_ptrs, mask=r_mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            h += tl.load(h_ptrs + s * stride_ps, mask=r_mask, other=0.0, cache_modifier=".cg")
+        where = Out + token * stride_om + offs_n * stride_on
+        current = tl.load(where, mask=n_mask, other=0.0)
+        h = (h * tl.load(Scalings + proj * proj_stride + slot)).to(current.dtype)  # rounded as the shrink's is
+        delta = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+        tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)

@@ -199,7 +199,7 @@ def _model_kernels() -> dict:
 
 
 def _lora_kernels() -> dict:
-    from treadle.kernels import lora
+    from treadle.kernels import lora, lora_fused
 
     shrink = {"X": "*bf16", "A": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "H": "*bf16"}
     expand = {"H": "*bf16", "B": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "Out": "*bf16"}
@@ -232,6 +232,23 @@ def _lora_kernels() -> dict:
         "lora_expand_segmented": lambda: _compile(
             lora._expand_segmented_kernel, summed, set(), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, SPLIT=1,
                                                                PARTIAL=True, IEEE=False)),
+        **_lora_choice_kernels(lora_fused, {**expand, "X": "*bf16", "A": "*bf16"}),
+    }
+
+
+def _lora_choice_kernels(lora_fused, both: dict[str, str]) -> dict:
+    """kernels/lora_fused.py's one-launch kernels (shrink and expand in one) and its grouped shrink."""
+    return {
+        "lora_fused[pdl]": lambda: _check_pdl(True, _compile(
+            lora_fused._fused_kernel, both, set(), dict(BLOCK_N=512, BLOCK_R=16, BLOCK_K=512, PDL=True)),
+            triggers=False),
+        "lora_barrier[pdl]": lambda: _check_pdl(True, _compile(
+            lora_fused._barrier_kernel, {**both, "Partials": "*fp32", "Counts": "*i32"}, set(),
+            dict(BLOCK_N=256, BLOCK_R=16, BLOCK_ROWS=64, BLOCK_K=128, SPLIT=8, PDL=True)), triggers=False),
+        "lora_shrink_grouped": lambda: _compile(
+            lora_fused._shrink_grouped_kernel, {"X": "*bf16", "A": "*bf16", "Ids": "*i64", "Ranks": "*i32",
+                                                "H": "*fp32"}, set(), dict(BLOCK_M=32, BLOCK_R=64, BLOCK_K=128,
+                                                                            IEEE=False)),
     }
 
 
@@ -300,7 +317,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k]",
            "lora_expand_gather[pdl]", "lora_expand_gather[split-k]", "lora_expand_grouped",
-           "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented"]
+           "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
+           "lora_fused[pdl]", "lora_barrier[pdl]", "lora_shrink_grouped"]
 
 
 def _compile_all() -> dict[str, str | None]:
