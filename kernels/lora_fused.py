@@ -44,7 +44,7 @@ class LoRAKernelChoice:
     """Which form ``add_delta`` takes per number of tokens: ``fused_max_tokens`` (0: never) tokens or fewer run
     the fused kernel (at most ``max_rank`` 64): a program per token and chunk of ``fused_columns`` output columns,
     ``fused_block_n`` at a time, reading ``a`` in tiles of ``fused_tile`` elements; then, up to
-    ``barrier_max_tokens``, the barrier kernel (split-K shrink programs of ``barrier_split_k`` columns of ``in``,
+    ``barrier_max_tokens`` (``max_rank`` 64 too), the barrier kernel (split-K shrink programs of ``barrier_split_k`` columns of ``in``,
     expand programs of ``barrier_block_n`` columns, in one launch); more tokens, up to
     ``GROUPED_MAX_TOKENS``, take the grouped shrink past ``grouped_shrink_min_tokens`` (None: never) with slices of
     ``grouped_split_k`` columns of ``in``; everything else runs kernels/lora.py's forms."""
@@ -73,38 +73,27 @@ class LoRAKernelChoice:
 
 
 DEFAULT = LoRAKernelChoice()
-_FUSED_MAX_RANK = 64  # h's ranks live in one register block
+_FUSED_MAX_RANK = 64  # the one-launch kernels hold a token's stacked ranks in one register block
 
 
 def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
               ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
               choice: LoRAKernelChoice = DEFAULT) -> None:
     """kernels/lora.py's ``add_delta`` (same arguments and result) in the form ``choice`` picks for this size."""
-    num_tokens, rows = x.shape[0], a.shape[1]
+    num_tokens, rank_dim = x.shape[0], b.shape[2]
     if num_tokens == 0:
         return
-    rank_dim = b.shape[2]
     if num_tokens <= choice.fused_max_tokens and rank_dim <= _FUSED_MAX_RANK:
         _fused(x, a, b, adapter_ids, scalings, ranks, segments, out, choice)
         return
-    if num_tokens <= choice.barrier_max_tokens:
+    if num_tokens <= choice.barrier_max_tokens and rank_dim <= _FUSED_MAX_RANK:
         _barrier(x, a, b, adapter_ids, scalings, ranks, segments, out, choice)
         return
     grouped_from = choice.grouped_shrink_min_tokens
-    if grouped_from is None or not grouped_from < num_tokens <= lora.GROUPED_MAX_TOKENS:
-        lora.add_delta(x, a, b, adapter_ids, scalings, ranks, segments, out)
+    if grouped_from is not None and grouped_from < num_tokens <= lora.GROUPED_MAX_TOKENS:
+        _grouped(x, a, b, adapter_ids, scalings, ranks, segments, out, choice.grouped_split_k)
         return
-    k_per_split = min(choice.grouped_split_k, x.shape[1])
-    split = triton.cdiv(x.shape[1], k_per_split)
-    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
-    block_r = max(16, min(64, triton.next_power_of_2(rows)))
-    grid = (a.shape[0], triton.cdiv(rows, block_r), split)
-    _shrink_grouped_kernel[grid](x, a, adapter_ids, ranks, partials, num_tokens, x.shape[1], rank_dim, rows,
-                                 lora._projection_stride(ranks), k_per_split, x.stride(0), x.stride(1), a.stride(0),
-                                 a.stride(1), a.stride(2), partials.stride(0), partials.stride(1),
-                                 BLOCK_M=16 if num_tokens <= 64 else 32, BLOCK_R=block_r, BLOCK_K=128,
-                                 IEEE=lora._ieee_dot(x), num_warps=4, num_stages=3)
-    lora._expand(partials, scalings, b, adapter_ids, ranks, segments, out)
+    lora.add_delta(x, a, b, adapter_ids, scalings, ranks, segments, out)
 
 
 def _fused(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
@@ -145,6 +134,23 @@ def _barrier(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: tor
         partials.stride(0), partials.stride(1), *bounds, BLOCK_N=block_n, BLOCK_R=max(2, triton.next_power_of_2(
             rank_dim)), BLOCK_ROWS=block_rows, BLOCK_K=block_k, SPLIT=split, PDL=pdl, launch_pdl=pdl,
         num_warps=lora._gather_warps(max(block_rows * block_k, block_n * rank_dim)))
+
+
+def _grouped(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
+             ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor, split_k: int) -> None:
+    num_tokens, in_features = x.shape
+    rows, rank_dim = a.shape[1], b.shape[2]
+    k_per_split = min(split_k, in_features)
+    split = triton.cdiv(in_features, k_per_split)
+    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
+    block_r = max(16, min(64, triton.next_power_of_2(rows)))
+    grid = (a.shape[0], triton.cdiv(rows, block_r), split)
+    _shrink_grouped_kernel[grid](x, a, adapter_ids, ranks, partials, num_tokens, in_features, rank_dim, rows,
+                                 lora._projection_stride(ranks), k_per_split, x.stride(0), x.stride(1), a.stride(0),
+                                 a.stride(1), a.stride(2), partials.stride(0), partials.stride(1),
+                                 BLOCK_M=16 if num_tokens <= 64 else 32, BLOCK_R=block_r, BLOCK_K=128,
+                                 IEEE=lora._ieee_dot(x), num_warps=4, num_stages=3)
+    lora._expand(partials, scalings, b, adapter_ids, ranks, segments, out)
 
 
 _COUNTS: dict[Any, torch.Tensor] = {}
