@@ -51,8 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.part in ("kernels", "all") and args.sweep:
         from treadle.bench.lora_kernels import SWEEP_CHOICES, run_kernel_sweep
+        from treadle.kernels.lora_fused import choice_fields
 
-        choices = (SWEEP_CHOICES[0], *(_choice_fields(text) for text in args.choice)) if args.choice else SWEEP_CHOICES
+        choices = (SWEEP_CHOICES[0], *(choice_fields(text) for text in args.choice)) if args.choice else SWEEP_CHOICES
         report["kernel_sweep"] = run_kernel_sweep(args.rank, choices)
         print(format_sweep_table(report["kernel_sweep"]), flush=True)
     elif args.part in ("kernels", "all"):
@@ -98,15 +99,6 @@ def format_sweep_table(rows: list[dict[str, Any]]) -> str:
                      f"{row['ratio']:7.3f} {row['ratio'] - default:+10.3f}")
     lines += ["best per case:"] + [f"{case:22s} {row['choice']:34s} {row['ratio']:7.3f}" for case, row in best.items()]
     return "\n".join(lines)
-
-
-def _choice_fields(text: str) -> dict[str, int | None]:
-    """``fused_max_tokens=32,fused_block_n=256`` -> its fields (``none`` for None)."""
-    fields: dict[str, int | None] = {}
-    for pair in filter(None, text.split(",")):
-        key, _, value = pair.partition("=")
-        fields[key.strip()] = None if value.strip().lower() == "none" else int(value)
-    return fields
 
 
 def format_engine_table(result: dict[str, Any]) -> str:

@@ -26,7 +26,9 @@ backend runs; ``treadle bench lora --part kernels --sweep`` times the others sid
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +46,10 @@ class LoRAKernelChoice:
     """Which form ``add_delta`` takes per number of tokens: ``fused_max_tokens`` (0: never) tokens or fewer run
     the fused kernel (at most ``max_rank`` 64): a program per token and chunk of ``fused_columns`` output columns,
     ``fused_block_n`` at a time, reading ``a`` in tiles of ``fused_tile`` elements; then, up to
-    ``barrier_max_tokens`` (``max_rank`` 64 too), the barrier kernel (split-K shrink programs of ``barrier_split_k`` columns of ``in``,
-    expand programs of ``barrier_block_n`` columns, in one launch); more tokens, up to
-    ``GROUPED_MAX_TOKENS``, take the grouped shrink past ``grouped_shrink_min_tokens`` (None: never) with slices of
-    ``grouped_split_k`` columns of ``in``; everything else runs kernels/lora.py's forms."""
+    ``barrier_max_tokens`` (``max_rank`` 64 too), the barrier kernel: split-K shrink programs of
+    ``barrier_split_k`` columns of ``in`` and expand programs of ``barrier_block_n`` columns, in one launch; more
+    tokens, up to ``GROUPED_MAX_TOKENS``, take the grouped shrink past ``grouped_shrink_min_tokens`` (None: never)
+    with slices of ``grouped_split_k`` columns of ``in``; everything else runs kernels/lora.py's forms."""
 
     fused_max_tokens: int = 0
     fused_columns: int = 256
@@ -72,7 +74,22 @@ class LoRAKernelChoice:
         return "+".join(parts) or "two-launch"
 
 
-DEFAULT = LoRAKernelChoice()
+def choice_fields(text: str) -> dict[str, int | None]:
+    """``fused_max_tokens=32,grouped_shrink_min_tokens=none`` -> those :class:`LoRAKernelChoice` fields."""
+    known = {field.name for field in dataclasses.fields(LoRAKernelChoice)}
+    fields: dict[str, int | None] = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = (side.strip() for side in pair.partition("="))
+        if key not in known or not value:
+            raise ValueError(f"bad LoRA kernel choice {pair!r}: expected FIELD=N (or none), FIELD one of "
+                             f"{', '.join(sorted(known))}")
+        fields[key] = None if value.lower() == "none" else int(value)
+    return fields
+
+
+# What the triton backend runs: the two-launch forms until the GPU sweep picks; TREADLE_LORA_KERNELS (the same
+# FIELD=N,... text as ``treadle bench lora --sweep --choice``) overrides it for A/B runs of the engine.
+DEFAULT = LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
 _FUSED_MAX_RANK = 64  # the one-launch kernels hold a token's stacked ranks in one register block
 
 

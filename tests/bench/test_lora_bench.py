@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.bench.lora import _choice_fields, format_engine_table, format_kernel_table, format_sweep_table
+from treadle.bench.lora import format_engine_table, format_kernel_table, format_sweep_table
 from treadle.bench.lora_engine import TARGET_MODULES, write_adapters
 from treadle.bench.shapes import TINY
 
@@ -52,5 +52,3 @@ def test_sweep_table_compares_each_choice_with_the_default_of_its_case() -> None
     fused = lines[3]
     assert "fused<=64/c256/n256/t8192" in fused and fused.endswith("1.080     -0.100")
     assert lines[-1].split() == ["bs=1,", "1", "adapter", "fused<=64/c256/n256/t8192", "1.080"]
-    assert _choice_fields("fused_max_tokens=32, grouped_shrink_min_tokens=none") == {
-        "fused_max_tokens": 32, "grouped_shrink_min_tokens": None}

@@ -212,6 +212,15 @@ def run_stacked_scenario(name: str) -> dict:
             "tolerance": TOLERANCE[dtype]}
 
 
+def run_choice_text(text: str) -> dict:
+    from treadle.kernels.lora_fused import LoRAKernelChoice, choice_fields
+
+    try:
+        return {"name": LoRAKernelChoice(**choice_fields(text)).name}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
 def run_conformance(dtype_name: str) -> dict:
     from treadle.plugins.lora_backends.triton import TritonLoRABackend
     from treadle.testing import check_lora_backend
@@ -230,7 +239,9 @@ def _run_all() -> dict:
     results = {}
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
             **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
-            "conformance_float32": (run_conformance, "float32")}
+            "conformance_float32": (run_conformance, "float32"),
+            "choice_text": (run_choice_text, "fused_max_tokens=32, fused_columns=4096,grouped_shrink_min_tokens=32"),
+            "choice_text_bad": (run_choice_text, "fused_max_token=32")}
     for key, (function, argument) in jobs.items():
         try:
             results[key] = function(argument)
@@ -285,6 +296,13 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
 def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) -> None:
     result = interpreted_results["conformance_float32"]  # bfloat16 rounding: the scenarios above
     assert result.get("passed"), result.get("traceback")
+
+
+def test_kernel_choice_reads_from_text(interpreted_results: dict[str, dict]) -> None:
+    """The FIELD=N,... text of TREADLE_LORA_KERNELS and ``treadle bench lora --sweep --choice``."""
+    assert interpreted_results["choice_text"] == {"name": "fused<=32/c4096/n256/t8192+grouped>32/k1024"}
+    error = interpreted_results["choice_text_bad"]["error"]
+    assert "'fused_max_token=32'" in error and "fused_max_tokens" in error
 
 
 def test_registered_as_triton() -> None:
