@@ -2,13 +2,14 @@
 base model, in one run.
 
 ``treadle bench lora [--part kernels|engine|all] [--backend triton] [--rank 16] [--num-prompts 1000]
-[--spread 16] [--set KEY=VALUE ...] [--sweep [--choice FIELD=N,...]] [--output PATH]``
+[--spread 16] [--set KEY=VALUE ...] [--sweep [--choice FIELD=N,...] [--sizes 1,32]] [--output PATH]``
 
 - ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
   layers' deltas (one shrink and one expand per fused layer, as the engine runs them; and per projection, the
   earlier form, for comparison) against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter,
   bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16. With ``--sweep``: the ``triton`` backend's
-  kernel choices (kernels/lora_fused.py) side by side per decode size, each as ``(base + LoRA) / base``.
+  kernel choices (kernels/lora_choice.py) side by side per decode size (``--sizes 1,32``: those batch sizes only),
+  each as ``(base + LoRA) / base``.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
@@ -50,11 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__, "backend": args.backend, "rank": args.rank,
     }
     if args.part in ("kernels", "all") and args.sweep:
-        from treadle.bench.lora_kernels import SWEEP_CHOICES, run_kernel_sweep
-        from treadle.kernels.lora_fused import choice_fields
+        from treadle.bench.lora_kernels import SWEEP_CASES, SWEEP_CHOICES, run_kernel_sweep
+        from treadle.kernels.lora_choice import choice_fields
 
         choices = (SWEEP_CHOICES[0], *(choice_fields(text) for text in args.choice)) if args.choice else SWEEP_CHOICES
-        report["kernel_sweep"] = run_kernel_sweep(args.rank, choices)
+        sizes = {int(size) for size in args.sizes.split(",")} if args.sizes else None
+        cases = tuple(case for case in SWEEP_CASES if sizes is None or case.tokens in sizes)
+        report["kernel_sweep"] = run_kernel_sweep(args.rank, choices, cases)
         print(format_sweep_table(report["kernel_sweep"]), flush=True)
     elif args.part in ("kernels", "all"):
         from treadle.bench.lora_kernels import run_kernel_cases
@@ -86,7 +89,7 @@ def format_kernel_table(rows: list[dict[str, Any]]) -> str:
 
 def format_sweep_table(rows: list[dict[str, Any]]) -> str:
     """Per case, each kernel choice's ``(base + LoRA) / base`` and its change against the case's first row (the
-    two-launch default)."""
+    default)."""
     lines = ["LoRA kernel choices (triton, 7 projections x 32 layers): (base + LoRA) / base per decode size",
              f"{'case':22s} {'choice':34s} {'base ms':>8s} {'lora ms':>8s} {'ratio':>7s} {'vs default':>10s}"]
     first: dict[str, float] = {}
@@ -167,11 +170,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="engine part: override a config key of both engines (repeatable)")
     parser.add_argument("--sweep", action="store_true",
-                        help="kernels part: time the triton backend's kernel choices (kernels/lora_fused.py) "
-                             "against its two-launch default per decode size, instead of the fixed cases")
+                        help="kernels part: time the triton backend's kernel choices (kernels/lora_choice.py) "
+                             "against its default per decode size, instead of the fixed cases")
     parser.add_argument("--choice", action="append", default=[], metavar="FIELD=N,...",
                         help="with --sweep: a LoRAKernelChoice to time instead of the built-in list (repeatable), "
-                             "e.g. fused_max_tokens=32,fused_block_n=256,grouped_shrink_min_tokens=32")
+                             "e.g. go_ahead=0 or shrink_tile=16384,busy_programs=1024")
+    parser.add_argument("--sizes", metavar="N,N,...",
+                        help="with --sweep: only these decode batch sizes (of 1, 8, 32, 64, 128, 256)")
     parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
     return parser
 

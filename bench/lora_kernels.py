@@ -10,9 +10,9 @@ and its own stacked adapters, so a step reads them from memory as a decode step 
 ``(base + LoRA) / base`` is what the deltas add to the linear layers' time; the whole decode step (attention, norms,
 sampling) is the end-to-end half's business.
 
-:func:`run_kernel_sweep` (``--sweep``) times the ``triton`` backend's alternative forms (kernels/lora_fused.py's
-``LoRAKernelChoice``: one-launch fused and barrier decode kernels, grouped split-K shrink) against the two-launch
-default, per decode size, each as ``(base + LoRA) / base`` of the same run.
+:func:`run_kernel_sweep` (``--sweep``) times the ``triton`` backend's kernel tunables (kernels/lora_choice.py's
+``LoRAKernelChoice``: the PDL go-ahead, gather tiles, split-K reach) against its default, per decode size, each as
+``(base + LoRA) / base`` of the same run.
 """
 
 from __future__ import annotations
@@ -73,25 +73,24 @@ def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...]
 
 
 # ``--sweep``: decode sizes around the targets (bs=1, bs=32 over 32 adapters, the offline run's bs~256 over 16),
-# each timed with every kernel choice that changes its form, against the base matmuls of the same run.
+# each timed with every kernel choice, against the base matmuls of the same run. The first choice is the default;
+# go_ahead=0 is the hand-over before it (each kernel's programs start once every program of the one before exited).
 SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters", 8, 8),
                KernelCase("bs=32, 32 adapters", 32, 32), KernelCase("bs=64, 16 adapters", 64, 16),
                KernelCase("bs=128, 16 adapters", 128, 16), KernelCase("bs=256, 16 adapters", 256, 16))
-SWEEP_CHOICES = ({},
-                 *({"fused_max_tokens": 64, "fused_columns": c, "fused_block_n": n, "fused_tile": t}
-                   for c, n, t in ((256, 256, 8192), (1024, 256, 8192), (4096, 512, 8192), (16384, 512, 8192),
-                                   (1024, 256, 16384))),
-                 *({"barrier_max_tokens": 64, "barrier_split_k": k, "barrier_block_n": n}
-                   for k, n in ((256, 128), (512, 256), (1024, 512))),
-                 *({"grouped_shrink_min_tokens": 0, "grouped_split_k": k} for k in (512, 1024, 2048)))
+SWEEP_CHOICES = ({}, {"go_ahead": 0},
+                 {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
+                 {"shrink_tile": 4096, "expand_tile": 4096},  # more programs in flight
+                 {"busy_programs": 1024},  # split-K shrinks and narrow expand blocks up to bs~32
+                 {"busy_programs": 1024, "split_k": 1024})
 
 
 def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,
                      cases: tuple[KernelCase, ...] = SWEEP_CASES, replays: int = 20) -> list[dict[str, Any]]:
     """Per case, the base matmuls once, then base + LoRA deltas with each ``LoRAKernelChoice(**fields)`` of
-    ``choices`` that changes the case's form (the first choice, the two-launch default, always): one row each."""
+    ``choices``: one row each."""
     from treadle.core.registry import build_registry
-    from treadle.kernels.lora_fused import LoRAKernelChoice
+    from treadle.kernels.lora_choice import LoRAKernelChoice
 
     dtype, device = torch.bfloat16, torch.device("cuda")
     max_slots = max(case.adapters for case in cases)
@@ -103,8 +102,6 @@ def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOI
         inputs = _Inputs(case, layers[0], dtype, device)
         base_s = _graph_seconds(lambda: _base(layers, inputs), replays)
         for i, choice in enumerate(built):
-            if i and not _changes_form(choice, case.tokens):
-                continue
             backend.kernel_choice = choice
             lora_s = _graph_seconds(lambda: _lora(layers, inputs, backend), replays)
             both_s = _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays)
@@ -115,14 +112,6 @@ def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOI
                   f"ratio {both_s / base_s:.3f}", flush=True)
         torch.cuda.empty_cache()
     return rows
-
-
-def _changes_form(choice: Any, tokens: int) -> bool:
-    from treadle.kernels.lora import GROUPED_MAX_TOKENS
-
-    grouped_from = choice.grouped_shrink_min_tokens
-    return tokens <= max(choice.fused_max_tokens, choice.barrier_max_tokens) or (grouped_from is not None
-                                                 and grouped_from < tokens <= GROUPED_MAX_TOKENS)
 
 
 def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any,

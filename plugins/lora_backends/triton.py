@@ -30,8 +30,8 @@ class TritonLoRABackend(LoRABackend):
                 "(or set TRITON_INTERPRET=1 to run the kernels slowly on the CPU for testing)"
             )
         self.max_slots, self.max_rank, self.dtype = max_slots, max_rank, dtype
-        self._kernels, self._fused = _import_kernels()
-        self.kernel_choice = self._fused.DEFAULT  # which add_delta form per batch size (kernels/lora_fused.py)
+        self._kernels = _import_kernels()
+        self.kernel_choice = self._kernels.DEFAULT  # add_delta's tiles and PDL hand-over (kernels/lora_choice.py)
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
                ranks: torch.Tensor) -> torch.Tensor:
@@ -45,23 +45,23 @@ class TritonLoRABackend(LoRABackend):
         if len(weights.segments) > self._kernels.MAX_PROJECTIONS:  # no such layer among the model families
             super().add_delta(x, weights, adapter_ids, out)
             return
-        self._fused.add_delta(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
-                              weights.segments, out, self.kernel_choice)
+        self._kernels.add_delta(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
+                                weights.segments, out, self.kernel_choice)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _import_kernels() -> tuple[Any, Any]:
+def _import_kernels() -> Any:
     try:
-        from treadle.kernels import lora, lora_fused
+        from treadle.kernels import lora
     except ImportError as exc:
         raise RuntimeError(
             f"the triton LoRA backend needs Triton, which could not be imported ({exc}); "
             "pip install triton  (or: pip install 'treadle[triton]')"
         ) from exc
-    return lora, lora_fused
+    return lora
 
 
 @hookimpl

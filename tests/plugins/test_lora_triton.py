@@ -7,7 +7,6 @@ on its scenario's result. Checks that launch no kernel run in the pytest process
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -96,23 +95,14 @@ STACKED_SCENARIOS = {
     "stacked_segmented_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
-# kernels/lora_fused.py's forms, chosen by a LoRAKernelChoice: the one-launch fused kernel at 1 token (in=1024 in
-# four tiles of a) and at 32 (chunks of 32 columns, 16 at a time: q in two chunks, the second and k/v partial);
-# the barrier kernel's split-K shrinks and expands in one launch at 1 and 32 tokens (its counts reset for the next
-# launch: the one-token scenario runs it twice); the grouped shrink's split-K slices with the gather expand (32
-# tokens) and the slot-grouped one (100).
+# kernels/lora_choice.py's tunables: split-K shrinks over four slices of in at 8 tokens (busy_programs above the
+# batch's work), and one token through narrow tiles (the shrink's k loop over three blocks of in, one row a
+# program; the expand's 16-column blocks, several per projection) without the PDL go-ahead.
 CHOICE_SCENARIOS = {
-    "fused_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)), {"fused_max_tokens": 1, "fused_tile": 2048}),
-    "fused_32_tokens_fp32": ((32, torch.float32, 16, 40, (40, 8, 8)),
-                             {"fused_max_tokens": 32, "fused_columns": 32, "fused_block_n": 16}),
-    "barrier_one_token_bf16": ((1, torch.bfloat16, 8, 1024, (16, 8, 8)),
-                               {"barrier_max_tokens": 1, "barrier_split_k": 256, "barrier_block_n": 16}),
-    "barrier_32_tokens_fp32": ((32, torch.float32, 16, 200, (24, 8, 8)),
-                               {"barrier_max_tokens": 32, "barrier_split_k": 128, "barrier_block_n": 16}),
-    "grouped_shrink_32_tokens_bf16": ((32, torch.bfloat16, 8, 300, (24, 24)),
-                                      {"grouped_shrink_min_tokens": 0, "grouped_split_k": 128}),
-    "grouped_shrink_100_tokens_fp32": ((100, torch.float32, 16, 300, (24, 8, 8)),
-                                       {"grouped_shrink_min_tokens": 64, "grouped_split_k": 128}),
+    "choice_split_k_8_tokens_bf16": ((8, torch.bfloat16, 8, 1024, (16, 8, 8)),
+                                     {"busy_programs": 4096, "split_k": 256}),
+    "choice_narrow_tiles_one_token_fp32": ((1, torch.float32, 16, 300, (40, 8, 8)),
+                                           {"shrink_tile": 64, "expand_tile": 256, "go_ahead": 0}),
 }
 
 
@@ -187,38 +177,26 @@ def reference_add_delta(x, weights, ids, out) -> torch.Tensor:
 
 
 def run_stacked_scenario(name: str) -> dict:
-    from treadle.kernels import lora, lora_fused
+    from treadle.kernels import lora
+    from treadle.kernels.lora_choice import LoRAKernelChoice
 
     if name in CHOICE_SCENARIOS:
         (num_tokens, dtype, max_rank, in_features, widths), fields = CHOICE_SCENARIOS[name]
-        add_delta = functools.partial(lora_fused.add_delta, choice=lora_fused.LoRAKernelChoice(**fields))
     else:
-        num_tokens, dtype, max_rank, in_features, widths = STACKED_SCENARIOS[name]
-        add_delta = lora.add_delta
+        (num_tokens, dtype, max_rank, in_features, widths), fields = STACKED_SCENARIOS[name], {}
+    choice = LoRAKernelChoice(**fields)
     x, weights, ids, out = make_stacked_case(num_tokens, dtype, max_rank, in_features, widths, seed=len(name))
     before = out.clone()
-    if name == "barrier_one_token_bf16":  # a first launch, whose last program must leave the counts at zero
-        add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out.clone())
-    add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out)
+    lora.add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out, choice)
     first, last = weights.segments[0][0], weights.segments[-1][1]
     none = ids == NO_ADAPTER
     return {"error": _relative_error(out, reference_add_delta(x, weights, ids, before)),
             "outside_untouched": torch.equal(out[:, :first], before[:, :first])
             and torch.equal(out[:, last:], before[:, last:]),
             "no_adapter_rows_untouched": torch.equal(out[none], before[none]),
-            "counts_zero": all(int(counts.abs().sum()) == 0 for counts in lora_fused._COUNTS.values()),
-            "split": lora._gather_shrink_blocks(num_tokens, weights.a.shape[1], in_features, True)[3]
+            "split": lora._gather_shrink_blocks(num_tokens, weights.a.shape[1], in_features, True, choice)[3]
             if lora._shrink_gathers(num_tokens, weights.a.shape[1]) else 1,
             "tolerance": TOLERANCE[dtype]}
-
-
-def run_choice_text(text: str) -> dict:
-    from treadle.kernels.lora_fused import LoRAKernelChoice, choice_fields
-
-    try:
-        return {"name": LoRAKernelChoice(**choice_fields(text)).name}
-    except ValueError as exc:
-        return {"error": str(exc)}
 
 
 def run_conformance(dtype_name: str) -> dict:
@@ -239,9 +217,7 @@ def _run_all() -> dict:
     results = {}
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
             **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
-            "conformance_float32": (run_conformance, "float32"),
-            "choice_text": (run_choice_text, "fused_max_tokens=32, fused_columns=4096,grouped_shrink_min_tokens=32"),
-            "choice_text_bad": (run_choice_text, "fused_max_token=32")}
+            "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
             results[key] = function(argument)
@@ -288,9 +264,10 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
     assert result["error"] <= result["tolerance"], f"add_delta: relative error {result['error']}"
     assert result["outside_untouched"], "add_delta wrote columns outside the projections"
     assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
-    assert result["counts_zero"], "the barrier kernel left its counts for the next launch non-zero"
     if name == "stacked_split_k_one_token_bf16":
         assert result["split"] == 2  # in=1024 over two programs' slices
+    if name == "choice_split_k_8_tokens_bf16":
+        assert result["split"] == 4  # in=1024 over four slices of split_k=256
 
 
 def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) -> None:
@@ -298,11 +275,16 @@ def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) ->
     assert result.get("passed"), result.get("traceback")
 
 
-def test_kernel_choice_reads_from_text(interpreted_results: dict[str, dict]) -> None:
+def test_kernel_choice_reads_from_text() -> None:
     """The FIELD=N,... text of TREADLE_LORA_KERNELS and ``treadle bench lora --sweep --choice``."""
-    assert interpreted_results["choice_text"] == {"name": "fused<=32/c4096/n256/t8192+grouped>32/k1024"}
-    error = interpreted_results["choice_text_bad"]["error"]
-    assert "'fused_max_token=32'" in error and "fused_max_tokens" in error
+    from treadle.kernels.lora_choice import LoRAKernelChoice, choice_fields
+
+    assert LoRAKernelChoice(**choice_fields("go_ahead=0, shrink_tile=16384,")).name == "go_ahead=0,shrink_tile=16384"
+    assert LoRAKernelChoice(**choice_fields("")).name == "default"
+    with pytest.raises(ValueError, match="'go_ahed=0'.*go_ahead"):
+        choice_fields("go_ahed=0")
+    with pytest.raises(ValueError, match="expand_tile must be a power of two"):
+        LoRAKernelChoice(**choice_fields("expand_tile=6000"))
 
 
 def test_registered_as_triton() -> None:
