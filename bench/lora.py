@@ -91,16 +91,16 @@ def format_sweep_table(rows: list[dict[str, Any]]) -> str:
     """Per case, each kernel choice's ``(base + LoRA) / base`` and its change against the case's first row (the
     default)."""
     lines = ["LoRA kernel choices (triton, 7 projections x 32 layers): (base + LoRA) / base per decode size",
-             f"{'case':22s} {'choice':34s} {'base ms':>8s} {'lora ms':>8s} {'ratio':>7s} {'vs default':>10s}"]
+             f"{'case':22s} {'choice':40s} {'base ms':>8s} {'lora ms':>8s} {'ratio':>7s} {'vs default':>10s}"]
     first: dict[str, float] = {}
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
         default = first.setdefault(row["case"], row["ratio"])
         if row["case"] not in best or row["ratio"] < best[row["case"]]["ratio"]:
             best[row["case"]] = row
-        lines.append(f"{row['case']:22s} {row['choice']:34s} {row['base_ms']:8.3f} {row['lora_ms']:8.3f} "
+        lines.append(f"{row['case']:22s} {row['choice']:40s} {row['base_ms']:8.3f} {row['lora_ms']:8.3f} "
                      f"{row['ratio']:7.3f} {row['ratio'] - default:+10.3f}")
-    lines += ["best per case:"] + [f"{case:22s} {row['choice']:34s} {row['ratio']:7.3f}" for case, row in best.items()]
+    lines += ["best per case:"] + [f"{case:22s} {row['choice']:40s} {row['ratio']:7.3f}" for case, row in best.items()]
     return "\n".join(lines)
 
 
