@@ -2,12 +2,14 @@
 base model, in one run.
 
 ``treadle bench lora [--part kernels|engine|all] [--backend triton] [--rank 16] [--num-prompts 1000]
-[--spread 16] [--set KEY=VALUE ...] [--output PATH]``
+[--spread 16] [--set KEY=VALUE ...] [--sweep [--choice FIELD=N,...] [--sizes 1,32]] [--output PATH]``
 
 - ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
   layers' deltas (one shrink and one expand per fused layer, as the engine runs them; and per projection, the
   earlier form, for comparison) against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter,
-  bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16.
+  bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16. With ``--sweep``: the ``triton`` backend's
+  kernel choices (kernels/lora_choice.py) side by side per decode size (``--sizes 1,32``: those batch sizes only),
+  each as ``(base + LoRA) / base``.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
@@ -48,7 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "backend": args.backend, "rank": args.rank,
     }
-    if args.part in ("kernels", "all"):
+    if args.part in ("kernels", "all") and args.sweep:
+        from treadle.bench.lora_kernels import SWEEP_CASES, SWEEP_CHOICES, run_kernel_sweep
+        from treadle.kernels.lora_choice import choice_fields
+
+        choices = (SWEEP_CHOICES[0], *(choice_fields(text) for text in args.choice)) if args.choice else SWEEP_CHOICES
+        sizes = {int(size) for size in args.sizes.split(",")} if args.sizes else None
+        cases = tuple(case for case in SWEEP_CASES if sizes is None or case.tokens in sizes)
+        report["kernel_sweep"] = run_kernel_sweep(args.rank, choices, cases)
+        print(format_sweep_table(report["kernel_sweep"]), flush=True)
+    elif args.part in ("kernels", "all"):
         from treadle.bench.lora_kernels import run_kernel_cases
 
         report["kernels"] = run_kernel_cases(args.backend, args.rank)
@@ -73,6 +84,23 @@ def format_kernel_table(rows: list[dict[str, Any]]) -> str:
         per_projection = row.get("lora_per_projection_ms")
         lines.append(f"{row['case']:34s} {row['base_ms']:9.3f} {row['lora_ms']:9.3f} {row['base_plus_lora_ms']:9.3f} "
                      f"{row['ratio']:7.3f} " + (f"{per_projection:11.3f}" if per_projection is not None else ""))
+    return "\n".join(lines)
+
+
+def format_sweep_table(rows: list[dict[str, Any]]) -> str:
+    """Per case, each kernel choice's ``(base + LoRA) / base`` and its change against the case's first row (the
+    default)."""
+    lines = ["LoRA kernel choices (triton, 7 projections x 32 layers): (base + LoRA) / base per decode size",
+             f"{'case':22s} {'choice':40s} {'base ms':>8s} {'lora ms':>8s} {'ratio':>7s} {'vs default':>10s}"]
+    first: dict[str, float] = {}
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        default = first.setdefault(row["case"], row["ratio"])
+        if row["case"] not in best or row["ratio"] < best[row["case"]]["ratio"]:
+            best[row["case"]] = row
+        lines.append(f"{row['case']:22s} {row['choice']:40s} {row['base_ms']:8.3f} {row['lora_ms']:8.3f} "
+                     f"{row['ratio']:7.3f} {row['ratio'] - default:+10.3f}")
+    lines += ["best per case:"] + [f"{case:22s} {row['choice']:40s} {row['ratio']:7.3f}" for case, row in best.items()]
     return "\n".join(lines)
 
 
@@ -141,6 +169,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapters-dir", help="where to write the model config and adapters (default: a temp folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="engine part: override a config key of both engines (repeatable)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="kernels part: time the triton backend's kernel choices (kernels/lora_choice.py) "
+                             "against its default per decode size, instead of the fixed cases")
+    parser.add_argument("--choice", action="append", default=[], metavar="FIELD=N,...",
+                        help="with --sweep: a LoRAKernelChoice to time instead of the built-in list (repeatable), "
+                             "e.g. go_ahead=0 or shrink_tile=16384,busy_programs=1024")
+    parser.add_argument("--sizes", metavar="N,N,...",
+                        help="with --sweep: only these decode batch sizes (of 1, 8, 32, 64, 128, 256)")
     parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
     return parser
 

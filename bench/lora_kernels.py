@@ -9,6 +9,10 @@ launches a layer: the form before the projections were stacked, for comparison).
 and its own stacked adapters, so a step reads them from memory as a decode step does, not from L2. The ratio
 ``(base + LoRA) / base`` is what the deltas add to the linear layers' time; the whole decode step (attention, norms,
 sampling) is the end-to-end half's business.
+
+:func:`run_kernel_sweep` (``--sweep``) times the ``triton`` backend's kernel tunables (kernels/lora_choice.py's
+``LoRAKernelChoice``: the PDL go-ahead, gather tiles, split-K reach) against its default, per decode size, each as
+``(base + LoRA) / base`` of the same run.
 """
 
 from __future__ import annotations
@@ -66,6 +70,48 @@ def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...]
               f"LoRA per projection {1e3 * split_s:.3f} ms", flush=True)
         torch.cuda.empty_cache()
     return results
+
+
+# ``--sweep``: decode sizes around the targets (bs=1, bs=32 over 32 adapters, the offline run's bs~256 over 16),
+# each timed with every kernel choice, against the base matmuls of the same run. The first choice is the default;
+# go_ahead=0 is the hand-over before it (each kernel's programs start once every program of the one before exited).
+SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters", 8, 8),
+               KernelCase("bs=32, 32 adapters", 32, 32), KernelCase("bs=64, 16 adapters", 64, 16),
+               KernelCase("bs=128, 16 adapters", 128, 16), KernelCase("bs=256, 16 adapters", 256, 16))
+SWEEP_CHOICES = ({}, {"go_ahead": 0},
+                 {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
+                 {"shrink_tile": 4096, "expand_tile": 4096},  # more programs in flight
+                 {"busy_programs": 1024},  # split-K shrinks and narrow expand blocks up to bs~32
+                 {"busy_programs": 1024, "split_k": 1024})
+
+
+def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,
+                     cases: tuple[KernelCase, ...] = SWEEP_CASES, replays: int = 20) -> list[dict[str, Any]]:
+    """Per case, the base matmuls once, then base + LoRA deltas with each ``LoRAKernelChoice(**fields)`` of
+    ``choices``: one row each."""
+    from treadle.core.registry import build_registry
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+
+    dtype, device = torch.bfloat16, torch.device("cuda")
+    max_slots = max(case.adapters for case in cases)
+    backend = build_registry().get("lora_backends", "triton")(max_slots, rank, device, dtype)
+    layers = [_Layer(max_slots, rank, dtype, device, seed=i) for i in range(NUM_LAYERS)]
+    built = [LoRAKernelChoice(**fields) for fields in choices]
+    rows = []
+    for case in cases:
+        inputs = _Inputs(case, layers[0], dtype, device)
+        base_s = _graph_seconds(lambda: _base(layers, inputs), replays)
+        for i, choice in enumerate(built):
+            backend.kernel_choice = choice
+            lora_s = _graph_seconds(lambda: _lora(layers, inputs, backend), replays)
+            both_s = _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays)
+            rows.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "rank": rank,
+                         "choice": choice.name, "fields": choices[i], "base_ms": 1e3 * base_s,
+                         "lora_ms": 1e3 * lora_s, "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s})
+            print(f"{case.label}: {choice.name}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, "
+                  f"ratio {both_s / base_s:.3f}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any,

@@ -22,8 +22,9 @@ whatever the ids:
   GEMM), ``add_delta``'s shrink splits ``in`` over programs (split-K) and writes float32 partial sums that the
   expand adds up, scales and rounds as it loads them: no atomics, no extra launch. The expand's program streams a
   block of ``b`` rows (``[columns, R]``, contiguous) in one wide load. On Hopper both launch with PDL and load
-  their weights while the kernel before finishes. Programs past the slot's rank, and tokens without an adapter,
-  load no weights.
+  their weights while the kernel before finishes, and (``go_ahead``) let the kernel after them start as soon as
+  their own wait returns. Programs past the slot's rank, and tokens without an adapter, load no weights. Their
+  tiles and split-K reach are a :class:`~treadle.kernels.lora_choice.LoRAKernelChoice` (kernels/lora_choice.py).
 - **slot-grouped expand** (up to 1024 tokens: large decode batches, small mixed ones): one program per slot,
   block of output columns and span of 256 tokens holds its adapter's block of ``b`` in registers and adds it to
   each of the slot's tokens in the span, so ``b`` is read once per adapter instead of once per token.
@@ -50,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice
+from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
-from treadle.kernels.pdl import wait_for_previous
 
 # The gather kernels run up to 64 tokens (decode graphs), and the shrink's up to 4096 // rows tokens (256 at rank
 # 16): one token per program, each reading its adapter's rows through L2. Past those the weights are read per
@@ -61,13 +63,10 @@ GATHER_MAX_TOKENS = 64
 _SHRINK_GATHER_ELEMENTS = 4096  # tokens x stacked ranks
 GROUPED_MAX_TOKENS = 1024
 _GROUPED_SPAN = 256
-# Elements of one gather program's weight tile: 16 KB of bf16 per load, wide enough that a one-token shrink of
-# in=4096 is one load per program, small enough for 4-8 warps' registers.
-_GATHER_TILE = 8192
-# Programs a decode-sized launch aims for (about an H100's SMs): fewer, and split-K / narrower column blocks
-# spread the same bytes over more of them.
-_BUSY_PROGRAMS = 128
-_SPLIT_K = 512  # columns of in per split-K program
+# A gather program's weight tile (LoRAKernelChoice.shrink_tile / expand_tile: 8192, 16 KB of bf16 per load, wide
+# enough that a one-token shrink of in=4096 is one load per program, small enough for 4-8 warps' registers) and the
+# programs a decode-sized launch aims for (busy_programs: 128, about an H100's SMs; fewer, and split-K / narrower
+# column blocks spread the same bytes over more of them) come from the choice.
 _SPLIT_TILE = 2048  # elements of a per split-K program (4 KB of bf16)
 MAX_PROJECTIONS = 3  # a layer's stacked projections one add_delta handles (q/k/v)
 
@@ -76,32 +75,34 @@ def shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings
            ranks: torch.Tensor) -> torch.Tensor:
     """``[T, R]`` in ``x``'s dtype: ``scalings[s] * x[t] @ a[s].T`` per token, zero for ``adapter_ids[t] < 0``."""
     h = torch.empty((x.shape[0], a.shape[1]), dtype=x.dtype, device=x.device)
-    _shrink(x, a, adapter_ids, scalings, ranks, a.shape[1], h.unsqueeze(0), final=True)
+    _shrink(x, a, adapter_ids, scalings, ranks, a.shape[1], h.unsqueeze(0), True, DEFAULT)
     return h
 
 
 def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: torch.Tensor,
            out: torch.Tensor) -> None:
     """``out[t] += h[t] @ b[s].T`` per token with a slot; ``out`` may be any strided 2-D view."""
-    _expand(h.unsqueeze(0), None, b, adapter_ids, ranks, ((0, out.shape[1]),), out)
+    _expand(h.unsqueeze(0), None, b, adapter_ids, ranks, ((0, out.shape[1]),), out, DEFAULT)
 
 
 def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
-              ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor) -> None:
+              ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
+              choice: LoRAKernelChoice = DEFAULT) -> None:
     """A layer's stacked projections (``a`` ``[slots, P * R, in]``, ``b`` ``[slots, width, R]`` indexed by output
     column, ``scalings``/``ranks`` ``[P, slots]``, projection ``p`` on columns ``segments[p]``) added into ``out``
-    in place: one shrink, one expand."""
+    in place: one shrink, one expand, tuned by ``choice``."""
     num_tokens, rows = x.shape[0], a.shape[1]
     if num_tokens == 0:
         return
-    split = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True)[3] if _shrink_gathers(num_tokens, rows) else 1
+    split = (_gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)[3]
+             if _shrink_gathers(num_tokens, rows) else 1)
     partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
-    _shrink(x, a, adapter_ids, scalings, ranks, b.shape[2], partials, final=False)
-    _expand(partials, scalings, b, adapter_ids, ranks, segments, out)
+    _shrink(x, a, adapter_ids, scalings, ranks, b.shape[2], partials, False, choice)
+    _expand(partials, scalings, b, adapter_ids, ranks, segments, out, choice)
 
 
 def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor, ranks: torch.Tensor,
-            rank_dim: int, h: torch.Tensor, final: bool) -> None:
+            rank_dim: int, h: torch.Tensor, final: bool, choice: LoRAKernelChoice) -> None:
     """Into ``h`` ``[split, T, rows]``: the scaled, rounded shrink (``final``, split 1) or float32 partial sums of
     ``split`` slices of ``in``, unscaled (for :func:`_expand` to finish)."""
     num_tokens, in_features = x.shape
@@ -112,13 +113,15 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
               _projection_stride(scalings), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
               h.stride(0), h.stride(1))
     if _shrink_gathers(num_tokens, rows):
-        block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, in_features, not final)
+        block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, in_features, not final,
+                                                                     choice)
         if split != h.shape[0]:
             raise ValueError(f"the shrink takes {split} slices of in here, not {h.shape[0]}")
         grid = (num_tokens, triton.cdiv(rows, block_r), split)
         pdl = pdl_enabled(x.device)
         _shrink_gather_kernel[grid](*common, k_per_split, BLOCK_R=block_r, BLOCK_K=block_k, FINAL=final, PDL=pdl,
-                                    launch_pdl=pdl, num_warps=_gather_warps(block_r * block_k))
+                                    GO_AHEAD=pdl and bool(choice.go_ahead), launch_pdl=pdl,
+                                    num_warps=_gather_warps(block_r * block_k))
     else:
         block_m = 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
         block_r = max(16, min(64, triton.next_power_of_2(rows)))
@@ -129,7 +132,8 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
 
 
 def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, adapter_ids: torch.Tensor,
-            ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor) -> None:
+            ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
+            choice: LoRAKernelChoice) -> None:
     """``out`` += each projection's delta in its columns; ``h`` ``[split, T, rows]``: partial sums to add up and
     scale (``scalings`` given) or the finished shrink (``scalings`` None, split 1)."""
     split, num_tokens, _ = h.shape
@@ -145,12 +149,12 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
     if num_tokens <= GATHER_MAX_TOKENS:
         block_r = max(2, triton.next_power_of_2(rank_dim))
         widest = max(end - start for start, end in segments)
-        block_n = _gather_expand_columns(num_tokens, sum(e - s for s, e in segments), widest, block_r)
+        block_n = _gather_expand_columns(num_tokens, sum(e - s for s, e in segments), widest, block_r, choice)
         bounds, blocks = _segment_blocks(segments, block_n)
         pdl = pdl_enabled(h.device)
         _expand_gather_kernel[(num_tokens, blocks)](*common, *bounds, BLOCK_N=block_n, BLOCK_R=block_r, **flags,
-                                                    PDL=pdl, launch_pdl=pdl,
-                                                    num_warps=_gather_warps(block_r * block_n))
+                                                    PDL=pdl, GO_AHEAD=pdl and bool(choice.go_ahead),
+                                                    launch_pdl=pdl, num_warps=_gather_warps(block_r * block_n))
         return
     block_n = max(16, min(128, triton.next_power_of_2(max(end - start for start, end in segments))))
     bounds, blocks = _segment_blocks(segments, block_n)
@@ -171,25 +175,27 @@ def _shrink_gathers(num_tokens: int, rows: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _gather_shrink_blocks(num_tokens: int, rows: int, in_features: int,
-                          splittable: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_R, BLOCK_K, columns per slice, slices)`` of a gather shrink: a ``_GATHER_TILE`` of ``a`` per
-    program, a whole row of ``in`` per load; where that would give fewer than ``_BUSY_PROGRAMS`` programs and
-    partial sums may be returned (``splittable``), 4 KB tiles over slices of ``_SPLIT_K`` columns of ``in``. Two
+def _gather_shrink_blocks(num_tokens: int, rows: int, in_features: int, splittable: bool,
+                          choice: LoRAKernelChoice = DEFAULT) -> tuple[int, int, int, int]:
+    """``(BLOCK_R, BLOCK_K, columns per slice, slices)`` of a gather shrink: a ``shrink_tile`` of ``a`` per
+    program, a whole row of ``in`` per load; where that would give fewer than ``busy_programs`` programs and
+    partial sums may be returned (``splittable``), 4 KB tiles over slices of ``split_k`` columns of ``in``. Two
     forms per layer shape, whatever the batch: each is compiled once."""
-    full_k = min(triton.next_power_of_2(in_features), 2 * _GATHER_TILE)
-    if not splittable or num_tokens * rows * in_features >= _BUSY_PROGRAMS * _GATHER_TILE or full_k <= _SPLIT_K:
-        return max(1, min(triton.next_power_of_2(rows), _GATHER_TILE // full_k)), full_k, in_features, 1
-    block_r = max(1, min(triton.next_power_of_2(rows), _SPLIT_TILE // _SPLIT_K))
-    return block_r, _SPLIT_K, _SPLIT_K, triton.cdiv(in_features, _SPLIT_K)
+    tile, split_k = choice.shrink_tile, choice.split_k
+    full_k = min(triton.next_power_of_2(in_features), 2 * tile)
+    if not splittable or num_tokens * rows * in_features >= choice.busy_programs * tile or full_k <= split_k:
+        return max(1, min(triton.next_power_of_2(rows), tile // full_k)), full_k, in_features, 1
+    block_r = max(1, min(triton.next_power_of_2(rows), _SPLIT_TILE // split_k))
+    return block_r, split_k, split_k, triton.cdiv(in_features, split_k)
 
 
 @functools.lru_cache(maxsize=None)
-def _gather_expand_columns(num_tokens: int, columns: int, widest: int, block_r: int) -> int:
-    """Output columns per gather-expand program: a ``_GATHER_TILE`` block of ``b``, or 64 where that would give
-    fewer than ``_BUSY_PROGRAMS`` programs."""
-    block_n = max(16, min(triton.next_power_of_2(widest), _GATHER_TILE // block_r))
-    return min(block_n, 64) if num_tokens * triton.cdiv(columns, block_n) < _BUSY_PROGRAMS else block_n
+def _gather_expand_columns(num_tokens: int, columns: int, widest: int, block_r: int,
+                           choice: LoRAKernelChoice) -> int:
+    """Output columns per gather-expand program: an ``expand_tile`` block of ``b``, or 64 where that would give
+    fewer than ``busy_programs`` programs."""
+    block_n = max(16, min(triton.next_power_of_2(widest), choice.expand_tile // block_r))
+    return min(block_n, 64) if num_tokens * triton.cdiv(columns, block_n) < choice.busy_programs else block_n
 
 
 def _segment_blocks(segments: tuple[tuple[int, int], ...], block_n: int) -> tuple[tuple[int, ...], int]:
@@ -250,10 +256,39 @@ def _load_h(ptrs, mask, stride_hs, scaling, SPLIT: tl.constexpr, PARTIAL: tl.con
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride):
+    """Token ``token``'s slot (clamped to 0 for none) and, over stacked rows ``offs_r`` of ``a``, each row's
+    projection, whether it exists and whether it is within the slot's rank of that projection (none without an
+    adapter)."""
+    slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    proj = offs_r // rank_dim
+    in_rows = offs_r < rows
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
+    return slot, proj, in_rows, offs_r - proj * rank_dim < rank
+
+
+@triton.jit
+def token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_stride, stride_bs, stride_bn, stride_br):
+    """Token ``token``'s slot (clamped to 0 for none), whether it has an adapter, its projection's rank mask over
+    ``offs_r`` and its block of ``b`` (rows ``offs_n``; nothing loaded past the rank or without an adapter)."""
+    slot = tl.load(Ids + token)
+    with_adapter = slot >= 0
+    slot = tl.maximum(slot, 0)
+    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
+    r_mask = offs_r < rank
+    w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    return slot, with_adapter, r_mask, w
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size
 def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr,
+                          GO_AHEAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     k_start = tl.program_id(2) * k_per_split
@@ -262,19 +297,16 @@ def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features
     # Before the wait only what no kernel of this step writes: the ids (copied in before the step), ranks,
     # scalings and the adapter's first weight block (kernels/pdl.py). Out-of-rank rows and tokens without an
     # adapter mask every weight load, so they read nothing. Row r is rank r % R of projection r // R.
-    slot = tl.load(Ids + token)
-    with_adapter = slot >= 0
-    slot = tl.maximum(slot, 0)
-    proj = offs_r // rank_dim
-    in_rows = offs_r < rows
-    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
-    r_mask = offs_r - proj * rank_dim < rank
+    slot, proj, in_rows, r_mask = token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride)
     scaling = tl.load(Scalings + proj * proj_stride + slot, mask=in_rows, other=0.0)
     x_limit = tl.where(tl.max(r_mask.to(tl.int32), axis=0) > 0, k_end, 0)  # an idle program reads no x
     a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
     k = k_start + offs_k
     w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
     wait_for_previous(PDL)
+    # Everything before this kernel is complete now: the next kernel (the expand) may start and load its weights
+    # while this one reads x and stores (kernels/pdl.py's contract holds for it).
+    allow_next(GO_AHEAD)
     result = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
@@ -293,19 +325,15 @@ def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim,
                           stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
                           s0, e0, s1, e1, s2, e2, first1, first2,
                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, GO_AHEAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     # The adapter's block of b (its columns' rows, contiguous) before the wait, as in the shrink; h and out after.
-    slot = tl.load(Ids + token)
-    with_adapter = slot >= 0
-    slot = tl.maximum(slot, 0)
-    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot), 0)
-    r_mask = offs_r < rank
-    w = tl.load(B + slot * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br,
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    slot, with_adapter, r_mask, w = token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_stride,
+                                                  stride_bs, stride_bn, stride_br)
     wait_for_previous(PDL)
+    allow_next(GO_AHEAD)  # as in the shrink: the next kernel's programs start while this one adds its delta
     if with_adapter:  # rows without an adapter are not touched
         scaling = tl.load(Scalings + proj * proj_stride + slot)
         h = _load_h(H + token * stride_hm + (proj * rank_dim + offs_r) * stride_hr, r_mask, stride_hs, scaling,

@@ -31,6 +31,7 @@ class TritonLoRABackend(LoRABackend):
             )
         self.max_slots, self.max_rank, self.dtype = max_slots, max_rank, dtype
         self._kernels = _import_kernels()
+        self.kernel_choice = self._kernels.DEFAULT  # add_delta's tiles and PDL hand-over (kernels/lora_choice.py)
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
                ranks: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class TritonLoRABackend(LoRABackend):
             super().add_delta(x, weights, adapter_ids, out)
             return
         self._kernels.add_delta(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
-                                weights.segments, out)
+                                weights.segments, out, self.kernel_choice)
 
 
 def _interpreting() -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.bench.lora import format_engine_table, format_kernel_table
+from treadle.bench.lora import format_engine_table, format_kernel_table, format_sweep_table
 from treadle.bench.lora_engine import TARGET_MODULES, write_adapters
 from treadle.bench.shapes import TINY
 
@@ -43,3 +43,12 @@ def test_tables_mark_each_ratio_against_its_target() -> None:
                           for prefix in ("offline", "bs=1", "bs=32"))
     assert offline.endswith(">= 0.85 ok") and bs1.endswith("<= 1.10 MISSED") and bs32.endswith("<= 1.25 ok")
     assert format_engine_table({"skipped": "no lora config"}) == "end to end: skipped: no lora config"
+
+
+def test_sweep_table_compares_each_choice_with_the_default_of_its_case() -> None:
+    rows = [{"case": "bs=1, 1 adapter", "choice": "default", "base_ms": 5.0, "lora_ms": 0.9, "ratio": 1.18},
+            {"case": "bs=1, 1 adapter", "choice": "shrink_tile=16384", "base_ms": 5.0, "lora_ms": 0.4, "ratio": 1.08}]
+    lines = format_sweep_table(rows).splitlines()
+    row = lines[3]
+    assert "shrink_tile=16384" in row and row.endswith("1.080     -0.100")
+    assert lines[-1].split() == ["bs=1,", "1", "adapter", "shrink_tile=16384", "1.080"]

@@ -95,6 +95,15 @@ STACKED_SCENARIOS = {
     "stacked_segmented_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
+# kernels/lora_choice.py's tunables: split-K shrinks over four slices of in at 8 tokens (busy_programs above the
+# batch's work), and one token through narrow tiles (the shrink's k loop over three blocks of in, one row a
+# program; the expand's 16-column blocks, several per projection) without the PDL go-ahead.
+CHOICE_SCENARIOS = {
+    "choice_split_k_8_tokens_bf16": ((8, torch.bfloat16, 8, 1024, (16, 8, 8)),
+                                     {"busy_programs": 4096, "split_k": 256}),
+    "choice_narrow_tiles_one_token_fp32": ((1, torch.float32, 16, 300, (40, 8, 8)),
+                                           {"shrink_tile": 64, "expand_tile": 256, "go_ahead": 0}),
+}
 
 
 def run_scenario(name: str) -> dict:
@@ -169,18 +178,23 @@ def reference_add_delta(x, weights, ids, out) -> torch.Tensor:
 
 def run_stacked_scenario(name: str) -> dict:
     from treadle.kernels import lora
+    from treadle.kernels.lora_choice import LoRAKernelChoice
 
-    num_tokens, dtype, max_rank, in_features, widths = STACKED_SCENARIOS[name]
+    if name in CHOICE_SCENARIOS:
+        (num_tokens, dtype, max_rank, in_features, widths), fields = CHOICE_SCENARIOS[name]
+    else:
+        (num_tokens, dtype, max_rank, in_features, widths), fields = STACKED_SCENARIOS[name], {}
+    choice = LoRAKernelChoice(**fields)
     x, weights, ids, out = make_stacked_case(num_tokens, dtype, max_rank, in_features, widths, seed=len(name))
     before = out.clone()
-    lora.add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out)
+    lora.add_delta(x, weights.a, weights.b, ids, weights.scalings, weights.ranks, weights.segments, out, choice)
     first, last = weights.segments[0][0], weights.segments[-1][1]
     none = ids == NO_ADAPTER
     return {"error": _relative_error(out, reference_add_delta(x, weights, ids, before)),
             "outside_untouched": torch.equal(out[:, :first], before[:, :first])
             and torch.equal(out[:, last:], before[:, last:]),
             "no_adapter_rows_untouched": torch.equal(out[none], before[none]),
-            "split": lora._gather_shrink_blocks(num_tokens, weights.a.shape[1], in_features, True)[3]
+            "split": lora._gather_shrink_blocks(num_tokens, weights.a.shape[1], in_features, True, choice)[3]
             if lora._shrink_gathers(num_tokens, weights.a.shape[1]) else 1,
             "tolerance": TOLERANCE[dtype]}
 
@@ -202,7 +216,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _run_all() -> dict:
     results = {}
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
-            **{name: (run_stacked_scenario, name) for name in STACKED_SCENARIOS},
+            **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
             "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
@@ -243,7 +257,7 @@ def test_kernels_match_reference(name: str, interpreted_results: dict[str, dict]
     assert result["no_adapter_rows_untouched"], "expand changed rows of tokens without an adapter"
 
 
-@pytest.mark.parametrize("name", list(STACKED_SCENARIOS))
+@pytest.mark.parametrize("name", [*STACKED_SCENARIOS, *CHOICE_SCENARIOS])
 def test_stacked_projections_add_into_their_columns(name: str, interpreted_results: dict[str, dict]) -> None:
     result = interpreted_results[name]
     assert "traceback" not in result, result.get("traceback")
@@ -252,11 +266,25 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
     assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
     if name == "stacked_split_k_one_token_bf16":
         assert result["split"] == 2  # in=1024 over two programs' slices
+    if name == "choice_split_k_8_tokens_bf16":
+        assert result["split"] == 4  # in=1024 over four slices of split_k=256
 
 
 def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) -> None:
     result = interpreted_results["conformance_float32"]  # bfloat16 rounding: the scenarios above
     assert result.get("passed"), result.get("traceback")
+
+
+def test_kernel_choice_reads_from_text() -> None:
+    """The FIELD=N,... text of TREADLE_LORA_KERNELS and ``treadle bench lora --sweep --choice``."""
+    from treadle.kernels.lora_choice import LoRAKernelChoice, choice_fields
+
+    assert LoRAKernelChoice(**choice_fields("go_ahead=0, shrink_tile=16384,")).name == "go_ahead=0,shrink_tile=16384"
+    assert LoRAKernelChoice(**choice_fields("")).name == "default"
+    with pytest.raises(ValueError, match="'go_ahed=0'.*go_ahead"):
+        choice_fields("go_ahed=0")
+    with pytest.raises(ValueError, match="expand_tile must be a power of two"):
+        LoRAKernelChoice(**choice_fields("expand_tile=6000"))
 
 
 def test_registered_as_triton() -> None:

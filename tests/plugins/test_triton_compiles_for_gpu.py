@@ -208,18 +208,20 @@ def _lora_kernels() -> dict:
     partials, summed = {**shrink, "H": "*fp32"}, {**expand, "H": "*fp32"}
     return {
         "lora_shrink_gather[pdl]": lambda: _check_pdl(True, _compile(
-            lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=2, BLOCK_K=4096, FINAL=True, PDL=True)),
-            triggers=False),
+            lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=2, BLOCK_K=4096, FINAL=True, PDL=True,
+                                                            GO_AHEAD=False)), triggers=False),
         "lora_shrink_gather[in=14336]": lambda: _compile(
-            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=1, BLOCK_K=16384, FINAL=False, PDL=False)),
-        "lora_shrink_gather[split-k]": lambda: _compile(
-            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=4, BLOCK_K=512, FINAL=False, PDL=True)),
+            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=1, BLOCK_K=16384, FINAL=False, PDL=False,
+                                                              GO_AHEAD=False)),
+        "lora_shrink_gather[split-k,go-ahead]": lambda: _check_pdl(True, _compile(
+            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=4, BLOCK_K=512, FINAL=False, PDL=True,
+                                                              GO_AHEAD=True))),
         "lora_expand_gather[pdl]": lambda: _check_pdl(True, _compile(
             lora._expand_gather_kernel, expand, set(), dict(BLOCK_N=512, BLOCK_R=16, SPLIT=1, PARTIAL=False,
-                                                            PDL=True)), triggers=False),
-        "lora_expand_gather[split-k]": lambda: _compile(
+                                                            PDL=True, GO_AHEAD=False)), triggers=False),
+        "lora_expand_gather[split-k,go-ahead]": lambda: _check_pdl(True, _compile(
             lora._expand_gather_kernel, summed, set(), dict(BLOCK_N=64, BLOCK_R=16, SPLIT=28, PARTIAL=True,
-                                                            PDL=True)),
+                                                            PDL=True, GO_AHEAD=True))),
         "lora_expand_grouped": lambda: _compile(
             lora._expand_grouped_kernel, summed, set(), dict(SPAN=256, BLOCK_M=64, BLOCK_N=128, BLOCK_R=16, SPLIT=1,
                                                              PARTIAL=True, IEEE=False)),
@@ -298,8 +300,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "exact_top_chunks", "exact_top_recompute", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
-           "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k]",
-           "lora_expand_gather[pdl]", "lora_expand_gather[split-k]", "lora_expand_grouped",
+           "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
+           "lora_expand_gather[pdl]", "lora_expand_gather[split-k,go-ahead]", "lora_expand_grouped",
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented"]
 
 

@@ -1,0 +1,62 @@
+"""The tunables of kernels/lora.py's decode forms (``add_delta``'s two launches), as one frozen value: what the
+``triton`` LoRA backend runs (:data:`DEFAULT`) and what ``treadle bench lora --part kernels --sweep`` varies.
+
+At decode sizes the LoRA path is a chain of small kernels (two a linear layer, 256 a Llama-3.1-8B step): at bs=1
+the 2.6 MB a layer's rank-16 adapters hold take under a microsecond to read, so each launch's hand-over (the
+kernel before completing, this one's programs starting and loading their first weights) is what costs; at bs=32
+over 32 adapters the same chain moves 2.7 GB. ``go_ahead`` shortens the hand-over (kernels/pdl.py): each gather
+kernel lets the next one start right after its own wait, so the next kernel's programs are resident and loading
+their weights while this one reads ``x`` (or ``h``) and stores, instead of only once every program of this one
+has exited. The tiles and the split-K reach set how many programs a launch has and how much each loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRAKernelChoice:
+    """``go_ahead`` (1/0): the gather kernels give the next kernel the go-ahead (PDL) right after their wait, or
+    only by exiting; ``shrink_tile`` / ``expand_tile``: elements of ``a`` / ``b`` a gather program loads at once;
+    ``busy_programs``: a decode launch with fewer programs than this splits ``in`` over programs of ``split_k``
+    columns each (the shrink) or narrows its column blocks to 64 (the expand)."""
+
+    go_ahead: int = 1
+    shrink_tile: int = 8192
+    expand_tile: int = 8192
+    busy_programs: int = 128
+    split_k: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("shrink_tile", "expand_tile", "split_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LoRAKernelChoice.{name} must be a power of two >= 16 (a block of a Triton "
+                                 f"kernel), not {value}")
+
+    @property
+    def name(self) -> str:
+        changed = [f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self)
+                   if getattr(self, field.name) != field.default]
+        return ",".join(changed) or "default"
+
+
+def choice_fields(text: str) -> dict[str, int]:
+    """``go_ahead=0,shrink_tile=16384`` -> those :class:`LoRAKernelChoice` fields."""
+    known = {field.name for field in dataclasses.fields(LoRAKernelChoice)}
+    fields: dict[str, int] = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = (side.strip() for side in pair.partition("="))
+        if key not in known or not value.isdigit() or int(value) <= 0 and key != "go_ahead":
+            raise ValueError(f"bad LoRA kernel choice {pair!r}: expected FIELD=N (N a positive integer; go_ahead "
+                             f"0 or 1), FIELD one of {', '.join(sorted(known))}")
+        fields[key] = int(value)
+    return fields
+
+
+# What the triton backend runs; TREADLE_LORA_KERNELS (the same FIELD=N,... text as ``treadle bench lora --sweep
+# --choice``) overrides it for A/B runs of the engine.
+DEFAULT = LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
