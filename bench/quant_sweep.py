@@ -1,0 +1,134 @@
+"""``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs 12]``: every W4A16 kernel variant
+and launch config (the GEMV and ``int_dot`` configs the loader times today, and the ``int_mma`` candidates of
+``kernels/packed_int_mma.py``) at Llama-3.1-8B's four projection shapes and each batch size, against bfloat16
+``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100).
+
+The configs compile first in ``--jobs`` processes at once (filling Triton's on-disk cache), then each is timed alone
+from a CUDA graph with the weight cycled through copies (read from memory, as a decode step reads it). Prints, per
+shape and rows, the fastest config of today's kernels and of all, with its speed-up over bf16 and fraction of the
+roofline, and per rows the four shapes times 32 layers; writes every timing as JSON.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import multiprocessing
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from treadle.bench.int_weights import LAYERS, SHAPES, PackedWeight, candidates, copies, copy_bandwidth
+from treadle.bench.results_folder import results_dir
+
+GROUP = 128
+
+
+def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None) -> int:
+    from treadle.layers.small_batch import graph_seconds
+
+    device = torch.device("cuda")
+    work = [(name, rows, kernel, tiles) for name in SHAPES for rows in rows_list
+            for kernel, tiles in variants(*SHAPES[name], rows, device)]
+    if jobs > 1:
+        _precompile(work, jobs, zeros)
+    bandwidth = copy_bandwidth(device)
+    results, bf16 = [], {}
+    for name, (n, k) in SHAPES.items():
+        weight = PackedWeight(n, k, zeros, device)
+        dense_copies = copies(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.01)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            bf16[name, rows] = graph_seconds(lambda i: F.linear(x, dense_copies[i % len(dense_copies)]))
+            roofline_s = (weight.bytes + 2 * rows * (n + k)) / bandwidth
+            for shape, r, kernel, tiles in work:
+                if (shape, r) != (name, rows):
+                    continue
+                try:
+                    seconds = graph_seconds(lambda i, tiles=tiles: weight.run(x, i, tiles))
+                except Exception as exc:  # a config that does not compile or fit here is reported, not fatal
+                    print(f"{name} M={rows} {kernel} {tiles}: {type(exc).__name__}: {str(exc)[:160]}")
+                    continue
+                results.append({"shape": name, "n": n, "k": k, "rows": rows, "kernel": kernel, "tiles": str(tiles),
+                                "us": seconds * 1e6, "bf16_us": bf16[name, rows] * 1e6,
+                                "speedup": bf16[name, rows] / seconds, "roofline_fraction": roofline_s / seconds})
+    print(table(results, rows_list))
+    report = {"benchmark": "quant_kernels_sweep",
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(device), "copy_bandwidth_GBps": bandwidth / 1e9, "zeros": zeros,
+              "group": GROUP, "results": results}
+    path = Path(output) if output else results_dir() / f"quant_kernels_sweep_{dt.date.today():%Y%m%d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
+    """``(kernel, tiles)`` pairs to time for a batch of ``rows``: today's GEMV (one row) or ``int_dot`` configs, and
+    the ``int_mma`` candidates."""
+    from treadle.kernels.packed_int_mma import mma_candidates
+
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    today = [("gemv" if tiles.block_m == 0 else "int_dot", tiles) for tiles in candidates(n, k, rows, device, False)]
+    return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)]
+
+
+def table(results: list[dict], rows_list: list[int]) -> str:
+    """Per shape and rows: bf16, the fastest of today's kernels, the fastest of all (speed-up, roofline, config);
+    per rows the four shapes' sum times the layers."""
+    lines = [f"{'':<20}{'bf16 us':>9}{'today us':>10}{'best us':>9}{'speed-up':>10}{'roofline':>10}  best config"]
+    for rows in rows_list:
+        step = {"bf16": 0.0, "today": 0.0, "best": 0.0}
+        for shape in SHAPES:
+            timed = [r for r in results if r["shape"] == shape and r["rows"] == rows]
+            today = [r for r in timed if r["kernel"] != "int_mma"]
+            if not timed or not today:
+                continue
+            best, best_today = min(timed, key=lambda r: r["us"]), min(today, key=lambda r: r["us"])
+            step["bf16"] += best["bf16_us"]
+            step["today"] += best_today["us"]
+            step["best"] += best["us"]
+            lines.append(f"{shape + f' M={rows}':<20}{best['bf16_us']:>9.1f}{best_today['us']:>10.1f}"
+                         f"{best['us']:>9.1f}{best['speedup']:>9.2f}x{best['roofline_fraction']:>9.0%}  "
+                         f"{best['kernel']} {best['tiles']}")
+        if step["best"]:
+            lines.append(f"{f'x{LAYERS} layers M={rows}':<20}{step['bf16'] * LAYERS / 1e3:>8.2f}m"
+                         f"{step['today'] * LAYERS / 1e3:>9.2f}m{step['best'] * LAYERS / 1e3:>8.2f}m"
+                         f"{step['bf16'] / step['best']:>9.2f}x  (ms of linear layers per decode step; today "
+                         f"{step['bf16'] / step['today']:.2f}x)")
+    return "\n".join(lines)
+
+
+def _precompile(work: list, jobs: int, zeros: bool) -> None:
+    """Compile every config once in ``jobs`` processes (each launch on small random tensors of the real shapes), so
+    the timing pass finds them in Triton's cache."""
+    chunks = [work[i::jobs] for i in range(jobs)]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        failed = sum(pool.starmap(_compile_chunk, [(chunk, zeros) for chunk in chunks]))
+    print(f"compiled {len(work)} configs in {jobs} processes ({failed} failed; reported when timed)")
+
+
+def _compile_chunk(chunk: list, zeros: bool) -> int:
+    from treadle.kernels.packed_int import int_dot, int_gemv
+    from treadle.kernels.packed_int_mma import int_mma
+
+    device = torch.device("cuda")
+    tensors: dict[str, tuple] = {}
+    failed = 0
+    for name, rows, kernel, tiles in chunk:
+        n, k = SHAPES[name]
+        if name not in tensors:
+            tensors[name] = (torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device),
+                             torch.ones(n, k // GROUP, dtype=torch.bfloat16, device=device),
+                             torch.zeros(n, k // GROUP, dtype=torch.bfloat16, device=device) if zeros else None)
+        words, scales, zero_points = tensors[name]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        run = {"gemv": int_gemv, "int_dot": int_dot, "int_mma": int_mma}[kernel]
+        try:
+            run(x, words, scales, zero_points, 4, GROUP, tiles)
+            torch.cuda.synchronize()
+        except Exception:
+            failed += 1
+    return failed

@@ -1,0 +1,197 @@
+"""Candidate ``tl.dot`` kernels for panel-packed integer weights (``kernels/packed_int.py``'s layout) at 1 to 64
+rows, for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to rank against ``int_dot``.
+
+:func:`int_mma` differs from ``int_dot`` in three ways, each a switch of :class:`MmaTiles`:
+
+- one ``tl.dot`` per K step over whole panels (``panels`` of them: 128 or 256 K values at 4 bits) instead of one
+  per 16-column value slot: each packed word is loaded once per tile as part of a ``[BLOCK_N, panels, 16]`` block
+  (64 contiguous bytes a row a panel), every slot shifted out at once and the result laid out in natural K order
+  by a reshape (slot ``j`` of word ``c`` is column ``16j + c``), so the activations are one plain tile;
+- ``swap``: the weight is the dot's first operand (``out.T`` tiles of ``[BLOCK_N, BLOCK_M]``), so a batch of a few
+  tokens is the MMA's narrow side (Hopper's wgmma takes N down to 8 and its first operand from registers) rather
+  than rows of padding;
+- ``scale_in_regs``: the values become ``(u - zero) * scale`` in the activations' dtype before the dot (rounded
+  as :func:`dequantize` rounds, any group that tiles the step); otherwise the dot multiplies the widened values
+  (``128 + u`` from integer ops alone for 4-bit bf16/fp16) and each step's group takes its scale and zero after
+  it, through the rows' activation sums (the step must lie in one group).
+
+Split-K ranges' float32 partials are summed by the last of a tile's programs (``_store_or_reduce``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.kernels.packed_int import PANEL_WORDS, _partials, _store_or_reduce, widening
+from treadle.kernels.small_batch import _arrivals
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    """One :func:`int_mma` launch: ``block_m`` token rows (16, 32 or 64; rows past the batch are masked) by
+    ``block_n`` weight rows per tile, ``panels`` 16-word panels per K step, ``split_k`` K ranges, the weight as the
+    dot's first operand (``swap``), and whether the values are scaled before the dot (``scale_in_regs``)."""
+
+    block_m: int
+    block_n: int
+    panels: int = 1
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = True
+    scale_in_regs: bool = False
+
+    def fits(self, k: int, bits: int, group: int) -> bool:
+        """Whether this launch tiles a K of ``k`` in groups of ``group``."""
+        step = self.panels * PANEL_WORDS * 32 // bits
+        if k % (step * self.split_k):
+            return False
+        if self.scale_in_regs:
+            return step % group == 0 or group % step == 0
+        return group % step == 0
+
+
+def int_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+            group: int, tiles: MmaTiles) -> torch.Tensor:
+    """``x [M, K] @ dequantized(weight).T`` with whole-panel ``tl.dot`` steps (see the module docstring)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not tiles.fits(k, bits, group):
+        raise ValueError(f"{tiles} does not tile K={k} of {bits}-bit values in groups of {group}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    i16, magic, offset = widening(bits, x.dtype, not tiles.scale_in_regs)
+    _int_mma_kernel[grid](
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
+        _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
+        scales.stride(0), out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
+        SPLIT_K=tiles.split_k, SWAP=tiles.swap, SCALE_IN_REGS=tiles.scale_in_regs, I16=i16, MAGIC16=magic,
+        OFFSET16=offset, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PANELS=tiles.panels,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def mma_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MmaTiles]:
+    """The :func:`int_mma` launches worth timing for a batch of ``rows`` (1 to 64) on an ``n`` x ``k`` weight:
+    the narrowest token tile that holds the batch (and the next narrower one from 32 rows), weight tiles of 64 and
+    128 rows, one or two panels a step, both scalings, shallow and deep pipelines, and split-K where the row tiles
+    alone leave SMs idle; a few unswapped ones as the control."""
+    widest = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    candidates = []
+    for block_m in sorted({widest, max(widest // 2, 16)}):
+        for block_n in (64, 128):
+            split = _split(n, k, bits, block_n, sm_count)
+            for panels, in_regs in ((1, False), (1, True), (2, True)):
+                for stages, warps in ((2, 4), (4, 4), (3, 8)):
+                    if warps == 8 and block_n == 64:
+                        continue
+                    candidates.append(MmaTiles(block_m, block_n, panels, split, warps, stages, True, in_regs))
+            candidates.append(MmaTiles(block_m, block_n, 1, split, 4, 3, False, False))
+    candidates += [MmaTiles(t.block_m, t.block_n, t.panels, t.split_k * 2, t.num_warps, t.num_stages, t.swap,
+                            t.scale_in_regs) for t in candidates if t.num_stages == 4]
+    return [t for t in dict.fromkeys(candidates) if t.fits(k, bits, group)]
+
+
+def _split(n: int, k: int, bits: int, block_n: int, sm_count: int) -> int:
+    steps, split = k * bits // (32 * PANEL_WORDS), 1
+    while triton.cdiv(n, block_n) * split < sm_count and split < 8 and steps % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+@triton.jit
+def _mma_step_weight(words, s_ptr, z_ptr, offs_n, n_mask, k0, stride_sn, dtype, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_IN_REGS: tl.constexpr, I16: tl.constexpr,
+                     MAGIC16: tl.constexpr, BLOCK_N: tl.constexpr, PANELS: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` weight values of one K step in natural order, in ``dtype``: ``(u - zero) * scale``
+    (SCALE_IN_REGS), else ``u`` plus the widening's offset."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    BLOCK_K: tl.constexpr = PANELS * 16 * PACK
+    shifts = tl.arange(0, PACK) * BITS
+    u = tl.reshape((words[:, :, None, :] >> shifts[None, None, :, None]) & MASK, [BLOCK_N, BLOCK_K])
+    if not SCALE_IN_REGS:
+        if I16:
+            return (u | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+        return ((u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+    G: tl.constexpr = BLOCK_K // GROUP if BLOCK_K > GROUP else 1
+    g = k0 // GROUP + tl.arange(0, G)
+    index = offs_n[:, None] * stride_sn + g[None, :]
+    s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32) + 8388608.0
+    else:
+        zero = tl.full([BLOCK_N, G], 8388608.0 + (1 << (BITS - 1)), tl.float32)
+    # 2**23 + u exactly, minus 2**23 + zero: (u - zero) exactly, then one rounding of the product, as dequantize.
+    f = tl.reshape((u | 0x4B000000).to(tl.float32, bitcast=True), [BLOCK_N, G, BLOCK_K // G])
+    return tl.reshape(((f - zero[:, :, None]) * s[:, :, None]).to(dtype), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
+                    stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
+                    SCALE_IN_REGS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PANELS: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    BLOCK_K: tl.constexpr = PANELS * 16 * PACK
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_tile = (w_ptr + offs_n[:, None, None] * stride_wn + tl.arange(0, PANELS)[None, :, None] * 16
+              + tl.arange(0, 16)[None, None, :])
+    if SWAP:
+        x_tile = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        words = tl.load(w_tile + k0 // PACK, mask=n_mask[:, None, None], other=0, eviction_policy="evict_first")
+        if SWAP:
+            x = tl.load(x_tile + k0, mask=m_mask[None, :], other=0)
+        else:
+            x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0)
+        w = _mma_step_weight(words, s_ptr, z_ptr, offs_n, n_mask, k0, stride_sn, x.dtype, BITS, GROUP, HAS_ZEROS,
+                             SCALE_IN_REGS, I16, MAGIC16, BLOCK_N, PANELS)
+        if SCALE_IN_REGS:
+            if SWAP:
+                acc = tl.dot(w, x, acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            g = k0 // GROUP
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+            else:
+                zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+            if SWAP:
+                part = tl.dot(w, x)
+                x_sum = tl.sum(x.to(tl.float32), axis=0)
+                acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
+            else:
+                part = tl.dot(x, tl.trans(w))
+                x_sum = tl.sum(x.to(tl.float32), axis=1)
+                acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
+    if SWAP:
+        tile = offs_m[None, :] * stride_om + offs_n[:, None]
+        partial = offs_m[None, :] * N + offs_n[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+    else:
+        tile = offs_m[:, None] * stride_om + offs_n[None, :]
+        partial = offs_m[:, None] * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+    _store_or_reduce(acc, out_ptr + tile, partials_ptr + partial, M * N,
+                     arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K)
