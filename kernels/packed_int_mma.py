@@ -20,7 +20,7 @@ Split-K ranges' float32 partials are summed by the last of a tile's programs (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -34,7 +34,10 @@ from treadle.kernels.small_batch import _arrivals
 class MmaTiles:
     """One :func:`int_mma` launch: ``block_m`` token rows (16, 32 or 64; rows past the batch are masked) by
     ``block_n`` weight rows per tile, ``panels`` 16-word panels per K step, ``split_k`` K ranges, the weight as the
-    dot's first operand (``swap``), and whether the values are scaled before the dot (``scale_in_regs``)."""
+    dot's first operand (``swap``), and whether the values are scaled before the dot (``scale_in_regs``).
+    ``per_slot``: one panel a step, one dot per 16-column value slot (``int_dot``'s steps with the weight as the
+    first operand: each slot's widening is elementwise on the loaded words, which lets the compiler feed Hopper's
+    wgmma from registers instead of a round trip through shared memory)."""
 
     block_m: int
     block_n: int
@@ -44,10 +47,13 @@ class MmaTiles:
     num_stages: int = 3
     swap: bool = True
     scale_in_regs: bool = False
+    per_slot: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` in groups of ``group``."""
         step = self.panels * PANEL_WORDS * 32 // bits
+        if self.per_slot:
+            return self.panels == 1 and self.swap and not self.scale_in_regs and k % (step * self.split_k) == 0
         if k % (step * self.split_k):
             return False
         if self.scale_in_regs:
@@ -71,33 +77,35 @@ def int_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
         scales.stride(0), out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
         SPLIT_K=tiles.split_k, SWAP=tiles.swap, SCALE_IN_REGS=tiles.scale_in_regs, I16=i16, MAGIC16=magic,
         OFFSET16=offset, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PANELS=tiles.panels,
+        PER_SLOT=tiles.per_slot,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 def mma_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MmaTiles]:
     """The :func:`int_mma` launches worth timing for a batch of ``rows`` (1 to 64) on an ``n`` x ``k`` weight:
-    the narrowest token tile that holds the batch (and the next narrower one from 32 rows), weight tiles of 64 and
-    128 rows, one or two panels a step, both scalings, shallow and deep pipelines, and split-K where the row tiles
-    alone leave SMs idle; a few unswapped ones as the control."""
+    the narrowest token tile that holds the batch (and the next narrower one from 32 rows); per-slot dots with
+    weight tiles of 64 to 256 rows, shallow and deep pipelines; whole-panel steps scaled after the dot (one panel)
+    or before it (two); split-K where the row tiles alone leave SMs idle, and twice that; one unswapped control."""
     widest = 16 if rows <= 16 else 32 if rows <= 32 else 64
     candidates = []
     for block_m in sorted({widest, max(widest // 2, 16)}):
-        for block_n in (64, 128):
-            split = _split(n, k, bits, block_n, sm_count)
-            for panels, in_regs in ((1, False), (1, True), (2, True)):
-                for stages, warps in ((2, 4), (4, 4), (3, 8)):
-                    if warps == 8 and block_n == 64:
-                        continue
-                    candidates.append(MmaTiles(block_m, block_n, panels, split, warps, stages, True, in_regs))
-            candidates.append(MmaTiles(block_m, block_n, 1, split, 4, 3, False, False))
-    candidates += [MmaTiles(t.block_m, t.block_n, t.panels, t.split_k * 2, t.num_warps, t.num_stages, t.swap,
-                            t.scale_in_regs) for t in candidates if t.num_stages == 4]
+        def tiles(block_n: int, warps: int, stages: int, **kind) -> MmaTiles:
+            steps = k * bits // (32 * PANEL_WORDS * kind.get("panels", 1))
+            return MmaTiles(block_m, block_n, split_k=_split(n, steps, block_n, sm_count), num_warps=warps,
+                            num_stages=stages, **kind)
+
+        for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+            candidates += [tiles(block_n, warps, stages, per_slot=True) for stages in (3, 5)]
+        for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+            candidates += [tiles(block_n, warps, 3), tiles(block_n, warps, 3, panels=2, scale_in_regs=True)]
+        candidates.append(tiles(64, 4, 3, swap=False))
+    candidates += [replace(t, split_k=t.split_k * 2) for t in candidates if t.per_slot and t.num_stages == 5]
     return [t for t in dict.fromkeys(candidates) if t.fits(k, bits, group)]
 
 
-def _split(n: int, k: int, bits: int, block_n: int, sm_count: int) -> int:
-    steps, split = k * bits // (32 * PANEL_WORDS), 1
+def _split(n: int, steps: int, block_n: int, sm_count: int) -> int:
+    split = 1
     while triton.cdiv(n, block_n) * split < sm_count and split < 8 and steps % (2 * split) == 0:
         split *= 2
     return split
@@ -136,7 +144,8 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
                     stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
                     SCALE_IN_REGS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PANELS: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PANELS: tl.constexpr,
+                    PER_SLOT: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = 1 << (BITS - 1)
     BLOCK_K: tl.constexpr = PANELS * 16 * PACK
@@ -157,34 +166,40 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
         x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        words = tl.load(w_tile + k0 // PACK, mask=n_mask[:, None, None], other=0, eviction_policy="evict_first")
-        if SWAP:
-            x = tl.load(x_tile + k0, mask=m_mask[None, :], other=0)
-        else:
-            x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0)
-        w = _mma_step_weight(words, s_ptr, z_ptr, offs_n, n_mask, k0, stride_sn, x.dtype, BITS, GROUP, HAS_ZEROS,
-                             SCALE_IN_REGS, I16, MAGIC16, BLOCK_N, PANELS)
-        if SCALE_IN_REGS:
+    if PER_SLOT:
+        acc = _slot_dots(x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 16)[:, None], m_mask,
+                         w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :], s_ptr, z_ptr, offs_n,
+                         n_mask, k_begin, k_begin + k_per_split, stride_sn, BITS, GROUP, HAS_ZEROS, I16, MAGIC16,
+                         OFFSET16, BLOCK_M, BLOCK_N)
+    else:
+        for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+            words = tl.load(w_tile + k0 // PACK, mask=n_mask[:, None, None], other=0, eviction_policy="evict_first")
             if SWAP:
-                acc = tl.dot(w, x, acc)
+                x = tl.load(x_tile + k0, mask=m_mask[None, :], other=0)
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            g = k0 // GROUP
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+                x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0)
+            w = _mma_step_weight(words, s_ptr, z_ptr, offs_n, n_mask, k0, stride_sn, x.dtype, BITS, GROUP, HAS_ZEROS,
+                                 SCALE_IN_REGS, I16, MAGIC16, BLOCK_N, PANELS)
+            if SCALE_IN_REGS:
+                if SWAP:
+                    acc = tl.dot(w, x, acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
             else:
-                zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
-            if SWAP:
-                part = tl.dot(w, x)
-                x_sum = tl.sum(x.to(tl.float32), axis=0)
-                acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
-            else:
-                part = tl.dot(x, tl.trans(w))
-                x_sum = tl.sum(x.to(tl.float32), axis=1)
-                acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
+                g = k0 // GROUP
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+                if HAS_ZEROS:
+                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+                else:
+                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                if SWAP:
+                    part = tl.dot(w, x)
+                    x_sum = tl.sum(x.to(tl.float32), axis=0)
+                    acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                    x_sum = tl.sum(x.to(tl.float32), axis=1)
+                    acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
     if SWAP:
         tile = offs_m[None, :] * stride_om + offs_n[:, None]
         partial = offs_m[None, :] * N + offs_n[:, None]
@@ -195,3 +210,43 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
         mask = m_mask[:, None] & n_mask[None, :]
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + partial, M * N,
                      arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _slot_dots(x_cols, m_mask, w_rows, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_end, stride_sn, BITS: tl.constexpr,
+               GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
+               OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 ``[BLOCK_N, BLOCK_M]`` sums over ``[k_begin, k_end)`` of the weight rows (``w_rows``: ``[BLOCK_N,
+    16]`` pointers to a row's first panel) with the activation rows (``x_cols``: ``[16, BLOCK_M]`` pointers to
+    their first 16 columns): per panel, value slot ``j`` of the words times the 16 activation columns it holds;
+    each group's sums take its scale and zero (plus the widening's offset) through the rows' activation sums."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    PANEL: tl.constexpr = 16 * PACK
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, PANEL):
+        words = tl.load(w_rows + k0 // PACK, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            x = tl.load(x_cols + k0 + 16 * j, mask=m_mask[None, :], other=0)
+            if I16:
+                w = (((words >> (BITS * j)) & MASK) | MAGIC16).to(tl.int16).to(x.dtype, bitcast=True)
+            else:
+                w = ((((words >> (BITS * j)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+                     - 8388608.0).to(x.dtype)
+            part = tl.dot(w, x, part)
+            x_sum += tl.sum(x.to(tl.float32), axis=0)
+            if (j + 1) % JG == 0:
+                g = (k0 + 16 * (j + 1 - JG)) // GROUP
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+                if HAS_ZEROS:
+                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+                else:
+                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
+                part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return acc

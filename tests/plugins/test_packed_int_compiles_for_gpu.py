@@ -1,7 +1,7 @@
 """The integer-weight Triton kernels (kernels/packed_int.py) compile for an H100 (sm_90) on a machine without a GPU:
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
-this reuses). Split-K, the SiLU·mul epilogue, zero points, both ways of widening, act-order, 4 and 8 bits, and the
-integer experts' fused-MoE kernels."""
+this reuses). Split-K, the SiLU·mul epilogue, zero points, both ways of widening, act-order, 4 and 8 bits, the
+integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=group, HAS_ZEROS=True, SPLIT_K=split, I16=i16, MAGIC16=0x4300,
                                OFFSET16=128.0, BLOCK_M=block_m, BLOCK_N=64))
+    # The sweep's candidate tiles (kernels/packed_int_mma.py): per-slot dots, whole panels scaled after the dot, two
+    # panels scaled before it (groups smaller than the step) with the weight as the second operand.
+    mma = dict(BITS=4, MAGIC16=0x4300, OFFSET16=128.0, BLOCK_M=16, BLOCK_N=128, PANELS=1, SWAP=True,
+               SCALE_IN_REGS=False, I16=True, PER_SLOT=False)
+    for name, switches in {"per_slot": dict(PER_SLOT=True, HAS_ZEROS=True, SPLIT_K=2, GROUP=128),
+                           "panel": dict(HAS_ZEROS=False, SPLIT_K=1, GROUP=128),
+                           "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
+                                                 HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
+        variants[f"mma[{name}]"] = ("packed_int_mma._int_mma_kernel", {"out_ptr": "*bf16"}, {**mma, **switches})
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
                               dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
@@ -50,9 +59,9 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int, packed_int_moe
+    from treadle.kernels import packed_int, packed_int_mma, packed_int_moe
 
-    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe}
+    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
         module, _, kernel = kernel.rpartition(".")
