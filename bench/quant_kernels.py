@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -129,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", help="batch sizes, comma-separated (default 1,8,32; with --sweep 1,4,8,16,32,64)")
     parser.add_argument("--sweep", action="store_true",
                         help="every kernel variant and config, int_mma's included (bench/quant_sweep.py)")
-    parser.add_argument("--jobs", type=int, default=12, help="--sweep: processes compiling the configs first")
+    parser.add_argument("--jobs", type=int, default=max((os.cpu_count() or 4) - 2, 1),
+                        help="--sweep: processes compiling the configs first (default: all cores but two)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
     parser.add_argument("--explore", action="store_true", help="time a wider grid of launch configs")
     parser.add_argument("--moe", action="store_true", help="also one Mixtral-8x7B MoE layer, 16-bit against W4A16")

@@ -1,4 +1,4 @@
-"""``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs 12]``: every W4A16 kernel variant
+"""``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs N]``: every W4A16 kernel variant
 and launch config (the GEMV and ``int_dot`` configs the loader times today, and the ``int_mma`` candidates of
 ``kernels/packed_int_mma.py``) at Llama-3.1-8B's four projection shapes and each batch size, against bfloat16
 ``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100).
@@ -34,6 +34,7 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None) -> i
     if jobs > 1:
         _precompile(work, jobs, zeros)
     bandwidth = copy_bandwidth(device)
+    path = Path(output) if output else results_dir() / f"quant_kernels_sweep_{dt.date.today():%Y%m%d}.json"
     results, bf16 = [], {}
     for name, (n, k) in SHAPES.items():
         weight = PackedWeight(n, k, zeros, device)
@@ -53,25 +54,24 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None) -> i
                 results.append({"shape": name, "n": n, "k": k, "rows": rows, "kernel": kernel, "tiles": str(tiles),
                                 "us": seconds * 1e6, "bf16_us": bf16[name, rows] * 1e6,
                                 "speedup": bf16[name, rows] / seconds, "roofline_fraction": roofline_s / seconds})
+            timed = [r for r in results if (r["shape"], r["rows"]) == (name, rows)]
+            if timed:
+                best = min(timed, key=lambda r: r["us"])
+                print(f"{name} M={rows}: {len(timed)} configs, best {best['us']:.1f} us ({best['speedup']:.2f}x bf16)")
+        _write(path, results, bandwidth, zeros)  # a sweep cut short keeps the shapes it finished
     print(table(results, rows_list))
-    report = {"benchmark": "quant_kernels_sweep",
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(device), "copy_bandwidth_GBps": bandwidth / 1e9, "zeros": zeros,
-              "group": GROUP, "results": results}
-    path = Path(output) if output else results_dir() / f"quant_kernels_sweep_{dt.date.today():%Y%m%d}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {_write(path, results, bandwidth, zeros)}")
     return 0
 
 
 def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
-    """``(kernel, tiles)`` pairs to time for a batch of ``rows``: today's GEMV (one row) or ``int_dot`` configs, and
-    the ``int_mma`` candidates."""
+    """``(kernel, tiles)`` pairs to time for a batch of ``rows``: the GEMV's wider grid (``--explore``'s: rows per
+    program, words per step, split-K, warps) for one row, else the ``int_dot`` configs the loader times, and the
+    ``int_mma`` candidates."""
     from treadle.kernels.packed_int_mma import mma_candidates
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    today = [("gemv" if tiles.block_m == 0 else "int_dot", tiles) for tiles in candidates(n, k, rows, device, False)]
+    today = [("gemv" if tiles.block_m == 0 else "int_dot", tiles) for tiles in candidates(n, k, rows, device, rows == 1)]
     return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)]
 
 
@@ -99,6 +99,16 @@ def table(results: list[dict], rows_list: list[int]) -> str:
                          f"{step['bf16'] / step['best']:>9.2f}x  (ms of linear layers per decode step; today "
                          f"{step['bf16'] / step['today']:.2f}x)")
     return "\n".join(lines)
+
+
+def _write(path: Path, results: list[dict], bandwidth: float, zeros: bool) -> Path:
+    report = {"benchmark": "quant_kernels_sweep",
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "zeros": zeros,
+              "group": GROUP, "results": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
 
 
 def _precompile(work: list, jobs: int, zeros: bool) -> None:
