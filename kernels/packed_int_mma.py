@@ -20,7 +20,7 @@ Split-K ranges' float32 partials are summed by the last of a tile's programs (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -85,22 +85,22 @@ def int_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
 def mma_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MmaTiles]:
     """The :func:`int_mma` launches worth timing for a batch of ``rows`` (1 to 64) on an ``n`` x ``k`` weight:
     the narrowest token tile that holds the batch (and the next narrower one from 32 rows); per-slot dots with
-    weight tiles of 64 to 256 rows, shallow and deep pipelines; whole-panel steps scaled after the dot (one panel)
-    or before it (two); split-K where the row tiles alone leave SMs idle, and twice that; one unswapped control."""
+    weight tiles of 64 to 256 rows, shallow and deep pipelines, and split-K from one program per SM to four (the
+    per-slot dots of a panel run one after another, so more programs per SM hide their latency); whole-panel steps
+    scaled after the dot (one panel) or before it (two); one unswapped control."""
     widest = 16 if rows <= 16 else 32 if rows <= 32 else 64
     candidates = []
     for block_m in sorted({widest, max(widest // 2, 16)}):
-        def tiles(block_n: int, warps: int, stages: int, **kind) -> MmaTiles:
+        def tiles(block_n: int, warps: int, stages: int, more: int = 1, **kind) -> MmaTiles:
             steps = k * bits // (32 * PANEL_WORDS * kind.get("panels", 1))
-            return MmaTiles(block_m, block_n, split_k=_split(n, steps, block_n, sm_count), num_warps=warps,
+            return MmaTiles(block_m, block_n, split_k=_split(n, steps, block_n, sm_count) * more, num_warps=warps,
                             num_stages=stages, **kind)
 
         for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
-            candidates += [tiles(block_n, warps, stages, per_slot=True) for stages in (3, 5)]
+            candidates += [tiles(block_n, warps, stages, more, per_slot=True) for stages in (3, 5) for more in (1, 2, 4)]
         for block_n, warps in ((64, 4), (128, 4), (128, 8)):
             candidates += [tiles(block_n, warps, 3), tiles(block_n, warps, 3, panels=2, scale_in_regs=True)]
         candidates.append(tiles(64, 4, 3, swap=False))
-    candidates += [replace(t, split_k=t.split_k * 2) for t in candidates if t.per_slot and t.num_stages == 5]
     return [t for t in dict.fromkeys(candidates) if t.fits(k, bits, group)]
 
 

@@ -32,8 +32,10 @@ def error(bits, group, n, k, rows, asym, dtype, tiles):
     return ((y.float() - expected).norm() / expected.norm()).item()
 
 
-candidates = {str(tiles): error(4, 128, 48, 256, 5, True, torch.float32, tiles)
-              for tiles in mma_candidates(48, 256, 4, 128, 5, sm_count=4)}
+# Every candidate's kernel branch (warps and pipeline depth mean nothing to the interpreter).
+distinct = {(t.block_m, t.block_n, t.panels, t.split_k > 1, t.swap, t.scale_in_regs, t.per_slot): t
+            for t in mma_candidates(48, 256, 4, 128, 5, sm_count=4)}
+candidates = {str(tiles): error(4, 128, 48, 256, 5, True, torch.float32, tiles) for tiles in distinct.values()}
 switches = {}
 for name, (bits, group, asym, dtype, tiles) in {
         "per-slot groups of 32": (4, 32, False, torch.float32, MmaTiles(16, 32, per_slot=True, split_k=2)),
@@ -62,7 +64,7 @@ def results() -> dict:
 
 def test_every_candidate_the_sweep_times_is_exact(results):
     candidates = results["candidates"]
-    assert len(candidates) >= 15 and any("per_slot=True" in name for name in candidates)
+    assert len(candidates) >= 8 and any("per_slot=True" in name for name in candidates)
     assert any("scale_in_regs=True" in name for name in candidates) and any("swap=False" in name for name in candidates)
     assert all(error < 1e-5 for error in candidates.values()), candidates
 
