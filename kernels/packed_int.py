@@ -336,6 +336,19 @@ def _widened(words, J: tl.constexpr, BITS: tl.constexpr, I16: tl.constexpr, MAGI
 
 
 @triton.jit
+def _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, g, stride_sn, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      OFFSET16: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Group ``g``'s float32 scale of each weight row, and its zero plus the widening's offset (the symmetric
+    zero ``2**(BITS-1)`` without zero points)."""
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+    else:
+        zero = tl.full([BLOCK_N], (1 << (BITS - 1)) + OFFSET16, tl.float32)
+    return s, zero
+
+
+@triton.jit
 def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_end, stride_sn, BITS: tl.constexpr,
                 GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
                 OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -345,7 +358,6 @@ def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k
     group's sums take its scale, and its zero (plus the widening's offset) through the rows' activation sums."""
     PACK: tl.constexpr = 32 // BITS
     PANEL: tl.constexpr = 16 * PACK
-    HALF: tl.constexpr = 1 << (BITS - 1)
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, PANEL):
@@ -357,12 +369,8 @@ def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k
             part = tl.dot(x, _widened(words, j, BITS, I16, MAGIC16, x.dtype), part)
             x_sum += tl.sum(x.to(tl.float32), axis=1)
             if (j + 1) % JG == 0:
-                g = (k0 + 16 * (j + 1 - JG)) // GROUP
-                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-                if HAS_ZEROS:
-                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
-                else:
-                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, (k0 + 16 * (j + 1 - JG)) // GROUP,
+                                            stride_sn, BITS, HAS_ZEROS, OFFSET16, BLOCK_N)
                 acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
                 part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)

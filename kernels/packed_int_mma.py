@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int import PANEL_WORDS, _partials, _store_or_reduce, widening
+from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _store_or_reduce, _widened,
+                                        widening)
 from treadle.kernels.small_batch import _arrivals
 
 
@@ -147,7 +148,6 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PANELS: tl.constexpr,
                     PER_SLOT: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = 1 << (BITS - 1)
     BLOCK_K: tl.constexpr = PANELS * 16 * PACK
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -186,12 +186,8 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
                 else:
                     acc = tl.dot(x, tl.trans(w), acc)
             else:
-                g = k0 // GROUP
-                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-                if HAS_ZEROS:
-                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
-                else:
-                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, BITS, HAS_ZEROS,
+                                            OFFSET16, BLOCK_N)
                 if SWAP:
                     part = tl.dot(w, x)
                     x_sum = tl.sum(x.to(tl.float32), axis=0)
@@ -221,9 +217,7 @@ def _slot_dots(x_cols, m_mask, w_rows, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_
     their first 16 columns): per panel, value slot ``j`` of the words times the 16 activation columns it holds;
     each group's sums take its scale and zero (plus the widening's offset) through the rows' activation sums."""
     PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     PANEL: tl.constexpr = 16 * PACK
-    HALF: tl.constexpr = 1 << (BITS - 1)
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_end, PANEL):
@@ -232,20 +226,11 @@ def _slot_dots(x_cols, m_mask, w_rows, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_
         x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for j in tl.static_range(PACK):
             x = tl.load(x_cols + k0 + 16 * j, mask=m_mask[None, :], other=0)
-            if I16:
-                w = (((words >> (BITS * j)) & MASK) | MAGIC16).to(tl.int16).to(x.dtype, bitcast=True)
-            else:
-                w = ((((words >> (BITS * j)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
-                     - 8388608.0).to(x.dtype)
-            part = tl.dot(w, x, part)
+            part = tl.dot(_widened(words, j, BITS, I16, MAGIC16, x.dtype), x, part)
             x_sum += tl.sum(x.to(tl.float32), axis=0)
             if (j + 1) % JG == 0:
-                g = (k0 + 16 * (j + 1 - JG)) // GROUP
-                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-                if HAS_ZEROS:
-                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
-                else:
-                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, (k0 + 16 * (j + 1 - JG)) // GROUP,
+                                            stride_sn, BITS, HAS_ZEROS, OFFSET16, BLOCK_N)
                 acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
                 part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
