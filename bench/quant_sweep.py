@@ -4,9 +4,11 @@ and launch config (the GEMV and ``int_dot`` configs the loader times today, and 
 ``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100).
 
 The configs compile first in ``--jobs`` processes at once (filling Triton's on-disk cache), then each is timed alone
-from a CUDA graph with the weight cycled through copies (read from memory, as a decode step reads it). Prints, per
-shape and rows, the fastest config of today's kernels and of all, with its speed-up over bf16 and fraction of the
-roofline, and per rows the four shapes times 32 layers; writes every timing as JSON.
+from a CUDA graph with the weight cycled through copies (read from memory, as a decode step reads it), after its
+output is checked against the dequantized weight's bf16 matmul (a config off by more than bf16 rounding is
+printed as WRONG and never ranked). Prints, per shape and rows, the fastest config of today's kernels and of all,
+with its speed-up over bf16 and fraction of the roofline, and per rows the four shapes times 32 layers; writes
+every timing as JSON.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from treadle.bench.int_weights import LAYERS, SHAPES, PackedWeight, candidates, 
 from treadle.bench.results_folder import results_dir
 
 GROUP = 128
+MAX_ERROR = 1e-2  # relative to the dequantized weight's bf16 matmul: bf16 rounding passes, a wrong layout does not
 
 
 def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None) -> int:
+    from treadle.kernels.packed_int import dequantize
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device("cuda")
@@ -43,18 +47,23 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None) -> i
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             bf16[name, rows] = graph_seconds(lambda i: F.linear(x, dense_copies[i % len(dense_copies)]))
             roofline_s = (weight.bytes + 2 * rows * (n + k)) / bandwidth
+            expected = F.linear(x, dequantize(weight.words[0], weight.scales, weight.zeros, None, 4, GROUP, x.dtype))
             for shape, r, kernel, tiles in work:
                 if (shape, r) != (name, rows):
                     continue
                 try:
+                    error = _error(weight.run(x, 0, tiles), expected)
                     seconds = graph_seconds(lambda i, tiles=tiles: weight.run(x, i, tiles))
                 except Exception as exc:  # a config that does not compile or fit here is reported, not fatal
                     print(f"{name} M={rows} {kernel} {tiles}: {type(exc).__name__}: {str(exc)[:160]}")
                     continue
+                if error > MAX_ERROR:
+                    print(f"{name} M={rows} {kernel} {tiles}: WRONG, relative error {error:.2e}")
                 results.append({"shape": name, "n": n, "k": k, "rows": rows, "kernel": kernel, "tiles": str(tiles),
                                 "us": seconds * 1e6, "bf16_us": bf16[name, rows] * 1e6,
-                                "speedup": bf16[name, rows] / seconds, "roofline_fraction": roofline_s / seconds})
-            timed = [r for r in results if (r["shape"], r["rows"]) == (name, rows)]
+                                "speedup": bf16[name, rows] / seconds, "roofline_fraction": roofline_s / seconds,
+                                "error": error, "correct": error <= MAX_ERROR})
+            timed = [r for r in results if (r["shape"], r["rows"]) == (name, rows) and r["correct"]]
             if timed:
                 best = min(timed, key=lambda r: r["us"])
                 print(f"{name} M={rows}: {len(timed)} configs, best {best['us']:.1f} us ({best['speedup']:.2f}x bf16)")
@@ -82,7 +91,7 @@ def table(results: list[dict], rows_list: list[int]) -> str:
     for rows in rows_list:
         step = {"bf16": 0.0, "today": 0.0, "best": 0.0}
         for shape in SHAPES:
-            timed = [r for r in results if r["shape"] == shape and r["rows"] == rows]
+            timed = [r for r in results if r["shape"] == shape and r["rows"] == rows and r.get("correct", True)]
             today = [r for r in timed if r["kernel"] != "int_mma"]
             if not timed or not today:
                 continue
@@ -99,6 +108,10 @@ def table(results: list[dict], rows_list: list[int]) -> str:
                          f"{step['bf16'] / step['best']:>9.2f}x  (ms of linear layers per decode step; today "
                          f"{step['bf16'] / step['today']:.2f}x)")
     return "\n".join(lines)
+
+
+def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((y.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def _write(path: Path, results: list[dict], bandwidth: float, zeros: bool) -> Path:
