@@ -53,6 +53,32 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
         assert error < 1e-2, (rows, error)
 
 
+@pytest.mark.parametrize("group, asym", [(128, False), (32, True)])
+def test_int_mma_candidates_match_the_dequantized_matmul(group, asym):
+    # kernels/packed_int_mma.py's kernel families on the real compiler (wgmma from registers, whole-panel reshapes
+    # through shared memory), at 1 to 64 rows; the sweep also checks every candidate at the four shapes.
+    from treadle.kernels.packed_int_mma import MmaTiles, int_mma
+    from treadle.layers.packed_int import pack_panels
+
+    n, k = 4096, 4096
+    gen = torch.Generator(device=DEVICE).manual_seed(group)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // group, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // group), device=DEVICE, generator=gen).to(torch.bfloat16) if asym else None
+    weight = _reference(values, scales, zeros, torch.arange(k, device=DEVICE) // group, 4)
+    packed = pack_panels(values, 4)
+    families = [MmaTiles(16, 128, per_slot=True, split_k=4, num_stages=5),
+                MmaTiles(64, 256, per_slot=True, num_warps=8), MmaTiles(32, 64, 2, scale_in_regs=True), MmaTiles(16, 64, 2, 2, swap=False, scale_in_regs=True),
+                MmaTiles(16, 128, split_k=2), MmaTiles(64, 64, swap=False)]
+    for tiles in [t for t in families if t.fits(k, 4, group)]:
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+            expected = x.float() @ weight.t()
+            error = ((int_mma(x, packed, scales, zeros, 4, group, tiles).float() - expected).norm()
+                     / expected.norm()).item()
+            assert error < 1e-2, (tiles, rows, error)
+
+
 @pytest.mark.parametrize("asym", [False, True])
 def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
     from treadle.kernels.fused_ops import silu_mul
