@@ -28,11 +28,11 @@ GROUP = 128
 MAX_ERROR = 1e-2  # relative to the dequantized weight's bf16 matmul: bf16 rounding passes, a wrong layout does not
 
 
-def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None) -> int:
+def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, device: str = "cuda") -> int:
     from treadle.kernels.packed_int import dequantize
     from treadle.layers.small_batch import graph_seconds
 
-    device = torch.device("cuda")
+    device = torch.device(device)
     work = [(name, rows, kernel, tiles) for name in SHAPES for rows in rows_list
             for kernel, tiles in variants(*SHAPES[name], rows, device)]
     if jobs > 1:
@@ -117,7 +117,7 @@ def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
 def _write(path: Path, results: list[dict], bandwidth: float, zeros: bool) -> Path:
     report = {"benchmark": "quant_kernels_sweep",
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "zeros": zeros,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "copy_bandwidth_GBps": bandwidth / 1e9, "zeros": zeros,
               "group": GROUP, "results": results}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
