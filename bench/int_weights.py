@@ -41,15 +41,9 @@ class PackedWeight:
 
     def run(self, x: torch.Tensor, i: int, tiles) -> torch.Tensor:
         """``x @ weight.T`` with copy ``i`` of the weight, by the kernel ``tiles`` configures."""
-        from treadle.kernels.packed_int import int_dot, int_gemv
-        from treadle.kernels.packed_int_mma import MmaTiles, int_mma
+        from treadle.kernels.int_kernel_plan import run_tiles
 
-        words = self.words[i % len(self.words)]
-        if isinstance(tiles, MmaTiles):
-            return int_mma(x, words, self.scales, self.zeros, 4, 128, tiles)
-        if tiles.block_m == 0:
-            return int_gemv(x, words, self.scales, self.zeros, 4, 128, tiles)
-        return int_dot(x, words, self.scales, self.zeros, 4, 128, tiles)
+        return run_tiles(x, self.words[i % len(self.words)], self.scales, self.zeros, 4, 128, tiles)
 
 
 def copies(weight: torch.Tensor) -> list[torch.Tensor]:

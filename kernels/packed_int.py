@@ -16,17 +16,14 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 - :func:`dequantize` — larger batches (compute-bound): the 16-bit weight once per call, then the library matmul;
   also act-order weights whose sorted groups are not uniform (``g_idx``).
 
-:func:`plan_kernels` lists, per weight shape, the launch configs each batch size may run; the loader times them
-(``layers/int_kernel_choice.py``) once at load.
+:func:`gemv_candidates` and :func:`tile_candidates` list the launch configs the loader may time per weight shape;
+``kernels/int_kernel_plan.py`` holds what each shape runs (beside ``kernels/packed_int_mma.py``'s tiles).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -52,51 +49,6 @@ class IntTiles:
     split_k: int = 1
     num_warps: int = 4
     i16: bool = False
-
-
-@dataclass(frozen=True)
-class IntKernelPlan:
-    """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
-    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``DOT_MAX_ROWS``, then
-    :func:`dequantize` and ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
-
-    bits: int
-    group: int
-    gemv: IntTiles
-    small: IntTiles
-    medium: IntTiles
-    large: IntTiles
-
-    def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
-                     ) -> torch.Tensor | None:
-        """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
-        needs no split-K; None: the caller runs the matmul, then ``silu_mul``."""
-        if x.shape[0] != 1 or self.gemv.split_k != 1:
-            return None
-        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
-
-    def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0]
-        if g_idx is None:
-            if rows == 1:
-                return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv)
-            if rows <= DOT_MAX_ROWS:
-                tiles = self.small if rows <= 16 else self.medium if rows <= 32 else self.large
-                return int_dot(x, weight, scales, zeros, self.bits, self.group, tiles)
-        return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
-
-
-def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
-                 pick: Callable[[list[IntTiles], int], IntTiles] | None = None) -> IntKernelPlan | None:
-    """The kernels for a panel-packed weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch
-    path). ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them
-    on the GPU); without it, the first candidate."""
-    if not tiles_shape(k, bits, group):
-        return None
-    choose = pick or (lambda candidates, rows: candidates[0])
-    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1),
-                         *(choose(tile_candidates(n, k, bits, rows, sm_count), rows) for rows in (16, 32, 64)))
 
 
 def tiles_shape(k: int, bits: int, group: int) -> bool:

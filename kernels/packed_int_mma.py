@@ -105,9 +105,29 @@ def mma_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: i
     return [t for t in dict.fromkeys(candidates) if t.fits(k, bits, group)]
 
 
-def _split(n: int, steps: int, block_n: int, sm_count: int) -> int:
+def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MmaTiles]:
+    """The few :func:`int_mma` launches the loader times for a batch of about ``rows`` (16, 32 or 64), first the
+    one to run untimed: the kinds that won the H100 sweep at Llama-3.1-8B's shapes (per-slot dots of 128 weight
+    rows a tile at 16 rows, split-K for two programs per SM, or one or four; at 32 rows also whole-panel steps,
+    two panels scaled before the dot on 64-row tiles or one after it on 128-row tiles)."""
+    def tiles(block_m: int, block_n: int, programs: int = 1, **kind) -> MmaTiles:
+        steps = k * bits // (32 * PANEL_WORDS * kind.get("panels", 1))
+        return MmaTiles(block_m, block_n, split_k=_split(n, steps, block_n, programs * sm_count), **kind)
+
+    if rows <= 16:
+        listed = [tiles(16, 128, programs, per_slot=True) for programs in (2, 1, 4)] + [tiles(16, 64)]
+    elif rows <= 32:
+        listed = [tiles(32, 64, panels=2, scale_in_regs=True), tiles(32, 128), tiles(16, 128, per_slot=True),
+                  tiles(32, 128, per_slot=True)]
+    else:
+        listed = [tiles(64, 128, per_slot=True), tiles(64, 128), tiles(64, 64, panels=2, scale_in_regs=True)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
+
+
+def _split(n: int, steps: int, block_n: int, programs: int) -> int:
+    """K ranges (a power of two, up to 8, each whole steps) for at least ``programs`` programs."""
     split = 1
-    while triton.cdiv(n, block_n) * split < sm_count and split < 8 and steps % (2 * split) == 0:
+    while triton.cdiv(n, block_n) * split < programs and split < 8 and steps % (2 * split) == 0:
         split *= 2
     return split
 

@@ -29,7 +29,7 @@ def _reference(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
                                                           (4, 128, False, True)])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_order):
-    from treadle.kernels.packed_int import plan_kernels
+    from treadle.kernels.int_kernel_plan import plan_kernels
     from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k + bits + group)

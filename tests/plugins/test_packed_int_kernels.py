@@ -16,11 +16,12 @@ import pytest
 # (K = 512 with few output tiles), a ragged N; act-order with uneven groups runs the dequantizing path.
 SHAPES = [(4, 32, 48, 256, False, False), (4, 128, 40, 512, True, False), (8, 64, 32, 256, True, False),
           (4, 64, 32, 256, True, True), (4, 256, 32, 512, False, False)]
-ROWS = (1, 5, 300)
+ROWS = (1, 5, 20, 40, 300)  # the GEMV, each tl.dot bucket (int_mma's kernels where they tile), dequantize
 
 CHECKS = r"""
 import json, sys, torch
-from treadle.kernels.packed_int import PANEL_WORDS, plan_kernels
+from treadle.kernels.int_kernel_plan import plan_kernels
+from treadle.kernels.packed_int import PANEL_WORDS
 from treadle.layers.packed_int import PANEL_WORDS as LAYER_PANEL_WORDS, pack_panels, unpack_panels
 assert PANEL_WORDS == LAYER_PANEL_WORDS
 torch.manual_seed(0)
@@ -50,7 +51,8 @@ for bits, group, n, k, asym, act_order in json.loads(sys.argv[1]):
     if act_order:  # uneven groups, as a row-parallel rank's sorted columns may have
         groups = torch.randint(0, k // group, (k,)).sort().values
     plan = plan_kernels(n, k, bits, group, sm_count=4)
-    plans[f"{bits}-{group}-{n}x{k}"] = [plan.gemv.split_k, plan.small.split_k]
+    plans[f"{bits}-{group}-{n}x{k}"] = [plan.gemv.split_k, plan.small.split_k] + [
+        type(tiles).__name__ for tiles in (plan.small, plan.medium, plan.large)]
     weight = reference(values, scales, zeros, groups, bits)
     for rows in json.loads(sys.argv[2]):
         x = torch.randn(rows, k)
@@ -121,5 +123,10 @@ def test_the_gemv_computes_silu_mul_of_a_gate_up_weight_in_its_epilogue(results)
 
 
 def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
-    gemv_split, small_split = results["plans"]["4-128-40x512"]
+    gemv_split, small_split, *_ = results["plans"]["4-128-40x512"]
     assert gemv_split > 1 and small_split > 1  # few row tiles, 4 SMs: K cut into ranges
+
+
+def test_untimed_plans_run_int_mma_for_batches_of_2_to_256_rows(results):
+    # int_mma won every shape at 16 and 32 rows on an H100; without timing its first launch runs.
+    assert all(plan[2:] == ["MmaTiles"] * 3 for plan in results["plans"].values()), results["plans"]
