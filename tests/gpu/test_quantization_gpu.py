@@ -101,7 +101,8 @@ def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
 
 @pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
 def test_every_launch_config_the_loader_may_time_is_correct(n, k):
-    from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
+    from treadle.kernels.int_kernel_plan import batch_candidates, run_tiles
+    from treadle.kernels.packed_int import gemv_candidates
     from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
@@ -110,14 +111,13 @@ def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     weight = _reference(values, scales, None, torch.arange(k, device=DEVICE) // 128, 4)
     packed = pack_panels(values, 4)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for tiles in gemv_candidates(n, k, 4, sm_count) + tile_candidates(n, k, 4, 16, sm_count) + \
-            tile_candidates(n, k, 4, 32, sm_count) + tile_candidates(n, k, 4, 64, sm_count):
-        rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
-        x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
-        y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
-            int_dot(x, packed, scales, None, 4, 128, tiles)
-        expected = x.float() @ weight.t()
-        assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
+    for rows, candidates in [(1, gemv_candidates(n, k, 4, sm_count))] + \
+            [(rows + 3, batch_candidates(n, k, 4, 128, rows, sm_count)) for rows in (16, 32, 64)]:
+        for tiles in candidates:
+            x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+            y = run_tiles(x, packed, scales, None, 4, 128, tiles)
+            expected = x.float() @ weight.t()
+            assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
 
 
 @pytest.mark.parametrize("method, settings", [("gptq", dict(act_order=True, group_size=128)),
