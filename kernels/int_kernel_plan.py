@@ -42,6 +42,17 @@ class IntKernelPlan:
             return None
         return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
 
+    def run_add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for one token's ``y`` in the GEMV (its program
+        that stores the row's last tile adds and norms); None for a batch of more (the caller runs the matmul,
+        then the norm)."""
+        if x.shape[0] != 1:
+            return None
+        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv,
+                        add_rmsnorm=(residual, norm_weight, eps))
+
     def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             g_idx: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]

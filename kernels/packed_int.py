@@ -23,13 +23,14 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 import torch
 import triton
 import triton.language as tl
 
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
-from treadle.kernels.small_batch import _arrivals
+from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals
 
 PANEL_WORDS = 16  # words per panel (layers/packed_int.py's pack_panels)
 # Batches up to this many rows run the tiles that widen the weight in registers; larger ones dequantize it once
@@ -99,21 +100,32 @@ def _split(n: int, words: int, block_n: int, block_w: int, programs: int) -> int
 
 
 def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-             group: int, tiles: IntTiles, silu_mul: bool = False) -> torch.Tensor:
+             group: int, tiles: IntTiles, silu_mul: bool = False,
+             add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
     """``x [1, K] @ dequantized(weight).T``. With ``silu_mul`` (no split-K) the weight is ``[gate | up]`` and the
-    result ``silu(gate) * up``, in one kernel."""
+    result ``silu(gate) * up``, in one kernel. With ``add_rmsnorm`` = ``(residual, norm_weight, eps)`` the result
+    is ``(rmsnorm(y + residual) * norm_weight, y + residual)`` instead, computed by the program that stores the
+    row's last tile (the layer's next norm needs no kernel of its own)."""
     k = x.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
     partials = _partials(tiles.split_k, 1, n, x.device)
+    if add_rmsnorm is not None:
+        residual, norm_weight, eps = add_rmsnorm
+        residual, normed, residual_out = residual.contiguous(), torch.empty_like(out), torch.empty_like(out)
+    else:
+        residual = norm_weight = normed = residual_out = out  # unread placeholders
+        eps = 0.0
     pdl = pdl_enabled(x.device)
     _int_gemv_kernel[grid](
-        x, weight, scales, zeros if zeros is not None else scales, out, partials,
-        _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0),
+        # One counter per output tile, and one after them for the row's norm.
+        x, weight, scales, zeros if zeros is not None else scales, out, partials, _arrivals(x.device, grid[0] + 1),
+        residual, norm_weight, normed, residual_out, eps, n, k // tiles.split_k, weight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
+        ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
-    return out
+    return out if add_rmsnorm is None else (normed, residual_out)
 
 
 def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
@@ -232,10 +244,11 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
 
 
 @triton.jit
-def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
-                     stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                     PDL: tl.constexpr):
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, residual_ptr, norm_weight_ptr,
+                     normed_ptr, residual_out_ptr, eps, N, k_per_split, stride_wn, stride_sn, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -255,26 +268,33 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                  .to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         allow_next(PDL)
-        _store_or_reduce(acc, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask, pid_k,
-                         SPLIT_K)
+        stored = _store_or_reduce(acc, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
+                                  pid_k, SPLIT_K)
+        if ADD_RMSNORM:
+            if stored:
+                _add_rmsnorm_when_last(out_ptr, arrivals_ptr, residual_ptr, norm_weight_ptr, normed_ptr,
+                                       residual_out_ptr, eps, N, BLOCK_ROW)
 
 
 @triton.jit
 def _store_or_reduce(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_K: tl.constexpr):
     """Store ``acc``; with split-K each program stores its float32 partial and counts itself in, and the last of
     the tile's programs to arrive (the count's release/acquire makes the others' stores visible) sums the partials
-    and resets the count for the next call."""
+    and resets the count for the next call. Returns whether this program stored the tile."""
     if SPLIT_K == 1:
         tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+        last = True
     else:
         tl.store(partials + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's part is stored before the count releases it
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+        last = tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
             total = tl.load(partials, mask=mask, other=0.0, cache_modifier=".cg")
             for split in tl.static_range(1, SPLIT_K):
                 total += tl.load(partials + split * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(arrival, 0, sem="relaxed")
             tl.store(out, total.to(out.dtype.element_ty), mask=mask)
+    return last
 
 
 @triton.jit

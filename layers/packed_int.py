@@ -244,12 +244,23 @@ class PackedIntLinearMethod(LinearMethod):
             y = y + bias
         return y.reshape(*leading, y.shape[-1])
 
-
     def apply_silu_mul(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor | None:
         plan = layer.int_kernels
         if plan is None or x.dim() != 2 or layer.input_perm is not None or x.stride(-1) != 1:
             return None
         return plan.run_silu_mul(x, layer.weight, layer.weight_scales, layer.weight_zeros)
+
+    def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.fuses_add_rmsnorm(layer, x):
+            return None
+        return layer.int_kernels.run_add_rmsnorm(x, layer.weight, layer.weight_scales, layer.weight_zeros,
+                                                 residual, norm_weight, eps)
+
+    def fuses_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor) -> bool:
+        # One token through the GEMV: the layer's weights need no input permutation or per-column groups.
+        return (layer.int_kernels is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+                and layer.input_perm is None and layer.g_idx is None)
 
 
 def stored_in_features(layer: "LinearBase") -> int:

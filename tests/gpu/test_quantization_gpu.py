@@ -147,8 +147,32 @@ def test_quantized_checkpoint_generates_the_dequantized_models_tokens(tmp_path, 
             if layer is not None:
                 assert layer.weight.dtype == torch.int32 and layer.int_kernels is not None
             outputs.append([out.token_ids for out in engine.generate(input_ids=prompts, sampling_params=params)])
+            # One request alone: the one-token GEMVs with the next norm in their epilogue, the FP8 lm_head.
+            outputs[-1] += [out.token_ids for out in engine.generate(input_ids=prompts[:1], sampling_params=params)]
     # Same weights up to bf16 rounding of the dequantized copy: the first tokens agree.
     assert [ids[:8] for ids in outputs[0]] == [ids[:8] for ids in outputs[1]]
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 14336)])  # o_proj, down_proj: a norm follows each
+def test_one_token_gemv_adds_the_residual_and_norms_in_its_epilogue(n, k):
+    from treadle.kernels.fused_ops import add_rmsnorm
+    from treadle.kernels.int_kernel_plan import plan_kernels
+    from treadle.layers.packed_int import pack_panels
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    packed = pack_panels(values, 4)
+    plan = plan_kernels(n, k, 4, 128, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(1, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+    norm_weight = (torch.rand(n, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
+    for _ in range(3):  # the counters reset for the next call
+        normed, summed = plan.run_add_rmsnorm(x, packed, scales, None, residual, norm_weight, 1e-5)
+        expected_normed, expected_sum = add_rmsnorm(plan.run(x, packed, scales, None, None), residual.clone(),
+                                                    norm_weight, 1e-5)
+        assert torch.allclose(summed.float(), expected_sum.float(), rtol=2**-8, atol=1e-6)
+        assert torch.allclose(normed.float(), expected_normed.float(), rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64, 600])  # the GEMVs, then grouped tiles of 16, 64 and 128 rows

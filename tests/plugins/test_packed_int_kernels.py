@@ -84,8 +84,19 @@ gate_up = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(
 gate, up = gate_up.chunk(2, dim=-1)
 fused = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16), silu_mul=True)
 silu_mul_error = ((fused - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()
+# One token's GEMV with the residual add and the next RMSNorm in its epilogue (no split-K, and split-K's last
+# program) equals the matmul, then the add and the norm.
+residual, norm_weight = torch.randn(1, n), torch.rand(n) + 0.5
+y = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16))
+summed = y + residual
+expected_norm = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+add_rmsnorm = {}
+for split in (1, 2):
+    normed, residual_out = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16, 16, split),
+                                    add_rmsnorm=(residual, norm_weight, 1e-6))
+    add_rmsnorm[split] = [(residual_out - summed).abs().max().item(), (normed - expected_norm).abs().max().item()]
 print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates, "half": half,
-                               "silu_mul": [list(fused.shape), silu_mul_error]}))
+                               "silu_mul": [list(fused.shape), silu_mul_error], "add_rmsnorm": add_rmsnorm}))
 """
 
 
@@ -130,3 +141,8 @@ def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
 def test_untimed_plans_run_int_mma_for_batches_of_2_to_256_rows(results):
     # int_mma won every shape at 16 and 32 rows on an H100; without timing its first launch runs.
     assert all(plan[2:] == ["MmaTiles"] * 3 for plan in results["plans"].values()), results["plans"]
+
+
+def test_the_gemv_adds_the_residual_and_norms_in_its_epilogue(results):
+    for split, (residual_error, norm_error) in results["add_rmsnorm"].items():
+        assert residual_error < 1e-5 and norm_error < 1e-5, (split, residual_error, norm_error)
