@@ -13,8 +13,8 @@ import sys
 import pytest
 
 # (bits, group, N, K, asymmetric, act-order): 4-bit and 8-bit, groups smaller and larger than a panel, split-K
-# (K = 512 with few output tiles), a ragged N; act-order with uneven groups runs the dequantizing path.
-SHAPES = [(4, 32, 48, 256, False, False), (4, 128, 40, 512, True, False), (8, 64, 32, 256, True, False),
+# (K = 1024 with few output tiles), a ragged N; act-order with uneven groups runs the dequantizing path.
+SHAPES = [(4, 32, 48, 256, False, False), (4, 128, 40, 1024, True, False), (8, 64, 32, 256, True, False),
           (4, 64, 32, 256, True, True), (4, 256, 32, 512, False, False)]
 ROWS = (1, 5, 20, 40, 300)  # the GEMV, each tl.dot bucket (int_mma's kernels where they tile), dequantize
 
@@ -134,7 +134,7 @@ def test_the_gemv_computes_silu_mul_of_a_gate_up_weight_in_its_epilogue(results)
 
 
 def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
-    gemv_split, small_split, *_ = results["plans"]["4-128-40x512"]
+    gemv_split, small_split, *_ = results["plans"]["4-128-40x1024"]
     assert gemv_split > 1 and small_split > 1  # few row tiles, 4 SMs: K cut into ranges
 
 
