@@ -1,7 +1,8 @@
-"""``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs N]``: every W4A16 kernel variant
-and launch config (the GEMV and ``int_dot`` configs the loader times today, and the ``int_mma`` candidates of
+"""``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs N] [--narrow]``: every W4A16
+kernel variant and launch config (the GEMV and ``int_dot`` configs, and the ``int_mma`` candidates of
 ``kernels/packed_int_mma.py``) at Llama-3.1-8B's four projection shapes and each batch size, against bfloat16
-``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100).
+``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
+loader times (``kernels/int_kernel_plan.py``) and round 2's trials (:func:`trials`).
 
 The configs compile first in ``--jobs`` processes at once (filling Triton's on-disk cache), then each is timed alone
 from a CUDA graph with the weight cycled through copies (read from memory, as a decode step reads it), after its
@@ -28,15 +29,22 @@ GROUP = 128
 MAX_ERROR = 1e-2  # relative to the dequantized weight's bf16 matmul: bf16 rounding passes, a wrong layout does not
 
 
-def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, device: str = "cuda") -> int:
+def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, device: str = "cuda",
+          narrow: bool = False) -> int:
     from treadle.kernels.packed_int import dequantize
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device(device)
+    listing = narrow_variants if narrow else variants
     work = [(name, rows, kernel, tiles) for name in SHAPES for rows in rows_list
-            for kernel, tiles in variants(*SHAPES[name], rows, device)]
+            for kernel, tiles in listing(*SHAPES[name], rows, device)]
     if jobs > 1:
-        _precompile(work, jobs, zeros)
+        # --narrow compiles every row bucket's launches the loader times, timed or not: a model loaded after the
+        # sweep (bench/quant.py) finds them in Triton's cache instead of compiling them one by one.
+        compiled = work if not narrow else [(name, rows, kernel, tiles) for name in SHAPES
+                                            for rows in sorted(set(rows_list) | {1, 16, 32, 64})
+                                            for kernel, tiles in listing(*SHAPES[name], rows, device)]
+        _precompile(compiled, jobs, zeros)
     bandwidth = copy_bandwidth(device)
     path = Path(output) if output else results_dir() / f"quant_kernels_sweep_{dt.date.today():%Y%m%d}.json"
     results, bf16 = [], {}
@@ -84,6 +92,53 @@ def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str,
     return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)]
 
 
+def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
+    """``--narrow``: what the loader times for a batch of ``rows`` (``kernels/int_kernel_plan.py``: the GEMV's
+    configs at one row, else its row bucket's ``int_mma`` and ``int_dot`` launches), then the trials that test the
+    hypotheses of what holds the kernels below their roofline (:func:`trials`)."""
+    from treadle.kernels.int_kernel_plan import batch_candidates
+    from treadle.kernels.packed_int import gemv_candidates
+
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    bucket = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count)
+    tried = [t for t in dict.fromkeys(trials(n, k, rows, sm_count)) if t not in loader]
+    return [(_kernel(tiles), tiles) for tiles in dict.fromkeys(loader)] + \
+        [(f"{_kernel(tiles)} trial", tiles) for tiles in tried]
+
+
+def trials(n: int, k: int, rows: int, sm_count: int) -> list:
+    """Launches no loader times yet. One row: GEMV programs that load two panels (128 words) of 4 or 8 rows a step,
+    and the best config's split-K doubled: are qkv and o_proj (few rows, 35-42% of the roofline) short of bytes in
+    flight per SM? 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
+    128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
+    dot after another, hold M=32 at 25%?"""
+    from treadle.kernels.packed_int import IntTiles, _split
+    from treadle.kernels.packed_int_mma import MmaTiles, _split as _mma_split
+
+    words = k // 8
+    if rows == 1:
+        listed = [IntTiles(0, block_n, 128, _split(n, words, block_n, 128, 12 * sm_count) * more, 1)
+                  for block_n in (4, 8) for more in (1, 2)]
+        listed.append(IntTiles(0, 8, 64, 2 * _split(n, words, 8, 64, 12 * sm_count), 1))
+        return [t for t in listed if words % (t.split_k * t.block_w) == 0]
+    if rows > 32:
+        return []
+    block_m, steps, listed = 16 if rows <= 16 else 32, k // 128, []
+    for warps in (4, 8):
+        for programs in (1, 2):
+            split = _mma_split(n, steps, 128, programs * sm_count)
+            listed += [MmaTiles(block_m, 128, split_k=split, num_warps=warps, per_slot=True, two_chains=chains)
+                       for chains in (True, False)]
+    return [t for t in listed if t.fits(k, 4, GROUP)]
+
+
+def _kernel(tiles) -> str:
+    from treadle.kernels.packed_int_mma import MmaTiles
+
+    return "int_mma" if isinstance(tiles, MmaTiles) else "gemv" if tiles.block_m == 0 else "int_dot"
+
+
 def table(results: list[dict], rows_list: list[int]) -> str:
     """Per shape and rows: bf16, the fastest of today's kernels, the fastest of all (speed-up, roofline, config);
     per rows the four shapes' sum times the layers."""
@@ -92,7 +147,10 @@ def table(results: list[dict], rows_list: list[int]) -> str:
         step = {"bf16": 0.0, "today": 0.0, "best": 0.0}
         for shape in SHAPES:
             timed = [r for r in results if r["shape"] == shape and r["rows"] == rows and r.get("correct", True)]
-            today = [r for r in timed if r["kernel"] != "int_mma"]
+            # Today's kernels: what the loader times (a --narrow sweep's launches but its trials), else all but
+            # int_mma's candidates (the first sweep's).
+            narrow = any(r["kernel"].endswith("trial") for r in timed)
+            today = [r for r in timed if not r["kernel"].endswith("trial" if narrow else "int_mma")]
             if not timed or not today:
                 continue
             best, best_today = min(timed, key=lambda r: r["us"]), min(today, key=lambda r: r["us"])
@@ -138,8 +196,7 @@ def _precompile(work: list, jobs: int, zeros: bool) -> None:
 
 
 def _compile_chunk(chunk: list, zeros: bool) -> int:
-    from treadle.kernels.packed_int import int_dot, int_gemv
-    from treadle.kernels.packed_int_mma import int_mma
+    from treadle.kernels.int_kernel_plan import run_tiles
 
     device = torch.device("cuda")
     tensors: dict[str, tuple] = {}
@@ -152,9 +209,8 @@ def _compile_chunk(chunk: list, zeros: bool) -> int:
                              torch.zeros(n, k // GROUP, dtype=torch.bfloat16, device=device) if zeros else None)
         words, scales, zero_points = tensors[name]
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-        run = {"gemv": int_gemv, "int_dot": int_dot, "int_mma": int_mma}[kernel]
         try:
-            run(x, words, scales, zero_points, 4, GROUP, tiles)
+            run_tiles(x, words, scales, zero_points, 4, GROUP, tiles)
             torch.cuda.synchronize()
         except Exception:
             failed += 1

@@ -23,7 +23,9 @@
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
 # `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min).
 # `quant_sweep` runs bench/quant_kernels.py --sweep: every W4A16 kernel variant and config, kernels/packed_int_mma.py's
-# candidates included, at rows 1-64 against bf16 and the roofline (about 3 min; SWEEP_ARGS="--rows 1,32" to narrow).
+# candidates included, at rows 1-64 against bf16 and the roofline (about 3 min; SWEEP_ARGS="--rows 1,32" to narrow;
+# SWEEP_ARGS="--narrow --rows 1,32": only what the loader times and round 2's trials, every row bucket's launches
+# compiled first so that a `quant` stage after it loads without compiling them one by one).
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
@@ -161,7 +163,8 @@ PY
     quant)
       # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
       # one-batch bs=1/32 and the 1000-request offline run (QUANT_ARGS="--runs one-batch" or "--runs offline" for
-      # one of them), with the ratios against the targets (bench/quant.py).
+      # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs), with
+      # the ratios against the targets (bench/quant.py).
       timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
     embed)

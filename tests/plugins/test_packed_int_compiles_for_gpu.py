@@ -40,6 +40,8 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     mma = dict(BITS=4, MAGIC16=0x4300, OFFSET16=128.0, BLOCK_M=16, BLOCK_N=128, PANELS=1, SWAP=True,
                SCALE_IN_REGS=False, I16=True, PER_SLOT=False)
     for name, switches in {"per_slot": dict(PER_SLOT=True, HAS_ZEROS=True, SPLIT_K=2, GROUP=128),
+                           "per_slot_two_chains": dict(PER_SLOT=True, TWO_CHAINS=True, HAS_ZEROS=False, SPLIT_K=4,
+                                                       GROUP=128, BLOCK_M=32),
                            "panel": dict(HAS_ZEROS=False, SPLIT_K=1, GROUP=128),
                            "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
                                                  HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
