@@ -45,8 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = set(args.runs.split(","))
     one_batch_json = out / "one_batch_quant.json"
     if "one-batch" in runs:
+        quick = ["--no-engine", "--decode-steps", "32"] if args.quick else []
         one_batch.main(["--model", bf16, "--batch-sizes", args.batch_sizes, "--backends", "triton", "--graphs", "on",
-                        "--compare", compare, "--no-hf", "--no-profile", "--output", str(one_batch_json)])
+                        "--compare", compare, "--no-hf", "--no-profile", *quick, "--output", str(one_batch_json)])
     offline_json = out / "offline_quant.json"
     if "offline" in runs:
         from treadle.bench import offline_throughput
@@ -108,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--runs", default="one-batch,offline",
                         help="one-batch (decode steps at --batch-sizes), offline (the 1000-request run), or both")
+    parser.add_argument("--quick", action="store_true",
+                        help="one-batch: the GPU's time per step alone (no Engine.generate runs), 32 decode steps")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--out", default="/tmp/treadle-quant", help="folder for the shapes and the JSON")
     return parser

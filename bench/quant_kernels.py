@@ -1,6 +1,6 @@
 """The integer-weight kernels (kernels/packed_int.py) at Llama-3.1-8B's projection shapes against bf16, on one GPU:
 ``python -m treadle.bench.quant_kernels [--rows 1,8,32] [--explore] [--moe] [--output PATH]`` (about a minute on an
-H100).
+H100); ``--sweep`` times every variant, ``kernels/packed_int_mma.py``'s too (``bench/quant_sweep.py``).
 
 Per shape (qkv, o, gate_up, down) and rows M: bfloat16 ``F.linear`` (cuBLAS) on the same shape, and every launch
 config the loader would time for W4A16 (compressed-tensors' symmetric groups of 128; ``--zeros`` adds AWQ-style
@@ -17,32 +17,35 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from treadle.bench.int_weights import LAYERS, SHAPES, PackedWeight, candidates, copies, copy_bandwidth
+from treadle.bench.quant_sweep import sweep
 from treadle.bench.results_folder import results_dir
 
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
-          "down_proj": (4096, 14336)}
-LAYERS = 32  # Llama-3.1-8B's decoder layers
 MIXTRAL_MOE = (8, 4096, 14336, 2)  # experts, hidden, intermediate, top-k
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.sweep:
+        rows = "1,4,8,16,32,64" if args.rows is None else args.rows
+        return sweep([int(r) for r in rows.split(",")], args.jobs, args.zeros, args.output, narrow=args.narrow)
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    rows_list = [int(r) for r in args.rows.split(",")]
+    rows_list = [int(r) for r in (args.rows or "1,8,32").split(",")]
     results = []
     for name, (n, k) in SHAPES.items():
-        weight = _Packed(n, k, args.zeros, device)
+        weight = PackedWeight(n, k, args.zeros, device)
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.01
-        dense_copies = _copies(dense)
+        dense_copies = copies(dense)
         for rows in rows_list:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             bf16_s = graph_seconds(lambda i: F.linear(x, dense_copies[i % len(dense_copies)]))
@@ -101,65 +104,6 @@ def moe_rows(rows_list: list[int], bandwidth: float, device: torch.device) -> li
     return rows
 
 
-def candidates(n: int, k: int, rows: int, device: torch.device, explore: bool) -> list:
-    """The configs the loader times for a batch of ``rows`` (``layers/int_kernel_choice.py``), or a wider grid."""
-    from treadle.kernels.packed_int import IntTiles, gemv_candidates, tile_candidates
-
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    if rows == 1:
-        listed = gemv_candidates(n, k, 4, sm_count)
-        if explore:
-            listed += [IntTiles(0, block_n, block_w, split, warps) for block_n in (8, 16, 32, 64)
-                       for block_w in (16, 32, 64) for split in (1, 2, 4, 8) for warps in (1, 2, 4)
-                       if (k // 8) % (block_w * split) == 0 and block_n * block_w <= 32 * 32 * warps]
-        return list(dict.fromkeys(listed))
-    listed = tile_candidates(n, k, 4, 16 if rows <= 16 else 32 if rows <= 32 else 64, sm_count)
-    if explore:
-        listed += [IntTiles(block_m, block_n, 16, split, warps, i16) for block_m in (16, 32, 64)
-                   for block_n in (32, 64, 128) for split in (1, 2, 4) for warps in (4, 8) for i16 in (True, False)
-                   if block_m >= min(rows, 64) // 2]
-    return list(dict.fromkeys(listed))
-
-
-class _Packed:
-    """A random W4A16 weight in the kernels' layout, with copies to cycle through."""
-
-    def __init__(self, n: int, k: int, zeros: bool, device: torch.device) -> None:
-        self.words = _copies(torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device))
-        self.scales = (torch.rand(n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16)
-        self.zeros = torch.randint(0, 16, (n, k // 128), device=device).to(torch.bfloat16) if zeros else None
-        self.bytes = self.words[0].numel() * 4 + self.scales.numel() * 2 * (2 if zeros else 1)
-
-    def run(self, x: torch.Tensor, i: int, tiles) -> torch.Tensor:
-        from treadle.kernels.packed_int import int_dot, int_gemv
-
-        words = self.words[i % len(self.words)]
-        if tiles.block_m == 0:
-            return int_gemv(x, words, self.scales, self.zeros, 4, 128, tiles)
-        return int_dot(x, words, self.scales, self.zeros, 4, 128, tiles)
-
-
-def _copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    from treadle.layers.small_batch import weight_copies
-
-    return weight_copies(weight)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read plus write)."""
-    source = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        target.copy_(source)
-    end.record()
-    end.synchronize()
-    return 2 * source.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
-
-
 def summary(results: list[dict], rows_list: list[int]) -> str:
     """Per rows: each shape's fastest config, and the four shapes' sum times the layers against bf16."""
     lines = [f"{'':<22}{'bf16 us':>9}{'w4a16 us':>10}{'speed-up':>10}{'roofline':>10}  fastest config"]
@@ -183,7 +127,13 @@ def summary(results: list[dict], rows_list: list[int]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m treadle.bench.quant_kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--rows", help="batch sizes, comma-separated (default 1,8,32; with --sweep 1,4,8,16,32,64)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every kernel variant and config, int_mma's included (bench/quant_sweep.py)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="--sweep: only what the loader times and round 2's trials (about 40 s on an H100)")
+    parser.add_argument("--jobs", type=int, default=max((os.cpu_count() or 4) - 2, 1),
+                        help="--sweep: processes compiling the configs first (default: all cores but two)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
     parser.add_argument("--explore", action="store_true", help="time a wider grid of launch configs")
     parser.add_argument("--moe", action="store_true", help="also one Mixtral-8x7B MoE layer, 16-bit against W4A16")

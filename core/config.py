@@ -47,8 +47,9 @@ class ModelConfig(Section):
                           "fp8 on a 16-bit checkpoint quantizes its linear weights at load")
     quantize_lm_head: bool | Literal["auto"] = Field(
         "auto", description="the output projection (lm_head) in FP8 too. auto: whenever the model's weights are FP8 "
-                            "on a device that multiplies FP8 and the head's shape allows it; true: the same, an "
-                            "error without FP8 weights; false: a 16-bit head")
+                            "on a device that multiplies FP8, or integer (GPTQ, AWQ, compressed-tensors W4A16/W8A16) "
+                            "on a GPU that does, and the head's shape allows it; true: the same, an error without "
+                            "quantized weights; false: a 16-bit head")
     lm_head_exact_top: int = Field(
         8, ge=0, le=64, description="with an FP8 lm_head, how many of each row's best FP8 logits are recomputed "
                                     "from the 16-bit weight (kept for it), so greedy tokens and each row's best "

@@ -16,23 +16,21 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 - :func:`dequantize` — larger batches (compute-bound): the 16-bit weight once per call, then the library matmul;
   also act-order weights whose sorted groups are not uniform (``g_idx``).
 
-:func:`plan_kernels` lists, per weight shape, the launch configs each batch size may run; the loader times them
-(``layers/int_kernel_choice.py``) once at load.
+:func:`gemv_candidates` and :func:`tile_candidates` list the launch configs the loader may time per weight shape;
+``kernels/int_kernel_plan.py`` holds what each shape runs (beside ``kernels/packed_int_mma.py``'s tiles).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
+from typing import Any
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
-from treadle.kernels.small_batch import _arrivals
+from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals
 
 PANEL_WORDS = 16  # words per panel (layers/packed_int.py's pack_panels)
 # Batches up to this many rows run the tiles that widen the weight in registers; larger ones dequantize it once
@@ -54,51 +52,6 @@ class IntTiles:
     i16: bool = False
 
 
-@dataclass(frozen=True)
-class IntKernelPlan:
-    """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
-    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``DOT_MAX_ROWS``, then
-    :func:`dequantize` and ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
-
-    bits: int
-    group: int
-    gemv: IntTiles
-    small: IntTiles
-    medium: IntTiles
-    large: IntTiles
-
-    def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
-                     ) -> torch.Tensor | None:
-        """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
-        needs no split-K; None: the caller runs the matmul, then ``silu_mul``."""
-        if x.shape[0] != 1 or self.gemv.split_k != 1:
-            return None
-        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
-
-    def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0]
-        if g_idx is None:
-            if rows == 1:
-                return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv)
-            if rows <= DOT_MAX_ROWS:
-                tiles = self.small if rows <= 16 else self.medium if rows <= 32 else self.large
-                return int_dot(x, weight, scales, zeros, self.bits, self.group, tiles)
-        return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
-
-
-def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
-                 pick: Callable[[list[IntTiles], int], IntTiles] | None = None) -> IntKernelPlan | None:
-    """The kernels for a panel-packed weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch
-    path). ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them
-    on the GPU); without it, the first candidate."""
-    if not tiles_shape(k, bits, group):
-        return None
-    choose = pick or (lambda candidates, rows: candidates[0])
-    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1),
-                         *(choose(tile_candidates(n, k, bits, rows, sm_count), rows) for rows in (16, 32, 64)))
-
-
 def tiles_shape(k: int, bits: int, group: int) -> bool:
     """Whether the kernels take a K of ``k`` ``bits``-bit values in groups of ``group``: whole panels, and groups
     that are whole value slots of a panel (16 columns each) or whole panels."""
@@ -111,7 +64,9 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     thread holds several rows of the same columns (the activations it widens serve them all), split-K where the
     row tiles alone leave the GPU short of programs to keep the memory busy."""
     words = k * bits // 32
-    candidates = []
+    # First (what runs untimed): the H100 sweep's best at all four of Llama-3.1-8B's shapes, 8 rows by 64 words a
+    # one-warp program, split-K for 12 programs per SM (72.1 us for the four against 71.5 for each shape's best).
+    candidates = [IntTiles(0, 8, 64, _split(n, words, 8, 64, 12 * sm_count), 1)] if words % 64 == 0 else []
     for block_n, block_w, warps in ((16, 16, 1), (16, 32, 1), (32, 16, 2), (16, 32, 2), (32, 32, 4), (8, 32, 1)):
         if words % block_w:
             continue
@@ -147,21 +102,32 @@ def _split(n: int, words: int, block_n: int, block_w: int, programs: int) -> int
 
 
 def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-             group: int, tiles: IntTiles, silu_mul: bool = False) -> torch.Tensor:
+             group: int, tiles: IntTiles, silu_mul: bool = False,
+             add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
     """``x [1, K] @ dequantized(weight).T``. With ``silu_mul`` (no split-K) the weight is ``[gate | up]`` and the
-    result ``silu(gate) * up``, in one kernel."""
+    result ``silu(gate) * up``, in one kernel. With ``add_rmsnorm`` = ``(residual, norm_weight, eps)`` the result
+    is ``(rmsnorm(y + residual) * norm_weight, y + residual)`` instead, computed by the program that stores the
+    row's last tile (the layer's next norm needs no kernel of its own)."""
     k = x.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
     partials = _partials(tiles.split_k, 1, n, x.device)
+    if add_rmsnorm is not None:
+        residual, norm_weight, eps = add_rmsnorm
+        residual, normed, residual_out = residual.contiguous(), torch.empty_like(out), torch.empty_like(out)
+    else:
+        residual = norm_weight = normed = residual_out = out  # unread placeholders
+        eps = 0.0
     pdl = pdl_enabled(x.device)
     _int_gemv_kernel[grid](
-        x, weight, scales, zeros if zeros is not None else scales, out, partials,
-        _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0),
+        # One counter per output tile, and one after them for the row's norm.
+        x, weight, scales, zeros if zeros is not None else scales, out, partials, _arrivals(x.device, grid[0] + 1),
+        residual, norm_weight, normed, residual_out, eps, n, k // tiles.split_k, weight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
+        ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
-    return out
+    return out if add_rmsnorm is None else (normed, residual_out)
 
 
 def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
@@ -280,10 +246,11 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
 
 
 @triton.jit
-def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
-                     stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                     PDL: tl.constexpr):
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, residual_ptr, norm_weight_ptr,
+                     normed_ptr, residual_out_ptr, eps, N, k_per_split, stride_wn, stride_sn, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -303,26 +270,33 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                  .to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         allow_next(PDL)
-        _store_or_reduce(acc, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask, pid_k,
-                         SPLIT_K)
+        stored = _store_or_reduce(acc, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
+                                  pid_k, SPLIT_K)
+        if ADD_RMSNORM:
+            if stored:
+                _add_rmsnorm_when_last(out_ptr, arrivals_ptr, residual_ptr, norm_weight_ptr, normed_ptr,
+                                       residual_out_ptr, eps, N, BLOCK_ROW)
 
 
 @triton.jit
 def _store_or_reduce(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_K: tl.constexpr):
     """Store ``acc``; with split-K each program stores its float32 partial and counts itself in, and the last of
     the tile's programs to arrive (the count's release/acquire makes the others' stores visible) sums the partials
-    and resets the count for the next call."""
+    and resets the count for the next call. Returns whether this program stored the tile."""
     if SPLIT_K == 1:
         tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+        last = True
     else:
         tl.store(partials + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's part is stored before the count releases it
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+        last = tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
             total = tl.load(partials, mask=mask, other=0.0, cache_modifier=".cg")
             for split in tl.static_range(1, SPLIT_K):
                 total += tl.load(partials + split * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(arrival, 0, sem="relaxed")
             tl.store(out, total.to(out.dtype.element_ty), mask=mask)
+    return last
 
 
 @triton.jit
@@ -336,6 +310,19 @@ def _widened(words, J: tl.constexpr, BITS: tl.constexpr, I16: tl.constexpr, MAGI
 
 
 @triton.jit
+def _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, g, stride_sn, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      OFFSET16: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Group ``g``'s float32 scale of each weight row, and its zero plus the widening's offset (the symmetric
+    zero ``2**(BITS-1)`` without zero points)."""
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
+    else:
+        zero = tl.full([BLOCK_N], (1 << (BITS - 1)) + OFFSET16, tl.float32)
+    return s, zero
+
+
+@triton.jit
 def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_end, stride_sn, BITS: tl.constexpr,
                 GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
                 OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -345,7 +332,6 @@ def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k
     group's sums take its scale, and its zero (plus the widening's offset) through the rows' activation sums."""
     PACK: tl.constexpr = 32 // BITS
     PANEL: tl.constexpr = 16 * PACK
-    HALF: tl.constexpr = 1 << (BITS - 1)
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, PANEL):
@@ -357,12 +343,8 @@ def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k
             part = tl.dot(x, _widened(words, j, BITS, I16, MAGIC16, x.dtype), part)
             x_sum += tl.sum(x.to(tl.float32), axis=1)
             if (j + 1) % JG == 0:
-                g = (k0 + 16 * (j + 1 - JG)) // GROUP
-                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-                if HAS_ZEROS:
-                    zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32) + OFFSET16
-                else:
-                    zero = tl.full([BLOCK_N], HALF + OFFSET16, tl.float32)
+                s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, (k0 + 16 * (j + 1 - JG)) // GROUP,
+                                            stride_sn, BITS, HAS_ZEROS, OFFSET16, BLOCK_N)
                 acc += s[None, :] * (part - x_sum[:, None] * zero[None, :])
                 part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)

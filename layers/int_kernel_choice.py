@@ -1,9 +1,10 @@
-"""Which Triton kernels (``kernels/packed_int.py``) each integer weight shape runs, chosen once at load.
+"""Which Triton kernels (``kernels/int_kernel_plan.py``) each integer weight shape runs, chosen once at load.
 
-For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` tiles (at 16, 32 and 64 rows)
-are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the weight so it is
-read from memory as a decode step reads it (``layers/small_batch.py``'s timing), and the fastest kept. With
-``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run.
+For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``int_dot`` and
+``int_mma``, at 16, 32 and 64 rows) are timed on the layer's weight, replayed from a CUDA graph with each call on
+another copy of the weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s
+timing), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is
+timed: the first candidates run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def int_kernel_plan(layer: nn.Module) -> Any:
         return None
     if not use_triton(layer.weight):
         return None
-    from treadle.kernels.packed_int import plan_kernels
+    from treadle.kernels.int_kernel_plan import plan_kernels
 
     n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
     key = (n, k, layer.bits, layer.group_size, layer.weight_zeros is not None, layer.int_out_dtype,
@@ -47,7 +48,7 @@ _plans: dict[tuple, Any] = {}
 def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
     """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
     copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest."""
-    from treadle.kernels.packed_int import int_dot, int_gemv
+    from treadle.kernels.int_kernel_plan import run_tiles
 
     weights = small_batch.weight_copies(layer.weight.data)
     scales, zeros = layer.weight_scales.data, layer.weight_zeros
@@ -58,9 +59,7 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
         timings = {}
         for tiles in candidates:
             def run(i: int, tiles=tiles) -> torch.Tensor:
-                if tiles.block_m == 0:
-                    return int_gemv(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
-                return int_dot(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
+                return run_tiles(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
             try:
                 timings[tiles] = small_batch.graph_seconds(run)
             except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal

@@ -389,9 +389,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split like :class:`VocabParallelEmbedding` (so the two can share
     one weight); ``forward`` returns the full ``[tokens, vocab]`` logits on every rank (all-gathered).
 
-    With a ``quant_config`` that asks for it (``model.quantize_lm_head``, on by default with FP8 weights where the
-    head's rows and columns are multiples of 16) the weight is quantized to FP8 once loaded, through
-    ``quant_method`` like a linear layer's; a tied embedding keeps its own 16-bit weight. The FP8 head recomputes
+    With a ``quant_config`` that asks for it (``model.quantize_lm_head``, on by default with FP8 weights, and with
+    integer weights on GPUs with FP8 matmuls, where the head's rows and columns are multiples of 16) the weight is
+    quantized to FP8 once loaded, through ``quant_method`` like a linear layer's; a tied embedding keeps its own 16-bit weight. The FP8 head recomputes
     each row's best logits from the 16-bit weight (``model.lm_head_exact_top``, ``exact_top_logits.py``).
     """
 
@@ -406,16 +406,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         # Unquantized, the one-token GEMV may beat cuBLAS here too (330 against 370 us for Llama-3.1-8B's 128k
         # vocabulary on an H100).
         self.quant_method: LinearMethod = UnquantizedLinearMethod()
-        if isinstance(quant_config, QuantizationConfig) and self._fp8(quant_config):
+        if self._fp8(quant_config):
             from treadle.layers.fp8 import lm_head_method
 
             self.quant_method = lm_head_method(quant_config.lm_head_exact_top)
 
-    def _fp8(self, quant_config: QuantizationConfig) -> bool:
-        """Whether this head is FP8: asked for, or ``"auto"`` and shaped as the FP8 matmuls need."""
-        if quant_config.dequantize or not quant_config.lm_head:
+    def _fp8(self, quant_config: Any) -> bool:
+        """Whether this head is FP8: its quant_config's ``lm_head`` (core's QuantizationConfig, or an integer
+        method's ``layers/packed_int.py`` PackedIntConfig) asks for it, or is ``"auto"`` and the head is shaped as
+        the FP8 matmuls need."""
+        lm_head = getattr(quant_config, "lm_head", False)
+        if not lm_head or getattr(quant_config, "dequantize", False):
             return False
-        return quant_config.lm_head is True or (self.rows_per_partition % 16 == 0 and self.embedding_dim % 16 == 0)
+        return lm_head is True or (self.rows_per_partition % 16 == 0 and self.embedding_dim % 16 == 0)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.quant_method.apply(self, hidden_states)

@@ -73,7 +73,8 @@ class AwqMethod(QuantizationMethod):
             raise QuantizationError(f"the AWQ checkpoint is {bits}-bit, version {version}; supported: {self.supports}")
         group = int(stored.get("group_size", stored.get("q_group_size", 128)))
         ignored = tuple(stored.get("modules_to_not_convert") or ())
-        return PackedIntConfig("awq", AwqFormat(IntWeightScheme(4, group)), ignored, request.device)
+        return PackedIntConfig("awq", AwqFormat(IntWeightScheme(4, group)), ignored, request.device, request.lm_head,
+                               request.lm_head_exact_top)
 
 
 @hookimpl

@@ -108,7 +108,8 @@ class CompressedTensorsMethod(QuantizationMethod):
         else:
             raise QuantizationError(f"compressed-tensors format {fmt} with {bits}-bit weights is not supported; "
                                     f"supported: {SUPPORTED}")
-        return PackedIntConfig("compressed-tensors", form, ignored, request.device)
+        return PackedIntConfig("compressed-tensors", form, ignored, request.device, request.lm_head,
+                               request.lm_head_exact_top)
 
 
 def _one_scheme(stored: dict[str, Any]) -> tuple[str, dict[str, Any]]:

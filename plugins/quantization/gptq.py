@@ -73,7 +73,8 @@ class GptqMethod(QuantizationMethod):
             raise QuantizationError(f"GPTQ checkpoint_format '{fmt}' is not supported; supported: gptq, gptq_v2")
         scheme = IntWeightScheme(bits, int(stored.get("group_size", 128)), bool(stored.get("desc_act", False)))
         ignored = tuple(stored.get("modules_to_not_convert") or ())
-        return PackedIntConfig("gptq", GptqFormat(scheme, zeros_minus_one=fmt == "gptq"), ignored, request.device)
+        return PackedIntConfig("gptq", GptqFormat(scheme, zeros_minus_one=fmt == "gptq"), ignored, request.device,
+                               request.lm_head, request.lm_head_exact_top)
 
 
 @hookimpl

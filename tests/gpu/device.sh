@@ -22,6 +22,10 @@
 # `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
 # `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min).
+# `quant_sweep` runs bench/quant_kernels.py --sweep: every W4A16 kernel variant and config, kernels/packed_int_mma.py's
+# candidates included, at rows 1-64 against bf16 and the roofline (about 3 min; SWEEP_ARGS="--rows 1,32" to narrow;
+# SWEEP_ARGS="--narrow --rows 1,32": only what the loader times and round 2's trials, every row bucket's launches
+# compiled first so that a `quant` stage after it loads without compiling them one by one).
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
@@ -159,7 +163,8 @@ PY
     quant)
       # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
       # one-batch bs=1/32 and the 1000-request offline run (QUANT_ARGS="--runs one-batch" or "--runs offline" for
-      # one of them), with the ratios against the targets (bench/quant.py).
+      # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs), with
+      # the ratios against the targets (bench/quant.py).
       timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
     embed)
@@ -177,6 +182,12 @@ PY
       # roofline, and one Mixtral-8x7B MoE layer (bench/quant_kernels.py; QUANTK_ARGS="--explore" for a wider grid).
       timeout ${QUANTK_TIMEOUT:-300} python3 -m treadle.bench.quant_kernels --moe --output "$OUT/quant_kernels.json" \
         ${QUANTK_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quant_kernels.log" | tail -60 ;;
+    quant_sweep)
+      # Every W4A16 variant x config per Llama-3.1-8B projection shape at rows 1/4/8/16/32/64 (bench/quant_sweep.py):
+      # the configs compile in all cores but two first, then each is timed from a CUDA graph; the table is the tail.
+      timeout ${SWEEP_TIMEOUT:-420} python3 -m treadle.bench.quant_kernels --sweep \
+        --output "$OUT/quant_kernels_sweep.json" ${SWEEP_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
+        | tee "$OUT/quant_sweep.log" | tail -45 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -29,7 +29,7 @@ def _reference(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
                                                           (4, 128, False, True)])
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_order):
-    from treadle.kernels.packed_int import plan_kernels
+    from treadle.kernels.int_kernel_plan import plan_kernels
     from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k + bits + group)
@@ -51,6 +51,32 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
         assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
         error = ((y.float() - expected).norm() / expected.norm()).item()
         assert error < 1e-2, (rows, error)
+
+
+@pytest.mark.parametrize("group, asym", [(128, False), (32, True)])
+def test_int_mma_candidates_match_the_dequantized_matmul(group, asym):
+    # kernels/packed_int_mma.py's kernel families on the real compiler (wgmma from registers, whole-panel reshapes
+    # through shared memory), at 1 to 64 rows; the sweep also checks every candidate at the four shapes.
+    from treadle.kernels.packed_int_mma import MmaTiles, int_mma
+    from treadle.layers.packed_int import pack_panels
+
+    n, k = 4096, 4096
+    gen = torch.Generator(device=DEVICE).manual_seed(group)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // group, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // group), device=DEVICE, generator=gen).to(torch.bfloat16) if asym else None
+    weight = _reference(values, scales, zeros, torch.arange(k, device=DEVICE) // group, 4)
+    packed = pack_panels(values, 4)
+    families = [MmaTiles(16, 128, per_slot=True, split_k=4, num_stages=5),
+                MmaTiles(64, 256, per_slot=True, num_warps=8), MmaTiles(32, 64, 2, scale_in_regs=True), MmaTiles(16, 64, 2, 2, swap=False, scale_in_regs=True),
+                MmaTiles(16, 128, split_k=2), MmaTiles(64, 64, swap=False)]
+    for tiles in [t for t in families if t.fits(k, 4, group)]:
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+            expected = x.float() @ weight.t()
+            error = ((int_mma(x, packed, scales, zeros, 4, group, tiles).float() - expected).norm()
+                     / expected.norm()).item()
+            assert error < 1e-2, (tiles, rows, error)
 
 
 @pytest.mark.parametrize("asym", [False, True])
@@ -75,7 +101,8 @@ def test_one_token_gate_up_computes_silu_mul_in_the_gemv(asym):
 
 @pytest.mark.parametrize("n, k", [(4096, 14336), (6144, 4096)])
 def test_every_launch_config_the_loader_may_time_is_correct(n, k):
-    from treadle.kernels.packed_int import gemv_candidates, int_dot, int_gemv, tile_candidates
+    from treadle.kernels.int_kernel_plan import batch_candidates, run_tiles
+    from treadle.kernels.packed_int import gemv_candidates
     from treadle.layers.packed_int import pack_panels
 
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
@@ -84,14 +111,13 @@ def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     weight = _reference(values, scales, None, torch.arange(k, device=DEVICE) // 128, 4)
     packed = pack_panels(values, 4)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for tiles in gemv_candidates(n, k, 4, sm_count) + tile_candidates(n, k, 4, 16, sm_count) + \
-            tile_candidates(n, k, 4, 32, sm_count) + tile_candidates(n, k, 4, 64, sm_count):
-        rows = 1 if tiles.block_m == 0 else tiles.block_m + 3
-        x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
-        y = int_gemv(x, packed, scales, None, 4, 128, tiles) if tiles.block_m == 0 else \
-            int_dot(x, packed, scales, None, 4, 128, tiles)
-        expected = x.float() @ weight.t()
-        assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
+    for rows, candidates in [(1, gemv_candidates(n, k, 4, sm_count))] + \
+            [(rows + 3, batch_candidates(n, k, 4, 128, rows, sm_count)) for rows in (16, 32, 64)]:
+        for tiles in candidates:
+            x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+            y = run_tiles(x, packed, scales, None, 4, 128, tiles)
+            expected = x.float() @ weight.t()
+            assert ((y.float() - expected).norm() / expected.norm()).item() < 1e-2, tiles
 
 
 @pytest.mark.parametrize("method, settings", [("gptq", dict(act_order=True, group_size=128)),
@@ -121,8 +147,32 @@ def test_quantized_checkpoint_generates_the_dequantized_models_tokens(tmp_path, 
             if layer is not None:
                 assert layer.weight.dtype == torch.int32 and layer.int_kernels is not None
             outputs.append([out.token_ids for out in engine.generate(input_ids=prompts, sampling_params=params)])
+            # One request alone: the one-token GEMVs with the next norm in their epilogue, the FP8 lm_head.
+            outputs[-1] += [out.token_ids for out in engine.generate(input_ids=prompts[:1], sampling_params=params)]
     # Same weights up to bf16 rounding of the dequantized copy: the first tokens agree.
     assert [ids[:8] for ids in outputs[0]] == [ids[:8] for ids in outputs[1]]
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 14336)])  # o_proj, down_proj: a norm follows each
+def test_one_token_gemv_adds_the_residual_and_norms_in_its_epilogue(n, k):
+    from treadle.kernels.fused_ops import add_rmsnorm
+    from treadle.kernels.int_kernel_plan import plan_kernels
+    from treadle.layers.packed_int import pack_panels
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    packed = pack_panels(values, 4)
+    plan = plan_kernels(n, k, 4, 128, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(1, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+    norm_weight = (torch.rand(n, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
+    for _ in range(3):  # the counters reset for the next call
+        normed, summed = plan.run_add_rmsnorm(x, packed, scales, None, residual, norm_weight, 1e-5)
+        expected_normed, expected_sum = add_rmsnorm(plan.run(x, packed, scales, None, None), residual.clone(),
+                                                    norm_weight, 1e-5)
+        assert torch.allclose(summed.float(), expected_sum.float(), rtol=2**-8, atol=1e-6)
+        assert torch.allclose(normed.float(), expected_normed.float(), rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64, 600])  # the GEMVs, then grouped tiles of 16, 64 and 128 rows

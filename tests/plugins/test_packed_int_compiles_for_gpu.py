@@ -1,7 +1,7 @@
 """The integer-weight Triton kernels (kernels/packed_int.py) compile for an H100 (sm_90) on a machine without a GPU:
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
-this reuses). Split-K, the SiLU·mul epilogue, zero points, both ways of widening, act-order, 4 and 8 bits, and the
-integer experts' fused-MoE kernels."""
+this reuses). Split-K, the SiLU·mul and add+RMSNorm epilogues, zero points, both ways of widening, act-order, 4 and 8 bits, the
+integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,37 @@ import pytest
 
 RESULT_MARKER = "AOT-RESULTS:"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
-            "partials_ptr": "*fp32", "arrivals_ptr": "*i32"}
+            "partials_ptr": "*fp32", "arrivals_ptr": "*i32", "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16",
+            "normed_ptr": "*bf16", "residual_out_ptr": "*bf16"}
 
 
 def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
-    # (words per step, zeros, split-K, SiLU·mul, bits) for the GEMV; every constexpr branch is taken at least once.
-    gemvs = [(16, False, 1, False, 4), (32, True, 4, False, 4), (16, True, 1, True, 4), (32, False, 2, False, 8)]
+    # (words per step, zeros, split-K, SiLU·mul, add+RMSNorm, bits) for the GEMV; every constexpr branch is taken
+    # at least once.
+    gemvs = [(16, False, 1, False, False, 4), (32, True, 4, False, False, 4), (16, True, 1, True, False, 4),
+             (32, False, 2, False, False, 8), (16, False, 1, False, True, 4), (32, False, 8, False, True, 4)]
     variants = {}
-    for block_w, zeros, split, silu, bits in gemvs:
-        name = f"gemv[words={block_w},zeros={zeros},split_k={split},silu_mul={silu},bits={bits}]"
+    for block_w, zeros, split, silu, norm, bits in gemvs:
+        name = f"gemv[words={block_w},zeros={zeros},split_k={split},silu_mul={silu},add_rmsnorm={norm},bits={bits}]"
         variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
-                          dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, BLOCK_N=16,
-                               BLOCK_W=block_w, PDL=True))
+                          dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=norm,
+                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True))
     for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
         name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=group, HAS_ZEROS=True, SPLIT_K=split, I16=i16, MAGIC16=0x4300,
                                OFFSET16=128.0, BLOCK_M=block_m, BLOCK_N=64))
+    # The sweep's candidate tiles (kernels/packed_int_mma.py): per-slot dots, whole panels scaled after the dot, two
+    # panels scaled before it (groups smaller than the step) with the weight as the second operand.
+    mma = dict(BITS=4, MAGIC16=0x4300, OFFSET16=128.0, BLOCK_M=16, BLOCK_N=128, PANELS=1, SWAP=True,
+               SCALE_IN_REGS=False, I16=True, PER_SLOT=False)
+    for name, switches in {"per_slot": dict(PER_SLOT=True, HAS_ZEROS=True, SPLIT_K=2, GROUP=128),
+                           "per_slot_two_chains": dict(PER_SLOT=True, TWO_CHAINS=True, HAS_ZEROS=False, SPLIT_K=4,
+                                                       GROUP=128, BLOCK_M=32),
+                           "panel": dict(HAS_ZEROS=False, SPLIT_K=1, GROUP=128),
+                           "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
+                                                 HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
+        variants[f"mma[{name}]"] = ("packed_int_mma._int_mma_kernel", {"out_ptr": "*bf16"}, {**mma, **switches})
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
                               dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
@@ -50,14 +64,15 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int, packed_int_moe
+    from treadle.kernels import packed_int, packed_int_mma, packed_int_moe
 
-    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe}
+    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
         module, _, kernel = kernel.rpartition(".")
         try:
-            aot._compile(getattr(modules[module or "packed_int"], kernel), {**POINTERS, **pointers}, set(), constexprs)
+            aot._compile(getattr(modules[module or "packed_int"], kernel), {**POINTERS, **pointers}, {"eps"},
+                         constexprs)
             results[name] = None
         except Exception:  # reported per variant so one failure does not hide the others
             results[name] = traceback.format_exc()

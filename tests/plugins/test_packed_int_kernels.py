@@ -13,14 +13,15 @@ import sys
 import pytest
 
 # (bits, group, N, K, asymmetric, act-order): 4-bit and 8-bit, groups smaller and larger than a panel, split-K
-# (K = 512 with few output tiles), a ragged N; act-order with uneven groups runs the dequantizing path.
-SHAPES = [(4, 32, 48, 256, False, False), (4, 128, 40, 512, True, False), (8, 64, 32, 256, True, False),
+# (K = 1024 with few output tiles), a ragged N; act-order with uneven groups runs the dequantizing path.
+SHAPES = [(4, 32, 48, 256, False, False), (4, 128, 40, 1024, True, False), (8, 64, 32, 256, True, False),
           (4, 64, 32, 256, True, True), (4, 256, 32, 512, False, False)]
-ROWS = (1, 5, 300)
+ROWS = (1, 5, 20, 40, 300)  # the GEMV, each tl.dot bucket (int_mma's kernels where they tile), dequantize
 
 CHECKS = r"""
 import json, sys, torch
-from treadle.kernels.packed_int import PANEL_WORDS, plan_kernels
+from treadle.kernels.int_kernel_plan import plan_kernels
+from treadle.kernels.packed_int import PANEL_WORDS
 from treadle.layers.packed_int import PANEL_WORDS as LAYER_PANEL_WORDS, pack_panels, unpack_panels
 assert PANEL_WORDS == LAYER_PANEL_WORDS
 torch.manual_seed(0)
@@ -50,7 +51,8 @@ for bits, group, n, k, asym, act_order in json.loads(sys.argv[1]):
     if act_order:  # uneven groups, as a row-parallel rank's sorted columns may have
         groups = torch.randint(0, k // group, (k,)).sort().values
     plan = plan_kernels(n, k, bits, group, sm_count=4)
-    plans[f"{bits}-{group}-{n}x{k}"] = [plan.gemv.split_k, plan.small.split_k]
+    plans[f"{bits}-{group}-{n}x{k}"] = [plan.gemv.split_k, plan.small.split_k] + [
+        type(tiles).__name__ for tiles in (plan.small, plan.medium, plan.large)]
     weight = reference(values, scales, zeros, groups, bits)
     for rows in json.loads(sys.argv[2]):
         x = torch.randn(rows, k)
@@ -82,8 +84,19 @@ gate_up = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(
 gate, up = gate_up.chunk(2, dim=-1)
 fused = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16), silu_mul=True)
 silu_mul_error = ((fused - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()
+# One token's GEMV with the residual add and the next RMSNorm in its epilogue (no split-K, and split-K's last
+# program) equals the matmul, then the add and the norm.
+residual, norm_weight = torch.randn(1, n), torch.rand(n) + 0.5
+y = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16))
+summed = y + residual
+expected_norm = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+add_rmsnorm = {}
+for split in (1, 2):
+    normed, residual_out = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16, 16, split),
+                                    add_rmsnorm=(residual, norm_weight, 1e-6))
+    add_rmsnorm[split] = [(residual_out - summed).abs().max().item(), (normed - expected_norm).abs().max().item()]
 print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates, "half": half,
-                               "silu_mul": [list(fused.shape), silu_mul_error]}))
+                               "silu_mul": [list(fused.shape), silu_mul_error], "add_rmsnorm": add_rmsnorm}))
 """
 
 
@@ -121,5 +134,15 @@ def test_the_gemv_computes_silu_mul_of_a_gate_up_weight_in_its_epilogue(results)
 
 
 def test_plans_split_k_where_a_shape_has_few_output_tiles(results):
-    gemv_split, small_split = results["plans"]["4-128-40x512"]
+    gemv_split, small_split, *_ = results["plans"]["4-128-40x1024"]
     assert gemv_split > 1 and small_split > 1  # few row tiles, 4 SMs: K cut into ranges
+
+
+def test_untimed_plans_run_int_mma_for_batches_of_2_to_256_rows(results):
+    # int_mma won every shape at 16 and 32 rows on an H100; without timing its first launch runs.
+    assert all(plan[2:] == ["MmaTiles"] * 3 for plan in results["plans"].values()), results["plans"]
+
+
+def test_the_gemv_adds_the_residual_and_norms_in_its_epilogue(results):
+    for split, (residual_error, norm_error) in results["add_rmsnorm"].items():
+        assert residual_error < 1e-5 and norm_error < 1e-5, (split, residual_error, norm_error)

@@ -184,3 +184,34 @@ def test_built_in_methods_pass_the_conformance_check(method, settings):
     factory = {"gptq": GptqMethod, "awq": AwqMethod, "compressed-tensors": CompressedTensorsMethod}[method]
     config = quantized_tensors(method, torch.randn(64, 128), **settings)[2]
     check_quantization_method(factory, config, lambda weight: quantized_tensors(method, weight, **settings)[:2])
+
+
+def test_an_integer_model_takes_the_fp8_lm_head_with_its_best_logits_exact(tmp_path, registry):
+    from treadle.layers.fp8 import Fp8LmHeadMethod
+
+    quantized, dequantized = make_tiny_quantized(tmp_path, "gptq")
+    sixteen_bit, _, _ = load_model(ModelConfig(path=quantized, device="cpu", dtype="float32"), registry)
+    assert sixteen_bit.lm_head.weight.dtype == torch.float32  # auto: FP8 on GPUs only, the CPU keeps parity
+    model, _, _ = load_model(ModelConfig(path=quantized, device="cpu", dtype="float32", quantize_lm_head=True),
+                             registry)
+    assert isinstance(model.lm_head.quant_method, Fp8LmHeadMethod)
+    assert model.lm_head.weight.dtype == torch.float8_e4m3fn and model.lm_head.exact_weight is not None
+    got, expected = prefill_logits(model, TOKENS), _hf_logits(dequantized)
+    # Each row's 8 best FP8 logits are recomputed from the 16-bit weight: the best one is HF's, exactly.
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert torch.allclose(got.max(-1).values, expected.max(-1).values, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, expected, rtol=1e-4, atol=1e-4)  # the rest are FP8's
+
+
+def test_integer_models_choose_the_fp8_head_on_gpus_that_multiply_fp8(monkeypatch):
+    from treadle.core.loading.quantization import QuantizationError
+    from treadle.layers import packed_int
+
+    monkeypatch.setattr(packed_int, "fp8_matmul_unsupported", lambda device: None)  # as on an H100
+    assert packed_int.fp8_lm_head("auto", torch.device("cuda")) == "auto"
+    assert packed_int.fp8_lm_head("auto", torch.device("cpu")) is False
+    assert packed_int.fp8_lm_head(False, torch.device("cuda")) is False
+    monkeypatch.setattr(packed_int, "fp8_matmul_unsupported", lambda device: "is an A100 (compute capability 8.0)")
+    assert packed_int.fp8_lm_head("auto", torch.device("cuda")) is False
+    with pytest.raises(QuantizationError, match="quantize_lm_head: true needs FP8 matmuls and this device is an A100"):
+        packed_int.fp8_lm_head(True, torch.device("cuda"))

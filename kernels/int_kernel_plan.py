@@ -1,0 +1,92 @@
+"""What one panel-packed integer weight shape runs per batch size (:class:`IntKernelPlan`), from the launch configs
+of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``) and ``kernels/packed_int_mma.py`` (``int_mma``): one
+row runs the GEMV, 2 to ``DOT_MAX_ROWS`` rows a ``tl.dot`` kernel (per row bucket the faster of ``int_dot`` and
+``int_mma``, timed at load by ``layers/int_kernel_choice.py``), larger batches :func:`dequantize` and the library
+matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+
+from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, dequantize, gemv_candidates, int_dot, int_gemv,
+                                        tile_candidates, tiles_shape)
+from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
+
+# One launch of the GEMV or ``int_dot`` (IntTiles) or of ``int_mma`` (MmaTiles).
+Tiles = Union[IntTiles, MmaTiles]
+
+
+@dataclass(frozen=True)
+class IntKernelPlan:
+    """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
+    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``DOT_MAX_ROWS``, then
+    :func:`dequantize` and ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
+
+    bits: int
+    group: int
+    gemv: IntTiles
+    small: Tiles
+    medium: Tiles
+    large: Tiles
+
+    def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
+        needs no split-K; None: the caller runs the matmul, then ``silu_mul``."""
+        if x.shape[0] != 1 or self.gemv.split_k != 1:
+            return None
+        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
+
+    def run_add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for one token's ``y`` in the GEMV (its program
+        that stores the row's last tile adds and norms); None for a batch of more (the caller runs the matmul,
+        then the norm)."""
+        if x.shape[0] != 1:
+            return None
+        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv,
+                        add_rmsnorm=(residual, norm_weight, eps))
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            g_idx: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]
+        if g_idx is None and rows <= DOT_MAX_ROWS:
+            tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
+            return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles)
+        return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
+
+
+def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+              group: int, tiles: Tiles) -> torch.Tensor:
+    """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures."""
+    if isinstance(tiles, MmaTiles):
+        return int_mma(x, weight, scales, zeros, bits, group, tiles)
+    if tiles.block_m == 0:
+        return int_gemv(x, weight, scales, zeros, bits, group, tiles)
+    return int_dot(x, weight, scales, zeros, bits, group, tiles)
+
+
+def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
+                 pick: Callable[[list, int], Tiles] | None = None) -> IntKernelPlan | None:
+    """The kernels for a panel-packed weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch
+    path). ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them
+    on the GPU); without it, the first candidate."""
+    if not tiles_shape(k, bits, group):
+        return None
+    choose = pick or (lambda candidates, rows: candidates[0])
+    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1),
+                         *(choose(batch_candidates(n, k, bits, group, rows, sm_count), rows) for rows in (16, 32, 64)))
+
+
+def batch_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[Tiles]:
+    """The ``tl.dot`` launches timed for a batch of about ``rows`` (16, 32 or 64), the untimed choice first:
+    ``int_mma``'s (they won every shape at 16 and 32 rows on an H100) before ``int_dot``'s, whose first config
+    stays as the fallback for a K the ``int_mma`` steps do not tile (all of them at 64 rows, not yet swept)."""
+    dot = tile_candidates(n, k, bits, rows, sm_count)
+    return load_candidates(n, k, bits, group, rows, sm_count) + (dot if rows > 32 else dot[:1])
