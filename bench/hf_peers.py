@@ -58,7 +58,7 @@ def run_hf(runner: Any, prompts: torch.Tensor, args: argparse.Namespace, bandwid
     name = "HF generate, static cache + torch.compile" if compiled else "HF transformers generate"
     result = measurement(name, HF_COMPILED if compiled else None, None, bs, one, steps, first_tokens,
                          roofline_seconds(runner.model, runner, bs, input_len, args.decode_steps, bandwidth))
-    del model
+    model = None  # the HF copy goes before free_memory() (a del would leave generate() a dangling name)
     free_memory()
     return result
 
