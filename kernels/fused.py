@@ -107,8 +107,10 @@ def rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
     q = torch.empty((num_tokens, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
-    cos2d = cos.reshape(num_tokens, head_dim)
-    sin2d = sin.reshape(num_tokens, head_dim)
+    # The kernel reads each token's angles as one contiguous row; a caller's table may be strided (a transposed
+    # product is column-major).
+    cos2d = cos.reshape(num_tokens, head_dim).contiguous()
+    sin2d = sin.reshape(num_tokens, head_dim).contiguous()
     _rotary_qkv_kernel[(num_tokens,)](
         qkv, cos2d, sin2d, q, k, v, qkv.stride(0), cos2d.stride(0), num_heads, num_kv_heads,
         HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),

@@ -86,7 +86,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         rotary = self.model.rotary_emb
         inv_freq = rotary.inv_freq_per_dim.to(positions.device)
         axis = self._rotary_axis.to(positions.device)
-        angles = (positions.index_select(0, axis).t() * inv_freq)[:, None, :]
+        # Row-major [tokens, head_dim] (a transposed product would be column-major, which the fused rotary kernel
+        # on CUDA read as rows: every prefill with images rotated by the wrong angles).
+        angles = (positions.t().index_select(1, axis) * inv_freq)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def multimodal_positions(self, prompt_len: int, items: Sequence[MultimodalItem]) -> tuple[torch.Tensor, int]:

@@ -243,3 +243,16 @@ def test_vision_encoder_keeps_to_the_input_device(build):
         encoder = VisionTransformer(config).to("meta")
     merged = encoder(torch.empty(2 * 8 * 8 + 4 * 4, 3 * 2 * 14 * 14, device="meta"), [(2, 8, 8), (1, 4, 4)])
     assert merged.device.type == "meta" and merged.shape == (36, 64)
+
+
+def test_mrope_tables_are_the_rotary_tables_of_equal_positions(model_dir):
+    """M-RoPE with three equal positions is the ordinary rotary embedding, values and row-major layout alike (the
+    fused rotary kernel on CUDA reads each token's angles as one contiguous row: column-major tables from a
+    transposed product rotated every prefill with images by the wrong angles there)."""
+    with make_engine(model_dir) as engine:
+        model = engine.scheduler.worker.runner.model
+    positions = torch.tensor([0, 3, 4, 9, 17])
+    cos, sin = model._mrope_cos_sin(positions.expand(3, -1), torch.float32)
+    want_cos, want_sin = model.model.rotary_emb.cos_sin(positions, torch.float32)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert cos.stride() == want_cos.stride() and sin.stride() == want_sin.stride()
