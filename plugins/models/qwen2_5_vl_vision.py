@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.core.execution.overlap import to_device
-from treadle.kernels.fused_ops import silu_mul
+from treadle.kernels.fused_ops import rotary_qk_float32, silu_mul
 from treadle.layers.linear import CheckpointError
 from treadle.layers.norm import RMSNorm
 
@@ -220,19 +220,8 @@ class VisionAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(hidden)
         dim = qkv.shape[1] // 3
-        q, k = rotate_qk(qkv, cos, sin, self.num_heads)
+        q, k = rotary_qk_float32(qkv, cos, sin, self.num_heads)
         return self.proj(segments.attend(q, k, qkv[:, 2 * dim:], self.num_heads))
-
-
-def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k of a stacked ``[rows, 3 * dim]`` projection with the rotary embedding applied as HF does for the
-    vision encoder (float32 math, rounded once to the projection's dtype): ``[rows, dim]`` each."""
-    n, dim = qkv.shape[0], qkv.shape[1] // 3
-    wide = qkv[:, :2 * dim].float().view(n, 2 * heads, -1)
-    first, second = wide.chunk(2, dim=-1)
-    turned = torch.cat([-second, first], dim=-1)
-    rotated = (wide * cos[:, None, :] + turned * sin[:, None, :]).to(qkv.dtype).view(n, 2 * dim)
-    return rotated[:, :dim], rotated[:, dim:]
 
 
 class VisionMLP(nn.Module):
