@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from treadle.core.execution.forward_batch import ForwardBatch
+from treadle.core.execution.overlap import to_device
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.multimodal.inputs import MultimodalBatch, MultimodalItem
 from treadle.layers.decoder import DecoderLayer, layer_sliding_window
@@ -69,7 +70,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             if rows.item.encoder_output is None:
                 fresh.setdefault(id(rows.item), rows.item)
         if fresh:
-            pixels = torch.cat([item.pixel_values for item in fresh.values()]).to(hidden.device, non_blocking=True)
+            # Each image through pinned memory, then joined on the device: no pageable copy for the step to wait on.
+            pixels = torch.cat([to_device(item.pixel_values, hidden.device) for item in fresh.values()])
             encoded = self.visual(pixels, [item.grid_thw for item in fresh.values()])
             for item, output in zip(fresh.values(), encoded.split([item.num_tokens for item in fresh.values()])):
                 item.encoder_output = output

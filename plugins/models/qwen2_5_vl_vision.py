@@ -65,8 +65,9 @@ class VisionTransformer(nn.Module):
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[patches, head_dim]`` (float32) of each patch's (row, column) position: its row's
         frequencies, then its column's, twice (HF's ``rotate_half`` layout)."""
-        inv_freq = self.inv_freq.to(positions.device)
-        half = (positions[:, :, None] * inv_freq).flatten(1)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        half = (positions[:, :, None] * self.inv_freq).flatten(1)
         angles = torch.cat([half, half], dim=1)
         return angles.cos(), angles.sin()
 
