@@ -220,8 +220,14 @@ def test_triton_backend_matches_torch_native(model_dir):
     prompt = [5, 17] + IMAGE + [42, 8]
     with make_engine(model_dir, scheduler={"chunked_prefill_size": 5}) as engine:
         want = engine.generate(input_ids=prompt, image_data=[random_image(100, 80, seed=1)],
-                               sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+                               sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+                               return_logprob=True, top_logprobs_num=5)
     assert json.loads(lines[-1][len("TOKENS="):]) == want.token_ids
+    top = [line for line in proc.stdout.splitlines() if line.startswith("TOP=")]
+    got = dict(json.loads(top[-1][len("TOP="):]))
+    assert set(got) == {token for token, _ in want.output_top_logprobs[0]}
+    for token, value in want.output_top_logprobs[0]:
+        assert got[token] == pytest.approx(value, abs=1e-4)
 
 
 @pytest.mark.parametrize("build", ["under-device", "moved"])
