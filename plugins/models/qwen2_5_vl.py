@@ -86,8 +86,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def _mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[tokens, 1, head_dim]`` of three positions per token (``[3, tokens]``), float32 angles."""
         rotary = self.model.rotary_emb
-        inv_freq = rotary.inv_freq_per_dim.to(positions.device)
-        axis = self._rotary_axis.to(positions.device)
+        if self._rotary_axis.device != positions.device:  # once: a host tensor's copy would stall every such step
+            self._rotary_axis = self._rotary_axis.to(positions.device)
+            rotary.inv_freq_per_dim = rotary.inv_freq_per_dim.to(positions.device)
+        inv_freq, axis = rotary.inv_freq_per_dim, self._rotary_axis
         # Row-major [tokens, head_dim] (a transposed product would be column-major, which the fused rotary kernel
         # on CUDA read as rows: every prefill with images rotated by the wrong angles).
         angles = (positions.t().index_select(1, axis) * inv_freq)[:, None, :]
