@@ -246,10 +246,12 @@ class StackedLinear(nn.Linear):
         self.shard_ids = shard_ids
         for param in (self.weight, self.bias):
             param.weight_loader = self._load_shard
+            param.dummy_fills_rank = True  # unsharded: a dummy fill draws it whole on every rank
 
-    def _load_shard(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
+    def _load_shard(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
+        """Copy one projection (``shard_id``) or, with None, the whole stacked tensor."""
         rows = param.shape[0] // len(self.shard_ids)
-        part = param.data.narrow(0, self.shard_ids.index(shard_id) * rows, rows)
+        part = param.data if shard_id is None else param.data.narrow(0, self.shard_ids.index(shard_id) * rows, rows)
         tensor = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
         if tuple(tensor.shape) != tuple(part.shape):
             raise CheckpointError(f"has shape {tuple(tensor.shape)} but the model expects {tuple(part.shape)}")
