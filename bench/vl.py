@@ -55,7 +55,10 @@ def write_model(folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(QWEN2_5_VL_7B))
-    Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(folder)
+    # Qwen2.5-VL-7B's limits, in a size dict of its own: the class's default dict may hold another model's limits
+    # (some transformers releases write a processor's min_pixels/max_pixels into it).
+    Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}, patch_size=14,
+                          merge_size=2, temporal_patch_size=2).save_pretrained(folder)
     return folder
 
 

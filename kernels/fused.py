@@ -107,14 +107,54 @@ def rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
     q = torch.empty((num_tokens, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
-    cos2d = cos.reshape(num_tokens, head_dim)
-    sin2d = sin.reshape(num_tokens, head_dim)
+    # The kernel reads each token's angles as one contiguous row; a caller's table may be strided (a transposed
+    # product is column-major).
+    cos2d = cos.reshape(num_tokens, head_dim).contiguous()
+    sin2d = sin.reshape(num_tokens, head_dim).contiguous()
     _rotary_qkv_kernel[(num_tokens,)](
         qkv, cos2d, sin2d, q, k, v, qkv.stride(0), cos2d.stride(0), num_heads, num_kv_heads,
         HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
         HALF=head_dim // 2, num_warps=4,
     )
     return q, k, v
+
+
+@triton.jit
+def _rotary_qk_float32_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, out_ptr, stride_qkv, num_heads, half,
+    HEADS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)  # 0: q, 1: k
+    heads = tl.arange(0, HEADS)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    in_half = offs < half
+    mask = (heads < num_heads) & in_half
+    head_dim = 2 * half
+    angles = token * head_dim + offs
+    cos1 = tl.load(cos_ptr + angles, mask=in_half, other=0.0)
+    cos2 = tl.load(cos_ptr + angles + half, mask=in_half, other=0.0)
+    sin1 = tl.load(sin_ptr + angles, mask=in_half, other=0.0)
+    sin2 = tl.load(sin_ptr + angles + half, mask=in_half, other=0.0)
+    features = part * num_heads * head_dim + heads * head_dim + offs
+    x1 = tl.load(qkv_ptr + token * stride_qkv + features, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + token * stride_qkv + features + half, mask=mask, other=0.0).to(tl.float32)
+    dst = out_ptr + token * 2 * num_heads * head_dim + features
+    dtype = out_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
+    tl.store(dst + half, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+
+
+def rotary_qk_float32(qkv, cos, sin, num_heads):
+    num_tokens, dim = qkv.shape[0], qkv.shape[1] // 3
+    half = dim // num_heads // 2
+    out = torch.empty((num_tokens, 2 * dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens:
+        _rotary_qk_float32_kernel[(num_tokens, 2)](
+            qkv, cos.contiguous(), sin.contiguous(), out, qkv.stride(0), num_heads, half,
+            HEADS=triton.next_power_of_2(num_heads), BLOCK=triton.next_power_of_2(half), num_warps=4,
+        )
+    return out[:, :dim], out[:, dim:]
 
 
 @triton.jit

@@ -48,6 +48,23 @@ def rotary_qkv(
     return q.reshape(-1, q_size), k.reshape(-1, kv_size), v.contiguous()
 
 
+def rotary_qk_float32(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k of a stacked ``[T, 3 D]`` projection (``[q | k | v]``, ``num_heads`` heads each) with the rotary
+    embedding applied in float32 and rounded once to the projection's dtype (HF's vision encoders): ``[T, D]`` each.
+
+    ``cos``/``sin`` are ``[T, head_dim]`` float32 (HF's ``rotate_half`` layout)."""
+    if _use_triton(qkv):
+        return _kernels().rotary_qk_float32(qkv, cos, sin, num_heads)
+    n, dim = qkv.shape[0], qkv.shape[1] // 3
+    wide = qkv[:, :2 * dim].float().view(n, 2 * num_heads, -1)
+    first, second = wide.chunk(2, dim=-1)
+    turned = torch.cat([-second, first], dim=-1)
+    rotated = (wide * cos[:, None, :] + turned * sin[:, None, :]).to(qkv.dtype).view(n, 2 * dim)
+    return rotated[:, :dim], rotated[:, dim:]
+
+
 def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

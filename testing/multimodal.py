@@ -42,7 +42,8 @@ def make_tiny_qwen2_5_vl(path: str | os.PathLike, seed: int = 0, **vision_overri
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=224 * 224, patch_size=PATCH, merge_size=2,
+    # A size dict of its own: some transformers releases write min_pixels/max_pixels into the class's shared default.
+    Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 224 * 224}, patch_size=PATCH, merge_size=2,
                           temporal_patch_size=2).save_pretrained(out)
     return str(out)
 
@@ -70,13 +71,15 @@ def hf_vl_greedy(model_dir: str, input_ids: list[int], images: list[Any], max_ne
     """HF transformers' greedy tokens for a prompt whose image and video tokens are already expanded (as treadle
     expands them), and the logits of its first step. ``videos``: the prompt's video items (``MultimodalItem``s of
     kind ``video``, as treadle's processor makes them)."""
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from treadle.core.multimodal.processor import load_image_processor
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([input_ids])
     kwargs: dict[str, Any] = {"mm_token_type_ids": (ids == IMAGE_TOKEN_ID).int() + 2 * (ids == VIDEO_TOKEN_ID).int()}
     if images:
-        processed = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+        processed = load_image_processor(model_dir)(images=images, return_tensors="pt")
         kwargs.update(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
     if videos:
         kwargs.update(pixel_values_videos=torch.cat([video.pixel_values for video in videos]),

@@ -14,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +31,9 @@ DEFAULT_MAX_PIXELS = 4096 * 4096
 DEFAULT_MAX_VIDEOS = 2
 DEFAULT_MAX_VIDEO_FRAMES = 64
 DEFAULT_MAX_VIDEO_PIXELS = 64 * 1024 * 768
+# transformers' Qwen2-VL image processor's defaults (what a checkpoint that names one limit keeps of the other).
+QWEN2_VL_MIN_PIXELS = 56 * 56
+QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,7 @@ class MultimodalProcessor:
     @property
     def image_processor(self) -> Any:
         if self._image_processor is None:
-            from transformers import AutoImageProcessor
-
-            self._image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
+            self._image_processor = load_image_processor(self.model_dir)
         return self._image_processor
 
     def process(self, input_ids: Sequence[int], image_data: Sequence[Any], param: str = "image_data",
@@ -215,6 +217,24 @@ class MultimodalProcessor:
                 f"{param} has {image.width}x{image.height} pixels; the limit is max_image_pixels = "
                 f"{self.limits.max_image_pixels}", param=param, code="image_too_large")
         return image.convert("RGB")
+
+
+def load_image_processor(model_dir: str) -> Any:
+    """transformers' image processor of ``model_dir``, with a ``size`` of its own.
+
+    Some transformers releases (5.17 among them) write the ``min_pixels``/``max_pixels`` of a checkpoint that names no
+    ``size`` into the processor class's shared default ``size`` dict: every later processor of that class in the
+    process, of any model, then scaled images to the first one's limits. A fresh ``size`` dict, built from the
+    checkpoint's own limits, keeps them to it."""
+    from transformers import AutoImageProcessor
+
+    settings_file = Path(model_dir) / "preprocessor_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    overrides: dict[str, Any] = {}
+    if settings.get("size") is None and ("min_pixels" in settings or "max_pixels" in settings):
+        overrides["size"] = {"shortest_edge": settings.get("min_pixels") or QWEN2_VL_MIN_PIXELS,
+                             "longest_edge": settings.get("max_pixels") or QWEN2_VL_MAX_PIXELS}
+    return AutoImageProcessor.from_pretrained(model_dir, **overrides)
 
 
 def _is_image(data: Any) -> bool:

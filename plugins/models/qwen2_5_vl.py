@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from treadle.core.execution.forward_batch import ForwardBatch
+from treadle.core.execution.overlap import to_device
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.multimodal.inputs import MultimodalBatch, MultimodalItem
 from treadle.layers.decoder import DecoderLayer, layer_sliding_window
@@ -69,7 +70,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
             if rows.item.encoder_output is None:
                 fresh.setdefault(id(rows.item), rows.item)
         if fresh:
-            pixels = torch.cat([item.pixel_values for item in fresh.values()]).to(hidden.device, non_blocking=True)
+            # Each image through pinned memory, then joined on the device: no pageable copy for the step to wait on.
+            pixels = torch.cat([to_device(item.pixel_values, hidden.device) for item in fresh.values()])
             encoded = self.visual(pixels, [item.grid_thw for item in fresh.values()])
             for item, output in zip(fresh.values(), encoded.split([item.num_tokens for item in fresh.values()])):
                 item.encoder_output = output
@@ -84,9 +86,13 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def _mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[tokens, 1, head_dim]`` of three positions per token (``[3, tokens]``), float32 angles."""
         rotary = self.model.rotary_emb
-        inv_freq = rotary.inv_freq_per_dim.to(positions.device)
-        axis = self._rotary_axis.to(positions.device)
-        angles = (positions.index_select(0, axis).t() * inv_freq)[:, None, :]
+        if self._rotary_axis.device != positions.device:  # once: a host tensor's copy would stall every such step
+            self._rotary_axis = self._rotary_axis.to(positions.device)
+            rotary.inv_freq_per_dim = rotary.inv_freq_per_dim.to(positions.device)
+        inv_freq, axis = rotary.inv_freq_per_dim, self._rotary_axis
+        # Row-major [tokens, head_dim] (a transposed product would be column-major, which the fused rotary kernel
+        # on CUDA read as rows: every prefill with images rotated by the wrong angles).
+        angles = (positions.t().index_select(1, axis) * inv_freq)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def multimodal_positions(self, prompt_len: int, items: Sequence[MultimodalItem]) -> tuple[torch.Tensor, int]:

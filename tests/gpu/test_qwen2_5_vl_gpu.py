@@ -1,11 +1,12 @@
 """Qwen2.5-VL on the GPU: the tiny checkpoint gives HF transformers' greedy tokens on the CUDA attention backends
 for two images and for a video of three frames (float32; decode through CUDA graphs, which run M-RoPE requests as
-shifted 1-D rotary), whole and chunked; and the vision-language benchmark runs end to end at Qwen2.5-VL-7B's shape
-on a few requests."""
+shifted 1-D rotary), whole and chunked; its vision encoder gives HF's output on CUDA, without a host sync; and the
+vision-language benchmark runs end to end at Qwen2.5-VL-7B's shape on a few requests."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from treadle import Engine, SamplingParams
@@ -42,6 +43,48 @@ def test_matches_hf_on_cuda(tmp_path, backend: str) -> None:
         assert outs[0].token_ids == hf_vl_greedy(path, ids, images, 12)[0]
         assert outs[1].token_ids == hf_vl_greedy(path, PROMPT[:3], [], 12)[0]
         assert outs[2].token_ids == want_video
+
+
+GRIDS = [(1, 16, 12), (2, 8, 10), (1, 6, 6)]  # windows cut by the edges; frames of different lengths
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """HF's Qwen2.5-VL (float32, on the host) and treadle's vision encoder with its weights on CUDA."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from treadle.layers.checkpoint import load_checkpoint
+    from treadle.plugins.models.qwen2_5_vl_vision import VisionTransformer
+
+    path = make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_vl"))
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    encoder = VisionTransformer(hf.config.vision_config)
+    prefix = "model.visual."
+    load_checkpoint(encoder, [(n[len(prefix):], t) for n, t in hf.state_dict().items() if n.startswith(prefix)])
+    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), 3 * 2 * 14 * 14,
+                         generator=torch.Generator().manual_seed(0))
+    return hf, encoder.cuda(), pixels
+
+
+def test_vision_encoder_matches_hf_on_cuda(encoders) -> None:
+    hf, encoder, pixels = encoders
+    with torch.no_grad():
+        want = hf.model.visual(pixels, grid_thw=torch.tensor(GRIDS)).pooler_output
+        got = encoder(pixels.cuda(), GRIDS)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-4)
+
+
+def test_vision_encoder_runs_without_a_host_sync(encoders) -> None:
+    _, encoder, pixels = encoders
+    on_device = pixels.cuda()
+    with torch.no_grad():
+        encoder(on_device, GRIDS)  # Triton compiles here
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            encoder(on_device, GRIDS)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def test_vl_benchmark_runs(tmp_path) -> None:

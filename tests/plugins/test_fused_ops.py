@@ -43,6 +43,19 @@ for dtype in (torch.float32, torch.float16):
     want = (R.apply_rotary_reference(q.reshape(-1, heads, dim), cos, sin).reshape(4, -1),
             R.apply_rotary_reference(k.reshape(-1, kv_heads, dim), cos, sin).reshape(4, -1), v)
     results[f"rotary_qkv_{dtype}"] = all((g - w).abs().max().item() <= tol for g, w in zip(got, want))
+    # Column-major tables (a transposed product, as M-RoPE's once were) rotate by the same angles.
+    strided_cos, strided_sin = (t.reshape(4, dim).t().contiguous().t()[:, None, :] for t in (cos, sin))
+    strided = K.rotary_qkv(qkv, strided_cos, strided_sin, heads, kv_heads, dim)
+    results[f"rotary_qkv_strided_{dtype}"] = all(torch.equal(g, w) for g, w in zip(strided, got))
+
+    # The vision encoders' rotary: float32 math rounded once; head_dim 80 (Qwen2.5-VL's: half not a power of 2).
+    for vision_heads, vision_dim in ((3, 80), (2, 16)):
+        qkv = torch.randn(5, 3 * vision_heads * vision_dim, dtype=dtype)
+        angles = torch.randn(5, vision_dim // 2).repeat(1, 2)
+        got = torch.cat(K.rotary_qk_float32(qkv, angles.cos(), angles.sin(), vision_heads), dim=1)
+        want = torch.cat(R.rotary_qk_float32(qkv, angles.cos(), angles.sin(), vision_heads), dim=1)
+        results[f"rotary_qk_float32_{dtype}"] = results.get(f"rotary_qk_float32_{dtype}", True) and (
+            got.dtype == want.dtype and (got.float() - want.float()).abs().max().item() <= tol)
 
     gate_up = torch.randn(3, 2 * 1500, dtype=dtype)
     results[f"silu_mul_{dtype}"] = (K.silu_mul(gate_up) - R.silu_mul(gate_up)).abs().max().item() <= tol
@@ -59,7 +72,7 @@ def kernel_results():
     return json.loads(line.removeprefix("RESULTS "))
 
 
-@pytest.mark.parametrize("op", ["add_rmsnorm", "rotary_qkv", "silu_mul"])
+@pytest.mark.parametrize("op", ["add_rmsnorm", "rotary_qkv", "rotary_qkv_strided", "rotary_qk_float32", "silu_mul"])
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16"])
 def test_kernel_matches_reference(kernel_results, op, dtype):
     assert kernel_results[f"{op}_{dtype}"]

@@ -220,8 +220,14 @@ def test_triton_backend_matches_torch_native(model_dir):
     prompt = [5, 17] + IMAGE + [42, 8]
     with make_engine(model_dir, scheduler={"chunked_prefill_size": 5}) as engine:
         want = engine.generate(input_ids=prompt, image_data=[random_image(100, 80, seed=1)],
-                               sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+                               sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+                               return_logprob=True, top_logprobs_num=5)
     assert json.loads(lines[-1][len("TOKENS="):]) == want.token_ids
+    top = [line for line in proc.stdout.splitlines() if line.startswith("TOP=")]
+    got = dict(json.loads(top[-1][len("TOP="):]))
+    assert set(got) == {token for token, _ in want.output_top_logprobs[0]}
+    for token, value in want.output_top_logprobs[0]:
+        assert got[token] == pytest.approx(value, abs=1e-4)
 
 
 @pytest.mark.parametrize("build", ["under-device", "moved"])
@@ -243,3 +249,37 @@ def test_vision_encoder_keeps_to_the_input_device(build):
         encoder = VisionTransformer(config).to("meta")
     merged = encoder(torch.empty(2 * 8 * 8 + 4 * 4, 3 * 2 * 14 * 14, device="meta"), [(2, 8, 8), (1, 4, 4)])
     assert merged.device.type == "meta" and merged.shape == (36, 64)
+
+
+@pytest.fixture(scope="module")
+def loaded_model(model_dir):
+    with make_engine(model_dir) as engine:
+        yield engine.scheduler.worker.runner.model
+
+
+def test_vision_encoder_matches_hf(model_dir, loaded_model):
+    """Images and a video of several sizes in one call (windows cut by the right and bottom edges, frames of
+    different lengths: the layout's gathered paths) give HF's encoder output."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    grids = [(1, 16, 12), (2, 8, 10), (1, 6, 6)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14,
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
+        got = loaded_model.visual(pixels, grids)
+    assert got.shape == want.shape == (48 + 40 + 9, 64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_mrope_tables_are_the_rotary_tables_of_equal_positions(loaded_model):
+    """M-RoPE with three equal positions is the ordinary rotary embedding, values and row-major layout alike (the
+    fused rotary kernel on CUDA reads each token's angles as one contiguous row: column-major tables from a
+    transposed product rotated every prefill with images by the wrong angles there)."""
+    model = loaded_model
+    positions = torch.tensor([0, 3, 4, 9, 17])
+    cos, sin = model._mrope_cos_sin(positions.expand(3, -1), torch.float32)
+    want_cos, want_sin = model.model.rotary_emb.cos_sin(positions, torch.float32)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert cos.stride() == want_cos.stride() and sin.stride() == want_sin.stride()

@@ -89,6 +89,10 @@ def _model_kernels() -> dict:
             fused_kernels._rotary_qkv_kernel,
             {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
              "v_ptr": "*bf16"}, set(), dict(HEADS=32, KV_HEADS=8, HALF=64)),
+        "rotary_qk_float32": lambda: _compile(
+            fused_kernels._rotary_qk_float32_kernel,
+            {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"}, set(),
+            dict(HEADS=16, BLOCK=64)),
         "silu_mul": lambda: _compile(
             fused_kernels._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, set(), dict(BLOCK=1024)),
         "fp8_per_token_quant": lambda: _compile(
@@ -289,7 +293,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "decode[bf16,store_kv=True,rotary,pdl]", "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]",
            "decode[fp8e4nv,store_kv=True,rotary]", "decode[fp8e4nv,store_kv=True,rotary,pdl]",
            "extend[bf16]", "extend[fp8e4nv]", "extend[bf16,tree]", "extend[fp8e4nv,tree]",
-           "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
+           "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "rotary_qk_float32", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,pdl]",
            "small_batch[bf16,gemv,silu_mul,pdl]", "small_batch[fp8,gemv,even]",
            "small_batch[bf16,gemv,split_k]", "small_batch[bf16]", "small_batch[fp8,gemv,silu_mul]",
