@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from treadle.core.auto_size import available_cpus, resolve_http_workers
 from treadle.core.config import ConfigError, ServerConfig, load_config
@@ -54,8 +54,11 @@ class ServerStartupError(RuntimeError):
     """The server could not start (port in use, model failed to load, a child died)."""
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = None) -> None:
     """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if a child process crashes.
+
+    ``scheduler_target`` replaces the scheduler process's entry point (a picklable function taking
+    ``run_scheduler_process``'s arguments): bench/front_end.py serves a stand-in scheduler through it.
 
     On a node other than node 0 (``parallel.node_rank > 0``) it runs only this node's scheduler ranks (no HTTP)
     until rank 0 stops them, or with ``parallel.dp_size > 1`` this node's replicas until node 0's controller does.
@@ -80,7 +83,7 @@ def serve(config: ServerConfig) -> None:
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     addresses = IpcAddresses.new(workers, min(config.server.detokenizers, workers))
     layout = FrontendLayout.create(workers, addresses.folder)  # before any metric is made, here or in a worker
-    children = _Children(config, addresses, layout, listen_sockets[1:])
+    children = _Children(config, addresses, layout, listen_sockets[1:], scheduler_target)
     exit_code = 0
     try:
         ready = children.start(should_stop=lambda: bool(stop_signals), while_waiting=_preload_http_stack)
@@ -160,7 +163,7 @@ class _Children:
     """The scheduler and detokenizer processes, and HTTP workers 1 .. N-1."""
 
     def __init__(self, config: ServerConfig, addresses: IpcAddresses, layout: FrontendLayout,
-                 worker_sockets: list[socket.socket]) -> None:
+                 worker_sockets: list[socket.socket], scheduler_target: Callable[..., None] | None = None) -> None:
         from treadle.server.detokenizer import run_detokenizer_process
         from treadle.server.dp_controller import run_dp_controller_process
         from treadle.server.http_workers import run_http_worker
@@ -170,7 +173,8 @@ class _Children:
         self.ready_recv, ready_send = self.context.Pipe(duplex=False)
         self._child_ends: list[Connection] = []
         # With data parallelism the "scheduler" is the controller in front of the replicas.
-        scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
+        if scheduler_target is None:
+            scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
         self.processes = {
             "scheduler": self.context.Process(
                 target=scheduler_target, args=(config, addresses, ready_send), name="scheduler"),
