@@ -1,6 +1,7 @@
 """The server's front end on the CPU: how many streamed tokens per second it carries, and what each process pays.
 
 ``python -m treadle.bench.front_end [--streams 600] [--output-len 16:400] [--step-ms 0] [--set server.workers=4]``
+``python -m treadle.bench.front_end --part wire``
 
 A real server (``treadle.server.launch.serve``: HTTP workers, detokenizers, the scheduler process's loop and its
 ZMQ sockets) runs with a stand-in in place of the model: :class:`StandInScheduler` gives every running request one
@@ -8,7 +9,11 @@ token id per step (``--step-ms`` apart, 0: as fast as the front end takes them),
 ``scheduler.max_running_requests`` at once, without computing anything. ``bench/serving.py``'s client streams the
 ``--streams`` requests from ``--client-processes`` processes. It prints the streamed tokens per second and, for
 every server process, its CPU time (``/proc``) per streamed token; the scheduler process's line leaves out the
-stand-in's own work (its ``step()``), so it is the cost of the real loop's output path.
+stand-in's own work (its ``step()``), so it is the cost of the real loop's output path (ZMQ's I/O thread included).
+
+``--part wire`` times only what a step's outputs cost each process to pass on (pickling, the detokenizer's routing
+without a tokenizer, unpickling into StrOutputs), per output, as one pickled object per output beside the messages
+by field the server sends: figures that a machine busy with other work disturbs less.
 """
 
 from __future__ import annotations
@@ -242,8 +247,54 @@ def format_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def wire_costs(outputs_per_step: int = 512, repeats: int = 50) -> dict[str, dict[str, float]]:
+    """Microseconds per output that each hop spends on a decode step's outputs: ``objects`` (one pickled object per
+    output) against ``columns`` (:class:`~treadle.server.output_columns.OutputColumns`, what the server sends)."""
+    import pickle
+    import uuid
+
+    from treadle.server.detokenizer import Detokenizer
+    from treadle.server.ipc import BatchStrOut, BatchTokenIDOut, StrOutput
+
+    outputs = [ReqOutput(uuid.uuid4().hex, [1234], None, None, 300, i, 0) for i in range(outputs_per_step)]
+    detokenizer = Detokenizer()
+    detokenizer.worker_of.update((output.rid, 0) for output in outputs)
+
+    def objects_detokenizer(data: bytes) -> bytes:
+        return pickle.dumps([StrOutput(**{**vars(output), "text_delta": ""}) for output in pickle.loads(data)])
+
+    def columns_detokenizer(data: bytes) -> bytes:
+        return pickle.dumps(detokenizer.handle_routed(pickle.loads(data))[0])
+
+    hops = {
+        "objects": (lambda: pickle.dumps(outputs), objects_detokenizer, pickle.loads),
+        "columns": (lambda: pickle.dumps(BatchTokenIDOut(outputs)), columns_detokenizer,
+                    lambda data: pickle.loads(data).outputs),
+    }
+    costs: dict[str, dict[str, float]] = {}
+    for form, (scheduler, detokenize, worker) in hops.items():
+        to_detokenizer = scheduler()
+        to_worker = detokenize(to_detokenizer)
+        assert len(worker(to_worker)) == outputs_per_step and isinstance(pickle.loads(to_worker), (list, BatchStrOut))
+        costs[form] = {name: _best_us(lambda: step(data), repeats) / outputs_per_step for name, step, data in (
+            ("scheduler", lambda _: scheduler(), None), ("detokenizer", detokenize, to_detokenizer),
+            ("http worker", worker, to_worker))}
+    return costs
+
+
+def _best_us(call: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e6
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treadle bench front-end", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=["serve", "wire"], default="serve",
+                        help="serve: the whole front end; wire: what passing a step's outputs on costs per hop")
     parser.add_argument("--streams", type=int, default=600, help="requests, all sent at once")
     parser.add_argument("--input-len", default="16:600", help="MIN:MAX prompt tokens")
     parser.add_argument("--output-len", default="16:400", help="MIN:MAX output tokens")
@@ -255,6 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a server config key")
     parser.add_argument("--output", default=None, help="JSON path")
     args = parser.parse_args(argv)
+    if args.part == "wire":
+        costs = wire_costs()
+        print(f"{'us per output':<14} " + " ".join(f"{hop:>12}" for hop in costs["columns"]))
+        for form, hops in costs.items():
+            print(f"{form:<14} " + " ".join(f"{value:>12.2f}" for value in hops.values()))
+        return 0
     port = _free_port()
     config = load_config(None, overrides=[f"server.port={port}", "server.log_level=warning",
                                           f"scheduler.max_running_requests={args.max_running}",
