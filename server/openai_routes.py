@@ -263,9 +263,7 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
     assert isinstance(body, CompletionRequest)
     base = {"id": f"cmpl-{run.id_prefix}", "object": "text_completion", "created": run.created,
             "model": run.model}
-    # A chunk without log-probs, as json.dumps writes its dict, from the parts that never change.
-    head = json.dumps(base, ensure_ascii=False)[:-1] + ', "choices": [{"index": '
-    tail = ', "usage": null}' if run.include_usage() else "}"
+    plain_chunk = CompletionChunkText(base, run.include_usage())
 
     def render(event: StreamEvent) -> list[dict[str, Any]] | list[str]:
         choice = run.add(event)
@@ -279,9 +277,7 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
         if not text and out.finished_reason is None and not new_logprobs:  # a token whose text is held back
             return []
         if body.logprobs is None:
-            reason = "null" if out.finished_reason is None else json.dumps(out.finished_reason)
-            return [f'{head}{event.index}, "text": {json_string(text)}, "logprobs": null, "finish_reason": '
-                    f'{reason}}}]{tail}']
+            return [plain_chunk(event.index, text, out.finished_reason)]
         logprobs = _choice_logprobs(run, choice, out.new_token_ids, out.new_output_logprobs,
                                     out.new_output_top_logprobs, echoed=first and body.echo)
         payload = {**base, "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
@@ -294,6 +290,20 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
         return [{**base, "choices": [], "usage": run.usage()}] if run.include_usage() else []
 
     return sse_response(run.stream, first, render, closing)
+
+
+class CompletionChunkText:
+    """A streamed completion chunk without log-probs, as ``json.dumps`` writes its dict, written from the parts
+    that never change (the HTTP process writes one per streamed token of every stream)."""
+
+    def __init__(self, base: dict[str, Any], include_usage: bool) -> None:
+        self.head = json.dumps(base, ensure_ascii=False)[:-1] + ', "choices": [{"index": '
+        self.tail = ', "usage": null}' if include_usage else "}"
+
+    def __call__(self, index: int, text: str, finish_reason: str | None) -> str:
+        reason = "null" if finish_reason is None else json.dumps(finish_reason, ensure_ascii=False)
+        return (f'{self.head}{index}, "text": {json_string(text)}, "logprobs": null, "finish_reason": {reason}}}]'
+                f'{self.tail}')
 
 
 def _chat_finish(choice: _Choice, made_calls: bool) -> str | None:
