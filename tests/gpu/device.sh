@@ -116,10 +116,16 @@ PY
       kill %1 2>/dev/null; wait ;;
     serving_workers)
       # The HTTP front's A/B (issue 48): `serving` at saturation only (SERVING_SAT_PROMPTS at once, SERVING_WORKERS
-      # client processes) for each SERVING_VARIANTS entry TAG:SETTINGS, one server after the other on this machine.
-      # Default: server.workers auto (one per 4 CPUs) against server.workers=1.
-      for variant in ${SERVING_VARIANTS:-workers_auto: workers_1:--set=server.workers=1}; do
-        SERVING_TAG="${variant%%:*}_" SERVING_SET="$(echo "${variant#*:}" | tr = ' ' | sed 's/ /=/2')" \
+      # client processes) for each SERVING_VARIANTS entry TAG:KEY=VALUE,KEY=VALUE (config keys; an old-style
+      # --set=KEY=VALUE works too), one server after the other on this machine. Default: server.workers auto (one
+      # per 4 CPUs) against server.workers=1. SERVING_STEP_TRACE=1: each server's scheduler also writes its step
+      # split (GPU busy, host phases) to steps_TAG_.json (TREADLE_STEP_TRACE, docs/server.md).
+      for variant in ${SERVING_VARIANTS:-workers_auto: workers_1:server.workers=1}; do
+        settings=""
+        IFS=, read -ra pairs <<< "${variant#*:}"
+        for pair in "${pairs[@]}"; do [ -n "$pair" ] && settings+=" --set ${pair#--set=}"; done
+        trace=""; [ -n "${SERVING_STEP_TRACE:-}" ] && trace="$OUT/steps_${variant%%:*}_.json"
+        TREADLE_STEP_TRACE="$trace" SERVING_TAG="${variant%%:*}_" SERVING_SET="$settings" \
           SERVING_PROMPTS=0 bash "$0" serving
       done ;;
     soak)
