@@ -39,7 +39,7 @@ from treadle.core.config import ConfigError, ServerConfig, load_config
 from treadle.server.front_profile import start_profile
 from treadle.server.http_workers import FrontendLayout
 from treadle.server.ipc import IpcAddresses
-from treadle.server.process_utils import configure_logging
+from treadle.server.process_utils import check_event_loop, configure_logging, run_event_loop
 
 logger = logging.getLogger("treadle.server")
 
@@ -67,9 +67,10 @@ def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = N
     if config.parallel.node_rank > 0:
         _serve_node_ranks(config)
         return
-    try:  # an unreadable key file fails now, before the model loads
+    try:  # an unreadable key file or a missing event loop fails now, before the model loads
         config.server.resolved_api_key()
         config.server.resolved_admin_api_key()
+        check_event_loop(config.server.event_loop)
     except ConfigError as exc:
         raise ServerStartupError(str(exc)) from None
     stop_signals: list[int] = []
@@ -92,8 +93,8 @@ def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = N
             return
         model_info, tokenizer = ready
         write_profile = start_profile("http-worker-0")
-        exit_code = asyncio.run(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
-                                          children))
+        exit_code = run_event_loop(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
+                                             children), config.server.event_loop)
         if write_profile is not None:
             write_profile()
     finally:
