@@ -178,6 +178,8 @@ class BatchStrOut(_OutputBatch):
     ``text_deltas`` set); ``outputs`` rebuilds the StrOutputs."""
 
     def __init__(self, outputs: Sequence[StrOutput] = (), columns: OutputColumns | None = None) -> None:
+        if columns is None:
+            columns = OutputColumns.of(outputs, [out.text_delta for out in outputs])
         super().__init__(outputs, columns)
         if self.columns.text_deltas is None:
             self.columns.text_deltas = [""] * len(self.columns)

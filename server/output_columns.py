@@ -38,7 +38,7 @@ class OutputColumns:
     text_deltas: list[str] | None = None
 
     @classmethod
-    def of(cls, outputs: Sequence[ReqOutput]) -> "OutputColumns":
+    def of(cls, outputs: Sequence[ReqOutput], text_deltas: list[str] | None = None) -> "OutputColumns":
         finished: dict[int, tuple[str, str | None]] = {}
         rare: dict[int, dict[str, Any]] = {}
         verify_steps = []
@@ -52,9 +52,7 @@ class OutputColumns:
             verify_steps.append(out.spec_verify_steps)
         return cls([out.rid for out in outputs], [out.new_token_ids for out in outputs],
                    [out.prompt_tokens for out in outputs], [out.completion_tokens for out in outputs],
-                   [out.cached_tokens for out in outputs], verify_steps, finished, rare,
-                   [getattr(out, "text_delta", "") for out in outputs] if outputs and hasattr(outputs[0], "text_delta")
-                   else None)
+                   [out.cached_tokens for out in outputs], verify_steps, finished, rare, text_deltas)
 
     def __len__(self) -> int:
         return len(self.rids)
