@@ -197,10 +197,10 @@ def run(config: ServerConfig, streams: int, input_len: tuple[int, int], output_l
     base_url = f"http://{config.server.host}:{config.server.port}"
     try:
         _wait_healthy(base_url, server)
-        before = _process_cpu(base_url)
+        before, steps_before = _process_cpu(base_url)
         results, wall = run_workers(base_url, workload(streams, input_len, output_len, 0), float("inf"), None, api,
                                     None, None, 0, client_processes)
-        after = _process_cpu(base_url)
+        after, steps_after = _process_cpu(base_url)
     finally:
         server.terminate()
         server.join(30)
@@ -210,7 +210,7 @@ def run(config: ServerConfig, streams: int, input_len: tuple[int, int], output_l
     return {"benchmark": "front_end", "streams": streams, "step_ms": step_ms, "api": api,
             "server": {"workers": config.server.workers, "detokenizers": config.server.detokenizers},
             "client_processes": client_processes, "tokenizer": tokenizer, "summary": summary,
-            "cpu_us_per_token": per_token}
+            "stand_in_steps": steps_after - steps_before, "cpu_us_per_token": per_token}
 
 
 def _wait_healthy(base_url: str, server: Any, timeout: float = 120.0) -> None:
@@ -227,12 +227,13 @@ def _wait_healthy(base_url: str, server: Any, timeout: float = 120.0) -> None:
     raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s")
 
 
-def _process_cpu(base_url: str) -> dict[str, float]:
-    """CPU seconds of every server process; the scheduler's without the stand-in's own steps."""
+def _process_cpu(base_url: str) -> tuple[dict[str, float], int]:
+    """CPU seconds of every server process (the scheduler's without the stand-in's own steps), and the stand-in's
+    steps so far."""
     info = httpx.get(f"{base_url}/get_server_info", timeout=30).json()
     cpu = {name: cpu_seconds(pid) for name, pid in info["pids"].items() if pid}
     cpu["scheduler"] -= float(info["kv"]["stand_in_step_cpu_s"])
-    return cpu
+    return cpu, int(info["kv"]["stand_in_steps"])
 
 
 def format_table(record: dict[str, Any]) -> str:
@@ -240,6 +241,9 @@ def format_table(record: dict[str, Any]) -> str:
     lines = [f"streamed {summary['total_output_tokens']} tokens of {summary['completed']} requests "
              f"({summary['failed']} failed) in {summary['duration_s']:.2f} s: "
              f"{summary['output_token_throughput']:,.0f} tok/s; ITL p50 {summary['itl_ms']['p50']:.1f} ms",
+             f"the stand-in made {record['stand_in_steps']} steps: "
+             f"{record['stand_in_steps'] * record['step_ms'] / 1e3:.2f} s at {record['step_ms']:g} ms a step is the "
+             "engine's span; the client's time beyond it is the front end's",
              f"{'process':<16} {'CPU us/token':>12}"]
     for name, value in sorted(record["cpu_us_per_token"].items()):
         lines.append(f"{name:<16} {value:>12.1f}")

@@ -22,6 +22,7 @@
 # `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
 # `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min).
+# `front_end` runs bench/front_end.py (the HTTP front with a stand-in scheduler, CPU only) at an 8B step's pace.
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
@@ -127,6 +128,14 @@ PY
         trace=""; [ -n "${SERVING_STEP_TRACE:-}" ] && trace="$OUT/steps_${variant%%:*}_.json"
         TREADLE_STEP_TRACE="$trace" SERVING_TAG="${variant%%:*}_" SERVING_SET="$settings" \
           SERVING_PROMPTS=0 bash "$0" serving
+      done ;;
+    front_end)
+      # The HTTP front alone on this machine's CPUs (issue 48; no GPU used): bench/front_end.py serves a stand-in
+      # scheduler that gives up to 512 streams a token every FRONT_STEP_MS (default 20: ~25k tokens/s offered, an
+      # 8B decode step's pace), then as fast as the front end takes them; server.workers auto, 6 client processes.
+      for step in ${FRONT_STEP_MS:-20} 0; do
+        timeout 200 python3 -m treadle.bench.front_end --streams 600 --step-ms $step --client-processes 6 \
+          ${FRONT_ARGS:-} --output "$OUT/front_end_step${step}.json" 2>&1 | tail -9
       done ;;
     soak)
       # The example 8B config (dummy weights): SOAK_SATURATION_S closed-loop at high concurrency measures the
