@@ -9,15 +9,17 @@ for the outputs that carry any of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Iterator, Sequence
 
 from treadle.core.request import ReqOutput
 
 _COMMON = ("rid", "new_token_ids", "finished_reason", "finished_detail", "prompt_tokens", "completion_tokens",
            "cached_tokens", "spec_verify_steps")
-# Every other ReqOutput field; each one's default is falsy (an empty list, None or 0).
+# Every other ReqOutput field, and its default (an output carries only the ones it sets otherwise).
 RARE_FIELDS = tuple(f.name for f in fields(ReqOutput) if f.name not in _COMMON)
+_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+             for f in fields(ReqOutput) if f.name in RARE_FIELDS}
 
 
 @dataclass
@@ -48,7 +50,7 @@ class OutputColumns:
             if (out.new_output_logprobs or out.input_token_logprobs is not None or out.new_verify_lengths
                     or out.embedding is not None or out.new_output_top_logprobs or out.input_top_logprobs is not None):
                 values = {name: getattr(out, name) for name in RARE_FIELDS}
-                rare[i] = {name: value for name, value in values.items() if value}
+                rare[i] = {name: value for name, value in values.items() if value != _DEFAULTS[name]}
             verify_steps.append(out.spec_verify_steps)
         return cls([out.rid for out in outputs], [out.new_token_ids for out in outputs],
                    [out.prompt_tokens for out in outputs], [out.completion_tokens for out in outputs],
