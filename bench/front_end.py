@@ -8,7 +8,8 @@ ZMQ sockets) runs with a stand-in in place of the model: :class:`StandInSchedule
 token id per step (``--step-ms`` apart, 0: as fast as the front end takes them), up to
 ``scheduler.max_running_requests`` at once, without computing anything. ``bench/serving.py``'s client streams the
 ``--streams`` requests from ``--client-processes`` processes. It prints the streamed tokens per second and, for
-every server process, its CPU time (``/proc``) per streamed token; the scheduler process's line leaves out the
+every server process, its CPU time (``/proc``) over the run's streamed tokens (every worker's, so with several HTTP
+workers each one's line is its share); the scheduler process's line leaves out the
 stand-in's own work (its ``step()``), so it is the cost of the real loop's output path (ZMQ's I/O thread included).
 
 ``--part wire`` times only what a step's outputs cost each process to pass on (pickling, the detokenizer's routing
