@@ -184,6 +184,8 @@ class HttpServerConfig(Section):
                                   "at most 8, at least 1")
     detokenizers: int = Field(1, ge=1, description="detokenizer processes; HTTP worker w's requests go to detokenizer "
                                                    "w % detokenizers (at most one per worker)")
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        "auto", description="the HTTP workers' event loop; auto: uvloop when it is installed, else asyncio's")
 
     @model_validator(mode="after")
     def _one_source_per_key(self) -> "HttpServerConfig":

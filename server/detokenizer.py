@@ -17,18 +17,17 @@ import zmq
 
 from treadle.core.loading.gc_freeze import freeze_startup_objects
 from treadle.text.incremental_decode import IncrementalDecoder, stopped_by_token
-from treadle.core.request import ReqOutput
 from treadle.server.ipc import (
     BatchStrOut,
     BatchTokenIDOut,
     DetokenizerInit,
     IpcAddresses,
     RegisterDecode,
-    StrOutput,
     WorkerSockets,
     bind_pull,
 )
 from treadle.server.front_profile import start_profile
+from treadle.server.output_columns import OutputColumns
 from treadle.server.process_utils import before_exit_on_sigterm, configure_child_process
 
 logger = logging.getLogger("treadle.detokenizer")
@@ -77,7 +76,8 @@ class Detokenizer:
     def handle(self, message: Any) -> BatchStrOut | None:
         """The text of a BatchTokenIDOut (every request's, whichever worker owns it); None for other messages."""
         if isinstance(message, BatchTokenIDOut):
-            return BatchStrOut([self._convert(output) for output in message.outputs])
+            columns = message.columns
+            return BatchStrOut(columns=columns.select(range(len(columns)), self._texts(columns)))
         self._note(message)
         return None
 
@@ -86,11 +86,42 @@ class Detokenizer:
         if not isinstance(message, BatchTokenIDOut):
             self._note(message)
             return {}
-        by_worker: dict[int, list[StrOutput]] = {}
-        for output in message.outputs:
-            worker_id = self.worker_of.get(output.rid, 0)
-            by_worker.setdefault(worker_id, []).append(self._convert(output))
-        return {worker_id: BatchStrOut(outputs) for worker_id, outputs in by_worker.items()}
+        columns = message.columns
+        worker_of = self.worker_of
+        workers = [worker_of.get(rid, 0) for rid in columns.rids]
+        texts = self._texts(columns)
+        first = workers[0] if workers else 0
+        if all(worker_id == first for worker_id in workers):  # one worker's requests (or one worker): as they came
+            return {first: BatchStrOut(columns=columns.select(range(len(columns)), texts))} if workers else {}
+        by_worker: dict[int, list[int]] = {}
+        for i, worker_id in enumerate(workers):
+            by_worker.setdefault(worker_id, []).append(i)
+        return {worker_id: BatchStrOut(columns=columns.select(indices, [texts[i] for i in indices]))
+                for worker_id, indices in by_worker.items()}
+
+    def _texts(self, columns: OutputColumns) -> list[str]:
+        """Each output's new text (empty without a tokenizer); forgets the requests that finished."""
+        decoders = self.decoders
+        texts = [""] * len(columns)
+        if decoders:
+            for i, (rid, ids) in enumerate(zip(columns.rids, columns.token_ids)):
+                decoder = decoders.get(rid)
+                if decoder is not None:
+                    texts[i] = self._decode(decoder, rid, ids, columns.finished.get(i))
+        for i in columns.finished:
+            rid = columns.rids[i]
+            decoders.pop(rid, None)
+            self.stop_strings.pop(rid, None)
+            self.worker_of.pop(rid, None)
+        return texts
+
+    def _decode(self, decoder: IncrementalDecoder, rid: str, ids: list[int],
+                finished: tuple[str, str | None] | None) -> str:
+        if finished is None:
+            return decoder.feed(ids)
+        if ids and stopped_by_token(finished[0], finished[1], self.stop_strings.get(rid)):
+            ids = ids[:-1]
+        return decoder.feed(ids) + decoder.finish()
 
     def _note(self, message: Any) -> None:
         if isinstance(message, RegisterDecode):
@@ -103,20 +134,3 @@ class Detokenizer:
             self.tokenizer = message.tokenizer
         else:
             logger.warning("ignoring unexpected message %r", type(message).__name__)
-
-    def _convert(self, output: ReqOutput) -> StrOutput:
-        decoder = self.decoders.get(output.rid)
-        text = ""
-        if decoder is not None:
-            ids = list(output.new_token_ids)
-            if ids and stopped_by_token(output.finished_reason, output.finished_detail,
-                                        self.stop_strings.get(output.rid)):
-                ids = ids[:-1]
-            text = decoder.feed(ids)
-            if output.finished_reason is not None:
-                text += decoder.finish()
-        if output.finished_reason is not None:
-            self.decoders.pop(output.rid, None)
-            self.stop_strings.pop(output.rid, None)
-            self.worker_of.pop(output.rid, None)
-        return StrOutput(**{**vars(output), "text_delta": text})

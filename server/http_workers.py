@@ -34,7 +34,7 @@ from treadle.core.config import ServerConfig
 from treadle.server.front_profile import start_profile
 from treadle.server.inflight import InflightCounts
 from treadle.server.ipc import IpcAddresses
-from treadle.server.process_utils import configure_logging, set_parent_death_signal
+from treadle.server.process_utils import configure_logging, run_event_loop, set_parent_death_signal
 
 logger = logging.getLogger("treadle.server")
 
@@ -109,8 +109,8 @@ def run_http_worker(worker_id: int, config: ServerConfig, addresses: IpcAddresse
     except EOFError:
         return
     write_profile = start_profile(f"http-worker-{worker_id}")
-    status = asyncio.run(_serve(worker_id, config, addresses, layout, listen_socket, outbox,
-                                model_info, tokenizer, server_info))
+    status = run_event_loop(_serve(worker_id, config, addresses, layout, listen_socket, outbox,
+                                   model_info, tokenizer, server_info), config.server.event_loop)
     if write_profile is not None:
         write_profile()
     # Nothing is left to save: skip the interpreter's teardown of torch and friends (seconds, under load), so the

@@ -16,7 +16,8 @@ detokenizers by the worker each request came from (:class:`DetokenizerSockets`).
 
 Every socket is PUSH/PULL over ``ipc://`` files in a private temporary folder;
 the receiving side binds, so start order does not matter. Messages are
-dataclasses pickled with ``send_pyobj``.
+dataclasses pickled with ``send_pyobj``; a step's outputs travel as one message
+by field (:mod:`treadle.server.output_columns`), not one object per request.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 import zmq
 
 from treadle.core.request import ReqOutput, SamplingParams
+from treadle.server.output_columns import OutputColumns
 
 # model_info's key for the scheduler's live config ("auto" settings resolved); /get_server_info shows it.
 RESOLVED_CONFIG_KEY = "resolved_config"
@@ -139,11 +141,26 @@ class RegisterDecode:
     worker_id: int = 0
 
 
-@dataclass
-class BatchTokenIDOut:
-    """What one scheduler step produced (new token ids, finish reasons, log-probs)."""
+class _OutputBatch:
+    """Outputs of one step, held and pickled by field (:class:`~treadle.server.output_columns.OutputColumns`)."""
 
-    outputs: list[ReqOutput]
+    def __init__(self, outputs: Sequence[ReqOutput] = (), columns: OutputColumns | None = None) -> None:
+        self.columns = columns if columns is not None else OutputColumns.of(outputs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.columns == other.columns  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.outputs!r})"  # type: ignore[attr-defined]
+
+
+class BatchTokenIDOut(_OutputBatch):
+    """What one scheduler step produced (new token ids, finish reasons, log-probs); ``outputs`` rebuilds the
+    ReqOutputs."""
+
+    @property
+    def outputs(self) -> list[ReqOutput]:
+        return self.columns.rows()
 
 
 # ---------------------------------------------------------------- Detokenizer → TokenizerManager
@@ -156,11 +173,20 @@ class StrOutput(ReqOutput):
     text_delta: str = ""
 
 
-@dataclass
-class BatchStrOut:
-    """A batch of :class:`StrOutput`, one per request that advanced."""
+class BatchStrOut(_OutputBatch):
+    """A batch of :class:`StrOutput`, one per request that advanced, held and pickled by field (the columns'
+    ``text_deltas`` set); ``outputs`` rebuilds the StrOutputs."""
 
-    outputs: list[StrOutput]
+    def __init__(self, outputs: Sequence[StrOutput] = (), columns: OutputColumns | None = None) -> None:
+        if columns is None:
+            columns = OutputColumns.of(outputs, [out.text_delta for out in outputs])
+        super().__init__(outputs, columns)
+        if self.columns.text_deltas is None:
+            self.columns.text_deltas = [""] * len(self.columns)
+
+    @property
+    def outputs(self) -> list[StrOutput]:  # type: ignore[override]
+        return self.columns.rows(StrOutput)
 
 
 # ---------------------------------------------------------------- addresses and sockets
@@ -231,7 +257,7 @@ class DetokenizerSockets:
     def send_outputs(self, outputs: list[ReqOutput]) -> None:
         shards = len(self.sockets)
         if shards == 1:
-            self.sockets[0].send_pyobj(BatchTokenIDOut(outputs))
+            self.sockets[0].send_pyobj(BatchTokenIDOut(outputs))  # one message a step, by field
             return
         by_shard: dict[int, list[ReqOutput]] = {}
         for output in outputs:

@@ -32,14 +32,14 @@ import urllib.request
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from treadle.core.auto_size import available_cpus, resolve_http_workers
 from treadle.core.config import ConfigError, ServerConfig, load_config
 from treadle.server.front_profile import start_profile
 from treadle.server.http_workers import FrontendLayout
 from treadle.server.ipc import IpcAddresses
-from treadle.server.process_utils import configure_logging
+from treadle.server.process_utils import check_event_loop, configure_logging, run_event_loop
 
 logger = logging.getLogger("treadle.server")
 
@@ -54,8 +54,11 @@ class ServerStartupError(RuntimeError):
     """The server could not start (port in use, model failed to load, a child died)."""
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = None) -> None:
     """Run the server until SIGINT/SIGTERM; raises SystemExit(1) if a child process crashes.
+
+    ``scheduler_target`` replaces the scheduler process's entry point (a picklable function taking
+    ``run_scheduler_process``'s arguments): bench/front_end.py serves a stand-in scheduler through it.
 
     On a node other than node 0 (``parallel.node_rank > 0``) it runs only this node's scheduler ranks (no HTTP)
     until rank 0 stops them, or with ``parallel.dp_size > 1`` this node's replicas until node 0's controller does.
@@ -64,9 +67,10 @@ def serve(config: ServerConfig) -> None:
     if config.parallel.node_rank > 0:
         _serve_node_ranks(config)
         return
-    try:  # an unreadable key file fails now, before the model loads
+    try:  # an unreadable key file or a missing event loop fails now, before the model loads
         config.server.resolved_api_key()
         config.server.resolved_admin_api_key()
+        check_event_loop(config.server.event_loop)
     except ConfigError as exc:
         raise ServerStartupError(str(exc)) from None
     stop_signals: list[int] = []
@@ -80,7 +84,7 @@ def serve(config: ServerConfig) -> None:
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     addresses = IpcAddresses.new(workers, min(config.server.detokenizers, workers))
     layout = FrontendLayout.create(workers, addresses.folder)  # before any metric is made, here or in a worker
-    children = _Children(config, addresses, layout, listen_sockets[1:])
+    children = _Children(config, addresses, layout, listen_sockets[1:], scheduler_target)
     exit_code = 0
     try:
         ready = children.start(should_stop=lambda: bool(stop_signals), while_waiting=_preload_http_stack)
@@ -89,8 +93,8 @@ def serve(config: ServerConfig) -> None:
             return
         model_info, tokenizer = ready
         write_profile = start_profile("http-worker-0")
-        exit_code = asyncio.run(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
-                                          children))
+        exit_code = run_event_loop(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
+                                             children), config.server.event_loop)
         if write_profile is not None:
             write_profile()
     finally:
@@ -160,7 +164,7 @@ class _Children:
     """The scheduler and detokenizer processes, and HTTP workers 1 .. N-1."""
 
     def __init__(self, config: ServerConfig, addresses: IpcAddresses, layout: FrontendLayout,
-                 worker_sockets: list[socket.socket]) -> None:
+                 worker_sockets: list[socket.socket], scheduler_target: Callable[..., None] | None = None) -> None:
         from treadle.server.detokenizer import run_detokenizer_process
         from treadle.server.dp_controller import run_dp_controller_process
         from treadle.server.http_workers import run_http_worker
@@ -170,7 +174,8 @@ class _Children:
         self.ready_recv, ready_send = self.context.Pipe(duplex=False)
         self._child_ends: list[Connection] = []
         # With data parallelism the "scheduler" is the controller in front of the replicas.
-        scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
+        if scheduler_target is None:
+            scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
         self.processes = {
             "scheduler": self.context.Process(
                 target=scheduler_target, args=(config, addresses, ready_send), name="scheduler"),

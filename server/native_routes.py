@@ -14,7 +14,7 @@ from treadle import __version__
 from treadle.core.request import SamplingParams
 from treadle.server.ipc import RESOLVED_CONFIG_KEY, StrOutput, TokenizedGenerateReq, finish_detail
 from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
-from treadle.server.streaming import collect, first_event, sse_response
+from treadle.server.streaming import collect, first_event, json_string, sse_response
 from treadle.server.tokenizer_manager import RequestError, StreamEvent, TokenizerManager
 
 
@@ -53,11 +53,22 @@ class _NativeResult:
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self._meta(stop)}
 
     def to_json_text(self, stop: list[str], index: int | None = None) -> str:
-        """``to_json`` serialized (plus ``index`` for a batch), reusing the already encoded output ids."""
-        text = json.dumps(self.text, ensure_ascii=False)
-        meta = json.dumps(self._meta(stop), ensure_ascii=False)
+        """``to_json`` serialized (plus ``index`` for a batch), reusing the already encoded output ids; the same
+        bytes as ``json.dumps(..., ensure_ascii=False)``, written out by hand for the fields every event has."""
+        meta = json.dumps(self._meta(stop), ensure_ascii=False) if self.body.return_logprob else self._meta_text(stop)
         tail = "" if index is None else f', "index": {index}'
-        return f'{{"text": {text}, "output_ids": [{self._ids_json}], "meta_info": {meta}{tail}}}'
+        return f'{{"text": {json_string(self.text)}, "output_ids": [{self._ids_json}], "meta_info": {meta}{tail}}}'
+
+    def _meta_text(self, stop: list[str]) -> str:
+        """``json.dumps(self._meta(stop))`` without log-probs."""
+        out = self.last
+        if out is None:
+            return json.dumps(self._meta(stop), ensure_ascii=False)
+        reason = "null" if out.finished_reason is None else json.dumps(
+            {"type": out.finished_reason, "matched": finish_detail(out, stop)}, ensure_ascii=False)
+        return (f'{{"id": {json_string(self.rid)}, "finish_reason": {reason}, "prompt_tokens": {out.prompt_tokens}, '
+                f'"completion_tokens": {out.completion_tokens}, "cached_tokens": {out.cached_tokens}, '
+                f'"spec_verify_steps": {out.spec_verify_steps}}}')
 
     def _meta(self, stop: list[str]) -> dict[str, Any]:
         out = self.last

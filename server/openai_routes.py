@@ -7,6 +7,7 @@ cache makes the copies cheap); choice ``j`` of prompt ``i`` has index ``i * n + 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from treadle.server.chat_tools import (
 from treadle.server.ipc import StrOutput, TokenizedGenerateReq, finish_detail
 from treadle.server.lora_routes import adapter_cards, model_adapter
 from treadle.server.openai_logprobs import TopLogprobs, chat_logprobs, completion_logprobs
-from treadle.server.streaming import collect, first_event, sse_response
+from treadle.server.streaming import collect, first_event, json_string, sse_response
 from treadle.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from treadle.server.tokenizer_manager import GenerationStream, RequestError, StreamEvent, TokenizerManager
 
@@ -262,8 +263,9 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
     assert isinstance(body, CompletionRequest)
     base = {"id": f"cmpl-{run.id_prefix}", "object": "text_completion", "created": run.created,
             "model": run.model}
+    plain_chunk = CompletionChunkText(base, run.include_usage())
 
-    def render(event: StreamEvent) -> list[dict[str, Any]]:
+    def render(event: StreamEvent) -> list[dict[str, Any]] | list[str]:
         choice = run.add(event)
         out = event.output
         assert out is not None
@@ -274,9 +276,10 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
         new_logprobs = body.logprobs is not None and bool(out.new_token_ids or (first and choice.input_logprobs))
         if not text and out.finished_reason is None and not new_logprobs:  # a token whose text is held back
             return []
+        if body.logprobs is None:
+            return [plain_chunk(event.index, text, out.finished_reason)]
         logprobs = _choice_logprobs(run, choice, out.new_token_ids, out.new_output_logprobs,
-                                    out.new_output_top_logprobs, echoed=first and body.echo
-                                    ) if body.logprobs is not None else None
+                                    out.new_output_top_logprobs, echoed=first and body.echo)
         payload = {**base, "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
                                         "finish_reason": out.finished_reason}]}
         if run.include_usage():
@@ -287,6 +290,20 @@ async def _stream_completion(run: _Run, echo: list[str]) -> Response:
         return [{**base, "choices": [], "usage": run.usage()}] if run.include_usage() else []
 
     return sse_response(run.stream, first, render, closing)
+
+
+class CompletionChunkText:
+    """A streamed completion chunk without log-probs, as ``json.dumps`` writes its dict, written from the parts
+    that never change (the HTTP process writes one per streamed token of every stream)."""
+
+    def __init__(self, base: dict[str, Any], include_usage: bool) -> None:
+        self.head = json.dumps(base, ensure_ascii=False)[:-1] + ', "choices": [{"index": '
+        self.tail = ', "usage": null}' if include_usage else "}"
+
+    def __call__(self, index: int, text: str, finish_reason: str | None) -> str:
+        reason = "null" if finish_reason is None else json.dumps(finish_reason, ensure_ascii=False)
+        return (f'{self.head}{index}, "text": {json_string(text)}, "logprobs": null, "finish_reason": {reason}}}]'
+                f'{self.tail}')
 
 
 def _chat_finish(choice: _Choice, made_calls: bool) -> str | None:

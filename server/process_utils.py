@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 LOG_FORMAT = "[treadle %(processName)s] %(asctime)s %(levelname)s %(name)s: %(message)s"
 _PR_SET_PDEATHSIG = 1
@@ -66,3 +67,34 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
             logging.getLogger(__name__).exception("cleanup before exit failed")
     logging.shutdown()
     os._exit(0)
+
+
+def run_event_loop(main: Coroutine[Any, Any, Any], event_loop: str = "auto") -> Any:
+    """Run ``main`` to completion on a new event loop (``server.event_loop``): uvloop's when asked, or with ``auto``
+    when uvloop is installed; the standard library's otherwise. uvloop's loop and transports are C, so an HTTP
+    worker spends less CPU on every streamed event."""
+    uvloop = _uvloop() if event_loop != "asyncio" else None
+    if uvloop is None:
+        check_event_loop(event_loop)
+        return asyncio.run(main)
+    if hasattr(uvloop, "run"):
+        return uvloop.run(main)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # uvloop before 0.18
+    return asyncio.run(main)
+
+
+def check_event_loop(event_loop: str) -> None:
+    """Raise ConfigError when ``server.event_loop`` asks for uvloop and it is not installed."""
+    if event_loop == "uvloop" and _uvloop() is None:
+        from treadle.core.config import ConfigError
+
+        raise ConfigError("server.event_loop is uvloop but uvloop is not installed; `pip install uvloop`, or set "
+                          "server.event_loop to auto or asyncio")
+
+
+def _uvloop() -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop

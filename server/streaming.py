@@ -110,6 +110,10 @@ def sse_response(stream: GenerationStream, first: StreamEvent,
 
 _DONE = b"data: [DONE]\n\n"
 
+# A str as JSON, exactly as json.dumps(text, ensure_ascii=False) writes it (the same C function), without
+# json.dumps's Python layers: routes that write an event's JSON by hand use it for its strings.
+json_string: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event from a JSON-ready dict, or from a JSON document already serialized."""

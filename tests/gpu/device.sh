@@ -26,6 +26,7 @@
 # candidates included, at rows 1-64 against bf16 and the roofline (about 3 min; SWEEP_ARGS="--rows 1,32" to narrow;
 # SWEEP_ARGS="--narrow --rows 1,32": only what the loader times and round 2's trials, every row bucket's launches
 # compiled first so that a `quant` stage after it loads without compiling them one by one).
+# `front_end` runs bench/front_end.py (the HTTP front with a stand-in scheduler, CPU only) at an 8B step's pace.
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.
 # `serving` starts `treadle serve` on the same shapes (examples/configs/gpu-llama8b-dummy.yaml, default sizes)
@@ -120,11 +121,25 @@ PY
       kill %1 2>/dev/null; wait ;;
     serving_workers)
       # The HTTP front's A/B (issue 48): `serving` at saturation only (SERVING_SAT_PROMPTS at once, SERVING_WORKERS
-      # client processes) for each SERVING_VARIANTS entry TAG:SETTINGS, one server after the other on this machine.
-      # Default: server.workers auto (one per 4 CPUs) against server.workers=1.
-      for variant in ${SERVING_VARIANTS:-workers_auto: workers_1:--set=server.workers=1}; do
-        SERVING_TAG="${variant%%:*}_" SERVING_SET="$(echo "${variant#*:}" | tr = ' ' | sed 's/ /=/2')" \
+      # client processes) for each SERVING_VARIANTS entry TAG:KEY=VALUE,KEY=VALUE (config keys; an old-style
+      # --set=KEY=VALUE works too), one server after the other on this machine. Default: server.workers auto (one
+      # per 4 CPUs) against server.workers=1. SERVING_STEP_TRACE=1: each server's scheduler also writes its step
+      # split (GPU busy, host phases) to steps_TAG_.json (TREADLE_STEP_TRACE, docs/server.md).
+      for variant in ${SERVING_VARIANTS:-workers_auto: workers_1:server.workers=1}; do
+        settings=""
+        IFS=, read -ra pairs <<< "${variant#*:}"
+        for pair in "${pairs[@]}"; do [ -n "$pair" ] && settings+=" --set ${pair#--set=}"; done
+        trace=""; [ -n "${SERVING_STEP_TRACE:-}" ] && trace="$OUT/steps_${variant%%:*}_.json"
+        TREADLE_STEP_TRACE="$trace" SERVING_TAG="${variant%%:*}_" SERVING_SET="$settings" \
           SERVING_PROMPTS=0 bash "$0" serving
+      done ;;
+    front_end)
+      # The HTTP front alone on this machine's CPUs (issue 48; no GPU used): bench/front_end.py serves a stand-in
+      # scheduler that gives up to 512 streams a token every FRONT_STEP_MS (default 20: ~25k tokens/s offered, an
+      # 8B decode step's pace), then as fast as the front end takes them; server.workers auto, 6 client processes.
+      for step in ${FRONT_STEP_MS:-20} 0; do
+        timeout 200 python3 -m treadle.bench.front_end --streams 600 --step-ms $step --client-processes 6 \
+          ${FRONT_ARGS:-} --output "$OUT/front_end_step${step}.json" 2>&1 | tail -9
       done ;;
     soak)
       # The example 8B config (dummy weights): SOAK_SATURATION_S closed-loop at high concurrency measures the

@@ -7,6 +7,8 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from treadle.server.streaming import sse_response
 from treadle.server.ipc import StrOutput
 from treadle.server.tokenizer_manager import GenerationStream, StreamEvent
@@ -103,14 +105,15 @@ def test_an_event_is_one_line_for_readers_that_split_on_unicode_line_breaks() ->
     assert lines[1] == "data: [DONE]"
 
 
-def test_native_stream_chunks_serialize_like_the_response_dict() -> None:
+@pytest.mark.parametrize("return_logprob", [True, False])
+def test_native_stream_chunks_serialize_like_the_response_dict(return_logprob: bool) -> None:
     import json
 
     from treadle.server.native_routes import _NativeResult
     from treadle.server.ipc import StrOutput
     from treadle.server.protocol import GenerateRequest
 
-    body = GenerateRequest(input_ids=[1, 2, 3], return_logprob=True)
+    body = GenerateRequest(input_ids=[1, 2, 3], return_logprob=return_logprob)
     result = _NativeResult("r-1", [1, 2, 3], body)
     assert json.loads(result.to_json_text([])) == result.to_json([])  # before any output
     outputs = [
@@ -123,4 +126,19 @@ def test_native_stream_chunks_serialize_like_the_response_dict() -> None:
         result.add(out)
         assert json.loads(result.to_json_text([])) == result.to_json([])
         assert json.loads(result.to_json_text([], index=2)) == {**result.to_json([]), "index": 2}
+        meta = json.dumps(result.to_json([])["meta_info"], ensure_ascii=False)  # the same bytes, key order too
+        assert result.to_json_text([]).endswith(f'"meta_info": {meta}}}')
     assert result.to_json([])["output_ids"] == [7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_completion_chunks_are_the_bytes_json_dumps_writes(include_usage: bool) -> None:
+    from treadle.server.openai_routes import CompletionChunkText
+
+    base = {"id": "cmpl-\u00e9\"x", "object": "text_completion", "created": 1700000000, "model": "m/ö"}
+    chunk = CompletionChunkText(base, include_usage)
+    for index, text, reason in [(0, "", None), (3, 'a "b"\\\n\té\u2028\x00😀', None), (1, "end", "length")]:
+        payload = {**base, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+        if include_usage:
+            payload["usage"] = None
+        assert chunk(index, text, reason) == json.dumps(payload, ensure_ascii=False)
