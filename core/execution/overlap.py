@@ -9,8 +9,10 @@ only when it needs the values, one step later. On the CPU every copy is a no-op 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -24,6 +26,20 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host integer arrays on ``device`` as int64 tensors of their shapes, moved in one copy (one pinned staging
+    tensor on CUDA): a step's handful of small index tensors cost one pinned allocation and one transfer instead of
+    one each (~25 µs of host time per pinned copy on an H100 host, on the path between a verify step's results and
+    the next step's launch)."""
+    arrays = [np.asarray(array, dtype=np.int64) for array in arrays]
+    moved = to_device(torch.from_numpy(np.concatenate([array.reshape(-1) for array in arrays])), device)
+    tensors, start = [], 0
+    for array in arrays:
+        tensors.append(moved[start:start + array.size].view(array.shape))
+        start += array.size
+    return tensors
 
 
 class NextInputIds:
