@@ -8,7 +8,7 @@ runner's forward is subtracted. The test ``oracle`` speculator proposes the plai
 draft is kept::
 
     python -m treadle.bench.verify_host                       # CPU: a tiny Llama, torch_native
-    python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b
+    python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b [--profile 25]
 
 Prints one line: steps, median host microseconds per step, torch operators per step.
 """
@@ -16,6 +16,9 @@ Prints one line: steps, median host microseconds per step, torch operators per s
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -48,7 +51,8 @@ class _OpCounter(TorchDispatchMode):
 class CriticalPath(StepObserver):
     """Times ``results_arrived`` (of a verify step, read before the next batch is built) -> ``forward_launched``."""
 
-    def __init__(self, count_ops: bool) -> None:
+    def __init__(self, count_ops: bool, profile: cProfile.Profile | None = None) -> None:
+        self.profile = profile  # a cProfile of the window (host functions by own time), where given
         self.start: float | None = None
         self.armed = False
         self.excluded = 0.0
@@ -65,6 +69,8 @@ class CriticalPath(StepObserver):
             self._close()
 
     def _close(self) -> float:
+        if self.profile is not None:
+            self.profile.disable()
         elapsed = time.perf_counter() - self.start - self.excluded
         self.start = None
         if self.counter is not None:
@@ -79,6 +85,8 @@ class CriticalPath(StepObserver):
                 self.counter.ops = 0
                 self.counter.__enter__()
             self.start = time.perf_counter()
+            if self.profile is not None:
+                self.profile.enable()
 
     def forward_launched(self, batch: Any, step: Any) -> None:
         if self.start is None:
@@ -94,6 +102,9 @@ class CriticalPath(StepObserver):
         def timed(forward_batch):
             if self.counter is not None:
                 self.counter.paused = True
+            profiling = self.profile is not None and self.start is not None
+            if profiling:
+                self.profile.disable()
             start = time.perf_counter()
             try:
                 return forward(forward_batch)
@@ -101,6 +112,8 @@ class CriticalPath(StepObserver):
                 self.excluded += time.perf_counter() - start
                 if self.counter is not None:
                     self.counter.paused = False
+                if profiling:
+                    self.profile.enable()
 
         runner.forward = timed
 
@@ -135,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.flush_cache()
         engine.generate(input_ids=prompts, sampling_params=params)
         ops = sorted(meter.ops)[len(meter.ops) // 2] if meter.ops else 0
-        timer = CriticalPath(count_ops=False)
+        profile = cProfile.Profile() if args.profile else None
+        timer = CriticalPath(count_ops=False, profile=profile)
         timer.wrap_forward(engine.scheduler.worker.runner)
         engine.scheduler.remove_observer(meter)
         engine.scheduler.add_observer(timer)
@@ -146,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         median = samples[len(samples) // 2] if samples else float("nan")
         print(f"verify host critical path: {len(samples)} steps, median {1e6 * median:.0f} us/step, "
               f"{ops} torch ops/step (bs={args.batch_size}, k={args.num_tokens}, {args.device}, {args.backend})")
+        if profile is not None:
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.profile)
+            print(out.getvalue())
     finally:
         engine.shutdown()
     return 0
@@ -161,6 +179,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=129)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, help="print the N host functions of most own time "
+                        "in the window (cProfile; inflates the times above)")
     return parser
 
 

@@ -37,7 +37,8 @@ def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device) -> list
     moved = to_device(torch.from_numpy(np.concatenate([array.reshape(-1) for array in arrays])), device)
     tensors, start = [], 0
     for array in arrays:
-        tensors.append(moved[start:start + array.size].view(array.shape))
+        part = moved[start:start + array.size]
+        tensors.append(part if array.ndim == 1 else part.view(array.shape))
         start += array.size
     return tensors
 

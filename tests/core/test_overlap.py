@@ -191,3 +191,15 @@ def test_token_owners_maps_every_token_to_its_run_and_offset() -> None:
     assert owner.dtype == offset.dtype == torch.int64
     empty_owner, empty_offset = token_owners([])
     assert empty_owner.numel() == empty_offset.numel() == 0
+
+
+def test_to_device_packed_gives_each_host_array_back_with_its_shape_and_values():
+    import numpy as np
+
+    from treadle.core.execution.overlap import to_device_packed
+
+    arrays = [[7, 3], np.arange(6, dtype=np.int32).reshape(2, 3), torch.tensor([9, 8, 5]), np.empty(0, np.int64)]
+    moved = to_device_packed(arrays, torch.device("cpu"))
+    assert [tuple(t.shape) for t in moved] == [(2,), (2, 3), (3,), (0,)]
+    assert all(t.dtype == torch.int64 for t in moved)
+    assert [t.tolist() for t in moved] == [[7, 3], [[0, 1, 2], [3, 4, 5]], [9, 8, 5], []]
