@@ -271,16 +271,9 @@ def _combine(mo_ptrs, ml_ptrs, num_splits, stride_mo_split, head_mask, o_mask,
 
 
 def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    mid_o: torch.Tensor,
-    mid_lse: torch.Tensor,
-    arrivals: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+    mid_o: torch.Tensor, mid_lse: torch.Tensor, arrivals: torch.Tensor,
     scaling: float,
     sliding_window: int | None,
     max_kv_splits: int,
@@ -296,10 +289,8 @@ def decode_attention(
 ) -> None:
     """Attention of one query token per request over its cached keys, written into ``out``.
 
-    ``tokens_per_req`` t > 1: a verify step's ``bs * t`` query tokens (request after request) of ``bs`` requests
-    (``req_pool_indices`` and ``seq_lens`` per request, each length counting its t new tokens, whose K/V are in
-    the cache already: no ``new_kv``, no ``rotary``); token j of a request sees its keys up to its own position,
-    and each token is a row of the scratch (``mid_o``, ``mid_lse``, ``arrivals``) as a request is otherwise.
+    ``tokens_per_req`` t > 1: q holds t tokens of each request (their K/V cached already: no ``new_kv``), each a
+    scratch row, token j seeing its request's keys up to its own position (``seq_lens`` counts all t).
 
     q, out: ``[bs, num_heads, head_dim]``; k_cache, v_cache: ``[num_slots, num_kv_heads, head_dim]``;
     req_to_token: ``[pool_size, max_context]``; mid_o: float32 ``[>=bs, num_heads, max_kv_splits, head_dim]``;
@@ -326,8 +317,7 @@ def decode_attention(
     if rotary is not None and new_kv is None:
         raise ValueError("decode_attention applies the rotary embedding only with new_kv (the k to rotate)")
     if tokens_per_req > 1 and (new_kv is not None or bs % tokens_per_req):
-        raise ValueError(f"decode_attention over {tokens_per_req} tokens per request reads their K/V from the cache "
-                         f"(no new_kv) and needs a multiple of {tokens_per_req} query rows, got {bs}")
+        raise ValueError(f"{tokens_per_req} tokens per request: no new_kv, and a multiple of them, not {bs} rows")
     cos, sin = rotary if rotary is not None else (q, q)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # Launched with PDL (kernels/pdl.py) where the kernel stores the new K/V itself, so that everything it reads
