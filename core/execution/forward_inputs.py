@@ -128,12 +128,13 @@ def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContex
                           attn_backend: "AttentionBackend", next_input_ids: "NextInputIds",
                           draft_ids: torch.Tensor | None, tree: "TreeLayout | None") -> ForwardBatch:
     """A TARGET_VERIFY batch's inputs (every entry ``extend_len = t``, ``input_on_device``): its first token per
-    request from ``next_input_ids``, the other ``t - 1`` from ``draft_ids``; every host index in one copy (this
-    runs between a verify step's results and the next step's launch, while the device waits)."""
+    request from ``next_input_ids``, the other ``t - 1`` from ``draft_ids``. Its new slots are also written into
+    the request table here (``ScheduleBatch.write_req_to_token``'s job for other steps): every host index moves in
+    one copy, as this runs between a verify step's results and the next step's launch while the device waits."""
     t = entries[0].extend_len
-    if any(e.extend_len != t or not e.input_on_device for e in entries):
+    if any(e.extend_len != t or not e.input_on_device or e.write_from != e.kv_start for e in entries):
         raise ValueError("a TARGET_VERIFY batch needs the same extend_len (k + 1) for every entry, each with "
-                         "input_on_device (its first token is the last one sampled)")
+                         "input_on_device (its first token is the last one sampled) and write_from = kv_start")
     bs, device = len(entries), context.device
     if draft_ids is None or tuple(draft_ids.shape) != (bs, t - 1):
         shape = None if draft_ids is None else tuple(draft_ids.shape)
@@ -142,11 +143,14 @@ def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContex
     prefix_lens = [e.kv_start for e in entries]
     prefix = np.asarray(prefix_lens, dtype=np.int64)
     seq_lens = prefix + t
+    rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
     (req_pool_indices, seq_lens_dev, prefix_dev, starts, extend_lens, positions, logits_indices,
-     out_cache_loc) = to_device_packed(
-        [[e.req.req_pool_idx for e in entries], seq_lens, prefix, np.arange(bs, dtype=np.int64) * t,
-         np.full(bs, t, dtype=np.int64), (prefix[:, None] + np.arange(t, dtype=np.int64)).reshape(-1),
-         np.arange(bs * t, dtype=np.int64), np.concatenate([e.new_slots.numpy() for e in entries])], device)
+     out_cache_loc, table_rows) = to_device_packed(
+        [rows, seq_lens, prefix, np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64),
+         (prefix[:, None] + np.arange(t, dtype=np.int64)).reshape(-1), np.arange(bs * t, dtype=np.int64),
+         np.concatenate([e.new_slots.numpy() for e in entries]), np.repeat(rows, t)], device)
+    req_to_token = context.req_to_token_pool.req_to_token
+    req_to_token[table_rows, positions] = out_cache_loc.to(req_to_token.dtype)  # chain positions: the table's
     first = next_input_ids.gather(req_pool_indices)
     input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
     tree_mask = None
