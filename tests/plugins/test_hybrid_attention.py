@@ -33,7 +33,7 @@ class _Large(_Recorder):
 
 class _Small(_Recorder):
     def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
-        return mode.is_verify() and num_tokens <= 40
+        return mode.is_verify() and num_tokens <= 20
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_rotary_is_applied_by_the_decode_backend_only_for_its_decode_batches(mon
 
 
 def test_verify_steps_go_to_the_triton_decode_kernel_up_to_its_token_cap(backend) -> None:
-    small, large = _batch(ForwardMode.TARGET_VERIFY, 8, 5), _batch(ForwardMode.TARGET_VERIFY, 9, 5)
+    small, large = _batch(ForwardMode.TARGET_VERIFY, 4, 5), _batch(ForwardMode.TARGET_VERIFY, 5, 5)
     for batch in (small, large):
         backend.init_forward_metadata(batch)
         backend.forward("q", "k", "v", "layer", batch)

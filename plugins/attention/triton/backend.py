@@ -129,7 +129,9 @@ class TritonAttnBackend(AttentionBackend):
         self.split_mixed_decodes = True
         self.min_mixed_decode_tail = 1
         self.decode_applies_rotary = True
-        self.verify_decode_max_tokens = 40
+        # Each token's row reads its request's keys itself (the request's t rows share them through L2): cheaper
+        # than the extend kernel's tiles at a few requests, not at many long ones.
+        self.verify_decode_max_tokens = 20
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
