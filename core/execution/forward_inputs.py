@@ -31,7 +31,8 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
     """The device inputs of ``batch``. Decode rows take their input token from ``next_input_ids``; a
     TARGET_VERIFY batch (every entry ``extend_len = k + 1`` tokens, ``input_on_device``) takes its first token
     per request from there and the other ``k`` from ``draft_ids`` (``[bs, k]`` on the device). ``tree``: the
-    drafts form trees (core/speculative/tree.py): each token sits at ``kv_start + depth`` under a tree mask."""
+    drafts form trees (core/speculative/tree.py): each token sits at ``kv_start + depth`` under a tree mask. A
+    TARGET_VERIFY batch's new slots are written into the request table here too, from the same host copy."""
     device = context.device
     entries = batch.entries
     mode = batch.forward_mode
