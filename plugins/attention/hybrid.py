@@ -1,5 +1,5 @@
 """The `flashinfer_triton` attention backend: FlashInfer for prefill and mixed batches, treadle's Triton decode
-kernel for decode batches.
+kernel for decode batches and small verify steps of draft chains.
 
 On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is faster than FlashInfer's at every batch size
 measured: 1.09x at one request (one kernel per layer, where FlashInfer's graph decode writes the K/V, decodes and
