@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from treadle.core.execution.overlap import LaunchedStep, to_device
+from treadle.core.execution.overlap import LaunchedStep, to_device_packed
 from treadle.core.hookspecs import hookimpl
 from treadle.core.speculative.history import RecentTokens, RowTokens
 from treadle.core.speculative.speculator import Drafts, Speculator
@@ -52,7 +52,7 @@ class NgramSpeculator(Speculator):
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         rows = [self._drafts(entry.req, row, num_drafts) for entry, row in zip(batch.entries, self.recent.rows(batch))]
-        return Drafts(to_device(torch.tensor(rows, dtype=torch.int64), self.device))
+        return Drafts(to_device_packed([rows], self.device)[0])  # through the pinned ring: no allocation a step
 
     def after_target_forward(self, step: LaunchedStep) -> None:
         self.recent.step_launched(step)
