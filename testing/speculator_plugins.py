@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from treadle.core.execution.overlap import to_device
+from treadle.core.execution.overlap import to_device, to_device_packed
 from treadle.core.hookspecs import hookimpl
 from treadle.core.speculative.speculator import Drafts, Speculator
 
@@ -36,7 +36,7 @@ class OracleSpeculator(Speculator):
         self.references: dict[tuple[int, ...], list[int]] = {}
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
-        return Drafts(to_device(torch.tensor(self.continuations(batch, num_drafts), dtype=torch.int64), self.device))
+        return Drafts(to_device_packed([self.continuations(batch, num_drafts)], self.device)[0])
 
     def continuations(self, batch: "ScheduleBatch", num_drafts: int) -> list[list[int]]:
         """Each entry's next ``num_drafts`` reference tokens, on the host."""

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from treadle.core.execution.forward_batch import ForwardBatch
-from treadle.core.execution.overlap import to_device
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.overlap import to_device, to_device_packed
 from treadle.core.multimodal.inputs import build_multimodal_batch, has_multimodal, shift_positions
 
 if TYPE_CHECKING:
@@ -31,10 +31,13 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
     """The device inputs of ``batch``. Decode rows take their input token from ``next_input_ids``; a
     TARGET_VERIFY batch (every entry ``extend_len = k + 1`` tokens, ``input_on_device``) takes its first token
     per request from there and the other ``k`` from ``draft_ids`` (``[bs, k]`` on the device). ``tree``: the
-    drafts form trees (core/speculative/tree.py): each token sits at ``kv_start + depth`` under a tree mask."""
+    drafts form trees (core/speculative/tree.py): each token sits at ``kv_start + depth`` under a tree mask. A
+    TARGET_VERIFY batch's new slots are written into the request table here too, from the same host copy."""
     device = context.device
     entries = batch.entries
     mode = batch.forward_mode
+    if mode.is_verify():
+        return _verify_forward_batch(entries, context, attn_backend, next_input_ids, draft_ids, tree)
     seq_lens = torch.tensor([e.kv_start + e.extend_len for e in entries], dtype=torch.int64)
     req_pool_indices = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)
     req_pool_indices_dev = to_device(req_pool_indices, device)
@@ -47,13 +50,6 @@ def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", att
         if multimodal:
             positions = shift_positions(entries, positions, [1] * len(entries))
         logits_indices = torch.arange(len(entries), dtype=torch.int64)
-    elif mode.is_verify():
-        input_ids_dev, positions, extra = _verify_inputs(entries, req_pool_indices_dev, next_input_ids, draft_ids,
-                                                         device)
-        logits_indices = torch.arange(int(positions.shape[0]), dtype=torch.int64)
-        if tree is not None:
-            extra["tree_mask"] = tree.ancestors
-            positions = (extra["extend_prefix_lens"].unsqueeze(1) + tree.depth).flatten()
     else:
         input_ids_dev = _extend_input_ids(entries, next_input_ids, device)
         positions, logits_indices, extra = _extend_positions(entries, device)
@@ -129,27 +125,48 @@ def _extend_input_ids(entries: list["BatchEntry"], next_input_ids: "NextInputIds
     return input_ids
 
 
-def _verify_inputs(entries: list["BatchEntry"], req_pool_indices: torch.Tensor, next_input_ids: "NextInputIds",
-                   draft_ids: torch.Tensor | None, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """Input ids (device), host positions and the extend fields of a TARGET_VERIFY batch."""
-    tokens_per_req = entries[0].extend_len
-    if any(e.extend_len != tokens_per_req or not e.input_on_device for e in entries):
+def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContext",
+                          attn_backend: "AttentionBackend", next_input_ids: "NextInputIds",
+                          draft_ids: torch.Tensor | None, tree: "TreeLayout | None") -> ForwardBatch:
+    """A TARGET_VERIFY batch's inputs (every entry ``extend_len = t``, ``input_on_device``): its first token per
+    request from ``next_input_ids``, the other ``t - 1`` from ``draft_ids``. Its new slots are also written into
+    the request table here (``ScheduleBatch.write_req_to_token``'s job for other steps): every host index moves in
+    one copy, as this runs between a verify step's results and the next step's launch while the device waits."""
+    t = entries[0].extend_len
+    if any(e.extend_len != t or not e.input_on_device or e.write_from != e.kv_start for e in entries):
         raise ValueError("a TARGET_VERIFY batch needs the same extend_len (k + 1) for every entry, each with "
-                         "input_on_device (its first token is the last one sampled)")
-    bs = len(entries)
-    if draft_ids is None or tuple(draft_ids.shape) != (bs, tokens_per_req - 1):
+                         "input_on_device (its first token is the last one sampled) and write_from = kv_start")
+    bs, device = len(entries), context.device
+    if draft_ids is None or tuple(draft_ids.shape) != (bs, t - 1):
         shape = None if draft_ids is None else tuple(draft_ids.shape)
-        raise ValueError(f"a TARGET_VERIFY batch of {bs} requests with {tokens_per_req} tokens each needs "
-                         f"draft_ids of shape ({bs}, {tokens_per_req - 1}), got {shape}")
+        raise ValueError(f"a TARGET_VERIFY batch of {bs} requests with {t} tokens each needs "
+                         f"draft_ids of shape ({bs}, {t - 1}), got {shape}")
+    prefix_lens = [e.kv_start for e in entries]
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    seq_lens = prefix + t
+    rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
+    (req_pool_indices, seq_lens_dev, prefix_dev, starts, extend_lens, positions, logits_indices,
+     out_cache_loc, table_rows) = to_device_packed(
+        [rows, seq_lens, prefix, np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64),
+         (prefix[:, None] + np.arange(t, dtype=np.int64)).reshape(-1), np.arange(bs * t, dtype=np.int64),
+         np.concatenate([e.new_slots.numpy() for e in entries]), np.repeat(rows, t)], device)
+    req_to_token = context.req_to_token_pool.req_to_token
+    req_to_token[table_rows, positions] = out_cache_loc.to(req_to_token.dtype)  # chain positions: the table's
     first = next_input_ids.gather(req_pool_indices)
     input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
-    prefix_lens = [e.kv_start for e in entries]
-    positions = (torch.tensor(prefix_lens, dtype=torch.int64)[:, None] + torch.arange(tokens_per_req)).flatten()
-    starts = torch.arange(bs, dtype=torch.int64) * tokens_per_req
-    extra = _extend_fields([tokens_per_req] * bs, prefix_lens, starts, device)
-    extra["tokens_per_req"] = tokens_per_req
-    return input_ids, positions, extra
+    tree_mask = None
+    if tree is not None:  # each node sits at kv_start + its depth, under the tree mask
+        tree_mask = tree.ancestors
+        positions = (prefix_dev.unsqueeze(1) + tree.depth).flatten()
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
+        positions=positions, req_pool_indices=req_pool_indices, seq_lens=seq_lens_dev,
+        seq_lens_cpu=torch.from_numpy(seq_lens), out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens.sum()),
+        logits_indices=logits_indices, req_to_token_pool=context.req_to_token_pool, kv_cache=context.kv_cache,
+        attn_backend=attn_backend, extend_seq_lens=extend_lens, extend_prefix_lens=prefix_dev,
+        extend_start_loc=starts, extend_seq_lens_cpu=[t] * bs, extend_prefix_lens_cpu=prefix_lens,
+        tokens_per_req=t, tree_mask=tree_mask,
+    )
 
 
 def token_owners(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

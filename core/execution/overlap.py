@@ -9,8 +9,10 @@ only when it needs the values, one step later. On the CPU every copy is a no-op 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -24,6 +26,62 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def to_device_packed(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host integer arrays on ``device`` as int64 tensors of their shapes, moved in one copy: a step's handful of
+    small index tensors cost one transfer instead of one pinned allocation and copy each (~25 µs of host time per
+    pinned copy on an H100 host, on the path between a verify step's results and the next step's launch). On CUDA
+    they are packed straight into a preallocated pinned buffer (:class:`PinnedStaging`)."""
+    arrays = [np.asarray(array, dtype=np.int64) for array in arrays]
+    flat = [array.reshape(-1) for array in arrays]
+    if device.type == "cuda":
+        moved = _staging(device).copy(flat)
+    else:
+        moved = torch.from_numpy(np.concatenate(flat))
+    tensors, start = [], 0
+    for array in arrays:
+        part = moved[start:start + array.size]
+        tensors.append(part if array.ndim == 1 else part.view(array.shape))
+        start += array.size
+    return tensors
+
+
+class PinnedStaging:
+    """A ring of preallocated pinned int64 buffers for host-to-device copies. A buffer is written again only once
+    the copy out of it has finished (its CUDA event, asked without waiting); while it has not, or for more than a
+    buffer holds, the copy takes a fresh pinned tensor as :func:`to_device` does."""
+
+    def __init__(self, device: torch.device, buffers: int = 8, size: int = 16384) -> None:
+        self.device = device
+        self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(buffers)]
+        self.events: list[torch.cuda.Event | None] = [None] * buffers
+        self.next = 0
+
+    def copy(self, parts: Sequence[np.ndarray]) -> torch.Tensor:
+        """``parts`` (int64) end to end on the device, as one int64 tensor."""
+        total = sum(part.size for part in parts)
+        slot = self.next
+        event = self.events[slot]
+        if total > self.buffers[slot].numel() or (event is not None and not event.query()):
+            return to_device(torch.from_numpy(np.concatenate(parts)), self.device)
+        host = self.buffers[slot][:total]
+        np.concatenate(parts, out=host.numpy())
+        moved = host.to(self.device, non_blocking=True)
+        if event is None:
+            event = self.events[slot] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
+        self.next = (slot + 1) % len(self.buffers)
+        return moved
+
+
+_stagings: dict[torch.device, PinnedStaging] = {}
+
+
+def _staging(device: torch.device) -> PinnedStaging:
+    if device not in _stagings:
+        _stagings[device] = PinnedStaging(device)
+    return _stagings[device]
 
 
 class NextInputIds:

@@ -221,7 +221,8 @@ class ModelWorker(Worker):
         """``draft_parents`` (``[bs, k]``, with ``draft_ids``): the drafts form trees, each draft's parent draft
         (-1: the request's last token; core/speculative/tree.py), verified under a tree mask."""
         runner = self.runner
-        batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
+        if not batch.forward_mode.is_verify():  # a verify batch's slots go in with its inputs' one copy
+            batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
         tree = TreeLayout.of(draft_parents) if draft_parents is not None else None
         forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
                                             draft_ids, tree)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.forward_inputs import token_owners
-from treadle.core.execution.overlap import to_device
+from treadle.core.execution.overlap import to_device_packed
 from treadle.core.request import Req
 
 __all__ = ["BatchEntry", "ScheduleBatch", "token_owners"]
@@ -51,12 +52,20 @@ class ScheduleBatch:
         return rows
 
     def write_req_to_token(self, req_to_token: torch.Tensor) -> None:
-        """Record the slots of every (re)written position in the device table, in one scatter."""
+        """Record the slots of every (re)written position in the device table, in one scatter (its indices moved
+        in one copy)."""
         entries = self.entries
-        if all(e.write_from == e.kv_start and e.extend_len == 1 for e in entries):  # decode: one slot each
-            rows = torch.tensor([e.req.req_pool_idx for e in entries], dtype=torch.int64)
-            cols = torch.tensor([e.kv_start for e in entries], dtype=torch.int64)
-            slots = torch.cat([e.new_slots for e in entries])
+        if all(e.write_from == e.kv_start for e in entries):  # decode and verify rows: the slots just allocated
+            lengths = [e.extend_len for e in entries]
+            starts = np.asarray([e.kv_start for e in entries], dtype=np.int64)
+            rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
+            if all(n == lengths[0] for n in lengths):
+                offset = np.arange(lengths[0], dtype=np.int64)
+                rows, cols = np.repeat(rows, lengths[0]), (starts[:, None] + offset).reshape(-1)
+            else:
+                owner, offset = token_owners(lengths)
+                rows, cols = rows[owner.numpy()], starts[owner.numpy()] + offset.numpy()
+            slots = np.concatenate([e.new_slots.numpy() for e in entries])
         else:
             spans = [(e, e.kv_start + e.extend_len) for e in entries]
             owner, offset = token_owners([end - e.write_from for e, end in spans])
@@ -66,6 +75,5 @@ class ScheduleBatch:
             # would join each decode row's slot list into a tensor (~485 of them in a mixed step: ~7 ms).
             slots = torch.cat([e.new_slots if e.write_from == e.kv_start else e.req.kv_slots[e.write_from:end]
                                for e, end in spans])
-        device = req_to_token.device
-        req_to_token[to_device(rows, device), to_device(cols, device)] = to_device(
-            slots.to(req_to_token.dtype), device)
+        rows, cols, slots = to_device_packed([rows, cols, slots], req_to_token.device)
+        req_to_token[rows, cols] = slots.to(req_to_token.dtype)

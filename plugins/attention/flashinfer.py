@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from treadle.core.execution.attention import AttentionBackend, head_layout
@@ -139,9 +140,8 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         if mode.is_decode():
-            seq_lens_cpu = forward_batch.seq_lens_cpu
             self._plan_decode(self.decode_wrapper, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                              seq_lens_cpu, self._page_indices_scratch(seq_lens_cpu))
+                              forward_batch.seq_lens_cpu)
         elif mode.is_extend():
             extend_lens = _host_lens(forward_batch.extend_seq_lens_cpu, forward_batch.extend_seq_lens)
             prefix_lens = _host_lens(forward_batch.extend_prefix_lens_cpu, forward_batch.extend_prefix_lens)
@@ -179,7 +179,7 @@ class FlashInferAttnBackend(AttentionBackend):
         )
         self._graph_wrappers[bs] = wrapper
         seq_lens_cpu = seq_lens.to("cpu")  # capture time: a sync here is harmless
-        self._plan_decode(wrapper, req_pool_indices, seq_lens, seq_lens_cpu, self._page_indices_scratch(seq_lens_cpu))
+        self._plan_decode(wrapper, req_pool_indices, seq_lens, seq_lens_cpu)
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -200,7 +200,7 @@ class FlashInferAttnBackend(AttentionBackend):
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             raise ValueError(f"no CUDA graph was captured for batch size {bs}; captured: {sorted(self._graph_wrappers)}")
-        self._plan_decode(wrapper, req_pool_indices, seq_lens, seq_lens_cpu, self._page_indices_scratch(seq_lens_cpu))
+        self._plan_decode(wrapper, req_pool_indices, seq_lens, seq_lens_cpu)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -250,12 +250,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # -- planning -------------------------------------------------------------------------------
 
-    def _plan_decode(
-        self, wrapper: Any, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-        seq_lens_cpu: torch.Tensor, kv_indices: torch.Tensor,
-    ) -> None:
-        kv_indptr_cpu, last_page_len_cpu = self._page_counts(seq_lens_cpu)
-        self._fill_page_indices(kv_indices, req_pool_indices, seq_lens)
+    def _plan_decode(self, wrapper: Any, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     seq_lens_cpu: torch.Tensor) -> None:
+        kv_indptr_cpu, last_page_len_cpu, kv_indices = self._page_table(req_pool_indices, seq_lens, seq_lens_cpu)
         wrapper.plan(
             kv_indptr_cpu, kv_indices, last_page_len_cpu,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
@@ -277,9 +274,7 @@ class FlashInferAttnBackend(AttentionBackend):
         """Plan ``wrapper`` for these requests: causally, or over draft trees (``tree_mask`` ``[bs, t, t]``, a
         verify step's) with their packed mask (kernels/tree_mask.py), which carries the sliding window too (a node
         counts it from its depth's position, not its place in the step)."""
-        kv_indptr_cpu, last_page_len_cpu = self._page_counts(seq_lens_cpu)
-        kv_indices = self._page_indices_scratch(seq_lens_cpu)
-        self._fill_page_indices(kv_indices, req_pool_indices, seq_lens)
+        kv_indptr_cpu, last_page_len_cpu, kv_indices = self._page_table(req_pool_indices, seq_lens, seq_lens_cpu)
         mask = {}
         if tree_mask is not None:
             packed = torch.empty(tree_mask_bytes(tree_mask.shape[1], seq_lens_cpu), dtype=torch.uint8,
@@ -345,32 +340,29 @@ class FlashInferAttnBackend(AttentionBackend):
             self._verify_qo_indptrs[key] = indptr.pin_memory()
         return self._verify_qo_indptrs[key]
 
-    def _page_counts(self, seq_lens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host ``kv_indptr`` [bs + 1] and ``last_page_len`` [bs] (int32) from host sequence lengths."""
-        seq_lens_cpu = seq_lens_cpu.to(torch.int64)
-        pages = (seq_lens_cpu + self.page_size - 1) // self.page_size
-        kv_indptr = torch.zeros(len(seq_lens_cpu) + 1, dtype=torch.int32)
-        torch.cumsum(pages, 0, out=kv_indptr[1:])
-        last_page_len = (seq_lens_cpu - (pages - 1) * self.page_size).to(torch.int32)
-        # Pinned, so plan()'s host-to-device copies are truly asynchronous (pageable ones may sync).
-        return kv_indptr.pin_memory(), last_page_len.pin_memory()
-
-    def _page_indices_scratch(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
-        total_pages = int(((seq_lens_cpu + self.page_size - 1) // self.page_size).sum())
-        return torch.empty(max(total_pages, 1), dtype=torch.int32, device=self.device)
-
-    def _fill_page_indices(self, kv_indices: torch.Tensor, req_pool_indices: torch.Tensor,
-                           seq_lens: torch.Tensor) -> None:
-        """Write each request's page ids (read from ``req_to_token``) into ``kv_indices``, on the device."""
-        bs = int(req_pool_indices.shape[0])
-        pages = (seq_lens + self.page_size - 1) // self.page_size
-        kv_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=self.device)
-        torch.cumsum(pages, 0, out=kv_indptr[1:])
+    def _page_table(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host ``kv_indptr`` [bs + 1] and ``last_page_len`` [bs] (int32, pinned, so plan()'s copies of them are
+        truly asynchronous) and the device ``kv_indices`` (each request's page ids read from ``req_to_token``).
+        Both host arrays come from numpy in one pinned buffer, whose one copy also gives the page-table kernel its
+        ``kv_indptr``: a verify step plans between its predecessor's results and its own launch."""
+        page = self.page_size
+        lens = np.asarray(seq_lens_cpu, dtype=np.int64)
+        bs = lens.shape[0]
+        pages = (lens + page - 1) // page
+        counts = np.empty(2 * bs + 1, dtype=np.int32)
+        counts[0] = 0
+        np.cumsum(pages, out=counts[1:bs + 1])
+        counts[bs + 1:] = lens - (pages - 1) * page
+        host = torch.from_numpy(counts).pin_memory()
+        kv_indptr = host[:bs + 1].to(self.device, non_blocking=True)
+        kv_indices = torch.empty(max(int(counts[bs]), 1), dtype=torch.int32, device=self.device)
         req_to_token = self.req_to_token_pool.req_to_token
         self._page_table_kernel[(bs,)](
             req_to_token, req_to_token.stride(0), req_pool_indices, seq_lens, kv_indptr, kv_indices,
-            PAGE_SIZE=self.page_size, BLOCK=256,
+            PAGE_SIZE=page, BLOCK=256,
         )
+        return host[:bs + 1], host[bs + 1:], kv_indices
 
     def _paged(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer.view(-1, self.page_size, self.num_kv_heads, self.head_dim)

@@ -1,5 +1,5 @@
 """The `flashinfer_triton` attention backend: FlashInfer for prefill and mixed batches, treadle's Triton decode
-kernel for decode batches.
+kernel for decode batches and small verify steps of draft chains.
 
 On an H100 (Llama-3.1-8B shapes, CUDA graphs) the Triton decode step is faster than FlashInfer's at every batch size
 measured: 1.09x at one request (one kernel per layer, where FlashInfer's graph decode writes the K/V, decodes and
@@ -34,7 +34,10 @@ class FlashInferTritonAttnBackend(AttentionBackend):
 
     Accepts what both accept (16-bit or FP8 KV caches, one sliding window for every layer). The tunables of the
     two are on ``.small`` and ``.large``; ``small_decode_batch`` must not change once CUDA graphs are captured.
-    TARGET_VERIFY steps, extend-shaped, go to FlashInfer as extend steps do, captured in graphs or not.
+    TARGET_VERIFY steps of at most ``small.verify_decode_max_tokens`` tokens go to the Triton decode kernel
+    (:meth:`TritonAttnBackend.verifies_by_decode`: the route depends on the token count alone, so a verify graph
+    replays with the backend it was captured with; no FlashInfer plan on the host between a verify step's results
+    and the next one's launch); larger ones, extend-shaped, go to FlashInfer as extend steps do.
     """
 
     supports_cuda_graph = True
@@ -55,15 +58,24 @@ class FlashInferTritonAttnBackend(AttentionBackend):
     def _decode_backend(self, bs: int) -> AttentionBackend:
         return self.small if self.small_decode_batch is None or bs <= self.small_decode_batch else self.large
 
+    def _verify_backend(self, num_tokens: int) -> AttentionBackend:
+        return self.small if self.small.verifies_by_decode(ForwardMode.TARGET_VERIFY, num_tokens) else self.large
+
+    def _step_backend(self, forward_batch: ForwardBatch) -> AttentionBackend:
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            return self._decode_backend(forward_batch.batch_size)
+        if mode.is_verify() and forward_batch.tree_mask is None:  # trees go to FlashInfer's packed custom mask
+            return self._verify_backend(forward_batch.num_tokens)
+        return self.large
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if forward_batch.forward_mode.is_decode():
-            self._decode_backend(forward_batch.batch_size).init_forward_metadata(forward_batch)
-        else:
-            self.large.init_forward_metadata(forward_batch)
+        self._step_backend(forward_batch).init_forward_metadata(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         small = max_bs if self.small_decode_batch is None else min(max_bs, self.small_decode_batch)
-        self.small.init_cuda_graph_state(small, min(max_num_tokens, small))
+        # The Triton half's scratch also holds a row per token of the verify steps it runs (up to its cap).
+        self.small.init_cuda_graph_state(small, max_num_tokens)
         # FlashInfer's graph page table holds max_bs requests at full context (Llama-3.1-8B: 0.5 MB each); it is
         # built when it captures decode batches or, with several tokens per request, verify steps.
         if small < max_bs or max_num_tokens > max_bs:
@@ -74,11 +86,14 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         tree_mask: torch.Tensor | None = None,
     ) -> None:
         if mode.is_decode():
-            self._decode_backend(bs).init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices,
-                                                                              seq_lens, mode)
-        else:
+            backend = self._decode_backend(bs)
+        elif tree_mask is not None:
             self.large.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, mode,
                                                                 tree_mask=tree_mask)
+            return
+        else:
+            backend = self._verify_backend(num_tokens)
+        backend.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens, mode)
 
     def init_forward_metadata_replay_cuda_graph(
         self,
@@ -94,9 +109,12 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         if mode.is_decode():
             self._decode_backend(bs).init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens,
                                                                              seq_lens_sum, mode, seq_lens_cpu)
-        else:
+        elif tree_mask is not None:
             self.large.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum, mode,
                                                                seq_lens_cpu, num_tokens=num_tokens, tree_mask=tree_mask)
+        else:
+            self._verify_backend(num_tokens or 0).init_forward_metadata_replay_cuda_graph(
+                bs, req_pool_indices, seq_lens, seq_lens_sum, mode, seq_lens_cpu, num_tokens=num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.large.get_cuda_graph_seq_len_fill_value()
@@ -119,7 +137,8 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        return self.large.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        backend = self._verify_backend(forward_batch.num_tokens) if forward_batch.forward_mode.is_verify() else self.large
+        return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
 
 @hookimpl

@@ -191,3 +191,45 @@ def test_token_owners_maps_every_token_to_its_run_and_offset() -> None:
     assert owner.dtype == offset.dtype == torch.int64
     empty_owner, empty_offset = token_owners([])
     assert empty_owner.numel() == empty_offset.numel() == 0
+
+
+def test_to_device_packed_gives_each_host_array_back_with_its_shape_and_values():
+    import numpy as np
+
+    from treadle.core.execution.overlap import to_device_packed
+
+    arrays = [[7, 3], np.arange(6, dtype=np.int32).reshape(2, 3), torch.tensor([9, 8, 5]), np.empty(0, np.int64)]
+    moved = to_device_packed(arrays, torch.device("cpu"))
+    assert [tuple(t.shape) for t in moved] == [(2,), (2, 3), (3,), (0,)]
+    assert all(t.dtype == torch.int64 for t in moved)
+    assert [t.tolist() for t in moved] == [[7, 3], [[0, 1, 2], [3, 4, 5]], [9, 8, 5], []]
+
+
+def test_pinned_staging_reuses_a_buffer_only_once_its_copy_finished(monkeypatch):
+    """The ring's bookkeeping, with a stand-in for the CUDA copy and event (the CPU has neither)."""
+    import numpy as np
+
+    from treadle.core.execution import overlap
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+        def record(self, stream=None):
+            self.done = False
+
+    monkeypatch.setattr(torch, "empty", lambda size, dtype, pin_memory: torch.zeros(size, dtype=dtype))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    fresh = []
+    monkeypatch.setattr(overlap, "to_device", lambda tensor, device: fresh.append(tensor.tolist()) or tensor)
+    staging = overlap.PinnedStaging(torch.device("cpu"), buffers=2, size=4)
+    first = staging.copy([np.array([1, 2]), np.array([3])])
+    second = staging.copy([np.array([4])])
+    assert first.tolist() == [1, 2, 3] and second.tolist() == [4] and fresh == []
+    assert staging.copy([np.array([5])]).tolist() == [5] and fresh == [[5]]  # buffer 0's copy still running
+    staging.events[0].done = True
+    assert staging.copy([np.array([6, 7])]).tolist() == [6, 7] and staging.buffers[0][:2].tolist() == [6, 7]
+    assert staging.copy([np.arange(5)]).tolist() == [0, 1, 2, 3, 4] and fresh[-1] == [0, 1, 2, 3, 4]  # too long

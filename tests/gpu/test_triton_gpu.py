@@ -156,6 +156,18 @@ def test_extend_with_prefix_bf16(page_size: int, window: int | None) -> None:
     assert_close(batch, run_backend(batch, backend), 2e-2)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_verify_chains_through_the_decode_kernel_bf16(page_size: int) -> None:
+    """A verify step of draft chains (5 tokens each, 8 requests) through the decode kernel, a row per token (the
+    cap verify_decode_max_tokens raised to 40); the same step through the extend kernel (the cap at 0)."""
+    prefix = [0, 17, 300, 1024, 2049, 3000, 4000, 511]
+    for cap in (40, 0):
+        batch, backend = make_batch(ForwardMode.TARGET_VERIFY, prefix, [5] * len(prefix), page_size, None)
+        backend.verify_decode_max_tokens = cap
+        assert_close(batch, run_backend(batch, backend), 2e-2)
+        assert backend.forward_metadata.verify_by_decode == (cap == 40)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_and_extend_other_dtypes(dtype: torch.dtype) -> None:
     tol = 1e-4 if dtype == torch.float32 else 1e-2

@@ -32,7 +32,8 @@ class _Large(_Recorder):
 
 
 class _Small(_Recorder):
-    pass
+    def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
+        return mode.is_verify() and num_tokens <= 20
 
 
 @pytest.fixture
@@ -44,8 +45,8 @@ def backend(monkeypatch):
     return built
 
 
-def _batch(mode: ForwardMode, bs: int) -> SimpleNamespace:
-    return SimpleNamespace(forward_mode=mode, batch_size=bs)
+def _batch(mode: ForwardMode, bs: int, tokens_per_req: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(forward_mode=mode, batch_size=bs, num_tokens=bs * tokens_per_req)
 
 
 def _names(recorder: _Recorder) -> list[str]:
@@ -66,7 +67,8 @@ def test_decode_batches_go_by_size_and_prefills_to_flashinfer(backend) -> None:
 
 def test_cuda_graphs_capture_and_replay_each_size_with_one_backend(backend) -> None:
     backend.init_cuda_graph_state(32, 32)
-    assert backend.small.calls == [("init_cuda_graph_state", 8, 8)]  # scratch only for the sizes it runs
+    # Scratch only for the sizes it runs (and, up to its own cap, a row per token of the verify steps it runs).
+    assert backend.small.calls == [("init_cuda_graph_state", 8, 32)]
     assert backend.large.calls == [("init_cuda_graph_state", 32, 32)]
     for bs in (1, 8, 16, 32):
         backend.init_forward_metadata_capture_cuda_graph(bs, bs, "pool", "lens", ForwardMode.DECODE)
@@ -132,3 +134,18 @@ def test_rotary_is_applied_by_the_decode_backend_only_for_its_decode_batches(mon
     built.forward("q", "k", "v", "layer", large_decode)
     assert built.small.calls == [("forward_decode", "q", "k", "v", "layer", decode, True, ("cos", "sin"))]
     assert built.large.calls == [("forward_decode", "q", "k", "v", "layer", large_decode, True)]
+
+
+def test_verify_steps_go_to_the_triton_decode_kernel_up_to_its_token_cap(backend) -> None:
+    small, large = _batch(ForwardMode.TARGET_VERIFY, 4, 5), _batch(ForwardMode.TARGET_VERIFY, 5, 5)
+    for batch in (small, large):
+        backend.init_forward_metadata(batch)
+        backend.forward("q", "k", "v", "layer", batch)
+        backend.init_forward_metadata_capture_cuda_graph(batch.batch_size, batch.num_tokens, "pool", "lens",
+                                                         ForwardMode.TARGET_VERIFY)
+        backend.init_forward_metadata_replay_cuda_graph(batch.batch_size, "pool", "lens", 0,
+                                                        ForwardMode.TARGET_VERIFY, "lens_cpu", batch.num_tokens)
+    steps = ["init_forward_metadata", "forward_extend", "init_forward_metadata_capture_cuda_graph",
+             "init_forward_metadata_replay_cuda_graph"]
+    assert _names(backend.small) == _names(backend.large) == steps
+    assert backend.small.calls[1][-2] is small and backend.large.calls[1][-2] is large

@@ -117,7 +117,8 @@ def make_batch(
         prefix = slots[: prefix_lens[i]]
         cache.set_kv_buffer(LAYER_ID, prefix, k[: prefix_lens[i]], v[: prefix_lens[i]])
         if cache.is_fp8:
-            read_back = seq_lens[i] if mode.is_decode() or i >= decode_tail_from else prefix_lens[i]
+            # A verify step's tokens go through the decode kernel too (verify_decode_max_tokens).
+            read_back = seq_lens[i] if mode.is_decode() or mode.is_verify() or i >= decode_tail_from else prefix_lens[i]
             k, v = k.clone(), v.clone()
             k[:read_back] = _fp8_round_trip(k[:read_back], kv_scales[0], cache.dtype)
             v[:read_back] = _fp8_round_trip(v[:read_back], kv_scales[1], cache.dtype)
@@ -200,7 +201,7 @@ def max_error(batch: Batch, out: torch.Tensor) -> float:
 # Scenarios (each returns the max abs error against the reference)
 # --------------------------------------------------------------------------------------------
 
-DECODE, EXTEND, MIXED = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED
+DECODE, EXTEND, MIXED, VERIFY = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY
 
 
 def _scenario(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], **kwargs):
@@ -220,6 +221,18 @@ def _capped_backend(target_programs: int):
     def factory(model_runner: SimpleNamespace):
         backend = make_backend(model_runner)
         backend.decode_target_programs = target_programs
+        return backend
+
+    return factory
+
+
+def _tuned_backend(**tunables):
+    """``make_backend`` with the given tunables set (e.g. ``verify_decode_max_tokens=0``: verify steps through the
+    extend kernel; ``min_split_tokens=8``: several chunks per request at these lengths)."""
+    def factory(model_runner: SimpleNamespace):
+        backend = make_backend(model_runner)
+        for name, value in tunables.items():
+            setattr(backend, name, value)
         return backend
 
     return factory
@@ -323,6 +336,15 @@ SCENARIOS = {
     "mixed_decode_tail": (_scenario(MIXED, [4, 0, 12, 30, 5], [6, 17, 1, 1, 1]), FP32_TOL),
     "mixed_decode_tail_window_page4": (_scenario(MIXED, [0, 12, 30], [21, 1, 1], page_size=4, window=7), FP32_TOL),
     "mixed_only_one_token_requests": (_scenario(MIXED, [3, 8], [1, 1]), FP32_TOL),
+    # Verify steps of draft chains: each token through the decode kernel, over its request's keys up to its own
+    # position (verify_decode_max_tokens), in one chunk and in several; and through the extend kernel.
+    "verify_by_decode_window_page4": (_scenario(VERIFY, [5, 30, 12], [4, 4, 4], page_size=4, window=7), FP32_TOL),
+    "verify_by_decode_chunks": (_scenario(VERIFY, [1, 40], [5, 5], backend_factory=_tuned_backend(
+        min_split_tokens=8)), FP32_TOL),
+    "verify_by_decode_fp8_kv": (_scenario(VERIFY, [6, 33], [3, 3], page_size=2, kv_dtype=torch.float8_e4m3fn,
+                                          kv_scales=(0.5, 2.0)), FP32_TOL),
+    "verify_by_extend": (_scenario(VERIFY, [5, 30, 12], [4, 4, 4], page_size=4, backend_factory=_tuned_backend(
+        verify_decode_max_tokens=0)), FP32_TOL),
     # No bfloat16 here: the interpreter runs tl.dot on bfloat16's raw uint16 bits (a documented
     # interpreter limitation, triton-lang/triton#11584); tests/gpu/test_triton_gpu.py covers it.
     "decode_fp16": (_decode([5, 38], page_size=4, dtype=torch.float16), HALF_TOL),
@@ -444,11 +466,14 @@ def test_cuda_graphs_capture_decode_and_verify_steps_only(monkeypatch: pytest.Mo
     indices, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
     with pytest.raises(NotImplementedError, match="DECODE and TARGET_VERIFY, not EXTEND"):
         backend.init_forward_metadata_capture_cuda_graph(2, 2, indices, lens, ForwardMode.EXTEND)
-    with pytest.raises(ValueError, match="max_bs=2"):
-        backend.init_forward_metadata_capture_cuda_graph(3, 3, indices, lens, ForwardMode.DECODE)
-    # A verify step runs the extend kernel over tokens_per_req = num_tokens / bs new tokens per request.
+    with pytest.raises(ValueError, match="built for 8 rows"):  # 2 requests, or the 8 tokens of a verify step
+        backend.init_forward_metadata_capture_cuda_graph(9, 9, indices, lens, ForwardMode.DECODE)
+    # A verify step of up to verify_decode_max_tokens tokens runs the decode kernel over each of its
+    # tokens_per_req = num_tokens / bs new tokens per request, a scratch row each; a larger one the extend kernel.
     backend.init_forward_metadata_capture_cuda_graph(2, 8, indices, lens + 3, ForwardMode.TARGET_VERIFY)
-    assert backend.forward_metadata == ExtendMetadata(max_extend_len=4)
+    metadata = backend.forward_metadata
+    assert metadata.max_extend_len == 4 and metadata.verify_by_decode and metadata.decode.mid_o.shape[0] == 8
+    backend.verify_decode_max_tokens = 4
     backend.init_forward_metadata_replay_cuda_graph(2, indices, lens + 2, 6, ForwardMode.TARGET_VERIFY, num_tokens=6)
     assert backend.forward_metadata == ExtendMetadata(max_extend_len=3)
     with pytest.raises(ValueError, match="num_tokens = bs \\* tokens_per_req"):

@@ -47,10 +47,13 @@ def _attention_kernels() -> dict:
     checks = {}
     for kv in KV_TYPES:
         fp8 = kv != "bf16"
-        for store, rotary, pdl in ((False, False, False), (True, False, False), (True, True, False),
-                                   (True, True, True)):
-            name = f"decode[{kv},store_kv={store}" + (",rotary" if rotary else "") + (",pdl]" if pdl else "]")
-            checks[name] = lambda kv=kv, fp8=fp8, store=store, rotary=rotary, pdl=pdl: _check_pdl(pdl, _compile(
+        # tokens: a verify step's tokens per request (each token a row of the grid).
+        for store, rotary, pdl, tokens in ((False, False, False, 1), (True, False, False, 1), (True, True, False, 1),
+                                           (True, True, True, 1), (False, False, False, 5)):
+            name = (f"decode[{kv},store_kv={store}" + (",rotary" if rotary else "") + (",pdl" if pdl else "")
+                    + (f",verify{tokens}]" if tokens > 1 else "]"))
+            checks[name] = lambda kv=kv, fp8=fp8, store=store, rotary=rotary, pdl=pdl, tokens=tokens: _check_pdl(
+                pdl, _compile(
                 decode._decode_kernel,
                 {"Q": "*bf16", "K_new": "*bf16", "V_new": "*bf16", "New_loc": "*i64", "K_cache": f"*{kv}",
                  "V_cache": f"*{kv}", "Req_to_token": "*i32", "Req_pool_indices": "*i64", "Seq_lens": "*i64",
@@ -59,7 +62,7 @@ def _attention_kernels() -> dict:
                 {"qk_scale", "k_scale", "v_scale", "fp8_max"},
                 dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
                      MIN_SPLIT_TOKENS=128, PRECISION="tf32", KV_FP8=fp8, STORE_KV=store, ROTARY=rotary,
-                     PDL=pdl)), triggers=False)
+                     PDL=pdl, TOKENS_PER_REQ=tokens)), triggers=False)
         for tree in (False, True):  # TREE: a draft tree's verify step (tree mask, positions by depth)
             checks[f"extend[{kv}" + (",tree]" if tree else "]")] = lambda kv=kv, fp8=fp8, tree=tree: _compile(
                 extend._extend_kernel,
@@ -157,8 +160,9 @@ def _model_kernels() -> dict:
             kv_store._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "K_cache": "*fp8e4nv", "V_cache": "*fp8e4nv",
                                         "Loc": "*i64"}, {"k_scale", "v_scale", "fp8_max"},
             dict(BLOCK=1024, TO_FP8=True)),
-        "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
-                                   dict(BLOCK=4096)),
+        "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64", "Part_value": "*fp32",
+                                                                  "Part_at": "*i32", "Arrivals": "*i32"}, set(),
+                                   dict(BLOCK=4096, SPLITS=8)),
         "exact_top_chunks": lambda: _compile(
             exact_top_logits_kernels._chunk_top_kernel, {"Logits": "*bf16", "Values": "*fp32", "Columns": "*i32"},
             set(), dict(K=8, CHUNK=2048)),
@@ -290,8 +294,10 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
 
 
 KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[bf16,store_kv=True,rotary]",
-           "decode[bf16,store_kv=True,rotary,pdl]", "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]",
+           "decode[bf16,store_kv=True,rotary,pdl]", "decode[bf16,store_kv=False,verify5]",
+           "decode[fp8e4nv,store_kv=False]", "decode[fp8e4nv,store_kv=True]",
            "decode[fp8e4nv,store_kv=True,rotary]", "decode[fp8e4nv,store_kv=True,rotary,pdl]",
+           "decode[fp8e4nv,store_kv=False,verify5]",
            "extend[bf16]", "extend[fp8e4nv]", "extend[bf16,tree]", "extend[fp8e4nv,tree]",
            "flashinfer_page_table", "add_rmsnorm", "rotary_qkv", "rotary_qk_float32", "silu_mul", "fp8_per_token_quant", "small_batch[fp8]",
            "small_batch[fp8,split_k]", "small_batch[fp8,gemv]", "small_batch[fp8,gemv,pdl]",

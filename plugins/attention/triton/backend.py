@@ -42,6 +42,8 @@ class ExtendMetadata:
     A MIXED batch's trailing one-token requests (the running decodes) form a decode tail:
     requests ``[decode_from, bs)``, tokens ``[decode_tokens_from, num_tokens)``, attended by
     the decode kernel with ``decode`` as its scratch (a one-token extend is exactly a decode).
+    A TARGET_VERIFY chain of at most ``verify_decode_max_tokens`` tokens (``verify_by_decode``) runs the decode
+    kernel over every token, ``decode`` its scratch (one row per token).
     """
 
     max_extend_len: int
@@ -49,6 +51,7 @@ class ExtendMetadata:
     decode_from: int | None = None
     decode_tokens_from: int = 0
     decode: DecodeMetadata | None = None
+    verify_by_decode: bool = False
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -69,7 +72,11 @@ class TritonAttnBackend(AttentionBackend):
     ceil(visible_keys / min_split_tokens), decode_target_programs // (bs * num_kv_heads))`` chunks, at least one;
     ``decode_target_programs`` None: twice the GPU's SMs, 0: no such cap), ``decode_block_n`` (None: 128 keys
     per iteration for batches of up to 8 requests with heads of at most 128, else 64), ``decode_num_stages``
-    (None: 3 for such heads on GPUs with Hopper's shared memory, else 2),
+    (None: 3 for such heads on GPUs with Hopper's shared memory, else 2), ``verify_decode_max_tokens`` (a
+    TARGET_VERIFY step of draft chains with at most this many tokens, requests times tokens per request, runs the
+    decode kernel over every token, each seeing its request's keys up to its own position, instead of the extend
+    kernel: at one request and k = 4 the extend kernel took 20 us a layer on an H100 and the decode kernel ~10 us
+    for one token; set before CUDA graphs are captured),
     ``extend_block_m`` / ``extend_block_n`` (None: chosen per head size and dtype),
     ``split_mixed_decodes`` / ``min_mixed_decode_tail`` (the fewest trailing one-token
     requests worth a decode-kernel launch), ``decode_applies_rotary`` (True: decode batches take q and k before
@@ -122,6 +129,9 @@ class TritonAttnBackend(AttentionBackend):
         self.split_mixed_decodes = True
         self.min_mixed_decode_tail = 1
         self.decode_applies_rotary = True
+        # Each token's row reads its request's keys itself (the request's t rows share them through L2): cheaper
+        # than the extend kernel's tiles at a few requests, not at many long ones.
+        self.verify_decode_max_tokens = 20
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self._graph_mid_o: torch.Tensor | None = None
         self._graph_mid_lse: torch.Tensor | None = None
@@ -138,7 +148,10 @@ class TritonAttnBackend(AttentionBackend):
             lens = forward_batch.extend_seq_lens_cpu
             # Without host lengths, the token count bounds every request's extend length.
             metadata = ExtendMetadata(max(lens, default=0) if lens is not None else forward_batch.num_tokens)
-            if forward_batch.tree_mask is not None:
+            if self.verifies_by_decode(mode, forward_batch.num_tokens) and forward_batch.tree_mask is None:
+                metadata.verify_by_decode = True
+                metadata.decode = self._decode_scratch(forward_batch.num_tokens)
+            elif forward_batch.tree_mask is not None:
                 metadata.tree_mask = forward_batch.tree_mask.to(torch.uint8)
             elif lens is not None and self.split_mixed_decodes:
                 self._split_decode_tail(metadata, lens)
@@ -148,11 +161,13 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch.attn_metadata = metadata
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        shape = (max_bs, self.num_heads, self.max_kv_splits, self.head_dim)
+        # A row per request of a decode step, per token of a verify step run by the decode kernel.
+        rows = max(max_bs, min(max_num_tokens, self.verify_decode_max_tokens))
+        shape = (rows, self.num_heads, self.max_kv_splits, self.head_dim)
         self._graph_mid_o = torch.empty(shape, dtype=torch.float32, device=self.device)
         self._graph_mid_lse = torch.empty(shape[:3], dtype=torch.float32, device=self.device)
         # Their own counters: a captured graph keeps pointing at them while eager steps may grow theirs.
-        self._graph_arrivals = torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        self._graph_arrivals = torch.zeros(rows * self.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, mode: ForwardMode,
@@ -180,6 +195,11 @@ class TritonAttnBackend(AttentionBackend):
         return 1
 
     # -- attention ------------------------------------------------------------------------------
+
+    def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
+        """Whether a TARGET_VERIFY step of ``num_tokens`` tokens (of draft chains) runs the decode kernel over
+        every token (``verify_decode_max_tokens``)."""
+        return mode.is_verify() and 0 < num_tokens <= self.verify_decode_max_tokens
 
     def applies_rotary(self, forward_batch: ForwardBatch) -> bool:
         return self.decode_applies_rotary and forward_batch.forward_mode.is_decode()
@@ -238,6 +258,8 @@ class TritonAttnBackend(AttentionBackend):
             kv_cache.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         q = _heads_view(q, layer.num_heads, layer.head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if metadata.verify_by_decode and forward_batch.tree_mask is None:
+            return self._verify_by_decode(q, out, layer, forward_batch, metadata.decode)
         split = metadata.decode_from
         requests = slice(0, split)  # the whole batch when there is no decode tail
         # A tree verify step's mask: converted once per step eagerly; a captured graph's is a uint8 static input.
@@ -283,6 +305,24 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _verify_by_decode(self, q: torch.Tensor, out: torch.Tensor, layer: "RadixAttention",
+                          forward_batch: ForwardBatch, scratch: DecodeMetadata | None) -> torch.Tensor:
+        """A verify step's tokens through the decode kernel, each over its request's keys up to its own position
+        (their K/V stored above)."""
+        assert scratch is not None
+        kv_cache = forward_batch.kv_cache
+        tokens = q.shape[0]
+        self._decode.decode_attention(
+            q, kv_cache.get_key_buffer(layer.layer_id), kv_cache.get_value_buffer(layer.layer_id), out,
+            forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            scratch.mid_o[:tokens], scratch.mid_lse[:tokens], scratch.arrivals, layer.scaling,
+            layer.sliding_window_size, self.max_kv_splits, self.min_split_tokens, self._decode_block(tokens),
+            *kv_scales(kv_cache, layer.layer_id), tokens_per_req=tokens // forward_batch.batch_size,
+            **self._decode_launch(),
+        )
+        return out.view(tokens, layer.num_heads * layer.head_dim)
+
+
     def _decode_block(self, requests: int) -> int:
         """Keys the decode kernel reads per iteration for a batch of ``requests``."""
         if self.decode_block_n is not None:
@@ -323,13 +363,17 @@ class TritonAttnBackend(AttentionBackend):
     def _graph_decode_metadata(self, bs: int, mode: ForwardMode,
                                num_tokens: int | None = None) -> DecodeMetadata | ExtendMetadata:
         if not mode.is_decode():
-            return _graph_verify_metadata(bs, mode, num_tokens)
+            metadata = _graph_verify_metadata(bs, mode, num_tokens)
+            if self.verifies_by_decode(mode, bs * metadata.max_extend_len):
+                metadata.verify_by_decode = True
+                metadata.decode = self._graph_decode_metadata(bs * metadata.max_extend_len, ForwardMode.DECODE)
+            return metadata
         if self._graph_mid_o is None or self._graph_mid_lse is None or self._graph_arrivals is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing CUDA graphs")
         if bs > self._graph_mid_o.shape[0] or self._graph_mid_o.shape[2] != self.max_kv_splits:
             raise ValueError(
-                f"CUDA-graph state was built for max_bs={self._graph_mid_o.shape[0]} and "
-                f"max_kv_splits={self._graph_mid_o.shape[2]}; got bs={bs}, max_kv_splits={self.max_kv_splits}"
+                f"CUDA-graph state was built for {self._graph_mid_o.shape[0]} rows (max_bs, or a verify step's tokens) "
+                f"and max_kv_splits={self._graph_mid_o.shape[2]}; got {bs} rows, max_kv_splits={self.max_kv_splits}"
             )
         return DecodeMetadata(mid_o=self._graph_mid_o[:bs], mid_lse=self._graph_mid_lse[:bs],
                               arrivals=self._graph_arrivals)

@@ -72,17 +72,22 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr, KV_FP8: tl.constexpr, STORE_KV: tl.constexpr, ROTARY: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TOKENS_PER_REQ: tl.constexpr,
 ):
+    # One query token per program row: ``req`` indexes the tokens (q, out, the new K/V, the partials); with
+    # TOKENS_PER_REQ = t > 1 (a verify step) token ``req`` is new token ``req % t`` of request ``req // t``, whose
+    # length and table row it reads, and it sees the keys up to its own position (the causal mask among the step's
+    # tokens).
     req = tl.program_id(0)
+    owner = req // TOKENS_PER_REQ
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     # The request's length, row of req_to_token and cached keys were written before this step's kernels, so they
     # are read before waiting for the kernel before (kernels/pdl.py): at one request the kernel is a chain of
     # dependent loads, ~1 us each, and this takes the chain off the step's critical path.
-    seq_len = tl.load(Seq_lens + req).to(tl.int32)
-    pool_row = tl.load(Req_pool_indices + req).to(tl.int64)
+    seq_len = tl.load(Seq_lens + owner).to(tl.int32) - (TOKENS_PER_REQ - 1 - req % TOKENS_PER_REQ)
+    pool_row = tl.load(Req_pool_indices + owner).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     head_mask = offs_h < GROUP
@@ -266,16 +271,9 @@ def _combine(mo_ptrs, ml_ptrs, num_splits, stride_mo_split, head_mask, o_mask,
 
 
 def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    mid_o: torch.Tensor,
-    mid_lse: torch.Tensor,
-    arrivals: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+    mid_o: torch.Tensor, mid_lse: torch.Tensor, arrivals: torch.Tensor,
     scaling: float,
     sliding_window: int | None,
     max_kv_splits: int,
@@ -287,8 +285,12 @@ def decode_attention(
     num_stages: int = 2,
     target_programs: int = 0,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tokens_per_req: int = 1,
 ) -> None:
     """Attention of one query token per request over its cached keys, written into ``out``.
+
+    ``tokens_per_req`` t > 1: q holds t tokens of each request (their K/V cached already: no ``new_kv``), each a
+    scratch row, token j seeing its request's keys up to its own position (``seq_lens`` counts all t).
 
     q, out: ``[bs, num_heads, head_dim]``; k_cache, v_cache: ``[num_slots, num_kv_heads, head_dim]``;
     req_to_token: ``[pool_size, max_context]``; mid_o: float32 ``[>=bs, num_heads, max_kv_splits, head_dim]``;
@@ -314,6 +316,8 @@ def decode_attention(
     k_new, v_new, new_loc = new_kv if new_kv is not None else (q, q, seq_lens)  # unread placeholders
     if rotary is not None and new_kv is None:
         raise ValueError("decode_attention applies the rotary embedding only with new_kv (the k to rotate)")
+    if tokens_per_req > 1 and (new_kv is not None or bs % tokens_per_req):
+        raise ValueError(f"{tokens_per_req} tokens per request: no new_kv, and a multiple of them, not {bs} rows")
     cos, sin = rotary if rotary is not None else (q, q)
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # Launched with PDL (kernels/pdl.py) where the kernel stores the new K/V itself, so that everything it reads
@@ -340,5 +344,6 @@ def decode_attention(
         BLOCK_N=block_n, MIN_SPLIT_TOKENS=min_split_tokens,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         KV_FP8=kv_fp8, STORE_KV=new_kv is not None, ROTARY=rotary is not None, PDL=pdl, launch_pdl=pdl,
+        TOKENS_PER_REQ=tokens_per_req,
         num_warps=4, num_stages=num_stages,
     )
