@@ -137,8 +137,7 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        backend = self._verify_backend(forward_batch.num_tokens) if forward_batch.forward_mode.is_verify() else self.large
-        return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._step_backend(forward_batch).forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
 
 @hookimpl

@@ -67,8 +67,10 @@ class NgramSpeculator(Speculator):
             trees = [self._tree(entry.req, row, num_drafts)
                      for entry, row in zip(batch.entries, self.recent.rows(batch))]
             tokens, parents = zip(*trees) if trees else ((), ())
-            return Drafts(to_device(torch.tensor(tokens, dtype=torch.int64).view(-1, num_drafts), self.device),
-                          parents=to_device(torch.tensor(parents, dtype=torch.int64).view(-1, num_drafts), self.device))
+            ids, parent_ids = to_device_packed([np.asarray(tokens, dtype=np.int64).reshape(-1, num_drafts),
+                                                np.asarray(parents, dtype=np.int64).reshape(-1, num_drafts)],
+                                               self.device)
+            return Drafts(ids, parents=parent_ids)
         rows = [self._drafts(entry.req, row, num_drafts) for entry, row in zip(batch.entries, self.recent.rows(batch))]
         return Drafts(to_device_packed([rows], self.device)[0])  # through the pinned ring: no allocation a step
 

@@ -45,8 +45,8 @@ def backend(monkeypatch):
     return built
 
 
-def _batch(mode: ForwardMode, bs: int, tokens_per_req: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(forward_mode=mode, batch_size=bs, num_tokens=bs * tokens_per_req)
+def _batch(mode: ForwardMode, bs: int, tokens_per_req: int = 1, tree_mask: object = None) -> SimpleNamespace:
+    return SimpleNamespace(forward_mode=mode, batch_size=bs, num_tokens=bs * tokens_per_req, tree_mask=tree_mask)
 
 
 def _names(recorder: _Recorder) -> list[str]:
@@ -149,3 +149,16 @@ def test_verify_steps_go_to_the_triton_decode_kernel_up_to_its_token_cap(backend
              "init_forward_metadata_replay_cuda_graph"]
     assert _names(backend.small) == _names(backend.large) == steps
     assert backend.small.calls[1][-2] is small and backend.large.calls[1][-2] is large
+
+
+def test_draft_tree_verify_steps_go_to_flashinfer_whatever_their_size(backend) -> None:
+    tree = _batch(ForwardMode.TARGET_VERIFY, 1, 5, tree_mask="mask")  # 5 tokens: under the Triton half's cap
+    backend.init_forward_metadata(tree)
+    backend.forward("q", "k", "v", "layer", tree)
+    backend.init_forward_metadata_capture_cuda_graph(1, 5, "pool", "lens", ForwardMode.TARGET_VERIFY, tree_mask="mask")
+    backend.init_forward_metadata_replay_cuda_graph(1, "pool", "lens", 0, ForwardMode.TARGET_VERIFY, "lens_cpu", 5,
+                                                    tree_mask="mask")
+    assert _names(backend.small) == []
+    assert _names(backend.large) == ["init_forward_metadata", "forward_extend",
+                                     "init_forward_metadata_capture_cuda_graph",
+                                     "init_forward_metadata_replay_cuda_graph"]
