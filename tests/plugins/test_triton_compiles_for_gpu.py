@@ -160,9 +160,8 @@ def _model_kernels() -> dict:
             kv_store._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "K_cache": "*fp8e4nv", "V_cache": "*fp8e4nv",
                                         "Loc": "*i64"}, {"k_scale", "v_scale", "fp8_max"},
             dict(BLOCK=1024, TO_FP8=True)),
-        "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64", "Part_value": "*fp32",
-                                                                  "Part_at": "*i32", "Arrivals": "*i32"}, set(),
-                                   dict(BLOCK=4096, SPLITS=8)),
+        "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
+                                   dict(BLOCK=4096)),
         "exact_top_chunks": lambda: _compile(
             exact_top_logits_kernels._chunk_top_kernel, {"Logits": "*bf16", "Values": "*fp32", "Columns": "*i32"},
             set(), dict(K=8, CHUNK=2048)),
