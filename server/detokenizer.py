@@ -17,7 +17,7 @@ import zmq
 
 from treadle.core.loading.gc_freeze import freeze_startup_objects
 from treadle.text.incremental_decode import IncrementalDecoder, stopped_by_token
-from treadle.core.request import ReqOutput
+from treadle.core.request_io import ReqOutput
 from treadle.server.ipc import (
     BatchStrOut,
     BatchTokenIDOut,
