@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from treadle.core.request import SamplingParams
+    from treadle.core.request_io import SamplingParams
 
 # The constraint fields of SamplingParams; a request gives at most one.
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf")

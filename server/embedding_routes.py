@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from treadle.core import validation
 from treadle.core.embedding.vectors import check_dimensions, truncate
-from treadle.core.request import SamplingParams
+from treadle.core.request_io import SamplingParams
 from treadle.server.ipc import TokenizedGenerateReq
 from treadle.server.lora_routes import model_adapter
 from treadle.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import zmq
 
-from treadle.core.request import ReqOutput, SamplingParams
+from treadle.core.request_io import ReqOutput, SamplingParams
 from treadle.server.output_columns import OutputColumns
 
 # model_info's key for the scheduler's live config ("auto" settings resolved); /get_server_info shows it.

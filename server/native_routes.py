@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from treadle import __version__
-from treadle.core.request import SamplingParams
+from treadle.core.request_io import SamplingParams
 from treadle.server.ipc import RESOLVED_CONFIG_KEY, StrOutput, TokenizedGenerateReq, finish_detail
 from treadle.server.protocol import AbortRequest, GenerateRequest, error_body
 from treadle.server.streaming import collect, first_event, json_string, sse_response

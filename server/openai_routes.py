@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from treadle.core.request import SamplingParams
+from treadle.core.request_io import SamplingParams
 from treadle.server.chat_tools import (
     ChatParsers,
     ChatPlan,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Iterator, Sequence
 
-from treadle.core.request import ReqOutput
+from treadle.core.request_io import ReqOutput
 
 _COMMON = ("rid", "new_token_ids", "finished_reason", "finished_detail", "prompt_tokens", "completion_tokens",
            "cached_tokens", "spec_verify_steps")

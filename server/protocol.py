@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model, field_validator
 
-from treadle.core.request import SamplingParams
+from treadle.core.request_io import SamplingParams
 
 # SamplingParams fields the OpenAI bodies name otherwise: max_tokens (or max_completion_tokens), response_format.
 OPENAI_RENAMED_FIELDS = ("max_new_tokens", "json_schema")

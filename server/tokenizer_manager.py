@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from treadle.core.config import ServerConfig
 from treadle.core import validation
-from treadle.core.request import FinishReason, SamplingParams
+from treadle.core.request_io import FinishReason, SamplingParams
 from treadle.server.ipc import (
     AbortReq,
     AddRequestFailed,

@@ -25,6 +25,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# Test packages whose conftest builds package-scoped fixtures (a model, a server): under ``--dist loadfile`` each is
+# one unit of work, so one worker runs all its files in a row and builds them once, not once per file it gets.
+PACKAGE_UNITS = ("tests/lang/",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PackageUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return next((package for package in PACKAGE_UNITS if path.startswith(package)), path)
+
+    return PackageUnitScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     from treadle.testing.models import make_tiny_llama

@@ -43,14 +43,28 @@ def prompts(engine: Engine) -> list[list[int]]:
                                                        "ab ab ab x12 ba ab x12 ab", "The capital of France")]
 
 
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_llama_text_dir):
+    """``plain_tokens(backend)``: the constrained prompts' tokens without speculation (each backend run once)."""
+    runs: dict[str, list[list[int]]] = {}
+
+    def tokens(backend: str) -> list[list[int]]:
+        if backend not in runs:
+            with Engine(engine_config(tiny_llama_text_dir, backend)) as plain:
+                runs[backend] = [o.token_ids for o in plain.generate(input_ids=prompts(plain),
+                                                                      sampling_params=CONSTRAINED)]
+        return runs[backend]
+
+    return tokens
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_greedy_constrained_output_is_the_plain_runs(tiny_llama_text_dir, backend):
-    with Engine(engine_config(tiny_llama_text_dir, backend)) as plain:
-        expected = plain.generate(input_ids=prompts(plain), sampling_params=CONSTRAINED)
+def test_greedy_constrained_output_is_the_plain_runs(tiny_llama_text_dir, plain_tokens, backend):
+    expected = plain_tokens(backend)
     for method in ("ngram", "draft"):
         with Engine(engine_config(tiny_llama_text_dir, backend, method)) as engine:
             outputs = engine.generate(input_ids=prompts(engine), sampling_params=CONSTRAINED)
-            assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], method
+            assert [o.token_ids for o in outputs] == expected, method
             constrained = outputs[:2]
             assert all(o.spec_verify_steps > 0 for o in constrained), method  # verified, not decoded one by one
             # The draft model is the target: whatever its unmasked argmax has that the constraint allows is kept.
@@ -58,14 +72,12 @@ def test_greedy_constrained_output_is_the_plain_runs(tiny_llama_text_dir, backen
             assert_kv_accounted(engine)
 
 
-def test_with_draft_trees_a_constrained_request_decodes_plainly(tiny_llama_text_dir):
+def test_with_draft_trees_a_constrained_request_decodes_plainly(tiny_llama_text_dir, plain_tokens):
     """A tree's nodes would each need their own path's mask: a batch holding a constrained request takes one token
     a step, with the plain run's tokens."""
-    with Engine(engine_config(tiny_llama_text_dir, "xgrammar")) as plain:
-        expected = plain.generate(input_ids=prompts(plain), sampling_params=CONSTRAINED)
     with Engine(engine_config(tiny_llama_text_dir, "xgrammar", "draft", topk=2)) as engine:
         outputs = engine.generate(input_ids=prompts(engine), sampling_params=CONSTRAINED)
-        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert [o.token_ids for o in outputs] == plain_tokens("xgrammar")
         assert_kv_accounted(engine)
 
 

@@ -173,8 +173,10 @@ def test_prefix_aware_routes_a_shared_prompt_to_one_replica(tiny_model_dir: str,
         handle.shutdown()
 
 
-def test_a_killed_replica_takes_the_server_down_cleanly(tiny_model_dir: str, make_config) -> None:
-    handle = _launch(tiny_model_dir, make_config, "shortest_queue")
+def test_a_killed_replica_takes_the_server_down_cleanly(round_robin_server: ServerHandle) -> None:
+    # The last test of the module (pytest keeps the file's order): it ends the shared server rather than paying a
+    # dp=2 start of its own; the routing policy plays no part in it.
+    handle = round_robin_server
     try:
         info = _info(handle)
         replica_pids = info["model_info"]["replica_pids"]

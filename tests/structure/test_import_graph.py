@@ -6,6 +6,9 @@ Imports under ``if TYPE_CHECKING:`` are for annotations only and are left out, a
 from __future__ import annotations
 
 import ast
+import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,7 @@ def _owning_module(dotted: str, modules: dict[str, Path]) -> str:
     return dotted
 
 
+@functools.cache  # parsed once for all the tests below (each parse of the tree takes ~0.6 s)
 def import_graph() -> dict[str, set[str]]:
     modules = package_modules()
     return {name: imported_modules(path, name, modules) for name, path in modules.items()}
@@ -143,6 +147,15 @@ def test_dependencies_point_inward(importer, imported):
 
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
+
+
+def test_the_detokenizer_process_starts_without_torch():
+    # Every server start spawns it (its main module is treadle.server.launch): importing torch there would
+    # cost ~1.5 s of CPU for nothing, so what it imports stays torch-free (core.request_io, not core.request).
+    code = "import sys, treadle.server.launch, treadle.server.detokenizer; print(sorted(m for m in sys.modules " \
+        "if m.split('.')[0] == 'torch')[:3])"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", f"the detokenizer's imports load torch: {loaded}"
 
 
 # Module and function sizes (STYLE.md / DESIGN.md): a module past this many lines is split by job, a function past
