@@ -179,6 +179,20 @@ def test_a_second_sigint_stops_at_once(long_context_model: str, make_config) -> 
         _port_free(handle.port)
 
 
+def test_sigterm_as_soon_as_another_worker_answers_health_still_stops(long_context_model: str, make_config) -> None:
+    # /health can be answered by HTTP worker 1 while the main process is still building its own server: a signal
+    # then must drain all the same (it used to be only noted, and the server ran on).
+    handle = launch_server(make_config(long_context_model, workers=2, shutdown_timeout=5), timeout=180)
+    try:
+        pid = handle.process.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(child) for child in f.read().split()]
+        assert handle.shutdown(signal.SIGTERM, timeout=20) == 0, handle.log()[-3000:]  # at once: the window is short
+        _wait_gone(children, 5)
+    finally:
+        handle.shutdown(signal.SIGKILL)
+
+
 # One victim per way a death is noticed: a child of the main process (the scheduler; the detokenizer is watched and
 # handled by the same code, launch._Children.watch -> on_child_exit), the main process itself (every child sees its
 # parent go), and another HTTP worker (a child the main process drains with, handled apart).
