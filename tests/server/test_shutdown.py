@@ -2,6 +2,7 @@
 
 - SIGTERM drains: the streaming request in flight completes, new requests get 503, exit 0.
 - Past ``server.shutdown_timeout`` the rest is aborted; a second SIGINT stops at once.
+- A SIGTERM at once after start-up (another HTTP worker answered /health before the main process serves) drains too.
 - Any process SIGKILLed (the scheduler, standing for every child the main process watches, the detokenizer
   included; the main process with the tokenizer manager; or another HTTP worker) takes the whole server down
   within 5 s, with no orphan and the port free.
