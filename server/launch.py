@@ -39,7 +39,7 @@ from treadle.core.config import ConfigError, ServerConfig, load_config
 from treadle.server.front_profile import start_profile
 from treadle.server.http_workers import FrontendLayout
 from treadle.server.ipc import IpcAddresses
-from treadle.server.process_utils import check_event_loop, configure_logging, run_event_loop
+from treadle.server.process_utils import StartupSignals, check_event_loop, configure_logging, run_event_loop
 
 logger = logging.getLogger("treadle.server")
 
@@ -73,28 +73,24 @@ def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = N
         check_event_loop(config.server.event_loop)
     except ConfigError as exc:
         raise ServerStartupError(str(exc)) from None
-    stop_signals: list[int] = []
-
-    def _note_signal(signum: int, frame: object) -> None:
-        stop_signals.append(signum)
-
+    stop_signals = StartupSignals()
     workers = resolve_http_workers(config.server.workers, available_cpus())  # as the resolved config has it
     listen_sockets = _bind_all(config.server.host, config.server.port, workers)
-    # Until uvicorn runs (loading the model), a signal just stops the start; then DrainingServer handles them.
-    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # While the model loads a signal just stops the start; from _run_http on, the DrainingServer handles them.
+    previous = {sig: signal.signal(sig, stop_signals) for sig in (signal.SIGINT, signal.SIGTERM)}
     addresses = IpcAddresses.new(workers, min(config.server.detokenizers, workers))
     layout = FrontendLayout.create(workers, addresses.folder)  # before any metric is made, here or in a worker
     children = _Children(config, addresses, layout, listen_sockets[1:], scheduler_target)
     exit_code = 0
     try:
-        ready = children.start(should_stop=lambda: bool(stop_signals), while_waiting=_preload_http_stack)
+        ready = children.start(should_stop=lambda: bool(stop_signals.noted), while_waiting=_preload_http_stack)
         if ready is None:
             logger.info("stopped before the model finished loading")
             return
         model_info, tokenizer = ready
         write_profile = start_profile("http-worker-0")
         exit_code = run_event_loop(_run_http(config, addresses, layout, model_info, tokenizer, listen_sockets[0],
-                                             children), config.server.event_loop)
+                                             children, stop_signals), config.server.event_loop)
         if write_profile is not None:
             write_profile()
     finally:
@@ -112,7 +108,7 @@ def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = N
 
 async def _run_http(config: ServerConfig, addresses: IpcAddresses, layout: FrontendLayout,
                     model_info: dict[str, Any], tokenizer: Any, listen_socket: socket.socket,
-                    children: "_Children") -> int:
+                    children: "_Children", stop_signals: StartupSignals) -> int:
     from treadle.server.http_workers import build_http_server
 
     server = build_http_server(config, addresses, model_info, tokenizer, layout, 0, {"pids": children.pids()})
@@ -141,6 +137,7 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, layout: Front
 
     manager.start(on_fatal)
     children.watch(loop, on_child_exit)
+    stop_signals.hand_to(server)  # a signal since start-up ended drains now (uvicorn's handlers come later)
     host, port = listen_socket.getsockname()[:2]
     logger.info("treadle serves %s at http://%s:%d with %d HTTP worker%s", manager.served_model_name, host, port,
                 layout.workers, "s" if layout.workers > 1 else "")
@@ -148,6 +145,7 @@ async def _run_http(config: ServerConfig, addresses: IpcAddresses, layout: Front
         await server.serve(sockets=[listen_socket])
         await children.wait_http_workers(config.server.shutdown_timeout + _WORKER_DRAIN_MARGIN_S)
     finally:
+        stop_signals.hand_to(None)
         children.unwatch(asyncio.get_running_loop())
         manager.close()
     return 1 if crashed else 0

@@ -1,4 +1,5 @@
-"""What every server child process does first: logging, signals, dying with its parent."""
+"""What every server child process does first: logging, signals, dying with its parent; the main process's stop
+signals until uvicorn takes them over; the event loop."""
 
 from __future__ import annotations
 
@@ -32,6 +33,30 @@ def configure_child_process(log_level: str) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     set_parent_death_signal(signal.SIGTERM)
     return os.getppid()
+
+
+class StartupSignals:
+    """The main process's SIGINT/SIGTERM handler until its DrainingServer takes them over: notes each signal
+    (start-up stops when one came) and, once handed that server, passes them on to it, the noted ones first. So a
+    signal that comes once start-up is done but before uvicorn runs (another HTTP worker may already answer
+    ``/health`` then) drains, as one a moment later would."""
+
+    def __init__(self) -> None:
+        self.noted: list[int] = []
+        self._server: Any = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self._server is None:
+            self.noted.append(signum)
+        else:
+            self._server.handle_exit(signum, frame)
+
+    def hand_to(self, server: Any) -> None:
+        """Pass signals to ``server`` (a DrainingServer, whose loop runs) from now on, those noted so far first;
+        None: only note them again (before that loop ends)."""
+        self._server = server
+        while server is not None and self.noted:
+            server.handle_exit(self.noted.pop(0), None)
 
 
 def set_parent_death_signal(sig: int) -> None:

@@ -2,6 +2,7 @@
 
 - SIGTERM drains: the streaming request in flight completes, new requests get 503, exit 0.
 - Past ``server.shutdown_timeout`` the rest is aborted; a second SIGINT stops at once.
+- A SIGTERM at once after start-up (another HTTP worker answered /health before the main process serves) drains too.
 - Any process SIGKILLed (the scheduler, standing for every child the main process watches, the detokenizer
   included; the main process with the tokenizer manager; or another HTTP worker) takes the whole server down
   within 5 s, with no orphan and the port free.
@@ -177,6 +178,20 @@ def test_a_second_sigint_stops_at_once(long_context_model: str, make_config) -> 
         assert time.monotonic() - started < 10, handle.log()[-3000:]
         _wait_gone(list(pids.values()), 5)
         _port_free(handle.port)
+
+
+def test_sigterm_as_soon_as_another_worker_answers_health_still_stops(long_context_model: str, make_config) -> None:
+    # /health can be answered by HTTP worker 1 while the main process is still building its own server: a signal
+    # then must drain all the same (it used to be only noted, and the server ran on).
+    handle = launch_server(make_config(long_context_model, workers=2, shutdown_timeout=5), timeout=180)
+    try:
+        pid = handle.process.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(child) for child in f.read().split()]
+        assert handle.shutdown(signal.SIGTERM, timeout=20) == 0, handle.log()[-3000:]  # at once: the window is short
+        _wait_gone(children, 5)
+    finally:
+        handle.shutdown(signal.SIGKILL)
 
 
 # One victim per way a death is noticed: a child of the main process (the scheduler; the detokenizer is watched and
