@@ -25,11 +25,15 @@ from treadle.server.protocol import ChatCompletionRequest, ChatMessage, _Samplin
 from treadle.server.tokenizer_manager import RequestError
 
 
+# The plugin kinds an HTTP worker reads; its registry imports no other built-in plugin (they would bring torch).
+CHAT_PLUGIN_KINDS = ("tool_parsers", "reasoning_parsers")
+
+
 class ChatParsers:
     """The server's tool and reasoning parsers, picked once from the config and the model's architecture."""
 
     def __init__(self, config: ServerConfig, architecture: str | None, registry: Registry | None = None) -> None:
-        registry = registry if registry is not None else build_registry(config.plugins)
+        registry = registry if registry is not None else build_registry(config.plugins, kinds=CHAT_PLUGIN_KINDS)
         name: str | None = config.tools.parser
         if name == "auto":
             name = default_tool_parser(registry, architecture)

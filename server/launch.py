@@ -37,7 +37,7 @@ from typing import Any, Callable
 from treadle.core.auto_size import available_cpus, resolve_http_workers
 from treadle.core.config import ConfigError, ServerConfig, load_config
 from treadle.server.front_profile import start_profile
-from treadle.server.http_workers import FrontendLayout
+from treadle.server.http_workers import FrontendLayout, build_http_server, run_http_worker
 from treadle.server.ipc import IpcAddresses
 from treadle.server.process_utils import StartupSignals, check_event_loop, configure_logging, run_event_loop
 
@@ -109,8 +109,6 @@ def serve(config: ServerConfig, scheduler_target: Callable[..., None] | None = N
 async def _run_http(config: ServerConfig, addresses: IpcAddresses, layout: FrontendLayout,
                     model_info: dict[str, Any], tokenizer: Any, listen_socket: socket.socket,
                     children: "_Children", stop_signals: StartupSignals) -> int:
-    from treadle.server.http_workers import build_http_server
-
     server = build_http_server(config, addresses, model_info, tokenizer, layout, 0, {"pids": children.pids()})
     manager = server.manager
     server.on_drain = children.drain_http_workers
@@ -158,6 +156,12 @@ def _detokenizer_name(shard: int) -> str:
     return f"detokenizer-{shard}" if shard else "detokenizer"
 
 
+def _run_scheduler_process(config: ServerConfig, addresses: IpcAddresses, ready: Connection) -> None:
+    from treadle.server.scheduler_process import run_scheduler_process  # here: the main process never loads torch
+
+    run_scheduler_process(config, addresses, ready)
+
+
 class _Children:
     """The scheduler and detokenizer processes, and HTTP workers 1 .. N-1."""
 
@@ -165,15 +169,13 @@ class _Children:
                  worker_sockets: list[socket.socket], scheduler_target: Callable[..., None] | None = None) -> None:
         from treadle.server.detokenizer import run_detokenizer_process
         from treadle.server.dp_controller import run_dp_controller_process
-        from treadle.server.http_workers import run_http_worker
-        from treadle.server.scheduler_process import run_scheduler_process
 
         self.context = mp.get_context("spawn")  # CUDA and threads do not survive fork
         self.ready_recv, ready_send = self.context.Pipe(duplex=False)
         self._child_ends: list[Connection] = []
         # With data parallelism the "scheduler" is the controller in front of the replicas.
         if scheduler_target is None:
-            scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else run_scheduler_process
+            scheduler_target = run_dp_controller_process if config.parallel.dp_size > 1 else _run_scheduler_process
         self.processes = {
             "scheduler": self.context.Process(
                 target=scheduler_target, args=(config, addresses, ready_send), name="scheduler"),

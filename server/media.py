@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import httpx
 
 from treadle.core.config import MultimodalConfig
-from treadle.core.multimodal.inputs import MultimodalInputs
-from treadle.core.multimodal.processor import ImageLimits, MultimodalProcessor
-from treadle.core.multimodal.video import VideoFrames
 from treadle.core.validation import InvalidRequestError as RequestError
+
+if TYPE_CHECKING:
+    from treadle.core.multimodal.inputs import MultimodalInputs
+    from treadle.core.multimodal.processor import MultimodalProcessor
+    from treadle.core.multimodal.video import VideoFrames
 
 
 class MediaLoader:
@@ -34,7 +36,9 @@ class MediaLoader:
     @property
     def processor(self) -> MultimodalProcessor:
         if self._processor is None:
+            # Here, not at the top: the processors import torch, which a text-only HTTP worker never loads.
             from treadle.core.loading.model_loader import read_hf_config
+            from treadle.core.multimodal.processor import ImageLimits, MultimodalProcessor
 
             if self.model_path:
                 self._hf_config = read_hf_config(self.model_path)
@@ -80,6 +84,8 @@ class MediaLoader:
         return await asyncio.to_thread(processor.process, input_ids, data, param, video_data, video_param)
 
     async def _load_video(self, source: str | Sequence[str], param: str) -> bytes | str | VideoFrames:
+        from treadle.core.multimodal.video import VideoFrames
+
         if isinstance(source, str):
             return await self.load(source, param)
         limit = self.config.max_video_frames

@@ -64,3 +64,14 @@ def test_config_listed_module_is_loaded(tmp_path, monkeypatch):
 def test_unimportable_plugin_module_is_a_clear_error():
     with pytest.raises(PluginError, match="cannot import plugin module 'no_such_module_xyz'"):
         build_registry(["no_such_module_xyz"])
+
+
+def test_a_registry_of_some_kinds_still_loads_third_party_entry_points_and_names_what_it_lacks():
+    # The HTTP workers build one for the parsers: treadle's own plugins of other kinds are not imported, while a
+    # third-party package's entry point is, whatever it registers (here the installed example's policy).
+    registry = build_registry(kinds=("schedule_policies",))
+    assert list(registry.table()) == ["schedule_policies"]
+    assert registry.table()["schedule_policies"]["shortest-prompt-first"] == "treadle-plugin-example"
+    assert registry.table()["schedule_policies"]["fcfs"] == "treadle"
+    with pytest.raises(PluginError, match=r"built for schedule_policies only, not for attention backends"):
+        registry.get("attention", "torch_native")

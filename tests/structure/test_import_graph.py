@@ -149,13 +149,28 @@ def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
-def test_the_detokenizer_process_starts_without_torch():
-    # Every server start spawns it (its main module is treadle.server.launch): importing torch there would
-    # cost ~1.5 s of CPU for nothing, so what it imports stays torch-free (core.request_io, not core.request).
-    code = "import sys, treadle.server.launch, treadle.server.detokenizer; print(sorted(m for m in sys.modules " \
-        "if m.split('.')[0] == 'torch')[:3])"
+# What each server process other than the scheduler imports at start, in order; none of it may load torch (~1.5 s of
+# CPU at every server start for nothing). The HTTP workers' registry holds only the parsers (server/chat_tools.py),
+# and the multimodal processors are imported at a request's first image.
+TORCH_FREE_STARTS = {
+    # its main module is treadle.server.launch; core.request_io, not core.request
+    "the detokenizer": "import treadle.server.launch, treadle.server.detokenizer",
+    # worker 0 is the main process, which also starts the others (launch._Children)
+    "the HTTP workers": "import treadle.server.http_workers, treadle.server.app, treadle.server.draining, "
+                        "treadle.server.metrics, treadle.server.tokenizer_manager, treadle.server.dp_controller, "
+                        "treadle.core.loading.gc_freeze\nfrom treadle.core.config import ServerConfig\n"
+                        "from treadle.server.chat_tools import ChatParsers\n"
+                        "ChatParsers(ServerConfig(reasoning={'parser': 'think_tags'}), 'LlamaForCausalLM')",
+}
+
+
+def test_the_detokenizer_and_the_http_workers_start_without_torch():
+    code = "import sys\n" + "".join(
+        f"{imports}\nprint({process!r}, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])\n"
+        for process, imports in TORCH_FREE_STARTS.items())
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "[]", f"the detokenizer's imports load torch: {loaded}"
+    assert loaded.strip().splitlines() == [f"{process} []" for process in TORCH_FREE_STARTS], \
+        f"torch loaded at a process's start:\n{loaded}"
 
 
 # Module and function sizes (STYLE.md / DESIGN.md): a module past this many lines is split by job, a function past
