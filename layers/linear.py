@@ -391,8 +391,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     With a ``quant_config`` that asks for it (``model.quantize_lm_head``, on by default with FP8 weights, and with
     integer weights on GPUs with FP8 matmuls, where the head's rows and columns are multiples of 16) the weight is
-    quantized to FP8 once loaded, through ``quant_method`` like a linear layer's; a tied embedding keeps its own 16-bit weight. The FP8 head recomputes
-    each row's best logits from the 16-bit weight (``model.lm_head_exact_top``, ``exact_top_logits.py``).
+    quantized to FP8 once loaded, through ``quant_method`` like a linear layer's; a tied embedding keeps its own
+    16-bit weight. The FP8 head recomputes each row's best logits from the 16-bit weight
+    (``model.lm_head_exact_top``, ``exact_top_logits.py``).
     """
 
     small_batch: small_batch.SmallBatchKernels | None = None  # as on LinearBase
