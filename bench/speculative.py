@@ -236,7 +236,10 @@ def ngram(args: argparse.Namespace) -> dict[str, Any]:
             for mode in modes:
                 tokens, steps, seconds = totals[name, mode]
                 result[name][f"{mode}_tok_s"] = tokens / seconds
-                result[name][f"{mode}_acceptance_length"] = tokens / steps if steps else None  # JSON null
+                # Tokens per verify step; above k + 1 the run mostly decoded plainly (speculation turns itself off
+                # above speculative.max_batch_size running requests), so no acceptance length is shown (JSON null).
+                length = tokens / steps if steps else None
+                result[name][f"{mode}_acceptance_length"] = length if length and length <= args.num_tokens + 1 else None
     finally:
         for engine in engines.values():
             engine.shutdown()
