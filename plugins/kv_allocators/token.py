@@ -74,13 +74,14 @@ class TokenKVAllocator(KVAllocator):
 
 def _check_owned(units: np.ndarray, is_free: np.ndarray, first: int, count: int) -> None:
     """Refuse to free padding, out-of-range or already free slots (that would corrupt the counts)."""
-    low, high = int(units.min()), int(units.max())
+    if units.size <= 64:  # a verify step's few rejected slots: plain Python is quickest
+        values = units.tolist()
+        low, high, repeated = min(values), max(values), len(set(values)) != len(values)
+    else:
+        low, high = int(units.min()), int(units.max())
+        repeated = bool((np.diff(np.sort(units)) == 0).any())  # several times faster than np.unique
     if low < first or high >= first + count:
         raise ValueError(f"cannot free slot/page outside [{first}, {first + count}): got range [{low}, {high}]")
-    if units.size <= 64:  # a verify step's few rejected slots: a set is quickest
-        repeated = len(set(units.tolist())) != units.size
-    else:
-        repeated = bool((np.diff(np.sort(units)) == 0).any())  # several times faster than np.unique
     if repeated or is_free[units].any():
         raise ValueError("double free: some of the given KV slots are already free (or repeated)")
 
