@@ -135,7 +135,6 @@ class DataParallelController:
             connect_push(self.context, replica_addresses(addresses, i).scheduler_input) for i in replicas.indices]
         if link is not None:
             self.to_replicas += [_RemoteReplica(link, i) for i in link.remote_replicas]
-        self.rid_replica: dict[str, int] = {}
         self.pending_controls: dict[str, _PendingControl] = {}
         self.running = True
 
@@ -178,11 +177,10 @@ class DataParallelController:
 
     def _on_request(self, message: Any) -> None:
         if isinstance(message, TokenizedGenerateReq):
-            replica = self.router.choose(message.input_ids)
-            self.rid_replica[message.rid] = replica
+            replica = self.router.choose(message.rid, message.input_ids, message.sampling_params.max_new_tokens)
             self.to_replicas[replica].send_pyobj(message)
         elif isinstance(message, AbortReq):
-            replica = self.rid_replica.get(message.rid)
+            replica = self.router.replica_of(message.rid)
             targets = self.to_replicas if replica is None else [self.to_replicas[replica]]
             for sock in targets:
                 sock.send_pyobj(message)
@@ -203,9 +201,9 @@ class DataParallelController:
     def _on_reply(self, message: Any) -> None:
         if isinstance(message, ReplicaFinished):
             for rid in message.rids:
-                self._forget(rid)
+                self.router.finished(rid)
         elif isinstance(message, AddRequestFailed):
-            self._forget(message.rid)
+            self.router.finished(message.rid)
             self.to_workers.send(message.worker_id, message)
         elif isinstance(message, ControlReply):
             request_id, _, replica = message.request_id.rpartition("/")
@@ -218,11 +216,6 @@ class DataParallelController:
                 self.to_workers.send(pending.worker_id, ControlReply(request_id, pending.merged()))
         else:  # QueueTimes
             self.to_workers.send(getattr(message, "worker_id", 0), message)
-
-    def _forget(self, rid: str) -> None:
-        replica = self.rid_replica.pop(rid, None)
-        if replica is not None:
-            self.router.finished(replica)
 
     def _expire_controls(self) -> None:
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""Data parallelism: the controller's routing policies, and dp=2 servers end to end through the openai client."""
+"""Data parallelism: dp=2 servers end to end through the openai client (the routing policies alone:
+test_dp_routing.py)."""
 
 from __future__ import annotations
 
@@ -12,61 +13,7 @@ import httpx
 import openai
 import pytest
 
-from treadle.server.dp_routing import PREFIX_BLOCK_TOKENS, PrefixTracker, ReplicaRouter, block_keys
 from treadle.server.launch import ServerHandle, launch_server
-
-# ------------------------------------------------------------------ routing policies
-
-
-def test_round_robin_takes_replicas_in_turn() -> None:
-    router = ReplicaRouter("round_robin", 3)
-    assert [router.choose([1, 2, 3]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-
-
-def test_shortest_queue_counts_unfinished_requests() -> None:
-    router = ReplicaRouter("shortest_queue", 2)
-    assert [router.choose([1]) for _ in range(4)] == [0, 1, 0, 1]
-    router.finished(1, 2)
-    assert router.loads == [2, 0]
-    assert router.choose([1]) == 1
-
-
-def test_prefix_aware_sends_a_shared_prefix_where_it_went_before() -> None:
-    router = ReplicaRouter("prefix_aware", 2)
-    system = list(range(100, 100 + 3 * PREFIX_BLOCK_TOKENS))
-    other = list(range(500, 500 + 3 * PREFIX_BLOCK_TOKENS))
-    first = router.choose(system + [1, 2])
-    assert router.choose(other + [3]) != first  # no match: the shorter queue
-    # Later requests with the same system prompt follow it, though that replica is busier.
-    assert [router.choose(system + [i]) for i in range(5)] == [first] * 5
-    # A prompt shorter than one block never matches: shortest queue.
-    assert router.choose(system[:PREFIX_BLOCK_TOKENS - 1]) != first
-
-
-def test_prefix_aware_gives_up_a_match_on_a_much_busier_replica() -> None:
-    router = ReplicaRouter("prefix_aware", 2)
-    system = list(range(3 * PREFIX_BLOCK_TOKENS))
-    replicas = [router.choose(system + [i]) for i in range(40)]
-    assert set(replicas) == {0, 1}
-    assert abs(router.loads[0] - router.loads[1]) <= 33
-
-
-def test_block_keys_chain_the_prefix() -> None:
-    a = list(range(2 * PREFIX_BLOCK_TOKENS))
-    b = list(range(1, PREFIX_BLOCK_TOKENS + 1)) + a[PREFIX_BLOCK_TOKENS:]
-    assert len(block_keys(a)) == 2 and block_keys(a + [7]) == block_keys(a)
-    assert block_keys(a)[1] != block_keys(b)[1]  # same second block, different first: different key
-    tracker = PrefixTracker(capacity=2)
-    tracker.add(a)
-    assert tracker.matched_blocks(block_keys(a)) == 2
-    tracker.add(b)  # evicts the oldest keys
-    assert tracker.matched_blocks(block_keys(a)) == 0
-
-
-def test_unknown_policy_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="round_robin, shortest_queue, prefix_aware"):
-        ReplicaRouter("random", 2)
-
 
 # ------------------------------------------------------------------ servers
 
