@@ -8,8 +8,8 @@ the prompt blocks it was sent before, as many as ``--cache-tokens`` hold, least 
 output tokens (``ignore_eos``: exactly the workload's lengths). The slowest replica decides when an all-at-once run
 ends, so the table's ``max/mean`` (the busiest replica's work over the mean) is the run time lost to imbalance::
 
-    python -m treadle.bench.dp_balance                                   # random 16-600 in, 16-400 out; dp=2 and 4
-    python -m treadle.bench.dp_balance --workload shared-prefix --num-prompts 1200 --num-prefixes 97 \\
+    treadle bench dp-balance                                   # random 16-600 in, 16-400 out; dp=2 and 4
+    treadle bench dp-balance --workload shared-prefix --num-prompts 1200 --num-prefixes 97 \\
         --prefix-len 4000 --output-len 16:64 --replicas 2 --cache-tokens 400000          # multi_gpu.sh dp_prefix
 
 Writes JSON to ``--output`` (default: the results folder outside the tree).
@@ -56,7 +56,7 @@ def simulate(workload: Workload, policy: str, replicas: int, cache_tokens: int) 
             "cache_hit_rate": sum(row["cached_tokens"] for row in rows) / prompt if prompt else 0.0}
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     workload = _workload(args)
     runs = [simulate(workload, policy, replicas, args.cache_tokens)
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
     print(f"wrote {output}")
-    return result
+    return 0
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -92,7 +92,7 @@ def _print_table(workload: Workload, runs: list[dict[str, Any]]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m treadle.bench.dp_balance", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="treadle bench dp-balance", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=WORKLOAD_NAMES, default="random")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", default="16:600", help="MIN:MAX prompt tokens (random workload)")
@@ -111,4 +111,4 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
