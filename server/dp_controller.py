@@ -136,6 +136,7 @@ class DataParallelController:
         if link is not None:
             self.to_replicas += [_RemoteReplica(link, i) for i in link.remote_replicas]
         self.pending_controls: dict[str, _PendingControl] = {}
+        self.last_finished = [0.0] * self.size  # monotonic time each replica last finished a request
         self.running = True
 
     def run(self) -> None:
@@ -200,8 +201,11 @@ class DataParallelController:
 
     def _on_reply(self, message: Any) -> None:
         if isinstance(message, ReplicaFinished):
+            now = time.monotonic()
             for rid in message.rids:
-                self.router.finished(rid)
+                replica = self.router.finished(rid)
+                if replica is not None:
+                    self.last_finished[replica] = now
         elif isinstance(message, AddRequestFailed):
             self.router.finished(message.rid)
             self.to_workers.send(message.worker_id, message)
@@ -213,9 +217,22 @@ class DataParallelController:
             pending.payloads[int(replica)] = message.payload
             if len(pending.payloads) == self.size:
                 del self.pending_controls[request_id]
-                self.to_workers.send(pending.worker_id, ControlReply(request_id, pending.merged()))
+                merged = pending.merged()
+                if pending.kind == "stats":
+                    merged["routing"] = self._routing_stats()
+                self.to_workers.send(pending.worker_id, ControlReply(request_id, merged))
         else:  # QueueTimes
             self.to_workers.send(getattr(message, "worker_id", 0), message)
+
+    def _routing_stats(self) -> list[dict[str, Any]]:
+        """Per replica: requests and work (tokens, as the router counts them) routed there so far and unfinished now,
+        and how long ago it last finished a request (after an all-at-once run: how much sooner it was done than the
+        last one; None before its first)."""
+        now, router = time.monotonic(), self.router
+        return [{"routed_requests": router.routed[i], "routed_work_tokens": router.routed_work[i],
+                 "unfinished_requests": router.loads[i], "unfinished_work_tokens": router.work[i],
+                 "last_finish_s_ago": round(now - self.last_finished[i], 3) if self.last_finished[i] else None}
+                for i in range(self.size)]
 
     def _expire_controls(self) -> None:
         now = time.monotonic()

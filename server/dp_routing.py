@@ -47,7 +47,8 @@ class Assignment:
 
 class ReplicaRouter:
     """Chooses a replica per request and keeps the per-replica loads the policies read: ``loads`` (unfinished
-    requests) and ``work`` (their tokens, :func:`request_work`), both lowered as requests finish."""
+    requests) and ``work`` (their tokens, :func:`request_work`), both lowered as requests finish; ``routed`` and
+    ``routed_work`` count everything ever sent to each replica."""
 
     def __init__(self, policy: str, num_replicas: int) -> None:
         if policy not in DP_POLICIES:
@@ -56,6 +57,7 @@ class ReplicaRouter:
         self.loads = [0] * num_replicas
         self.work = [0] * num_replicas
         self.routed = [0] * num_replicas
+        self.routed_work = [0] * num_replicas
         self.assigned: dict[str, Assignment] = {}
         self._next = 0
         self._prefixes = [PrefixTracker() for _ in range(num_replicas)] if policy == "prefix_aware" else []
@@ -79,6 +81,7 @@ class ReplicaRouter:
         self.loads[replica] += 1
         self.work[replica] += work
         self.routed[replica] += 1
+        self.routed_work[replica] += work
         return replica
 
     def replica_of(self, rid: str) -> int | None:
@@ -86,13 +89,15 @@ class ReplicaRouter:
         assignment = self.assigned.get(rid)
         return None if assignment is None else assignment.replica
 
-    def finished(self, rid: str) -> None:
-        """Request ``rid`` finished (or failed, or was aborted): its replica no longer counts it. Unknown ids are
-        ignored."""
+    def finished(self, rid: str) -> int | None:
+        """Request ``rid`` finished (or failed, or was aborted): its replica (returned; None for an unknown id) no
+        longer counts it."""
         assignment = self.assigned.pop(rid, None)
-        if assignment is not None:
-            self.loads[assignment.replica] -= 1
-            self.work[assignment.replica] -= assignment.work
+        if assignment is None:
+            return None
+        self.loads[assignment.replica] -= 1
+        self.work[assignment.replica] -= assignment.work
+        return assignment.replica
 
     def _shortest_queue(self) -> int:
         return min(range(len(self.loads)), key=lambda i: (self.loads[i], i))

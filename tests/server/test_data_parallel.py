@@ -54,7 +54,8 @@ def round_robin_server(tiny_model_dir: str, make_config) -> ServerHandle:
 
 def test_round_robin_spreads_requests_and_reports_each_replica(round_robin_server: ServerHandle) -> None:
     client = openai.OpenAI(base_url=f"{round_robin_server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-    before = [r["kv"]["finished"] for r in _info(round_robin_server)["replicas"]]
+    replicas_before = _info(round_robin_server)["replicas"]
+    before = [r["kv"]["finished"] for r in replicas_before]
     texts = [client.completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0)
              .choices[0].text for _ in range(6)]
     assert len(set(texts)) == 1  # the replicas run the same model: same greedy answer
@@ -63,6 +64,13 @@ def test_round_robin_spreads_requests_and_reports_each_replica(round_robin_serve
     assert finished == [3, 3]
     assert info["kv"]["finished"] == sum(r["kv"]["finished"] for r in info["replicas"])
     assert info["model_info"]["dp_size"] == 2
+    # What the controller routed: three requests each, of equal work (prompt + max_tokens tokens), none unfinished.
+    routing = [r["routing"] for r in info["replicas"]]
+    assert [r["routed_requests"] - b["routing"]["routed_requests"] for r, b in zip(routing, replicas_before)] == [3, 3]
+    work = [r["routed_work_tokens"] - b["routing"]["routed_work_tokens"] for r, b in zip(routing, replicas_before)]
+    assert work[0] == work[1] and work[0] % 3 == 0 and work[0] > 3 * 4
+    assert all(r["unfinished_requests"] == r["unfinished_work_tokens"] == 0 for r in routing)
+    assert all(r["last_finish_s_ago"] is not None and r["last_finish_s_ago"] >= 0 for r in routing)
     _assert_kv_accounted(info)
     metrics = httpx.get(f"{round_robin_server.base_url}/metrics", timeout=30).text
     assert 'treadle_replica_num_running_requests{replica="1"}' in metrics

@@ -42,7 +42,7 @@ def test_least_work_counts_prompt_and_output_tokens_until_they_finish() -> None:
     assert router.choose("long", [1] * 600, 400) == 0
     assert [router.choose(f"s{i}", [1] * 50, 50) for i in range(3)] == [1, 1, 1]  # 300 tokens < 1,000
     assert router.work == [1000, 300] and router.loads == [1, 3]
-    router.finished("long")
+    assert router.finished("long") == 0 and router.finished("long") is None
     assert router.work == [0, 300] and router.choose("next", [1] * 10, 10) == 0
     for rid in ("s0", "s1", "s2", "next"):
         router.finished(rid)
