@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from treadle.bench.results_folder import default_output
-from treadle.bench.workloads import WORKLOAD_NAMES, Workload, build_workload, parse_len_range
+from treadle.bench.workloads import WORKLOAD_NAMES, Workload, serving_workload
 from treadle.server.dp_routing import DP_POLICIES, PREFIX_BLOCK_TOKENS, PrefixTracker, ReplicaRouter, block_keys
 
 LLAMA_3_VOCAB = 128_256
@@ -58,7 +58,7 @@ def simulate(workload: Workload, policy: str, replicas: int, cache_tokens: int) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    workload = _workload(args)
+    workload = serving_workload(args, range(args.vocab_size))
     runs = [simulate(workload, policy, replicas, args.cache_tokens)
             for replicas in args.replicas for policy in args.policies]
     _print_table(workload, runs)
@@ -69,16 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.write_text(json.dumps(result, indent=2))
     print(f"wrote {output}")
     return 0
-
-
-def _workload(args: argparse.Namespace) -> Workload:
-    params: dict[str, Any] = {"output_len": parse_len_range(args.output_len), "seed": args.seed}
-    if args.workload == "random":
-        params["input_len"] = parse_len_range(args.input_len)
-    else:
-        params.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-                      question_len=parse_len_range(args.question_len))
-    return build_workload(args.workload, args.num_prompts, range(args.vocab_size), **params)
 
 
 def _print_table(workload: Workload, runs: list[dict[str, Any]]) -> None:
