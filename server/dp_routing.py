@@ -64,6 +64,7 @@ class ReplicaRouter:
 
     def choose(self, rid: str, input_ids: Sequence[int], max_new_tokens: int | None = None) -> int:
         """The replica for a new request ``rid``; counts it (and its work) there until :meth:`finished`."""
+        self.finished(rid)  # a reused id replaces its earlier count
         cached = 0
         if self.policy == "round_robin":
             replica = self._next
@@ -76,7 +77,6 @@ class ReplicaRouter:
             replica, cached = self._prefix_match(input_ids)
             self._prefixes[replica].add(input_ids)
         work = request_work(len(input_ids), max_new_tokens, cached)
-        self.finished(rid)  # a reused id replaces its earlier count
         self.assigned[rid] = Assignment(replica, work)
         self.loads[replica] += 1
         self.work[replica] += work
