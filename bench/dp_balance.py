@@ -6,9 +6,11 @@ through :class:`~treadle.server.dp_routing.ReplicaRouter` under each ``parallel.
 tokens it must process: its requests' prompt tokens less those its prefix cache already holds (modelled per replica by
 the prompt blocks it was sent before, as many as ``--cache-tokens`` hold, least recent forgotten first) plus their
 output tokens (``ignore_eos``: exactly the workload's lengths). The slowest replica decides when an all-at-once run
-ends, so the table's ``max/mean`` (the busiest replica's work over the mean) is the run time lost to imbalance::
+ends, so the table's ``max/mean`` (the busiest replica's work over the mean) is the run time lost to imbalance.
+Requests go in the workload's order; ``--orders N`` also routes N shuffles of it (several client processes reach the
+server interleaved) and reports max/mean's mean and 90th percentile over them::
 
-    treadle bench dp-balance                                   # random 16-600 in, 16-400 out; dp=2 and 4
+    treadle bench dp-balance --orders 100                      # random 16-600 in, 16-400 out; dp=2 and 4
     treadle bench dp-balance --workload shared-prefix --num-prompts 1200 --num-prefixes 97 \\
         --prefix-len 4000 --output-len 16:64 --replicas 2 --cache-tokens 400000          # multi_gpu.sh dp_prefix
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = serving_workload(args, range(args.vocab_size))
     runs = [simulate(workload, policy, replicas, args.cache_tokens)
             for replicas in args.replicas for policy in args.policies]
+    for run in runs if args.orders else []:
+        run["arrival_orders"] = _over_orders(workload, run["policy"], run["replicas"], args)
     _print_table(workload, runs)
     result = {"bench": "dp_balance", "workload": workload.summary(), "cache_tokens": args.cache_tokens,
               "runs": runs}
@@ -71,6 +76,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _over_orders(workload: Workload, policy: str, replicas: int, args: argparse.Namespace) -> dict[str, float]:
+    """max/mean over ``args.orders`` shuffles of the arrival order (a server sees the requests of several client
+    processes interleaved): its mean and 90th percentile."""
+    ratios = []
+    for order in range(args.orders):
+        requests = list(workload.requests)
+        random.Random(order).shuffle(requests)
+        shuffled = Workload(workload.name, requests, workload.params)
+        ratios.append(simulate(shuffled, policy, replicas, args.cache_tokens)["max_over_mean"])
+    ratios.sort()
+    return {"orders": args.orders, "mean": sum(ratios) / len(ratios), "p90": ratios[int(0.9 * (len(ratios) - 1))]}
+
+
 def _print_table(workload: Workload, runs: list[dict[str, Any]]) -> None:
     print(f"{workload.name}: {workload.num_requests} requests at once, {workload.input_tokens} prompt + "
           f"{workload.output_tokens} output tokens")
@@ -79,6 +97,10 @@ def _print_table(workload: Workload, runs: list[dict[str, Any]]) -> None:
         spread = "  ".join(f"{row['work']}({row['requests']})" for row in run["per_replica"])
         print(f"{run['replicas']:>3} {run['policy']:<15} {run['max_over_mean']:>8.4f} {run['cache_hit_rate']:>8.3f} "
               f"{run['total_work']:>11}  {spread}")
+        if "arrival_orders" in run:
+            orders = run["arrival_orders"]
+            print(f"{'':>20}over {orders['orders']} shuffled arrival orders: max/mean {orders['mean']:.4f} mean, "
+                  f"{orders['p90']:.4f} p90")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--question-len", default="16:48", help="shared-prefix workload: MIN:MAX question tokens")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (treadle bench serving's --seed)")
     parser.add_argument("--vocab-size", type=int, default=LLAMA_3_VOCAB, help="prompt token ids are drawn below this")
+    parser.add_argument("--orders", type=int, default=0,
+                        help="also route the requests in this many shuffled orders: max/mean's mean and p90")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4], help="dp sizes to simulate")
     parser.add_argument("--policies", nargs="+", choices=DP_POLICIES, default=list(DP_POLICIES))
     parser.add_argument("--cache-tokens", type=int, default=2_000_000,

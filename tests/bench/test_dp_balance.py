@@ -25,9 +25,10 @@ def test_the_cli_reports_prefix_hits_only_where_routing_follows_the_prefix(tmp_p
     output = tmp_path / "dp.json"
     dp_balance.main(["--workload", "shared-prefix", "--num-prompts", "90", "--num-prefixes", "9", "--prefix-len", "64",
                      "--output-len", "4:8", "--replicas", "2", "--policies", "round_robin", "prefix_aware",
-                     "--cache-tokens", "640", "--output", str(output)])
+                     "--cache-tokens", "640", "--orders", "3", "--output", str(output)])
     runs = {run["policy"]: run for run in json.loads(output.read_text())["runs"]}
     # 9 prompts (odd) cycled: round robin sends each to both replicas, whose 640-token caches then thrash.
     assert runs["round_robin"]["cache_hit_rate"] == 0.0
     assert runs["prefix_aware"]["cache_hit_rate"] > 0.5
+    assert runs["round_robin"]["arrival_orders"]["orders"] == 3
     assert "prefix_aware" in capsys.readouterr().out
