@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from treadle.bench.results_folder import results_dir
 from treadle.bench.soak import add_soak_arguments, run_soak
-from treadle.bench.workloads import WORKLOAD_NAMES, BenchRequest, build_workload, parse_len_range, usable_token_ids
+from treadle.bench.workloads import WORKLOAD_NAMES, BenchRequest, serving_workload, usable_token_ids
 
 
 
@@ -304,13 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = _without_secrets(argv if argv is not None else sys.argv[1:])
         return run_soak(args, info)
     token_ids = usable_token_ids(int(info["vocab_size"]))
-    params: dict[str, Any] = {"output_len": parse_len_range(args.output_len), "seed": args.seed}
-    if args.workload == "random":
-        params["input_len"] = parse_len_range(args.input_len)
-    else:
-        params.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-                      question_len=parse_len_range(args.question_len))
-    workload = build_workload(args.workload, args.num_prompts, token_ids, **params)
+    workload = serving_workload(args, token_ids)
 
     if args.workers < 1:
         parser.error("--client-processes must be at least 1")

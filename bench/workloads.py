@@ -148,6 +148,19 @@ def build_workload(name: str, num_requests: int, token_ids: Sequence[int], **par
     return WORKLOADS[name](num_requests, token_ids, **params)
 
 
+def serving_workload(args: Any, token_ids: Sequence[int]) -> Workload:
+    """The workload ``treadle bench serving``'s arguments name (``workload``, ``num_prompts``, ``seed``,
+    ``output_len``, and ``input_len`` or ``prefix_len``/``num_prefixes``/``question_len``): other benchmarks that
+    take the same arguments replay exactly its requests."""
+    params: dict[str, Any] = {"output_len": parse_len_range(args.output_len), "seed": args.seed}
+    if args.workload == "random":
+        params["input_len"] = parse_len_range(args.input_len)
+    else:
+        params.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                      question_len=parse_len_range(args.question_len))
+    return build_workload(args.workload, args.num_prompts, token_ids, **params)
+
+
 def parse_len_range(text: str) -> tuple[int, int]:
     """``"32:512"`` → (32, 512); ``"64"`` → (64, 64)."""
     parts = text.split(":")

@@ -236,7 +236,7 @@ class GrammarConfig(Section):
 class ParallelConfig(Section):
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (GPUs) that share one copy of the model")
     dp_size: int = Field(1, ge=1, description="data-parallel replicas behind one server (a controller routes requests)")
-    dp_policy: Literal["round_robin", "shortest_queue", "prefix_aware"] = Field(
+    dp_policy: Literal["round_robin", "shortest_queue", "least_work", "prefix_aware"] = Field(
         "prefix_aware", description="how the data-parallel controller picks a replica")
     nnodes: int = Field(1, ge=1, description="machines the server spans (one `treadle serve` each): those of one "
                                                "tensor-parallel group, or with dp_size > 1 those the replicas spread over")

@@ -135,8 +135,8 @@ class DataParallelController:
             connect_push(self.context, replica_addresses(addresses, i).scheduler_input) for i in replicas.indices]
         if link is not None:
             self.to_replicas += [_RemoteReplica(link, i) for i in link.remote_replicas]
-        self.rid_replica: dict[str, int] = {}
         self.pending_controls: dict[str, _PendingControl] = {}
+        self.last_finished = [0.0] * self.size  # monotonic time each replica last finished a request
         self.running = True
 
     def run(self) -> None:
@@ -178,11 +178,10 @@ class DataParallelController:
 
     def _on_request(self, message: Any) -> None:
         if isinstance(message, TokenizedGenerateReq):
-            replica = self.router.choose(message.input_ids)
-            self.rid_replica[message.rid] = replica
+            replica = self.router.choose(message.rid, message.input_ids, message.sampling_params.max_new_tokens)
             self.to_replicas[replica].send_pyobj(message)
         elif isinstance(message, AbortReq):
-            replica = self.rid_replica.get(message.rid)
+            replica = self.router.replica_of(message.rid)
             targets = self.to_replicas if replica is None else [self.to_replicas[replica]]
             for sock in targets:
                 sock.send_pyobj(message)
@@ -202,10 +201,13 @@ class DataParallelController:
 
     def _on_reply(self, message: Any) -> None:
         if isinstance(message, ReplicaFinished):
+            now = time.monotonic()
             for rid in message.rids:
-                self._forget(rid)
+                replica = self.router.finished(rid)
+                if replica is not None:
+                    self.last_finished[replica] = now
         elif isinstance(message, AddRequestFailed):
-            self._forget(message.rid)
+            self.router.finished(message.rid)
             self.to_workers.send(message.worker_id, message)
         elif isinstance(message, ControlReply):
             request_id, _, replica = message.request_id.rpartition("/")
@@ -215,14 +217,22 @@ class DataParallelController:
             pending.payloads[int(replica)] = message.payload
             if len(pending.payloads) == self.size:
                 del self.pending_controls[request_id]
-                self.to_workers.send(pending.worker_id, ControlReply(request_id, pending.merged()))
+                merged = pending.merged()
+                if pending.kind == "stats":
+                    merged["routing"] = self._routing_stats()
+                self.to_workers.send(pending.worker_id, ControlReply(request_id, merged))
         else:  # QueueTimes
             self.to_workers.send(getattr(message, "worker_id", 0), message)
 
-    def _forget(self, rid: str) -> None:
-        replica = self.rid_replica.pop(rid, None)
-        if replica is not None:
-            self.router.finished(replica)
+    def _routing_stats(self) -> list[dict[str, Any]]:
+        """Per replica: requests and work (tokens, as the router counts them) routed there so far and unfinished now,
+        and how long ago it last finished a request (after an all-at-once run: how much sooner it was done than the
+        last one; None before its first)."""
+        now, router = time.monotonic(), self.router
+        return [{"routed_requests": router.routed[i], "routed_work_tokens": router.routed_work[i],
+                 "unfinished_requests": router.loads[i], "unfinished_work_tokens": router.work[i],
+                 "last_finish_s_ago": round(now - self.last_finished[i], 3) if self.last_finished[i] else None}
+                for i in range(self.size)]
 
     def _expire_controls(self) -> None:
         now = time.monotonic()

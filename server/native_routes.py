@@ -233,7 +233,7 @@ def _add_health_and_info_routes(app: FastAPI, manager: TokenizerManager, server_
             "config": resolved_config(manager.config.model_dump(mode="json"),  # secrets are SecretStr: masked
                                       manager.model_info.get(RESOLVED_CONFIG_KEY)),
             "kv": stats["kv"],
-            **({"replicas": [{"kv": kv} for kv in stats["replicas"]]} if "replicas" in stats else {}),
+            **({"replicas": _replicas(stats)} if "replicas" in stats else {}),
             # The scheduler's count (prompt tokens found in the prefix cache at admission), as under kv.
             "cached_tokens_total": stats["kv"]["cached_tokens_total"],
             "running_requests": manager.inflight_requests(),  # every HTTP worker's
@@ -306,3 +306,12 @@ def _public_model_info(manager: TokenizerManager) -> dict[str, Any]:
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(values, default=str))
+
+
+def _replicas(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """``/get_server_info``'s per-replica entries under data parallelism: each replica's KV stats and what the
+    controller routed to it (``routing``: requests and tokens of work, in all and unfinished, and the seconds since
+    it last finished a request)."""
+    routing = stats.get("routing") or [None] * len(stats["replicas"])
+    return [{"kv": kv, **({"routing": routed} if routed is not None else {})}
+            for kv, routed in zip(stats["replicas"], routing)]

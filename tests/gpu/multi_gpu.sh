@@ -47,10 +47,25 @@ serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at o
   # All at once streams 10-25k events/s: eight client processes share them (one caps near 13k out tok/s).
   python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts ${DP_PROMPTS:-1000} --input-len 16:600 \
     --output-len 16:400 --workers 8 --output "$OUT/serving_dp$1_offline.json" 2>&1 | tail -20
+  replica_balance "$port" "$OUT/dp$1_server_info_offline.json"
   [ "${DP_RATE_PROMPTS:-600}" != 0 ] && python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" \
     --num-prompts "${DP_RATE_PROMPTS:-600}" --input-len 16:600 --output-len 16:400 --request-rate 40 \
     --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
   kill "$pid"; wait "$pid"
+}
+replica_balance() {  # $1 = port, $2 = JSON path: /get_server_info after a run; each replica's routed work and idle tail
+  curl -sf "http://127.0.0.1:$1/get_server_info" > "$2" || return 0
+  python3 - "$2" <<'EOF'
+import json, sys
+replicas = [r.get("routing") for r in json.load(open(sys.argv[1])).get("replicas", [])]
+if replicas and all(replicas):
+    work = [r["routed_work_tokens"] for r in replicas]
+    tail = [r["last_finish_s_ago"] or 0.0 for r in replicas]
+    print("replica  routed requests  routed work (tokens)  done before the last (s)")
+    for i, r in enumerate(replicas):
+        print(f"{i:>7}  {r['routed_requests']:>15}  {r['routed_work_tokens']:>20}  {tail[i] - min(tail):>24.2f}")
+    print(f"routed work max/mean {max(work) / (sum(work) / len(work)):.4f}")
+EOF
 }
 prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all at once
   local dir; dir=$(shape_dir llama-3.1-8b); local port=31010
@@ -65,6 +80,7 @@ prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all
     --num-prompts "${DP_PROMPTS:-1200}" --num-prefixes "${DP_PREFIXES:-97}" --prefix-len "${DP_PREFIX_LEN:-4000}" \
     --question-len 16:48 --output-len 16:64 --workers 4 --no-progress \
     --output "$OUT/serving_dp2_prefix_$1.json" 2>&1 | tail -16
+  replica_balance "$port" "$OUT/dp2_prefix_$1_server_info.json"
   kill "$pid"; wait "$pid"
 }
 two_nodes() {  # dp=2 over two "nodes" of this host, one GPU each

@@ -1,4 +1,5 @@
-"""Data parallelism: the controller's routing policies, and dp=2 servers end to end through the openai client."""
+"""Data parallelism: dp=2 servers end to end through the openai client (the routing policies alone:
+test_dp_routing.py)."""
 
 from __future__ import annotations
 
@@ -12,61 +13,7 @@ import httpx
 import openai
 import pytest
 
-from treadle.server.dp_routing import PREFIX_BLOCK_TOKENS, PrefixTracker, ReplicaRouter, block_keys
 from treadle.server.launch import ServerHandle, launch_server
-
-# ------------------------------------------------------------------ routing policies
-
-
-def test_round_robin_takes_replicas_in_turn() -> None:
-    router = ReplicaRouter("round_robin", 3)
-    assert [router.choose([1, 2, 3]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-
-
-def test_shortest_queue_counts_unfinished_requests() -> None:
-    router = ReplicaRouter("shortest_queue", 2)
-    assert [router.choose([1]) for _ in range(4)] == [0, 1, 0, 1]
-    router.finished(1, 2)
-    assert router.loads == [2, 0]
-    assert router.choose([1]) == 1
-
-
-def test_prefix_aware_sends_a_shared_prefix_where_it_went_before() -> None:
-    router = ReplicaRouter("prefix_aware", 2)
-    system = list(range(100, 100 + 3 * PREFIX_BLOCK_TOKENS))
-    other = list(range(500, 500 + 3 * PREFIX_BLOCK_TOKENS))
-    first = router.choose(system + [1, 2])
-    assert router.choose(other + [3]) != first  # no match: the shorter queue
-    # Later requests with the same system prompt follow it, though that replica is busier.
-    assert [router.choose(system + [i]) for i in range(5)] == [first] * 5
-    # A prompt shorter than one block never matches: shortest queue.
-    assert router.choose(system[:PREFIX_BLOCK_TOKENS - 1]) != first
-
-
-def test_prefix_aware_gives_up_a_match_on_a_much_busier_replica() -> None:
-    router = ReplicaRouter("prefix_aware", 2)
-    system = list(range(3 * PREFIX_BLOCK_TOKENS))
-    replicas = [router.choose(system + [i]) for i in range(40)]
-    assert set(replicas) == {0, 1}
-    assert abs(router.loads[0] - router.loads[1]) <= 33
-
-
-def test_block_keys_chain_the_prefix() -> None:
-    a = list(range(2 * PREFIX_BLOCK_TOKENS))
-    b = list(range(1, PREFIX_BLOCK_TOKENS + 1)) + a[PREFIX_BLOCK_TOKENS:]
-    assert len(block_keys(a)) == 2 and block_keys(a + [7]) == block_keys(a)
-    assert block_keys(a)[1] != block_keys(b)[1]  # same second block, different first: different key
-    tracker = PrefixTracker(capacity=2)
-    tracker.add(a)
-    assert tracker.matched_blocks(block_keys(a)) == 2
-    tracker.add(b)  # evicts the oldest keys
-    assert tracker.matched_blocks(block_keys(a)) == 0
-
-
-def test_unknown_policy_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="round_robin, shortest_queue, prefix_aware"):
-        ReplicaRouter("random", 2)
-
 
 # ------------------------------------------------------------------ servers
 
@@ -107,7 +54,8 @@ def round_robin_server(tiny_model_dir: str, make_config) -> ServerHandle:
 
 def test_round_robin_spreads_requests_and_reports_each_replica(round_robin_server: ServerHandle) -> None:
     client = openai.OpenAI(base_url=f"{round_robin_server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-    before = [r["kv"]["finished"] for r in _info(round_robin_server)["replicas"]]
+    replicas_before = _info(round_robin_server)["replicas"]
+    before = [r["kv"]["finished"] for r in replicas_before]
     texts = [client.completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0)
              .choices[0].text for _ in range(6)]
     assert len(set(texts)) == 1  # the replicas run the same model: same greedy answer
@@ -116,6 +64,13 @@ def test_round_robin_spreads_requests_and_reports_each_replica(round_robin_serve
     assert finished == [3, 3]
     assert info["kv"]["finished"] == sum(r["kv"]["finished"] for r in info["replicas"])
     assert info["model_info"]["dp_size"] == 2
+    # What the controller routed: three requests each, of equal work (prompt + max_tokens tokens), none unfinished.
+    routing = [r["routing"] for r in info["replicas"]]
+    assert [r["routed_requests"] - b["routing"]["routed_requests"] for r, b in zip(routing, replicas_before)] == [3, 3]
+    work = [r["routed_work_tokens"] - b["routing"]["routed_work_tokens"] for r, b in zip(routing, replicas_before)]
+    assert work[0] == work[1] and work[0] % 3 == 0 and work[0] > 3 * 4
+    assert all(r["unfinished_requests"] == r["unfinished_work_tokens"] == 0 for r in routing)
+    assert all(r["last_finish_s_ago"] is not None and r["last_finish_s_ago"] >= 0 for r in routing)
     _assert_kv_accounted(info)
     metrics = httpx.get(f"{round_robin_server.base_url}/metrics", timeout=30).text
     assert 'treadle_replica_num_running_requests{replica="1"}' in metrics
