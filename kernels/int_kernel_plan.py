@@ -15,10 +15,12 @@ import torch.nn.functional as F
 
 from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, dequantize, gemv_candidates, int_dot, int_gemv,
                                         tile_candidates, tiles_shape)
+from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
-# One launch of the GEMV or ``int_dot`` (IntTiles) or of ``int_mma`` (MmaTiles).
-Tiles = Union[IntTiles, MmaTiles]
+# One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), or of the sweep's candidates
+# ``magic_gemv`` / ``magic_mma`` (kernels/packed_int_magic.py; no plan lists them yet).
+Tiles = Union[IntTiles, MmaTiles, MagicGemvTiles, MagicMmaTiles]
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
     """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures."""
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
+    if isinstance(tiles, MagicGemvTiles):
+        return magic_gemv(x, weight, scales, zeros, bits, group, tiles)
+    if isinstance(tiles, MagicMmaTiles):
+        return magic_mma(x, weight, scales, zeros, bits, group, tiles)
     if tiles.block_m == 0:
         return int_gemv(x, weight, scales, zeros, bits, group, tiles)
     return int_dot(x, weight, scales, zeros, bits, group, tiles)

@@ -1,0 +1,289 @@
+"""Candidate W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel
+layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to rank against today's:
+
+- :func:`magic_gemv` (one token, CUDA cores): each value becomes float32 ``OFFSET + u`` with one and-or (a lop3)
+  straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed into
+  the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings the
+  other six values to those positions, so a word of eight values costs three shifts, eight and-ors and eight FMAs
+  with the activations, and no subtraction: the offsets are small against the values (at most 2**11, so the float32
+  sums keep 13 bits past them), and each group takes them off once per word column, through the activations'
+  offset-weighted sum, with the zero point (today's GEMV: one and-or, one subtraction of 2**23 and one FMA a value,
+  a shift more for three of the eight).
+- :func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
+  row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
+  word's eight values become four pairs of 16-bit ``128 + u`` (bf16; fp16 ``1024 + u``), each pair one shift and
+  one lop3 (``(w >> 4p) & 0x000F000F | 0x43004300``: values ``p`` and ``p + 4`` of the word in one register), by
+  inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). The pairs join
+  into the tile in the word's order (K position ``8c + j`` for value ``j`` of word ``c``, whose panel column is
+  ``16j + c``), so the activations are loaded in that order; the step's group takes its scale and zero (and the
+  widening's offset, through the tokens' activation sums) after the dot. Split-K where the weight's row tiles
+  leave the SMs short of programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _split, _store_or_reduce,
+                                        widening)
+from treadle.kernels.pdl import allow_next, wait_for_previous
+from treadle.kernels.pdl import enabled as pdl_enabled
+from treadle.kernels.small_batch import _arrivals
+
+PANEL = PANEL_WORDS * 8  # 4-bit values per panel
+
+
+@dataclass(frozen=True)
+class MagicGemvTiles:
+    """One :func:`magic_gemv` launch: ``block_n`` rows by ``block_w`` words (a multiple of the 16-word panel) per
+    program and K step, ``split_k`` K ranges."""
+
+    block_n: int
+    block_w: int = 64
+    split_k: int = 1
+    num_warps: int = 1
+
+    def fits(self, k: int, bits: int, group: int) -> bool:
+        words = k // 8
+        return bits == 4 and group % 16 == 0 and words % (self.block_w * self.split_k) == 0 and (
+            PANEL % group == 0 or group % PANEL == 0)
+
+
+@dataclass(frozen=True)
+class MagicMmaTiles:
+    """One :func:`magic_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows a tile, one panel
+    a K step, ``split_k`` K ranges; ``asm``: the widening in inline PTX (else the same values from plain ops)."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    asm: bool = True
+
+    def fits(self, k: int, bits: int, group: int) -> bool:
+        return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
+
+
+def magic_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+               group: int, tiles: MagicGemvTiles) -> torch.Tensor:
+    """``x [1, K] @ dequantized(weight).T`` (4-bit), the values widened without a subtraction (module docstring)."""
+    k, n = x.shape[1], weight.shape[0]
+    if x.shape[0] != 1 or not tiles.fits(k, bits, group):
+        raise ValueError(f"{tiles} does not run {x.shape[0]} rows of K={k}, {bits}-bit values in groups of {group}")
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
+    pdl = pdl_enabled(x.device)
+    _magic_gemv_kernel[grid](
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, 1, n, x.device),
+        _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0), GROUP=group,
+        HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl,
+        launch_pdl=pdl, num_warps=tiles.num_warps)
+    return out
+
+
+def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+              group: int, tiles: MagicMmaTiles) -> torch.Tensor:
+    """``x [M, K] @ dequantized(weight).T`` (4-bit, 16-bit activations) on the tensor cores, the weight tile widened
+    by pairs (module docstring)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    i16, magic, offset = widening(bits, x.dtype)
+    if not i16 or not tiles.fits(k, bits, group):
+        raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    _magic_mma_kernel[grid](
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
+        _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
+        scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
+        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
+    """The :func:`magic_gemv` launches the sweep times at one token: today's best kinds (8 or 16 rows a one-warp
+    program, 64 or 32 words a step, split-K for 12 or 4 programs per SM, or half of that)."""
+    words = k // 8
+    listed = []
+    for block_n, block_w, warps, per_sm in ((8, 64, 1, 12), (16, 32, 1, 4), (16, 16, 1, 4), (32, 16, 2, 4),
+                                            (8, 128, 1, 12)):
+        split = _split(n, words, block_n, block_w, per_sm * sm_count)
+        listed += [MagicGemvTiles(block_n, block_w, split, warps),
+                   MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
+    """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
+    holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM, pipelines of
+    3 or 4 stages."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps, listed = k // PANEL, []
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        for programs in (1, 2):
+            split = 1
+            while triton.cdiv(n, block_n) * split < programs * sm_count and split < 8 and steps % (2 * split) == 0:
+                split *= 2
+            listed += [MagicMmaTiles(block_m, block_n, split, warps, stages) for stages in (3, 4)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+@triton.jit
+def _offset_value(words, J: tl.constexpr):
+    """Value ``J`` (bits ``4J`` up) of each uint32 word as float32 ``128 + u`` (even ``J``: the value at bits
+    16-19) or ``2048 + u`` (odd: bits 12-15), one and-or after the word's shift to put it there."""
+    if J == 3 or J == 4:
+        moved = words
+    elif J == 1 or J == 2:
+        moved = words << 8
+    elif J == 5 or J == 6:
+        moved = words >> 8
+    else:
+        moved = (words << 16) | (words >> 16)  # a rotation: values 0 and 7 to bits 16-19 and 12-15
+    if J % 2 == 0:
+        bits = (moved & 0x000F0000) | 0x43000000
+    else:
+        bits = (moved & 0x0000F000) | 0x45000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
+                       stride_sn, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    STEP: tl.constexpr = BLOCK_W * 8
+    JG: tl.constexpr = GROUP // 16 if GROUP // 16 < 8 else 8  # value slots per group fold
+    ONE_PANEL: tl.constexpr = BLOCK_W == 16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, BLOCK_W)
+    panel_base = (offs_w // 16) * 128  # each word column's panel, as a K offset within the step
+    x_cols = panel_base + offs_w % 16
+    w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
+    k_begin = pid_k * k_per_split
+    k_end = k_begin + k_per_split
+    # Word offsets are whole steps (multiples of 16 words): said so, the loads are 16-byte vectors.
+    words = tl.load(w_rows + tl.multiple_of(k_begin // 8, 16), mask=n_mask[:, None], other=0,
+                    eviction_policy="evict_first")
+    wait_for_previous(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, STEP):
+        upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // 8, 16),
+                           mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        unsigned = words.to(tl.uint32, bitcast=True)
+        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)  # sum of each value's offset times its activation
+        for j in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
+            part += _offset_value(unsigned, j) * x[None, :]
+            x_sum += x
+            x_offset += x * (128.0 + 1920.0 * (j % 2))
+            if (j + 1) % JG == 0:
+                if ONE_PANEL:
+                    g = (k0 + 16 * (j + 1 - JG)) // GROUP
+                    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+                    if HAS_ZEROS:
+                        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+                else:
+                    g = (k0 + panel_base + 16 * (j + 1 - JG)) // GROUP
+                    index = offs_n[:, None] * stride_sn + g[None, :]
+                    s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                    if HAS_ZEROS:
+                        z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                if HAS_ZEROS:
+                    acc += s * (part - x_offset[None, :] - z * x_sum[None, :])
+                else:
+                    acc += s * (part - (x_offset + 8.0 * x_sum)[None, :])
+                part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+                x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
+        words = upcoming
+    allow_next(PDL)
+    _store_or_reduce(tl.sum(acc, axis=1), out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
+                     pid_k, SPLIT_K)
+
+
+# Pair p of a word ($4): (w >> 4p) & 0x000F000F | magic, the lop3 truth table 0xEA being (a & b) | c.
+def _pairs_asm(magic: int) -> str:
+    lop3 = f"0x000F000F, {magic * 0x10001:#x}, 0xEA;"
+    return ("{ .reg .b32 t; lop3.b32 $0, $4, " + lop3 + "".join(
+        f" shr.b32 t, $4, {4 * p}; lop3.b32 ${p}, t, " + lop3 for p in (1, 2, 3)) + " }")
+
+
+_PAIRS_BF16 = tl.constexpr(_pairs_asm(0x4300))
+_PAIRS_FP16 = tl.constexpr(_pairs_asm(0x6400))
+
+
+@triton.jit
+def _pairs(words, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr):
+    """``[BLOCK_N, 16, 8]``: the eight values of each word widened to ``dtype`` (``OFFSET16 + u``), value ``j`` at
+    position ``2 * (j % 4) + j // 4``: pair ``p`` (values ``p`` and ``p + 4``, the halves of one register) comes
+    from one shift and one lop3 and stays one register."""
+    if ASM:
+        # pack=2 over [.., 2] copies of each word (a join's last dimension stays in one thread): both operands
+        # of an instance are the same word, and each output register holds the pair (value p, value p + 4).
+        twice = tl.join(words, words)
+        if MAGIC16 == 0x4300:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _PAIRS_BF16, "=r,=r,=r,=r,r,r", [twice],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _PAIRS_FP16, "=r,=r,=r,=r,r,r", [twice],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        p0 = tl.join(_widened16(words, 0, MAGIC16, dtype), _widened16(words, 4, MAGIC16, dtype))
+        p1 = tl.join(_widened16(words, 1, MAGIC16, dtype), _widened16(words, 5, MAGIC16, dtype))
+        p2 = tl.join(_widened16(words, 2, MAGIC16, dtype), _widened16(words, 6, MAGIC16, dtype))
+        p3 = tl.join(_widened16(words, 3, MAGIC16, dtype), _widened16(words, 7, MAGIC16, dtype))
+    # [.., h, b, a] (p = a + 2b, j = p + 4h) permuted to [.., b, a, h]: each register's pair stays adjacent, at
+    # position 2p + h of the word's eight.
+    joined = tl.join(tl.join(p0, p2), tl.join(p1, p3))
+    return tl.reshape(tl.permute(joined, (0, 1, 3, 4, 2)), [words.shape[0], words.shape[1], 8])
+
+
+@triton.jit
+def _widened16(words, J: tl.constexpr, MAGIC16: tl.constexpr, dtype: tl.constexpr):
+    return (((words >> (4 * J)) & 15) | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
+                      stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # [2, 4, 16, BLOCK_M] activations of a panel (column 16 * (p + 4h) + c at [h, p, c]), contiguous along c.
+    x_tile = (x_ptr + offs_m[None, None, None, :] * stride_xm + 64 * tl.arange(0, 2)[:, None, None, None]
+              + 16 * tl.arange(0, 4)[None, :, None, None] + tl.arange(0, 16)[None, None, :, None])
+    w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    for k0 in range(k_begin, k_begin + k_per_split, 128):
+        words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        x_panel = tl.load(x_tile + k0, mask=m_mask[None, None, None, :], other=0)
+        x = tl.reshape(tl.permute(x_panel, (2, 1, 0, 3)), [128, BLOCK_M])  # K position 8c + 2p + h, as the weight's
+        w = tl.reshape(_pairs(words, MAGIC16, ASM, x.dtype), [BLOCK_N, 128])
+        part = tl.dot(w, x)
+        s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS, OFFSET16,
+                                    BLOCK_N)
+        acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
+    tile = offs_m[None, :] * stride_om + offs_n[:, None]
+    _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
+                     arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,
+                     SPLIT_K)
