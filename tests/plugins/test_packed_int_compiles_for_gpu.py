@@ -1,7 +1,8 @@
 """The integer-weight Triton kernels (kernels/packed_int.py) compile for an H100 (sm_90) on a machine without a GPU:
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
 this reuses). Split-K, the SiLU·mul and add+RMSNorm epilogues, zero points, both ways of widening, act-order, 4 and 8 bits, the
-integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py)."""
+integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py, and
+kernels/packed_int_magic.py's, inline PTX included)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
                            "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
                                                  HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
         variants[f"mma[{name}]"] = ("packed_int_mma._int_mma_kernel", {"out_ptr": "*bf16"}, {**mma, **switches})
+    # The sweep's candidates of kernels/packed_int_magic.py: the offset GEMV, the tensor-core kernel with the inline
+    # PTX widening (bf16 and fp16 magic numbers).
+    variants["magic_gemv"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
+                              dict(GROUP=32, HAS_ZEROS=True, SPLIT_K=2, BLOCK_N=8, BLOCK_W=64, PDL=True))
+    for dtype, magic, offset in (("bf16", 0x4300, 128.0), ("fp16", 0x6400, 1024.0)):
+        variants[f"magic_mma[{dtype}]"] = (
+            "packed_int_magic._magic_mma_kernel", {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "s_ptr": f"*{dtype}",
+                                                   "z_ptr": f"*{dtype}"},
+            dict(GROUP=128, HAS_ZEROS=dtype == "bf16", SPLIT_K=2, MAGIC16=magic, OFFSET16=offset, ASM=True,
+                 BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128))
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
                               dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
@@ -64,9 +75,10 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int, packed_int_mma, packed_int_moe
+    from treadle.kernels import packed_int, packed_int_magic, packed_int_mma, packed_int_moe
 
-    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma}
+    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma,
+               "packed_int_magic": packed_int_magic}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
         module, _, kernel = kernel.rpartition(".")

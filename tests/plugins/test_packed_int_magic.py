@@ -1,0 +1,91 @@
+"""The sweep's W4A16 candidates of kernels/packed_int_magic.py under TRITON_INTERPRET=1 on small shapes: the GEMV
+whose values keep an offset of 128 or 2048 until their group folds it away, and the tensor-core kernel's plain-op
+twin of its inline-PTX widening (the PTX itself runs on GPUs only: tests/gpu/test_packed_int_magic_gpu.py), against
+``x @ ((u - zero) * scale).T`` on the panel layout, and next to today's GEMV on the same inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECKS = r"""
+import json, torch
+from treadle.kernels.packed_int import IntTiles, int_gemv
+from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, gemv_trials, magic_gemv, magic_mma, mma_trials
+from treadle.layers.packed_int import pack_panels
+torch.manual_seed(0)
+
+
+def errors(kernels, n, k, rows, group, asym, dtype):
+    values = torch.randint(0, 16, (n, k))
+    scales = (torch.rand(n, k // group) * 0.01 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group)).to(dtype) if asym else None
+    groups = torch.arange(k) // group
+    weight = (values.float() - (zeros.float()[:, groups] if asym else 8)) * scales.float()[:, groups]
+    x = torch.randn(rows, k).to(dtype)
+    expected = x.float() @ weight.t()
+    words = pack_panels(values, 4)
+    found = []
+    for run, tiles in kernels:
+        y = run(x, words, scales, zeros, 4, group, tiles)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        found.append(((y.float() - expected).norm() / expected.norm()).item())
+    return found
+
+
+today = (int_gemv, IntTiles(0, 8, 32, 2, 1))
+gemv = {}
+for name, (tiles, group, asym, dtype) in {
+        "groups of 128, split-K": (MagicGemvTiles(8, 32, 2), 128, False, torch.float32),
+        "groups of 32, zeros, one panel a step": (MagicGemvTiles(16, 16), 32, True, torch.float32),
+        "groups of 256, zeros, bf16": (MagicGemvTiles(8, 32), 256, True, torch.bfloat16),
+}.items():
+    gemv[name] = errors([(magic_gemv, tiles), today], 24, 512, 1, group, asym, dtype)
+mma = {}
+for name, (tiles, rows, group, asym) in {
+        "16-token tile, one token, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False), 1, 128, True),
+        "32-token tile, 20 tokens, groups of 256": (MagicMmaTiles(32, 64, asm=False), 20, 256, False),
+        "16-token tiles, 20 tokens (two tiles)": (MagicMmaTiles(16, 32, asm=False), 20, 128, True),
+}.items():
+    mma[name] = errors([(magic_mma, tiles)], 40, 512, rows, group, asym, torch.float16)[0]
+refused = []
+for run, tiles, group in ((magic_gemv, MagicGemvTiles(8, 64, 8), 128), (magic_mma, MagicMmaTiles(16, 32), 64)):
+    try:
+        errors([(run, tiles)], 16, 512, 1, group, False, torch.float16)
+    except ValueError:
+        refused.append(True)
+trials = [len(gemv_trials(6144, 4096, 132)), len(mma_trials(4096, 14336, 32, 132))]
+print("RESULTS " + json.dumps({"gemv": gemv, "mma": mma, "refused": refused, "trials": trials}))
+"""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHECKS], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def test_gemv_with_offset_values_gives_the_dequantized_matmul(results):
+    for name, (magic, today) in results["gemv"].items():
+        if "bf16" in name:  # the output's rounding: both kernels alike
+            assert magic < 8e-3 and abs(magic - today) < 2e-3, (name, magic, today)
+        else:  # float32: the offsets (at most 2048 against values below 16) cost a few bits of 24, no more
+            assert magic < 2e-4, (name, magic, today)
+
+
+def test_tensor_core_twin_gives_the_dequantized_matmul(results):
+    for name, error in results["mma"].items():
+        assert error < 2e-3, (name, error)
+
+
+def test_launches_that_do_not_tile_are_refused_and_trials_are_listed(results):
+    # A split past the K range's words; groups smaller than the panel step.
+    assert results["refused"] == [True, True]
+    assert all(count >= 4 for count in results["trials"])
