@@ -56,7 +56,9 @@ class MagicGemvTiles:
 @dataclass(frozen=True)
 class MagicMmaTiles:
     """One :func:`magic_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows a tile, one panel
-    a K step, ``split_k`` K ranges; ``asm``: the widening in inline PTX (else the same values from plain ops)."""
+    a K step, ``split_k`` K ranges; ``asm``: the widening in inline PTX (else the same values from plain ops);
+    ``scaled``: the values become ``(u - zero) * scale`` before the dot (two more packed instructions a pair), which
+    then accumulates across steps, instead of taking the step's scale after it."""
 
     block_m: int
     block_n: int
@@ -64,6 +66,7 @@ class MagicMmaTiles:
     num_warps: int = 4
     num_stages: int = 3
     asm: bool = True
+    scaled: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
@@ -101,7 +104,7 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -121,8 +124,8 @@ def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
 
 def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
-    holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM, pipelines of
-    3 or 4 stages."""
+    holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
+    the dot, or before it with pipelines of 3 or 4 stages."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps, listed = k // PANEL, []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
@@ -130,7 +133,8 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
             split = 1
             while triton.cdiv(n, block_n) * split < programs * sm_count and split < 8 and steps % (2 * split) == 0:
                 split *= 2
-            listed += [MagicMmaTiles(block_m, block_n, split, warps, stages) for stages in (3, 4)]
+            listed += [MagicMmaTiles(block_m, block_n, split, warps),
+                       *(MagicMmaTiles(block_m, block_n, split, warps, stages, scaled=True) for stages in (3, 4))]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
@@ -212,27 +216,50 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
                      pid_k, SPLIT_K)
 
 
-# Pair p of a word ($4): (w >> 4p) & 0x000F000F | magic, the lop3 truth table 0xEA being (a & b) | c.
-def _pairs_asm(magic: int) -> str:
+# Pair p of a word ($4): (w >> 4p) & 0x000F000F | magic (lop3 truth table 0xEA: (a & b) | c); scaled, minus the
+# pair (magic + zero) ($6: u - zero exactly) times the pair (scale, scale) ($8: one rounding, as dequantize's).
+def _pairs_asm(magic: int, scaled: str = "") -> str:
     lop3 = f"0x000F000F, {magic * 0x10001:#x}, 0xEA;"
-    return ("{ .reg .b32 t; lop3.b32 $0, $4, " + lop3 + "".join(
-        f" shr.b32 t, $4, {4 * p}; lop3.b32 ${p}, t, " + lop3 for p in (1, 2, 3)) + " }")
+    text = "{ .reg .b32 t;"
+    for p in range(4):
+        source = "$4" if p == 0 else "t"
+        text += f" shr.b32 t, $4, {4 * p};" if p else ""
+        if scaled:
+            text += (f" lop3.b32 t, {source}, {lop3} sub.rn.{scaled} t, t, $6; mul.rn.{scaled} ${p}, t, $8;")
+        else:
+            text += f" lop3.b32 ${p}, {source}, {lop3}"
+    return text + " }"
 
 
 _PAIRS_BF16 = tl.constexpr(_pairs_asm(0x4300))
 _PAIRS_FP16 = tl.constexpr(_pairs_asm(0x6400))
+_SCALED_BF16 = tl.constexpr(_pairs_asm(0x4300, "bf16x2"))
+_SCALED_FP16 = tl.constexpr(_pairs_asm(0x6400, "f16x2"))
 
 
 @triton.jit
-def _pairs(words, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr):
-    """``[BLOCK_N, 16, 8]``: the eight values of each word widened to ``dtype`` (``OFFSET16 + u``), value ``j`` at
-    position ``2 * (j % 4) + j // 4``: pair ``p`` (values ``p`` and ``p + 4``, the halves of one register) comes
-    from one shift and one lop3 and stays one register."""
+def _pairs(words, zero, scale, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr, dtype: tl.constexpr):
+    """``[BLOCK_N, 16, 8]``: the eight values of each word widened to ``dtype``, ``OFFSET16 + u`` (``SCALED``:
+    ``(u - zero) * scale``, ``zero`` and ``scale`` float32 per row), value ``j`` at position ``2 * (j % 4) + j //
+    4``: pair ``p`` (values ``p`` and ``p + 4``, the halves of one register) comes from one shift and one lop3 (and
+    a subtraction and a multiplication of both halves at once) and stays one register."""
     if ASM:
         # pack=2 over [.., 2] copies of each word (a join's last dimension stays in one thread): both operands
         # of an instance are the same word, and each output register holds the pair (value p, value p + 4).
         twice = tl.join(words, words)
-        if MAGIC16 == 0x4300:
+        if SCALED:
+            zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            if MAGIC16 == 0x4300:
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                    _SCALED_BF16, "=r,=r,=r,=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+            else:
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                    _SCALED_FP16, "=r,=r,=r,=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+        elif MAGIC16 == 0x4300:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _PAIRS_BF16, "=r,=r,=r,=r,r,r", [twice],
                 dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
@@ -241,10 +268,14 @@ def _pairs(words, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr)
                 _PAIRS_FP16, "=r,=r,=r,=r,r,r", [twice],
                 dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
     else:
-        p0 = tl.join(_widened16(words, 0, MAGIC16, dtype), _widened16(words, 4, MAGIC16, dtype))
-        p1 = tl.join(_widened16(words, 1, MAGIC16, dtype), _widened16(words, 5, MAGIC16, dtype))
-        p2 = tl.join(_widened16(words, 2, MAGIC16, dtype), _widened16(words, 6, MAGIC16, dtype))
-        p3 = tl.join(_widened16(words, 3, MAGIC16, dtype), _widened16(words, 7, MAGIC16, dtype))
+        p0 = tl.join(_value(words, 0, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 4, zero, scale, MAGIC16, SCALED, dtype))
+        p1 = tl.join(_value(words, 1, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 5, zero, scale, MAGIC16, SCALED, dtype))
+        p2 = tl.join(_value(words, 2, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 6, zero, scale, MAGIC16, SCALED, dtype))
+        p3 = tl.join(_value(words, 3, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 7, zero, scale, MAGIC16, SCALED, dtype))
     # [.., h, b, a] (p = a + 2b, j = p + 4h) permuted to [.., b, a, h]: each register's pair stays adjacent, at
     # position 2p + h of the word's eight.
     joined = tl.join(tl.join(p0, p2), tl.join(p1, p3))
@@ -252,15 +283,19 @@ def _pairs(words, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr)
 
 
 @triton.jit
-def _widened16(words, J: tl.constexpr, MAGIC16: tl.constexpr, dtype: tl.constexpr):
-    return (((words >> (4 * J)) & 15) | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+def _value(words, J: tl.constexpr, zero, scale, MAGIC16: tl.constexpr, SCALED: tl.constexpr, dtype: tl.constexpr):
+    """The plain-op twin of one value of the inline PTX: ``(u - zero) * scale`` rounded once, or ``OFFSET16 + u``."""
+    u = (words >> (4 * J)) & 15
+    if SCALED:
+        return ((u.to(tl.float32) - zero[:, None]) * scale[:, None]).to(dtype)
+    return (u | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
 def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                       stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -278,11 +313,17 @@ def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrival
         words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         x_panel = tl.load(x_tile + k0, mask=m_mask[None, None, None, :], other=0)
         x = tl.reshape(tl.permute(x_panel, (2, 1, 0, 3)), [128, BLOCK_M])  # K position 8c + 2p + h, as the weight's
-        w = tl.reshape(_pairs(words, MAGIC16, ASM, x.dtype), [BLOCK_N, 128])
-        part = tl.dot(w, x)
-        s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS, OFFSET16,
-                                    BLOCK_N)
-        acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
+        if SCALED:  # the values dequantized before the dot, which accumulates
+            s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS, 0.0,
+                                        BLOCK_N)
+            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, True, x.dtype), [BLOCK_N, 128])
+            acc = tl.dot(w, x, acc)
+        else:  # the step's scale and zero (and the widening's offset) after the dot
+            s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS, OFFSET16,
+                                        BLOCK_N)
+            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, False, x.dtype), [BLOCK_N, 128])
+            part = tl.dot(w, x)
+            acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
                      arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,

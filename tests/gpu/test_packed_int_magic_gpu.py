@@ -1,5 +1,5 @@
 """The sweep's W4A16 candidates (kernels/packed_int_magic.py) on a GPU at Llama-3.1-8B's projection shapes: the
-tensor-core kernel's inline-PTX widening gives exactly what its plain-op twin gives (the CPU tests check the twin),
+tensor-core kernel's inline-PTX widening (scaled after the dot or before it) gives exactly what its plain-op twin gives (the CPU tests check the twin),
 and both kernels match the dequantized matmul in bf16 and fp16, with and without zero points."""
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ def test_magic_mma_asm_equals_its_twin_and_the_reference(n, k, asym, dtype):
     for rows in (1, 21, 64):  # one token on a 16-token tile, a partial 32-token tile, a full 64-token one
         x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
         expected = x.float() @ dense.t()
-        tiles = mma_trials(n, k, rows, sm_count)[0]
-        y = magic_mma(x, words, scales, zeros, 4, 128, tiles)
-        twin = magic_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
-        assert torch.equal(y, twin), (rows, tiles)
-        assert _error(y, expected) < 1e-2, (rows, tiles, _error(y, expected))
+        for scaled in (False, True):  # the values scaled after the dot, or before it
+            tiles = next(t for t in mma_trials(n, k, rows, sm_count) if t.scaled == scaled)
+            y = magic_mma(x, words, scales, zeros, 4, 128, tiles)
+            twin = magic_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
+            assert torch.equal(y, twin), (rows, tiles)
+            assert _error(y, expected) < 1e-2, (rows, tiles, _error(y, expected))
 
 
 @pytest.mark.parametrize("dtype, asym", KINDS)

@@ -1,6 +1,6 @@
 """The sweep's W4A16 candidates of kernels/packed_int_magic.py under TRITON_INTERPRET=1 on small shapes: the GEMV
 whose values keep an offset of 128 or 2048 until their group folds it away, and the tensor-core kernel's plain-op
-twin of its inline-PTX widening (the PTX itself runs on GPUs only: tests/gpu/test_packed_int_magic_gpu.py), against
+twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs only: tests/gpu/test_packed_int_magic_gpu.py), against
 ``x @ ((u - zero) * scale).T`` on the panel layout, and next to today's GEMV on the same inputs."""
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ for name, (tiles, rows, group, asym) in {
         "16-token tile, one token, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False), 1, 128, True),
         "32-token tile, 20 tokens, groups of 256": (MagicMmaTiles(32, 64, asm=False), 20, 256, False),
         "16-token tiles, 20 tokens (two tiles)": (MagicMmaTiles(16, 32, asm=False), 20, 128, True),
+        "scaled before the dot, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False, scaled=True), 5, 128, True),
+        "scaled before the dot, groups of 256": (MagicMmaTiles(32, 32, asm=False, scaled=True), 20, 256, False),
 }.items():
     mma[name] = errors([(magic_mma, tiles)], 40, 512, rows, group, asym, torch.float16)[0]
 refused = []
