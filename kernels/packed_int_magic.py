@@ -104,8 +104,8 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 

@@ -1,6 +1,7 @@
 """The sweep's W4A16 candidates (kernels/packed_int_magic.py) on a GPU at Llama-3.1-8B's projection shapes: the
-tensor-core kernel's inline-PTX widening (scaled after the dot or before it) gives exactly what its plain-op twin gives (the CPU tests check the twin),
-and both kernels match the dequantized matmul in bf16 and fp16, with and without zero points."""
+tensor-core kernel's inline-PTX widening (scaled after the dot or before it) gives exactly what its plain-op twin
+gives (the CPU tests check the twin), and both kernels match the dequantized matmul in bf16 and fp16, with and
+without zero points."""
 
 from __future__ import annotations
 

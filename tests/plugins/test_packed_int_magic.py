@@ -1,7 +1,8 @@
 """The sweep's W4A16 candidates of kernels/packed_int_magic.py under TRITON_INTERPRET=1 on small shapes: the GEMV
 whose values keep an offset of 128 or 2048 until their group folds it away, and the tensor-core kernel's plain-op
-twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs only: tests/gpu/test_packed_int_magic_gpu.py), against
-``x @ ((u - zero) * scale).T`` on the panel layout, and next to today's GEMV on the same inputs."""
+twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs only:
+tests/gpu/test_packed_int_magic_gpu.py), against ``x @ ((u - zero) * scale).T`` on the panel layout, and next to
+today's GEMV on the same inputs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 CHECKS = r"""
 import json, torch
 from treadle.kernels.packed_int import IntTiles, int_gemv
-from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, gemv_trials, magic_gemv, magic_mma, mma_trials
+from treadle.kernels.packed_int_magic import (MagicGemvTiles, MagicMmaTiles, gemv_trials, magic_gemv, magic_mma,
+                                              mma_trials)
 from treadle.layers.packed_int import pack_panels
 torch.manual_seed(0)
 
