@@ -184,13 +184,18 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
                            mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         unsigned = words.to(tl.uint32, bitcast=True)
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        # Per word column: the activations times each value's offset plus the symmetric zero (without zero
+        # points), else times the offset, and their plain sum.
+        x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
-        x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)  # sum of each value's offset times its activation
         for j in tl.static_range(8):
             x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
             part += _offset_value(unsigned, j) * x[None, :]
-            x_sum += x
-            x_offset += x * (128.0 + 1920.0 * (j % 2))
+            if HAS_ZEROS:
+                x_offset += x * (128.0 + 1920.0 * (j % 2))
+                x_sum += x
+            else:
+                x_offset += x * (136.0 + 1920.0 * (j % 2))
             if (j + 1) % JG == 0:
                 if ONE_PANEL:
                     g = (k0 + 16 * (j + 1 - JG)) // GROUP
@@ -205,10 +210,10 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
                         z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
                 if HAS_ZEROS:
                     acc += s * (part - x_offset[None, :] - z * x_sum[None, :])
+                    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
                 else:
-                    acc += s * (part - (x_offset + 8.0 * x_sum)[None, :])
+                    acc += s * (part - x_offset[None, :])
                 part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-                x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
                 x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
         words = upcoming
     allow_next(PDL)
