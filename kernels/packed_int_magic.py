@@ -1,23 +1,36 @@
 """Candidate W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel
 layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to rank against today's:
 
-- :func:`magic_gemv` (one token, CUDA cores): each value becomes float32 ``OFFSET + u`` with one and-or (a lop3)
-  straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed into
-  the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings the
-  other six values to those positions, so a word of eight values costs three shifts, eight and-ors and eight FMAs
-  with the activations, and no subtraction: the offsets are small against the values (at most 2**11, so the float32
-  sums keep 13 bits past them), and each group takes them off once per word column, through the activations'
-  offset-weighted sum, with the zero point (today's GEMV: one and-or, one subtraction of 2**23 and one FMA a value,
-  a shift more for three of the eight).
+- :func:`magic_gemv` (one token, CUDA cores), two ways to widen (``denormal``):
+
+  - subnormals: a value's four bits, the word's others cleared (one and with one immediate), read as float32 are
+    the subnormal ``u * 2**(4P - 149)`` exactly, ``P`` its nibble position in the half-word it sits in (values 4-7
+    after one shift of the word by 16); the activations take the power of two (``x * 2**(89 - 4P)``), so every
+    product is ``u * x * 2**-60`` exactly (FMAs keep subnormals: Triton does not emit .ftz), the row's sum takes
+    ``2**60`` once at the end, and each group's zero leaves through the activations' sum. A word of eight values:
+    one shift, eight ands, eight FMAs; float32 all the way, as exact as today's;
+  - offsets: each value becomes float32 ``OFFSET + u`` with one and-or (two immediates, one kept in a register)
+    straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed
+    into the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings
+    the other six values there, and each group takes the offsets off once per word column, through the
+    activations' offset-weighted sum, with the zero point (the float32 sums keep 13 bits past the offsets).
+
+  Today's GEMV: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three of the eight.
+  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than today's, offsets
+  12-17% fewer (ptxas reloads the second immediate of most and-ors into a register).
 - :func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
   row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
   word's eight values become four pairs of 16-bit ``128 + u`` (bf16; fp16 ``1024 + u``), each pair one shift and
   one lop3 (``(w >> 4p) & 0x000F000F | 0x43004300``: values ``p`` and ``p + 4`` of the word in one register), by
-  inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). The pairs join
-  into the tile in the word's order (K position ``8c + j`` for value ``j`` of word ``c``, whose panel column is
-  ``16j + c``), so the activations are loaded in that order; the step's group takes its scale and zero (and the
-  widening's offset, through the tokens' activation sums) after the dot. Split-K where the weight's row tiles
-  leave the SMs short of programs.
+  inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). Each pair
+  stays one register in the tile (value ``j`` of word ``c`` at K position ``8c + 2 * (j % 4) + j // 4``; its panel
+  column is ``16j + c``), and the activations are loaded and permuted into that order. The step's group takes its
+  scale and zero (and the widening's offset, through the tokens' activation sums) after the dot, or (``scaled``)
+  before it, by a packed subtraction and multiplication of each pair in the same PTX (``(u - zero) * scale``
+  rounded once, as :func:`~treadle.kernels.packed_int.dequantize` rounds), the dot then accumulating across steps.
+  Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
+  by 16 tokens a panel): 380 instructions (scaled: 423) against ``int_mma``'s 662 (per-slot dots) and 771 (whole
+  panels).
 """
 
 from __future__ import annotations
@@ -40,12 +53,13 @@ PANEL = PANEL_WORDS * 8  # 4-bit values per panel
 @dataclass(frozen=True)
 class MagicGemvTiles:
     """One :func:`magic_gemv` launch: ``block_n`` rows by ``block_w`` words (a multiple of the 16-word panel) per
-    program and K step, ``split_k`` K ranges."""
+    program and K step, ``split_k`` K ranges; ``denormal``: the values widened as subnormals (module docstring)."""
 
     block_n: int
     block_w: int = 64
     split_k: int = 1
     num_warps: int = 1
+    denormal: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         words = k // 8
@@ -84,7 +98,8 @@ def magic_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero
     _magic_gemv_kernel[grid](
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, 1, n, x.device),
         _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0), GROUP=group,
-        HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl,
+        HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
+        DENORMAL=tiles.denormal, PDL=pdl,
         launch_pdl=pdl, num_warps=tiles.num_warps)
     return out
 
@@ -110,15 +125,17 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
-    """The :func:`magic_gemv` launches the sweep times at one token: today's best kinds (8 or 16 rows a one-warp
-    program, 64 or 32 words a step, split-K for 12 or 4 programs per SM, or half of that)."""
+    """The :func:`magic_gemv` launches the sweep times at one token: today's best kinds (8 to 32 rows a one- or
+    two-warp program, 16 to 128 words a step, split-K for 12 or 4 programs per SM, or half of that), each with both
+    widenings."""
     words = k // 8
     listed = []
-    for block_n, block_w, warps, per_sm in ((8, 64, 1, 12), (16, 32, 1, 4), (16, 16, 1, 4), (32, 16, 2, 4),
-                                            (8, 128, 1, 12)):
+    for block_n, block_w, warps, per_sm in ((8, 64, 1, 12), (16, 32, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4),
+                                            (16, 16, 1, 4), (32, 16, 2, 4), (8, 128, 1, 12)):
         split = _split(n, words, block_n, block_w, per_sm * sm_count)
-        listed += [MagicGemvTiles(block_n, block_w, split, warps),
-                   MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps)]
+        for denormal in (True, False):
+            listed += [MagicGemvTiles(block_n, block_w, split, warps, denormal),
+                       MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps, denormal)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
@@ -136,6 +153,21 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
             listed += [MagicMmaTiles(block_m, block_n, split, warps),
                        *(MagicMmaTiles(block_m, block_n, split, warps, stages, scaled=True) for stages in (3, 4))]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+_TWO_89 = tl.constexpr(2.0 ** 89)
+_TWO_85 = tl.constexpr(2.0 ** 85)
+_TWO_81 = tl.constexpr(2.0 ** 81)
+_TWO_77 = tl.constexpr(2.0 ** 77)
+_TWO_60 = tl.constexpr(2.0 ** 60)
+_TWO_MINUS_60 = tl.constexpr(2.0 ** -60)
+
+
+@triton.jit
+def _denormal_value(words, P: tl.constexpr):
+    """Bits ``4P`` to ``4P + 3`` of each uint32 word, the others cleared, read as float32: the subnormal
+    ``u * 2**(4P - 149)``, exactly (one and with one immediate; FMAs keep subnormals: Triton's are not .ftz)."""
+    return (words & (15 << (4 * P))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -160,7 +192,7 @@ def _offset_value(words, J: tl.constexpr):
 @triton.jit
 def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
                        stride_sn, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DENORMAL: tl.constexpr, PDL: tl.constexpr):
     STEP: tl.constexpr = BLOCK_W * 8
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < 8 else 8  # value slots per group fold
     ONE_PANEL: tl.constexpr = BLOCK_W == 16
@@ -183,6 +215,7 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
         upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // 8, 16),
                            mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         unsigned = words.to(tl.uint32, bitcast=True)
+        high = unsigned >> 16  # DENORMAL: values 4-7 at bits 0-15
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         # Per word column: the activations times each value's offset plus the symmetric zero (without zero
         # points), else times the offset, and their plain sum.
@@ -190,12 +223,25 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(8):
             x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
-            part += _offset_value(unsigned, j) * x[None, :]
-            if HAS_ZEROS:
-                x_offset += x * (128.0 + 1920.0 * (j % 2))
-                x_sum += x
+            if DENORMAL:
+                # u * 2**(4 * (J % 4) - 149) times x * 2**(89 - 4 * (J % 4)): u * x * 2**-60, both exact.
+                if j % 4 == 0:
+                    scaled = x * _TWO_89
+                elif j % 4 == 1:
+                    scaled = x * _TWO_85
+                elif j % 4 == 2:
+                    scaled = x * _TWO_81
+                else:
+                    scaled = x * _TWO_77
+                part += _denormal_value(unsigned if j < 4 else high, j % 4) * scaled[None, :]
+                x_offset += x * (_TWO_MINUS_60 if HAS_ZEROS else 8.0 * _TWO_MINUS_60)
             else:
-                x_offset += x * (136.0 + 1920.0 * (j % 2))
+                part += _offset_value(unsigned, j) * x[None, :]
+                if HAS_ZEROS:
+                    x_offset += x * (128.0 + 1920.0 * (j % 2))
+                    x_sum += x
+                else:
+                    x_offset += x * (136.0 + 1920.0 * (j % 2))
             if (j + 1) % JG == 0:
                 if ONE_PANEL:
                     g = (k0 + 16 * (j + 1 - JG)) // GROUP
@@ -209,7 +255,10 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
                     if HAS_ZEROS:
                         z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
                 if HAS_ZEROS:
-                    acc += s * (part - x_offset[None, :] - z * x_sum[None, :])
+                    if DENORMAL:  # x_offset: the activations' sum times 2**-60
+                        acc += s * (part - z * x_offset[None, :])
+                    else:
+                        acc += s * (part - x_offset[None, :] - z * x_sum[None, :])
                     x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
                 else:
                     acc += s * (part - x_offset[None, :])
@@ -217,7 +266,10 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
                 x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
         words = upcoming
     allow_next(PDL)
-    _store_or_reduce(tl.sum(acc, axis=1), out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
+    total = tl.sum(acc, axis=1)
+    if DENORMAL:
+        total = total * _TWO_60
+    _store_or_reduce(total, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
                      pid_k, SPLIT_K)
 
 

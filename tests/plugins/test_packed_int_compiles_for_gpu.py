@@ -50,7 +50,11 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     # The sweep's candidates of kernels/packed_int_magic.py: the offset GEMV, the tensor-core kernel with the inline
     # PTX widening (bf16 and fp16 magic numbers).
     variants["magic_gemv"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
-                              dict(GROUP=32, HAS_ZEROS=True, SPLIT_K=2, BLOCK_N=8, BLOCK_W=64, PDL=True))
+                              dict(GROUP=32, HAS_ZEROS=True, SPLIT_K=2, BLOCK_N=8, BLOCK_W=64, DENORMAL=False,
+                                   PDL=True))
+    variants["magic_gemv[subnormal]"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
+                                         dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=1, BLOCK_N=16, BLOCK_W=32,
+                                              DENORMAL=True, PDL=True))
     for dtype, magic, offset, scaled in (("bf16", 0x4300, 128.0, False), ("fp16", 0x6400, 1024.0, False),
                                          ("bf16", 0x4300, 128.0, True)):
         variants[f"magic_mma[{dtype}{',scaled' if scaled else ''}]"] = (

@@ -1,5 +1,5 @@
 """The sweep's W4A16 candidates of kernels/packed_int_magic.py under TRITON_INTERPRET=1 on small shapes: the GEMV
-whose values keep an offset of 128 or 2048 until their group folds it away, and the tensor-core kernel's plain-op
+whose values are subnormals, or keep an offset of 128 or 2048 until their group folds it away, and the tensor-core kernel's plain-op
 twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs only:
 tests/gpu/test_packed_int_magic_gpu.py), against ``x @ ((u - zero) * scale).T`` on the panel layout, and next to
 today's GEMV on the same inputs."""
@@ -45,6 +45,9 @@ for name, (tiles, group, asym, dtype) in {
         "groups of 128, split-K": (MagicGemvTiles(8, 32, 2), 128, False, torch.float32),
         "groups of 32, zeros, one panel a step": (MagicGemvTiles(16, 16), 32, True, torch.float32),
         "groups of 256, zeros, bf16": (MagicGemvTiles(8, 32), 256, True, torch.bfloat16),
+        "subnormals, groups of 128, split-K": (MagicGemvTiles(8, 32, 2, denormal=True), 128, False, torch.float32),
+        "subnormals, groups of 32, zeros": (MagicGemvTiles(16, 16, denormal=True), 32, True, torch.float32),
+        "subnormals, groups of 256, zeros, bf16": (MagicGemvTiles(8, 32, denormal=True), 256, True, torch.bfloat16),
 }.items():
     gemv[name] = errors([(magic_gemv, tiles), today], 24, 512, 1, group, asym, dtype)
 mma = {}
@@ -80,6 +83,8 @@ def test_gemv_with_offset_values_gives_the_dequantized_matmul(results):
     for name, (magic, today) in results["gemv"].items():
         if "bf16" in name:  # the output's rounding: both kernels alike
             assert magic < 8e-3 and abs(magic - today) < 2e-3, (name, magic, today)
+        elif "subnormals" in name:  # exact products, float32 sums: as exact as today's
+            assert magic < 1e-6, (name, magic, today)
         else:  # float32: the offsets (at most 2048 against values below 16) cost a few bits of 24, no more
             assert magic < 2e-4, (name, magic, today)
 
