@@ -1,7 +1,8 @@
 """``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs N] [--narrow]``: every W4A16
 kernel variant and launch config (the GEMV and ``int_dot`` configs, the ``int_mma`` candidates of
-``kernels/packed_int_mma.py`` and the ``magic_gemv`` / ``magic_mma`` ones of ``kernels/packed_int_magic.py``) at Llama-3.1-8B's four projection shapes and each batch size, against bfloat16
-``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
+``kernels/packed_int_mma.py`` and the ``magic_gemv`` / ``magic_mma`` ones of ``kernels/packed_int_magic.py``) at
+Llama-3.1-8B's four projection shapes and each batch size, against bfloat16 ``F.linear`` and the W4A16 roofline, on
+one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
 loader times (``kernels/int_kernel_plan.py``) and the trials (:func:`trials`, :func:`magic_trials`).
 
 The configs compile first in ``--jobs`` processes at once (filling Triton's on-disk cache), then each is timed alone

@@ -1,8 +1,8 @@
 """The sweep's W4A16 candidates of kernels/packed_int_magic.py under TRITON_INTERPRET=1 on small shapes: the GEMV
-whose values are subnormals, or keep an offset of 128 or 2048 until their group folds it away, and the tensor-core kernel's plain-op
-twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs only:
-tests/gpu/test_packed_int_magic_gpu.py), against ``x @ ((u - zero) * scale).T`` on the panel layout, and next to
-today's GEMV on the same inputs."""
+whose values are subnormals, or keep an offset of 128 or 2048 until their group folds it away, and the tensor-core
+kernel's plain-op twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs
+only: tests/gpu/test_packed_int_magic_gpu.py), against ``x @ ((u - zero) * scale).T`` on the panel layout, and
+next to today's GEMV on the same inputs."""
 
 from __future__ import annotations
 
