@@ -15,6 +15,7 @@ kernel's fastest per shape and its 32-layer sum (:func:`kernel_table`); writes e
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import multiprocessing
@@ -138,12 +139,17 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
 
 
 def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
-    """kernels/packed_int_magic.py's candidates: at one row its GEMV (fewer instructions a value: is the GEMV
-    short of issue slots?) and its tensor-core kernel on a 16-token tile; at 2 to 64 rows the tensor-core kernel
-    (each weight tile widened once a program, by pairs: does M=32 then cost about what M=16 does?)."""
+    """The candidates that widen with fewer instructions: at one row today's GEMV configs with the subnormal
+    widening (``IntTiles.subnormal``), kernels/packed_int_magic.py's GEMV (is the GEMV short of issue slots?) and
+    its tensor-core kernel on a 16-token tile; at 2 to 64 rows the tensor-core kernel (each weight tile widened
+    once a program, by pairs: does M=32 then cost about what M=16 does?)."""
+    from treadle.kernels.packed_int import gemv_candidates
     from treadle.kernels.packed_int_magic import gemv_trials, mma_trials
 
-    return (gemv_trials(n, k, sm_count) if rows == 1 else []) + mma_trials(n, k, rows, sm_count)
+    if rows > 1:
+        return mma_trials(n, k, rows, sm_count)
+    subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in gemv_candidates(n, k, 4, sm_count)]
+    return subnormal + gemv_trials(n, k, sm_count) + mma_trials(n, k, rows, sm_count)
 
 
 def _kernel(tiles) -> str:
@@ -152,7 +158,9 @@ def _kernel(tiles) -> str:
 
     if isinstance(tiles, (MagicGemvTiles, MagicMmaTiles)):
         return "magic_gemv" if isinstance(tiles, MagicGemvTiles) else "magic_mma"
-    return "int_mma" if isinstance(tiles, MmaTiles) else "gemv" if tiles.block_m == 0 else "int_dot"
+    if isinstance(tiles, MmaTiles):
+        return "int_mma"
+    return ("gemv_subnormal" if tiles.subnormal else "gemv") if tiles.block_m == 0 else "int_dot"
 
 
 def table(results: list[dict], rows_list: list[int]) -> str:
@@ -166,8 +174,8 @@ def table(results: list[dict], rows_list: list[int]) -> str:
             # Today's kernels: what the loader times (a --narrow sweep's launches but its trials), else all but
             # the candidates (int_mma's, the magic kernels').
             narrow = any(r["kernel"].endswith("trial") for r in timed)
-            today = [r for r in timed if not (r["kernel"].endswith("trial") if narrow else
-                                              r["kernel"].endswith("int_mma") or r["kernel"].startswith("magic"))]
+            today = [r for r in timed if not (r["kernel"].endswith("trial") if narrow else r["kernel"].endswith(
+                ("int_mma", "subnormal")) or r["kernel"].startswith("magic"))]
             if not timed or not today:
                 continue
             best, best_today = min(timed, key=lambda r: r["us"]), min(today, key=lambda r: r["us"])

@@ -5,8 +5,9 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 
 - :func:`int_gemv` — one token: each program streams ``block_n`` rows, ``block_w`` words per step (the next step's
   words loaded before this one's arithmetic), and turns each 4-bit value into float32 with one integer op (the
-  value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation) and one add; sums
-  stay per word column in registers and meet their group's scale once per group, so the only cross-thread
+  value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation) and one add, or
+  (``IntTiles.subnormal``, a sweep trial) with one and alone (the value's bits read as a float32 subnormal, exact,
+  the activation taking the power of two); sums stay per word column in registers and meet their group's scale once per group, so the only cross-thread
   reduction is the last one. Split-K programs store float32 partials that the last of a tile's programs sums (no
   second kernel, no memset).
 - :func:`int_dot` — 2 to ``DOT_MAX_ROWS`` rows: per panel, each value slot ``j`` of the words is widened to the
@@ -42,7 +43,8 @@ DOT_MAX_ROWS = 256
 class IntTiles:
     """One launch's tiles: ``block_m`` 0 means the GEMV; ``block_w`` packed words per row per K step (a multiple of
     the 16-word panel; the tiles of ``int_dot`` take one panel per step); ``split_k`` K ranges whose float32
-    partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone."""
+    partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone;
+    ``subnormal``: the GEMV widens 4-bit values as subnormals (``_subnormal_times_x``)."""
 
     block_m: int
     block_n: int
@@ -50,6 +52,7 @@ class IntTiles:
     split_k: int = 1
     num_warps: int = 4
     i16: bool = False
+    subnormal: bool = False
 
 
 def tiles_shape(k: int, bits: int, group: int) -> bool:
@@ -126,7 +129,8 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         residual, norm_weight, normed, residual_out, eps, n, k // tiles.split_k, weight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
-        BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
+        BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, SUBNORMAL=tiles.subnormal and bits == 4,
+        launch_pdl=pdl, num_warps=tiles.num_warps)
     return out if add_rmsnorm is None else (normed, residual_out)
 
 
@@ -195,10 +199,34 @@ def _slot_times_x(words, x, J: tl.constexpr, BITS: tl.constexpr, CENTERED: tl.co
 
 
 @triton.jit
+def _subnormal_times_x(words, x, J: tl.constexpr):
+    """``u * x * 2**-60`` exactly for 4-bit value slot ``J`` of each word, ``x`` float32 per word column: the value's
+    four bits alone (the word shifted by 16 first for slots 4-7), one and, read as float32 are the subnormal
+    ``u * 2**(4P - 149)`` (``P = J % 4``), and ``x`` takes ``2**(89 - 4P)`` (FMAs keep subnormals: Triton's are
+    not .ftz)."""
+    P: tl.constexpr = J % 4
+    if J < 4:
+        value = (words & (15 << (4 * P))).to(tl.float32, bitcast=True)
+    else:
+        value = ((words >> 16) & (15 << (4 * P))).to(tl.float32, bitcast=True)
+    if P == 0:
+        scaled = x * 618970019642690137449562112.0  # 2**89
+    elif P == 1:
+        scaled = x * 38685626227668133590597632.0  # 2**85
+    elif P == 2:
+        scaled = x * 2417851639229258349412352.0  # 2**81
+    else:
+        scaled = x * 151115727451828646838272.0  # 2**77
+    return value * scaled[None, :]
+
+
+@triton.jit
 def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    """float32 sums of the activation row with the weight rows ``offs_n`` over one K range."""
+               BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr = False):
+    """float32 sums of the activation row with the weight rows ``offs_n`` over one K range. ``SUBNORMAL`` (4-bit):
+    each value times its activation by :func:`_subnormal_times_x` (one and and one FMA a value), the zero (the
+    symmetric 8 without zero points) through the activations' sum, and ``2**60`` once at the end."""
     PACK: tl.constexpr = 32 // BITS
     PANEL: tl.constexpr = 16 * PACK
     STEP: tl.constexpr = BLOCK_W * PACK
@@ -220,9 +248,13 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(PACK):
             x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
-            part += _slot_times_x(words, x, j, BITS, not HAS_ZEROS)
-            if HAS_ZEROS:
-                x_sum += x
+            if SUBNORMAL:
+                part += _subnormal_times_x(words, x, j)
+                x_sum += x * 8.673617379884035e-19  # 2**-60, part's scale
+            else:
+                part += _slot_times_x(words, x, j, BITS, not HAS_ZEROS)
+                if HAS_ZEROS:
+                    x_sum += x
             if (j + 1) % JG == 0:
                 if ONE_PANEL:
                     g = (k0 + 16 * (j + 1 - JG)) // GROUP
@@ -238,10 +270,15 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
                 if HAS_ZEROS:
                     acc += s * (part - z * x_sum[None, :])
                     x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+                elif SUBNORMAL:
+                    acc += s * (part - 8.0 * x_sum[None, :])
+                    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
                 else:
                     acc += s * part
                 part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         words = upcoming
+    if SUBNORMAL:
+        return tl.sum(acc, axis=1) * 1152921504606846976.0  # 2**60
     return tl.sum(acc, axis=1)
 
 
@@ -250,7 +287,7 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                      normed_ptr, residual_out_ptr, eps, N, k_per_split, stride_wn, stride_sn, BITS: tl.constexpr,
                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -258,10 +295,10 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
     n_mask = offs_n < N
     k_begin = pid_k * k_per_split
     acc = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
-                     GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL)
+                     GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, SUBNORMAL)
     if SILU_MUL:
         up = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
-                        BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False)
+                        BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, SUBNORMAL)
         allow_next(PDL)
         # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)

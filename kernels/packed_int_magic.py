@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _split, _store_or_reduce,
-                                        widening)
+                                        _subnormal_times_x, widening)
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals
@@ -155,21 +155,6 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
-_TWO_89 = tl.constexpr(2.0 ** 89)
-_TWO_85 = tl.constexpr(2.0 ** 85)
-_TWO_81 = tl.constexpr(2.0 ** 81)
-_TWO_77 = tl.constexpr(2.0 ** 77)
-_TWO_60 = tl.constexpr(2.0 ** 60)
-_TWO_MINUS_60 = tl.constexpr(2.0 ** -60)
-
-
-@triton.jit
-def _denormal_value(words, P: tl.constexpr):
-    """Bits ``4P`` to ``4P + 3`` of each uint32 word, the others cleared, read as float32: the subnormal
-    ``u * 2**(4P - 149)``, exactly (one and with one immediate; FMAs keep subnormals: Triton's are not .ftz)."""
-    return (words & (15 << (4 * P))).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _offset_value(words, J: tl.constexpr):
     """Value ``J`` (bits ``4J`` up) of each uint32 word as float32 ``128 + u`` (even ``J``: the value at bits
@@ -215,7 +200,6 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
         upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // 8, 16),
                            mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         unsigned = words.to(tl.uint32, bitcast=True)
-        high = unsigned >> 16  # DENORMAL: values 4-7 at bits 0-15
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         # Per word column: the activations times each value's offset plus the symmetric zero (without zero
         # points), else times the offset, and their plain sum.
@@ -224,17 +208,8 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
         for j in tl.static_range(8):
             x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
             if DENORMAL:
-                # u * 2**(4 * (J % 4) - 149) times x * 2**(89 - 4 * (J % 4)): u * x * 2**-60, both exact.
-                if j % 4 == 0:
-                    scaled = x * _TWO_89
-                elif j % 4 == 1:
-                    scaled = x * _TWO_85
-                elif j % 4 == 2:
-                    scaled = x * _TWO_81
-                else:
-                    scaled = x * _TWO_77
-                part += _denormal_value(unsigned if j < 4 else high, j % 4) * scaled[None, :]
-                x_offset += x * (_TWO_MINUS_60 if HAS_ZEROS else 8.0 * _TWO_MINUS_60)
+                part += _subnormal_times_x(words, x, j)
+                x_offset += x * (8.673617379884035e-19 if HAS_ZEROS else 6.938893903907228e-18)  # 2**-60, 8 * that
             else:
                 part += _offset_value(unsigned, j) * x[None, :]
                 if HAS_ZEROS:
@@ -268,7 +243,7 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
     allow_next(PDL)
     total = tl.sum(acc, axis=1)
     if DENORMAL:
-        total = total * _TWO_60
+        total = total * 1152921504606846976.0  # 2**60
     _store_or_reduce(total, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
                      pid_k, SPLIT_K)
 

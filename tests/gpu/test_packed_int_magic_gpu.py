@@ -69,3 +69,22 @@ def test_magic_gemv_matches_the_reference_as_today_does(n, k, asym, dtype):
     for tiles in gemv_trials(n, k, sm_count)[:4]:  # both widenings
         error = _error(magic_gemv(x, words, scales, zeros, 4, 128, tiles), expected)
         assert error < max(2 * today, 4e-3), (tiles, error, today)
+
+
+@pytest.mark.parametrize("epilogue", ["split-K", "silu_mul", "add_rmsnorm"])
+def test_todays_gemv_with_subnormal_values_equals_it_closely(epilogue):
+    # IntTiles.subnormal: the same kernel and epilogues, the values widened as float32 subnormals.
+    from treadle.kernels.packed_int import IntTiles, int_gemv
+
+    n, k = (28672, 4096) if epilogue == "silu_mul" else (4096, 14336)
+    words, scales, zeros, _ = _weight(n, k, True, torch.bfloat16)
+    x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+    tiles = IntTiles(0, 8, 64, 4 if epilogue == "split-K" else 1, 1)
+    extra = {"silu_mul": True} if epilogue == "silu_mul" else {}
+    if epilogue == "add_rmsnorm":
+        extra = {"add_rmsnorm": (torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16),
+                                 torch.rand(n, device=DEVICE, dtype=torch.bfloat16) + 0.5, 1e-5)}
+    plain = int_gemv(x, words, scales, zeros, 4, 128, tiles, **extra)
+    subnormal = int_gemv(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, subnormal=True), **extra)
+    for a, b in zip(*(((y,) if isinstance(y, torch.Tensor) else y) for y in (plain, subnormal))):
+        assert _error(b, a.float()) < 4e-3, (epilogue, _error(b, a.float()))

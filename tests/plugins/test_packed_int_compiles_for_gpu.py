@@ -30,7 +30,13 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
         name = f"gemv[words={block_w},zeros={zeros},split_k={split},silu_mul={silu},add_rmsnorm={norm},bits={bits}]"
         variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=norm,
-                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True))
+                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True, SUBNORMAL=False))
+    # The subnormal widening (a sweep trial), with the SiLU·mul epilogue and with split-K and zero points.
+    for zeros, split, silu in ((False, 1, True), (True, 4, False)):
+        variants[f"gemv[subnormal,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
+            "_int_gemv_kernel", {"out_ptr": "*bf16"},
+            dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
+                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True))
     for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
         name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},

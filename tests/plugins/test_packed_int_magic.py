@@ -50,6 +50,19 @@ for name, (tiles, group, asym, dtype) in {
         "subnormals, groups of 256, zeros, bf16": (MagicGemvTiles(8, 32, denormal=True), 256, True, torch.bfloat16),
 }.items():
     gemv[name] = errors([(magic_gemv, tiles), today], 24, 512, 1, group, asym, dtype)
+# Today's GEMV with the subnormal widening (IntTiles.subnormal): plain, split-K with zero points, SiLU·mul.
+subnormal = {}
+for name, (tiles, group, asym) in {"plain": (IntTiles(0, 8, 32, 1, 1, subnormal=True), 128, False),
+                                   "split-K, zeros, groups of 32": (IntTiles(0, 16, 16, 2, 1, subnormal=True), 32, True)
+                                   }.items():
+    subnormal[name] = errors([(int_gemv, tiles)], 24, 512, 1, group, asym, torch.float32)[0]
+values = torch.randint(0, 16, (32, 256))
+scales = torch.rand(32, 2) * 0.01 + 0.001
+x = torch.randn(1, 256)
+words = pack_panels(values, 4)
+fused = int_gemv(x, words, scales, None, 4, 128, IntTiles(0, 8, 32, 1, 1, subnormal=True), silu_mul=True)
+plain = int_gemv(x, words, scales, None, 4, 128, IntTiles(0, 8, 32, 1, 1), silu_mul=True)
+subnormal["silu_mul"] = ((fused - plain).norm() / plain.norm()).item()
 mma = {}
 for name, (tiles, rows, group, asym) in {
         "16-token tile, one token, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False), 1, 128, True),
@@ -66,7 +79,7 @@ for run, tiles, group in ((magic_gemv, MagicGemvTiles(8, 64, 8), 128), (magic_mm
     except ValueError:
         refused.append(True)
 trials = [len(gemv_trials(6144, 4096, 132)), len(mma_trials(4096, 14336, 32, 132))]
-print("RESULTS " + json.dumps({"gemv": gemv, "mma": mma, "refused": refused, "trials": trials}))
+print("RESULTS " + json.dumps({"gemv": gemv, "subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials}))
 """
 
 
@@ -87,6 +100,12 @@ def test_gemv_with_offset_values_gives_the_dequantized_matmul(results):
             assert magic < 1e-6, (name, magic, today)
         else:  # float32: the offsets (at most 2048 against values below 16) cost a few bits of 24, no more
             assert magic < 2e-4, (name, magic, today)
+
+
+def test_todays_gemv_with_subnormal_values_gives_the_dequantized_matmul(results):
+    assert len(results["subnormal"]) == 3
+    for name, error in results["subnormal"].items():
+        assert error < 1e-6, (name, error)
 
 
 def test_tensor_core_twin_gives_the_dequantized_matmul(results):
