@@ -35,6 +35,7 @@ layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels -
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,8 @@ class MagicMmaTiles:
     """One :func:`magic_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows a tile, one panel
     a K step, ``split_k`` K ranges; ``asm``: the widening in inline PTX (else the same values from plain ops);
     ``scaled``: the values become ``(u - zero) * scale`` before the dot (two more packed instructions a pair), which
-    then accumulates across steps, instead of taking the step's scale after it."""
+    then accumulates across steps, instead of taking the step's scale after it; ``pair_dots``: four dots of 32
+    columns a panel, one a pair of values of each word, instead of one of 128."""
 
     block_m: int
     block_n: int
@@ -81,6 +83,7 @@ class MagicMmaTiles:
     num_stages: int = 3
     asm: bool = True
     scaled: bool = False
+    pair_dots: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
@@ -119,30 +122,31 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, BLOCK_M=tiles.block_m,
+        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, PAIR_DOTS=tiles.pair_dots,
+        BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
     """The :func:`magic_gemv` launches the sweep times at one token: today's best kinds (8 to 32 rows a one- or
-    two-warp program, 16 to 128 words a step, split-K for 12 or 4 programs per SM, or half of that), each with both
-    widenings."""
+    two-warp program, 16 to 128 words a step, split-K for 12 or 4 programs per SM, or half of that) with the
+    subnormal widening, and the first of them with the offsets (fewer instructions saved: a control)."""
     words = k // 8
     listed = []
     for block_n, block_w, warps, per_sm in ((8, 64, 1, 12), (16, 32, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4),
                                             (16, 16, 1, 4), (32, 16, 2, 4), (8, 128, 1, 12)):
         split = _split(n, words, block_n, block_w, per_sm * sm_count)
-        for denormal in (True, False):
-            listed += [MagicGemvTiles(block_n, block_w, split, warps, denormal),
-                       MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps, denormal)]
+        listed += [MagicGemvTiles(block_n, block_w, split, warps, True),
+                   MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps, True)]
+    listed.append(dataclasses.replace(listed[0], denormal=False))
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
 def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
     holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
-    the dot, or before it with pipelines of 3 or 4 stages."""
+    the dot or before it, in one dot a panel or four."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps, listed = k // PANEL, []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
@@ -150,8 +154,8 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
             split = 1
             while triton.cdiv(n, block_n) * split < programs * sm_count and split < 8 and steps % (2 * split) == 0:
                 split *= 2
-            listed += [MagicMmaTiles(block_m, block_n, split, warps),
-                       *(MagicMmaTiles(block_m, block_n, split, warps, stages, scaled=True) for stages in (3, 4))]
+            listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled, pair_dots=pair_dots)
+                       for pair_dots in (False, True) for scaled in (False, True)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
@@ -323,11 +327,53 @@ def _value(words, J: tl.constexpr, zero, scale, MAGIC16: tl.constexpr, SCALED: t
     return (u | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
 
 
+# One pair of a shifted word ($1): & 0x000F000F | magic; scaled, then minus (magic + zero) ($3), times scale ($5).
+def _pair_asm(magic: int, scaled: str = "") -> str:
+    lop3 = f"0x000F000F, {magic * 0x10001:#x}, 0xEA;"
+    if not scaled:
+        return "lop3.b32 $0, $1, " + lop3
+    return f"{{ .reg .b32 t; lop3.b32 t, $1, {lop3} sub.rn.{scaled} t, t, $3; mul.rn.{scaled} $0, t, $5; }}"
+
+
+_PAIR_BF16 = tl.constexpr(_pair_asm(0x4300))
+_PAIR_FP16 = tl.constexpr(_pair_asm(0x6400))
+_SCALED_PAIR_BF16 = tl.constexpr(_pair_asm(0x4300, "bf16x2"))
+_SCALED_PAIR_FP16 = tl.constexpr(_pair_asm(0x6400, "f16x2"))
+
+
+@triton.jit
+def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
+          dtype: tl.constexpr):
+    """``[BLOCK_N, 16, 2]``: values ``P`` and ``P + 4`` of each word widened as :func:`_pairs` widens them (the
+    two halves of one register), for a dot over their 32 columns (``16 * (P + 4h) + c`` at ``[c, h]``)."""
+    if ASM:
+        twice = tl.join(words >> (4 * P), words >> (4 * P))  # pack=2: both operands of an instance, one word
+        if SCALED:
+            zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            if MAGIC16 == 0x4300:
+                pair = tl.inline_asm_elementwise(_SCALED_PAIR_BF16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
+            else:
+                pair = tl.inline_asm_elementwise(_SCALED_PAIR_FP16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                                 dtype=tl.float16, is_pure=True, pack=2)
+        elif MAGIC16 == 0x4300:
+            pair = tl.inline_asm_elementwise(_PAIR_BF16, "=r,r,r", [twice], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            pair = tl.inline_asm_elementwise(_PAIR_FP16, "=r,r,r", [twice], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        pair = tl.join(_value(words, P, zero, scale, MAGIC16, SCALED, dtype),
+                       _value(words, P + 4, zero, scale, MAGIC16, SCALED, dtype))
+    return pair
+
+
 @triton.jit
 def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                       stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,
-                      SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      SCALED: tl.constexpr, PAIR_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -341,21 +387,41 @@ def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrival
     w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
+    # PAIR_DOTS: [16, 2, BLOCK_M] activations of pair p's columns (16 * (p + 4h) + c at [c, h]).
+    x_pair = (x_ptr + offs_m[None, None, :] * stride_xm + tl.arange(0, 16)[:, None, None]
+              + 64 * tl.arange(0, 2)[None, :, None])
     for k0 in range(k_begin, k_begin + k_per_split, 128):
         words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
-        x_panel = tl.load(x_tile + k0, mask=m_mask[None, None, None, :], other=0)
-        x = tl.reshape(tl.permute(x_panel, (2, 1, 0, 3)), [128, BLOCK_M])  # K position 8c + 2p + h, as the weight's
-        if SCALED:  # the values dequantized before the dot, which accumulates
-            s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS, 0.0,
-                                        BLOCK_N)
-            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, True, x.dtype), [BLOCK_N, 128])
-            acc = tl.dot(w, x, acc)
-        else:  # the step's scale and zero (and the widening's offset) after the dot
-            s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS, OFFSET16,
-                                        BLOCK_N)
-            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, False, x.dtype), [BLOCK_N, 128])
-            part = tl.dot(w, x)
-            acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
+        s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS,
+                                    0.0 if SCALED else OFFSET16, BLOCK_N)
+        if PAIR_DOTS:
+            # Four dots of 32 columns, one a pair: the widened operand stays in registers (Hopper's wgmma reads
+            # its first operand from there), the dots chain without waiting.
+            if SCALED:
+                for p in tl.static_range(4):
+                    x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0),
+                                   [32, BLOCK_M])
+                    w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, True, x.dtype), [BLOCK_N, 32])
+                    acc = tl.dot(w, x, acc)
+            else:
+                part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for p in tl.static_range(4):
+                    x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0),
+                                   [32, BLOCK_M])
+                    w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, False, x.dtype), [BLOCK_N, 32])
+                    part = tl.dot(w, x, part)
+                    x_sum += tl.sum(x.to(tl.float32), axis=0)
+                acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
+        else:
+            x_panel = tl.load(x_tile + k0, mask=m_mask[None, None, None, :], other=0)
+            x = tl.reshape(tl.permute(x_panel, (2, 1, 0, 3)), [128, BLOCK_M])  # K position 8c + 2p + h, as w's
+            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, SCALED, x.dtype), [BLOCK_N, 128])
+            if SCALED:  # the values dequantized before the dot, which accumulates
+                acc = tl.dot(w, x, acc)
+            else:  # the step's scale and zero (and the widening's offset) after the dot
+                part = tl.dot(w, x)
+                acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
                      arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,

@@ -61,13 +61,15 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     variants["magic_gemv[subnormal]"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
                                          dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=1, BLOCK_N=16, BLOCK_W=32,
                                               DENORMAL=True, PDL=True))
-    for dtype, magic, offset, scaled in (("bf16", 0x4300, 128.0, False), ("fp16", 0x6400, 1024.0, False),
-                                         ("bf16", 0x4300, 128.0, True)):
-        variants[f"magic_mma[{dtype}{',scaled' if scaled else ''}]"] = (
+    for dtype, magic, offset, scaled, pairs in (("bf16", 0x4300, 128.0, False, False),
+                                                ("fp16", 0x6400, 1024.0, False, True),
+                                                ("bf16", 0x4300, 128.0, True, False),
+                                                ("bf16", 0x4300, 128.0, True, True)):
+        variants[f"magic_mma[{dtype}{',scaled' if scaled else ''}{',pair_dots' if pairs else ''}]"] = (
             "packed_int_magic._magic_mma_kernel", {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "s_ptr": f"*{dtype}",
                                                    "z_ptr": f"*{dtype}"},
             dict(GROUP=128, HAS_ZEROS=dtype == "bf16", SPLIT_K=2, MAGIC16=magic, OFFSET16=offset, ASM=True,
-                 SCALED=scaled, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128))
+                 SCALED=scaled, PAIR_DOTS=pairs, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128))
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
                               dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
