@@ -199,10 +199,11 @@ PY
         ${QUANTK_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quant_kernels.log" | tail -60 ;;
     quant_sweep)
       # Every W4A16 variant x config per Llama-3.1-8B projection shape at rows 1/4/8/16/32/64 (bench/quant_sweep.py):
-      # the configs compile in all cores but two first, then each is timed from a CUDA graph; the table is the tail.
+      # the configs compile in all cores but two first, then each is timed from a CUDA graph; the tables are the
+      # tail (the fastest per shape, then each kernel's fastest per shape and its 32-layer sum).
       timeout ${SWEEP_TIMEOUT:-420} python3 -m treadle.bench.quant_kernels --sweep \
         --output "$OUT/quant_kernels_sweep.json" ${SWEEP_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
-        | tee "$OUT/quant_sweep.log" | tail -45 ;;
+        | tee "$OUT/quant_sweep.log" | tail -75 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
