@@ -199,6 +199,27 @@ def _slot_times_x(words, x, J: tl.constexpr, BITS: tl.constexpr, CENTERED: tl.co
 
 
 @triton.jit
+def _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k_first, stride_sn, GROUP: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, ONE_PANEL: tl.constexpr):
+    """float32 ``(scale, zero)`` of the rows ``offs_n`` for the group holding K offset ``k_first`` of each word
+    column's panel (``panel_base``): ``[BLOCK_N, 1]`` with one panel a step, else ``[BLOCK_N, BLOCK_W]``; the zero
+    is the scale, unread, without zero points."""
+    if ONE_PANEL:
+        g = k_first // GROUP
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+        z = s
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+    else:
+        index = offs_n[:, None] * stride_sn + ((k_first + panel_base) // GROUP)[None, :]
+        s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+        z = s
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
 def _subnormal_times_x(words, x, J: tl.constexpr):
     """``u * x * 2**-60`` exactly for 4-bit value slot ``J`` of each word, ``x`` float32 per word column: the value's
     four bits alone (the word shifted by 16 first for slots 4-7), one and, read as float32 are the subnormal
@@ -256,17 +277,8 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
                 if HAS_ZEROS:
                     x_sum += x
             if (j + 1) % JG == 0:
-                if ONE_PANEL:
-                    g = (k0 + 16 * (j + 1 - JG)) // GROUP
-                    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-                    if HAS_ZEROS:
-                        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-                else:
-                    g = (k0 + panel_base + 16 * (j + 1 - JG)) // GROUP
-                    index = offs_n[:, None] * stride_sn + g[None, :]
-                    s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
-                    if HAS_ZEROS:
-                        z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                s, z = _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k0 + 16 * (j + 1 - JG), stride_sn,
+                                    GROUP, HAS_ZEROS, ONE_PANEL)
                 if HAS_ZEROS:
                     acc += s * (part - z * x_sum[None, :])
                     x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)

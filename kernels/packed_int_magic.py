@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _split, _store_or_reduce,
-                                        _subnormal_times_x, widening)
+from treadle.kernels.packed_int import (PANEL_WORDS, _fold_scales, _group_scale_zero, _partials, _split,
+                                        _store_or_reduce, _subnormal_times_x, widening)
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals
@@ -222,17 +222,8 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
                 else:
                     x_offset += x * (136.0 + 1920.0 * (j % 2))
             if (j + 1) % JG == 0:
-                if ONE_PANEL:
-                    g = (k0 + 16 * (j + 1 - JG)) // GROUP
-                    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-                    if HAS_ZEROS:
-                        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-                else:
-                    g = (k0 + panel_base + 16 * (j + 1 - JG)) // GROUP
-                    index = offs_n[:, None] * stride_sn + g[None, :]
-                    s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
-                    if HAS_ZEROS:
-                        z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                s, z = _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k0 + 16 * (j + 1 - JG), stride_sn,
+                                    GROUP, HAS_ZEROS, ONE_PANEL)
                 if HAS_ZEROS:
                     if DENORMAL:  # x_offset: the activations' sum times 2**-60
                         acc += s * (part - z * x_offset[None, :])
