@@ -146,7 +146,7 @@ def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
 def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
     holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
-    the dot or before it, in one dot a panel or four."""
+    the dot or before it, in one dot a panel or four; the first of each form with the plain-op widening too."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps, listed = k // PANEL, []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
@@ -156,6 +156,8 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
                 split *= 2
             listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled, pair_dots=pair_dots)
                        for pair_dots in (False, True) for scaled in (False, True)]
+    # A control: the first launch of each form with the plain-op widening (the inline PTX's gain, and a fallback).
+    listed += [dataclasses.replace(listed[0], asm=False), dataclasses.replace(listed[2], asm=False)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
