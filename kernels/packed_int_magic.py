@@ -102,8 +102,7 @@ def magic_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, 1, n, x.device),
         _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0), GROUP=group,
         HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
-        DENORMAL=tiles.denormal, PDL=pdl,
-        launch_pdl=pdl, num_warps=tiles.num_warps)
+        DENORMAL=tiles.denormal, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
     return out
 
 
@@ -123,8 +122,7 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
         MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, PAIR_DOTS=tiles.pair_dots,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -208,7 +206,8 @@ def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriva
         unsigned = words.to(tl.uint32, bitcast=True)
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         # Per word column: the activations times each value's offset plus the symmetric zero (without zero
-        # points), else times the offset, and their plain sum.
+        # points), else times the offset, and their plain sum; DENORMAL: the activations' sum (times the symmetric
+        # zero without zero points) in part's scale, 2**-60.
         x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(8):
