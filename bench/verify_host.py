@@ -5,10 +5,10 @@ operators run in that stretch counted.
 The model forward itself is excluded (on the CPU it computes; on the GPU a graph replay's launch stays in): the
 window is timed by a step observer (``results_arrived`` -> ``forward_launched``) and the time spent inside the model
 runner's forward is subtracted. The test ``oracle`` speculator proposes the plain run's own continuation, so every
-draft is kept::
+draft is kept (``--keep N``: N drafts a step, the rest's KV given back)::
 
     python -m treadle.bench.verify_host                       # CPU: a tiny Llama, torch_native
-    python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b [--profile 25]
+    python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b [--profile 25] [--keep 2]
 
 Prints one line: steps, median host microseconds per step, torch operators per step.
 """
@@ -141,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         oracle = engine.scheduler.worker.speculator
         own = engine.generate(input_ids=prompts, sampling_params=params)
         oracle.references = {tuple(p): o.token_ids for p, o in zip(prompts, own)}
-        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up with every draft kept
+        oracle.wrong_at = args.keep  # None: every draft kept
+        engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
         meter = CriticalPath(count_ops=True)
         meter.wrap_forward(engine.scheduler.worker.runner)
         engine.scheduler.add_observer(meter)
@@ -158,8 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine.generate(input_ids=prompts, sampling_params=params)
         samples = sorted(timer.samples)
         median = samples[len(samples) // 2] if samples else float("nan")
+        kept = "all" if args.keep is None else args.keep
         print(f"verify host critical path: {len(samples)} steps, median {1e6 * median:.0f} us/step, "
-              f"{ops} torch ops/step (bs={args.batch_size}, k={args.num_tokens}, {args.device}, {args.backend})")
+              f"{ops} torch ops/step (bs={args.batch_size}, k={args.num_tokens}, kept {kept}, {args.device}, "
+              f"{args.backend})")
         if profile is not None:
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.profile)
@@ -179,6 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=129)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", type=int, default=None, help="drafts kept a step (the oracle's next one is wrong, "
+                        "so the KV of the rest goes back each step); default: every draft")
     parser.add_argument("--profile", type=int, default=0, help="print the N host functions of most own time "
                         "in the window (cProfile; inflates the times above)")
     return parser

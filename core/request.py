@@ -137,6 +137,10 @@ class Req:
         """One more token's KV slot (a decode step's)."""
         self._kv_tail.append(slot)
 
+    def extend_kv_slots(self, slots: list[int]) -> None:
+        """More tokens' KV slots, in order (a verify step's)."""
+        self._kv_tail.extend(slots)
+
     def truncate_kv(self, length: int) -> list[int]:
         """Keep the KV slots of the first ``length`` tokens; return the slots past them (a verify step's rejected
         positions, the KV of tokens never read), cheaply when they are all recent decode slots."""

@@ -34,6 +34,9 @@ class OracleSpeculator(Speculator):
         self.num_draft_tokens = num_draft_tokens
         self.device = device
         self.references: dict[tuple[int, ...], list[int]] = {}
+        # Set: each step's draft at this index (and so every one after it) is wrong, so a step keeps that many
+        # drafts and gives the KV of the rest back (a benchmark's partly accepted steps).
+        self.wrong_at: int | None = None
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         return Drafts(to_device_packed([self.continuations(batch, num_drafts)], self.device)[0])
@@ -46,7 +49,11 @@ class OracleSpeculator(Speculator):
             output = self.references.get(tuple(prompt), [])
             start = entry.kv_start + 1 - len(prompt)  # the first draft's index in the output
             row = output[start:start + num_drafts]
-            rows.append(row + [0] * (num_drafts - len(row)))
+            row = row + [0] * (num_drafts - len(row))
+            if self.wrong_at is not None and self.wrong_at < num_drafts:
+                token = row[self.wrong_at]
+                row[self.wrong_at] = token - 1 if token > 0 else 1  # in the vocabulary, never the target's token
+            rows.append(row)
         return rows
 
 

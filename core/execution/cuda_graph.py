@@ -400,6 +400,9 @@ def _copy_inputs(static: CudaGraphRunner | _VerifyGraphs, forward_batch: Forward
         [forward_batch.input_ids, forward_batch.positions, forward_batch.req_pool_indices,
          forward_batch.seq_lens, forward_batch.out_cache_loc])
     seq_lens_cpu = static.seq_lens_cpu[:bs]
-    seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
-    seq_lens_cpu[raw_bs:].fill_(fill)
+    if bs == raw_bs:  # no padding rows: no slicing and no fill of an empty tail (host operators on the critical path)
+        seq_lens_cpu.copy_(forward_batch.seq_lens_cpu)
+    else:
+        seq_lens_cpu[:raw_bs].copy_(forward_batch.seq_lens_cpu)
+        seq_lens_cpu[raw_bs:].fill_(fill)
     return seq_lens_cpu

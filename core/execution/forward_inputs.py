@@ -145,13 +145,17 @@ def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContex
     prefix = np.asarray(prefix_lens, dtype=np.int64)
     seq_lens = prefix + t
     rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
-    (req_pool_indices, seq_lens_dev, prefix_dev, starts, extend_lens, positions, logits_indices,
-     out_cache_loc, table_rows) = to_device_packed(
-        [rows, seq_lens, prefix, np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64),
-         (prefix[:, None] + np.arange(t, dtype=np.int64)).reshape(-1), np.arange(bs * t, dtype=np.int64),
-         np.concatenate([e.new_slots.numpy() for e in entries]), np.repeat(rows, t)], device)
+    positions_2d = prefix[:, None] + np.arange(t, dtype=np.int64)
     req_to_token = context.req_to_token_pool.req_to_token
-    req_to_token[table_rows, positions] = out_cache_loc.to(req_to_token.dtype)  # chain positions: the table's
+    # Chain positions are the table's: each token's flat index in the (contiguous) table, so the slots go in with
+    # one index_copy_ (cheaper to launch than a two-index index_put_).
+    table_index = (rows[:, None] * req_to_token.shape[1] + positions_2d).reshape(-1)
+    new_slots = entries[0].new_slots.numpy() if bs == 1 else np.concatenate([e.new_slots.numpy() for e in entries])
+    (req_pool_indices, seq_lens_dev, prefix_dev, starts, extend_lens, positions, logits_indices,
+     out_cache_loc, table_index) = to_device_packed(
+        [rows, seq_lens, prefix, np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64),
+         positions_2d.reshape(-1), np.arange(bs * t, dtype=np.int64), new_slots, table_index], device)
+    req_to_token.view(-1).index_copy_(0, table_index, out_cache_loc.to(req_to_token.dtype))
     first = next_input_ids.gather(req_pool_indices)
     input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
     tree_mask = None
@@ -161,8 +165,9 @@ def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContex
     return ForwardBatch(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
         positions=positions, req_pool_indices=req_pool_indices, seq_lens=seq_lens_dev,
-        seq_lens_cpu=torch.from_numpy(seq_lens), out_cache_loc=out_cache_loc, seq_lens_sum=int(seq_lens.sum()),
-        logits_indices=logits_indices, req_to_token_pool=context.req_to_token_pool, kv_cache=context.kv_cache,
+        seq_lens_cpu=torch.from_numpy(seq_lens), out_cache_loc=out_cache_loc,
+        seq_lens_sum=sum(prefix_lens) + bs * t, logits_indices=logits_indices,
+        req_to_token_pool=context.req_to_token_pool, kv_cache=context.kv_cache,
         attn_backend=attn_backend, extend_seq_lens=extend_lens, extend_prefix_lens=prefix_dev,
         extend_start_loc=starts, extend_seq_lens_cpu=[t] * bs, extend_prefix_lens_cpu=prefix_lens,
         tokens_per_req=t, tree_mask=tree_mask,

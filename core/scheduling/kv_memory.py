@@ -100,11 +100,13 @@ class KVMemory:
         """:meth:`assign_slots` for a verify step's rows (``tokens_per_req`` slots each), kept as ints on the
         request like a decode row's: no tensor op per request."""
         values = slots.tolist()
+        if len(entries) == 1:  # the common verify batch: no split
+            entries[0].new_slots = slots
+            entries[0].req.extend_kv_slots(values)
+            return
         for i, (entry, new_slots) in enumerate(zip(entries, slots.split(tokens_per_req))):
             entry.new_slots = new_slots
-            append = entry.req.append_kv_slot
-            for slot in values[i * tokens_per_req:(i + 1) * tokens_per_req]:
-                append(slot)
+            entry.req.extend_kv_slots(values[i * tokens_per_req:(i + 1) * tokens_per_req])
 
     def last_slots(self, reqs: list[Req]) -> list[int]:
         """Each request's last KV slot, for the allocator to continue a partly filled page; with page

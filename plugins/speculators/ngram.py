@@ -46,17 +46,22 @@ class NgramSpeculator(Speculator):
         self.device = device
         self.recent = RecentTokens()
         self._indexes: dict[str, _Index] = {}
+        # A chain look-up max_drafts made, by id(req): (req, len(req.output_ids), row, drafts); propose reuses it
+        # for the same request in the same state instead of looking up again on the verify critical path.
+        self._found: dict[int, tuple["Req", int, RowTokens, list[int]]] = {}
 
     def max_drafts(self, reqs: list["Req"]) -> int:
         """The longest continuation any request has: 0 when none of them repeats itself (the step then decodes
         one token each instead of verifying guesses)."""
         unread, most = self.recent.unread(), 0
+        self._found.clear()
         for req in reqs:
             row = RecentTokens.row(req, req.kv_len + 1, unread)
             if self.topk > 1:
                 found = draft_tree(self._lookup_all(req, row, self.num_draft_tokens), self.num_draft_tokens)[0]
             else:
                 found = self._lookup(req, row, self.num_draft_tokens)
+                self._found[id(req)] = (req, len(req.output_ids), row, found)
             most = max(most, len(found))
             if most == self.num_draft_tokens:
                 break
@@ -72,6 +77,7 @@ class NgramSpeculator(Speculator):
                                                self.device)
             return Drafts(ids, parents=parent_ids)
         rows = [self._drafts(entry.req, row, num_drafts) for entry, row in zip(batch.entries, self.recent.rows(batch))]
+        self._found.clear()
         return Drafts(to_device_packed([rows], self.device)[0])  # through the pinned ring: no allocation a step
 
     def after_target_forward(self, step: LaunchedStep) -> None:
@@ -82,7 +88,11 @@ class NgramSpeculator(Speculator):
 
     def _drafts(self, req: "Req", row: RowTokens, num_drafts: int) -> list[int]:
         """``num_drafts`` proposals: the look-up's continuation, padded with its last token (or the sequence's)."""
-        drafts = self._lookup(req, row, num_drafts)
+        found = self._found.get(id(req))
+        if found is not None and found[0] is req and found[1] == len(req.output_ids) and found[2] == row:
+            drafts = found[3][:num_drafts]  # a look-up's continuation is the same, cut, for fewer drafts
+        else:
+            drafts = self._lookup(req, row, num_drafts)
         if not drafts:
             tokens = self._indexes[req.rid].tokens
             drafts = [row.unread[-1] if row.unread else tokens[-1]]

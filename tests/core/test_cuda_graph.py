@@ -1,11 +1,13 @@
-"""CudaGraphRunner's batch-size ladder, and that the CPU never builds one."""
+"""CudaGraphRunner's batch-size ladder, how a batch fills its static inputs, and that the CPU never builds one."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from treadle.core.execution.cuda_graph import capture_batch_sizes, faster_sizes
+from treadle.core.execution.cuda_graph import _copy_inputs, capture_batch_sizes, faster_sizes
 
 
 @pytest.mark.parametrize(
@@ -80,3 +82,21 @@ def test_release_graphs_frees_both_runners_and_later_forwards_run_eagerly():
     assert released == ["decode", "prefill"]
     assert worker.cuda_graphs is None and worker.piecewise_graphs is None
     assert ModelWorker.forward(worker, "batch") == "logits" and eager == ["batch"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw_bs", [2, 3])  # padded to the 3-row graph, and exactly its size
+def test_static_inputs_take_the_batch_then_padding(raw_bs: int) -> None:
+    t, fill = 2, 7  # a verify graph of 2 tokens per request
+    static = SimpleNamespace(**{name: torch.full((3 * t,), -1) for name in ("input_ids", "positions", "out_cache_loc")},
+                             req_pool_indices=torch.full((3,), -1), seq_lens=torch.full((3,), -1),
+                             seq_lens_cpu=torch.full((3,), -1))
+    tokens = torch.arange(1, raw_bs * t + 1)
+    batch = SimpleNamespace(input_ids=tokens, positions=tokens + 10, out_cache_loc=tokens + 20,
+                            req_pool_indices=torch.arange(raw_bs) + 1, seq_lens=torch.arange(raw_bs) + 30,
+                            seq_lens_cpu=torch.arange(raw_bs) + 30)
+    seq_lens_cpu = _copy_inputs(static, batch, raw_bs, 3, t, fill)
+    padding = 3 - raw_bs
+    assert seq_lens_cpu.tolist() == static.seq_lens.tolist() == list(range(30, 30 + raw_bs)) + [fill] * padding
+    assert static.input_ids.tolist() == tokens.tolist() + [0] * (padding * t)
+    assert static.out_cache_loc.tolist() == (tokens + 20).tolist() + [0] * (padding * t)
+    assert static.req_pool_indices.tolist() == list(range(1, raw_bs + 1)) + [0] * padding

@@ -14,7 +14,8 @@
 #   tp_70b_offline  Llama-3.1-70B shapes, tp=GPUS, offline throughput on the 1000-request random workload (default config)
 #   mixtral_offline Mixtral-8x7B shapes, tp=GPUS, offline throughput on the same workload
 #   dp              Llama-3.1-8B shapes, dp=GPUS vs dp=1 through the server (default config): DP_PROMPTS (1000;
-#                   issue 47 asks 2000 at dp=8) requests at once, then 40 req/s
+#                   issue 47 asks 2000 at dp=8) requests at once, then DP_RATE_PROMPTS (600; 0: none) at 40 req/s;
+#                   dp_one and dp_all run its two halves apart (dp=1, dp=GPUS)
 #   dp_prefix       dp=2 on 8B shapes, a shared-prefix workload (DP_PREFIXES=97 system prompts of DP_PREFIX_LEN=4000
 #                   tokens, more than one replica's KV cache holds, fewer than two hold; an odd count so that round robin
 #                   spreads each prompt over both replicas): parallel.dp_policy prefix_aware vs round_robin, cache hit
@@ -46,8 +47,9 @@ serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at o
   # All at once streams 10-25k events/s: eight client processes share them (one caps near 13k out tok/s).
   python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts ${DP_PROMPTS:-1000} --input-len 16:600 \
     --output-len 16:400 --workers 8 --output "$OUT/serving_dp$1_offline.json" 2>&1 | tail -20
-  python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --num-prompts 600 --input-len 16:600 \
-    --output-len 16:400 --request-rate 40 --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
+  [ "${DP_RATE_PROMPTS:-600}" != 0 ] && python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" \
+    --num-prompts "${DP_RATE_PROMPTS:-600}" --input-len 16:600 --output-len 16:400 --request-rate 40 \
+    --output "$OUT/serving_dp$1_rate40.json" 2>&1 | tail -20
   kill "$pid"; wait "$pid"
 }
 prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all at once
@@ -142,6 +144,8 @@ PY
         --set parallel.tp_size="$GPUS" --device cuda --dtype bfloat16 --no-progress \
         --output "$OUT/offline_mixtral_tp$GPUS.json" 2>&1 | tail -15 ;;
     dp) serve_and_bench 1; serve_and_bench "$GPUS" ;;
+    dp_one) serve_and_bench 1 ;;
+    dp_all) serve_and_bench "$GPUS" ;;
     dp_nodes) two_nodes ;;
     *) echo "unknown stage $stage" ;;
   esac

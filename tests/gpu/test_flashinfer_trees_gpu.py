@@ -1,7 +1,7 @@
 """Draft trees verified through FlashInfer (``flashinfer`` and ``flashinfer_triton``: a packed custom mask,
 kernels/tree_mask.py) on CUDA: the mask kernel writes the torch reference's bits; one tree verify step's attention
 equals torch_native's over the same cache (with and without a sliding window); oracle trees that break at random
-depths give the plain greedy tokens (bfloat16: where a run parts, only at a near-tie) with page sizes 1 and 16,
+depths give the plain greedy tokens (bfloat16: each token greedy under the plain engine, scored teacher-forced) with page sizes 1 and 16,
 verify graphs replayed, and eagerly; ngram and eagle3 trees likewise on flashinfer_triton; every KV slot comes back.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graph_replays import ReplayCounter
-from near_tie import assert_plain_or_near_tie
+from near_tie import assert_greedy_under
 from treadle import Engine, SamplingParams
 from treadle.core.speculative.tree import TreeLayout
 from treadle.kernels.tree_mask import pack_tree_mask, pack_tree_mask_reference, tree_mask_bytes
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
 
 K = 4
-NEAR_TIE = 2e-3
 PLUGINS = ["treadle.plugins.speculators.ngram", "treadle.plugins.speculators.eagle3",
            "treadle.testing.speculator_plugins"]
 
@@ -109,9 +108,17 @@ def test_oracle_trees_give_the_plain_greedy_tokens(real_shape_llama_dir, engine_
               "plugins": PLUGINS}
     prompts = _prompts(10, seed=3)
     params = [SamplingParams(max_new_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(10)]
-    with Engine(config) as engine:
-        plain = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
-    config["speculative"] = {"method": "oracle_tree", "num_tokens": K, "topk": 2, "max_batch_size": 16}
+    with Engine(config) as plain_engine:
+        plain = plain_engine.generate(input_ids=prompts, sampling_params=params)
+        outputs, graphs_runner, replays = _oracle_tree_run(config, prompts, params, plain, graphs)
+        _assert_greedy(plain_engine, prompts, outputs, plain)
+    if graphs:
+        assert graphs_runner.verify_trees and sum(r.count for r in replays) > 0
+    assert sum(o.spec_verify_steps for o in outputs) > 0
+
+
+def _oracle_tree_run(config, prompts, params, plain, graphs):
+    config = {**config, "speculative": {"method": "oracle_tree", "num_tokens": K, "topk": 2, "max_batch_size": 16}}
     with Engine(config) as engine:
         worker = engine.scheduler.worker
         graphs_runner = worker.target.cuda_graphs
@@ -120,10 +127,14 @@ def test_oracle_trees_give_the_plain_greedy_tokens(real_shape_llama_dir, engine_
         worker.speculator.breaks = True
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         assert_kv_accounted(engine)
-    if graphs:
-        assert graphs_runner.verify_trees and sum(r.count for r in replays) > 0
-    assert sum(o.spec_verify_steps for o in outputs) > 0
-    assert_plain_or_near_tie(outputs, plain, min_equal=len(plain) - 2, near_tie=NEAR_TIE)
+    return outputs, graphs_runner, replays
+
+
+def _assert_greedy(plain_engine, prompts, outputs, plain) -> None:
+    """Each token greedy under the plain engine (bfloat16 rounding may swap near-tied tokens: a verify step's
+    matmuls round otherwise than decode's), and most outputs equal to the plain run throughout."""
+    assert_greedy_under(plain_engine, prompts, outputs)
+    assert sum(o.token_ids == p.token_ids for o, p in zip(outputs, plain)) >= len(plain) // 2
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
@@ -134,18 +145,21 @@ def test_ngram_and_eagle3_trees_on_flashinfer_triton(real_shape_llama_dir, engin
               "plugins": PLUGINS}
     prompts = _prompts(8, seed=6)
     params = [SamplingParams(max_new_tokens=12 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
-    with Engine(config) as engine:
-        plain = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    plain_engine = Engine(config)
+    plain = plain_engine.generate(input_ids=prompts, sampling_params=params)
     spec = {"method": method, "num_tokens": K, "topk": 2, "max_batch_size": 16}
     if method == "eagle3":
         target = json.loads((Path(real_shape_llama_dir) / "config.json").read_text())
         spec["draft_model_path"] = make_eagle3_head(tmp_path / "head", target, 2048, aux_layer_ids=[0, 1, 2],
                                                     scale=0.02)
     config["speculative"] = spec
-    with Engine(config) as engine:
-        outputs = engine.generate(input_ids=prompts, sampling_params=params)
-        assert_kv_accounted(engine)
-        if method == "eagle3":
-            assert engine.scheduler.worker.speculator.trees.graphs is not None
-    assert sum(o.spec_verify_steps for o in outputs) > 0
-    assert_plain_or_near_tie(outputs, plain, min_equal=len(plain) - 2, near_tie=NEAR_TIE)
+    try:
+        with Engine(config) as engine:
+            outputs = engine.generate(input_ids=prompts, sampling_params=params)
+            assert_kv_accounted(engine)
+            if method == "eagle3":
+                assert engine.scheduler.worker.speculator.trees.graphs is not None
+        assert sum(o.spec_verify_steps for o in outputs) > 0
+        _assert_greedy(plain_engine, prompts, outputs, plain)
+    finally:
+        plain_engine.shutdown()

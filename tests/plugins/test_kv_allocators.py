@@ -58,6 +58,21 @@ def test_token_allocator_rejects_double_free_and_page_sizes_above_one():
         TokenKVAllocator(8, 4)
 
 
+@pytest.mark.parametrize("count", [3, 100])  # checked in Python up to 64 slots, with tensor ops above
+def test_token_allocator_refuses_repeated_padding_and_out_of_range_slots(count):
+    allocator = TokenKVAllocator(256, 1)
+    slots = allocator.alloc_extend([0], [count], [-1])
+    repeated = torch.cat([slots[:-1], slots[:1]])
+    padding = torch.cat([slots[1:], slots.new_zeros(1)])
+    past_the_end = torch.cat([slots[1:], slots.new_full((1,), 257)])
+    for bad, match in ((repeated, "double free"), (padding, "outside"), (past_the_end, "outside")):
+        with pytest.raises(ValueError, match=match):
+            allocator.free(bad)
+        assert allocator.free_slots == 256 - count  # nothing was freed
+    allocator.free(slots)
+    assert allocator.free_slots == 256
+
+
 def test_paged_allocator_continues_the_last_page_then_takes_fresh_pages():
     allocator = PagedKVAllocator(32, 4)  # pages 1..8; page 0 is padding
     first = allocator.alloc_extend([0], [6], [-1])

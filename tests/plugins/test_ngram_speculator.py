@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 def test_max_drafts_says_how_many_are_worth_verifying():
     """Before a decode batch is built: 0 when no request repeats itself (the step decodes one token each), else the
@@ -23,6 +24,19 @@ def test_max_drafts_says_how_many_are_worth_verifying():
     short = _Req("c", [5, 6, 9, 5], [6])
     short.kv_len = 4  # "5 6" was followed by 9 5 6: three tokens
     assert speculator.max_drafts([fresh, short]) == 3
+
+
+def test_proposals_reuse_the_look_up_of_max_drafts_only_for_the_same_sequence():
+    speculator = NgramSpeculator(4, 1, 3, torch.device("cpu"))
+    req = _Req("b", [1, 2, 3, 7, 8, 1, 2], [3])
+    req.kv_len = 7
+    batch = SimpleNamespace(entries=[SimpleNamespace(req=req, kv_start=7)])
+    assert speculator.max_drafts([req]) == 4
+    assert speculator.propose(batch, 2).token_ids.tolist() == [[7, 8]]  # "1 2 3" -> 7 8 1 2, cut to 2
+    assert speculator.max_drafts([req]) == 4
+    req.output_ids.append(7)  # the sequence moved on after the look-up: "2 3 7" -> 8 1 2 3, not the stale 7 8
+    req.kv_len = batch.entries[0].kv_start = 8
+    assert speculator.propose(batch, 4).token_ids.tolist() == [[8, 1, 2, 3]]
 
 
 def test_a_batch_with_nothing_to_copy_decodes_one_token_at_a_time(tiny_llama_dir):
