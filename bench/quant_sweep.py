@@ -105,7 +105,8 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     bucket = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count)
+    loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count,
+                                                                                   torch.bfloat16)
     tried = [t for t in dict.fromkeys(trials(n, k, rows, sm_count) + magic_trials(n, k, rows, sm_count))
              if t not in loader]
     return [(_kernel(tiles), tiles) for tiles in dict.fromkeys(loader)] + \
@@ -224,6 +225,20 @@ def _write(path: Path, results: list[dict], bandwidth: float, zeros: bool) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+def precompile_loader(jobs: int, zeros: bool) -> None:
+    """Compile what the loader times at Llama-3.1-8B's shapes (bf16 activations, groups of 128; ``zeros``: with
+    zero points) in ``jobs`` processes, so that a model loaded next (bench/quant.py ``--precompile``) finds every
+    launch in Triton's cache instead of compiling them one by one."""
+    from treadle.kernels.int_kernel_plan import batch_candidates
+    from treadle.kernels.packed_int import gemv_candidates
+
+    sm_count = torch.cuda.get_device_properties(torch.device("cuda")).multi_processor_count
+    work = [(name, 1, "gemv", tiles) for name, (n, k) in SHAPES.items() for tiles in gemv_candidates(n, k, 4, sm_count)]
+    work += [(name, rows, "tl.dot", tiles) for name, (n, k) in SHAPES.items() for rows in (16, 32, 64)
+             for tiles in batch_candidates(n, k, 4, GROUP, rows, sm_count, torch.bfloat16)]
+    _precompile(work, jobs, zeros)
 
 
 def _precompile(work: list, jobs: int, zeros: bool) -> None:

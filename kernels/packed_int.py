@@ -4,12 +4,13 @@ the row's element ``16 * j + c`` of the panel (so the activations of one value s
 contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 
 - :func:`int_gemv` — one token: each program streams ``block_n`` rows, ``block_w`` words per step (the next step's
-  words loaded before this one's arithmetic), and turns each 4-bit value into float32 with one integer op (the
-  value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation) and one add, or
-  (``IntTiles.subnormal``, a sweep trial) with one and alone (the value's bits read as a float32 subnormal, exact,
-  the activation taking the power of two); sums stay per word column in registers and meet their group's scale once per group, so the only cross-thread
-  reduction is the last one. Split-K programs store float32 partials that the last of a tile's programs sums (no
-  second kernel, no memset).
+  words loaded before this one's arithmetic, 16 bytes a load), and turns each 4-bit value into float32 with one
+  integer op (the value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation)
+  and one add, or (``IntTiles.subnormal``: the loader's 4-bit candidates but one control) with one and alone (the
+  value's bits read as a float32 subnormal, exact, the activation taking the power of two); sums stay per word
+  column in registers and meet their group's scale once per group, so the only cross-thread reduction is the last
+  one. Split-K programs store float32 partials that the last of a tile's programs sums (no second kernel, no
+  memset).
 - :func:`int_dot` — 2 to ``DOT_MAX_ROWS`` rows: per panel, each value slot ``j`` of the words is widened to the
   activations' dtype in registers (4-bit: ``u | 0x4300`` read as bf16 is ``128 + u`` exactly, no conversion
   instruction) and multiplied on the tensor cores by the 16 activation columns it belongs to; each group's sums
@@ -23,6 +24,7 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 import torch
@@ -65,20 +67,27 @@ def tiles_shape(k: int, bits: int, group: int) -> bool:
 def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     """One-token GEMV configs for an ``n`` x ``k`` weight: rows per program, words per step and warps such that each
     thread holds several rows of the same columns (the activations it widens serve them all), split-K where the
-    row tiles alone leave the GPU short of programs to keep the memory busy."""
+    row tiles alone leave the GPU short of programs to keep the memory busy; 4-bit ones widen as subnormals."""
     words = k * bits // 32
     # First (what runs untimed): the H100 sweep's best at all four of Llama-3.1-8B's shapes, 8 rows by 64 words a
-    # one-warp program, split-K for 12 programs per SM (72.1 us for the four against 71.5 for each shape's best).
-    candidates = [IntTiles(0, 8, 64, _split(n, words, 8, 64, 12 * sm_count), 1)] if words % 64 == 0 else []
+    # one-warp program, split-K for 12 programs per SM (72.1 us for the four against 71.5 for each shape's best);
+    # then two panels a step (o_proj's and down_proj's best kind in the round-1 sweep).
+    listed = [IntTiles(0, 8, 64, _split(n, words, 8, 64, 12 * sm_count), 1)] if words % 64 == 0 else []
+    if words % 128 == 0:
+        split = _split(n, words, 8, 128, 4 * sm_count)
+        listed += [IntTiles(0, 8, 128, split, 1), IntTiles(0, 8, 128, max(split // 2, 1), 1)]
     for block_n, block_w, warps in ((16, 16, 1), (16, 32, 1), (32, 16, 2), (16, 32, 2), (32, 32, 4), (8, 32, 1)):
         if words % block_w:
             continue
         split = _split(n, words, block_n, block_w, 4 * sm_count)
-        for tiles in (IntTiles(0, block_n, block_w, split, warps),
-                      IntTiles(0, block_n, block_w, max(split // 2, 1), warps)):
-            if tiles not in candidates:
-                candidates.append(tiles)
-    return candidates
+        listed += [IntTiles(0, block_n, block_w, split, warps),
+                   IntTiles(0, block_n, block_w, max(split // 2, 1), warps)]
+    listed = list(dict.fromkeys(listed))
+    if bits != 4:
+        return listed
+    # 4-bit: every config with the subnormal widening (faster than the plain one at every shape and config the
+    # round-1 sweep timed, as exact), and the first plain one as a control.
+    return [dataclasses.replace(tiles, subnormal=True) for tiles in listed] + listed[:1]
 
 
 def tile_candidates(n: int, k: int, bits: int, rows: int, sm_count: int) -> list[IntTiles]:
@@ -258,17 +267,19 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
     x_cols = panel_base + offs_w % 16
     w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
     k_end = k_begin + k_per_split
-    words = tl.load(w_rows + k_begin // PACK, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    # Word offsets are whole steps (multiples of the 16-word panel): said so, the loads are 16-byte vectors.
+    words = tl.load(w_rows + tl.multiple_of(k_begin // PACK, 16), mask=n_mask[:, None], other=0,
+                    eviction_policy="evict_first")
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for k0 in range(k_begin, k_end, STEP):
         # The next step's words (the last step reloads its own: an L2 hit instead of a predicate).
-        upcoming = tl.load(w_rows + tl.minimum(k0 + STEP, k_end - STEP) // PACK, mask=n_mask[:, None], other=0,
-                           eviction_policy="evict_first")
+        upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // PACK, 16),
+                           mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(PACK):
-            x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
+            x = tl.load(x_ptr + tl.multiple_of(k0, 16) + x_cols + 16 * j).to(tl.float32)
             if SUBNORMAL:
                 part += _subnormal_times_x(words, x, j)
                 x_sum += x * 8.673617379884035e-19  # 2**-60, part's scale

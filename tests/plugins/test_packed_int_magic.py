@@ -82,7 +82,33 @@ for run, tiles, group in ((magic_gemv, MagicGemvTiles(8, 64, 8), 128), (magic_mm
     except ValueError:
         refused.append(True)
 trials = [len(gemv_trials(6144, 4096, 132)), len(mma_trials(4096, 14336, 32, 132))]
-print("RESULTS " + json.dumps({"gemv": gemv, "subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials}))
+# The plan the loader makes for 16-bit activations: the GEMV widens as subnormals, 2 to 64 rows run magic_mma (its
+# plain-op twin here), epilogues included; float32 activations or groups of 64 keep today's tl.dot kernels.
+import dataclasses
+from treadle.kernels.int_kernel_plan import plan_kernels
+plan = plan_kernels(40, 512, 4, 128, sm_count=4, dtype=torch.float16)
+kinds = [plan.gemv.subnormal] + [type(t).__name__ for t in (plan.small, plan.medium, plan.large)]
+kinds += [type(plan_kernels(40, 512, 4, 128, 4, dtype=torch.float32).small).__name__,
+          type(plan_kernels(40, 512, 4, 64, 4, dtype=torch.float16).small).__name__]
+plan = dataclasses.replace(plan, **{bucket: dataclasses.replace(getattr(plan, bucket), asm=False)
+                                    for bucket in ("small", "medium", "large")})
+planned = {}
+for asym in (False, True):
+    for rows in (1, 5, 20, 40):
+        planned[f"{asym}-{rows}"] = errors([(lambda x, w, s, z, b, g, t: plan.run(x, w, s, z, None), None)], 40, 512,
+                                          rows, 128, asym, torch.float16)[0]
+x, residual, norm_weight = torch.randn(1, 512).half(), torch.randn(1, 40).half(), torch.rand(40).half() + 0.5
+words, half_scales = pack_panels(torch.randint(0, 16, (40, 512)), 4), (torch.rand(40, 4) * 0.01 + 0.001).half()
+y = plan.run(x, words, half_scales, None, None)
+summed = (y.float() + residual.float())
+norm = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.float()
+normed, residual_out = plan.run_add_rmsnorm(x, words, half_scales, None, residual, norm_weight, 1e-6)
+gate, up = y.float().chunk(2, dim=-1)
+fused = plan.run_silu_mul(x, words, half_scales, None)
+epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
+             ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
+print("RESULTS " + json.dumps({"gemv": gemv, "subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
+                               "kinds": kinds, "planned": planned, "epilogues": epilogues}))
 """
 
 
@@ -120,3 +146,11 @@ def test_launches_that_do_not_tile_are_refused_and_trials_are_listed(results):
     # A split past the K range's words; groups smaller than the panel step.
     assert results["refused"] == [True, True]
     assert all(count >= 4 for count in results["trials"])
+
+
+def test_loader_plans_run_subnormal_gemv_and_magic_mma_for_16_bit_activations(results):
+    assert results["kinds"] == [True, "MagicMmaTiles", "MagicMmaTiles", "MagicMmaTiles", "MmaTiles", "MmaTiles"]
+    for name, error in results["planned"].items():
+        assert error < 2e-3, (name, error)
+    norm_error, silu_mul_error = results["epilogues"]  # fp16 outputs: a rounding or two of each
+    assert norm_error < 4e-3 and silu_mul_error < 4e-3, results["epilogues"]
