@@ -74,3 +74,19 @@ def test_dummy_packed_weights_fill_a_tensor_parallel_rank(tmp_path, monkeypatch)
     down = model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == torch.int32 and down.weight.shape == (256, 256 // 8)
     assert down.weight_scales.shape == (256, 2) and bool((down.weight_scales != 0).any())
+
+
+def test_precompile_compiles_the_loaders_launches_before_the_runs(tmp_path, monkeypatch):
+    # --precompile JOBS: every launch the loader times, in JOBS processes, before any model loads (AWQ: zero points).
+    from treadle.bench import one_batch, quant, quant_sweep
+
+    calls = []
+    monkeypatch.setattr(quant_sweep, "precompile_loader", lambda jobs, zeros: calls.append(("compile", jobs, zeros)))
+    def run_one_batch(argv):
+        calls.append(("one-batch",))
+        (tmp_path / "one_batch_quant.json").write_text('{"results": []}')
+
+    monkeypatch.setattr(one_batch, "main", run_one_batch)
+    monkeypatch.setattr(quant, "summary", lambda *args: "")
+    quant.main(["--runs", "one-batch", "--quick", "--precompile", "3", "--format", "awq", "--out", str(tmp_path)])
+    assert calls == [("compile", 3, True), ("one-batch",)]

@@ -178,7 +178,8 @@ PY
     quant)
       # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
       # one-batch bs=1/32 and the 1000-request offline run (QUANT_ARGS="--runs one-batch" or "--runs offline" for
-      # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs), with
+      # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs;
+      # "--precompile 14": the loader's W4A16 launches compiled in 14 processes first, not one by one at load), with
       # the ratios against the targets (bench/quant.py).
       timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
