@@ -267,8 +267,9 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
     x_cols = panel_base + offs_w % 16
     w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
     k_end = k_begin + k_per_split
-    # Word offsets are whole steps (multiples of the 16-word panel): said so, the loads are 16-byte vectors.
-    words = tl.load(w_rows + tl.multiple_of(k_begin // PACK, 16), mask=n_mask[:, None], other=0,
+    # Word offsets are whole steps (multiples of the 16-word panel): said so, the loads are 16-byte vectors (the
+    # first offset as k_end - k_per_split: a tensor to hint even where a caller passes k_begin as the constant 0).
+    words = tl.load(w_rows + tl.multiple_of((k_end - k_per_split) // PACK, 16), mask=n_mask[:, None], other=0,
                     eviction_policy="evict_first")
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)

@@ -101,7 +101,40 @@ def _compile_all() -> dict[str, str | None]:
             results[name] = None
         except Exception:  # reported per variant so one failure does not hide the others
             results[name] = traceback.format_exc()
+    try:
+        results["gemv[16-byte loads]"] = _gemv_loads(packed_int._int_gemv_kernel)
+    except Exception:
+        results["gemv[16-byte loads]"] = traceback.format_exc()
     return results
+
+
+def _gemv_loads(kernel) -> str | None:
+    """None if the subnormal GEMV, its pointers and integer sizes 16-aligned (as Triton specializes the loader's
+    shapes), loads its packed words as 16-byte vectors and its activations as 8-byte ones (the word offsets hinted
+    whole panels; without the hints 8 and 4); else the loads its PTX has."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
+                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True)
+    signature, constants, attrs = {}, {}, {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constexprs:
+            signature[name], constants[(index,)] = "constexpr", constexprs[name]
+        else:
+            signature[name] = POINTERS.get(name, "*bf16" if name == "out_ptr" else "fp32" if name == "eps" else "i32")
+            if name != "eps":
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    loads = sorted(set(re.findall(r"ld\.global[\w.:]*", ptx)))
+    words = [load for load in loads if "evict_first" in load]
+    vectors = words and all(load.endswith(".v4.b32") for load in words) and "ld.global.v2.b32" in loads
+    return None if vectors else f"loads: {loads}"
 
 
 if __name__ == "__main__":
@@ -119,3 +152,7 @@ def compile_results() -> dict[str, str | None]:
 @pytest.mark.parametrize("variant", list(_variants()))
 def test_int_kernel_compiles_for_sm90(variant, compile_results):
     assert compile_results[variant] is None, compile_results[variant]
+
+
+def test_the_gemv_loads_its_packed_words_16_bytes_at_a_time(compile_results):
+    assert compile_results["gemv[16-byte loads]"] is None, compile_results["gemv[16-byte loads]"]
