@@ -243,8 +243,8 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
 
 def _precompile(work: list, jobs: int, zeros: bool) -> None:
     """Compile every config once in ``jobs`` processes, so the timing pass finds them in Triton's cache: one launch
-    per kernel, config and way Triton specializes the row count (1, a multiple of 16, other); the four shapes'
-    sizes and strides specialize alike (multiples of 16)."""
+    per kernel, config and way Triton specializes the row count (1, a multiple of 16, other; the ``tl.dot`` kernels
+    compile once for every row count); the four shapes' sizes and strides specialize alike (multiples of 16)."""
     distinct = {(kernel, tiles, 1 if rows == 1 else 16 if rows % 16 == 0 else 0): (name, rows, kernel, tiles)
                 for name, rows, kernel, tiles in work}
     launches = list(distinct.values())

@@ -360,7 +360,7 @@ def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.co
     return pair
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                       stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,

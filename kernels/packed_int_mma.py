@@ -195,7 +195,7 @@ def _mma_step_weight(words, s_ptr, z_ptr, offs_n, n_mask, k0, stride_sn, dtype, 
     return tl.reshape(((f - zero[:, :, None]) * s[:, :, None]).to(dtype), [BLOCK_N, BLOCK_K])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                     stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
