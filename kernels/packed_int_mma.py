@@ -140,10 +140,10 @@ def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: 
 def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """``magic_mma``'s launches (``kernels/packed_int_magic.py``) for a batch of about ``rows``: its values widened
     by pairs in inline PTX and scaled before four dots a panel (the round-1 sweep's best form, or within 0.1 us of
-    it, at every shape, 16 and 32 rows), 128 weight rows a tile; at 16 rows split-K for two programs per SM on 4 or 8 warps (the first within
-    1.2 us of each shape's best on an H200), and the same scaled after the dots (down_proj's best); at 32 rows
-    split-K for two or one program per SM, and 64-row tiles (qkv's second); at 64 rows (not swept) the like on a
-    64-token tile."""
+    it, at every shape, 16 and 32 rows), 128 weight rows a tile; at 16 rows split-K for two programs per SM on 4 or
+    8 warps (the first within 1.2 us of each shape's best on an H200), and the same scaled after the dots
+    (down_proj's best); at 32 rows split-K for two or one program per SM, and 64-row tiles (qkv's second); at 64
+    rows (not swept) the like on a 64-token tile."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // (PANEL_WORDS * 8)
 
