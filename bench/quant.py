@@ -63,7 +63,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(summary(json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []},
                   json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
+    print(chosen_kernels())
     return 0
+
+
+def chosen_kernels() -> str:
+    """What each W4A16 weight shape the one-batch run loaded (in this process) runs, as the loader timed it."""
+    from treadle.layers.int_kernel_choice import chosen_plans
+
+    lines = []
+    for (n, k), plan in chosen_plans().items():
+        if plan is not None:
+            lines.append(f"{n} x {k}: 1 row {plan.gemv}\n  16 rows {plan.small}\n  32 rows {plan.medium}\n"
+                         f"  64 rows {plan.large}")
+    return "\n".join(["kernels chosen at load:", *lines]) if lines else ""
 
 
 def _quantized_only(args: argparse.Namespace) -> int:

@@ -45,6 +45,12 @@ def int_kernel_plan(layer: nn.Module) -> Any:
 _plans: dict[tuple, Any] = {}
 
 
+def chosen_plans() -> dict[tuple[int, int], Any]:
+    """``(N, K)`` -> the kernels each integer weight shape loaded in this process runs (an ``IntKernelPlan``; None:
+    the torch path), for benchmarks to print."""
+    return {key[:2]: plan for key, plan in _plans.items()}
+
+
 def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
     """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
     copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest."""

@@ -90,3 +90,16 @@ def test_precompile_compiles_the_loaders_launches_before_the_runs(tmp_path, monk
     monkeypatch.setattr(quant, "summary", lambda *args: "")
     quant.main(["--runs", "one-batch", "--quick", "--precompile", "3", "--format", "awq", "--out", str(tmp_path)])
     assert calls == [("compile", 3, True), ("one-batch",)]
+
+
+def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
+    from treadle.bench import quant
+    from treadle.kernels.int_kernel_plan import plan_kernels
+    from treadle.layers import int_kernel_choice
+
+    plan = plan_kernels(4096, 4096, 4, 128, 132)
+    monkeypatch.setattr(int_kernel_choice, "_plans", {(4096, 4096, 4, 128, False, "bf16", "cuda:0"): plan,
+                                                      (64, 100, 4, 128, False, "bf16", "cuda:0"): None})
+    text = quant.chosen_kernels()
+    assert text.splitlines()[:2] == ["kernels chosen at load:", f"4096 x 4096: 1 row {plan.gemv}"]
+    assert f"32 rows {plan.medium}" in text and "64 x 100" not in text
