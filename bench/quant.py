@@ -43,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from treadle.bench import one_batch
 
     runs = set(args.runs.split(","))
+    if args.precompile:
+        from treadle.bench.quant_sweep import precompile_loader
+
+        precompile_loader(args.precompile, zeros=args.format == "awq")
     one_batch_json = out / "one_batch_quant.json"
     if "one-batch" in runs:
         quick = ["--no-engine", "--decode-steps", "32"] if args.quick else []
@@ -59,7 +63,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(summary(json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []},
                   json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
+    print(chosen_kernels())
     return 0
+
+
+def chosen_kernels() -> str:
+    """What each W4A16 weight shape the one-batch run loaded (in this process) runs, as the loader timed it."""
+    from treadle.layers.int_kernel_choice import chosen_plans
+
+    lines = []
+    for (n, k), plan in chosen_plans().items():
+        if plan is not None:
+            lines.append(f"{n} x {k}: 1 row {plan.gemv}\n  16 rows {plan.small}\n  32 rows {plan.medium}\n"
+                         f"  64 rows {plan.large}")
+    return "\n".join(["kernels chosen at load:", *lines]) if lines else ""
 
 
 def _quantized_only(args: argparse.Namespace) -> int:
@@ -111,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="one-batch (decode steps at --batch-sizes), offline (the 1000-request run), or both")
     parser.add_argument("--quick", action="store_true",
                         help="one-batch: the GPU's time per step alone (no Engine.generate runs), 32 decode steps")
+    parser.add_argument("--precompile", type=int, default=0, metavar="JOBS",
+                        help="first compile every launch the loader times, in JOBS processes at once (on a fresh "
+                             "machine the loader would compile them one by one)")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--out", default="/tmp/treadle-quant", help="folder for the shapes and the JSON")
     return parser

@@ -1,19 +1,21 @@
 """``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs N] [--narrow]``: every W4A16
-kernel variant and launch config (the GEMV and ``int_dot`` configs, and the ``int_mma`` candidates of
-``kernels/packed_int_mma.py``) at Llama-3.1-8B's four projection shapes and each batch size, against bfloat16
-``F.linear`` and the W4A16 roofline, on one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
-loader times (``kernels/int_kernel_plan.py``) and round 2's trials (:func:`trials`).
+kernel variant and launch config (the GEMV and ``int_dot`` configs, the ``int_mma`` candidates of
+``kernels/packed_int_mma.py`` and the ``magic_gemv`` / ``magic_mma`` ones of ``kernels/packed_int_magic.py``) at
+Llama-3.1-8B's four projection shapes and each batch size, against bfloat16 ``F.linear`` and the W4A16 roofline, on
+one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
+loader times (``kernels/int_kernel_plan.py``) and the trials (:func:`trials`, :func:`magic_trials`).
 
 The configs compile first in ``--jobs`` processes at once (filling Triton's on-disk cache), then each is timed alone
 from a CUDA graph with the weight cycled through copies (read from memory, as a decode step reads it), after its
 output is checked against the dequantized weight's bf16 matmul (a config off by more than bf16 rounding is
 printed as WRONG and never ranked). Prints, per shape and rows, the fastest config of today's kernels and of all,
-with its speed-up over bf16 and fraction of the roofline, and per rows the four shapes times 32 layers; writes
-every timing as JSON.
+with its speed-up over bf16 and fraction of the roofline, and per rows the four shapes times 32 layers; then each
+kernel's fastest per shape and its 32-layer sum (:func:`kernel_table`); writes every timing as JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import multiprocessing
@@ -77,6 +79,7 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, devi
                 print(f"{name} M={rows}: {len(timed)} configs, best {best['us']:.1f} us ({best['speedup']:.2f}x bf16)")
         _write(path, results, bandwidth, zeros)  # a sweep cut short keeps the shapes it finished
     print(table(results, rows_list))
+    print(kernel_table(results, rows_list))
     print(f"wrote {_write(path, results, bandwidth, zeros)}")
     return 0
 
@@ -89,7 +92,8 @@ def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str,
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     today = [("gemv" if tiles.block_m == 0 else "int_dot", tiles) for tiles in candidates(n, k, rows, device, rows == 1)]
-    return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)]
+    return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)] + \
+        [(_kernel(tiles), tiles) for tiles in magic_trials(n, k, rows, sm_count)]
 
 
 def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
@@ -101,8 +105,10 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     bucket = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count)
-    tried = [t for t in dict.fromkeys(trials(n, k, rows, sm_count)) if t not in loader]
+    loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count,
+                                                                                   torch.bfloat16)
+    tried = [t for t in dict.fromkeys(trials(n, k, rows, sm_count) + magic_trials(n, k, rows, sm_count))
+             if t not in loader]
     return [(_kernel(tiles), tiles) for tiles in dict.fromkeys(loader)] + \
         [(f"{_kernel(tiles)} trial", tiles) for tiles in tried]
 
@@ -133,10 +139,29 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     return [t for t in listed if t.fits(k, 4, GROUP)]
 
 
+def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
+    """The candidates that widen with fewer instructions: at one row today's GEMV configs with the subnormal
+    widening (``IntTiles.subnormal``), kernels/packed_int_magic.py's GEMV (is the GEMV short of issue slots?) and
+    its tensor-core kernel on a 16-token tile; at 2 to 64 rows the tensor-core kernel (each weight tile widened
+    once a program, by pairs: does M=32 then cost about what M=16 does?)."""
+    from treadle.kernels.packed_int import gemv_candidates
+    from treadle.kernels.packed_int_magic import gemv_trials, mma_trials
+
+    if rows > 1:
+        return mma_trials(n, k, rows, sm_count)
+    subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in gemv_candidates(n, k, 4, sm_count)]
+    return subnormal + gemv_trials(n, k, sm_count) + mma_trials(n, k, rows, sm_count)
+
+
 def _kernel(tiles) -> str:
+    from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles
     from treadle.kernels.packed_int_mma import MmaTiles
 
-    return "int_mma" if isinstance(tiles, MmaTiles) else "gemv" if tiles.block_m == 0 else "int_dot"
+    if isinstance(tiles, (MagicGemvTiles, MagicMmaTiles)):
+        return "magic_gemv" if isinstance(tiles, MagicGemvTiles) else "magic_mma"
+    if isinstance(tiles, MmaTiles):
+        return "int_mma"
+    return ("gemv_subnormal" if tiles.subnormal else "gemv") if tiles.block_m == 0 else "int_dot"
 
 
 def table(results: list[dict], rows_list: list[int]) -> str:
@@ -148,9 +173,10 @@ def table(results: list[dict], rows_list: list[int]) -> str:
         for shape in SHAPES:
             timed = [r for r in results if r["shape"] == shape and r["rows"] == rows and r.get("correct", True)]
             # Today's kernels: what the loader times (a --narrow sweep's launches but its trials), else all but
-            # int_mma's candidates (the first sweep's).
+            # the candidates (int_mma's, the magic kernels').
             narrow = any(r["kernel"].endswith("trial") for r in timed)
-            today = [r for r in timed if not r["kernel"].endswith("trial" if narrow else "int_mma")]
+            today = [r for r in timed if not (r["kernel"].endswith("trial") if narrow else r["kernel"].endswith(
+                ("int_mma", "subnormal")) or r["kernel"].startswith("magic"))]
             if not timed or not today:
                 continue
             best, best_today = min(timed, key=lambda r: r["us"]), min(today, key=lambda r: r["us"])
@@ -168,6 +194,25 @@ def table(results: list[dict], rows_list: list[int]) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(results: list[dict], rows_list: list[int]) -> str:
+    """Per rows, each kernel's fastest config per shape and the four shapes times the layers (a kernel missing a
+    shape is left out of the sum), against bf16: which kernel to wire in where."""
+    lines = [f"{'per kernel':<14}{'rows':>5}" + "".join(f"{shape:>14}" for shape in SHAPES)
+             + f"{'x32 ms':>9}{'vs bf16':>9}"]
+    for rows in rows_list:
+        timed = [r for r in results if r["rows"] == rows and r.get("correct", True)]
+        bf16 = {r["shape"]: r["bf16_us"] for r in timed}
+        for kernel in sorted({r["kernel"].removesuffix(" trial") for r in timed}):
+            best = {shape: min((r["us"] for r in timed if r["shape"] == shape
+                                and r["kernel"].removesuffix(" trial") == kernel), default=None) for shape in SHAPES}
+            cells = "".join(f"{us:>14.1f}" if us else f"{'-':>14}" for us in best.values())
+            if all(best.values()) and len(bf16) == len(SHAPES):
+                step, base = sum(best.values()), sum(bf16.values())
+                cells += f"{step * LAYERS / 1e3:>9.2f}{base / step:>8.2f}x"
+            lines.append(f"{kernel:<14}{rows:>5}{cells}")
+    return "\n".join(lines)
+
+
 def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
     return ((y.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -182,10 +227,24 @@ def _write(path: Path, results: list[dict], bandwidth: float, zeros: bool) -> Pa
     return path
 
 
+def precompile_loader(jobs: int, zeros: bool) -> None:
+    """Compile what the loader times at Llama-3.1-8B's shapes (bf16 activations, groups of 128; ``zeros``: with
+    zero points) in ``jobs`` processes, so that a model loaded next (bench/quant.py ``--precompile``) finds every
+    launch in Triton's cache instead of compiling them one by one."""
+    from treadle.kernels.int_kernel_plan import batch_candidates
+    from treadle.kernels.packed_int import gemv_candidates
+
+    sm_count = torch.cuda.get_device_properties(torch.device("cuda")).multi_processor_count
+    work = [(name, 1, "gemv", tiles) for name, (n, k) in SHAPES.items() for tiles in gemv_candidates(n, k, 4, sm_count)]
+    work += [(name, rows, "tl.dot", tiles) for name, (n, k) in SHAPES.items() for rows in (16, 32, 64)
+             for tiles in batch_candidates(n, k, 4, GROUP, rows, sm_count, torch.bfloat16)]
+    _precompile(work, jobs, zeros)
+
+
 def _precompile(work: list, jobs: int, zeros: bool) -> None:
     """Compile every config once in ``jobs`` processes, so the timing pass finds them in Triton's cache: one launch
-    per kernel, config and way Triton specializes the row count (1, a multiple of 16, other); the four shapes'
-    sizes and strides specialize alike (multiples of 16)."""
+    per kernel, config and way Triton specializes the row count (1, a multiple of 16, other; the ``tl.dot`` kernels
+    compile once for every row count); the four shapes' sizes and strides specialize alike (multiples of 16)."""
     distinct = {(kernel, tiles, 1 if rows == 1 else 16 if rows % 16 == 0 else 0): (name, rows, kernel, tiles)
                 for name, rows, kernel, tiles in work}
     launches = list(distinct.values())

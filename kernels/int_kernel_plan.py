@@ -1,8 +1,8 @@
 """What one panel-packed integer weight shape runs per batch size (:class:`IntKernelPlan`), from the launch configs
-of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``) and ``kernels/packed_int_mma.py`` (``int_mma``): one
-row runs the GEMV, 2 to ``DOT_MAX_ROWS`` rows a ``tl.dot`` kernel (per row bucket the faster of ``int_dot`` and
-``int_mma``, timed at load by ``layers/int_kernel_choice.py``), larger batches :func:`dequantize` and the library
-matmul.
+of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``) and
+``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to ``DOT_MAX_ROWS`` rows a ``tl.dot``
+kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``, timed at load by
+``layers/int_kernel_choice.py``), larger batches :func:`dequantize` and the library matmul.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import torch.nn.functional as F
 
 from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, dequantize, gemv_candidates, int_dot, int_gemv,
                                         tile_candidates, tiles_shape)
+from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
-# One launch of the GEMV or ``int_dot`` (IntTiles) or of ``int_mma`` (MmaTiles).
-Tiles = Union[IntTiles, MmaTiles]
+# One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), of ``magic_mma`` (MagicMmaTiles:
+# what 2 to 64 rows run first where it applies), or of the sweep's ``magic_gemv`` (no plan lists it: the GEMV's
+# subnormal widening and 16-byte loads took its gains).
+Tiles = Union[IntTiles, MmaTiles, MagicGemvTiles, MagicMmaTiles]
 
 
 @dataclass(frozen=True)
@@ -67,26 +70,34 @@ def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
     """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures."""
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
+    if isinstance(tiles, MagicGemvTiles):
+        return magic_gemv(x, weight, scales, zeros, bits, group, tiles)
+    if isinstance(tiles, MagicMmaTiles):
+        return magic_mma(x, weight, scales, zeros, bits, group, tiles)
     if tiles.block_m == 0:
         return int_gemv(x, weight, scales, zeros, bits, group, tiles)
     return int_dot(x, weight, scales, zeros, bits, group, tiles)
 
 
 def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
-                 pick: Callable[[list, int], Tiles] | None = None) -> IntKernelPlan | None:
+                 pick: Callable[[list, int], Tiles] | None = None,
+                 dtype: torch.dtype | None = None) -> IntKernelPlan | None:
     """The kernels for a panel-packed weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch
-    path). ``pick(candidates, rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them
-    on the GPU); without it, the first candidate."""
+    path) multiplying activations of ``dtype`` (None: any; ``magic_mma`` needs 16-bit ones). ``pick(candidates,
+    rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them on the GPU); without it,
+    the first candidate."""
     if not tiles_shape(k, bits, group):
         return None
     choose = pick or (lambda candidates, rows: candidates[0])
-    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1),
-                         *(choose(batch_candidates(n, k, bits, group, rows, sm_count), rows) for rows in (16, 32, 64)))
+    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1), *(
+        choose(batch_candidates(n, k, bits, group, rows, sm_count, dtype), rows) for rows in (16, 32, 64)))
 
 
-def batch_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[Tiles]:
+def batch_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int,
+                     dtype: torch.dtype | None = None) -> list[Tiles]:
     """The ``tl.dot`` launches timed for a batch of about ``rows`` (16, 32 or 64), the untimed choice first:
-    ``int_mma``'s (they won every shape at 16 and 32 rows on an H100) before ``int_dot``'s, whose first config
-    stays as the fallback for a K the ``int_mma`` steps do not tile (all of them at 64 rows, not yet swept)."""
+    ``magic_mma``'s where it applies (it won every shape at 16 and 32 rows in the round-1 sweep), then
+    ``int_mma``'s, then ``int_dot``'s, whose first config stays as the fallback for a K the ``tl.dot`` steps of
+    the others do not tile."""
     dot = tile_candidates(n, k, bits, rows, sm_count)
-    return load_candidates(n, k, bits, group, rows, sm_count) + (dot if rows > 32 else dot[:1])
+    return load_candidates(n, k, bits, group, rows, sm_count, dtype) + (dot if rows > 32 else dot[:1])

@@ -4,11 +4,13 @@ the row's element ``16 * j + c`` of the panel (so the activations of one value s
 contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 
 - :func:`int_gemv` — one token: each program streams ``block_n`` rows, ``block_w`` words per step (the next step's
-  words loaded before this one's arithmetic), and turns each 4-bit value into float32 with one integer op (the
-  value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation) and one add; sums
-  stay per word column in registers and meet their group's scale once per group, so the only cross-thread
-  reduction is the last one. Split-K programs store float32 partials that the last of a tile's programs sums (no
-  second kernel, no memset).
+  words loaded before this one's arithmetic, 16 bytes a load), and turns each 4-bit value into float32 with one
+  integer op (the value or'ed into the mantissa of 2**23, its power-of-two position folded into the activation)
+  and one add, or (``IntTiles.subnormal``: the loader's 4-bit candidates but one control) with one and alone (the
+  value's bits read as a float32 subnormal, exact, the activation taking the power of two); sums stay per word
+  column in registers and meet their group's scale once per group, so the only cross-thread reduction is the last
+  one. Split-K programs store float32 partials that the last of a tile's programs sums (no second kernel, no
+  memset).
 - :func:`int_dot` — 2 to ``DOT_MAX_ROWS`` rows: per panel, each value slot ``j`` of the words is widened to the
   activations' dtype in registers (4-bit: ``u | 0x4300`` read as bf16 is ``128 + u`` exactly, no conversion
   instruction) and multiplied on the tensor cores by the 16 activation columns it belongs to; each group's sums
@@ -22,6 +24,7 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 import torch
@@ -42,7 +45,8 @@ DOT_MAX_ROWS = 256
 class IntTiles:
     """One launch's tiles: ``block_m`` 0 means the GEMV; ``block_w`` packed words per row per K step (a multiple of
     the 16-word panel; the tiles of ``int_dot`` take one panel per step); ``split_k`` K ranges whose float32
-    partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone."""
+    partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone;
+    ``subnormal``: the GEMV widens 4-bit values as subnormals (``_subnormal_times_x``)."""
 
     block_m: int
     block_n: int
@@ -50,6 +54,7 @@ class IntTiles:
     split_k: int = 1
     num_warps: int = 4
     i16: bool = False
+    subnormal: bool = False
 
 
 def tiles_shape(k: int, bits: int, group: int) -> bool:
@@ -62,20 +67,27 @@ def tiles_shape(k: int, bits: int, group: int) -> bool:
 def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     """One-token GEMV configs for an ``n`` x ``k`` weight: rows per program, words per step and warps such that each
     thread holds several rows of the same columns (the activations it widens serve them all), split-K where the
-    row tiles alone leave the GPU short of programs to keep the memory busy."""
+    row tiles alone leave the GPU short of programs to keep the memory busy; 4-bit ones widen as subnormals."""
     words = k * bits // 32
     # First (what runs untimed): the H100 sweep's best at all four of Llama-3.1-8B's shapes, 8 rows by 64 words a
-    # one-warp program, split-K for 12 programs per SM (72.1 us for the four against 71.5 for each shape's best).
-    candidates = [IntTiles(0, 8, 64, _split(n, words, 8, 64, 12 * sm_count), 1)] if words % 64 == 0 else []
+    # one-warp program, split-K for 12 programs per SM (72.1 us for the four against 71.5 for each shape's best);
+    # then two panels a step (o_proj's and down_proj's best kind in the round-1 sweep).
+    listed = [IntTiles(0, 8, 64, _split(n, words, 8, 64, 12 * sm_count), 1)] if words % 64 == 0 else []
+    if words % 128 == 0:
+        split = _split(n, words, 8, 128, 4 * sm_count)
+        listed += [IntTiles(0, 8, 128, split, 1), IntTiles(0, 8, 128, max(split // 2, 1), 1)]
     for block_n, block_w, warps in ((16, 16, 1), (16, 32, 1), (32, 16, 2), (16, 32, 2), (32, 32, 4), (8, 32, 1)):
         if words % block_w:
             continue
         split = _split(n, words, block_n, block_w, 4 * sm_count)
-        for tiles in (IntTiles(0, block_n, block_w, split, warps),
-                      IntTiles(0, block_n, block_w, max(split // 2, 1), warps)):
-            if tiles not in candidates:
-                candidates.append(tiles)
-    return candidates
+        listed += [IntTiles(0, block_n, block_w, split, warps),
+                   IntTiles(0, block_n, block_w, max(split // 2, 1), warps)]
+    listed = list(dict.fromkeys(listed))
+    if bits != 4:
+        return listed
+    # 4-bit: every config with the subnormal widening (faster than the plain one at every shape and config the
+    # round-1 sweep timed, as exact), and the first plain one as a control.
+    return [dataclasses.replace(tiles, subnormal=True) for tiles in listed] + listed[:1]
 
 
 def tile_candidates(n: int, k: int, bits: int, rows: int, sm_count: int) -> list[IntTiles]:
@@ -126,7 +138,8 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         residual, norm_weight, normed, residual_out, eps, n, k // tiles.split_k, weight.stride(0), scales.stride(0),
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
-        BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
+        BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, SUBNORMAL=tiles.subnormal and bits == 4,
+        launch_pdl=pdl, num_warps=tiles.num_warps)
     return out if add_rmsnorm is None else (normed, residual_out)
 
 
@@ -195,10 +208,55 @@ def _slot_times_x(words, x, J: tl.constexpr, BITS: tl.constexpr, CENTERED: tl.co
 
 
 @triton.jit
+def _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k_first, stride_sn, GROUP: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, ONE_PANEL: tl.constexpr):
+    """float32 ``(scale, zero)`` of the rows ``offs_n`` for the group holding K offset ``k_first`` of each word
+    column's panel (``panel_base``): ``[BLOCK_N, 1]`` with one panel a step, else ``[BLOCK_N, BLOCK_W]``; the zero
+    is the scale, unread, without zero points."""
+    if ONE_PANEL:
+        g = k_first // GROUP
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+        z = s
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+    else:
+        index = offs_n[:, None] * stride_sn + ((k_first + panel_base) // GROUP)[None, :]
+        s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+        z = s
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _subnormal_times_x(words, x, J: tl.constexpr):
+    """``u * x * 2**-60`` exactly for 4-bit value slot ``J`` of each word, ``x`` float32 per word column: the value's
+    four bits alone (the word shifted by 16 first for slots 4-7), one and, read as float32 are the subnormal
+    ``u * 2**(4P - 149)`` (``P = J % 4``), and ``x`` takes ``2**(89 - 4P)`` (FMAs keep subnormals: Triton's are
+    not .ftz)."""
+    P: tl.constexpr = J % 4
+    if J < 4:
+        value = (words & (15 << (4 * P))).to(tl.float32, bitcast=True)
+    else:
+        value = ((words >> 16) & (15 << (4 * P))).to(tl.float32, bitcast=True)
+    if P == 0:
+        scaled = x * 618970019642690137449562112.0  # 2**89
+    elif P == 1:
+        scaled = x * 38685626227668133590597632.0  # 2**85
+    elif P == 2:
+        scaled = x * 2417851639229258349412352.0  # 2**81
+    else:
+        scaled = x * 151115727451828646838272.0  # 2**77
+    return value * scaled[None, :]
+
+
+@triton.jit
 def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
                BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    """float32 sums of the activation row with the weight rows ``offs_n`` over one K range."""
+               BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr = False):
+    """float32 sums of the activation row with the weight rows ``offs_n`` over one K range. ``SUBNORMAL`` (4-bit):
+    each value times its activation by :func:`_subnormal_times_x` (one and and one FMA a value), the zero (the
+    symmetric 8 without zero points) through the activations' sum, and ``2**60`` once at the end."""
     PACK: tl.constexpr = 32 // BITS
     PANEL: tl.constexpr = 16 * PACK
     STEP: tl.constexpr = BLOCK_W * PACK
@@ -209,39 +267,42 @@ def _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split,
     x_cols = panel_base + offs_w % 16
     w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
     k_end = k_begin + k_per_split
-    words = tl.load(w_rows + k_begin // PACK, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    # Word offsets are whole steps (multiples of the 16-word panel): said so, the loads are 16-byte vectors (the
+    # first offset as k_end - k_per_split: a tensor to hint even where a caller passes k_begin as the constant 0).
+    words = tl.load(w_rows + tl.multiple_of((k_end - k_per_split) // PACK, 16), mask=n_mask[:, None], other=0,
+                    eviction_policy="evict_first")
     wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for k0 in range(k_begin, k_end, STEP):
         # The next step's words (the last step reloads its own: an L2 hit instead of a predicate).
-        upcoming = tl.load(w_rows + tl.minimum(k0 + STEP, k_end - STEP) // PACK, mask=n_mask[:, None], other=0,
-                           eviction_policy="evict_first")
+        upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // PACK, 16),
+                           mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(PACK):
-            x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
-            part += _slot_times_x(words, x, j, BITS, not HAS_ZEROS)
-            if HAS_ZEROS:
-                x_sum += x
+            x = tl.load(x_ptr + tl.multiple_of(k0, 16) + x_cols + 16 * j).to(tl.float32)
+            if SUBNORMAL:
+                part += _subnormal_times_x(words, x, j)
+                x_sum += x * 8.673617379884035e-19  # 2**-60, part's scale
+            else:
+                part += _slot_times_x(words, x, j, BITS, not HAS_ZEROS)
+                if HAS_ZEROS:
+                    x_sum += x
             if (j + 1) % JG == 0:
-                if ONE_PANEL:
-                    g = (k0 + 16 * (j + 1 - JG)) // GROUP
-                    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-                    if HAS_ZEROS:
-                        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
-                else:
-                    g = (k0 + panel_base + 16 * (j + 1 - JG)) // GROUP
-                    index = offs_n[:, None] * stride_sn + g[None, :]
-                    s = tl.load(s_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
-                    if HAS_ZEROS:
-                        z = tl.load(z_ptr + index, mask=n_mask[:, None], other=0).to(tl.float32)
+                s, z = _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k0 + 16 * (j + 1 - JG), stride_sn,
+                                    GROUP, HAS_ZEROS, ONE_PANEL)
                 if HAS_ZEROS:
                     acc += s * (part - z * x_sum[None, :])
+                    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+                elif SUBNORMAL:
+                    acc += s * (part - 8.0 * x_sum[None, :])
                     x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
                 else:
                     acc += s * part
                 part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         words = upcoming
+    if SUBNORMAL:
+        return tl.sum(acc, axis=1) * 1152921504606846976.0  # 2**60
     return tl.sum(acc, axis=1)
 
 
@@ -250,7 +311,7 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                      normed_ptr, residual_out_ptr, eps, N, k_per_split, stride_wn, stride_sn, BITS: tl.constexpr,
                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -258,10 +319,10 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
     n_mask = offs_n < N
     k_begin = pid_k * k_per_split
     acc = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
-                     GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL)
+                     GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, SUBNORMAL)
     if SILU_MUL:
         up = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
-                        BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False)
+                        BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, SUBNORMAL)
         allow_next(PDL)
         # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -351,7 +412,7 @@ def _dot_panels(x_rows, m_mask, w_cols, s_ptr, z_ptr, offs_n, n_mask, k_begin, k
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                     stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,

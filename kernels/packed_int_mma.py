@@ -16,6 +16,9 @@ rows, for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to r
   it, through the rows' activation sums (the step must lie in one group).
 
 Split-K ranges' float32 partials are summed by the last of a tile's programs (``_store_or_reduce``).
+
+:func:`load_candidates` lists what the loader times per row bucket: ``kernels/packed_int_magic.py``'s
+``magic_mma`` first where it applies (4-bit values, groups of whole panels, 16-bit activations), these after it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 
 from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _store_or_reduce, _widened,
                                         widening)
+from treadle.kernels.packed_int_magic import MagicMmaTiles
 from treadle.kernels.small_batch import _arrivals
 
 
@@ -109,11 +113,14 @@ def mma_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: i
     return [t for t in dict.fromkeys(candidates) if t.fits(k, bits, group)]
 
 
-def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MmaTiles]:
-    """The few :func:`int_mma` launches the loader times for a batch of about ``rows`` (16, 32 or 64), first the
-    one to run untimed: the kinds that won the H100 sweep at Llama-3.1-8B's shapes (per-slot dots of 128 weight
-    rows a tile at 16 rows, split-K for two programs per SM, or one or four; at 32 rows also whole-panel steps,
-    two panels scaled before the dot on 64-row tiles or one after it on 128-row tiles)."""
+def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int,
+                    dtype: torch.dtype | None = None) -> list[MmaTiles | MagicMmaTiles]:
+    """The few launches the loader times for a batch of about ``rows`` (16, 32 or 64), first the one to run
+    untimed: with 16-bit activations (``dtype``), 4-bit values and groups of whole panels, ``magic_mma``'s
+    first (:func:`magic_load_candidates`); then the :func:`int_mma` kinds that won the H100 sweep at
+    Llama-3.1-8B's shapes (per-slot dots of 128 weight rows a tile at 16 rows, split-K for two programs per SM, or
+    one or four; at 32 rows also whole-panel steps, two panels scaled before the dot on 64-row tiles or one after
+    it on 128-row tiles)."""
     def tiles(block_m: int, block_n: int, programs: int = 1, **kind) -> MmaTiles:
         steps = k * bits // (32 * PANEL_WORDS * kind.get("panels", 1))
         return MmaTiles(block_m, block_n, split_k=_split(n, steps, block_n, programs * sm_count), **kind)
@@ -125,6 +132,31 @@ def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: 
                   tiles(32, 128, per_slot=True)]
     else:
         listed = [tiles(64, 128, per_slot=True), tiles(64, 128), tiles(64, 64, panels=2, scale_in_regs=True)]
+    magic = magic_load_candidates(n, k, bits, group, rows, sm_count) if dtype is not None and widening(
+        bits, dtype)[0] else []
+    return magic + [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
+
+
+def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
+    """``magic_mma``'s launches (``kernels/packed_int_magic.py``) for a batch of about ``rows``: its values widened
+    by pairs in inline PTX and scaled before four dots a panel (the round-1 sweep's best form, or within 0.1 us of
+    it, at every shape, 16 and 32 rows), 128 weight rows a tile; at 16 rows split-K for two programs per SM on 4 or
+    8 warps (the first within 1.2 us of each shape's best on an H200), and the same scaled after the dots
+    (down_proj's best); at 32 rows split-K for two or one program per SM, and 64-row tiles (qkv's second); at 64
+    rows (not swept) the like on a 64-token tile."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps = k // (PANEL_WORDS * 8)
+
+    def tiles(block_n: int, programs: int, warps: int = 4, scaled: bool = True) -> MagicMmaTiles:
+        return MagicMmaTiles(block_m, block_n, _split(n, steps, block_n, programs * sm_count), warps,
+                             scaled=scaled, pair_dots=True)
+
+    if rows <= 16:
+        listed = [tiles(128, 2), tiles(128, 2, 8), tiles(128, 2, 8, scaled=False)]
+    elif rows <= 32:
+        listed = [tiles(128, 2), tiles(128, 1), tiles(64, 1)]
+    else:
+        listed = [tiles(128, 2), tiles(128, 1), tiles(128, 2, 8)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
@@ -164,7 +196,7 @@ def _mma_step_weight(words, s_ptr, z_ptr, offs_n, n_mask, k0, stride_sn, dtype, 
     return tl.reshape(((f - zero[:, :, None]) * s[:, :, None]).to(dtype), [BLOCK_N, BLOCK_K])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                     stride_wn, stride_sn, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,

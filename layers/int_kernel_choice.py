@@ -1,10 +1,10 @@
 """Which Triton kernels (``kernels/int_kernel_plan.py``) each integer weight shape runs, chosen once at load.
 
-For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``int_dot`` and
-``int_mma``, at 16, 32 and 64 rows) are timed on the layer's weight, replayed from a CUDA graph with each call on
-another copy of the weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s
-timing), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is
-timed: the first candidates run.
+For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``magic_mma``,
+``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) are timed on the layer's weight, replayed from a CUDA graph
+with each call on another copy of the weight so it is read from memory as a decode step reads it
+(``layers/small_batch.py``'s timing), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton``
+or ``library`` nothing is timed: the first candidates run.
 """
 
 from __future__ import annotations
@@ -36,13 +36,19 @@ def int_kernel_plan(layer: nn.Module) -> Any:
     if key not in _plans:
         sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
         pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
-        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, sm_count, pick)
+        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, sm_count, pick, layer.int_out_dtype)
         logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
     return _plans[key]  # an IntKernelPlan, or None: the torch path
 
 
 # (N, K, bits, group, zeros, dtype, device) -> the kernels that shape runs (timed once per process).
 _plans: dict[tuple, Any] = {}
+
+
+def chosen_plans() -> dict[tuple[int, int], Any]:
+    """``(N, K)`` -> the kernels each integer weight shape loaded in this process runs (an ``IntKernelPlan``; None:
+    the torch path), for benchmarks to print."""
+    return {key[:2]: plan for key, plan in _plans.items()}
 
 
 def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:

@@ -74,3 +74,32 @@ def test_dummy_packed_weights_fill_a_tensor_parallel_rank(tmp_path, monkeypatch)
     down = model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == torch.int32 and down.weight.shape == (256, 256 // 8)
     assert down.weight_scales.shape == (256, 2) and bool((down.weight_scales != 0).any())
+
+
+def test_precompile_compiles_the_loaders_launches_before_the_runs(tmp_path, monkeypatch):
+    # --precompile JOBS: every launch the loader times, in JOBS processes, before any model loads (AWQ: zero points).
+    from treadle.bench import one_batch, quant, quant_sweep
+
+    calls = []
+    monkeypatch.setattr(quant_sweep, "precompile_loader", lambda jobs, zeros: calls.append(("compile", jobs, zeros)))
+    def run_one_batch(argv):
+        calls.append(("one-batch",))
+        (tmp_path / "one_batch_quant.json").write_text('{"results": []}')
+
+    monkeypatch.setattr(one_batch, "main", run_one_batch)
+    monkeypatch.setattr(quant, "summary", lambda *args: "")
+    quant.main(["--runs", "one-batch", "--quick", "--precompile", "3", "--format", "awq", "--out", str(tmp_path)])
+    assert calls == [("compile", 3, True), ("one-batch",)]
+
+
+def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
+    from treadle.bench import quant
+    from treadle.kernels.int_kernel_plan import plan_kernels
+    from treadle.layers import int_kernel_choice
+
+    plan = plan_kernels(4096, 4096, 4, 128, 132)
+    monkeypatch.setattr(int_kernel_choice, "_plans", {(4096, 4096, 4, 128, False, "bf16", "cuda:0"): plan,
+                                                      (64, 100, 4, 128, False, "bf16", "cuda:0"): None})
+    text = quant.chosen_kernels()
+    assert text.splitlines()[:2] == ["kernels chosen at load:", f"4096 x 4096: 1 row {plan.gemv}"]
+    assert f"32 rows {plan.medium}" in text and "64 x 100" not in text

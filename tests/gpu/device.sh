@@ -178,7 +178,8 @@ PY
     quant)
       # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
       # one-batch bs=1/32 and the 1000-request offline run (QUANT_ARGS="--runs one-batch" or "--runs offline" for
-      # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs), with
+      # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs;
+      # "--precompile 14": the loader's W4A16 launches compiled in 14 processes first, not one by one at load), with
       # the ratios against the targets (bench/quant.py).
       timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
@@ -199,10 +200,11 @@ PY
         ${QUANTK_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quant_kernels.log" | tail -60 ;;
     quant_sweep)
       # Every W4A16 variant x config per Llama-3.1-8B projection shape at rows 1/4/8/16/32/64 (bench/quant_sweep.py):
-      # the configs compile in all cores but two first, then each is timed from a CUDA graph; the table is the tail.
+      # the configs compile in all cores but two first, then each is timed from a CUDA graph; the tables are the
+      # tail (the fastest per shape, then each kernel's fastest per shape and its 32-layer sum).
       timeout ${SWEEP_TIMEOUT:-420} python3 -m treadle.bench.quant_kernels --sweep \
         --output "$OUT/quant_kernels_sweep.json" ${SWEEP_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
-        | tee "$OUT/quant_sweep.log" | tail -45 ;;
+        | tee "$OUT/quant_sweep.log" | tail -75 ;;
     bench) timeout ${BENCH_TIMEOUT:-400} python3 -m treadle.bench.one_batch --output "$OUT/one_batch.json" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/bench.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac

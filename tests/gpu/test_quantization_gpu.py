@@ -43,8 +43,8 @@ def test_int_kernels_match_the_dequantized_matmul(n, k, bits, group, asym, act_o
     weight = _reference(values, scales, zeros, groups, bits)
     packed = pack_panels(values, bits)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    plan = plan_kernels(n, k, bits, group, sm_count)
-    for rows in (1, 7, 16, 32, 200, 600):
+    plan = plan_kernels(n, k, bits, group, sm_count, dtype=torch.bfloat16)  # magic_mma where it applies
+    for rows in (1, 7, 16, 32, 40, 200, 600):
         x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
         expected = x.float() @ weight.t()
         y = plan.run(x, packed, scales, zeros, groups.to(torch.int32) if act_order else None)
@@ -112,7 +112,7 @@ def test_every_launch_config_the_loader_may_time_is_correct(n, k):
     packed = pack_panels(values, 4)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     for rows, candidates in [(1, gemv_candidates(n, k, 4, sm_count))] + \
-            [(rows + 3, batch_candidates(n, k, 4, 128, rows, sm_count)) for rows in (16, 32, 64)]:
+            [(rows + 3, batch_candidates(n, k, 4, 128, rows, sm_count, torch.bfloat16)) for rows in (16, 32, 64)]:
         for tiles in candidates:
             x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
             y = run_tiles(x, packed, scales, None, 4, 128, tiles)
@@ -163,7 +163,9 @@ def test_one_token_gemv_adds_the_residual_and_norms_in_its_epilogue(n, k):
     values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
     scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
     packed = pack_panels(values, 4)
-    plan = plan_kernels(n, k, 4, 128, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    plan = plan_kernels(n, k, 4, 128, torch.cuda.get_device_properties(DEVICE).multi_processor_count,
+                        dtype=torch.bfloat16)
+    assert plan.gemv.subnormal
     x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     residual = torch.randn(1, n, device=DEVICE, generator=gen).to(torch.bfloat16)
     norm_weight = (torch.rand(n, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)

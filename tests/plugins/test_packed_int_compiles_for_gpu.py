@@ -1,7 +1,8 @@
 """The integer-weight Triton kernels (kernels/packed_int.py) compile for an H100 (sm_90) on a machine without a GPU:
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
 this reuses). Split-K, the SiLU·mul and add+RMSNorm epilogues, zero points, both ways of widening, act-order, 4 and 8 bits, the
-integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py)."""
+integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py, and
+kernels/packed_int_magic.py's, inline PTX included)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,13 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
         name = f"gemv[words={block_w},zeros={zeros},split_k={split},silu_mul={silu},add_rmsnorm={norm},bits={bits}]"
         variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=norm,
-                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True))
+                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True, SUBNORMAL=False))
+    # The subnormal widening (a sweep trial), with the SiLU·mul epilogue and with split-K and zero points.
+    for zeros, split, silu in ((False, 1, True), (True, 4, False)):
+        variants[f"gemv[subnormal,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
+            "_int_gemv_kernel", {"out_ptr": "*bf16"},
+            dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
+                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True))
     for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
         name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
@@ -46,6 +53,23 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
                            "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
                                                  HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
         variants[f"mma[{name}]"] = ("packed_int_mma._int_mma_kernel", {"out_ptr": "*bf16"}, {**mma, **switches})
+    # The sweep's candidates of kernels/packed_int_magic.py: the offset GEMV, the tensor-core kernel with the inline
+    # PTX widening (bf16 and fp16 magic numbers).
+    variants["magic_gemv"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
+                              dict(GROUP=32, HAS_ZEROS=True, SPLIT_K=2, BLOCK_N=8, BLOCK_W=64, DENORMAL=False,
+                                   PDL=True))
+    variants["magic_gemv[subnormal]"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
+                                         dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=1, BLOCK_N=16, BLOCK_W=32,
+                                              DENORMAL=True, PDL=True))
+    for dtype, magic, offset, scaled, pairs in (("bf16", 0x4300, 128.0, False, False),
+                                                ("fp16", 0x6400, 1024.0, False, True),
+                                                ("bf16", 0x4300, 128.0, True, False),
+                                                ("bf16", 0x4300, 128.0, True, True)):
+        variants[f"magic_mma[{dtype}{',scaled' if scaled else ''}{',pair_dots' if pairs else ''}]"] = (
+            "packed_int_magic._magic_mma_kernel", {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "s_ptr": f"*{dtype}",
+                                                   "z_ptr": f"*{dtype}"},
+            dict(GROUP=128, HAS_ZEROS=dtype == "bf16", SPLIT_K=2, MAGIC16=magic, OFFSET16=offset, ASM=True,
+                 SCALED=scaled, PAIR_DOTS=pairs, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128))
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
                               dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
@@ -64,9 +88,10 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int, packed_int_mma, packed_int_moe
+    from treadle.kernels import packed_int, packed_int_magic, packed_int_mma, packed_int_moe
 
-    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma}
+    modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma,
+               "packed_int_magic": packed_int_magic}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
         module, _, kernel = kernel.rpartition(".")
@@ -76,7 +101,40 @@ def _compile_all() -> dict[str, str | None]:
             results[name] = None
         except Exception:  # reported per variant so one failure does not hide the others
             results[name] = traceback.format_exc()
+    try:
+        results["gemv[16-byte loads]"] = _gemv_loads(packed_int._int_gemv_kernel)
+    except Exception:
+        results["gemv[16-byte loads]"] = traceback.format_exc()
     return results
+
+
+def _gemv_loads(kernel) -> str | None:
+    """None if the subnormal GEMV, its pointers and integer sizes 16-aligned (as Triton specializes the loader's
+    shapes), loads its packed words as 16-byte vectors and its activations as 8-byte ones (the word offsets hinted
+    whole panels; without the hints 8 and 4); else the loads its PTX has."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
+                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True)
+    signature, constants, attrs = {}, {}, {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constexprs:
+            signature[name], constants[(index,)] = "constexpr", constexprs[name]
+        else:
+            signature[name] = POINTERS.get(name, "*bf16" if name == "out_ptr" else "fp32" if name == "eps" else "i32")
+            if name != "eps":
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    loads = sorted(set(re.findall(r"ld\.global[\w.:]*", ptx)))
+    words = [load for load in loads if "evict_first" in load]
+    vectors = words and all(load.endswith(".v4.b32") for load in words) and "ld.global.v2.b32" in loads
+    return None if vectors else f"loads: {loads}"
 
 
 if __name__ == "__main__":
@@ -94,3 +152,7 @@ def compile_results() -> dict[str, str | None]:
 @pytest.mark.parametrize("variant", list(_variants()))
 def test_int_kernel_compiles_for_sm90(variant, compile_results):
     assert compile_results[variant] is None, compile_results[variant]
+
+
+def test_the_gemv_loads_its_packed_words_16_bytes_at_a_time(compile_results):
+    assert compile_results["gemv[16-byte loads]"] is None, compile_results["gemv[16-byte loads]"]

@@ -1,0 +1,420 @@
+"""Candidate W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel
+layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to rank against today's:
+
+- :func:`magic_gemv` (one token, CUDA cores), two ways to widen (``denormal``):
+
+  - subnormals: a value's four bits, the word's others cleared (one and with one immediate), read as float32 are
+    the subnormal ``u * 2**(4P - 149)`` exactly, ``P`` its nibble position in the half-word it sits in (values 4-7
+    after one shift of the word by 16); the activations take the power of two (``x * 2**(89 - 4P)``), so every
+    product is ``u * x * 2**-60`` exactly (FMAs keep subnormals: Triton does not emit .ftz), the row's sum takes
+    ``2**60`` once at the end, and each group's zero leaves through the activations' sum. A word of eight values:
+    one shift, eight ands, eight FMAs; float32 all the way, as exact as today's;
+  - offsets: each value becomes float32 ``OFFSET + u`` with one and-or (two immediates, one kept in a register)
+    straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed
+    into the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings
+    the other six values there, and each group takes the offsets off once per word column, through the
+    activations' offset-weighted sum, with the zero point (the float32 sums keep 13 bits past the offsets).
+
+  Today's GEMV: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three of the eight.
+  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than today's, offsets
+  12-17% fewer (ptxas reloads the second immediate of most and-ors into a register).
+- :func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
+  row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
+  word's eight values become four pairs of 16-bit ``128 + u`` (bf16; fp16 ``1024 + u``), each pair one shift and
+  one lop3 (``(w >> 4p) & 0x000F000F | 0x43004300``: values ``p`` and ``p + 4`` of the word in one register), by
+  inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). Each pair
+  stays one register in the tile (value ``j`` of word ``c`` at K position ``8c + 2 * (j % 4) + j // 4``; its panel
+  column is ``16j + c``), and the activations are loaded and permuted into that order. The step's group takes its
+  scale and zero (and the widening's offset, through the tokens' activation sums) after the dot, or (``scaled``)
+  before it, by a packed subtraction and multiplication of each pair in the same PTX (``(u - zero) * scale``
+  rounded once, as :func:`~treadle.kernels.packed_int.dequantize` rounds), the dot then accumulating across steps.
+  Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
+  by 16 tokens a panel): 380 instructions (scaled: 423) against ``int_mma``'s 662 (per-slot dots) and 771 (whole
+  panels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.kernels.packed_int import (PANEL_WORDS, _fold_scales, _group_scale_zero, _partials, _split,
+                                        _store_or_reduce, _subnormal_times_x, widening)
+from treadle.kernels.pdl import allow_next, wait_for_previous
+from treadle.kernels.pdl import enabled as pdl_enabled
+from treadle.kernels.small_batch import _arrivals
+
+PANEL = PANEL_WORDS * 8  # 4-bit values per panel
+
+
+@dataclass(frozen=True)
+class MagicGemvTiles:
+    """One :func:`magic_gemv` launch: ``block_n`` rows by ``block_w`` words (a multiple of the 16-word panel) per
+    program and K step, ``split_k`` K ranges; ``denormal``: the values widened as subnormals (module docstring)."""
+
+    block_n: int
+    block_w: int = 64
+    split_k: int = 1
+    num_warps: int = 1
+    denormal: bool = False
+
+    def fits(self, k: int, bits: int, group: int) -> bool:
+        words = k // 8
+        return bits == 4 and group % 16 == 0 and words % (self.block_w * self.split_k) == 0 and (
+            PANEL % group == 0 or group % PANEL == 0)
+
+
+@dataclass(frozen=True)
+class MagicMmaTiles:
+    """One :func:`magic_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows a tile, one panel
+    a K step, ``split_k`` K ranges; ``asm``: the widening in inline PTX (else the same values from plain ops);
+    ``scaled``: the values become ``(u - zero) * scale`` before the dot (two more packed instructions a pair), which
+    then accumulates across steps, instead of taking the step's scale after it; ``pair_dots``: four dots of 32
+    columns a panel, one a pair of values of each word, instead of one of 128."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    asm: bool = True
+    scaled: bool = False
+    pair_dots: bool = False
+
+    def fits(self, k: int, bits: int, group: int) -> bool:
+        return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
+
+
+def magic_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+               group: int, tiles: MagicGemvTiles) -> torch.Tensor:
+    """``x [1, K] @ dequantized(weight).T`` (4-bit), the values widened without a subtraction (module docstring)."""
+    k, n = x.shape[1], weight.shape[0]
+    if x.shape[0] != 1 or not tiles.fits(k, bits, group):
+        raise ValueError(f"{tiles} does not run {x.shape[0]} rows of K={k}, {bits}-bit values in groups of {group}")
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
+    pdl = pdl_enabled(x.device)
+    _magic_gemv_kernel[grid](
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, 1, n, x.device),
+        _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0), GROUP=group,
+        HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
+        DENORMAL=tiles.denormal, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
+    return out
+
+
+def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+              group: int, tiles: MagicMmaTiles) -> torch.Tensor:
+    """``x [M, K] @ dequantized(weight).T`` (4-bit, 16-bit activations) on the tensor cores, the weight tile widened
+    by pairs (module docstring)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    i16, magic, offset = widening(bits, x.dtype)
+    if not i16 or not tiles.fits(k, bits, group):
+        raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    _magic_mma_kernel[grid](
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
+        _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
+        scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
+        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, PAIR_DOTS=tiles.pair_dots,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
+    """The :func:`magic_gemv` launches the sweep times at one token: today's best kinds (8 to 32 rows a one- or
+    two-warp program, 16 to 128 words a step, split-K for 12 or 4 programs per SM, or half of that) with the
+    subnormal widening, and the first of them with the offsets (fewer instructions saved: a control)."""
+    words = k // 8
+    listed = []
+    for block_n, block_w, warps, per_sm in ((8, 64, 1, 12), (16, 32, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4),
+                                            (16, 16, 1, 4), (32, 16, 2, 4), (8, 128, 1, 12)):
+        split = _split(n, words, block_n, block_w, per_sm * sm_count)
+        listed += [MagicGemvTiles(block_n, block_w, split, warps, True),
+                   MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps, True)]
+    listed.append(dataclasses.replace(listed[0], denormal=False))
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
+    """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
+    holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
+    the dot or before it, in one dot a panel or four; the first of each form with the plain-op widening too."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps, listed = k // PANEL, []
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        for programs in (1, 2):
+            split = 1
+            while triton.cdiv(n, block_n) * split < programs * sm_count and split < 8 and steps % (2 * split) == 0:
+                split *= 2
+            listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled, pair_dots=pair_dots)
+                       for pair_dots in (False, True) for scaled in (False, True)]
+    # A control: the first launch of each form with the plain-op widening (the inline PTX's gain, and a fallback).
+    listed += [dataclasses.replace(listed[0], asm=False), dataclasses.replace(listed[2], asm=False)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+@triton.jit
+def _offset_value(words, J: tl.constexpr):
+    """Value ``J`` (bits ``4J`` up) of each uint32 word as float32 ``128 + u`` (even ``J``: the value at bits
+    16-19) or ``2048 + u`` (odd: bits 12-15), one and-or after the word's shift to put it there."""
+    if J == 3 or J == 4:
+        moved = words
+    elif J == 1 or J == 2:
+        moved = words << 8
+    elif J == 5 or J == 6:
+        moved = words >> 8
+    else:
+        moved = (words << 16) | (words >> 16)  # a rotation: values 0 and 7 to bits 16-19 and 12-15
+    if J % 2 == 0:
+        bits = (moved & 0x000F0000) | 0x43000000
+    else:
+        bits = (moved & 0x0000F000) | 0x45000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
+                       stride_sn, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DENORMAL: tl.constexpr, PDL: tl.constexpr):
+    STEP: tl.constexpr = BLOCK_W * 8
+    JG: tl.constexpr = GROUP // 16 if GROUP // 16 < 8 else 8  # value slots per group fold
+    ONE_PANEL: tl.constexpr = BLOCK_W == 16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, BLOCK_W)
+    panel_base = (offs_w // 16) * 128  # each word column's panel, as a K offset within the step
+    x_cols = panel_base + offs_w % 16
+    w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
+    k_begin = pid_k * k_per_split
+    k_end = k_begin + k_per_split
+    # Word offsets are whole steps (multiples of 16 words): said so, the loads are 16-byte vectors.
+    words = tl.load(w_rows + tl.multiple_of(k_begin // 8, 16), mask=n_mask[:, None], other=0,
+                    eviction_policy="evict_first")
+    wait_for_previous(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, STEP):
+        upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // 8, 16),
+                           mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        unsigned = words.to(tl.uint32, bitcast=True)
+        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        # Per word column: the activations times each value's offset plus the symmetric zero (without zero
+        # points), else times the offset, and their plain sum; DENORMAL: the activations' sum (times the symmetric
+        # zero without zero points) in part's scale, 2**-60.
+        x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
+            if DENORMAL:
+                part += _subnormal_times_x(words, x, j)
+                x_offset += x * (8.673617379884035e-19 if HAS_ZEROS else 6.938893903907228e-18)  # 2**-60, 8 * that
+            else:
+                part += _offset_value(unsigned, j) * x[None, :]
+                if HAS_ZEROS:
+                    x_offset += x * (128.0 + 1920.0 * (j % 2))
+                    x_sum += x
+                else:
+                    x_offset += x * (136.0 + 1920.0 * (j % 2))
+            if (j + 1) % JG == 0:
+                s, z = _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k0 + 16 * (j + 1 - JG), stride_sn,
+                                    GROUP, HAS_ZEROS, ONE_PANEL)
+                if HAS_ZEROS:
+                    if DENORMAL:  # x_offset: the activations' sum times 2**-60
+                        acc += s * (part - z * x_offset[None, :])
+                    else:
+                        acc += s * (part - x_offset[None, :] - z * x_sum[None, :])
+                    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+                else:
+                    acc += s * (part - x_offset[None, :])
+                part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+                x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
+        words = upcoming
+    allow_next(PDL)
+    total = tl.sum(acc, axis=1)
+    if DENORMAL:
+        total = total * 1152921504606846976.0  # 2**60
+    _store_or_reduce(total, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
+                     pid_k, SPLIT_K)
+
+
+# Pair p of a word ($4): (w >> 4p) & 0x000F000F | magic (lop3 truth table 0xEA: (a & b) | c); scaled, minus the
+# pair (magic + zero) ($6: u - zero exactly) times the pair (scale, scale) ($8: one rounding, as dequantize's).
+def _pairs_asm(magic: int, scaled: str = "") -> str:
+    lop3 = f"0x000F000F, {magic * 0x10001:#x}, 0xEA;"
+    text = "{ .reg .b32 t;"
+    for p in range(4):
+        source = "$4" if p == 0 else "t"
+        text += f" shr.b32 t, $4, {4 * p};" if p else ""
+        if scaled:
+            text += (f" lop3.b32 t, {source}, {lop3} sub.rn.{scaled} t, t, $6; mul.rn.{scaled} ${p}, t, $8;")
+        else:
+            text += f" lop3.b32 ${p}, {source}, {lop3}"
+    return text + " }"
+
+
+_PAIRS_BF16 = tl.constexpr(_pairs_asm(0x4300))
+_PAIRS_FP16 = tl.constexpr(_pairs_asm(0x6400))
+_SCALED_BF16 = tl.constexpr(_pairs_asm(0x4300, "bf16x2"))
+_SCALED_FP16 = tl.constexpr(_pairs_asm(0x6400, "f16x2"))
+
+
+@triton.jit
+def _pairs(words, zero, scale, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr, dtype: tl.constexpr):
+    """``[BLOCK_N, 16, 8]``: the eight values of each word widened to ``dtype``, ``OFFSET16 + u`` (``SCALED``:
+    ``(u - zero) * scale``, ``zero`` and ``scale`` float32 per row), value ``j`` at position ``2 * (j % 4) + j //
+    4``: pair ``p`` (values ``p`` and ``p + 4``, the halves of one register) comes from one shift and one lop3 (and
+    a subtraction and a multiplication of both halves at once) and stays one register."""
+    if ASM:
+        # pack=2 over [.., 2] copies of each word (a join's last dimension stays in one thread): both operands
+        # of an instance are the same word, and each output register holds the pair (value p, value p + 4).
+        twice = tl.join(words, words)
+        if SCALED:
+            zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            if MAGIC16 == 0x4300:
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                    _SCALED_BF16, "=r,=r,=r,=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+            else:
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                    _SCALED_FP16, "=r,=r,=r,=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+        elif MAGIC16 == 0x4300:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _PAIRS_BF16, "=r,=r,=r,=r,r,r", [twice],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _PAIRS_FP16, "=r,=r,=r,=r,r,r", [twice],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        p0 = tl.join(_value(words, 0, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 4, zero, scale, MAGIC16, SCALED, dtype))
+        p1 = tl.join(_value(words, 1, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 5, zero, scale, MAGIC16, SCALED, dtype))
+        p2 = tl.join(_value(words, 2, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 6, zero, scale, MAGIC16, SCALED, dtype))
+        p3 = tl.join(_value(words, 3, zero, scale, MAGIC16, SCALED, dtype),
+                     _value(words, 7, zero, scale, MAGIC16, SCALED, dtype))
+    # [.., h, b, a] (p = a + 2b, j = p + 4h) permuted to [.., b, a, h]: each register's pair stays adjacent, at
+    # position 2p + h of the word's eight.
+    joined = tl.join(tl.join(p0, p2), tl.join(p1, p3))
+    return tl.reshape(tl.permute(joined, (0, 1, 3, 4, 2)), [words.shape[0], words.shape[1], 8])
+
+
+@triton.jit
+def _value(words, J: tl.constexpr, zero, scale, MAGIC16: tl.constexpr, SCALED: tl.constexpr, dtype: tl.constexpr):
+    """The plain-op twin of one value of the inline PTX: ``(u - zero) * scale`` rounded once, or ``OFFSET16 + u``."""
+    u = (words >> (4 * J)) & 15
+    if SCALED:
+        return ((u.to(tl.float32) - zero[:, None]) * scale[:, None]).to(dtype)
+    return (u | MAGIC16).to(tl.int16).to(dtype, bitcast=True)
+
+
+# One pair of a shifted word ($1): & 0x000F000F | magic; scaled, then minus (magic + zero) ($3), times scale ($5).
+def _pair_asm(magic: int, scaled: str = "") -> str:
+    lop3 = f"0x000F000F, {magic * 0x10001:#x}, 0xEA;"
+    if not scaled:
+        return "lop3.b32 $0, $1, " + lop3
+    return f"{{ .reg .b32 t; lop3.b32 t, $1, {lop3} sub.rn.{scaled} t, t, $3; mul.rn.{scaled} $0, t, $5; }}"
+
+
+_PAIR_BF16 = tl.constexpr(_pair_asm(0x4300))
+_PAIR_FP16 = tl.constexpr(_pair_asm(0x6400))
+_SCALED_PAIR_BF16 = tl.constexpr(_pair_asm(0x4300, "bf16x2"))
+_SCALED_PAIR_FP16 = tl.constexpr(_pair_asm(0x6400, "f16x2"))
+
+
+@triton.jit
+def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
+          dtype: tl.constexpr):
+    """``[BLOCK_N, 16, 2]``: values ``P`` and ``P + 4`` of each word widened as :func:`_pairs` widens them (the
+    two halves of one register), for a dot over their 32 columns (``16 * (P + 4h) + c`` at ``[c, h]``)."""
+    if ASM:
+        twice = tl.join(words >> (4 * P), words >> (4 * P))  # pack=2: both operands of an instance, one word
+        if SCALED:
+            zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
+            if MAGIC16 == 0x4300:
+                pair = tl.inline_asm_elementwise(_SCALED_PAIR_BF16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
+            else:
+                pair = tl.inline_asm_elementwise(_SCALED_PAIR_FP16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                                 dtype=tl.float16, is_pure=True, pack=2)
+        elif MAGIC16 == 0x4300:
+            pair = tl.inline_asm_elementwise(_PAIR_BF16, "=r,r,r", [twice], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            pair = tl.inline_asm_elementwise(_PAIR_FP16, "=r,r,r", [twice], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        pair = tl.join(_value(words, P, zero, scale, MAGIC16, SCALED, dtype),
+                       _value(words, P + 4, zero, scale, MAGIC16, SCALED, dtype))
+    return pair
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
+def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
+                      stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,
+                      SCALED: tl.constexpr, PAIR_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # [2, 4, 16, BLOCK_M] activations of a panel (column 16 * (p + 4h) + c at [h, p, c]), contiguous along c.
+    x_tile = (x_ptr + offs_m[None, None, None, :] * stride_xm + 64 * tl.arange(0, 2)[:, None, None, None]
+              + 16 * tl.arange(0, 4)[None, :, None, None] + tl.arange(0, 16)[None, None, :, None])
+    w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    # PAIR_DOTS: [16, 2, BLOCK_M] activations of pair p's columns (16 * (p + 4h) + c at [c, h]).
+    x_pair = (x_ptr + offs_m[None, None, :] * stride_xm + tl.arange(0, 16)[:, None, None]
+              + 64 * tl.arange(0, 2)[None, :, None])
+    for k0 in range(k_begin, k_begin + k_per_split, 128):
+        words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS,
+                                    0.0 if SCALED else OFFSET16, BLOCK_N)
+        if PAIR_DOTS:
+            # Four dots of 32 columns, one a pair: the widened operand stays in registers (Hopper's wgmma reads
+            # its first operand from there), the dots chain without waiting.
+            if SCALED:
+                for p in tl.static_range(4):
+                    x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0),
+                                   [32, BLOCK_M])
+                    w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, True, x.dtype), [BLOCK_N, 32])
+                    acc = tl.dot(w, x, acc)
+            else:
+                part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for p in tl.static_range(4):
+                    x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0),
+                                   [32, BLOCK_M])
+                    w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, False, x.dtype), [BLOCK_N, 32])
+                    part = tl.dot(w, x, part)
+                    x_sum += tl.sum(x.to(tl.float32), axis=0)
+                acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
+        else:
+            x_panel = tl.load(x_tile + k0, mask=m_mask[None, None, None, :], other=0)
+            x = tl.reshape(tl.permute(x_panel, (2, 1, 0, 3)), [128, BLOCK_M])  # K position 8c + 2p + h, as w's
+            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, SCALED, x.dtype), [BLOCK_N, 128])
+            if SCALED:  # the values dequantized before the dot, which accumulates
+                acc = tl.dot(w, x, acc)
+            else:  # the step's scale and zero (and the widening's offset) after the dot
+                part = tl.dot(w, x)
+                acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
+    tile = offs_m[None, :] * stride_om + offs_n[:, None]
+    _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
+                     arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,
+                     SPLIT_K)

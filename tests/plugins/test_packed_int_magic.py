@@ -1,0 +1,156 @@
+"""The sweep's W4A16 candidates of kernels/packed_int_magic.py under TRITON_INTERPRET=1 on small shapes: the GEMV
+whose values are subnormals, or keep an offset of 128 or 2048 until their group folds it away, and the tensor-core
+kernel's plain-op twin of its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs
+only: tests/gpu/test_packed_int_magic_gpu.py), against ``x @ ((u - zero) * scale).T`` on the panel layout, and
+next to today's GEMV on the same inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECKS = r"""
+import json, torch
+from treadle.kernels.packed_int import IntTiles, int_gemv
+from treadle.kernels.packed_int_magic import (MagicGemvTiles, MagicMmaTiles, gemv_trials, magic_gemv, magic_mma,
+                                              mma_trials)
+from treadle.layers.packed_int import pack_panels
+torch.manual_seed(0)
+
+
+def errors(kernels, n, k, rows, group, asym, dtype):
+    values = torch.randint(0, 16, (n, k))
+    scales = (torch.rand(n, k // group) * 0.01 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group)).to(dtype) if asym else None
+    groups = torch.arange(k) // group
+    weight = (values.float() - (zeros.float()[:, groups] if asym else 8)) * scales.float()[:, groups]
+    x = torch.randn(rows, k).to(dtype)
+    expected = x.float() @ weight.t()
+    words = pack_panels(values, 4)
+    found = []
+    for run, tiles in kernels:
+        y = run(x, words, scales, zeros, 4, group, tiles)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        found.append(((y.float() - expected).norm() / expected.norm()).item())
+    return found
+
+
+today = (int_gemv, IntTiles(0, 8, 32, 2, 1))
+gemv = {}
+for name, (tiles, group, asym, dtype) in {
+        "groups of 128, split-K": (MagicGemvTiles(8, 32, 2), 128, False, torch.float32),
+        "groups of 32, zeros, one panel a step": (MagicGemvTiles(16, 16), 32, True, torch.float32),
+        "groups of 256, zeros, bf16": (MagicGemvTiles(8, 32), 256, True, torch.bfloat16),
+        "subnormals, groups of 128, split-K": (MagicGemvTiles(8, 32, 2, denormal=True), 128, False, torch.float32),
+        "subnormals, groups of 32, zeros": (MagicGemvTiles(16, 16, denormal=True), 32, True, torch.float32),
+        "subnormals, groups of 256, zeros, bf16": (MagicGemvTiles(8, 32, denormal=True), 256, True, torch.bfloat16),
+}.items():
+    gemv[name] = errors([(magic_gemv, tiles), today], 24, 512, 1, group, asym, dtype)
+# Today's GEMV with the subnormal widening (IntTiles.subnormal): plain, split-K with zero points, SiLU·mul.
+subnormal = {}
+for name, (tiles, group, asym) in {"plain": (IntTiles(0, 8, 32, 1, 1, subnormal=True), 128, False),
+                                   "split-K, zeros, groups of 32": (IntTiles(0, 16, 16, 2, 1, subnormal=True), 32, True)
+                                   }.items():
+    subnormal[name] = errors([(int_gemv, tiles)], 24, 512, 1, group, asym, torch.float32)[0]
+values = torch.randint(0, 16, (32, 256))
+scales = torch.rand(32, 2) * 0.01 + 0.001
+x = torch.randn(1, 256)
+words = pack_panels(values, 4)
+fused = int_gemv(x, words, scales, None, 4, 128, IntTiles(0, 8, 32, 1, 1, subnormal=True), silu_mul=True)
+plain = int_gemv(x, words, scales, None, 4, 128, IntTiles(0, 8, 32, 1, 1), silu_mul=True)
+subnormal["silu_mul"] = ((fused - plain).norm() / plain.norm()).item()
+mma = {}
+for name, (tiles, rows, group, asym) in {
+        "16-token tile, one token, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False), 1, 128, True),
+        "32-token tile, 20 tokens, groups of 256": (MagicMmaTiles(32, 64, asm=False), 20, 256, False),
+        "16-token tiles, 20 tokens (two tiles)": (MagicMmaTiles(16, 32, asm=False), 20, 128, True),
+        "scaled before the dot, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False, scaled=True), 5, 128, True),
+        "scaled before the dot, groups of 256": (MagicMmaTiles(32, 32, asm=False, scaled=True), 20, 256, False),
+        "four dots a panel, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False, pair_dots=True), 5, 128, True),
+        "four dots a panel, scaled before": (MagicMmaTiles(32, 32, asm=False, scaled=True, pair_dots=True), 20, 256,
+                                             False),
+}.items():
+    mma[name] = errors([(magic_mma, tiles)], 40, 512, rows, group, asym, torch.float16)[0]
+refused = []
+for run, tiles, group in ((magic_gemv, MagicGemvTiles(8, 64, 8), 128), (magic_mma, MagicMmaTiles(16, 32), 64)):
+    try:
+        errors([(run, tiles)], 16, 512, 1, group, False, torch.float16)
+    except ValueError:
+        refused.append(True)
+trials = [len(gemv_trials(6144, 4096, 132)), len(mma_trials(4096, 14336, 32, 132))]
+# The plan the loader makes for 16-bit activations: the GEMV widens as subnormals, 2 to 64 rows run magic_mma (its
+# plain-op twin here), epilogues included; float32 activations or groups of 64 keep today's tl.dot kernels.
+import dataclasses
+from treadle.kernels.int_kernel_plan import plan_kernels
+plan = plan_kernels(40, 512, 4, 128, sm_count=4, dtype=torch.float16)
+kinds = [plan.gemv.subnormal] + [type(t).__name__ for t in (plan.small, plan.medium, plan.large)]
+kinds += [type(plan_kernels(40, 512, 4, 128, 4, dtype=torch.float32).small).__name__,
+          type(plan_kernels(40, 512, 4, 64, 4, dtype=torch.float16).small).__name__]
+plan = dataclasses.replace(plan, **{bucket: dataclasses.replace(getattr(plan, bucket), asm=False)
+                                    for bucket in ("small", "medium", "large")})
+planned = {}
+for asym in (False, True):
+    for rows in (1, 5, 20, 40):
+        planned[f"{asym}-{rows}"] = errors([(lambda x, w, s, z, b, g, t: plan.run(x, w, s, z, None), None)], 40, 512,
+                                          rows, 128, asym, torch.float16)[0]
+x, residual, norm_weight = torch.randn(1, 512).half(), torch.randn(1, 40).half(), torch.rand(40).half() + 0.5
+words, half_scales = pack_panels(torch.randint(0, 16, (40, 512)), 4), (torch.rand(40, 4) * 0.01 + 0.001).half()
+y = plan.run(x, words, half_scales, None, None)
+summed = (y.float() + residual.float())
+norm = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.float()
+normed, residual_out = plan.run_add_rmsnorm(x, words, half_scales, None, residual, norm_weight, 1e-6)
+gate, up = y.float().chunk(2, dim=-1)
+fused = plan.run_silu_mul(x, words, half_scales, None)
+epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
+             ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
+print("RESULTS " + json.dumps({"gemv": gemv, "subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
+                               "kinds": kinds, "planned": planned, "epilogues": epilogues}))
+"""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHECKS], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def test_gemv_with_offset_values_gives_the_dequantized_matmul(results):
+    for name, (magic, today) in results["gemv"].items():
+        if "bf16" in name:  # the output's rounding: both kernels alike
+            assert magic < 8e-3 and abs(magic - today) < 2e-3, (name, magic, today)
+        elif "subnormals" in name:  # exact products, float32 sums: as exact as today's
+            assert magic < 1e-6, (name, magic, today)
+        else:  # float32: the offsets (at most 2048 against values below 16) cost a few bits of 24, no more
+            assert magic < 2e-4, (name, magic, today)
+
+
+def test_todays_gemv_with_subnormal_values_gives_the_dequantized_matmul(results):
+    assert len(results["subnormal"]) == 3
+    for name, error in results["subnormal"].items():
+        assert error < 1e-6, (name, error)
+
+
+def test_tensor_core_twin_gives_the_dequantized_matmul(results):
+    for name, error in results["mma"].items():
+        assert error < 2e-3, (name, error)
+
+
+def test_launches_that_do_not_tile_are_refused_and_trials_are_listed(results):
+    # A split past the K range's words; groups smaller than the panel step.
+    assert results["refused"] == [True, True]
+    assert all(count >= 4 for count in results["trials"])
+
+
+def test_loader_plans_run_subnormal_gemv_and_magic_mma_for_16_bit_activations(results):
+    assert results["kinds"] == [True, "MagicMmaTiles", "MagicMmaTiles", "MagicMmaTiles", "MmaTiles", "MmaTiles"]
+    for name, error in results["planned"].items():
+        assert error < 2e-3, (name, error)
+    norm_error, silu_mul_error = results["epilogues"]  # fp16 outputs: a rounding or two of each
+    assert norm_error < 4e-3 and silu_mul_error < 4e-3, results["epilogues"]
