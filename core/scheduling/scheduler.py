@@ -14,7 +14,9 @@ batch N+1 while the device still runs batch N, then reads N's sampled tokens
 Decode inputs come from the device, so no token waits for the host before it
 is fed back. A verify step adds a number of tokens per request known only from
 its results, so when N is one the host waits for N's results before building
-N+1 and appends N's tokens after queueing N+1's forward. The device work is the
+N+1 and appends N's tokens after queueing N+1's forward, unless N+1 can be an overlapped verify step (its
+positions and drafts computed on the device from N's acceptance: ``DecodeManager.overlapped_verify_batch``,
+``speculative.overlap``), queued before N is read. The device work is the
 worker's (core/execution/worker.py): the scheduler hands it each batch and reads
 back the sampled ids.
 
