@@ -21,6 +21,7 @@ import torch
 
 from treadle.core.execution.overlap import to_device, to_device_packed
 from treadle.core.hookspecs import hookimpl
+from treadle.core.scheduling.observers import StepObserver
 from treadle.core.speculative.speculator import Drafts, Speculator
 
 if TYPE_CHECKING:
@@ -152,6 +153,19 @@ class RandomDraftSpeculator(Speculator):
         noise = torch.empty((bs, *q.shape), device=q.device).exponential_(generator=self.generator)
         ids = (q.unsqueeze(0) / noise).argmax(dim=-1)
         return Drafts(ids, q.unsqueeze(0).expand(bs, num_drafts, q.shape[-1]))
+
+
+class OverlappedVerifySteps(StepObserver):
+    """Counts the verify batches launched (``verify``) and those queued before the verify step they follow was read
+    (``overlapped``: ``ScheduleBatch.follows``, speculative.overlap); add it with ``scheduler.add_observer``."""
+
+    def __init__(self) -> None:
+        self.verify = self.overlapped = 0
+
+    def forward_launching(self, batch) -> None:
+        if batch.forward_mode.is_verify():
+            self.verify += 1
+            self.overlapped += batch.follows is not None
 
 
 def make_oracle(target, config, registry) -> OracleSpeculator:

@@ -16,10 +16,12 @@ if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+import torch
 
 from treadle import Engine, SamplingParams
-from treadle.core.scheduling.observers import StepObserver
+from treadle.core.request import Req
 from treadle.testing.engine import assert_kv_accounted
+from treadle.testing.speculator_plugins import OverlappedVerifySteps
 
 PLUGINS = ["treadle.testing.speculator_plugins", "treadle.plugins.speculators.ngram"]
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11], [300, 301, 9], [60, 61, 62, 63, 60, 61]]
@@ -40,28 +42,19 @@ def greedy(stop_token_ids=None) -> list[SamplingParams]:
                            stop_token_ids=stop_token_ids if i == 0 else None) for i, n in enumerate(BUDGETS)]
 
 
-class OverlappedSteps(StepObserver):
-    """Counts the verify batches launched, and those queued before the previous one was read."""
-
-    def __init__(self) -> None:
-        self.verify = self.overlapped = 0
-
-    def forward_launching(self, batch) -> None:
-        if batch.forward_mode.is_verify():
-            self.verify += 1
-            self.overlapped += batch.follows is not None
-
-
 def oracle_run(model_dir: str, plain: list[list[int]], backend: str, wrong_at: int | None = None,
-               pool: int = 2048, stop_token_ids=None) -> tuple[list, Engine, OverlappedSteps]:
+               pool: int = 2048, stop_token_ids=None) -> tuple[list, Engine, OverlappedVerifySteps]:
+    """The oracle's run of the first ``len(plain)`` prompts."""
     engine = make_engine(model_dir, "oracle", backend, pool)
     assert engine.scheduler.worker.overlap_verify
+    if backend == "triton":  # the interpreter runs a program per KV split, used or not: 2 cover these lengths
+        engine.scheduler.worker.target.runner.attn_backend.max_kv_splits = 2
     oracle = engine.scheduler.worker.speculator
     oracle.references = {tuple(p): ids for p, ids in zip(PROMPTS, plain)}
     oracle.wrong_at = wrong_at
-    steps = OverlappedSteps()
+    steps = OverlappedVerifySteps()
     engine.scheduler.add_observer(steps)
-    outputs = engine.generate(input_ids=PROMPTS, sampling_params=greedy(stop_token_ids))
+    outputs = engine.generate(input_ids=PROMPTS[:len(plain)], sampling_params=greedy(stop_token_ids)[:len(plain)])
     assert_kv_accounted(engine)
     return outputs, engine, steps
 
@@ -104,6 +97,15 @@ def test_overlapped_verify_under_retraction_keeps_the_plain_tokens(tiny_llama_di
     assert steps.overlapped > 0
 
 
+def test_cutting_kv_positions_out_of_the_middle_keeps_the_later_ones_in_order():
+    req = Req(rid="r", origin_input_ids=[1, 2], sampling_params=SamplingParams())
+    req.kv_slots = torch.tensor([10, 11, 12], dtype=torch.int64)
+    req.extend_kv_slots([13, 14, 15, 16])
+    assert req.cut_kv(4, 6) == [14, 15]  # within the recent slots (kept as ints)
+    assert req.cut_kv(1, 3) == [11, 12]  # reaching into the older ones
+    assert req.kv_slots.tolist() == [10, 13, 16] and req.kv_len == 3
+
+
 def test_overlap_true_needs_a_speculator_that_proposes_on_the_device(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"speculative.overlap: true needs a speculator that proposes on the "
                                          r"device .*'ngram' does not"):
@@ -123,7 +125,8 @@ def test_overlapped_verify_stops_mid_chain_with_triton_interpreted(tiny_llama_di
 if __name__ == "__main__":
     import ast
 
-    # One run (the interpreter takes seconds a step): every draft kept, request 0 stopped mid-chain.
+    # One run (the interpreter takes a second or more a step): every draft kept, request 0 stopped
+    # mid-chain, the others out of budget mid-chain.
     model_dir, plain_ids = sys.argv[1], ast.literal_eval(sys.argv[2])
     check_stop_mid_chain(model_dir, plain_ids, "triton", wrong_at=None)
     print("stop-mid-chain", flush=True)

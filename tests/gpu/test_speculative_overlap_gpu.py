@@ -12,23 +12,13 @@ import torch
 from graph_replays import ReplayCounter
 from near_tie import NEAR_TIE, assert_plain_or_near_tie
 from treadle import Engine, SamplingParams
-from treadle.core.scheduling.observers import StepObserver
 from treadle.testing.engine import assert_kv_accounted
+from treadle.testing.speculator_plugins import OverlappedVerifySteps
 
 pytestmark = pytest.mark.gpu
 
 K = 4
 PLUGINS = ["treadle.testing.speculator_plugins"]
-
-
-class _Overlapped(StepObserver):
-    def __init__(self) -> None:
-        self.verify = self.overlapped = 0
-
-    def forward_launching(self, batch) -> None:
-        if batch.forward_mode.is_verify():
-            self.verify += 1
-            self.overlapped += batch.follows is not None
 
 
 @pytest.mark.parametrize("wrong_at", [None, 2], ids=["all-kept", "two-kept"])
@@ -38,12 +28,7 @@ def test_overlapped_verify_replays_graphs_with_the_plain_tokens(real_shape_llama
     # Four requests: 4 x (k + 1) = 20 tokens a step, the Triton decode kernel's verify route (overlappable).
     prompts = [torch.randint(10, 8000, (int(n),), generator=generator).tolist() for n in (7, 30, 61, 90)]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (33, 12, 27, 40)]
-    plain_engine = Engine(config)
-    try:
-        plain = plain_engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
-                                      top_logprobs_num=2)
-    finally:
-        plain_engine.shutdown()
+    plain = _plain_run(config, prompts, params)
     engine = Engine({**config, "speculative": {"method": "oracle", "num_tokens": K, "max_batch_size": 16,
                                                "overlap": True}})
     try:
@@ -52,7 +37,7 @@ def test_overlapped_verify_replays_graphs_with_the_plain_tokens(real_shape_llama
         replays = {t: ReplayCounter(worker.target.cuda_graphs.verify[t]) for t in worker.target.cuda_graphs.verify}
         worker.speculator.references = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
         worker.speculator.wrong_at = wrong_at
-        steps = _Overlapped()
+        steps = OverlappedVerifySteps()
         engine.scheduler.add_observer(steps)
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         assert_kv_accounted(engine)
@@ -61,3 +46,12 @@ def test_overlapped_verify_replays_graphs_with_the_plain_tokens(real_shape_llama
     assert steps.overlapped >= steps.verify // 2 > 0, (steps.overlapped, steps.verify)
     assert sum(r.count for r in replays.values()) >= steps.verify
     assert_plain_or_near_tie(outputs, plain, min_equal=len(plain) - 1, near_tie=NEAR_TIE)
+
+
+def _plain_run(config: dict, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """Plain decode's outputs, with the top two log-probs a near-tie is judged by."""
+    engine = Engine(config)
+    try:
+        return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    finally:
+        engine.shutdown()
