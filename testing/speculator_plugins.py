@@ -40,15 +40,26 @@ class OracleSpeculator(Speculator):
     def __init__(self, num_draft_tokens: int, device: torch.device, table_rows: int = 0) -> None:
         self.num_draft_tokens = num_draft_tokens
         self.device = device
-        self.references: dict[tuple[int, ...], list[int]] = {}
+        self._width: int | None = None
+        self._row_owner: dict[int, str] = {}  # table row -> the request whose sequence it holds
+        self.references = {}
         # Set: each step's draft at this index (and so every one after it) is wrong, so a step keeps that many
         # drafts and gives the KV of the rest back (a benchmark's partly accepted steps).
         self.wrong_at: int | None = None
         self.table_rows = table_rows  # request-table rows (the device table's)
         self._table: torch.Tensor | None = None  # [rows, longest sequence + drafts + 1]: prompt then reference
-        self._row_owner: dict[int, str] = {}  # table row -> the request whose sequence it holds
         self._offsets: dict[int, torch.Tensor] = {}
-        self._width: tuple[tuple[int, int, int] | None, int] = (None, 0)
+
+    @property
+    def references(self) -> dict[tuple[int, ...], list[int]]:
+        """Prompt ids -> the continuation to draft (assign a new dict to change them)."""
+        return self._references
+
+    @references.setter
+    def references(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        self._references = references
+        self._width = None
+        self._row_owner = {}  # rows written from the old references are written again
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         return Drafts(to_device_packed([self.continuations(batch, num_drafts)], self.device)[0])
@@ -68,13 +79,11 @@ class OracleSpeculator(Speculator):
 
     def _table_with(self, batch: "ScheduleBatch", num_drafts: int) -> torch.Tensor:
         """The device table, holding every entry's sequence in its request-table row (copied the first time)."""
-        known = (id(self.references), len(self.references), num_drafts)
-        if self._width[0] != known:  # the longest sequence, found again only when the references change
-            longest = max((len(p) + len(o) for p, o in self.references.items()), default=0)
-            self._width = (known, longest + num_drafts + 2)
-        width = self._width[1]
-        if self._table is None or self._table.shape[1] < width:
-            rows = max(self.table_rows, 1 + max(e.req.req_pool_idx for e in batch.entries))
+        if self._width is None:  # the longest sequence, found again only when the references change
+            self._width = max((len(p) + len(o) for p, o in self.references.items()), default=0) + 2
+        width = self._width + num_drafts
+        rows = max(self.table_rows, 1 + max(e.req.req_pool_idx for e in batch.entries))
+        if self._table is None or self._table.shape[1] < width or self._table.shape[0] < rows:
             self._table = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
             self._row_owner.clear()
         for entry in batch.entries:
