@@ -79,7 +79,6 @@ class CriticalPath(StepObserver):
         self.start = None
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
-            self.ops.append(self.counter.ops)
         return elapsed
 
     def results_arrived(self, step: Any) -> None:
@@ -98,6 +97,8 @@ class CriticalPath(StepObserver):
         elapsed = self._close()
         if batch.forward_mode is ForwardMode.TARGET_VERIFY:
             self.samples.append(elapsed)
+            if self.counter is not None:
+                self.ops.append(self.counter.ops)
 
     def wrap_forward(self, runner: Any) -> None:
         """Time the model runner's forward (subtracted from the window) and leave its operators uncounted."""
