@@ -2,8 +2,8 @@
 the previous one's results, its positions, request-table entries and drafts (the test ``oracle`` speculator's
 ``propose_on_device``) computed on the device. Greedy outputs stay the plain run's token for token with every draft
 kept, with steps keeping two of four (the rest's KV given back one step late), when a stop token or the token
-budget ends a request in the middle of a chain (its row of the overlapped step wasted), and when a small KV pool
-forces retractions; every KV slot comes back. torch_native runs here; triton runs under the interpreter in a fresh
+budget ends a request in the middle of a chain (its row of the overlapped step wasted), when a small KV pool
+forces retractions, and when a request is aborted with an overlapped step in flight; every KV slot comes back. torch_native runs here; triton runs under the interpreter in a fresh
 process (this file as a script, TRITON_INTERPRET=1 set before anything imports triton)."""
 
 from __future__ import annotations
@@ -95,6 +95,29 @@ def test_overlapped_verify_under_retraction_keeps_the_plain_tokens(tiny_llama_di
     assert [o.token_ids for o in outputs] == plain
     assert engine.kv_stats()["retractions"] > 0, "the small pool must force a retraction"
     assert steps.overlapped > 0
+
+
+@pytest.mark.parametrize("abort_after", [3, 5])
+def test_an_abort_with_overlapped_steps_in_flight_frees_everything(tiny_llama_dir, plain, abort_after):
+    engine = make_engine(tiny_llama_dir, "oracle")
+    oracle = engine.scheduler.worker.speculator
+    oracle.references, oracle.wrong_at = {tuple(p): ids for p, ids in zip(PROMPTS, plain)}, 2
+    steps = OverlappedVerifySteps()
+    scheduler = engine.scheduler
+    scheduler.add_observer(steps)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, greedy())):
+        scheduler.add_request(Req(rid=f"r{i}", origin_input_ids=prompt, sampling_params=params))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    for count in range(1, 100):
+        if not scheduler.has_work():
+            break
+        for output in scheduler.step():
+            got[output.rid].extend(output.new_token_ids)
+        if count == abort_after:
+            assert steps.overlapped > 0 and scheduler.inflight is not None
+            scheduler.abort_request("r0")
+    assert [got["r1"], got["r2"]] == plain[1:] and got["r0"] == plain[0][:len(got["r0"])] != plain[0]
+    assert_kv_accounted(engine)
 
 
 def test_cutting_kv_positions_out_of_the_middle_keeps_the_later_ones_in_order():
