@@ -198,18 +198,22 @@ def _overlapped_verify_forward_batch(batch: "ScheduleBatch", context: "Attention
     if previous.accepted is None or any(e.extend_len != t for e in entries):
         raise ValueError("an overlapped TARGET_VERIFY batch follows a verify step of draft chains, every entry "
                          "with the same extend_len")
+    req_to_token = context.req_to_token_pool.req_to_token
     rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
     follow = np.asarray(batch.follow_rows, dtype=np.int64)
     new_slots = entries[0].new_slots.numpy() if bs == 1 else np.concatenate([e.new_slots.numpy() for e in entries])
-    req_pool_indices, follow_dev, offsets, starts, extend_lens, logits_indices, out_cache_loc = to_device_packed(
-        [rows, follow, np.arange(t, dtype=np.int64), np.arange(bs, dtype=np.int64) * t,
-         np.full(bs, t, dtype=np.int64), np.arange(bs * t, dtype=np.int64), new_slots], device)
-    prefix = previous.forward_batch.extend_prefix_lens + previous.accepted + 1
+    # Few kernels on the device (each one adds to the step): what the host knows is packed into the one copy.
+    (req_pool_indices, row_starts, follow_dev, offsets, starts, extend_lens, logits_indices,
+     out_cache_loc) = to_device_packed(
+        [rows, rows[:, None] * req_to_token.shape[1], follow, np.arange(t, dtype=np.int64)[None, :],
+         np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64), np.arange(bs * t, dtype=np.int64),
+         new_slots], device)
+    kept_end = previous.forward_batch.extend_prefix_lens + previous.accepted  # the last token's position - 1
     if len(follow) != len(previous.batch.entries) or (follow != np.arange(len(follow))).any():
-        prefix = prefix.index_select(0, follow_dev)
+        kept_end = kept_end.index_select(0, follow_dev)
+    prefix = kept_end + 1  # where each request's last sampled token sits
     positions_2d = prefix.unsqueeze(1) + offsets
-    req_to_token = context.req_to_token_pool.req_to_token
-    table_index = (req_pool_indices.unsqueeze(1) * req_to_token.shape[1] + positions_2d).flatten()
+    table_index = (row_starts + positions_2d).flatten()
     req_to_token.view(-1).index_copy_(0, table_index, out_cache_loc.to(req_to_token.dtype))
     draft_ids = propose_drafts(prefix, req_pool_indices)
     first = next_input_ids.gather(req_pool_indices)
@@ -217,7 +221,7 @@ def _overlapped_verify_forward_batch(batch: "ScheduleBatch", context: "Attention
     bound = np.asarray([e.kv_start for e in entries], dtype=np.int64) + t  # every previous draft kept
     return ForwardBatch(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
-        positions=positions_2d.flatten(), req_pool_indices=req_pool_indices, seq_lens=prefix + t,
+        positions=positions_2d.flatten(), req_pool_indices=req_pool_indices, seq_lens=kept_end + (t + 1),
         seq_lens_cpu=torch.from_numpy(bound), out_cache_loc=out_cache_loc, seq_lens_sum=int(bound.sum()),
         logits_indices=logits_indices, req_to_token_pool=context.req_to_token_pool, kv_cache=context.kv_cache,
         attn_backend=attn_backend, extend_seq_lens=extend_lens, extend_prefix_lens=prefix,
