@@ -1,6 +1,9 @@
 """The host's critical path of a verify step: from the moment a verify step's results are on the host to the moment
 the next verify step's forward is queued (the device idles in between at batch size 1), per step, with the torch
-operators run in that stretch counted.
+operators run in that stretch counted. With overlapped verify (``speculative.overlap``, on where supported: ``--overlap
+auto``) the next step is queued before the results are read, so that window is gone; what the device then waits
+for is the host's work per step, from one verify launch to the next with the model's forward and the waits for
+results left out (it must stay below the device's step time), printed on a second line for either path.
 
 The model forward itself is excluded (on the CPU it computes; on the GPU a graph replay's launch stays in): the
 window is timed by a step observer (``results_arrived`` -> ``forward_launched``) and the time spent inside the model
@@ -10,7 +13,8 @@ draft is kept (``--keep N``: N drafts a step, the rest's KV given back)::
     python -m treadle.bench.verify_host                       # CPU: a tiny Llama, torch_native
     python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b [--profile 25] [--keep 2]
 
-Prints one line: steps, median host microseconds per step, torch operators per step.
+Prints the window's steps, median host microseconds per step and torch operators per step (none where every step
+overlapped), then the host microseconds of work per step from launch to launch.
 """
 
 from __future__ import annotations
@@ -75,7 +79,6 @@ class CriticalPath(StepObserver):
         self.start = None
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
-            self.ops.append(self.counter.ops)
         return elapsed
 
     def results_arrived(self, step: Any) -> None:
@@ -94,6 +97,8 @@ class CriticalPath(StepObserver):
         elapsed = self._close()
         if batch.forward_mode is ForwardMode.TARGET_VERIFY:
             self.samples.append(elapsed)
+            if self.counter is not None:
+                self.ops.append(self.counter.ops)
 
     def wrap_forward(self, runner: Any) -> None:
         """Time the model runner's forward (subtracted from the window) and leave its operators uncounted."""
@@ -118,6 +123,51 @@ class CriticalPath(StepObserver):
         runner.forward = timed
 
 
+class LaunchToLaunch(StepObserver):
+    """Host time from one verify step's launch to the next one's, less the model's forward and the waits for
+    results: the work an overlapped verify step must hide under the device's (``overlapped`` counts the steps queued
+    before the one they follow was read, ``ScheduleBatch.follows``)."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.excluded = 0.0
+        self.waiting_since = 0.0
+        self.samples: list[float] = []
+        self.overlapped = 0
+
+    def batch_built(self, batch: Any) -> None:
+        if batch is None:
+            self.last = None  # the run ended: no step follows
+
+    def results_waiting(self, step: Any) -> None:
+        self.waiting_since = time.perf_counter()
+
+    def results_arrived(self, step: Any) -> None:
+        self.excluded += time.perf_counter() - self.waiting_since
+
+    def forward_launched(self, batch: Any, step: Any) -> None:
+        if batch.forward_mode is not ForwardMode.TARGET_VERIFY:
+            self.last = None
+            return
+        now = time.perf_counter()
+        if self.last is not None:
+            self.samples.append(now - self.last - self.excluded)
+            self.overlapped += batch.follows is not None
+        self.last, self.excluded = now, 0.0
+
+    def wrap_forward(self, runner: Any) -> None:
+        forward = runner.forward
+
+        def timed(forward_batch):
+            start = time.perf_counter()
+            try:
+                return forward(forward_batch)
+            finally:
+                self.excluded += time.perf_counter() - start
+
+        runner.forward = timed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from treadle import Engine, SamplingParams
     from treadle.core.config import load_config
@@ -130,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "model.context_length": args.prompt_len + args.new_tokens + 64, "attention.backend": args.backend,
               "scheduler.max_running_requests": args.batch_size, "runtime.cuda_graph_max_bs": args.batch_size,
               "plugins": ["treadle.testing.speculator_plugins"], "speculative.method": "oracle",
-              "speculative.num_tokens": args.num_tokens, "speculative.max_batch_size": args.batch_size}
+              "speculative.num_tokens": args.num_tokens, "speculative.max_batch_size": args.batch_size,
+              "speculative.overlap": {"auto": "auto", "true": True, "false": False}[args.overlap]}
     if args.device == "cpu":
         config["model.device"] = "cpu"
     engine = Engine(load_config(overrides=config, use_env=False))
@@ -152,8 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = cProfile.Profile() if args.profile else None
         timer = CriticalPath(count_ops=False, profile=profile)
         timer.wrap_forward(engine.scheduler.worker.runner)
+        overlapped = LaunchToLaunch()
+        overlapped.wrap_forward(engine.scheduler.worker.runner)
         engine.scheduler.remove_observer(meter)
         engine.scheduler.add_observer(timer)
+        engine.scheduler.add_observer(overlapped)
         for _ in range(args.repeats):
             engine.flush_cache()
             engine.generate(input_ids=prompts, sampling_params=params)
@@ -163,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verify host critical path: {len(samples)} steps, median {1e6 * median:.0f} us/step, "
               f"{ops} torch ops/step (bs={args.batch_size}, k={args.num_tokens}, kept {kept}, {args.device}, "
               f"{args.backend})")
+        steps = sorted(overlapped.samples)
+        median = steps[len(steps) // 2] if steps else float("nan")
+        print(f"verify host work per step: {len(steps)} steps ({overlapped.overlapped} overlapped), median "
+              f"{1e6 * median:.0f} us/step (launch to launch, forwards and waits left out; speculative.overlap "
+              f"{args.overlap})")
         if profile is not None:
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.profile)
@@ -184,6 +243,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", type=int, default=None, help="drafts kept a step (the oracle's next one is wrong, "
                         "so the KV of the rest goes back each step); default: every draft")
+    parser.add_argument("--overlap", choices=["auto", "true", "false"], default="auto",
+                        help="speculative.overlap: overlapped verify steps (auto: where supported)")
     parser.add_argument("--profile", type=int, default=0, help="print the N host functions of most own time "
                         "in the window (cProfile; inflates the times above)")
     return parser

@@ -101,6 +101,13 @@ class SpeculativeConfig(Section):
                             "as without speculation: at large batches a verify step costs more than it "
                             "saves); auto: 32 on CUDA, 4 on the CPU")
 
+    overlap: bool | Literal["auto"] = Field(
+        "auto", description="overlapped verify: queue a verify step before the host reads the previous one's "
+                            "results, every input that depends on them computed on the device (chains, a speculator "
+                            "with propose_on_device, an attention backend that reads a verify step's lengths on the "
+                            "device: triton, flashinfer_triton; docs/speculative.md); auto: on where supported; "
+                            "true: an error at start-up where it is not")
+
     @field_validator("max_batch_size")
     @classmethod
     def _positive_batch(cls, value: int | str) -> int | str:

@@ -154,6 +154,17 @@ class Req:
         self.kv_slots = slots[:length]
         return slots[length:].tolist()
 
+    def cut_kv(self, start: int, end: int) -> list[int]:
+        """Take the KV slots of positions ``[start, end)`` out, the later ones moving down; return them."""
+        head = int(self._kv_head.numel())
+        if start >= head:
+            dropped = self._kv_tail[start - head:end - head]
+            del self._kv_tail[start - head:end - head]
+            return dropped
+        slots = self.kv_slots
+        self.kv_slots = torch.cat([slots[:start], slots[end:]])
+        return slots[start:end].tolist()
+
     @property
     def last_kv_slot(self) -> int:
         """The slot of the last computed token, or -1 when there is none."""

@@ -21,6 +21,7 @@ import torch
 
 from treadle.core.execution.overlap import to_device, to_device_packed
 from treadle.core.hookspecs import hookimpl
+from treadle.core.scheduling.observers import StepObserver
 from treadle.core.speculative.speculator import Drafts, Speculator
 
 if TYPE_CHECKING:
@@ -28,18 +29,73 @@ if TYPE_CHECKING:
 
 
 class OracleSpeculator(Speculator):
-    """Drafts the reference continuation of each request (token 0 past its end or for an unknown prompt)."""
+    """Drafts the reference continuation of each request (token 0 past its end or for an unknown prompt).
 
-    def __init__(self, num_draft_tokens: int, device: torch.device) -> None:
+    On the device too (``propose_on_device``, overlapped verify steps): each running request's prompt and
+    reference continuation are copied once into a device table row (its request-table row), from which the drafts
+    after each request's device position are gathered."""
+
+    proposes_on_device = True
+
+    def __init__(self, num_draft_tokens: int, device: torch.device, table_rows: int = 0) -> None:
         self.num_draft_tokens = num_draft_tokens
         self.device = device
-        self.references: dict[tuple[int, ...], list[int]] = {}
+        self._width: int | None = None
+        self._row_owner: dict[int, str] = {}  # table row -> the request whose sequence it holds
+        self.references = {}
         # Set: each step's draft at this index (and so every one after it) is wrong, so a step keeps that many
         # drafts and gives the KV of the rest back (a benchmark's partly accepted steps).
         self.wrong_at: int | None = None
+        self.table_rows = table_rows  # request-table rows (the device table's)
+        self._table: torch.Tensor | None = None  # [rows, longest sequence + drafts + 1]: prompt then reference
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    @property
+    def references(self) -> dict[tuple[int, ...], list[int]]:
+        """Prompt ids -> the continuation to draft (assign a new dict to change them)."""
+        return self._references
+
+    @references.setter
+    def references(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        self._references = references
+        self._width = None
+        self._row_owner = {}  # rows written from the old references are written again
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         return Drafts(to_device_packed([self.continuations(batch, num_drafts)], self.device)[0])
+
+    def propose_on_device(self, batch: "ScheduleBatch", num_drafts: int, positions: torch.Tensor,
+                          req_pool_indices: torch.Tensor) -> Drafts:
+        table = self._table_with(batch, num_drafts)
+        if num_drafts not in self._offsets:
+            self._offsets[num_drafts] = torch.arange(1, num_drafts + 1, device=self.device)
+        width = table.shape[1]
+        columns = (positions.unsqueeze(1) + self._offsets[num_drafts]).clamp_(max=width - 1)
+        drafts = table.view(-1)[req_pool_indices.unsqueeze(1) * width + columns]
+        if self.wrong_at is not None and self.wrong_at < num_drafts:
+            right = drafts[:, self.wrong_at]
+            drafts[:, self.wrong_at] = torch.where(right > 0, right - 1, torch.ones_like(right))
+        return Drafts(drafts)
+
+    def _table_with(self, batch: "ScheduleBatch", num_drafts: int) -> torch.Tensor:
+        """The device table, holding every entry's sequence in its request-table row (copied the first time)."""
+        if self._width is None:  # the longest sequence, found again only when the references change
+            self._width = max((len(p) + len(o) for p, o in self.references.items()), default=0) + 2
+        width = self._width + num_drafts
+        rows = max(self.table_rows, 1 + max(e.req.req_pool_idx for e in batch.entries))
+        if self._table is None or self._table.shape[1] < width or self._table.shape[0] < rows:
+            self._table = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
+            self._row_owner.clear()
+        for entry in batch.entries:
+            req, row = entry.req, entry.req.req_pool_idx
+            if self._row_owner.get(row) == req.rid:
+                continue
+            prompt = req.origin_input_ids
+            sequence = (prompt + self.references.get(tuple(prompt), []))[:self._table.shape[1]]
+            self._table[row].zero_()
+            self._table[row, :len(sequence)] = to_device(torch.tensor(sequence, dtype=torch.int64), self.device)
+            self._row_owner[row] = req.rid
+        return self._table
 
     def continuations(self, batch: "ScheduleBatch", num_drafts: int) -> list[list[int]]:
         """Each entry's next ``num_drafts`` reference tokens, on the host."""
@@ -59,6 +115,8 @@ class OracleSpeculator(Speculator):
 
 class OracleTreeSpeculator(OracleSpeculator):
     """The reference continuation as a tree of ``topk`` children per depth, the right one last (module docstring)."""
+
+    proposes_on_device = False  # trees are verified with the host between steps
 
     def __init__(self, num_draft_tokens: int, device: torch.device, vocab_size: int, topk: int = 2,
                  seed: int = 0) -> None:
@@ -106,8 +164,21 @@ class RandomDraftSpeculator(Speculator):
         return Drafts(ids, q.unsqueeze(0).expand(bs, num_drafts, q.shape[-1]))
 
 
+class OverlappedVerifySteps(StepObserver):
+    """Counts the verify batches launched (``verify``) and those queued before the verify step they follow was read
+    (``overlapped``: ``ScheduleBatch.follows``, speculative.overlap); add it with ``scheduler.add_observer``."""
+
+    def __init__(self) -> None:
+        self.verify = self.overlapped = 0
+
+    def forward_launching(self, batch) -> None:
+        if batch.forward_mode.is_verify():
+            self.verify += 1
+            self.overlapped += batch.follows is not None
+
+
 def make_oracle(target, config, registry) -> OracleSpeculator:
-    return OracleSpeculator(config.speculative.num_tokens, target.info.device)
+    return OracleSpeculator(config.speculative.num_tokens, target.info.device, target.info.req_to_token_pool.size)
 
 
 def make_oracle_tree(target, config, registry) -> OracleTreeSpeculator:

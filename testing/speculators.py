@@ -29,6 +29,9 @@ def check_speculator(factory: SpeculatorFactory, *, model_dir: str | None = None
       ``overrides``) are None or ``[bs, n]`` int64 each -1 or an earlier draft's index, and whose ``probs`` are None
       or ``[bs, n, vocab]`` float32
       there; on CUDA, ``propose`` does not synchronize the device (``torch.cuda.set_sync_debug_mode``);
+    - a speculator with ``proposes_on_device``: ``propose_on_device`` is asked for drafts once verify steps
+      overlap (``speculative.overlap``, on where the config allows) and returns a chain the same way (no
+      ``probs``, no ``parents``), without synchronizing the device;
     - the outputs are the plain run's token for token, and every KV slot comes back;
     - ``request_released`` is called for every request and may be called again for the same one.
 
@@ -52,6 +55,9 @@ def check_speculator(factory: SpeculatorFactory, *, model_dir: str | None = None
     engine = Engine({**config, "speculative": spec}, registry=registry)
     outputs = [o.token_ids for o in engine.generate(input_ids=_PROMPTS, sampling_params=params)]
     _expect(checked.proposals > 0, f"{name}: no verify step asked it for drafts")
+    if engine.scheduler.worker.overlap_verify:
+        _expect(checked.device_proposals > 0, f"{name}: proposes_on_device, but no overlapped verify step asked it "
+                                              "for drafts")
     _expect(outputs == plain, f"{name}: greedy outputs with its drafts differ from the plain run's: {outputs} vs "
                               f"{plain} (drafts must never change what the target computes)")
     assert_kv_accounted(engine)
@@ -71,6 +77,7 @@ class _Checked:
         self.factory = factory
         self.built: Speculator | None = None
         self.proposals = 0
+        self.device_proposals = 0
         self.released: list[Any] = []
         self.__name__ = "treadle.testing.speculators"
 
@@ -84,18 +91,22 @@ class _Checked:
         _expect(isinstance(speculator, Speculator), f"{name} built a {type(speculator).__name__}, not a Speculator")
         self.built = speculator
         propose, release = speculator.propose, speculator.request_released
+        propose_on_device = speculator.propose_on_device
         device, vocab = target.info.device, target.info.vocab_size
 
         def checked_propose(batch: Any, num_drafts: int) -> Drafts:
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                drafts = propose(batch, num_drafts)
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
+            drafts = _without_sync(device, propose, batch, num_drafts)
             _check_drafts(name, drafts, (len(batch.entries), num_drafts), device, vocab)
             self.proposals += 1
+            return drafts
+
+        def checked_propose_on_device(batch: Any, num_drafts: int, positions: Any, req_pool_indices: Any) -> Drafts:
+            drafts = _without_sync(device, propose_on_device, batch, num_drafts, positions, req_pool_indices)
+            _check_drafts(f"{name} (propose_on_device)", drafts, (len(batch.entries), num_drafts), device, vocab)
+            _expect(drafts.probs is None and drafts.parents is None,
+                    f"{name}.propose_on_device: an overlapped verify step takes a chain without probs")
+            self.proposals += 1
+            self.device_proposals += 1
             return drafts
 
         def checked_release(req: Any) -> None:
@@ -103,8 +114,21 @@ class _Checked:
             release(req)
 
         speculator.propose = checked_propose  # type: ignore[method-assign]
+        if getattr(speculator, "proposes_on_device", False):
+            speculator.propose_on_device = checked_propose_on_device  # type: ignore[method-assign]
         speculator.request_released = checked_release  # type: ignore[method-assign]
         return speculator
+
+
+def _without_sync(device: torch.device, call: Callable[..., Drafts], *args: Any) -> Drafts:
+    """``call(*args)``, an error on CUDA if it synchronizes the device."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        return call(*args)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def _check_drafts(name: str, drafts: Any, shape: tuple[int, int], device: torch.device, vocab: int) -> None:

@@ -8,7 +8,7 @@ have reached the host yet) or, in a TARGET_VERIFY step, from the draft tokens th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -27,15 +27,24 @@ if TYPE_CHECKING:
 
 def build_forward_batch(batch: "ScheduleBatch", context: "AttentionContext", attn_backend: "AttentionBackend",
                         next_input_ids: "NextInputIds", draft_ids: torch.Tensor | None = None,
-                        tree: "TreeLayout | None" = None) -> ForwardBatch:
+                        tree: "TreeLayout | None" = None,
+                        propose_drafts: "Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None" = None,
+                        ) -> ForwardBatch:
     """The device inputs of ``batch``. Decode rows take their input token from ``next_input_ids``; a
     TARGET_VERIFY batch (every entry ``extend_len = k + 1`` tokens, ``input_on_device``) takes its first token
     per request from there and the other ``k`` from ``draft_ids`` (``[bs, k]`` on the device). ``tree``: the
     drafts form trees (core/speculative/tree.py): each token sits at ``kv_start + depth`` under a tree mask. A
-    TARGET_VERIFY batch's new slots are written into the request table here too, from the same host copy."""
+    TARGET_VERIFY batch's new slots are written into the request table here too, from the same host copy. An
+    overlapped one (``batch.follows`` set) gets its drafts from ``propose_drafts(positions, req_pool_indices)``
+    (:func:`_overlapped_verify_forward_batch`)."""
     device = context.device
     entries = batch.entries
     mode = batch.forward_mode
+    if mode.is_verify() and batch.follows is not None:
+        if propose_drafts is None:
+            raise ValueError("an overlapped TARGET_VERIFY batch needs propose_drafts: its drafts depend on where "
+                             "each request's last token sits, known only on the device")
+        return _overlapped_verify_forward_batch(batch, context, attn_backend, next_input_ids, propose_drafts)
     if mode.is_verify():
         return _verify_forward_batch(entries, context, attn_backend, next_input_ids, draft_ids, tree)
     seq_lens = torch.tensor([e.kv_start + e.extend_len for e in entries], dtype=torch.int64)
@@ -171,6 +180,52 @@ def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContex
         attn_backend=attn_backend, extend_seq_lens=extend_lens, extend_prefix_lens=prefix_dev,
         extend_start_loc=starts, extend_seq_lens_cpu=[t] * bs, extend_prefix_lens_cpu=prefix_lens,
         tokens_per_req=t, tree_mask=tree_mask,
+    )
+
+
+def _overlapped_verify_forward_batch(batch: "ScheduleBatch", context: "AttentionContext",
+                                     attn_backend: "AttentionBackend", next_input_ids: "NextInputIds",
+                                     propose_drafts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                                     ) -> ForwardBatch:
+    """A TARGET_VERIFY batch queued while the verify step it follows (``batch.follows``) is still in flight: each
+    request's last token sits at that step's ``kv_start + accepted + 1``, known only on the device, so its positions,
+    lengths, request-table entries (its new slots, one host copy) and drafts are computed there. The host's lengths
+    (``seq_lens_cpu``, ``seq_lens_sum``) are upper bounds (every draft of the previous step kept) and its prefix
+    lengths are left to the device (``extend_prefix_lens_cpu`` None): only backends that read a verify step's
+    lengths on the device take such a batch (``SpeculativeWorker.overlaps_verify``)."""
+    entries, previous = batch.entries, batch.follows
+    t, bs, device = entries[0].extend_len, len(entries), context.device
+    if previous.accepted is None or any(e.extend_len != t for e in entries):
+        raise ValueError("an overlapped TARGET_VERIFY batch follows a verify step of draft chains, every entry "
+                         "with the same extend_len")
+    req_to_token = context.req_to_token_pool.req_to_token
+    rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
+    follow = np.asarray(batch.follow_rows, dtype=np.int64)
+    new_slots = entries[0].new_slots.numpy() if bs == 1 else np.concatenate([e.new_slots.numpy() for e in entries])
+    # Few kernels on the device (each one adds to the step): what the host knows is packed into the one copy.
+    (req_pool_indices, row_starts, follow_dev, offsets, starts, extend_lens, logits_indices,
+     out_cache_loc) = to_device_packed(
+        [rows, rows[:, None] * req_to_token.shape[1], follow, np.arange(t, dtype=np.int64)[None, :],
+         np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64), np.arange(bs * t, dtype=np.int64),
+         new_slots], device)
+    kept_end = previous.forward_batch.extend_prefix_lens + previous.accepted  # the last token's position - 1
+    if len(follow) != len(previous.batch.entries) or (follow != np.arange(len(follow))).any():
+        kept_end = kept_end.index_select(0, follow_dev)
+    prefix = kept_end + 1  # where each request's last sampled token sits
+    positions_2d = prefix.unsqueeze(1) + offsets
+    table_index = (row_starts + positions_2d).flatten()
+    req_to_token.view(-1).index_copy_(0, table_index, out_cache_loc.to(req_to_token.dtype))
+    draft_ids = propose_drafts(prefix, req_pool_indices)
+    first = next_input_ids.gather(req_pool_indices)
+    input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
+    bound = np.asarray([e.kv_start for e in entries], dtype=np.int64) + t  # every previous draft kept
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
+        positions=positions_2d.flatten(), req_pool_indices=req_pool_indices, seq_lens=kept_end + (t + 1),
+        seq_lens_cpu=torch.from_numpy(bound), out_cache_loc=out_cache_loc, seq_lens_sum=int(bound.sum()),
+        logits_indices=logits_indices, req_to_token_pool=context.req_to_token_pool, kv_cache=context.kv_cache,
+        attn_backend=attn_backend, extend_seq_lens=extend_lens, extend_prefix_lens=prefix,
+        extend_start_loc=starts, extend_seq_lens_cpu=[t] * bs, extend_prefix_lens_cpu=None, tokens_per_req=t,
     )
 
 

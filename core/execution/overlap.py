@@ -162,3 +162,8 @@ class LaunchedStep:
     kept_ids: torch.Tensor | None = None
     # And the kept path's node at each depth, [bs, t] (core/speculative/tree.py): whose K/V moves into place.
     kept_path: torch.Tensor | None = None
+    # A verify step's accepted draft counts, [bs] int64 on the device, once its sampling is queued: what an
+    # overlapped verify step queued before they reach the host places its tokens by.
+    accepted: torch.Tensor | None = None
+    # The overlapped verify batch queued after this step before its results were read (ScheduleBatch.follows).
+    followed_by: "ScheduleBatch | None" = None

@@ -24,7 +24,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -101,6 +101,11 @@ class Worker(ABC):
         """The most tokens per request worth computing in the next decode step of ``reqs`` (1 to
         ``decode_tokens_per_req``); asked only when ``decode_tokens_per_req`` is above 1, before the batch is built."""
         return self.decode_tokens_per_req
+
+    def overlaps_verify(self, num_tokens: int) -> bool:
+        """Whether a TARGET_VERIFY step of ``num_tokens`` tokens may be queued before the previous verify step's
+        results are read (an overlapped verify batch, ``ScheduleBatch.follows``); False by default."""
+        return False
 
     @abstractmethod
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
@@ -217,15 +222,20 @@ class ModelWorker(Worker):
         return self.runner.forward(forward_batch)
 
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None,
-                       draft_parents: torch.Tensor | None = None) -> LaunchedStep:
+                       draft_parents: torch.Tensor | None = None,
+                       propose_drafts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                       ) -> LaunchedStep:
         """``draft_parents`` (``[bs, k]``, with ``draft_ids``): the drafts form trees, each draft's parent draft
-        (-1: the request's last token; core/speculative/tree.py), verified under a tree mask."""
+        (-1: the request's last token; core/speculative/tree.py), verified under a tree mask. ``propose_drafts``:
+        an overlapped verify batch's drafts from its device positions (core/execution/forward_inputs.py)."""
         runner = self.runner
         if not batch.forward_mode.is_verify():  # a verify batch's slots go in with its inputs' one copy
             batch.write_req_to_token(runner.req_to_token_pool.req_to_token)
         tree = TreeLayout.of(draft_parents) if draft_parents is not None else None
         forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
-                                            draft_ids, tree)
+                                            draft_ids, tree, propose_drafts)
+        if draft_ids is None and batch.follows is not None:
+            draft_ids = forward_batch.input_ids.view(forward_batch.batch_size, -1)[:, 1:]
         if runner.lora is not None:
             forward_batch.batch_context = adapter_context(batch, forward_batch)
         return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids, tree=tree)
@@ -286,7 +296,7 @@ class ModelWorker(Worker):
             accepted = result.accepted if result.accepted is not None else accepted_draft_counts(step.draft_ids,
                                                                                                    token_ids)
             self.next_input_ids.record_accepted(forward_batch.req_pool_indices, token_ids, accepted)
-            tensors["accepted"] = accepted
+            tensors["accepted"] = step.accepted = accepted
         return tensors
 
 

@@ -8,7 +8,7 @@ read from the device.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.request import FinishReason, Req
@@ -17,6 +17,9 @@ from treadle.core.scheduling.kv_memory import EMPTY_SLOTS, KVMemory
 from treadle.core.scheduling.lifecycle import RequestLifecycle
 from treadle.core.scheduling.schedule_batch import BatchEntry, ScheduleBatch
 from treadle.core.scheduling.state import SchedulerState, remaining_new_tokens
+
+if TYPE_CHECKING:
+    from treadle.core.execution.overlap import LaunchedStep
 
 
 class DecodeManager:
@@ -29,7 +32,8 @@ class DecodeManager:
 
     def __init__(self, config: ResolvedConfig, state: SchedulerState, memory: KVMemory, lifecycle: RequestLifecycle,
                  context_len: int, settle: Callable[[], bool], tokens_per_req: int = 1,
-                 tokens_for: Callable[[list[Req]], int] | None = None) -> None:
+                 tokens_for: Callable[[list[Req]], int] | None = None,
+                 overlaps_verify: Callable[[int], bool] | None = None) -> None:
         self.config = config
         self.state = state
         self.memory = memory
@@ -38,6 +42,7 @@ class DecodeManager:
         self.settle = settle
         self.tokens_per_req = tokens_per_req
         self.tokens_for = tokens_for  # the worker's decode_tokens_for: fewer when fewer drafts are worth it
+        self.overlaps_verify = overlaps_verify  # the worker's overlaps_verify (None: verify steps never overlap)
 
     def build_batch(self) -> ScheduleBatch | None:
         if self.tokens_per_req > 1:
@@ -93,6 +98,42 @@ class DecodeManager:
         self.memory.assign_verify_slots(entries, slots, per_req)
         self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, entries)
+
+    def overlapped_verify_batch(self, step: "LaunchedStep") -> ScheduleBatch | None:
+        """The next verify batch of ``step``'s requests, built before ``step`` (a verify step of draft chains in
+        flight) is read: None where it cannot be (the caller then waits for ``step`` and builds as usual).
+
+        Each request's next tokens follow its accepted drafts, known only on the device: the batch ``follows``
+        ``step`` and the worker places them there (core/execution/forward_inputs.py). The host gives each request
+        ``t`` more KV slots as if every draft of ``step`` were kept (``kv_start`` = its KV length so far, an upper
+        bound) and, reading ``step``, moves them to their place and frees the rejected ones
+        (``OutputProcessing.take_positions``). Budgets count one token of ``step`` per request (its least), so a
+        request that finishes within ``step`` wastes its row here, whose tokens are then discarded. Not for
+        constrained, penalized, log-prob or multimodal requests, nor while requests wait or a prompt is chunked.
+        """
+        previous = step.batch
+        if (self.overlaps_verify is None or previous.forward_mode is not ForwardMode.TARGET_VERIFY
+                or step.accepted is None or step.tree is not None or step.draft_probs is not None
+                or self.state.waiting or self.state.chunked_req is not None):
+            return None
+        row_of = {id(entry.req): i for i, entry in enumerate(previous.entries)}
+        reqs = [req for req in self.state.running if not self.ends_with_pending_token(req)]
+        if not reqs or not all(id(req) in row_of and _overlappable(req) for req in reqs):
+            return None
+        per_req, need = self.verify_tokens(reqs)
+        if per_req < 2 or not self.overlaps_verify(len(reqs) * per_req):
+            return None
+        kv_lens = [req.kv_len for req in reqs]
+        slots = self.memory.alloc_verify(reqs, kv_lens, per_req, need)
+        if slots is None:
+            return None
+        entries = [BatchEntry(req, kv_len, per_req, EMPTY_SLOTS, write_from=kv_len,
+                              logit_positions=range(kv_len, kv_len + per_req), input_on_device=True)
+                   for req, kv_len in zip(reqs, kv_lens)]
+        self.memory.assign_verify_slots(entries, slots, per_req)
+        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, entries, follows=step,
+                             follow_rows=[row_of[id(req)] for req in reqs])
 
     def verify_tokens(self, reqs: list[Req]) -> tuple[int, int]:
         """``(t, slots needed)`` of a decode step of ``reqs`` at ``t`` tokens per request; ``(0, 0)`` when the pool
@@ -157,3 +198,9 @@ class DecodeManager:
     def reserve(self) -> int:
         """KV slots admission keeps free for the running requests' remaining tokens (``new_token_ratio`` of them)."""
         return int(sum(remaining_new_tokens(req) for req in self.state.running) * self.state.new_token_ratio)
+
+
+def _overlappable(req: Req) -> bool:
+    """Whether ``req`` may verify in an overlapped step: nothing of its sampling reads its host state per position."""
+    return (req.grammar is None and not req.return_logprob and req.multimodal is None
+            and not req.sampling_params.has_penalties)

@@ -137,6 +137,16 @@ class KVMemory:
         if freed:
             self.allocator.free(torch.tensor(freed, dtype=torch.int64))
 
+    def cut(self, spans: list[tuple[Req, int, int]]) -> None:
+        """Take each request's KV positions ``[start, end)`` out of the middle of its slots and give them back (a
+        verify step's rejected positions when the overlapped step after it already holds the slots past them), in
+        one ``free``. Page size 1 only (overlapped verify steps need it)."""
+        freed: list[int] = []
+        for req, start, end in spans:
+            freed.extend(req.cut_kv(start, end))
+        if freed:
+            self.allocator.free(torch.tensor(freed, dtype=torch.int64))
+
     # ------------------------------------------------------------------ a request's memory
 
     def take_row(self, req: Req, prefix_slots: torch.Tensor, prefix_len: int, node) -> None:

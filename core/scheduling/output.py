@@ -95,9 +95,11 @@ class OutputProcessing:
         rejected positions goes back. Returns what each row added to ``pending_tokens``; done once per step."""
         if self._positioned is not None and self._positioned[0] is step:
             return self._positioned[1]
+        followers = _followers(step)
         added: list[int] = []
         kept: list[tuple[Req, int]] = []
-        for entry, accepted in zip(step.batch.entries, host["accepted"].tolist()):
+        cut: list[tuple[Req, int, int]] = []
+        for i, (entry, accepted) in enumerate(zip(step.batch.entries, host["accepted"].tolist())):
             req = entry.req
             if req.finished:
                 added.append(0)  # aborted or finished while in flight: its memory is already back
@@ -105,8 +107,17 @@ class OutputProcessing:
             req.pending_tokens += accepted
             added.append(accepted)
             # Valid KV: the last token's and the accepted drafts'; the target's own token has none yet.
-            kept.append((req, entry.kv_start + accepted + 1))
+            valid = entry.kv_start + accepted + 1
+            follower = followers.get(i)
+            if follower is None:
+                kept.append((req, valid))
+                continue
+            # An overlapped verify step already holds the slots after these: cut the rejected ones from between.
+            cut.append((req, valid, entry.kv_start + entry.extend_len))
+            follower.kv_start = follower.write_from = valid
+            follower.logit_positions = range(valid, valid + follower.extend_len)
         self.memory.shorten(kept)
+        self.memory.cut(cut)
         self._positioned = (step, added)
         return added
 
@@ -128,8 +139,11 @@ class OutputProcessing:
             if req.finished:
                 continue  # aborted, or finished by the step before: this row's tokens are discarded
             new_ids: list[int] = []
+            limit = req.sampling_params.max_new_tokens
             for j in range(accepted[i] + 1):
-                if remaining_new_tokens(req) <= 0:
+                # Not remaining_new_tokens: an overlapped verify step queued after this one counts a token of its
+                # own as pending, which these may still take (its row is then discarded).
+                if len(req.output_ids) >= limit:
                     req.finish(FinishReason.LENGTH, None)
                     break
                 token = next_ids[i][j]
@@ -196,6 +210,16 @@ class OutputProcessing:
             if stop in tail:
                 return stop
         return None
+
+
+def _followers(step: LaunchedStep) -> dict[int, BatchEntry]:
+    """The entries of the overlapped verify batch queued after ``step`` (``ScheduleBatch.follows``), by their row
+    in ``step``; the link between the two is dropped (read once)."""
+    successor = step.followed_by
+    if successor is None:
+        return {}
+    step.followed_by = successor.follows = None
+    return dict(zip(successor.follow_rows, successor.entries))
 
 
 def req_output(req: Req, new_ids: list[int], include_input_logprobs: bool = False) -> ReqOutput:

@@ -4,6 +4,7 @@ core/execution/forward_inputs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,6 +13,9 @@ from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.forward_inputs import token_owners
 from treadle.core.execution.overlap import to_device_packed
 from treadle.core.request import Req
+
+if TYPE_CHECKING:
+    from treadle.core.execution.overlap import LaunchedStep
 
 __all__ = ["BatchEntry", "ScheduleBatch", "token_owners"]
 
@@ -38,6 +42,11 @@ class ScheduleBatch:
 
     forward_mode: ForwardMode
     entries: list[BatchEntry]
+    # An overlapped verify batch (DecodeManager.overlapped_verify_batch): the verify step still in flight whose
+    # acceptance places this one's tokens (on the device), and each entry's row in it. Until that step is read its
+    # entries' ``kv_start`` are upper bounds (every draft kept); reading it sets them and clears ``follows``.
+    follows: "LaunchedStep | None" = None
+    follow_rows: list[int] | None = None
 
     @property
     def reqs(self) -> list[Req]:

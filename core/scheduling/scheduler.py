@@ -14,7 +14,9 @@ batch N+1 while the device still runs batch N, then reads N's sampled tokens
 Decode inputs come from the device, so no token waits for the host before it
 is fed back. A verify step adds a number of tokens per request known only from
 its results, so when N is one the host waits for N's results before building
-N+1 and appends N's tokens after queueing N+1's forward. The device work is the
+N+1 and appends N's tokens after queueing N+1's forward, unless N+1 can be an overlapped verify step (its
+positions and drafts computed on the device from N's acceptance: ``DecodeManager.overlapped_verify_batch``,
+``speculative.overlap``), queued before N is read. The device work is the
 worker's (core/execution/worker.py): the scheduler hands it each batch and reads
 back the sampled ids.
 
@@ -97,7 +99,8 @@ class Scheduler:
                              f"decode, k + 1: verify k drafts), got {self.decode_tokens_per_req}")
         self.decode_manager = DecodeManager(self.config, self.state, self.memory, self.lifecycle, self.context_len,
                                             settle=self.settle, tokens_per_req=self.decode_tokens_per_req,
-                                            tokens_for=self.worker.decode_tokens_for)
+                                            tokens_for=self.worker.decode_tokens_for,
+                                            overlaps_verify=self.worker.overlaps_verify if self.overlap else None)
         self.prefill_manager = PrefillManager(self.config, self.state, self.memory, self.decode_manager,
                                               self.policy, self.oom_backoff)
         self.output_processing = OutputProcessing(self.state, self.lifecycle, self.grammar, self.eos_token_ids,
@@ -238,9 +241,15 @@ class Scheduler:
         observers = self.state.observers
         if observers:
             observers.step_started()
+        batch = None
         if self.decode_tokens_per_req > 1 and self._inflight is not None:
-            self._read_positions()
-        batch = self.prefill_manager.build_batch()
+            # A verify step in flight: queue the next one before reading it where its inputs can come from the
+            # device (DecodeManager.overlapped_verify_batch), else wait for how far each request got.
+            batch = self.decode_manager.overlapped_verify_batch(self._inflight)
+            if batch is None:
+                self._read_positions()
+        if batch is None:
+            batch = self.prefill_manager.build_batch()
         if batch is None and self.state.running:
             batch = self.decode_manager.build_batch()
         if observers:
@@ -394,6 +403,8 @@ class Scheduler:
             retract_after_oom(self, batch, exc)
             return None
         self.oom_backoff.on_success()
+        if batch.follows is not None:
+            batch.follows.followed_by = batch  # reading that step moves this one's slots into place
         # After the forward is queued: sharing a prompt may re-point its table row at cached copies.
         self.lifecycle.commit(batch)
         return step

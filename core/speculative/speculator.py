@@ -11,6 +11,9 @@ model is loaded through it like any model). The speculative worker around the ta
   request, where ``t`` is the batch's tokens per request (``entry.extend_len``; the first of those ``t``
   tokens is the request's last sampled token, already known); with ``speculative.topk`` > 1 they may form a
   tree (``Drafts.parents``);
+- :meth:`Speculator.propose_on_device` (optional, chains only) instead of ``propose`` for a verify batch queued
+  before the host has read the previous verify step's results (overlapped verify, ``speculative.overlap``): where
+  each request's last sampled token sits is known only on the device then, and the drafts must be gathered there;
 - :meth:`Speculator.after_target_forward` after each forward of the target is queued (prefill chunks and
   verify steps alike): a draft model catches its own KV cache up, EAGLE reads the target's hidden states;
 - :meth:`Speculator.request_released` when a request leaves the running batch (finished, aborted or
@@ -65,6 +68,18 @@ class Speculator(ABC):
     @abstractmethod
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         """``num_drafts`` drafts for each entry of ``batch`` (``entry.req``: the request so far)."""
+
+    #: Whether :meth:`propose_on_device` is implemented: verify steps may then be overlapped (``speculative.overlap``).
+    proposes_on_device: bool = False
+
+    def propose_on_device(self, batch: "ScheduleBatch", num_drafts: int, positions: torch.Tensor,
+                          req_pool_indices: torch.Tensor) -> Drafts:
+        """``num_drafts`` drafts (a chain, without ``probs``) for each entry of an overlapped verify batch, from
+        device state alone: ``positions`` ``[bs]`` (int64, on the device) is where each request's last sampled token
+        sits (its drafts go at ``positions + 1 ...``), ``req_pool_indices`` ``[bs]`` its request-table row. The host's
+        ``entry.req.output_ids`` and ``entry.kv_start`` lag one verify step behind here: they miss the previous
+        step's tokens. Nothing may wait for the device. Only called when ``proposes_on_device`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not propose drafts on the device")
 
     def max_drafts(self, reqs: list["Req"]) -> int:
         """The most drafts worth verifying in the next decode step of the running ``reqs``, asked before that

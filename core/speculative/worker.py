@@ -66,6 +66,7 @@ class SpeculativeWorker(Worker):
         if self.trees:
             check_tree_backend(self.target.runner.attn_backend, config.attention.backend, registry)
             warm_up_tree_kernels(self.info.device, self.num_draft_tokens)
+        self.overlap_verify = overlapped_verify_support(config.speculative.overlap, self)
         self._observer = _ReleasedRequests(speculator)
 
     @property
@@ -88,7 +89,19 @@ class SpeculativeWorker(Worker):
     def step_observers(self) -> Sequence[StepObserver]:
         return (self._observer,)
 
+    def overlaps_verify(self, num_tokens: int) -> bool:
+        if not self.overlap_verify:
+            return False
+        if self.info.device.type == "cpu":
+            return True  # host and device are one: any backend reads the lengths from the tensors for free
+        return bool(self.target.runner.attn_backend.verifies_by_decode(ForwardMode.TARGET_VERIFY, num_tokens))
+
     def launch_forward(self, batch: "ScheduleBatch", draft_ids: torch.Tensor | None = None) -> LaunchedStep:
+        if batch.follows is not None:
+            step = self.target.launch_forward(batch, propose_drafts=lambda positions, rows: self._propose_on_device(
+                batch, positions, rows))
+            self.speculator.after_target_forward(step)
+            return step
         drafts = parents = None
         if batch.forward_mode is ForwardMode.TARGET_VERIFY and draft_ids is None:
             drafts = self.propose(batch)
@@ -131,6 +144,18 @@ class SpeculativeWorker(Worker):
                                  "kept by matching the target's own tokens; leave Drafts.probs None")
         return drafts
 
+    def _propose_on_device(self, batch: "ScheduleBatch", positions: torch.Tensor,
+                           req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """An overlapped verify batch's drafts (``Speculator.propose_on_device``), checked for their shape."""
+        num_drafts = batch.entries[0].extend_len - 1
+        drafts = self.speculator.propose_on_device(batch, num_drafts, positions, req_pool_indices)
+        expected = (len(batch.entries), num_drafts)
+        if tuple(drafts.token_ids.shape) != expected or drafts.parents is not None or drafts.probs is not None:
+            raise ValueError(f"speculator {type(self.speculator).__name__}.propose_on_device proposed drafts of shape "
+                             f"{tuple(drafts.token_ids.shape)}; an overlapped verify batch needs a chain of shape "
+                             f"{expected} without parents or probs")
+        return drafts.token_ids
+
     def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
                         prompt_logprob_entries: Sequence[int] = ()) -> None:
         self.target.launch_sampling(step, vocab_mask, prompt_logprob_entries)
@@ -149,6 +174,31 @@ def check_tree_backend(backend, name: str, registry: Registry) -> None:
     raise ValueError(f"speculative.topk > 1 verifies draft trees, which attention backend '{name}' "
                      f"({type(backend).__name__}) cannot mask; use attention.backend: {' or '.join(able)}, or "
                      "speculative.topk: 1")
+
+
+def overlapped_verify_support(setting: bool | str, worker: SpeculativeWorker) -> bool:
+    """Whether verify steps may be overlapped (``speculative.overlap``): ``auto`` where everything it needs is
+    there, ``true`` an error naming what is missing."""
+    if setting is False:
+        return False
+    config, missing = worker.config, []
+    if config.speculative.topk > 1:
+        missing.append("draft chains (speculative.topk 1)")
+    if not getattr(worker.speculator, "proposes_on_device", False):
+        missing.append(f"a speculator that proposes on the device (Speculator.propose_on_device; "
+                       f"'{config.speculative.method}' does not)")
+    if worker.info.page_size != 1:
+        missing.append(f"page size 1 (cache.page_size is {worker.info.page_size})")
+    if config.scheduler.disable_overlap:
+        missing.append("overlap scheduling (scheduler.disable_overlap is set)")
+    backend = worker.target.runner.attn_backend
+    if worker.info.device.type != "cpu" and not hasattr(backend, "verifies_by_decode"):
+        missing.append(f"an attention backend that reads a verify step's lengths on the device (triton, "
+                       f"flashinfer_triton; not {config.attention.backend})")
+    if missing and setting is True:
+        raise ValueError("speculative.overlap: true needs " + ", ".join(missing) + "; set speculative.overlap to "
+                         "auto or false")
+    return not missing
 
 
 class _ReleasedRequests(StepObserver):

@@ -61,6 +61,11 @@ class FlashInferTritonAttnBackend(AttentionBackend):
     def _verify_backend(self, num_tokens: int) -> AttentionBackend:
         return self.small if self.small.verifies_by_decode(ForwardMode.TARGET_VERIFY, num_tokens) else self.large
 
+    def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
+        """Whether a TARGET_VERIFY chain of ``num_tokens`` tokens goes to the Triton decode kernel (which reads its
+        lengths on the device: no plan on the host)."""
+        return self.small.verifies_by_decode(mode, num_tokens)
+
     def _step_backend(self, forward_batch: ForwardBatch) -> AttentionBackend:
         mode = forward_batch.forward_mode
         if mode.is_decode():
