@@ -87,18 +87,67 @@ def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: t
 
 def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
               ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
-              choice: LoRAKernelChoice = DEFAULT) -> None:
+              choice: LoRAKernelChoice = DEFAULT, order: torch.Tensor | None = None) -> None:
     """A layer's stacked projections (``a`` ``[slots, P * R, in]``, ``b`` ``[slots, width, R]`` indexed by output
     column, ``scalings``/``ranks`` ``[P, slots]``, projection ``p`` on columns ``segments[p]``) added into ``out``
-    in place: one shrink, one expand, tuned by ``choice``."""
+    in place: one shrink, one expand, tuned by ``choice``. ``order`` (optional): the tokens sorted by slot
+    (:func:`sort_by_adapter`, computed once per step by the engine); batches the sorted form takes sort it here
+    when it is not given."""
     num_tokens, rows = x.shape[0], a.shape[1]
     if num_tokens == 0:
+        return
+    if sorts(num_tokens, choice):
+        _add_delta_sorted(x, a, b, adapter_ids, sort_by_adapter(adapter_ids) if order is None else order, scalings,
+                          ranks, segments, out, choice)
         return
     split = (_gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)[3]
              if _shrink_gathers(num_tokens, rows) else 1)
     partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
     _shrink(x, a, adapter_ids, scalings, ranks, b.shape[2], partials, False, choice)
     _expand(partials, scalings, b, adapter_ids, ranks, segments, out, choice)
+
+
+def sort_by_adapter(adapter_ids: torch.Tensor) -> torch.Tensor:
+    """The batch's token indices sorted by slot (stable; tokens without an adapter first): on the device, no sync."""
+    return torch.argsort(adapter_ids, stable=True)
+
+
+def sorts(num_tokens: int, choice: LoRAKernelChoice = DEFAULT) -> bool:
+    """Whether ``add_delta`` runs the sorted form for a batch of ``num_tokens`` (``choice.sort_above``)."""
+    return num_tokens > choice.sort_above
+
+
+def _add_delta_sorted(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor,
+                      order: torch.Tensor, scalings: torch.Tensor, ranks: torch.Tensor,
+                      segments: tuple[tuple[int, int], ...], out: torch.Tensor, choice: LoRAKernelChoice) -> None:
+    """``add_delta`` over the tokens in ``order``: blocks of sorted tokens hold one or a few adapters, so each
+    adapter's ``a`` and ``b`` tiles are read once per block and multiplied on tensor cores; the shrink splits
+    ``in`` over programs (float32 partials in sorted rows) so a few busy blocks still fill the GPU."""
+    num_tokens, in_features = x.shape
+    rows = a.shape[1]
+    block_m = 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
+    block_r = max(16, min(64, triton.next_power_of_2(rows)))
+    block_k = max(16, min(128, triton.next_power_of_2(in_features)))
+    split, k_per_split = _sorted_split(num_tokens, rows, in_features, block_m, block_r, block_k, choice)
+    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(rows, block_r), split)
+    _shrink_sorted_kernel[grid](x, a, adapter_ids, order, ranks, partials, num_tokens, in_features, b.shape[2], rows,
+                                _projection_stride(ranks), x.stride(0), x.stride(1), a.stride(0), a.stride(1),
+                                a.stride(2), partials.stride(0), partials.stride(1), k_per_split, BLOCK_M=block_m,
+                                BLOCK_R=block_r, BLOCK_K=block_k, IEEE=_ieee_dot(x), num_warps=4, num_stages=3)
+    _expand_segmented(partials, scalings, b, adapter_ids, ranks, segments, out, order)
+
+
+def _sorted_split(num_tokens: int, rows: int, in_features: int, block_m: int, block_r: int, block_k: int,
+                  choice: LoRAKernelChoice) -> tuple[int, int]:
+    """``(slices, columns per slice)`` of ``in`` for the sorted shrink: about ``choice.sort_programs`` programs,
+    a power of two of slices (at most 32: the expand adds them up unrolled), whole ``block_k`` blocks each."""
+    blocks = triton.cdiv(num_tokens, block_m) * triton.cdiv(rows, block_r)
+    k_blocks = triton.cdiv(in_features, block_k)
+    wanted = max(1, min(32, k_blocks, choice.sort_programs // blocks))
+    split = 1 << (wanted.bit_length() - 1)
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    return triton.cdiv(in_features, k_per_split), k_per_split
 
 
 def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor, ranks: torch.Tensor,
@@ -165,9 +214,27 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
         _expand_grouped_kernel[grid](*common, *bounds, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
                                      **flags, IEEE=_ieee_dot(out), num_warps=4)
     else:
-        grid = (triton.cdiv(num_tokens, 64), blocks)
-        _expand_segmented_kernel[grid](*common, *bounds, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r, **flags,
-                                       IEEE=_ieee_dot(out), num_warps=4, num_stages=2)
+        _expand_segmented(h, scalings, b, adapter_ids, ranks, segments, out, None)
+
+
+def _expand_segmented(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, adapter_ids: torch.Tensor,
+                      ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
+                      order: torch.Tensor | None) -> None:
+    """The segmented expand: tiles of 64 tokens (``h``'s rows; with ``order``, sorted rows whose token is
+    ``order[row]``) by a block of output columns, one pass per distinct slot in the tile."""
+    split, num_tokens, _ = h.shape
+    rank_dim = b.shape[2]
+    partial = scalings is not None
+    block_n = max(16, min(128, triton.next_power_of_2(max(end - start for start, end in segments))))
+    bounds, blocks = _segment_blocks(segments, block_n)
+    tile_r = max(16, min(64, triton.next_power_of_2(rank_dim)))
+    grid = (triton.cdiv(num_tokens, 64), blocks)
+    _expand_segmented_kernel[grid](h, b, adapter_ids, order if order is not None else adapter_ids,
+                                   scalings if partial else ranks, ranks, out, num_tokens, rank_dim,
+                                   _projection_stride(ranks), h.stride(0), h.stride(1), h.stride(2), b.stride(0),
+                                   b.stride(1), b.stride(2), out.stride(0), out.stride(1), *bounds, BLOCK_M=64,
+                                   BLOCK_N=block_n, BLOCK_R=tile_r, SPLIT=split, PARTIAL=partial,
+                                   SORTED=order is not None, IEEE=_ieee_dot(out), num_warps=4, num_stages=2)
 
 
 def _shrink_gathers(num_tokens: int, rows: int) -> bool:
@@ -421,16 +488,21 @@ def _expand_grouped_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim
 
 
 @triton.jit
-def _expand_segmented_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
+def _expand_segmented_kernel(H, B, Ids, Order, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
                              stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
                              s0, e0, s1, e1, s2, e2, first1, first2,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                             SPLIT: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+                             SPLIT: tl.constexpr, PARTIAL: tl.constexpr, SORTED: tl.constexpr, IEEE: tl.constexpr):
+    # Row m of h is token m, or (SORTED) token Order[m]: h is in sorted rows, out in the batch's.
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     m_mask = offs_m < num_tokens
-    ids = tl.load(Ids + offs_m, mask=m_mask, other=-1)
+    if SORTED:
+        tokens = tl.load(Order + offs_m, mask=m_mask, other=0)
+    else:
+        tokens = offs_m
+    ids = tl.load(Ids + tokens, mask=m_mask, other=-1)
     with_adapter = ids >= 0
     remaining = with_adapter
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -453,6 +525,44 @@ def _expand_segmented_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_d
         remaining = remaining & (ids != slot)
     # Rows without an adapter are neither read nor written.
     tile_mask = with_adapter[:, None] & n_mask[None, :]
-    where = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    where = Out + tokens[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     current = tl.load(where, mask=tile_mask, other=0.0)
     tl.store(where, (current.to(tl.float32) + acc).to(current.dtype), mask=tile_mask)
+
+
+@triton.jit
+def _shrink_sorted_kernel(X, A, Ids, Order, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
+                          stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
+                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # One program per block of sorted rows, block of ranks and slice of in: one pass per distinct slot in the
+    # block (sorted, a block holds one or a few), each reading that slot's a once. Float32 partial sums, unscaled,
+    # in sorted rows of slice program_id(2) of H; rows without an adapter are not written (the expand skips them).
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < num_tokens
+    tokens = tl.load(Order + offs_m, mask=m_mask, other=0)
+    ids = tl.load(Ids + tokens, mask=m_mask, other=-1)
+    in_rows = offs_r < rows
+    proj = offs_r // rank_dim
+    x_rows = X + tokens[:, None].to(tl.int64) * stride_xm
+    h_tile = H + tl.program_id(2) * stride_hs + offs_m[:, None].to(tl.int64) * stride_hm + offs_r[None, :]
+    remaining = ids >= 0
+    while tl.max(remaining.to(tl.int32), axis=0) > 0:
+        slot = tl.min(tl.where(remaining, ids, 2**62), axis=0)
+        mine = remaining & (ids == slot)
+        rank = tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0)
+        r_mask = offs_r - proj * rank_dim < rank
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        if tl.max(r_mask.to(tl.int32), axis=0) > 0:
+            a_cols = A + slot * stride_as + offs_r[None, :].to(tl.int64) * stride_ar
+            for k0 in range(k_start, k_end, BLOCK_K):
+                k = k0 + offs_k
+                k_mask = k < k_end
+                x = tl.load(x_rows + k[None, :] * stride_xk, mask=mine[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+                acc = _dot(x, w, acc, IEEE)
+        tl.store(h_tile, tl.where(r_mask[None, :], acc, 0.0), mask=mine[:, None] & in_rows[None, :])
+        remaining = remaining & (ids != slot)

@@ -96,6 +96,9 @@ class LayerSlots:
         has an adapter)."""
         if context is None or context.adapter_ids is None:
             return
+        if self.backend.takes_adapter_order:
+            self.backend.add_delta(x, self.weights, context.adapter_ids, out, order=context.adapter_order)
+            return
         self.backend.add_delta(x, self.weights, context.adapter_ids, out)
 
 

@@ -39,6 +39,7 @@ def test_an_extend_batch_maps_each_token_to_its_request_and_adapter():
     context = BatchContext.for_batch(batch, torch.tensor([1, NO_ADAPTER, 0]), per_request={"steer": steer})
     assert context.token_requests.tolist() == [0, 0, 0, 1, 2, 2]
     assert context.adapter_ids.tolist() == [1, 1, 1, NO_ADAPTER, 0, 0]
+    assert context.adapter_order.tolist() == [3, 4, 5, 0, 1, 2]  # by slot, stable: what LoRA kernels sort by
     assert torch.equal(context.request_values("steer"), steer[[0, 0, 0, 1, 2, 2]])
 
 
@@ -96,10 +97,12 @@ def _check_static_context() -> None:
     static.per_request["steer"].fill_(7.0)  # stale values of an earlier, larger batch
     static.load(batch, padded_tokens=4, padded_batch_size=4)
     assert captured.adapter_ids.tolist() == [2, NO_ADAPTER, 0, NO_ADAPTER]
+    assert captured.adapter_order.tolist() == [1, 3, 2, 0]  # the padded rows sorted, in the captured tensor
     assert captured.token_requests.tolist() == [0, 1, 2, 0]
     assert captured.per_request["steer"].sum(dim=1).tolist() == [4.0, 4.0, 4.0, 0.0]
     assert captured.per_token["scale"].tolist() == [0.5, 1.5, 2.5, 0.0]
     # A batch without a context: no adapter anywhere, zero values, its own request rows.
     static.load(_batch(ForwardMode.DECODE, 2, 2), padded_tokens=4, padded_batch_size=4)
     assert captured.adapter_ids.tolist() == [NO_ADAPTER] * 4 and captured.token_requests.tolist() == [0, 1, 0, 0]
+    assert captured.adapter_order.tolist() == [0, 1, 2, 3]
     assert not captured.per_request["steer"].any() and not captured.per_token["scale"].any()
