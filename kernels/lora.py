@@ -135,7 +135,19 @@ def _add_delta_sorted(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter
                                 _projection_stride(ranks), x.stride(0), x.stride(1), a.stride(0), a.stride(1),
                                 a.stride(2), partials.stride(0), partials.stride(1), k_per_split, BLOCK_M=block_m,
                                 BLOCK_R=block_r, BLOCK_K=block_k, IEEE=_ieee_dot(x), num_warps=4, num_stages=3)
-    _expand_segmented(partials, scalings, b, adapter_ids, ranks, segments, out, order)
+    tile_r = max(16, min(64, triton.next_power_of_2(b.shape[2])))
+    if b.shape[2] > tile_r:  # ranks past one tensor-core tile: the segmented expand's loop over rank tiles
+        _expand_segmented(partials, scalings, b, adapter_ids, ranks, segments, out, order)
+        return
+    widest = max(end - start for start, end in segments)
+    block_n = max(16, min(128, triton.next_power_of_2(widest)))
+    group = max(1, min(choice.sort_columns // block_n, triton.cdiv(widest, block_n)))
+    bounds, groups = _segment_blocks(segments, group * block_n)
+    _expand_sorted_kernel[(triton.cdiv(num_tokens, 64), groups)](
+        partials, b, adapter_ids, order, scalings, ranks, out, num_tokens, b.shape[2], _projection_stride(ranks),
+        partials.stride(0), partials.stride(1), partials.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), *bounds, GROUP=group, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r, SPLIT=split,
+        IEEE=_ieee_dot(out), num_warps=4)
 
 
 def _sorted_split(num_tokens: int, rows: int, in_features: int, block_m: int, block_r: int, block_k: int,
@@ -304,12 +316,19 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _segment(block, s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N: tl.constexpr):
     """A block of output columns' projection, its columns and their mask (projection p on columns [s_p, e_p),
     its blocks from first_p on)."""
+    proj, start, end = _segment_bounds(block, s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    return proj, offs_n, offs_n < end
+
+
+@triton.jit
+def _segment_bounds(block, s0, e0, s1, e1, s2, e2, first1, first2, WIDTH: tl.constexpr):
+    """A block of ``WIDTH`` output columns' projection, its first column and its projection's end."""
     proj = (block >= first1).to(tl.int32) + (block >= first2).to(tl.int32)
     start = tl.where(proj == 0, s0, tl.where(proj == 1, s1, s2))
     end = tl.where(proj == 0, e0, tl.where(proj == 1, e1, e2))
     first = tl.where(proj == 0, 0, tl.where(proj == 1, first1, first2))
-    offs_n = start + (block - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return proj, offs_n, offs_n < end
+    return proj, start + (block - first) * WIDTH, end
 
 
 @triton.jit
@@ -565,4 +584,47 @@ def _shrink_sorted_kernel(X, A, Ids, Order, Ranks, H, num_tokens, in_features, r
                 w = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
                 acc = _dot(x, w, acc, IEEE)
         tl.store(h_tile, tl.where(r_mask[None, :], acc, 0.0), mask=mine[:, None] & in_rows[None, :])
+        remaining = remaining & (ids != slot)
+
+
+@triton.jit
+def _expand_sorted_kernel(H, B, Ids, Order, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
+                          stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
+                          s0, e0, s1, e1, s2, e2, first1, first2,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                          SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    # One program per block of sorted rows and group of GROUP column blocks of one projection; one pass per
+    # distinct slot in the block: its rows' partial sums added up, scaled and rounded once (the ranks fit one
+    # tile), then each column block's delta added into those rows of out. A row has one slot, so each element of
+    # out is read and written once, and the partials are read once per group, not once per column block.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    proj, col_start, end = _segment_bounds(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2,
+                                           GROUP * BLOCK_N)
+    m_mask = offs_m < num_tokens
+    tokens = tl.load(Order + offs_m, mask=m_mask, other=0)
+    ids = tl.load(Ids + tokens, mask=m_mask, other=-1)
+    offs_r = tl.arange(0, BLOCK_R)
+    h_rows = H + offs_m[:, None].to(tl.int64) * stride_hm + (proj * rank_dim + offs_r[None, :]) * stride_hr
+    out_rows = Out + tokens[:, None].to(tl.int64) * stride_om
+    remaining = ids >= 0
+    while tl.max(remaining.to(tl.int32), axis=0) > 0:
+        slot = tl.min(tl.where(remaining, ids, 2**62), axis=0)
+        mine = remaining & (ids == slot)
+        rank = tl.load(Ranks + proj * proj_stride + slot)
+        if rank > 0:  # a projection the slot's adapter leaves alone is not touched
+            r_mask = offs_r < rank
+            scaling = tl.load(Scalings + proj * proj_stride + slot)
+            h = _load_h(h_rows, mine[:, None] & r_mask[None, :], stride_hs, scaling, SPLIT, True)
+            h = h.to(Out.dtype.element_ty)
+            b_rows = B + slot * stride_bs + offs_r[:, None] * stride_br
+            for n0 in range(col_start, tl.minimum(col_start + GROUP * BLOCK_N, end), BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < end
+                w = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
+                            other=0.0)
+                delta = _dot(h, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+                where = out_rows + offs_n[None, :] * stride_on
+                tile_mask = mine[:, None] & n_mask[None, :]
+                current = tl.load(where, mask=tile_mask, other=0.0)
+                tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=tile_mask)
         remaining = remaining & (ids != slot)

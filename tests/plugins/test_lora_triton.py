@@ -209,13 +209,14 @@ def run_stacked_scenario(name: str) -> dict:
 
 # The sorted form (add_delta past LoRAKernelChoice.sort_above = 64 tokens) against the torch backend: adapters of
 # ranks 16 and 8 mixed (a slot that leaves the last projection alone), tokens on the base model among them.
-# Scenario -> (token counts, dtype, in, padding rows, sort_above): either side of a threshold of 8 (gather, then
-# sorted with in=512 over four slices), a CUDA graph's shape (the last rows padding without an adapter), ten blocks
-# of sorted tokens.
+# Scenario -> (token counts, dtype, in, projection widths, padding rows, LoRAKernelChoice fields): either side of a
+# threshold of 8 (gather, then sorted with in=512 over four slices), a CUDA graph's shape (the last rows padding
+# without an adapter), ten blocks of sorted tokens whose expand programs cover two column blocks of 128 each (the
+# 300-wide projection in two groups, the last one partial).
 SORTED_SCENARIOS = {
-    "sorted_around_threshold_fp32": ((8, 9), torch.float32, 512, 0, 8),
-    "sorted_graph_padded_bf16": ((96,), torch.bfloat16, 200, 24, 64),
-    "sorted_ten_blocks_fp32": ((300,), torch.float32, 48, 0, 64),
+    "sorted_around_threshold_fp32": ((8, 9), torch.float32, 512, (24, 8, 8), 0, {"sort_above": 8}),
+    "sorted_graph_padded_bf16": ((96,), torch.bfloat16, 200, (24, 8, 8), 24, {}),
+    "sorted_ten_blocks_fp32": ((300,), torch.float32, 48, (300, 40, 40), 0, {"sort_columns": 256}),
 }
 MIXED_RANKS = torch.tensor([[16, 8, 16, 8, 16, 8], [8, 16, 16, 8, 8, 16], [16, 8, 16, 0, 8, 8]], dtype=torch.int32)
 
@@ -228,12 +229,12 @@ def run_sorted_scenario(name: str) -> dict:
 
     from treadle.kernels.lora_choice import LoRAKernelChoice
 
-    counts, dtype, in_features, padding, sort_above = SORTED_SCENARIOS[name]
-    choice = LoRAKernelChoice(sort_above=sort_above)
+    counts, dtype, in_features, widths, padding, fields = SORTED_SCENARIOS[name]
+    choice = LoRAKernelChoice(**fields)
     result = {"tolerance": 1e-5 if dtype == torch.float32 else TOLERANCE[dtype], "errors": [], "sorted": [],
               "own_sort_equal": True, "no_adapter_rows_untouched": True, "splits": []}
     for num_tokens in counts:
-        x, weights, ids, out = make_stacked_case(num_tokens, dtype, 16, in_features, (24, 8, 8), seed=num_tokens,
+        x, weights, ids, out = make_stacked_case(num_tokens, dtype, 16, in_features, widths, seed=num_tokens,
                                                  ranks=MIXED_RANKS)
         ids[num_tokens - padding:] = NO_ADAPTER
         expected = out.float().clone()
@@ -337,7 +338,7 @@ def test_sorted_form_matches_torch_backend(name: str, interpreted_results: dict[
     result = interpreted_results[name]
     assert "traceback" not in result, result.get("traceback")
     counts = SORTED_SCENARIOS[name][0]
-    assert result["sorted"] == [count > SORTED_SCENARIOS[name][4] for count in counts]
+    assert result["sorted"] == [count > SORTED_SCENARIOS[name][5].get("sort_above", 64) for count in counts]
     assert max(result["errors"]) <= result["tolerance"], f"relative errors {result['errors']}"
     assert result["own_sort_equal"], "add_delta without order= differs from add_delta given the sorted order"
     assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
