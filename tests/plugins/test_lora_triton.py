@@ -223,11 +223,10 @@ MIXED_RANKS = torch.tensor([[16, 8, 16, 8, 16, 8], [8, 16, 16, 8, 8, 16], [16, 8
 
 def run_sorted_scenario(name: str) -> dict:
     from treadle.core.execution.batch_context import adapter_order
-    from treadle.kernels import lora
+    from treadle.kernels import lora_sorted
+    from treadle.kernels.lora_choice import LoRAKernelChoice
     from treadle.plugins.lora_backends.torch import TorchLoRABackend
     from treadle.plugins.lora_backends.triton import TritonLoRABackend
-
-    from treadle.kernels.lora_choice import LoRAKernelChoice
 
     counts, dtype, in_features, widths, padding, fields = SORTED_SCENARIOS[name]
     choice = LoRAKernelChoice(**fields)
@@ -246,8 +245,8 @@ def run_sorted_scenario(name: str) -> dict:
         backend.add_delta(x, weights, ids, own)  # no order: the backend sorts
         none = ids == NO_ADAPTER
         result["errors"].append(_relative_error(given, expected.double()))
-        result["sorted"].append(lora.sorts(num_tokens, choice))
-        result["splits"].append(lora._sorted_split(num_tokens, 48, in_features, 32, 64, 128, choice)[0])
+        result["sorted"].append(lora_sorted.sorts(num_tokens, choice))
+        result["splits"].append(lora_sorted._sorted_split(num_tokens, 48, in_features, 32, 64, 128, choice)[0])
         result["own_sort_equal"] &= torch.equal(given, own)
         result["no_adapter_rows_untouched"] &= torch.equal(given[none], out[none])
     return result
