@@ -83,6 +83,7 @@ SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters
 SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"sort_above": 1 << 20},  # no sorted form: gather / slot-grouped / segmented over unsorted tokens
                  {"sort_programs": 256},  # the sorted shrink over twice as many slices of in
+                 {"sort_columns": 128}, {"sort_columns": 512},  # sorted expand programs of 1 / 4 column blocks
                  {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
                  {"shrink_tile": 4096, "expand_tile": 4096},  # more programs in flight
                  {"busy_programs": 1024},  # split-K shrinks and narrow expand blocks up to bs~32

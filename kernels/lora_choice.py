@@ -40,7 +40,7 @@ class LoRAKernelChoice:
     split_k: int = 512
     sort_above: int = 64
     sort_programs: int = 128
-    sort_columns: int = 512
+    sort_columns: int = 256
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):

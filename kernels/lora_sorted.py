@@ -7,9 +7,10 @@ and multiplied on tensor cores, where the gather kernels read them once per toke
   (about ``sort_programs`` programs: a few busy blocks would leave the GPU idle), one pass per distinct slot in the
   block; float32 partial sums, unscaled, in sorted rows;
 - the expand: a program per block of 64 sorted tokens and group of ``sort_columns`` output columns of one
-  projection; per distinct slot it adds up its rows' partial sums once, scales and rounds them, then adds each
-  column block's delta into those rows of ``out`` (each row has one slot: every element of ``out`` is read and
-  written once). Ranks past one 64-rank tile take the segmented expand (kernels/lora_tiles.py) over the order.
+  projection; it adds up its rows' partial sums once (each row scaled by its slot's scaling, rounded once), then
+  per column block sums one tensor-core product per distinct slot in the block (that slot's rows of ``h`` against
+  its ``b``) and reads and writes ``out`` once. Ranks past one 64-rank tile take the segmented expand
+  (kernels/lora_tiles.py) over the order.
 
 Nothing reads the ids or the order on the host, and the grids depend on shapes only: CUDA graphs capture them.
 """
@@ -126,38 +127,39 @@ def _expand_sorted_kernel(H, B, Ids, Order, Scalings, Ranks, Out, num_tokens, ra
                           s0, e0, s1, e1, s2, e2, first1, first2,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                           SPLIT: tl.constexpr, IEEE: tl.constexpr):
-    # One program per block of sorted rows and group of GROUP column blocks of one projection; one pass per
-    # distinct slot in the block: its rows' partial sums added up, scaled and rounded once (the ranks fit one
-    # tile), then each column block's delta added into those rows of out. A row has one slot, so each element of
-    # out is read and written once, and the partials are read once per group, not once per column block.
+    # One program per block of sorted rows and group of GROUP column blocks of one projection. Its rows' partial
+    # sums are added up, scaled (each row by its slot's scaling) and rounded once, for every slot at once (the
+    # ranks fit one tile); then per column block one tensor-core product per distinct slot in the block (its rows
+    # of h against its b), summed, and one read and write of out.
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     proj, col_start, end = segment_bounds(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2,
                                            GROUP * BLOCK_N)
     m_mask = offs_m < num_tokens
     tokens = tl.load(Order + offs_m, mask=m_mask, other=0)
     ids = tl.load(Ids + tokens, mask=m_mask, other=-1)
+    slots = tl.maximum(ids, 0)
+    rank = tl.load(Ranks + proj * proj_stride + slots, mask=ids >= 0, other=0)
+    scaling = tl.load(Scalings + proj * proj_stride + slots, mask=ids >= 0, other=0.0)
+    changed = rank > 0  # rows whose slot's adapter changes this projection; the others are not touched
     offs_r = tl.arange(0, BLOCK_R)
     h_rows = H + offs_m[:, None].to(tl.int64) * stride_hm + (proj * rank_dim + offs_r[None, :]) * stride_hr
+    h = load_h(h_rows, changed[:, None] & (offs_r[None, :] < rank[:, None]), stride_hs, scaling[:, None], SPLIT,
+               True).to(Out.dtype.element_ty)
     out_rows = Out + tokens[:, None].to(tl.int64) * stride_om
-    remaining = ids >= 0
-    while tl.max(remaining.to(tl.int32), axis=0) > 0:
-        slot = tl.min(tl.where(remaining, ids, 2**62), axis=0)
-        mine = remaining & (ids == slot)
-        rank = tl.load(Ranks + proj * proj_stride + slot)
-        if rank > 0:  # a projection the slot's adapter leaves alone is not touched
-            r_mask = offs_r < rank
-            scaling = tl.load(Scalings + proj * proj_stride + slot)
-            h = load_h(h_rows, mine[:, None] & r_mask[None, :], stride_hs, scaling, SPLIT, True)
-            h = h.to(Out.dtype.element_ty)
-            b_rows = B + slot * stride_bs + offs_r[:, None] * stride_br
-            for n0 in range(col_start, tl.minimum(col_start + GROUP * BLOCK_N, end), BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < end
-                w = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                            other=0.0)
-                delta = dot(h, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-                where = out_rows + offs_n[None, :] * stride_on
-                tile_mask = mine[:, None] & n_mask[None, :]
-                current = tl.load(where, mask=tile_mask, other=0.0)
-                tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=tile_mask)
-        remaining = remaining & (ids != slot)
+    for n0 in range(col_start, tl.minimum(col_start + GROUP * BLOCK_N, end), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        remaining = changed
+        while tl.max(remaining.to(tl.int32), axis=0) > 0:
+            slot = tl.min(tl.where(remaining, ids, 2**62), axis=0)
+            mine = remaining & (ids == slot)
+            slot_rank = tl.load(Ranks + proj * proj_stride + slot)
+            w = tl.load(B + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :].to(tl.int64) * stride_bn,
+                        mask=(offs_r < slot_rank)[:, None] & n_mask[None, :], other=0.0)
+            acc = dot(tl.where(mine[:, None], h, tl.zeros_like(h)), w, acc, IEEE)
+            remaining = remaining & (ids != slot)
+        where = out_rows + offs_n[None, :] * stride_on
+        tile_mask = changed[:, None] & n_mask[None, :]
+        current = tl.load(where, mask=tile_mask, other=0.0)
+        tl.store(where, (current.to(tl.float32) + acc).to(current.dtype), mask=tile_mask)

@@ -20,7 +20,7 @@ LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), 
 # SWEEP_CHOICES).
 CHOICES = ({}, {"go_ahead": 0}, {"shrink_tile": 16384, "expand_tile": 16384},
            {"busy_programs": 1024, "split_k": 1024}, {"sort_above": 1 << 20},
-           {"sort_programs": 256, "sort_columns": 128})
+           {"sort_programs": 256, "sort_columns": 128}, {"sort_columns": 512})
 
 
 def _choices():
