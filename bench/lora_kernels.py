@@ -82,6 +82,7 @@ SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters
                KernelCase("bs=512, 16 adapters", 512, 16))
 SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"sort_above": 1 << 20},  # no sorted form: gather / slot-grouped / segmented over unsorted tokens
+                 {"sort_above": 32},  # the sorted form from 33 tokens (bs=64 over 16 adapters: 4 tokens each)
                  {"sort_programs": 256},  # the sorted shrink over twice as many slices of in
                  {"sort_columns": 128}, {"sort_columns": 512},  # sorted expand programs of 1 / 4 column blocks
                  {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
