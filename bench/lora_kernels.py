@@ -83,7 +83,7 @@ SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters
 SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"sort_above": 1 << 20},  # no sorted form: gather / slot-grouped / segmented over unsorted tokens
                  {"sort_above": 32},  # the sorted form from 33 tokens (bs=64 over 16 adapters: 4 tokens each)
-                 {"sort_programs": 256},  # the sorted shrink over twice as many slices of in
+                 {"sort_programs": 64}, {"sort_programs": 256},  # the sorted shrink over half / twice the slices
                  {"sort_columns": 128}, {"sort_columns": 512},  # sorted expand programs of 1 / 4 column blocks
                  {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
                  {"shrink_tile": 4096, "expand_tile": 4096},  # more programs in flight
