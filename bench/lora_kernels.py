@@ -177,7 +177,7 @@ def _base(layers: list[_Layer], inputs: _Inputs) -> None:
 def _lora(layers: list[_Layer], inputs: _Inputs, backend: Any) -> None:
     # The tokens sorted by adapter, for a backend that takes them: sorted once a step before the graph replays, as
     # the engine's static batch context does (a few microseconds, not in the timed step).
-    order = {"order": inputs.adapter_order} if getattr(backend, "takes_adapter_order", False) else {}
+    order = {"order": inputs.adapter_order} if getattr(backend, "adapter_order_above", None) is not None else {}
     for layer in layers:
         for fused, weights in layer.adapters.items():
             backend.add_delta(inputs.x[fused], weights, inputs.adapter_ids, inputs.out[fused], **order)

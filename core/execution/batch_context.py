@@ -35,8 +35,9 @@ class BatchContext:
     ``token_requests`` [num_tokens] int64 is the batch row of each token's request; ``adapter_ids``
     [num_tokens] int64 (or None) each token's adapter slot, :data:`NO_ADAPTER` for none; ``per_request``
     maps names to ``[batch_size, ...]`` tensors and ``per_token`` to ``[num_tokens, ...]`` tensors;
-    ``adapter_order`` [num_tokens] int64 (None without adapter ids, or when not computed) the token indices
-    sorted by ``adapter_ids`` (stable: :func:`adapter_order`), so LoRA kernels need not sort in every layer.
+    ``adapter_order`` [num_tokens] int64 (None without adapter ids, or where no reader wants it: a CUDA graph of
+    no more tokens than the layout's ``adapter_order_above``) the token indices sorted by ``adapter_ids``
+    (stable: :func:`adapter_order`), so LoRA kernels need not sort in every layer.
     Build one with :meth:`for_batch`.
     """
 
@@ -122,17 +123,22 @@ class ContextTensor:
 @dataclass(frozen=True)
 class BatchContextLayout:
     """Which context tensors a module reads: ``adapter_ids``, and named per-request and per-token tensors
-    (``token_requests`` is always there). CUDA graphs capture static copies of exactly these."""
+    (``token_requests`` is always there), and ``adapter_order`` for batches of more than ``adapter_order_above``
+    tokens (None: never). CUDA graphs capture static copies of exactly these (a graph of fewer tokens gets no
+    order, and its replays sort nothing)."""
 
     adapter_ids: bool = False
     per_request: Mapping[str, ContextTensor] = field(default_factory=dict)
     per_token: Mapping[str, ContextTensor] = field(default_factory=dict)
+    adapter_order_above: int | None = None
 
     def merge(self, other: "BatchContextLayout") -> "BatchContextLayout":
         """Everything either layout reads; a name both read with different shapes or dtypes is an error."""
+        above = [n for n in (self.adapter_order_above, other.adapter_order_above) if n is not None]
         return BatchContextLayout(self.adapter_ids or other.adapter_ids,
                                   _merged("per-request", self.per_request, other.per_request),
-                                  _merged("per-token", self.per_token, other.per_token))
+                                  _merged("per-token", self.per_token, other.per_token),
+                                  min(above) if above else None)
 
 
 def _merged(kind: str, ours: Mapping[str, ContextTensor], theirs: Mapping[str, ContextTensor]
@@ -178,10 +184,11 @@ class StaticBatchContext:
             self.token_requests = torch.zeros(max_tokens, dtype=torch.int64, device=device)
             self.adapter_ids = (torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int64, device=device)
                                 if layout.adapter_ids else None)
-            # The padded ids sorted (values unused) and their order: refilled by each load, read by the graph.
-            self.sorted_ids = torch.empty_like(self.adapter_ids) if layout.adapter_ids else None
-            self.adapter_order = (torch.arange(max_tokens, dtype=torch.int64, device=device)
-                                  if layout.adapter_ids else None)
+            # The padded ids sorted (values unused) and their order: refilled by each load past the layout's
+            # adapter_order_above tokens, read by the graphs of those sizes.
+            sorts = layout.adapter_ids and layout.adapter_order_above is not None
+            self.sorted_ids = torch.empty_like(self.adapter_ids) if sorts else None
+            self.adapter_order = torch.arange(max_tokens, dtype=torch.int64, device=device) if sorts else None
             self.per_request = {name: torch.zeros((max_requests, *spec.shape), dtype=spec.dtype, device=device)
                                 for name, spec in layout.per_request.items()}
             self.per_token = {name: torch.zeros((max_tokens, *spec.shape), dtype=spec.dtype, device=device)
@@ -194,8 +201,11 @@ class StaticBatchContext:
             None if self.adapter_ids is None else self.adapter_ids[:num_tokens],
             {name: tensor[:batch_size] for name, tensor in self.per_request.items()},
             {name: tensor[:num_tokens] for name, tensor in self.per_token.items()},
-            None if self.adapter_order is None else self.adapter_order[:num_tokens],
+            self.adapter_order[:num_tokens] if self._sorts(num_tokens) else None,
         )
+
+    def _sorts(self, num_tokens: int) -> bool:
+        return self.adapter_order is not None and num_tokens > self.layout.adapter_order_above
 
     def load(self, forward_batch: "ForwardBatch", padded_tokens: int, padded_batch_size: int) -> None:
         """Copy ``forward_batch``'s context (an empty one where it has none) into the first rows; the rows up to
@@ -206,6 +216,7 @@ class StaticBatchContext:
         self.token_requests[tokens:padded_tokens].zero_()
         if self.adapter_ids is not None:
             _copy_or_fill(self.adapter_ids, context.adapter_ids, tokens, padded_tokens, NO_ADAPTER)
+        if self._sorts(padded_tokens):
             torch.sort(self.adapter_ids[:padded_tokens], stable=True,
                        out=(self.sorted_ids[:padded_tokens], self.adapter_order[:padded_tokens]))
         for name, static in self.per_request.items():

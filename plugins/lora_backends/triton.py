@@ -42,7 +42,10 @@ class TritonLoRABackend(LoRABackend):
                out: torch.Tensor) -> None:
         self._kernels.expand(h, b, adapter_ids, ranks, out)
 
-    takes_adapter_order = True  # large batches run the sorted form (kernels/lora.py)
+    @property
+    def adapter_order_above(self) -> int:
+        """Batches of more tokens than this run the sorted form (kernels/lora_sorted.py), over ``order=``."""
+        return self.kernel_choice.sort_above
 
     def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor,
                   order: torch.Tensor | None = None) -> None:

@@ -70,8 +70,12 @@ def test_a_model_reads_what_its_layers_deltas_declare():
     model[1].add_output_delta(lambda x, context: None)  # reads nothing
     layout = model_context_layout(model)
     assert layout.adapter_ids and dict(layout.per_request) == dict(STEERING.per_request)
+    assert layout.adapter_order_above is None
+    model[0].add_output_delta(lambda x, context: None, BatchContextLayout(adapter_ids=True, adapter_order_above=64))
+    model[1].add_output_delta(lambda x, context: None, BatchContextLayout(adapter_ids=True, adapter_order_above=8))
+    assert model_context_layout(model).adapter_order_above == 8  # the order for every reader that wants it
     remove()
-    assert model_context_layout(model) == BatchContextLayout(adapter_ids=True)
+    assert model_context_layout(model) == BatchContextLayout(adapter_ids=True, adapter_order_above=8)
 
 
 def test_two_readers_must_agree_on_a_tensors_shape():
@@ -87,9 +91,10 @@ def test_a_static_context_takes_a_batch_and_pads_with_no_adapter_and_zeros():
 
 def _check_static_context() -> None:
     layout = BatchContextLayout(adapter_ids=True, per_request=STEERING.per_request,
-                                per_token={"scale": ContextTensor((), torch.float32)})
+                                per_token={"scale": ContextTensor((), torch.float32)}, adapter_order_above=2)
     static = StaticBatchContext(layout, max_tokens=8, max_requests=8, device="cpu")
     captured = static.view(4, 4)  # what a graph of 4 rows was captured with
+    assert static.view(2, 2).adapter_order is None  # a graph of 2 rows: no reader wants the order
     batch = _batch(ForwardMode.DECODE, 3, 3)
     batch.batch_context = BatchContext.for_batch(batch, torch.tensor([2, NO_ADAPTER, 0]),
                                                  per_request={"steer": torch.ones(3, 4)},
