@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --sweep: a LoRAKernelChoice to time instead of the built-in list (repeatable), "
                              "e.g. go_ahead=0 or shrink_tile=16384,busy_programs=1024")
     parser.add_argument("--sizes", metavar="N,N,...",
-                        help="with --sweep: only these decode batch sizes (of 1, 8, 32, 64, 128, 256)")
+                        help="with --sweep: only these decode batch sizes (of 1, 8, 32, 64, 128, 256, 512)")
     parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
     return parser
 

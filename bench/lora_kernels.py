@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from treadle.core.execution.batch_context import adapter_order
 from treadle.core.lora.backend import StackedLoRA
 
 # Llama-3.1-8B: (in, out) of each projection, and the fused weights the base model runs.
@@ -77,8 +78,13 @@ def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...]
 # go_ahead=0 is the hand-over before it (each kernel's programs start once every program of the one before exited).
 SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters", 8, 8),
                KernelCase("bs=32, 32 adapters", 32, 32), KernelCase("bs=64, 16 adapters", 64, 16),
-               KernelCase("bs=128, 16 adapters", 128, 16), KernelCase("bs=256, 16 adapters", 256, 16))
+               KernelCase("bs=128, 16 adapters", 128, 16), KernelCase("bs=256, 16 adapters", 256, 16),
+               KernelCase("bs=512, 16 adapters", 512, 16))
 SWEEP_CHOICES = ({}, {"go_ahead": 0},
+                 {"sort_above": 1 << 20},  # no sorted form: gather / slot-grouped / segmented over unsorted tokens
+                 {"sort_above": 32},  # the sorted form from 33 tokens (bs=64 over 16 adapters: 4 tokens each)
+                 {"sort_programs": 64}, {"sort_programs": 256},  # the sorted shrink over half / twice the slices
+                 {"sort_columns": 128}, {"sort_columns": 512},  # sorted expand programs of 1 / 4 column blocks
                  {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
                  {"shrink_tile": 4096, "expand_tile": 4096},  # more programs in flight
                  {"busy_programs": 1024},  # split-K shrinks and narrow expand blocks up to bs~32
@@ -159,6 +165,7 @@ class _Inputs:
         tokens = torch.arange(case.tokens, device=device)
         run = -(-case.tokens // case.adapters)
         self.adapter_ids = tokens // run if case.prefill else tokens % case.adapters
+        self.adapter_order = adapter_order(self.adapter_ids)
 
 
 def _base(layers: list[_Layer], inputs: _Inputs) -> None:
@@ -168,9 +175,12 @@ def _base(layers: list[_Layer], inputs: _Inputs) -> None:
 
 
 def _lora(layers: list[_Layer], inputs: _Inputs, backend: Any) -> None:
+    # The tokens sorted by adapter, for a backend that takes them: sorted once a step before the graph replays, as
+    # the engine's static batch context does (a few microseconds, not in the timed step).
+    order = {"order": inputs.adapter_order} if getattr(backend, "adapter_order_above", None) is not None else {}
     for layer in layers:
         for fused, weights in layer.adapters.items():
-            backend.add_delta(inputs.x[fused], weights, inputs.adapter_ids, inputs.out[fused])
+            backend.add_delta(inputs.x[fused], weights, inputs.adapter_ids, inputs.out[fused], **order)
 
 
 def _lora_per_projection(layers: list[_Layer], inputs: _Inputs, backend: Any) -> None:

@@ -13,7 +13,10 @@ projection (``row // R``), each block of output columns its projection (the grid
 segments' bounds), so one batch mixes adapters of any ranks per projection.
 
 The form is picked by the number of tokens (and the stacked ranks) alone, so a CUDA graph captures one form,
-whatever the ids:
+whatever the ids. ``add_delta`` past ``LoRAKernelChoice.sort_above`` (64) tokens runs the **sorted** form
+(kernels/lora_sorted.py: tensor-core tiles over the tokens in slot order, each adapter's weights read once per
+block of sorted tokens); the forms below serve it up to there, and ``shrink``/``expand`` (and ``add_delta`` with a
+larger ``sort_above``) at every size:
 
 - **gather** (decode: up to 64 tokens, and the shrink up to ``4096 // rows``): each program takes one token and a
   block of ranks (shrink) or of output columns (expand), loads its adapter's rows through the token's slot (one
@@ -45,20 +48,24 @@ Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice
+from treadle.kernels.lora_sorted import add_delta_sorted, sort_by_adapter, sorts
+from treadle.kernels.lora_tiles import MAX_PROJECTIONS  # noqa: F401  (the triton backend reads it here)
+from treadle.kernels.lora_tiles import (dot, expand_segmented, ieee_dot, load_h, projection_stride, segment,
+                                        segment_blocks)
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 
 # The gather kernels run up to 64 tokens (decode graphs), and the shrink's up to 4096 // rows tokens (256 at rank
 # 16): one token per program, each reading its adapter's rows through L2. Past those the weights are read per
 # block of tokens: the expand's slot-grouped kernel up to 1024 tokens (each program holds one adapter's block of
-# ``b`` for a span of 256 tokens), then the segmented tiles of both.
+# ``b`` for a span of 256 tokens), then the segmented tiles of both. (add_delta's sorted form takes over past
+# LoRAKernelChoice.sort_above tokens.)
 GATHER_MAX_TOKENS = 64
 _SHRINK_GATHER_ELEMENTS = 4096  # tokens x stacked ranks
 GROUPED_MAX_TOKENS = 1024
@@ -68,7 +75,6 @@ _GROUPED_SPAN = 256
 # programs a decode-sized launch aims for (busy_programs: 128, about an H100's SMs; fewer, and split-K / narrower
 # column blocks spread the same bytes over more of them) come from the choice.
 _SPLIT_TILE = 2048  # elements of a per split-K program (4 KB of bf16)
-MAX_PROJECTIONS = 3  # a layer's stacked projections one add_delta handles (q/k/v)
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
@@ -87,12 +93,18 @@ def expand(h: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, ranks: t
 
 def add_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
               ranks: torch.Tensor, segments: tuple[tuple[int, int], ...], out: torch.Tensor,
-              choice: LoRAKernelChoice = DEFAULT) -> None:
+              choice: LoRAKernelChoice = DEFAULT, order: torch.Tensor | None = None) -> None:
     """A layer's stacked projections (``a`` ``[slots, P * R, in]``, ``b`` ``[slots, width, R]`` indexed by output
     column, ``scalings``/``ranks`` ``[P, slots]``, projection ``p`` on columns ``segments[p]``) added into ``out``
-    in place: one shrink, one expand, tuned by ``choice``."""
+    in place: one shrink, one expand, tuned by ``choice``. ``order`` (optional): the tokens sorted by slot
+    (:func:`sort_by_adapter`, computed once per step by the engine); batches the sorted form takes sort it here
+    when it is not given."""
     num_tokens, rows = x.shape[0], a.shape[1]
     if num_tokens == 0:
+        return
+    if sorts(num_tokens, choice):
+        add_delta_sorted(x, a, b, adapter_ids, sort_by_adapter(adapter_ids) if order is None else order, scalings,
+                          ranks, segments, out, choice)
         return
     split = (_gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)[3]
              if _shrink_gathers(num_tokens, rows) else 1)
@@ -110,7 +122,7 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
     if num_tokens == 0:
         return
     common = (x, a, adapter_ids, scalings, ranks, h, num_tokens, in_features, rank_dim, rows,
-              _projection_stride(scalings), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+              projection_stride(scalings), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
               h.stride(0), h.stride(1))
     if _shrink_gathers(num_tokens, rows):
         block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, in_features, not final,
@@ -128,7 +140,7 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
         block_k = max(16, min(128, triton.next_power_of_2(in_features)))
         grid = (triton.cdiv(num_tokens, block_m), slots, triton.cdiv(rows, block_r))
         _shrink_segmented_kernel[grid](*common, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, FINAL=final,
-                                       IEEE=_ieee_dot(x), num_warps=4, num_stages=3)
+                                       IEEE=ieee_dot(x), num_warps=4, num_stages=3)
 
 
 def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, adapter_ids: torch.Tensor,
@@ -141,7 +153,7 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
     if num_tokens == 0:
         return
     partial = scalings is not None
-    proj_stride = _projection_stride(ranks)
+    proj_stride = projection_stride(ranks)
     common = (h, b, adapter_ids, scalings if partial else ranks, ranks, out, num_tokens, rank_dim, proj_stride,
               h.stride(0), h.stride(1), h.stride(2), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
               out.stride(1))
@@ -150,24 +162,22 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
         block_r = max(2, triton.next_power_of_2(rank_dim))
         widest = max(end - start for start, end in segments)
         block_n = _gather_expand_columns(num_tokens, sum(e - s for s, e in segments), widest, block_r, choice)
-        bounds, blocks = _segment_blocks(segments, block_n)
+        bounds, blocks = segment_blocks(segments, block_n)
         pdl = pdl_enabled(h.device)
         _expand_gather_kernel[(num_tokens, blocks)](*common, *bounds, BLOCK_N=block_n, BLOCK_R=block_r, **flags,
                                                     PDL=pdl, GO_AHEAD=pdl and bool(choice.go_ahead),
                                                     launch_pdl=pdl, num_warps=_gather_warps(block_r * block_n))
         return
     block_n = max(16, min(128, triton.next_power_of_2(max(end - start for start, end in segments))))
-    bounds, blocks = _segment_blocks(segments, block_n)
+    bounds, blocks = segment_blocks(segments, block_n)
     tile_r = max(16, min(64, triton.next_power_of_2(rank_dim)))  # a tensor-core tile's ranks
     if num_tokens <= GROUPED_MAX_TOKENS and rank_dim <= tile_r:
         span = min(_GROUPED_SPAN, max(64, triton.next_power_of_2(num_tokens)))
         grid = (slots, blocks, triton.cdiv(num_tokens, span))
         _expand_grouped_kernel[grid](*common, *bounds, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
-                                     **flags, IEEE=_ieee_dot(out), num_warps=4)
+                                     **flags, IEEE=ieee_dot(out), num_warps=4)
     else:
-        grid = (triton.cdiv(num_tokens, 64), blocks)
-        _expand_segmented_kernel[grid](*common, *bounds, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r, **flags,
-                                       IEEE=_ieee_dot(out), num_warps=4, num_stages=2)
+        expand_segmented(h, scalings, b, adapter_ids, ranks, segments, out, None)
 
 
 def _shrink_gathers(num_tokens: int, rows: int) -> bool:
@@ -198,62 +208,9 @@ def _gather_expand_columns(num_tokens: int, columns: int, widest: int, block_r: 
     return min(block_n, 64) if num_tokens * triton.cdiv(columns, block_n) < choice.busy_programs else block_n
 
 
-def _segment_blocks(segments: tuple[tuple[int, int], ...], block_n: int) -> tuple[tuple[int, ...], int]:
-    """The expand kernels' segment arguments (three projections' column bounds, then the first block of the second
-    and third) and the number of column blocks; missing projections are empty."""
-    if len(segments) > MAX_PROJECTIONS:
-        raise ValueError(f"add_delta stacks at most {MAX_PROJECTIONS} projections, not {len(segments)}")
-    end = segments[-1][1]
-    padded = list(segments) + [(end, end)] * (MAX_PROJECTIONS - len(segments))
-    counts = [triton.cdiv(stop - start, block_n) for start, stop in padded]
-    bounds = tuple(v for pair in padded for v in pair) + (counts[0], counts[0] + counts[1])
-    return bounds, sum(counts)
-
-
-def _projection_stride(per_projection: torch.Tensor) -> int:
-    """Elements between projections of ``[P, slots]`` scalings/ranks (0 for one projection's ``[slots]``)."""
-    return per_projection.stride(0) if per_projection.dim() == 2 else 0
-
-
 def _gather_warps(tile: int) -> int:
     """Warps of a gather program: 32 weight elements per thread (a 16 KB bf16 tile: 8 warps)."""
     return max(1, min(16, tile // (32 * 32)))
-
-
-def _ieee_dot(x: torch.Tensor) -> bool:
-    """Whether the tiles multiply in exact float32: for float32 models (not TF32), and under the interpreter, whose
-    16-bit ``tl.dot`` is wrong (Triton 3.9); widening 16-bit inputs is exact, so the sums stay the GPU's."""
-    return x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _segment(block, s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N: tl.constexpr):
-    """A block of output columns' projection, its columns and their mask (projection p on columns [s_p, e_p),
-    its blocks from first_p on)."""
-    proj = (block >= first1).to(tl.int32) + (block >= first2).to(tl.int32)
-    start = tl.where(proj == 0, s0, tl.where(proj == 1, s1, s2))
-    end = tl.where(proj == 0, e0, tl.where(proj == 1, e1, e2))
-    first = tl.where(proj == 0, 0, tl.where(proj == 1, first1, first2))
-    offs_n = start + (block - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return proj, offs_n, offs_n < end
-
-
-@triton.jit
-def _load_h(ptrs, mask, stride_hs, scaling, SPLIT: tl.constexpr, PARTIAL: tl.constexpr):
-    """The shrink's values at ``ptrs``: as stored, or the sum of ``SPLIT`` float32 partials times ``scaling``."""
-    if PARTIAL:
-        acc = tl.load(ptrs, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            acc += tl.load(ptrs + s * stride_hs, mask=mask, other=0.0)
-        return acc * scaling
-    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -327,7 +284,7 @@ def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim,
                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
                           PDL: tl.constexpr, GO_AHEAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    proj, offs_n, n_mask = segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     # The adapter's block of b (its columns' rows, contiguous) before the wait, as in the shrink; h and out after.
     slot, with_adapter, r_mask, w = token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_stride,
@@ -336,7 +293,7 @@ def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim,
     allow_next(GO_AHEAD)  # as in the shrink: the next kernel's programs start while this one adds its delta
     if with_adapter:  # rows without an adapter are not touched
         scaling = tl.load(Scalings + proj * proj_stride + slot)
-        h = _load_h(H + token * stride_hm + (proj * rank_dim + offs_r) * stride_hr, r_mask, stride_hs, scaling,
+        h = load_h(H + token * stride_hm + (proj * rank_dim + offs_r) * stride_hr, r_mask, stride_hs, scaling,
                     SPLIT, PARTIAL)
         where = Out + token * stride_om + offs_n * stride_on
         current = tl.load(where, mask=n_mask, other=0.0)
@@ -378,7 +335,7 @@ def _shrink_segmented_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_featu
                 k_mask = k < in_features
                 x = tl.load(x_rows + k[None, :] * stride_xk, mask=mine[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-                acc = _dot(x, w, acc, IEEE)
+                acc = dot(x, w, acc, IEEE)
         if FINAL:
             acc = acc * tl.load(Scalings + proj * proj_stride + slot, mask=in_rows, other=0.0)[None, :]
         result = tl.where(r_mask[None, :], acc, 0.0)
@@ -394,7 +351,7 @@ def _expand_grouped_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim
     # One program per slot, block of output columns and span of tokens: it loads its adapter's block of b once
     # and adds it to every token of the slot in the span, so b is read once per adapter, not once per token.
     slot = tl.program_id(0)
-    proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
+    proj, offs_n, n_mask = segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
     span_start = tl.program_id(2) * SPAN
     offs_span = span_start + tl.arange(0, SPAN)
     span_ids = tl.load(Ids + offs_span, mask=offs_span < num_tokens, other=-1)
@@ -409,50 +366,12 @@ def _expand_grouped_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim
             offs_m = span_start + m0 + tl.arange(0, BLOCK_M)
             mine = tl.load(Ids + offs_m, mask=offs_m < num_tokens, other=-1) == slot
             if tl.max(mine.to(tl.int32), axis=0) > 0:
-                h = _load_h(H + offs_m[:, None].to(tl.int64) * stride_hm + (proj * rank_dim + offs_r[None, :]) *
+                h = load_h(H + offs_m[:, None].to(tl.int64) * stride_hm + (proj * rank_dim + offs_r[None, :]) *
                             stride_hr, mine[:, None] & r_mask[None, :], stride_hs, scaling, SPLIT, PARTIAL)
                 if PARTIAL:
                     h = h.to(Out.dtype.element_ty)
-                delta = _dot(h, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+                delta = dot(h, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
                 tile_mask = mine[:, None] & n_mask[None, :]
                 where = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
                 current = tl.load(where, mask=tile_mask, other=0.0)
                 tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=tile_mask)
-
-
-@triton.jit
-def _expand_segmented_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
-                             stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
-                             s0, e0, s1, e1, s2, e2, first1, first2,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                             SPLIT: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    proj, offs_n, n_mask = _segment(tl.program_id(1), s0, e0, s1, e1, s2, e2, first1, first2, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    m_mask = offs_m < num_tokens
-    ids = tl.load(Ids + offs_m, mask=m_mask, other=-1)
-    with_adapter = ids >= 0
-    remaining = with_adapter
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    h_rows = H + offs_m[:, None].to(tl.int64) * stride_hm + proj * rank_dim * stride_hr
-    while tl.max(remaining.to(tl.int32), axis=0) > 0:
-        slot = tl.min(tl.where(remaining, ids, 2**62), axis=0)
-        mine = remaining & (ids == slot)
-        rank = tl.load(Ranks + proj * proj_stride + slot)
-        scaling = tl.load(Scalings + proj * proj_stride + slot)
-        b_cols = B + slot * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn
-        for r0 in range(0, rank, BLOCK_R):
-            r = r0 + offs_r
-            r_mask = r < rank
-            h = _load_h(h_rows + r[None, :] * stride_hr, mine[:, None] & r_mask[None, :], stride_hs, scaling, SPLIT,
-                        PARTIAL)
-            if PARTIAL:
-                h = h.to(Out.dtype.element_ty)
-            w = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = _dot(h, w, acc, IEEE)
-        remaining = remaining & (ids != slot)
-    # Rows without an adapter are neither read nor written.
-    tile_mask = with_adapter[:, None] & n_mask[None, :]
-    where = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    current = tl.load(where, mask=tile_mask, other=0.0)
-    tl.store(where, (current.to(tl.float32) + acc).to(current.dtype), mask=tile_mask)

@@ -8,6 +8,12 @@ over 32 adapters the same chain moves 2.7 GB. ``go_ahead`` shortens the hand-ove
 kernel lets the next one start right after its own wait, so the next kernel's programs are resident and loading
 their weights while this one reads ``x`` (or ``h``) and stores, instead of only once every program of this one
 has exited. The tiles and the split-K reach set how many programs a launch has and how much each loads.
+
+Past ``sort_above`` tokens (large decode batches, mixed and prefill batches) ``add_delta`` runs the sorted form
+instead: the tokens in slot order (one device-side sort a step), so a block of tokens holds one or a few adapters
+whose ``a`` and ``b`` tiles it reads once and multiplies on tensor cores, where the gather kernels read them once
+per token; ``sort_programs`` is how many programs its shrink aims for (it splits ``in`` to get them), and
+``sort_columns`` how many output columns each expand program covers (it adds up the shrink's slices once for them).
 """
 
 from __future__ import annotations
@@ -22,13 +28,19 @@ class LoRAKernelChoice:
     """``go_ahead`` (1/0): the gather kernels give the next kernel the go-ahead (PDL) right after their wait, or
     only by exiting; ``shrink_tile`` / ``expand_tile``: elements of ``a`` / ``b`` a gather program loads at once;
     ``busy_programs``: a decode launch with fewer programs than this splits ``in`` over programs of ``split_k``
-    columns each (the shrink) or narrows its column blocks to 64 (the expand)."""
+    columns each (the shrink) or narrows its column blocks to 64 (the expand); ``sort_above``: batches of more
+    tokens take the sorted form (a large value keeps the gather / slot-grouped / segmented forms of unsorted
+    tokens); ``sort_programs``: the programs the sorted shrink aims for; ``sort_columns``: output columns of one
+    projection a sorted expand program covers (it reads its rows' partial sums once for all of them)."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
     expand_tile: int = 8192
     busy_programs: int = 128
     split_k: int = 512
+    sort_above: int = 64
+    sort_programs: int = 128
+    sort_columns: int = 256
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):

@@ -34,7 +34,10 @@ class BatchContext:
 
     ``token_requests`` [num_tokens] int64 is the batch row of each token's request; ``adapter_ids``
     [num_tokens] int64 (or None) each token's adapter slot, :data:`NO_ADAPTER` for none; ``per_request``
-    maps names to ``[batch_size, ...]`` tensors and ``per_token`` to ``[num_tokens, ...]`` tensors.
+    maps names to ``[batch_size, ...]`` tensors and ``per_token`` to ``[num_tokens, ...]`` tensors;
+    ``adapter_order`` [num_tokens] int64 (None without adapter ids, or where no reader wants it: a CUDA graph of
+    no more tokens than the layout's ``adapter_order_above``) the token indices sorted by ``adapter_ids``
+    (stable: :func:`adapter_order`), so LoRA kernels need not sort in every layer.
     Build one with :meth:`for_batch`.
     """
 
@@ -42,6 +45,7 @@ class BatchContext:
     adapter_ids: torch.Tensor | None = None
     per_request: dict[str, torch.Tensor] = field(default_factory=dict)
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+    adapter_order: torch.Tensor | None = None
 
     @classmethod
     def for_batch(cls, forward_batch: "ForwardBatch", request_adapter_ids: torch.Tensor | None = None,
@@ -50,14 +54,20 @@ class BatchContext:
         """The context of ``forward_batch`` given each request's adapter slot (``[batch_size]``, expanded here to
         one per token) and named tensors; no host-device sync."""
         token_requests = token_request_rows(forward_batch)
-        adapter_ids = None
+        adapter_ids = order = None
         if request_adapter_ids is not None:
             adapter_ids = request_adapter_ids.to(torch.int64).index_select(0, token_requests)
-        return cls(token_requests, adapter_ids, dict(per_request or {}), dict(per_token or {}))
+            order = adapter_order(adapter_ids)
+        return cls(token_requests, adapter_ids, dict(per_request or {}), dict(per_token or {}), order)
 
     def request_values(self, name: str) -> torch.Tensor:
         """The per-request tensor ``name`` with one row per token (its request's row)."""
         return self.per_request[name].index_select(0, self.token_requests)
+
+
+def adapter_order(adapter_ids: torch.Tensor) -> torch.Tensor:
+    """The token indices sorted by adapter slot, stable (:data:`NO_ADAPTER` first): one sort on the device."""
+    return torch.sort(adapter_ids, stable=True).indices
 
 
 def token_request_rows(forward_batch: "ForwardBatch") -> torch.Tensor:
@@ -113,17 +123,22 @@ class ContextTensor:
 @dataclass(frozen=True)
 class BatchContextLayout:
     """Which context tensors a module reads: ``adapter_ids``, and named per-request and per-token tensors
-    (``token_requests`` is always there). CUDA graphs capture static copies of exactly these."""
+    (``token_requests`` is always there), and ``adapter_order`` for batches of more than ``adapter_order_above``
+    tokens (None: never). CUDA graphs capture static copies of exactly these (a graph of fewer tokens gets no
+    order, and its replays sort nothing)."""
 
     adapter_ids: bool = False
     per_request: Mapping[str, ContextTensor] = field(default_factory=dict)
     per_token: Mapping[str, ContextTensor] = field(default_factory=dict)
+    adapter_order_above: int | None = None
 
     def merge(self, other: "BatchContextLayout") -> "BatchContextLayout":
         """Everything either layout reads; a name both read with different shapes or dtypes is an error."""
+        above = [n for n in (self.adapter_order_above, other.adapter_order_above) if n is not None]
         return BatchContextLayout(self.adapter_ids or other.adapter_ids,
                                   _merged("per-request", self.per_request, other.per_request),
-                                  _merged("per-token", self.per_token, other.per_token))
+                                  _merged("per-token", self.per_token, other.per_token),
+                                  min(above) if above else None)
 
 
 def _merged(kind: str, ours: Mapping[str, ContextTensor], theirs: Mapping[str, ContextTensor]
@@ -169,6 +184,11 @@ class StaticBatchContext:
             self.token_requests = torch.zeros(max_tokens, dtype=torch.int64, device=device)
             self.adapter_ids = (torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int64, device=device)
                                 if layout.adapter_ids else None)
+            # The padded ids sorted (values unused) and their order: refilled by each load past the layout's
+            # adapter_order_above tokens, read by the graphs of those sizes.
+            sorts = layout.adapter_ids and layout.adapter_order_above is not None
+            self.sorted_ids = torch.empty_like(self.adapter_ids) if sorts else None
+            self.adapter_order = torch.arange(max_tokens, dtype=torch.int64, device=device) if sorts else None
             self.per_request = {name: torch.zeros((max_requests, *spec.shape), dtype=spec.dtype, device=device)
                                 for name, spec in layout.per_request.items()}
             self.per_token = {name: torch.zeros((max_tokens, *spec.shape), dtype=spec.dtype, device=device)
@@ -181,7 +201,11 @@ class StaticBatchContext:
             None if self.adapter_ids is None else self.adapter_ids[:num_tokens],
             {name: tensor[:batch_size] for name, tensor in self.per_request.items()},
             {name: tensor[:num_tokens] for name, tensor in self.per_token.items()},
+            self.adapter_order[:num_tokens] if self._sorts(num_tokens) else None,
         )
+
+    def _sorts(self, num_tokens: int) -> bool:
+        return self.adapter_order is not None and num_tokens > self.layout.adapter_order_above
 
     def load(self, forward_batch: "ForwardBatch", padded_tokens: int, padded_batch_size: int) -> None:
         """Copy ``forward_batch``'s context (an empty one where it has none) into the first rows; the rows up to
@@ -192,6 +216,9 @@ class StaticBatchContext:
         self.token_requests[tokens:padded_tokens].zero_()
         if self.adapter_ids is not None:
             _copy_or_fill(self.adapter_ids, context.adapter_ids, tokens, padded_tokens, NO_ADAPTER)
+        if self._sorts(padded_tokens):
+            torch.sort(self.adapter_ids[:padded_tokens], stable=True,
+                       out=(self.sorted_ids[:padded_tokens], self.adapter_order[:padded_tokens]))
         for name, static in self.per_request.items():
             _copy_or_fill(static, context.per_request.get(name), requests, padded_batch_size, 0)
         for name, static in self.per_token.items():

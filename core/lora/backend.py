@@ -16,7 +16,11 @@ The engine calls :meth:`LoRABackend.add_delta` once per linear layer: a fused la
 ``qkv_proj``, gate/up of a ``gate_up_proj``) stacked in one :class:`StackedLoRA`, their deltas added into the
 layer's output in place. Its default shrinks and expands each projection in turn through the two calls above, so a
 backend that has only those works unchanged; the built-ins override it to shrink every projection in one kernel
-(reading ``x`` once) and expand into the output in another, with no separate add.
+(reading ``x`` once) and expand into the output in another, with no separate add. A backend whose
+``adapter_order_above`` is a number ``n`` also receives ``order=``: for batches of more than ``n`` tokens the
+step's token indices sorted by slot (stable, tokens without an adapter first; ``BatchContext.adapter_order``),
+sorted once a step on the device, so kernels can work on blocks of tokens that share an adapter without sorting
+in every layer; ``order`` may be None (a smaller batch, or a step whose context has none).
 
 All of them must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
 same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic within the dtype's
@@ -58,6 +62,10 @@ class StackedLoRA:
 
 class LoRABackend(ABC):
     """Shrink and expand for a batch of tokens whose adapters differ (module docstring)."""
+
+    #: :meth:`add_delta` takes ``order=`` (the batch's tokens sorted by slot, for batches of more tokens than
+    #: this; module docstring); None: it takes no ``order``.
+    adapter_order_above: int | None = None
 
     @abstractmethod
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,

@@ -15,6 +15,7 @@ layer module.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -26,7 +27,7 @@ from treadle.core.execution.batch_context import BatchContext, BatchContextLayou
 from treadle.core.lora.adapter import PROJECTIONS, LoRAAdapter
 from treadle.core.lora.backend import LoRABackend, StackedLoRA
 
-READS = BatchContextLayout(adapter_ids=True)
+READS = BatchContextLayout(adapter_ids=True)  # plus the order, past the backend's adapter_order_above
 
 
 @dataclass
@@ -89,12 +90,16 @@ class LayerSlots:
         for p, ((name, _), (_, _, out_start, out_offset, _)) in enumerate(zip(named, shapes)):
             a, b, scalings, ranks = self.weights.projection(p)
             self.projections.append(ProjectionSlots(name, a, b, scalings, ranks, in_start, out_start, out_offset))
-        self.remove = layer.add_output_delta(self.delta, READS, in_place=True)
+        reads = dataclasses.replace(READS, adapter_order_above=backend.adapter_order_above)
+        self.remove = layer.add_output_delta(self.delta, reads, in_place=True)
 
     def delta(self, x: torch.Tensor, context: BatchContext | None, out: torch.Tensor) -> None:
         """Add each token's adapter change of this layer's output into ``out`` (nothing when no token of this step
         has an adapter)."""
         if context is None or context.adapter_ids is None:
+            return
+        if self.backend.adapter_order_above is not None:
+            self.backend.add_delta(x, self.weights, context.adapter_ids, out, order=context.adapter_order)
             return
         self.backend.add_delta(x, self.weights, context.adapter_ids, out)
 

@@ -1,7 +1,8 @@
 """The ``triton`` LoRA backend: treadle's Triton shrink and expand kernels (kernels/lora.py) for batches whose tokens
 use different adapters of different ranks, decode (one token per program, gathered through its slot) and prefill
 (tensor-core tiles over blocks of tokens that share an adapter) alike. ``add_delta`` is a layer's whole LoRA path in
-two launches: one shrink for its stacked projections, one expand into the layer's output in place.
+two launches: one shrink for its stacked projections, one expand into the layer's output in place; past
+``LoRAKernelChoice.sort_above`` tokens over the tokens sorted by adapter (``order=``, sorted once a step).
 
 Registered even where Triton is missing (so ``treadle plugins`` lists it); building it there fails with the
 install hint. Triton is imported only when the backend is built.
@@ -41,12 +42,18 @@ class TritonLoRABackend(LoRABackend):
                out: torch.Tensor) -> None:
         self._kernels.expand(h, b, adapter_ids, ranks, out)
 
-    def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor) -> None:
+    @property
+    def adapter_order_above(self) -> int:
+        """Batches of more tokens than this run the sorted form (kernels/lora_sorted.py), over ``order=``."""
+        return self.kernel_choice.sort_above
+
+    def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor,
+                  order: torch.Tensor | None = None) -> None:
         if len(weights.segments) > self._kernels.MAX_PROJECTIONS:  # no such layer among the model families
             super().add_delta(x, weights, adapter_ids, out)
             return
         self._kernels.add_delta(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
-                                weights.segments, out, self.kernel_choice)
+                                weights.segments, out, self.kernel_choice, order)
 
 
 def _interpreting() -> bool:

@@ -39,6 +39,7 @@ def test_an_extend_batch_maps_each_token_to_its_request_and_adapter():
     context = BatchContext.for_batch(batch, torch.tensor([1, NO_ADAPTER, 0]), per_request={"steer": steer})
     assert context.token_requests.tolist() == [0, 0, 0, 1, 2, 2]
     assert context.adapter_ids.tolist() == [1, 1, 1, NO_ADAPTER, 0, 0]
+    assert context.adapter_order.tolist() == [3, 4, 5, 0, 1, 2]  # by slot, stable: what LoRA kernels sort by
     assert torch.equal(context.request_values("steer"), steer[[0, 0, 0, 1, 2, 2]])
 
 
@@ -69,8 +70,12 @@ def test_a_model_reads_what_its_layers_deltas_declare():
     model[1].add_output_delta(lambda x, context: None)  # reads nothing
     layout = model_context_layout(model)
     assert layout.adapter_ids and dict(layout.per_request) == dict(STEERING.per_request)
+    assert layout.adapter_order_above is None
+    model[0].add_output_delta(lambda x, context: None, BatchContextLayout(adapter_ids=True, adapter_order_above=64))
+    model[1].add_output_delta(lambda x, context: None, BatchContextLayout(adapter_ids=True, adapter_order_above=8))
+    assert model_context_layout(model).adapter_order_above == 8  # the order for every reader that wants it
     remove()
-    assert model_context_layout(model) == BatchContextLayout(adapter_ids=True)
+    assert model_context_layout(model) == BatchContextLayout(adapter_ids=True, adapter_order_above=8)
 
 
 def test_two_readers_must_agree_on_a_tensors_shape():
@@ -86,9 +91,10 @@ def test_a_static_context_takes_a_batch_and_pads_with_no_adapter_and_zeros():
 
 def _check_static_context() -> None:
     layout = BatchContextLayout(adapter_ids=True, per_request=STEERING.per_request,
-                                per_token={"scale": ContextTensor((), torch.float32)})
+                                per_token={"scale": ContextTensor((), torch.float32)}, adapter_order_above=2)
     static = StaticBatchContext(layout, max_tokens=8, max_requests=8, device="cpu")
     captured = static.view(4, 4)  # what a graph of 4 rows was captured with
+    assert static.view(2, 2).adapter_order is None  # a graph of 2 rows: no reader wants the order
     batch = _batch(ForwardMode.DECODE, 3, 3)
     batch.batch_context = BatchContext.for_batch(batch, torch.tensor([2, NO_ADAPTER, 0]),
                                                  per_request={"steer": torch.ones(3, 4)},
@@ -96,10 +102,12 @@ def _check_static_context() -> None:
     static.per_request["steer"].fill_(7.0)  # stale values of an earlier, larger batch
     static.load(batch, padded_tokens=4, padded_batch_size=4)
     assert captured.adapter_ids.tolist() == [2, NO_ADAPTER, 0, NO_ADAPTER]
+    assert captured.adapter_order.tolist() == [1, 3, 2, 0]  # the padded rows sorted, in the captured tensor
     assert captured.token_requests.tolist() == [0, 1, 2, 0]
     assert captured.per_request["steer"].sum(dim=1).tolist() == [4.0, 4.0, 4.0, 0.0]
     assert captured.per_token["scale"].tolist() == [0.5, 1.5, 2.5, 0.0]
     # A batch without a context: no adapter anywhere, zero values, its own request rows.
     static.load(_batch(ForwardMode.DECODE, 2, 2), padded_tokens=4, padded_batch_size=4)
     assert captured.adapter_ids.tolist() == [NO_ADAPTER] * 4 and captured.token_requests.tolist() == [0, 1, 0, 0]
+    assert captured.adapter_order.tolist() == [0, 1, 2, 3]
     assert not captured.per_request["steer"].any() and not captured.per_token["scale"].any()

@@ -1,5 +1,7 @@
 """The engine with the `triton` LoRA backend, its kernels run by Triton's interpreter on the CPU: adapters of two
-ranks and the base model mixed in one batch give HF transformers + PEFT's tokens.
+ranks and the base model mixed in one batch give HF transformers + PEFT's tokens. The prefill (30 tokens) runs the
+sorted form (``sort_above=16``: the tokens in the batch context's ``adapter_order``), the decode steps (4 tokens)
+the gather kernels.
 
 Triton decides interpret-or-compile when first imported, so the engine runs in a fresh subprocess (this file as a
 script, TRITON_INTERPRET=1) that prints its outputs; the test compares them with PEFT's.
@@ -46,7 +48,8 @@ def test_triton_backend_in_the_engine_matches_peft(tiny_llama_dir, tmp_path):
     expected = {name: peft_greedy(tiny_llama_dir, path, PROMPTS, NEW_TOKENS) for name, path in adapters.items()}
     expected[None] = peft_greedy(tiny_llama_dir, None, PROMPTS, NEW_TOKENS)
     result = subprocess.run([sys.executable, __file__, tiny_llama_dir, json.dumps(adapters)], capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+                            text=True, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1", "TREADLE_LORA_KERNELS": "sort_above=16"})
     lines = [line for line in result.stdout.splitlines() if line.startswith(MARKER)]
     assert lines, result.stdout[-2000:] + result.stderr[-4000:]
     outputs = json.loads(lines[-1].removeprefix(MARKER))

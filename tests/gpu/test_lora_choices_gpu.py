@@ -15,10 +15,12 @@ NO_ADAPTER = -1
 LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
-# The default (go-ahead on), the hand-over before it, and the sweep's widest tiles and widest split-K reach
-# (bench/lora_kernels.py SWEEP_CHOICES).
+# The default (go-ahead on; the sorted form past 64 tokens), the hand-over before it, the sweep's widest tiles and
+# widest split-K reach, the unsorted forms at every size, and the sorted form's other shapes (bench/lora_kernels.py
+# SWEEP_CHOICES).
 CHOICES = ({}, {"go_ahead": 0}, {"shrink_tile": 16384, "expand_tile": 16384},
-           {"busy_programs": 1024, "split_k": 1024})
+           {"busy_programs": 1024, "split_k": 1024}, {"sort_above": 1 << 20},
+           {"sort_programs": 256, "sort_columns": 128}, {"sort_columns": 512})
 
 
 def _choices():
@@ -54,7 +56,7 @@ def _ids(num_tokens: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
-@pytest.mark.parametrize("num_tokens", [1, 32])
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
 def test_every_choice_matches_torch_backend(layer: str, num_tokens: int) -> None:
     from treadle.plugins.lora_backends.torch import TorchLoRABackend
     from treadle.plugins.lora_backends.triton import TritonLoRABackend
@@ -75,7 +77,7 @@ def test_every_choice_matches_torch_backend(layer: str, num_tokens: int) -> None
         assert torch.equal(got[ids == NO_ADAPTER], out[ids == NO_ADAPTER]), choice.name
 
 
-@pytest.mark.parametrize("num_tokens", [1, 32])
+@pytest.mark.parametrize("num_tokens", [1, 32, 256])
 def test_every_choice_replays_from_a_graph_with_other_ids(num_tokens: int) -> None:
     """Two layers back to back, the second's input the first's output (its shrink right after the first's expand,
     which lets it start early under the go-ahead): replayed with other ids, both equal the eager calls and the

@@ -50,8 +50,16 @@ def _run(config: dict) -> tuple[list, int, int]:
         return outputs, decode.count, prefill.count
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_float32_matches_peft_through_cuda_graphs(real_shape_llama_dir, adapters, backend):
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_sorted"])
+def test_float32_matches_peft_through_cuda_graphs(real_shape_llama_dir, adapters, backend, monkeypatch):
+    """``triton_sorted``: the sorted form from 3 tokens (LoRAKernelChoice.sort_above=2), so the decode graphs of 6
+    requests (8 rows) and the prefill graphs run it over the order their static context sorts each replay."""
+    if backend == "triton_sorted":
+        from treadle.kernels import lora
+        from treadle.kernels.lora_choice import LoRAKernelChoice
+
+        monkeypatch.setattr(lora, "DEFAULT", LoRAKernelChoice(sort_above=2))  # what the backend is built with
+        backend = "triton"
     references = {name: peft_greedy(real_shape_llama_dir, path, PROMPTS, GREEDY["max_new_tokens"])
                   for name, path in {**adapters, None: None}.items()}
     outputs, decode_replays, prefill_replays = _run(_config(real_shape_llama_dir, adapters, backend, "float32", True))

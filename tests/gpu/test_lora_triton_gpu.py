@@ -167,7 +167,7 @@ def _stacked(in_features: int, widths: tuple[int, ...], max_rank: int, dtype: to
 @pytest.mark.parametrize(("num_tokens", "layout"), [
     (1, "distinct"), (4, "distinct"),  # split-K gather shrink, gather expand
     (32, "distinct"), (64, "one"),  # gather
-    (200, "distinct"), (1500, "prefill"),  # slot-grouped / segmented
+    (200, "distinct"), (1500, "prefill"),  # add_delta's sorted form (the two-call shrink/expand: grouped, segmented)
 ])
 def test_stacked_layers_match_torch(fused: str, num_tokens: int, layout: str) -> None:
     """add_delta on a fused layer (one shrink, one expand into its output) against each projection's float32

@@ -87,18 +87,24 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 # add_delta: a layer's projections stacked, mixed ranks per projection, into the middle columns of its output.
 # Scenario -> (tokens, dtype, max_rank, in, projection widths). One token at in=1024 splits in over two programs
-# (the expand adds the partial sums up); 70 tokens of two projections: gather shrink, slot-grouped expand; 150 of
-# three: segmented shrink; rank 128: segmented expand. The conformance kit's add_delta check adds gather at 5.
+# (the expand adds the partial sums up); past 64 tokens the sorted form (70 and 150 tokens; rank 128: two rank
+# tiles in the expand). The conformance kit's add_delta check adds gather at 5.
 STACKED_SCENARIOS = {
     "stacked_split_k_one_token_bf16": (1, torch.bfloat16, 8, 1024, (16, 8, 8)),
-    "stacked_grouped_70_tokens_bf16": (70, torch.bfloat16, 8, 40, (24, 24)),
-    "stacked_segmented_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
+    "stacked_sorted_70_tokens_bf16": (70, torch.bfloat16, 8, 40, (24, 24)),
+    "stacked_sorted_150_tokens_fp32": (150, torch.float32, 16, 40, (24, 8, 8)),
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
+UNSORTED = {"sort_above": 1 << 20}  # the forms over unsorted tokens at any size
 # kernels/lora_choice.py's tunables: split-K shrinks over four slices of in at 8 tokens (busy_programs above the
 # batch's work), and one token through narrow tiles (the shrink's k loop over three blocks of in, one row a
-# program; the expand's 16-column blocks, several per projection) without the PDL go-ahead.
+# program; the expand's 16-column blocks, several per projection) without the PDL go-ahead; the unsorted forms
+# past 64 tokens: 70 tokens of two projections, gather shrink and slot-grouped expand; 150 of three, segmented
+# shrink; rank 128, segmented expand.
 CHOICE_SCENARIOS = {
+    "unsorted_grouped_70_tokens_bf16": ((70, torch.bfloat16, 8, 40, (24, 24)), UNSORTED),
+    "unsorted_segmented_150_tokens_fp32": ((150, torch.float32, 16, 40, (24, 8, 8)), UNSORTED),
+    "unsorted_wide_rank_70_tokens_fp32": ((70, torch.float32, 128, 24, (16, 8)), UNSORTED),
     "choice_split_k_8_tokens_bf16": ((8, torch.bfloat16, 8, 1024, (16, 8, 8)),
                                      {"busy_programs": 4096, "split_k": 256}),
     "choice_narrow_tiles_one_token_fp32": ((1, torch.float32, 16, 300, (40, 8, 8)),
@@ -140,15 +146,17 @@ def run_scenario(name: str) -> dict:
 
 
 def make_stacked_case(num_tokens: int, dtype: torch.dtype, max_rank: int, in_features: int, widths: tuple,
-                      seed: int):
-    """Four slots of random ranks per projection (0: the slot's adapter leaves it alone), the projections at
-    columns 3.. of a wider output, ids a random slot or none per token."""
+                      seed: int, ranks: torch.Tensor | None = None):
+    """Four slots of random ranks per projection (or ``ranks`` ``[projections, slots]``; 0: the slot's adapter
+    leaves it alone), the projections at columns 3.. of a wider output, ids a random slot or none per token."""
     from treadle.core.lora.backend import StackedLoRA
 
     gen = torch.Generator().manual_seed(seed)
-    slots, count = 4, len(widths)
-    ranks = torch.randint(0, max_rank + 1, (count, slots), generator=gen, dtype=torch.int32)
-    ranks[:, 0] = max_rank
+    count = len(widths)
+    if ranks is None:
+        ranks = torch.randint(0, max_rank + 1, (count, 4), generator=gen, dtype=torch.int32)
+        ranks[:, 0] = max_rank
+    slots = ranks.shape[1]
     a = torch.randn(slots, count * max_rank, in_features, generator=gen) / in_features ** 0.5
     b = torch.zeros(slots, 3 + sum(widths), max_rank)
     segments, start = [], 3
@@ -199,6 +207,57 @@ def run_stacked_scenario(name: str) -> dict:
             "tolerance": TOLERANCE[dtype]}
 
 
+# The sorted form (add_delta past LoRAKernelChoice.sort_above = 64 tokens) against the torch backend: adapters of
+# ranks 16 and 8 mixed (a slot that leaves the last projection alone), tokens on the base model among them.
+# Scenario -> (token counts, dtype, in, projection widths, padding rows, LoRAKernelChoice fields): either side of a
+# threshold of 8 (gather, then sorted with in=512 over four slices), a CUDA graph's shape (the last rows padding
+# without an adapter), ten blocks of sorted tokens whose expand programs cover two column blocks of 128 each (the
+# 300-wide projection in two groups, the last one partial).
+SORTED_SCENARIOS = {
+    "sorted_around_threshold_fp32": ((8, 9), torch.float32, 512, (24, 8, 8), 0, {"sort_above": 8}),
+    "sorted_graph_padded_bf16": ((96,), torch.bfloat16, 200, (24, 8, 8), 24, {}),
+    "sorted_ten_blocks_fp32": ((300,), torch.float32, 48, (300, 40, 40), 0, {"sort_columns": 256}),
+}
+MIXED_RANKS = torch.tensor([[16, 8, 16, 8, 16, 8], [8, 16, 16, 8, 8, 16], [16, 8, 16, 0, 8, 8]], dtype=torch.int32)
+
+
+def run_sorted_scenario(name: str) -> dict:
+    from treadle.core.execution.batch_context import adapter_order
+    from treadle.kernels import lora_sorted
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+    from treadle.plugins.lora_backends.torch import TorchLoRABackend
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    counts, dtype, in_features, widths, padding, fields = SORTED_SCENARIOS[name]
+    choice = LoRAKernelChoice(**fields)
+    result = {"tolerance": 1e-5 if dtype == torch.float32 else TOLERANCE[dtype], "errors": [], "sorted": [],
+              "own_sort_equal": True, "no_adapter_rows_untouched": True, "splits": []}
+    for num_tokens in counts:
+        x, weights, ids, out = make_stacked_case(num_tokens, dtype, 16, in_features, widths, seed=num_tokens,
+                                                 ranks=MIXED_RANKS)
+        ids[num_tokens - padding:] = NO_ADAPTER
+        expected = out.float().clone()
+        TorchLoRABackend(6, 16, "cpu", torch.float32).add_delta(x.float(), _float_weights(weights), ids, expected)
+        backend = TritonLoRABackend(6, 16, "cpu", dtype)
+        backend.kernel_choice = choice
+        given, own = out.clone(), out.clone()
+        backend.add_delta(x, weights, ids, given, order=adapter_order(ids))
+        backend.add_delta(x, weights, ids, own)  # no order: the backend sorts
+        none = ids == NO_ADAPTER
+        result["errors"].append(_relative_error(given, expected.double()))
+        result["sorted"].append(lora_sorted.sorts(num_tokens, choice))
+        result["splits"].append(lora_sorted._sorted_split(num_tokens, 48, in_features, 32, 64, 128, choice)[0])
+        result["own_sort_equal"] &= torch.equal(given, own)
+        result["no_adapter_rows_untouched"] &= torch.equal(given[none], out[none])
+    return result
+
+
+def _float_weights(weights):
+    import dataclasses
+
+    return dataclasses.replace(weights, a=weights.a.float(), b=weights.b.float())
+
+
 def run_conformance(dtype_name: str) -> dict:
     from treadle.plugins.lora_backends.triton import TritonLoRABackend
     from treadle.testing import check_lora_backend
@@ -217,6 +276,7 @@ def _run_all() -> dict:
     results = {}
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
             **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
+            **{name: (run_sorted_scenario, name) for name in SORTED_SCENARIOS},
             "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
@@ -268,6 +328,21 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
         assert result["split"] == 2  # in=1024 over two programs' slices
     if name == "choice_split_k_8_tokens_bf16":
         assert result["split"] == 4  # in=1024 over four slices of split_k=256
+
+
+@pytest.mark.parametrize("name", list(SORTED_SCENARIOS))
+def test_sorted_form_matches_torch_backend(name: str, interpreted_results: dict[str, dict]) -> None:
+    """Tokens sorted by adapter (the engine's once-a-step order, or the backend's own sort) give the torch
+    backend's deltas within the dtype's rounding, and leave rows without an adapter (graph padding) alone."""
+    result = interpreted_results[name]
+    assert "traceback" not in result, result.get("traceback")
+    counts = SORTED_SCENARIOS[name][0]
+    assert result["sorted"] == [count > SORTED_SCENARIOS[name][5].get("sort_above", 64) for count in counts]
+    assert max(result["errors"]) <= result["tolerance"], f"relative errors {result['errors']}"
+    assert result["own_sort_equal"], "add_delta without order= differs from add_delta given the sorted order"
+    assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
+    if name == "sorted_around_threshold_fp32":
+        assert result["splits"][1] == 4  # 9 tokens: one block, in=512 over four slices
 
 
 def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) -> None:

@@ -206,7 +206,7 @@ def _model_kernels() -> dict:
 
 
 def _lora_kernels() -> dict:
-    from treadle.kernels import lora
+    from treadle.kernels import lora, lora_sorted, lora_tiles
 
     shrink = {"X": "*bf16", "A": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "H": "*bf16"}
     expand = {"H": "*bf16", "B": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "Out": "*bf16"}
@@ -239,8 +239,18 @@ def _lora_kernels() -> dict:
             lora._shrink_segmented_kernel, fp32, set(), dict(BLOCK_M=32, BLOCK_R=64, BLOCK_K=128, FINAL=True,
                                                              IEEE=True)),
         "lora_expand_segmented": lambda: _compile(
-            lora._expand_segmented_kernel, summed, set(), dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, SPLIT=1,
-                                                               PARTIAL=True, IEEE=False)),
+            lora_tiles._expand_segmented_kernel, {**summed, "Order": "*i64"}, set(),
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, SPLIT=1, PARTIAL=True, SORTED=False, IEEE=False)),
+        "lora_expand_segmented[sorted]": lambda: _compile(
+            lora_tiles._expand_segmented_kernel, {**summed, "Order": "*i64"}, set(),
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=64, SPLIT=8, PARTIAL=True, SORTED=True, IEEE=False)),
+        # add_delta past 64 tokens: the tokens in slot order, split-K partials in sorted rows
+        "lora_shrink_sorted": lambda: _compile(
+            lora_sorted._shrink_sorted_kernel, {**partials, "Order": "*i64"}, set(),
+            dict(BLOCK_M=32, BLOCK_R=64, BLOCK_K=128, IEEE=False)),
+        "lora_expand_sorted": lambda: _compile(
+            lora_sorted._expand_sorted_kernel, {**summed, "Order": "*i64"}, set(),
+            dict(GROUP=4, BLOCK_M=64, BLOCK_N=128, BLOCK_R=16, SPLIT=16, IEEE=False)),
     }
 
 
@@ -311,7 +321,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
            "lora_expand_gather[pdl]", "lora_expand_gather[split-k,go-ahead]", "lora_expand_grouped",
-           "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented"]
+           "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
+           "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted"]
 
 
 def _compile_all() -> dict[str, str | None]:
