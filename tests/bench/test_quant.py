@@ -120,8 +120,8 @@ def test_profile_table_puts_each_batch_sizes_decode_profiles_side_by_side():
         "bf16": _profile("treadle triton [model.path=/t/llama]", 1, [("_small_batch_kernel", 3500.0, 129.0)], 150.0),
         "w4a16": _profile("treadle triton [model.path=/t/llama-w4a16]", 1,
                           [("_int_gemv_kernel", 1900.0, 128.0), ("_chunk_top_kernel", 9.0, 1.0)], 700.0),
-        "w4a16 bs=32": _profile("treadle triton [model.path=/t/llama-w4a16]", 32, [("_magic_mma_kernel", 4000.0, 128.0)],
-                                900.0),
+        "w4a16 bs=32": _profile("treadle triton [model.path=/t/llama-w4a16]", 32,
+                                [("_magic_mma_kernel", 4000.0, 128.0)], 900.0),
         "w4a16 prefill": {**_profile("treadle triton [model.path=/t/llama-w4a16]", 1, [("x", 1.0, 1.0)], 0.0),
                           "what": "prefill of 300 tokens"},
     }
