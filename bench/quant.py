@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
     """one_batch's decode profiles (``profiles``: its JSON's, keyed by run) of bf16 and of the ``quantized`` model
     side by side per batch size: microseconds per step in kernels, in the union of the kernels (programmatic
-    dependent launch overlaps them), idle between a step's kernels, per kind of kernel; then the ``top`` kernels of
-    each (microseconds and calls per step)."""
+    dependent launch overlaps them), idle between a step's kernels, per kind of kernel, the host's time in the
+    worker's methods; then the ``top`` kernels of each (microseconds and calls per step)."""
     by_bs: dict[int, dict[str, dict]] = {}
     for profile in profiles.values():
         what = profile.get("what", "")
@@ -95,8 +95,10 @@ def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
                 ("GPU idle between a step's kernels", "gpu_idle_in_step_us_per_step"),
                 ("kernels per step", "kernels_per_step")]
         kinds = list(dict.fromkeys(kind for p in (base, quant) for kind in p.get("by_category_us_per_step", {})))
-        for label, key in rows + [(f"  {kind}", kind) for kind in kinds]:
-            a, b = (p.get(key, p.get("by_category_us_per_step", {}).get(key)) for p in (base, quant))
+        host = list(dict.fromkeys(what for p in (base, quant) for what in p.get("host_us_per_step", {})))
+        for label, key in rows + [(f"  {kind}", kind) for kind in kinds] + [(what[:44], what) for what in host]:
+            a, b = (p.get(key, p.get("by_category_us_per_step", {}).get(key, p.get("host_us_per_step", {}).get(key)))
+                    for p in (base, quant))
             lines.append(f"{label:<44}{_cell(a)}{_cell(b)}{_cell(None if a is None or b is None else b - a, 12)}")
         lines.append(f"  top kernels {'bf16 (us, calls, name)':<48}| w4a16")
         for left, right in zip(*(_padded(p.get("top_kernels", [])[:top], top) for p in (base, quant))):

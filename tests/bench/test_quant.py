@@ -110,7 +110,8 @@ def _profile(system: str, bs: int, kernels: list[tuple[str, float, float]], idle
     return {"system": system, "what": f"bs={bs} decode", "steps": 20, "wall_us_per_step_profiled": 5000.0,
             "gpu_busy_us_per_step": sum(us for _, us, _ in kernels), "gpu_union_us_per_step": 4000.0,
             "gpu_idle_in_step_us_per_step": idle, "kernels_per_step": sum(c for _, _, c in kernels),
-            "by_category_us_per_step": {"matmul (weights)": kernels[0][1]}, "top_kernels": top}
+            "by_category_us_per_step": {"matmul (weights)": kernels[0][1]}, "top_kernels": top,
+            "host_us_per_step": {"runner.forward (host, until the graph is launched)": 100.0 + idle / 10}}
 
 
 def test_profile_table_puts_each_batch_sizes_decode_profiles_side_by_side():
@@ -131,6 +132,7 @@ def test_profile_table_puts_each_batch_sizes_decode_profiles_side_by_side():
     top = lines[lines.index(next(line for line in lines if "top kernels" in line)) + 1]
     assert "_small_batch_kernel" in top.split("|")[0] and "_int_gemv_kernel" in top.split("|")[1]
     assert sum("decode bs=" in line for line in lines) == 2
+    assert next(line for line in lines if line.startswith("runner.forward")).split()[-3:] == ["115", "170", "55"]
 
 
 def test_gpu_timeline_counts_overlaps_once_and_idle_only_inside_steps():
