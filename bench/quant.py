@@ -96,13 +96,14 @@ def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
                 ("kernels per step", "kernels_per_step")]
         kinds = list(dict.fromkeys(kind for p in (base, quant) for kind in p.get("by_category_us_per_step", {})))
         host = list(dict.fromkeys(what for p in (base, quant) for what in p.get("host_us_per_step", {})))
-        for label, key in rows + [(f"  {kind}", kind) for kind in kinds] + [(what[:44], what) for what in host]:
+        for label, key in rows + [(f"  {kind}", kind) for kind in kinds] + [(f"  {what[:42]}", what) for what in host]:
             a, b = (p.get(key, p.get("by_category_us_per_step", {}).get(key, p.get("host_us_per_step", {}).get(key)))
                     for p in (base, quant))
             lines.append(f"{label:<44}{_cell(a)}{_cell(b)}{_cell(None if a is None or b is None else b - a, 12)}")
         lines.append(f"  top kernels {'bf16 (us, calls, name)':<48}| w4a16")
         for left, right in zip(*(_padded(p.get("top_kernels", [])[:top], top) for p in (base, quant))):
-            lines.append(f"  {_kernel_cell(left):<60}| {_kernel_cell(right)}")
+            if left is not None or right is not None:
+                lines.append(f"  {_kernel_cell(left):<60}| {_kernel_cell(right)}")
     return "\n".join(lines)
 
 
