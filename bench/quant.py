@@ -79,7 +79,8 @@ def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
     """one_batch's decode profiles (``profiles``: its JSON's, keyed by run) of bf16 and of the ``quantized`` model
     side by side per batch size: microseconds per step in kernels, in the union of the kernels (programmatic
     dependent launch overlaps them), idle between a step's kernels, per kind of kernel, the host's time in the
-    worker's methods; then the ``top`` kernels of each (microseconds and calls per step)."""
+    worker's methods; then the kernels the GPU idled longest just before, and the ``top`` kernels of each
+    (microseconds and calls per step)."""
     by_bs: dict[int, dict[str, dict]] = {}
     for profile in profiles.values():
         what = profile.get("what", "")
@@ -100,6 +101,11 @@ def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
             a, b = (p.get(key, p.get("by_category_us_per_step", {}).get(key, p.get("host_us_per_step", {}).get(key)))
                     for p in (base, quant))
             lines.append(f"{label:<44}{_cell(a)}{_cell(b)}{_cell(None if a is None or b is None else b - a, 12)}")
+        lines.append(f"  idle just before {'bf16 (us, name)':<43}| w4a16")
+        for left, right in zip(*(_padded(list(p.get("gpu_idle_before_us_per_step", {}).items())[:5], 5)
+                                 for p in (base, quant))):
+            if left is not None or right is not None:
+                lines.append(f"  {_idle_cell(left):<60}| {_idle_cell(right)}")
         lines.append(f"  top kernels {'bf16 (us, calls, name)':<48}| w4a16")
         for left, right in zip(*(_padded(p.get("top_kernels", [])[:top], top) for p in (base, quant))):
             if left is not None or right is not None:
@@ -111,8 +117,12 @@ def _cell(value: float | None, width: int = 9) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.0f}"
 
 
-def _padded(kernels: list[dict], size: int) -> list[dict | None]:
-    return list(kernels) + [None] * (size - len(kernels))
+def _padded(items: list, size: int) -> list:
+    return list(items) + [None] * (size - len(items))
+
+
+def _idle_cell(item: tuple[str, float] | None) -> str:
+    return "" if item is None else f"{item[1]:>6.0f}        {item[0][:44]}"
 
 
 def _kernel_cell(kernel: dict | None) -> str:

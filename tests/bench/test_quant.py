@@ -111,7 +111,8 @@ def _profile(system: str, bs: int, kernels: list[tuple[str, float, float]], idle
             "gpu_busy_us_per_step": sum(us for _, us, _ in kernels), "gpu_union_us_per_step": 4000.0,
             "gpu_idle_in_step_us_per_step": idle, "kernels_per_step": sum(c for _, _, c in kernels),
             "by_category_us_per_step": {"matmul (weights)": kernels[0][1]}, "top_kernels": top,
-            "host_us_per_step": {"runner.forward (host, until the graph is launched)": 100.0 + idle / 10}}
+            "host_us_per_step": {"runner.forward (host, until the graph is launched)": 100.0 + idle / 10},
+            "gpu_idle_before_us_per_step": {kernels[0][0]: idle}}
 
 
 def test_profile_table_puts_each_batch_sizes_decode_profiles_side_by_side():
@@ -129,6 +130,8 @@ def test_profile_table_puts_each_batch_sizes_decode_profiles_side_by_side():
     lines = profile_table(profiles, "/t/llama-w4a16").splitlines()
     idle = [line for line in lines if line.startswith("GPU idle")]
     assert idle[0].split()[-3:] == ["150", "700", "550"] and idle[1].split()[-3:] == ["-", "900", "-"]
+    waited = lines[lines.index(next(line for line in lines if "idle just before" in line)) + 1].split("|")
+    assert waited[0].split() == ["150", "_small_batch_kernel"] and waited[1].split() == ["700", "_int_gemv_kernel"]
     top = lines[lines.index(next(line for line in lines if "top kernels" in line)) + 1]
     assert "_small_batch_kernel" in top.split("|")[0] and "_int_gemv_kernel" in top.split("|")[1]
     assert sum("decode bs=" in line for line in lines) == 2
@@ -140,8 +143,9 @@ def test_gpu_timeline_counts_overlaps_once_and_idle_only_inside_steps():
     from treadle.bench.one_batch_profile import gpu_timeline
 
     # Two steps: kernels 0-10 and 8-20 (overlapping, as under PDL), a 5 us hand-over to 25-30; the next step 500 us on.
-    busy, idle = gpu_timeline([(25.0, 30.0), (0.0, 10.0), (8.0, 20.0), (530.0, 540.0), (542.0, 543.0)])
-    assert (busy, idle) == (36.0, 7.0)
+    busy, idle, before = gpu_timeline([(25.0, 30.0, "c"), (0.0, 10.0, "a"), (8.0, 20.0, "b"), (530.0, 540.0, "a"),
+                                       (542.0, 543.0, "c")])
+    assert (busy, idle, before) == (36.0, 7.0, {"c": 7.0})
 
 
 def test_integer_kernels_count_as_weight_matmuls():
