@@ -40,7 +40,7 @@ REGISTRY = build_registry(["treadle.plugins.models.llama", "treadle.plugins.atte
 # PyTorch ops that launch nothing on a GPU: views, allocations, metadata.
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "_reshape_alias", "empty", "empty_like", "empty_strided", "t",
              "detach", "slice", "select", "as_strided", "unsqueeze", "squeeze", "expand", "permute", "transpose",
-             "alias", "split", "split_with_sizes", "chunk", "narrow", "unbind", "lift_fresh", "_to_copy?", "size",
+             "alias", "split", "split_with_sizes", "chunk", "narrow", "unbind", "lift_fresh", "size",
              "stride", "is_same_size", "sym_size", "sym_stride", "numel", "dim", "new_empty", "_local_scalar_dense"}
 launches: list[str] = []
 recording = [False]
