@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     one_batch_report = json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []}
     print()
     print(summary(one_batch_report, json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
-    print(chosen_kernels())
+    print(chosen_kernels(MODEL_SHAPES["llama-3.1-8b"]["num_hidden_layers"]))
     if args.profile:
         print(profile_table(one_batch_report.get("profiles", {}), quantized))
     return 0
@@ -131,15 +131,25 @@ def _kernel_cell(kernel: dict | None) -> str:
     return f"{kernel['us_per_step']:>6.0f} {kernel['calls_per_step']:>4.0f}  {kernel['name'][:44]}"
 
 
-def chosen_kernels() -> str:
-    """What each W4A16 weight shape the one-batch run loaded (in this process) runs, as the loader timed it."""
-    from treadle.layers.int_kernel_choice import chosen_plans
+def chosen_kernels(layers: int = 0) -> str:
+    """What each W4A16 weight shape the one-batch run loaded (in this process) runs, as the loader timed it (with its
+    time per call); given the model's ``layers``, the kept launches' times summed over the shapes, per decode step."""
+    from treadle.layers.int_kernel_choice import chosen_plans, kept_seconds
 
-    lines = []
-    for (n, k), plan in chosen_plans().items():
-        if plan is not None:
-            lines.append(f"{n} x {k}: 1 row {plan.gemv}\n  16 rows {plan.small}\n  32 rows {plan.medium}\n"
-                         f"  64 rows {plan.large}")
+    timed = kept_seconds()
+    plans = {shape: plan for shape, plan in chosen_plans().items() if plan is not None}
+
+    def took(n: int, k: int, rows: int) -> str:
+        return f" ({timed[n, k, rows] * 1e6:.1f} us)" if (n, k, rows) in timed else ""
+
+    lines = [f"{n} x {k}: 1 row {plan.gemv}{took(n, k, 1)}\n  16 rows {plan.small}{took(n, k, 16)}\n"
+             f"  32 rows {plan.medium}{took(n, k, 32)}\n  64 rows {plan.large}{took(n, k, 64)}"
+             for (n, k), plan in plans.items()]
+    for rows in (1, 16, 32, 64):
+        if layers and plans and all((n, k, rows) in timed for n, k in plans):
+            total = sum(timed[n, k, rows] for n, k in plans) * layers
+            lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: {total * 1e3:.2f} ms per "
+                         f"decode step ({layers} layers)")
     return "\n".join(["kernels chosen at load:", *lines]) if lines else ""
 
 

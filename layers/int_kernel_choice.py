@@ -46,10 +46,20 @@ def int_kernel_plan(layer: nn.Module) -> Any:
 _plans: dict[tuple, Any] = {}
 
 
+# (N, K, rows) -> seconds per call of the launch the loader kept for that row bucket (timed ones only).
+_kept_seconds: dict[tuple[int, int, int], float] = {}
+
+
 def chosen_plans() -> dict[tuple[int, int], Any]:
     """``(N, K)`` -> the kernels each integer weight shape loaded in this process runs (an ``IntKernelPlan``; None:
     the torch path), for benchmarks to print."""
     return {key[:2]: plan for key, plan in _plans.items()}
+
+
+def kept_seconds() -> dict[tuple[int, int, int], float]:
+    """``(N, K, rows)`` -> the loader's timing of the launch it kept for each shape and row bucket (1, 16, 32, 64),
+    for benchmarks to set beside a decode step's."""
+    return dict(_kept_seconds)
 
 
 def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
@@ -75,6 +85,10 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
                 timings[tiles] = small_batch.graph_seconds(run)
             except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
                 logger.info("int matmul config %s skipped: %s", tiles, exc)
-        return min(timings, key=timings.get) if timings else candidates[0]
+        if not timings:
+            return candidates[0]
+        best = min(timings, key=timings.get)
+        _kept_seconds[(layer.weight.shape[0], k, rows)] = timings[best]
+        return best
 
     return pick

@@ -103,6 +103,12 @@ def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
     text = quant.chosen_kernels()
     assert text.splitlines()[:2] == ["kernels chosen at load:", f"4096 x 4096: 1 row {plan.gemv}"]
     assert f"32 rows {plan.medium}" in text and "64 x 100" not in text
+    # With the loader's timings: each kept launch's, and the shapes' sum per decode step where every shape has one.
+    monkeypatch.setattr(int_kernel_choice, "_kept_seconds", {(4096, 4096, 1): 5e-6, (4096, 4096, 32): 1.2e-5})
+    timed = quant.chosen_kernels(layers=32).splitlines()
+    assert timed[1] == f"4096 x 4096: 1 row {plan.gemv} (5.0 us)" and "(12.0 us)" in timed[3]
+    assert timed[-2:] == ["the kept launches at 1 row, as the loader timed them: 0.16 ms per decode step (32 layers)",
+                          "the kept launches at 32 rows, as the loader timed them: 0.38 ms per decode step (32 layers)"]
 
 
 def _profile(system: str, bs: int, kernels: list[tuple[str, float, float]], idle: float) -> dict:
