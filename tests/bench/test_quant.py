@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from treadle.bench.quant import summary
@@ -90,6 +92,23 @@ def test_precompile_compiles_the_loaders_launches_before_the_runs(tmp_path, monk
     monkeypatch.setattr(quant, "summary", lambda *args: "")
     quant.main(["--runs", "one-batch", "--quick", "--precompile", "3", "--format", "awq", "--out", str(tmp_path)])
     assert calls == [("compile", 3, True), ("one-batch",)]
+
+
+def test_profile_asks_one_batch_for_every_batch_sizes_decode_profile_and_no_prefill(tmp_path, monkeypatch, capsys):
+    from treadle.bench import one_batch, quant
+
+    runs = []
+
+    def run_one_batch(argv):
+        runs.append(one_batch._parser().parse_args(argv))
+        profile = _profile("treadle triton [model.path=x-w4a16]", 32, [("_magic_mma_kernel", 4000.0, 128.0)], 9.0)
+        (tmp_path / "one_batch_quant.json").write_text(json.dumps({"results": [], "profiles": {"w": profile}}))
+
+    monkeypatch.setattr(one_batch, "main", run_one_batch)
+    quant.main(["--runs", "one-batch", "--quick", "--profile", "--out", str(tmp_path)])
+    args = runs[0]
+    assert not args.no_profile and args.profile_batch_sizes == "1,32" and args.prefill_profile == "none"
+    assert "_magic_mma_kernel" in capsys.readouterr().out
 
 
 def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
