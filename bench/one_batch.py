@@ -276,7 +276,9 @@ def _write_report(args: argparse.Namespace, argv: Sequence[str] | None, device: 
 def parse_prefill_shapes(spec: str, max_prompts: int, max_tokens: int) -> list[tuple[int, int]]:
     """``PROMPTSxTOKENS,...`` as (prompts, tokens) pairs; tokens are capped at ``max_tokens`` (the runner's slots
     per request), and more prompts than ``max_prompts`` (its request rows) is an error."""
-    shapes = []
+    shapes: list[tuple[int, int]] = []
+    if spec.strip().lower() in ("", "none"):
+        return shapes
     for item in spec.split(","):
         try:
             count, length = (int(part) for part in item.lower().split("x"))
@@ -455,7 +457,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="decode batch sizes the profiler summarizes (default 1; each must be in --batch-sizes)")
     parser.add_argument("--prefill-profile", default=f"1x{PROFILE_PREFILL_TOKENS}", metavar="PROMPTSxTOKENS,...",
                         help="prefill steps the profile times (default 1x300, capped at --input-len tokens); "
-                             "at most the largest batch size of prompts each")
+                             "at most the largest batch size of prompts each; none: no prefill profile")
     parser.add_argument("--output", default=None, help="JSON path (default <results folder>/one_batch_<gpu>_<date>.json)")
     parser.add_argument("--baseline", help="an earlier run's JSON: adds each row's tok/s ratio to the same system "
                                            "and batch size there (regression tracking)")

@@ -14,6 +14,9 @@ from treadle.bench.step_meter import kernel_category
 
 # A prefill of this many tokens: the size of the small prefill steps in the offline runs (docs/lab/benchmarks-history.md).
 PROFILE_PREFILL_TOKENS = 300
+# A gap between two GPU kernels shorter than this is the hand-over inside a step (a replayed graph's kernels follow
+# one another within microseconds); longer ones are the host's time between steps (a synchronize, the next launch).
+STEP_GAP_US = 50.0
 
 
 def profile_decode(worker: Any, label: str, prompt: torch.Tensor, steps: int = 20) -> dict[str, Any]:
@@ -83,6 +86,9 @@ def _profile_steps(worker: Any, system: str, what: str, step: Any, steps: int,
                             "us_per_step": device_us / steps, "category": kernel_category(event.key)})
     kernels.sort(key=lambda k: -k["us_per_step"])
     busy = sum(k["us_per_step"] for k in kernels)
+    union_us, idle_us, idle_before = gpu_timeline([(e.time_range.start, e.time_range.end, e.name[:90])
+                                                   for e in prof.events()
+                                                   if e.device_type == torch.autograd.DeviceType.CUDA])
     categories: dict[str, float] = {}
     for k in kernels:
         categories[k["category"]] = categories.get(k["category"], 0.0) + k["us_per_step"]
@@ -90,10 +96,37 @@ def _profile_steps(worker: Any, system: str, what: str, step: Any, steps: int,
         "system": system, "what": what, "steps": steps,
         "wall_us_per_step_profiled": wall * 1e6, "gpu_busy_us_per_step": busy,
         "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
+        # With programmatic dependent launch kernels overlap (the next one starts, then waits): the sum above counts
+        # the overlap twice, the union once; idle is the GPU's time with no kernel between two of one step's.
+        "gpu_union_us_per_step": union_us / steps, "gpu_idle_in_step_us_per_step": idle_us / steps,
+        # Which kernels the GPU waited for (the idle time just before each kernel, summed by name).
+        "gpu_idle_before_us_per_step": {name: us / steps for name, us in sorted(
+            idle_before.items(), key=lambda kv: -kv[1])[:10]},
         "by_category_us_per_step": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
         "host_us_per_step": {key: us / steps for key, us in host_us.items()},
-        "top_kernels": kernels[:15],
+        "top_kernels": kernels[:40],
     }
+
+
+def gpu_timeline(intervals: list[tuple[float, float, str]], step_gap_us: float = STEP_GAP_US
+                 ) -> tuple[float, float, dict[str, float]]:
+    """``(busy, idle, idle before each kernel name)`` microseconds of the GPU's kernels ``intervals``
+    [(start, end, name)]: the time at least one ran, and the gaps between them shorter than ``step_gap_us`` (inside
+    steps; longer ones are between steps), also summed by the name of the kernel that ends each gap."""
+    busy = idle = 0.0
+    before: dict[str, float] = {}
+    reach = None  # the end of the kernels so far
+    for start, end, name in sorted(intervals):
+        if reach is None or start >= reach:
+            if reach is not None and start - reach < step_gap_us:
+                idle += start - reach
+                before[name] = before.get(name, 0.0) + start - reach
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy, idle, before
 
 
 def _host_timer(function: Any, totals: dict[str, float], key: str) -> Any:

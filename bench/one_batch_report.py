@@ -135,6 +135,9 @@ def format_profile(profile: dict[str, Any]) -> str:
     lines = [f"profile: {profile['system']}, {profile.get('what', 'bs=1 decode')}, {profile['steps']} steps: wall "
              f"{profile['wall_us_per_step_profiled']:.0f} us/step, GPU busy {profile['gpu_busy_us_per_step']:.0f} "
              f"us/step, {profile['kernels_per_step']:.0f} kernels/step"]
+    if "gpu_idle_in_step_us_per_step" in profile:
+        lines.append(f"  GPU busy (overlaps once) {profile['gpu_union_us_per_step']:.0f} us/step, idle between a "
+                     f"step's kernels {profile['gpu_idle_in_step_us_per_step']:.0f} us/step")
     for category, us in profile["by_category_us_per_step"].items():
         lines.append(f"  {category:<34}{us:>9.0f} us/step")
     for what, us in profile.get("host_us_per_step", {}).items():

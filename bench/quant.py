@@ -14,6 +14,10 @@ experts packed, through the integer fused-MoE kernels): bf16 does not fit one H1
 
 Then prints the ratios against the targets of docs/quantization.md (bs=1 >= 2.4x bf16 and >= 80% of the W4A16
 roofline; bs=32 >= 1.6x; offline >= 1.0x) and writes the JSON of both runs under ``--out``.
+
+``--profile`` adds one_batch's torch.profiler window (20 decode steps, CUDA graphs) at every ``--batch-sizes`` for
+both models and prints them side by side (:func:`profile_table`): per step, the GPU's time in kernels, the idle
+time between a step's kernels, the kernels by kind, and the top kernels of each.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     one_batch_json = out / "one_batch_quant.json"
     if "one-batch" in runs:
         quick = ["--no-engine", "--decode-steps", "32"] if args.quick else []
+        profile = (["--profile-batch-sizes", args.batch_sizes, "--prefill-profile", "none"] if args.profile
+                   else ["--no-profile"])
         one_batch.main(["--model", bf16, "--batch-sizes", args.batch_sizes, "--backends", "triton", "--graphs", "on",
-                        "--compare", compare, "--no-hf", "--no-profile", *quick, "--output", str(one_batch_json)])
+                        "--compare", compare, "--no-hf", *profile, *quick, "--output", str(one_batch_json)])
     offline_json = out / "offline_quant.json"
     if "offline" in runs:
         from treadle.bench import offline_throughput
@@ -60,22 +66,90 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "16:600", "--output-len", "16:400", "--set", f"model.path={bf16}", "--set",
                                  "model.load_format=dummy", "--dtype", "bfloat16", "--device", "cuda",
                                  "--no-progress", "--compare", compare, "--output", str(offline_json)])
+    one_batch_report = json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []}
     print()
-    print(summary(json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []},
-                  json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
-    print(chosen_kernels())
+    print(summary(one_batch_report, json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
+    print(chosen_kernels(MODEL_SHAPES["llama-3.1-8b"]["num_hidden_layers"]))
+    if args.profile:
+        print(profile_table(one_batch_report.get("profiles", {}), quantized))
     return 0
 
 
-def chosen_kernels() -> str:
-    """What each W4A16 weight shape the one-batch run loaded (in this process) runs, as the loader timed it."""
-    from treadle.layers.int_kernel_choice import chosen_plans
-
+def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
+    """one_batch's decode profiles (``profiles``: its JSON's, keyed by run) of bf16 and of the ``quantized`` model
+    side by side per batch size: microseconds per step in kernels, in the union of the kernels (programmatic
+    dependent launch overlaps them), idle between a step's kernels, per kind of kernel, the host's time in the
+    worker's methods; then the kernels the GPU idled longest just before, and the ``top`` kernels of each
+    (microseconds and calls per step)."""
+    by_bs: dict[int, dict[str, dict]] = {}
+    for profile in profiles.values():
+        what = profile.get("what", "")
+        if what.startswith("bs=") and what.endswith(" decode"):
+            model = "w4a16" if quantized in profile["system"] else "bf16"
+            by_bs.setdefault(int(what.split()[0][3:]), {})[model] = profile
     lines = []
-    for (n, k), plan in chosen_plans().items():
-        if plan is not None:
-            lines.append(f"{n} x {k}: 1 row {plan.gemv}\n  16 rows {plan.small}\n  32 rows {plan.medium}\n"
-                         f"  64 rows {plan.large}")
+    for bs, pair in sorted(by_bs.items()):
+        base, quant = pair.get("bf16", {}), pair.get("w4a16", {})
+        lines += ["", f"{f'decode bs={bs}, us per step':<44}{'bf16':>9}{'w4a16':>9}{'w4a16-bf16':>12}"]
+        rows = [("wall (profiled)", "wall_us_per_step_profiled"), ("GPU in kernels (sum)", "gpu_busy_us_per_step"),
+                ("GPU in kernels (union)", "gpu_union_us_per_step"),
+                ("GPU idle between a step's kernels", "gpu_idle_in_step_us_per_step"),
+                ("kernels per step", "kernels_per_step")]
+        kinds = list(dict.fromkeys(kind for p in (base, quant) for kind in p.get("by_category_us_per_step", {})))
+        host = list(dict.fromkeys(what for p in (base, quant) for what in p.get("host_us_per_step", {})))
+        for label, key in rows + [(f"  {kind}", kind) for kind in kinds] + [(f"  {what[:42]}", what) for what in host]:
+            a, b = (p.get(key, p.get("by_category_us_per_step", {}).get(key, p.get("host_us_per_step", {}).get(key)))
+                    for p in (base, quant))
+            lines.append(f"{label:<44}{_cell(a)}{_cell(b)}{_cell(None if a is None or b is None else b - a, 12)}")
+        lines.append(f"  idle just before {'bf16 (us, name)':<43}| w4a16")
+        for left, right in zip(*(_padded(list(p.get("gpu_idle_before_us_per_step", {}).items())[:5], 5)
+                                 for p in (base, quant))):
+            if left is not None or right is not None:
+                lines.append(f"  {_idle_cell(left):<60}| {_idle_cell(right)}")
+        lines.append(f"  top kernels {'bf16 (us, calls, name)':<48}| w4a16")
+        for left, right in zip(*(_padded(p.get("top_kernels", [])[:top], top) for p in (base, quant))):
+            if left is not None or right is not None:
+                lines.append(f"  {_kernel_cell(left):<60}| {_kernel_cell(right)}")
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int = 9) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.0f}"
+
+
+def _padded(items: list, size: int) -> list:
+    return list(items) + [None] * (size - len(items))
+
+
+def _idle_cell(item: tuple[str, float] | None) -> str:
+    return "" if item is None else f"{item[1]:>6.0f}        {item[0][:44]}"
+
+
+def _kernel_cell(kernel: dict | None) -> str:
+    if kernel is None:
+        return ""
+    return f"{kernel['us_per_step']:>6.0f} {kernel['calls_per_step']:>4.0f}  {kernel['name'][:44]}"
+
+
+def chosen_kernels(layers: int = 0) -> str:
+    """What each W4A16 weight shape the one-batch run loaded (in this process) runs, as the loader timed it (with its
+    time per call); given the model's ``layers``, the kept launches' times summed over the shapes, per decode step."""
+    from treadle.layers.int_kernel_choice import chosen_plans, kept_seconds
+
+    timed = kept_seconds()
+    plans = {shape: plan for shape, plan in chosen_plans().items() if plan is not None}
+
+    def took(n: int, k: int, rows: int) -> str:
+        return f" ({timed[n, k, rows] * 1e6:.1f} us)" if (n, k, rows) in timed else ""
+
+    lines = [f"{n} x {k}: 1 row {plan.gemv}{took(n, k, 1)}\n  16 rows {plan.small}{took(n, k, 16)}\n"
+             f"  32 rows {plan.medium}{took(n, k, 32)}\n  64 rows {plan.large}{took(n, k, 64)}"
+             for (n, k), plan in plans.items()]
+    for rows in (1, 16, 32, 64):
+        if layers and plans and all((n, k, rows) in timed for n, k in plans):
+            total = sum(timed[n, k, rows] for n, k in plans) * layers
+            lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: {total * 1e3:.2f} ms per "
+                         f"decode step ({layers} layers)")
     return "\n".join(["kernels chosen at load:", *lines]) if lines else ""
 
 
@@ -128,6 +202,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="one-batch (decode steps at --batch-sizes), offline (the 1000-request run), or both")
     parser.add_argument("--quick", action="store_true",
                         help="one-batch: the GPU's time per step alone (no Engine.generate runs), 32 decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="one-batch: profile 20 decode steps of each model at every --batch-sizes and print "
+                             "their kernels side by side")
     parser.add_argument("--precompile", type=int, default=0, metavar="JOBS",
                         help="first compile every launch the loader times, in JOBS processes at once (on a fresh "
                              "machine the loader would compile them one by one)")

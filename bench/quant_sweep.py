@@ -256,6 +256,7 @@ def _precompile(work: list, jobs: int, zeros: bool) -> None:
 
 def _compile_chunk(chunk: list, zeros: bool) -> int:
     from treadle.kernels.int_kernel_plan import run_tiles
+    from treadle.layers.small_batch import l2_prefetch_bytes, l2_prefetch_limit
 
     device = torch.device("cuda")
     tensors: dict[str, tuple] = {}
@@ -269,7 +270,8 @@ def _compile_chunk(chunk: list, zeros: bool) -> int:
         words, scales, zero_points = tensors[name]
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         try:
-            run_tiles(x, words, scales, zero_points, 4, GROUP, tiles)
+            # With the L2 prefetch of a next weight's head, as the loader times them and the model runs them.
+            run_tiles(x, words, scales, zero_points, 4, GROUP, tiles, l2_prefetch_bytes(words, l2_prefetch_limit()))
             torch.cuda.synchronize()
         except Exception:
             failed += 1

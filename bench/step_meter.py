@@ -354,14 +354,15 @@ def kernel_category(name: str) -> str:
     """A coarse kind for a GPU kernel name: matmul, attention, copies, or elementwise/other."""
     lowered = name.lower()
     if any(key in lowered for key in ("gemv", "gemm", "nvjet", "xmma", "cutlass", "splitk", "split_k", "matmul",
-                                      "small_batch")):
+                                      "small_batch", "int_gemv", "int_dot", "_mma_", "dequantize_kernel",
+                                      "recompute_kernel")):
         return "matmul (weights)"
     if any(key in lowered for key in ("flashinfer", "batchprefill", "batchdecode", "attention", "attn",
                                       "_fwd_kernel", "decode_", "mergestate", "merge_state")):
         return "attention"
     if "memcpy" in lowered or "memset" in lowered:
         return "memcpy/memset"
-    if any(key in lowered for key in ("sort", "softmax", "argmax", "reduce", "topk", "cumsum")):
+    if any(key in lowered for key in ("sort", "softmax", "argmax", "reduce", "topk", "cumsum", "chunk_top")):
         return "sampling/reductions"
     if "index" in lowered or "scatter" in lowered or "gather" in lowered:
         return "index/scatter/gather"

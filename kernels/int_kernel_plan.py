@@ -37,45 +37,48 @@ class IntKernelPlan:
     medium: Tiles
     large: Tiles
 
-    def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
-                     ) -> torch.Tensor | None:
+    def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
         """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
-        needs no split-K; None: the caller runs the matmul, then ``silu_mul``."""
+        needs no split-K; None: the caller runs the matmul, then ``silu_mul``. ``prefetch``: as :meth:`run`'s."""
         if x.shape[0] != 1 or self.gemv.split_k != 1:
             return None
-        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True)
+        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True, prefetch=prefetch)
 
     def run_add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                        zeros: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        zeros: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(rmsnorm(y + residual) * norm_weight, y + residual)`` for one token's ``y`` in the GEMV (its program
         that stores the row's last tile adds and norms); None for a batch of more (the caller runs the matmul,
         then the norm)."""
         if x.shape[0] != 1:
             return None
         return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv,
-                        add_rmsnorm=(residual, norm_weight, eps))
+                        add_rmsnorm=(residual, norm_weight, eps), prefetch=prefetch)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None) -> torch.Tensor:
+            g_idx: torch.Tensor | None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ dequantized(weight).T`` by the kernel this many rows run; ``prefetch`` (the head of the weight the
+        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV and ``magic_mma``."""
         rows = x.shape[0]
         if g_idx is None and rows <= DOT_MAX_ROWS:
             tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
-            return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles)
+            return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles, prefetch)
         return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
 
 
 def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-              group: int, tiles: Tiles) -> torch.Tensor:
-    """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures."""
+              group: int, tiles: Tiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures (``prefetch``: see :meth:`IntKernelPlan.run`;
+    the GEMV and ``magic_mma`` take it, the others do not)."""
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicGemvTiles):
         return magic_gemv(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicMmaTiles):
-        return magic_mma(x, weight, scales, zeros, bits, group, tiles)
+        return magic_mma(x, weight, scales, zeros, bits, group, tiles, prefetch)
     if tiles.block_m == 0:
-        return int_gemv(x, weight, scales, zeros, bits, group, tiles)
+        return int_gemv(x, weight, scales, zeros, bits, group, tiles, prefetch=prefetch)
     return int_dot(x, weight, scales, zeros, bits, group, tiles)
 
 

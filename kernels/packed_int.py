@@ -33,7 +33,7 @@ import triton.language as tl
 
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
-from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals
+from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals, _prefetch_share, _prefetching_programs
 
 PANEL_WORDS = 16  # words per panel (layers/packed_int.py's pack_panels)
 # Batches up to this many rows run the tiles that widen the weight in registers; larger ones dequantize it once
@@ -115,11 +115,14 @@ def _split(n: int, words: int, block_n: int, block_w: int, programs: int) -> int
 
 def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group: int, tiles: IntTiles, silu_mul: bool = False,
-             add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
+             add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+             prefetch: torch.Tensor | None = None) -> Any:
     """``x [1, K] @ dequantized(weight).T``. With ``silu_mul`` (no split-K) the weight is ``[gate | up]`` and the
     result ``silu(gate) * up``, in one kernel. With ``add_rmsnorm`` = ``(residual, norm_weight, eps)`` the result
     is ``(rmsnorm(y + residual) * norm_weight, y + residual)`` instead, computed by the program that stores the
-    row's last tile (the layer's next norm needs no kernel of its own)."""
+    row's last tile (the layer's next norm needs no kernel of its own). ``prefetch``: the head of the weight the
+    model reads next (``layers/small_batch.py``'s ``l2_prefetch_bytes``), which the last programs ask L2 for as
+    they finish, as the 16-bit small-batch kernels do."""
     k = x.shape[1]
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -139,8 +142,19 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, SUBNORMAL=tiles.subnormal and bits == 4,
-        launch_pdl=pdl, num_warps=tiles.num_warps)
+        **prefetch_args(prefetch, grid[0] * grid[1], weight), launch_pdl=pdl, num_warps=tiles.num_warps)
     return out if add_rmsnorm is None else (normed, residual_out)
+
+
+def prefetch_args(prefetch: torch.Tensor | None, programs: int, weight: torch.Tensor) -> dict[str, Any]:
+    """The kernel arguments of an L2 prefetch of ``prefetch`` (None: none) shared by the last programs of a launch
+    of ``programs`` (``kernels/small_batch.py``'s ``_prefetch_share``; ``weight`` stands in for the pointer when
+    there is nothing to fetch)."""
+    lines = prefetch.numel() // 128 if prefetch is not None else 0
+    first = max(programs - _prefetching_programs(weight.device), 0) if lines else 0
+    return dict(prefetch_ptr=prefetch if lines else weight, prefetch_lines=lines, first_prefetcher=first,
+                PREFETCH=lines > 0, PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(
+                    triton.cdiv(lines, max(programs - first, 1)), 1))))
 
 
 def int_dot(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
@@ -311,7 +325,8 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                      normed_ptr, residual_out_ptr, eps, N, k_per_split, stride_wn, stride_sn, BITS: tl.constexpr,
                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr):
+                     BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr, prefetch_ptr, prefetch_lines,
+                     first_prefetcher, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -337,6 +352,8 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
             if stored:
                 _add_rmsnorm_when_last(out_ptr, arrivals_ptr, residual_ptr, norm_weight_ptr, normed_ptr,
                                        residual_out_ptr, eps, N, BLOCK_ROW)
+    if PREFETCH:  # the next weight's head into L2 as the last programs finish
+        _prefetch_share(prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
 
 
 @triton.jit

@@ -43,10 +43,10 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.packed_int import (PANEL_WORDS, _fold_scales, _group_scale_zero, _partials, _split,
-                                        _store_or_reduce, _subnormal_times_x, widening)
+                                        _store_or_reduce, _subnormal_times_x, prefetch_args, widening)
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
-from treadle.kernels.small_batch import _arrivals
+from treadle.kernels.small_batch import _arrivals, _prefetch_share
 
 PANEL = PANEL_WORDS * 8  # 4-bit values per panel
 
@@ -107,9 +107,9 @@ def magic_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero
 
 
 def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-              group: int, tiles: MagicMmaTiles) -> torch.Tensor:
+              group: int, tiles: MagicMmaTiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ dequantized(weight).T`` (4-bit, 16-bit activations) on the tensor cores, the weight tile widened
-    by pairs (module docstring)."""
+    by pairs (module docstring); ``prefetch`` as :func:`~treadle.kernels.packed_int.int_gemv`'s."""
     rows, k = x.shape
     n = weight.shape[0]
     i16, magic, offset = widening(bits, x.dtype)
@@ -122,7 +122,8 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
         MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, PAIR_DOTS=tiles.pair_dots,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -365,7 +366,8 @@ def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrival
                       stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,
                       SCALED: tl.constexpr, PAIR_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
+                      PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -418,3 +420,5 @@ def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrival
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
                      arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,
                      SPLIT_K)
+    if PREFETCH:  # the next weight's head into L2 as the last programs finish (kernels/packed_int.py's GEMV too)
+        _prefetch_share(prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)

@@ -3,7 +3,8 @@
 For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``magic_mma``,
 ``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) are timed on the layer's weight, replayed from a CUDA graph
 with each call on another copy of the weight so it is read from memory as a decode step reads it
-(``layers/small_batch.py``'s timing), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton``
+(``layers/small_batch.py``'s timing), each call prefetching the next one's head into L2 as the model's calls do
+(``small_batch.chain_l2_prefetch``), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton``
 or ``library`` nothing is timed: the first candidates run.
 """
 
@@ -45,10 +46,20 @@ def int_kernel_plan(layer: nn.Module) -> Any:
 _plans: dict[tuple, Any] = {}
 
 
+# (N, K, rows) -> seconds per call of the launch the loader kept for that row bucket (timed ones only).
+_kept_seconds: dict[tuple[int, int, int], float] = {}
+
+
 def chosen_plans() -> dict[tuple[int, int], Any]:
     """``(N, K)`` -> the kernels each integer weight shape loaded in this process runs (an ``IntKernelPlan``; None:
     the torch path), for benchmarks to print."""
     return {key[:2]: plan for key, plan in _plans.items()}
+
+
+def kept_seconds() -> dict[tuple[int, int, int], float]:
+    """``(N, K, rows)`` -> the loader's timing of the launch it kept for each shape and row bucket (1, 16, 32, 64),
+    for benchmarks to set beside a decode step's."""
+    return dict(_kept_seconds)
 
 
 def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
@@ -57,6 +68,9 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
     from treadle.kernels.int_kernel_plan import run_tiles
 
     weights = small_batch.weight_copies(layer.weight.data)
+    # Each call prefetches the next one's head into L2, as in the model (small_batch.chain_l2_prefetch): the same
+    # compiled launches as the model's, timed as the model runs them.
+    heads = [small_batch.l2_prefetch_bytes(weight, small_batch.l2_prefetch_limit()) for weight in weights]
     scales, zeros = layer.weight_scales.data, layer.weight_zeros
     k = layer.weight.shape[1] * (32 // layer.bits)
 
@@ -65,11 +79,16 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
         timings = {}
         for tiles in candidates:
             def run(i: int, tiles=tiles) -> torch.Tensor:
-                return run_tiles(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles)
+                return run_tiles(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles,
+                                 heads[(i + 1) % len(weights)])
             try:
                 timings[tiles] = small_batch.graph_seconds(run)
             except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
                 logger.info("int matmul config %s skipped: %s", tiles, exc)
-        return min(timings, key=timings.get) if timings else candidates[0]
+        if not timings:
+            return candidates[0]
+        best = min(timings, key=timings.get)
+        _kept_seconds[(layer.weight.shape[0], k, rows)] = timings[best]
+        return best
 
     return pick

@@ -237,7 +237,7 @@ class PackedIntLinearMethod(LinearMethod):
         plan = layer.int_kernels
         if plan is not None:
             y = plan.run(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight, layer.weight_scales,
-                         layer.weight_zeros, layer.g_idx)
+                         layer.weight_zeros, layer.g_idx, _prefetch(layer))
         else:
             y = F.linear(x2, dequantize_layer(layer).to(x.dtype))
         if bias is not None:
@@ -248,19 +248,25 @@ class PackedIntLinearMethod(LinearMethod):
         plan = layer.int_kernels
         if plan is None or x.dim() != 2 or layer.input_perm is not None or x.stride(-1) != 1:
             return None
-        return plan.run_silu_mul(x, layer.weight, layer.weight_scales, layer.weight_zeros)
+        return plan.run_silu_mul(x, layer.weight, layer.weight_scales, layer.weight_zeros, _prefetch(layer))
 
     def apply_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.fuses_add_rmsnorm(layer, x):
             return None
         return layer.int_kernels.run_add_rmsnorm(x, layer.weight, layer.weight_scales, layer.weight_zeros,
-                                                 residual, norm_weight, eps)
+                                                 residual, norm_weight, eps, _prefetch(layer))
 
     def fuses_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor) -> bool:
         # One token through the GEMV: the layer's weights need no input permutation or per-column groups.
         return (layer.int_kernels is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
                 and layer.input_perm is None and layer.g_idx is None)
+
+
+def _prefetch(layer: nn.Module) -> torch.Tensor | None:
+    """The head of the weight the model reads after this layer's (``small_batch.chain_l2_prefetch``), which the
+    GEMV's and ``magic_mma``'s last programs ask L2 for; None: nothing to prefetch."""
+    return getattr(layer, "l2_prefetch", None)
 
 
 def stored_in_features(layer: "LinearBase") -> int:

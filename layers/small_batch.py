@@ -156,9 +156,14 @@ def chain_l2_prefetch(layers: Sequence[Any]) -> None:
     """Give each of ``layers`` (linear layers in the order a forward runs them) the head of the next one's weight
     to prefetch into L2 from its decode kernels (``layer.l2_prefetch``; the last layer's next is the first, for the
     next step). ``TREADLE_L2_PREFETCH_MB`` (default 8, 0: off) sets how much of each weight."""
-    limit = int(float(os.environ.get("TREADLE_L2_PREFETCH_MB", "8")) * 2**20)
+    limit = l2_prefetch_limit()
     for layer, following in zip(layers, list(layers[1:]) + list(layers[:1])):
         layer.l2_prefetch = l2_prefetch_bytes(following.weight, limit) if len(layers) > 1 else None
+
+
+def l2_prefetch_limit() -> int:
+    """Bytes of each next weight the decode kernels prefetch: ``TREADLE_L2_PREFETCH_MB`` (default 8; 0: none)."""
+    return int(float(os.environ.get("TREADLE_L2_PREFETCH_MB", "8")) * 2**20)
 
 
 def l2_prefetch_bytes(weight: torch.Tensor, limit: int) -> torch.Tensor | None:

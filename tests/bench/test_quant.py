@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from treadle.bench.quant import summary
@@ -92,6 +94,23 @@ def test_precompile_compiles_the_loaders_launches_before_the_runs(tmp_path, monk
     assert calls == [("compile", 3, True), ("one-batch",)]
 
 
+def test_profile_asks_one_batch_for_every_batch_sizes_decode_profile_and_no_prefill(tmp_path, monkeypatch, capsys):
+    from treadle.bench import one_batch, quant
+
+    runs = []
+
+    def run_one_batch(argv):
+        runs.append(one_batch._parser().parse_args(argv))
+        profile = _profile("treadle triton [model.path=x-w4a16]", 32, [("_magic_mma_kernel", 4000.0, 128.0)], 9.0)
+        (tmp_path / "one_batch_quant.json").write_text(json.dumps({"results": [], "profiles": {"w": profile}}))
+
+    monkeypatch.setattr(one_batch, "main", run_one_batch)
+    quant.main(["--runs", "one-batch", "--quick", "--profile", "--out", str(tmp_path)])
+    args = runs[0]
+    assert not args.no_profile and args.profile_batch_sizes == "1,32" and args.prefill_profile == "none"
+    assert "_magic_mma_kernel" in capsys.readouterr().out
+
+
 def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
     from treadle.bench import quant
     from treadle.kernels.int_kernel_plan import plan_kernels
@@ -103,3 +122,62 @@ def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
     text = quant.chosen_kernels()
     assert text.splitlines()[:2] == ["kernels chosen at load:", f"4096 x 4096: 1 row {plan.gemv}"]
     assert f"32 rows {plan.medium}" in text and "64 x 100" not in text
+    # With the loader's timings: each kept launch's, and the shapes' sum per decode step where every shape has one.
+    monkeypatch.setattr(int_kernel_choice, "_kept_seconds", {(4096, 4096, 1): 5e-6, (4096, 4096, 32): 1.2e-5})
+    timed = quant.chosen_kernels(layers=32).splitlines()
+    assert timed[1] == f"4096 x 4096: 1 row {plan.gemv} (5.0 us)" and "(12.0 us)" in timed[3]
+    assert timed[-2:] == ["the kept launches at 1 row, as the loader timed them: 0.16 ms per decode step (32 layers)",
+                          "the kept launches at 32 rows, as the loader timed them: 0.38 ms per decode step (32 layers)"]
+
+
+def _profile(system: str, bs: int, kernels: list[tuple[str, float, float]], idle: float) -> dict:
+    top = [{"name": name, "us_per_step": us, "calls_per_step": calls} for name, us, calls in kernels]
+    return {"system": system, "what": f"bs={bs} decode", "steps": 20, "wall_us_per_step_profiled": 5000.0,
+            "gpu_busy_us_per_step": sum(us for _, us, _ in kernels), "gpu_union_us_per_step": 4000.0,
+            "gpu_idle_in_step_us_per_step": idle, "kernels_per_step": sum(c for _, _, c in kernels),
+            "by_category_us_per_step": {"matmul (weights)": kernels[0][1]}, "top_kernels": top,
+            "host_us_per_step": {"runner.forward (host, until the graph is launched)": 100.0 + idle / 10},
+            "gpu_idle_before_us_per_step": {kernels[0][0]: idle}}
+
+
+def test_profile_table_puts_each_batch_sizes_decode_profiles_side_by_side():
+    from treadle.bench.quant import profile_table
+
+    profiles = {  # as one_batch's JSON keys them; its prefill profiles are left out
+        "bf16": _profile("treadle triton [model.path=/t/llama]", 1, [("_small_batch_kernel", 3500.0, 129.0)], 150.0),
+        "w4a16": _profile("treadle triton [model.path=/t/llama-w4a16]", 1,
+                          [("_int_gemv_kernel", 1900.0, 128.0), ("_chunk_top_kernel", 9.0, 1.0)], 700.0),
+        "w4a16 bs=32": _profile("treadle triton [model.path=/t/llama-w4a16]", 32,
+                                [("_magic_mma_kernel", 4000.0, 128.0)], 900.0),
+        "w4a16 prefill": {**_profile("treadle triton [model.path=/t/llama-w4a16]", 1, [("x", 1.0, 1.0)], 0.0),
+                          "what": "prefill of 300 tokens"},
+    }
+    lines = profile_table(profiles, "/t/llama-w4a16").splitlines()
+    idle = [line for line in lines if line.startswith("GPU idle")]
+    assert idle[0].split()[-3:] == ["150", "700", "550"] and idle[1].split()[-3:] == ["-", "900", "-"]
+    waited = lines[lines.index(next(line for line in lines if "idle just before" in line)) + 1].split("|")
+    assert waited[0].split() == ["150", "_small_batch_kernel"] and waited[1].split() == ["700", "_int_gemv_kernel"]
+    top = lines[lines.index(next(line for line in lines if "top kernels" in line)) + 1]
+    assert "_small_batch_kernel" in top.split("|")[0] and "_int_gemv_kernel" in top.split("|")[1]
+    assert sum("decode bs=" in line for line in lines) == 2
+    assert next(line for line in lines if "runner.forward" in line).split()[-3:] == ["115", "170", "55"]
+    assert lines[-1].split("|")[0].strip() == ""  # bs=32: w4a16's kernels alone, one line (no bf16 profile there)
+
+
+def test_gpu_timeline_counts_overlaps_once_and_idle_only_inside_steps():
+    from treadle.bench.one_batch_profile import gpu_timeline
+
+    # Two steps: kernels 0-10 and 8-20 (overlapping, as under PDL), a 5 us hand-over to 25-30; the next step 500 us on.
+    busy, idle, before = gpu_timeline([(25.0, 30.0, "c"), (0.0, 10.0, "a"), (8.0, 20.0, "b"), (530.0, 540.0, "a"),
+                                       (542.0, 543.0, "c")])
+    assert (busy, idle, before) == (36.0, 7.0, {"c": 7.0})
+
+
+def test_integer_kernels_count_as_weight_matmuls():
+    from treadle.bench.one_batch import parse_prefill_shapes
+    from treadle.bench.step_meter import kernel_category
+
+    for name in ("_int_gemv_kernel", "_magic_mma_kernel", "_int_mma_kernel", "_int_dot_kernel", "_dequantize_kernel"):
+        assert kernel_category(name) == "matmul (weights)"
+    assert kernel_category("_chunk_top_kernel") == "sampling/reductions"
+    assert parse_prefill_shapes("none", 4, 300) == [] and parse_prefill_shapes("2x400", 4, 300) == [(2, 300)]

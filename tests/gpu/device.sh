@@ -181,8 +181,9 @@ PY
       # one of them; "--runs one-batch --quick": the GPU's step time alone, 32 steps, no Engine.generate runs;
       # "--precompile 14": the loader's W4A16 launches compiled in 14 processes first, not one by one at load), with
       # the ratios against the targets (bench/quant.py).
+      # QUANT_ARGS="... --profile": both models' decode steps profiled side by side (QUANT_TAIL=120 shows them).
       timeout ${QUANT_TIMEOUT:-560} python3 -m treadle.bench.quant --out "$OUT/quant" ${QUANT_ARGS:-} 2>&1 \
-        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -45 ;;
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/quant.log" | tail -${QUANT_TAIL:-45} ;;
     embed)
       # Qwen3-Embedding-8B shape (dummy, bf16): 1000 passages of 16-512 tokens, HF transformers then Engine.encode
       # in one run (bench/embed.py; EMBED_ARGS="--passages 500" for a shorter run).

@@ -204,3 +204,36 @@ def test_int4_experts_kernels_match_the_dequantizing_reference(tokens, asym):
                             packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, 4, 128)
     expected = fused_int_experts_reference(x, layer, weights, ids)
     assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-2
+
+
+def test_the_l2_prefetch_of_the_next_weight_changes_no_result():
+    # The GEMV (its epilogues too, split-K included) and magic_mma with the next weight's head asked of L2
+    # (layer.l2_prefetch, as the model chains it): the same bits as without.
+    from treadle.kernels.int_kernel_plan import plan_kernels
+    from treadle.layers.packed_int import pack_panels
+    from treadle.layers.small_batch import l2_prefetch_bytes
+
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    following = torch.randint(-2**31, 2**31 - 1, (4096, 14336 // 8), dtype=torch.int32, device=DEVICE)
+    head = l2_prefetch_bytes(following, 8 << 20)
+    assert head is not None
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for n, k in ((28672, 4096), (4096, 4096)):  # gate_up_proj (no split-K: silu_mul fuses), o_proj (split-K)
+        packed = pack_panels(torch.randint(0, 16, (n, k), device=DEVICE, generator=gen), 4)
+        scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+        plan = plan_kernels(n, k, 4, 128, sm_count, dtype=torch.bfloat16)
+        for rows in (1, 16, 32):
+            x = torch.randn(rows, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+            assert torch.equal(plan.run(x, packed, scales, None, None, head), plan.run(x, packed, scales, None, None))
+        x = x[:1]
+        if n == 28672:
+            assert plan.gemv.split_k == 1
+            assert torch.equal(plan.run_silu_mul(x, packed, scales, None, head),
+                               plan.run_silu_mul(x, packed, scales, None))
+            continue
+        assert plan.gemv.split_k > 1
+        residual = torch.randn(1, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+        norm_weight = torch.ones(n, device=DEVICE, dtype=torch.bfloat16)
+        with_head = plan.run_add_rmsnorm(x, packed, scales, None, residual, norm_weight, 1e-5, head)
+        without = plan.run_add_rmsnorm(x, packed, scales, None, residual, norm_weight, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(with_head, without))

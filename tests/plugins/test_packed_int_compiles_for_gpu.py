@@ -1,7 +1,8 @@
 """The integer-weight Triton kernels (kernels/packed_int.py) compile for an H100 (sm_90) on a machine without a GPU:
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
-this reuses). Split-K, the SiLU·mul and add+RMSNorm epilogues, zero points, both ways of widening, act-order, 4 and 8 bits, the
-integer experts' fused-MoE kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py, and
+this reuses). Split-K, the SiLU·mul and add+RMSNorm epilogues, zero points, both ways of widening, act-order, 4 and 8
+bits, the L2 prefetch of the next weight (inline PTX, which the interpreter cannot run), the integer experts' fused-MoE
+kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py, and
 kernels/packed_int_magic.py's, inline PTX included)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 RESULT_MARKER = "AOT-RESULTS:"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
             "partials_ptr": "*fp32", "arrivals_ptr": "*i32", "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16",
-            "normed_ptr": "*bf16", "residual_out_ptr": "*bf16"}
+            "normed_ptr": "*bf16", "residual_out_ptr": "*bf16", "prefetch_ptr": "*u8"}
 
 
 def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
@@ -30,13 +31,14 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
         name = f"gemv[words={block_w},zeros={zeros},split_k={split},silu_mul={silu},add_rmsnorm={norm},bits={bits}]"
         variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=norm,
-                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True, SUBNORMAL=False))
+                               BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True, SUBNORMAL=False,
+                               **_prefetch(split > 1)))
     # The subnormal widening (a sweep trial), with the SiLU·mul epilogue and with split-K and zero points.
     for zeros, split, silu in ((False, 1, True), (True, 4, False)):
         variants[f"gemv[subnormal,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
             "_int_gemv_kernel", {"out_ptr": "*bf16"},
             dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
-                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True))
+                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, **_prefetch(silu)))
     for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
         name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
@@ -69,7 +71,8 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
             "packed_int_magic._magic_mma_kernel", {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "s_ptr": f"*{dtype}",
                                                    "z_ptr": f"*{dtype}"},
             dict(GROUP=128, HAS_ZEROS=dtype == "bf16", SPLIT_K=2, MAGIC16=magic, OFFSET16=offset, ASM=True,
-                 SCALED=scaled, PAIR_DOTS=pairs, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128))
+                 SCALED=scaled, PAIR_DOTS=pairs, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128,
+                 **_prefetch(scaled)))
     variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
                               dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
@@ -82,6 +85,11 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
                                dict(BITS=4, GROUP=128, HAS_ZEROS=False, I16=True, MAGIC16=0x4300, OFFSET16=128.0,
                                     MUL_ROW_WEIGHT=True, BLOCK_M=64, BLOCK_N=128))
     return variants
+
+
+def _prefetch(on: bool) -> dict[str, object]:
+    """The L2 prefetch of the next weight's head (the GEMV's and magic_mma's last programs), on or off."""
+    return dict(PREFETCH=on, PREFETCH_BLOCK=64)
 
 
 def _compile_all() -> dict[str, str | None]:
@@ -120,7 +128,7 @@ def _gemv_loads(kernel) -> str | None:
     from triton.compiler import ASTSource
 
     constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
-                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True)
+                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, PREFETCH=True, PREFETCH_BLOCK=64)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
