@@ -44,18 +44,11 @@ LOOP_TOKENS = (8, 81, 471, 400, 197)  # what the tiny target's greedy outputs re
 
 
 @pytest.fixture(scope="module")
-def looping_eagle_dir(eagle_dir, tmp_path_factory) -> str:
-    """The random head with its draft vocabulary mapped onto ``LOOP_TOKENS`` (draft id d is ``LOOP_TOKENS[d % 5]``),
-    so that its drafts are kept now and then (a random head's hardly ever are)."""
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path_factory.mktemp("eagle3-looping")
-    (path / "config.json").write_text((Path(eagle_dir) / "config.json").read_text())
-    weights = load_file(str(Path(eagle_dir) / "model.safetensors"))
-    draft_ids = torch.arange(weights["d2t"].shape[0])
-    weights["d2t"] = torch.tensor(LOOP_TOKENS)[draft_ids % len(LOOP_TOKENS)] - draft_ids
-    save_file(weights, str(path / "model.safetensors"))
-    return str(path)
+def looping_eagle_dir(tiny_llama_dir, tmp_path_factory) -> str:
+    """The random head with its draft vocabulary mapped onto ``LOOP_TOKENS``, so that its drafts are kept now and
+    then (a random head's hardly ever are)."""
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3-looping"), target_config(tiny_llama_dir), 128, AUX,
+                            draft_targets=LOOP_TOKENS)
 
 
 def engine_config(model_dir: str, eagle: str | None = None, k: int = 3, overlap: bool = True,
