@@ -124,10 +124,11 @@ class Eagle3Speculator(Speculator):
         self._arange = torch.arange(max(rows, (num_draft_tokens + 1) * config.runtime.cuda_graph_max_bs),
                                     device=self.device)
         # Overlapped verify batches (chains): drafted on the device, their catch-up captured as verify graphs.
-        self.proposes_on_device = topk == 1
+        self.proposes_on_device = topk == 1 and reads_device_lengths(self.attn_backend, self.device)
         overlapped = self.proposes_on_device and config.speculative.overlap is not False and \
             not config.scheduler.disable_overlap
         self.states: dict[str, HeadState] = {}
+        self.catch_up_layouts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bs, t) -> eagle3_overlap.py's
         self.graphs: HeadDecodeGraphs | None = None
         if target.cuda_graphs is not None and getattr(self.attn_backend, "supports_cuda_graph", False):
             max_bs = min(config.runtime.cuda_graph_max_bs, config.speculative.max_batch_size)
@@ -421,6 +422,15 @@ class Eagle3Speculator(Speculator):
             logits_indices=torch.arange(m, device=self.device), req_to_token_pool=self.target.info.req_to_token_pool,
             kv_cache=self.kv_cache, attn_backend=self.attn_backend,
         )
+
+
+def reads_device_lengths(backend: Any, device: torch.device) -> bool:
+    """Whether the head's attention backend runs its decode and chain-verify steps from the lengths on the device
+    (the host's are upper bounds under overlapped verify): on the CPU any backend (host and device are one), on CUDA
+    triton and flashinfer_triton while its decode batches all go to its Triton half."""
+    if device.type == "cpu":
+        return True
+    return hasattr(backend, "verifies_by_decode") and getattr(backend, "small_decode_batch", None) is None
 
 
 def build_eagle3_speculator(target: "ModelWorker", config: "ResolvedConfig", registry: "Registry") -> Speculator:

@@ -67,12 +67,16 @@ def _catch_up_batch(speculator: "Eagle3Speculator", batch: "ScheduleBatch", prev
     t, bs, device = fb.tokens_per_req, len(batch.entries), speculator.device
     follow = np.asarray(batch.follow_rows, dtype=np.int64)
     identity = len(follow) == fb.batch_size and bool((follow == np.arange(len(follow))).all())
-    offsets, starts, lens, logits_indices, follow_dev = to_device_packed(
-        [np.arange(t, dtype=np.int64)[None, :], np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64),
-         np.arange(bs * t, dtype=np.int64), follow], device)
+    layout = speculator.catch_up_layouts.get((bs, t))
+    if layout is None:  # the same for every step of this shape: copied once
+        layout = speculator.catch_up_layouts[(bs, t)] = to_device_packed(
+            [np.arange(t, dtype=np.int64)[None, :], np.arange(bs, dtype=np.int64) * t,
+             np.full(bs, t, dtype=np.int64), np.arange(bs * t, dtype=np.int64)], device)
+    offsets, starts, lens, logits_indices = layout
     first, accepted = fb.extend_prefix_lens, previous.accepted
     drafts, slots = previous.draft_ids, fb.out_cache_loc.view(fb.batch_size, t)
     if not identity:
+        follow_dev = to_device_packed([follow], device)[0]
         first, accepted = first.index_select(0, follow_dev), accepted.index_select(0, follow_dev)
         drafts, slots = drafts.index_select(0, follow_dev), slots.index_select(0, follow_dev)
     # The token after position first + j: N's draft j while it was kept, then the target's own token.
