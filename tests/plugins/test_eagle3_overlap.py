@@ -1,6 +1,6 @@
 """eagle3 under overlapped verify (``speculative.overlap``: its drafts proposed on the device, eagle3_overlap.py): a
 stop token in the middle of a chain ends the request there (its row of the overlapped step wasted) while the others
-run out of budget mid-chain, an abort with an overlapped step in flight frees everything, and both hold with the
+run out of budget mid-chain, the head's KV computed on the device is the host path's, an abort with an overlapped step in flight frees everything, and both hold with the
 triton backend under the interpreter (this file as a script, in a fresh process with TRITON_INTERPRET=1). The head's
 drafts are kept now and then (its draft vocabulary mapped onto tokens the tiny target repeats); every KV slot comes
 back. Parity over longer runs, retraction and the drafts' values: tests/plugins/test_eagle3_speculator.py."""
@@ -17,6 +17,7 @@ if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+import torch
 
 from treadle import Engine, SamplingParams
 from treadle.core.request import Req
@@ -26,15 +27,15 @@ from treadle.testing.speculator_plugins import OverlappedVerifySteps
 
 PROMPTS = [[400, 7, 7, 7, 9, 10, 11, 12, 13], [300, 301, 9], [5, 17, 42, 8, 99, 3, 250, 11]]
 BUDGETS = (14, 7, 10)
-LOOP_TOKENS = (8, 81, 471, 315, 227)  # what the tiny target's greedy outputs here repeat
+LOOP_TOKENS = (8, 8, 81, 471, 315)  # what the tiny target's greedy outputs here repeat
 
 
-def make_engine(model_dir: str, head_dir: str | None, backend: str = "torch_native") -> Engine:
+def make_engine(model_dir: str, head_dir: str | None, backend: str = "torch_native", overlap: bool = True) -> Engine:
     config = {"model": {"path": model_dir}, "attention": {"backend": backend}, "cache": {"max_total_tokens": 1024},
               "scheduler": {"new_token_ratio": 0.0}, "plugins": ["treadle.plugins.speculators.eagle3"]}
     if head_dir is not None:
         config["speculative"] = {"method": "eagle3", "num_tokens": 3, "draft_model_path": head_dir,
-                                 "max_batch_size": 8, "overlap": True}
+                                 "max_batch_size": 8, "overlap": overlap}
     engine = Engine(config)
     if backend == "triton" and head_dir is not None:  # the interpreter runs a program per KV split, used or not
         engine.scheduler.worker.target.runner.attn_backend.max_kv_splits = 1
@@ -83,6 +84,25 @@ def plain(tiny_llama_dir) -> list[list[int]]:
 def test_a_stop_in_the_middle_of_a_chain_ends_the_request_there(tiny_llama_dir, head_dir, plain):
     assert 81 in plain[0][5:], "the stop token must come after some kept drafts"
     check_stop_mid_chain(tiny_llama_dir, head_dir, plain, "torch_native")
+
+
+def test_the_heads_kv_is_the_host_paths(tiny_llama_dir, head_dir, plain):
+    """Every pair the head computed on the device (catch-ups after partly kept steps) holds the K/V the host path
+    computes: the head's KV cache at each finished sequence's slots (found in the radix cache), both runs."""
+    heads_kv = []
+    for overlap in (True, False):
+        engine = make_engine(tiny_llama_dir, head_dir, overlap=overlap)
+        steps = OverlappedVerifySteps()
+        engine.scheduler.add_observer(steps)
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=greedy())
+        assert [o.token_ids for o in outputs] == plain and (steps.overlapped > 0) == overlap
+        cache, kv = engine.scheduler.memory.tree_cache, engine.scheduler.worker.speculator.kv_cache.kv_buffer
+        # The pairs before the last verify step's (those after it hold drafts' pairs).
+        heads_kv.append([kv[:, cache.match_prefix(p + ids)[0][:len(p) + len(ids) - 2 * 4]]
+                         for p, ids in zip(PROMPTS, plain)])
+    assert sum(kv.shape[1] for kv in heads_kv[0]) > 20
+    for on_device, on_host in zip(*heads_kv):
+        torch.testing.assert_close(on_device, on_host, rtol=1e-4, atol=1e-5)
 
 
 def test_an_abort_with_an_overlapped_step_in_flight_frees_everything(tiny_llama_dir, head_dir, plain):
