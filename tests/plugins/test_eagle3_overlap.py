@@ -86,23 +86,32 @@ def test_a_stop_in_the_middle_of_a_chain_ends_the_request_there(tiny_llama_dir, 
     check_stop_mid_chain(tiny_llama_dir, head_dir, plain, "torch_native")
 
 
-def test_the_heads_kv_is_the_host_paths(tiny_llama_dir, head_dir, plain):
+def test_the_heads_kv_is_the_host_paths(tiny_llama_dir, head_dir, plain, monkeypatch):
     """Every pair the head computed on the device (catch-ups after partly kept steps) holds the K/V the host path
-    computes: the head's KV cache at each finished sequence's slots (found in the radix cache), both runs."""
-    heads_kv = []
-    for overlap in (True, False):
+    computes: the head's KV cache at each finished sequence's slots (found in the radix cache), in the host path's
+    run, an overlapped one, and one whose catch-ups go a request at a time (as on a GPU when the previous step had
+    more tokens than the backend's decode-kernel route of verify steps takes), whose drafts are the same (so are
+    its verify steps)."""
+    from treadle.plugins.speculators import eagle3_overlap
+
+    heads_kv, verify_steps = [], []
+    for overlap, grouped in ((False, False), (True, False), (True, True)):
+        if grouped:
+            monkeypatch.setattr(eagle3_overlap, "_group_size", lambda speculator, bs, t: 1)
         engine = make_engine(tiny_llama_dir, head_dir, overlap=overlap)
         steps = OverlappedVerifySteps()
         engine.scheduler.add_observer(steps)
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=greedy())
         assert [o.token_ids for o in outputs] == plain and (steps.overlapped > 0) == overlap
+        verify_steps.append([o.spec_verify_steps for o in outputs])
         cache, kv = engine.scheduler.memory.tree_cache, engine.scheduler.worker.speculator.kv_cache.kv_buffer
         # The pairs before the last verify step's (those after it hold drafts' pairs).
         heads_kv.append([kv[:, cache.match_prefix(p + ids)[0][:len(p) + len(ids) - 2 * 4]]
                          for p, ids in zip(PROMPTS, plain)])
-    assert sum(kv.shape[1] for kv in heads_kv[0]) > 20
-    for on_device, on_host in zip(*heads_kv):
-        torch.testing.assert_close(on_device, on_host, rtol=1e-4, atol=1e-5)
+    assert sum(kv.shape[1] for kv in heads_kv[0]) > 20 and verify_steps[1] == verify_steps[2]
+    for run in heads_kv[1:]:
+        for on_device, on_host in zip(run, heads_kv[0]):
+            torch.testing.assert_close(on_device, on_host, rtol=1e-4, atol=1e-5)
 
 
 def test_an_abort_with_an_overlapped_step_in_flight_frees_everything(tiny_llama_dir, head_dir, plain):
