@@ -126,7 +126,7 @@ class Eagle3Speculator(Speculator):
         # Overlapped verify batches (chains): drafted on the device, their catch-up captured as verify graphs.
         self.proposes_on_device = topk == 1 and reads_device_lengths(self.attn_backend, self.device)
         overlapped = self.proposes_on_device and config.speculative.overlap is not False and \
-            not config.scheduler.disable_overlap
+            not config.scheduler.disable_overlap and getattr(self.attn_backend, "supports_verify_cuda_graph", False)
         self.states: dict[str, HeadState] = {}
         self.catch_up_layouts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bs, t) -> eagle3_overlap.py's
         self.graphs: HeadDecodeGraphs | None = None
