@@ -125,7 +125,7 @@ class Eagle3Speculator(Speculator):
                                     device=self.device)
         # Overlapped verify batches (chains): drafted on the device, their catch-up captured as verify graphs.
         self.proposes_on_device = topk == 1 and reads_device_lengths(self.attn_backend, self.device)
-        overlapped = self.proposes_on_device and config.speculative.overlap is not False and \
+        catch_up_graphs = self.proposes_on_device and config.speculative.overlap is not False and \
             not config.scheduler.disable_overlap and getattr(self.attn_backend, "supports_verify_cuda_graph", False)
         self.states: dict[str, HeadState] = {}
         self.catch_up_layouts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bs, t) -> eagle3_overlap.py's
@@ -133,7 +133,7 @@ class Eagle3Speculator(Speculator):
         if target.cuda_graphs is not None and getattr(self.attn_backend, "supports_cuda_graph", False):
             max_bs = min(config.runtime.cuda_graph_max_bs, config.speculative.max_batch_size)
             self.graphs = HeadDecodeGraphs(head, self.attn_backend, self._context(target), max_bs,
-                                           catch_up_tokens=range(2, num_draft_tokens + 2) if overlapped else ())
+                                           catch_up_tokens=range(2, num_draft_tokens + 2) if catch_up_graphs else ())
         self.trees: HeadTrees | None = None
         if topk > 1:
             self.trees = HeadTrees(head, self.kv_cache, self._context(target), backend_name, registry,
