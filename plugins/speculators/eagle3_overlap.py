@@ -39,18 +39,23 @@ def propose_chains_on_device(speculator: "Eagle3Speculator", batch: "ScheduleBat
     hidden, logits = _catch_up(speculator, batch, req_pool_indices)
     token = speculator.draft_to_target[argmax_last_dim(logits)]
     tokens = [token]
+    if num_drafts < 2:
+        return token.unsqueeze(1)
     bounds = np.asarray([e.kv_start for e in batch.entries], dtype=np.int64)  # host upper bounds of L
     on_cpu = speculator.device.type == "cpu"
-    req_to_token = speculator.target.info.req_to_token_pool.req_to_token
+    # Every decode step's positions, lengths and slots (already in the request table) at once, a step a row
+    # ([n - 1, bs]: each step's rows contiguous, as kernels read them).
+    at = positions.unsqueeze(0) + _layout(speculator, 1, num_drafts - 1)[0].view(-1, 1)
+    seq_lens = at + 1
+    slots = speculator.target.info.req_to_token_pool.req_to_token[req_pool_indices.unsqueeze(0), at].to(torch.int64)
     for j in range(1, num_drafts):
-        at = positions + (j - 1)
-        seq_lens = at + 1
         step = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=len(bounds), input_ids=token, positions=at,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens if on_cpu else torch.from_numpy(bounds + j),  # on the CPU the device's are the host's
-            out_cache_loc=req_to_token[req_pool_indices, at].to(torch.int64),
-            seq_lens_sum=int(bounds.sum()) + j * len(bounds), logits_indices=speculator.rows_arange(len(bounds)),
+            forward_mode=ForwardMode.DECODE, batch_size=len(bounds), input_ids=token, positions=at[j - 1],
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens[j - 1],
+            # On the CPU the device's lengths are the host's.
+            seq_lens_cpu=seq_lens[j - 1] if on_cpu else torch.from_numpy(bounds + j),
+            out_cache_loc=slots[j - 1], seq_lens_sum=int(bounds.sum()) + j * len(bounds),
+            logits_indices=speculator.rows_arange(len(bounds)),
             req_to_token_pool=speculator.target.info.req_to_token_pool, kv_cache=speculator.kv_cache,
             attn_backend=speculator.attn_backend)
         hidden, logits = speculator.run_head(step, hidden)

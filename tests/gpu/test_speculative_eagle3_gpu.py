@@ -73,8 +73,27 @@ def test_the_conformance_kit_passes_eagle3_and_draft_on_cuda(real_shape_llama_di
                                     "runtime": config["runtime"], "speculative": {"draft_model_path": path}})
 
 
-def test_overlapped_eagle3_drafts_on_the_device_through_graphs(real_shape_llama_dir, engine_config, tmp_path):
-    config = engine_config(real_shape_llama_dir, "triton", "float32")
+def _record_drafts(speculator) -> list:
+    """``(prompt, batch entry, drafts row)`` of every proposal, host path's and device's (an entry's ``kv_start``, the
+    last token's position, is exact once the run is over)."""
+    recorded = []
+    propose, propose_on_device = speculator.propose, speculator.propose_on_device
+
+    def record(batch, drafts):
+        recorded.extend((tuple(e.req.origin_input_ids), e, drafts.token_ids[i]) for i, e in enumerate(batch.entries))
+        return drafts
+
+    speculator.propose = lambda batch, n: record(batch, propose(batch, n))
+    speculator.propose_on_device = lambda batch, n, positions, rows: record(
+        batch, propose_on_device(batch, n, positions, rows))
+    return recorded
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_overlapped_eagle3_drafts_on_the_device(real_shape_llama_dir, engine_config, tmp_path, graphs):
+    """Eagerly too: the Triton kernels read the catch-up's and decode steps' device tensors as they are laid out.
+    The drafts proposed on the device are those the host path proposes at the same positions (but at near-ties)."""
+    config = engine_config(real_shape_llama_dir, "triton", "float32", graphs=graphs)
     generator = torch.Generator().manual_seed(5)
     # Four requests: 4 x (k + 1) = 20 tokens a step, the Triton decode kernel's verify route (overlappable).
     prompts = [torch.randint(10, 8000, (int(n),), generator=generator).tolist() for n in (7, 30, 61, 90)]
@@ -87,19 +106,29 @@ def test_overlapped_eagle3_drafts_on_the_device_through_graphs(real_shape_llama_
                             draft_targets=frequent)
     config["plugins"] = ["treadle.plugins.speculators.eagle3"]
     config["speculative"] = {"method": "eagle3", "num_tokens": K, "draft_model_path": head, "max_batch_size": 16,
-                             "overlap": True}
+                             "overlap": False}
     with Engine(config) as engine:
+        host_drafts = _record_drafts(engine.scheduler.worker.speculator)
+        engine.generate(input_ids=prompts, sampling_params=params)
+    config["speculative"]["overlap"] = True
+    with Engine(config) as engine:
+        device_drafts = _record_drafts(engine.scheduler.worker.speculator)
         worker = engine.scheduler.worker
-        graphs = worker.speculator.graphs
-        assert worker.overlap_verify and graphs is not None and graphs.runner.verify
-        catch_ups = [ReplayCounter(g) for g in graphs.runner.verify.values()]
-        decodes = ReplayCounter(graphs.runner)
+        head_graphs = worker.speculator.graphs
+        assert worker.overlap_verify and (head_graphs is not None and bool(head_graphs.runner.verify)) == graphs
+        catch_ups = [ReplayCounter(g) for g in head_graphs.runner.verify.values()] if graphs else []
+        decodes = ReplayCounter(head_graphs.runner if graphs else None)
         steps = OverlappedVerifySteps()
         engine.scheduler.add_observer(steps)
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         assert_kv_accounted(engine)
         assert not worker.speculator.states
     assert steps.overlapped >= steps.verify // 2 > 0, (steps.overlapped, steps.verify)
-    assert sum(c.count for c in catch_ups) >= steps.overlapped and decodes.count > 0
+    if graphs:
+        assert sum(c.count for c in catch_ups) >= steps.overlapped and decodes.count > 0
     print("tokens per verify step", sum(len(o.token_ids) for o in outputs) / sum(o.spec_verify_steps for o in outputs))
     assert_plain_or_near_tie(outputs, plain, min_equal=len(plain) - 1, near_tie=NEAR_TIE)
+    by_host = {(prompt, entry.kv_start, len(row)): row.tolist() for prompt, entry, row in host_drafts}
+    compared = [by_host[key] == row.tolist() for prompt, entry, row in device_drafts
+                if (key := (prompt, entry.kv_start, len(row))) in by_host]
+    assert len(compared) > 10 and sum(compared) >= 0.9 * len(compared), (sum(compared), len(compared))
