@@ -11,6 +11,10 @@ decode, and the speed-up a real run would get at acceptance lengths 2, 3 and 4 (
 
     python -m treadle.bench.speculative_cost                       # GPU: 8B shapes, batch sizes 1, 8, 32
     python -m treadle.bench.speculative_cost --shape tiny --batch-sizes 1 --new-tokens 8   # a CPU smoke run
+    python -m treadle.bench.speculative_cost --methods eagle3,eagle3-sync --batch-sizes 1,4   # overlapped verify
+
+``eagle3`` runs with ``speculative.overlap: true`` (on CUDA ``auto`` leaves it off for eagle3 until its GPU tests pass; its verify steps overlapped where they can be: chains of at most
+20 tokens a step on triton/flashinfer_triton, so bs <= 4 at k = 4), ``eagle3-sync`` with it off.
 
 Writes JSON to ``--output`` (default: the results folder outside the tree).
 """
@@ -63,22 +67,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             scale=0.02, dtype=torch.bfloat16)
     base = {"model": {"path": target, "load_format": "dummy", "context_length": 4096}, "plugins": PLUGINS,
             "cache": {"mem_fraction": args.mem_fraction}}
-    methods = {"plain": None, "eagle3": head, "draft": draft}
+    methods = {"plain": None, "eagle3": head, "eagle3-sync": head, "draft": draft}
     rows = []
     for method in ["plain", *args.methods.split(",")]:
         config = json.loads(json.dumps(base))
         if methods[method] is not None:
-            config["speculative"] = {"method": method, "draft_model_path": methods[method],
-                                     "num_tokens": args.num_tokens, "max_batch_size": max(args.batch_sizes)}
+            config["speculative"] = {"method": method.removesuffix("-sync"), "draft_model_path": methods[method],
+                                     "num_tokens": args.num_tokens, "max_batch_size": max(args.batch_sizes),
+                                     "overlap": not method.endswith("-sync")}
         rows.extend(_measure(method, config, args))
     plain = {row["batch_size"]: row["step_ms"] for row in rows if row["method"] == "plain"}
     print(f"target {args.shape}, num_tokens {args.num_tokens}; random drafts: the step costs a real run pays")
-    print(f"{'method':>8} {'bs':>4} {'step ms':>9} {'x plain':>8} {'@L=2':>6} {'@L=3':>6} {'@L=4':>6}")
+    print(f"{'method':>11} {'bs':>4} {'step ms':>9} {'x plain':>8} {'@L=2':>6} {'@L=3':>6} {'@L=4':>6}")
     for row in rows:
         ratio = row["step_ms"] / plain[row["batch_size"]]
         row["speedup_at"] = {length: length / ratio for length in (2, 3, 4)}
         gains = "".join(f" {row['speedup_at'][length]:>6.2f}" for length in (2, 3, 4))
-        print(f"{row['method']:>8} {row['batch_size']:>4} {row['step_ms']:>9.3f} {ratio:>8.2f}{gains}")
+        print(f"{row['method']:>11} {row['batch_size']:>4} {row['step_ms']:>9.3f} {ratio:>8.2f}{gains}")
     result = {"shape": args.shape, "num_tokens": args.num_tokens, "rows": rows}
     output = Path(args.output or default_output(f"speculative_cost_{int(time.time())}.json"))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,13 @@ results left out (it must stay below the device's step time), printed on a secon
 The model forward itself is excluded (on the CPU it computes; on the GPU a graph replay's launch stays in): the
 window is timed by a step observer (``results_arrived`` -> ``forward_launched``) and the time spent inside the model
 runner's forward is subtracted. The test ``oracle`` speculator proposes the plain run's own continuation, so every
-draft is kept (``--keep N``: N drafts a step, the rest's KV given back)::
+draft is kept (``--keep N``: N drafts a step, the rest's KV given back). ``--method eagle3`` drafts with a random
+EAGLE-3 head of the shape's published head instead (nearly no draft kept; the head's steps are host work here, on
+the CPU their computing too)::
 
     python -m treadle.bench.verify_host                       # CPU: a tiny Llama, torch_native
     python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b [--profile 25] [--keep 2]
+    python -m treadle.bench.verify_host --device cuda --backend auto --shape 8b --method eagle3 --overlap false
 
 Prints the window's steps, median host microseconds per step and torch operators per step (none where every step
 overlapped), then the host microseconds of work per step from launch to launch.
@@ -34,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from treadle.bench.shapes import LLAMA_3_1_8B, write_config
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.scheduling.observers import StepObserver
+from treadle.testing.eagle3_heads import make_eagle3_head
 
 TINY = {**LLAMA_3_1_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
@@ -174,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     shape = LLAMA_3_1_8B if args.shape == "8b" else TINY
+    if args.method == "eagle3" and args.shape == "tiny":  # the head reads three distinct layers' inputs
+        shape = {**TINY, "num_hidden_layers": 2}
     model_dir = write_config(Path(tempfile.mkdtemp(prefix="treadle-vh-")), shape)
     config = {"model.path": model_dir, "model.load_format": "dummy",
               "model.dtype": "bfloat16" if args.device == "cuda" else "float32",
@@ -182,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "plugins": ["treadle.testing.speculator_plugins"], "speculative.method": "oracle",
               "speculative.num_tokens": args.num_tokens, "speculative.max_batch_size": args.batch_size,
               "speculative.overlap": {"auto": "auto", "true": True, "false": False}[args.overlap]}
+    if args.method == "eagle3":
+        head = make_eagle3_head(Path(model_dir) / "eagle3", shape, 32000 if args.shape == "8b" else 128,
+                                None if args.shape == "8b" else [-1, 0, 1], scale=0.02,
+                                dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
+        config.update({"speculative.method": "eagle3", "speculative.draft_model_path": head,
+                       "plugins": ["treadle.plugins.speculators.eagle3"]})
     if args.device == "cpu":
         config["model.device"] = "cpu"
     engine = Engine(load_config(overrides=config, use_env=False))
@@ -189,10 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = torch.randint(3, shape["vocab_size"] - 1, (args.batch_size, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0)).tolist()
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-        oracle = engine.scheduler.worker.speculator
-        own = engine.generate(input_ids=prompts, sampling_params=params)
-        oracle.references = {tuple(p): o.token_ids for p, o in zip(prompts, own)}
-        oracle.wrong_at = args.keep  # None: every draft kept
+        if args.method == "oracle":
+            oracle = engine.scheduler.worker.speculator
+            own = engine.generate(input_ids=prompts, sampling_params=params)
+            oracle.references = {tuple(p): o.token_ids for p, o in zip(prompts, own)}
+            oracle.wrong_at = args.keep  # None: every draft kept
         engine.generate(input_ids=prompts, sampling_params=params)  # warm-up
         meter = CriticalPath(count_ops=True)
         meter.wrap_forward(engine.scheduler.worker.runner)
@@ -213,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine.generate(input_ids=prompts, sampling_params=params)
         samples = sorted(timer.samples)
         median = samples[len(samples) // 2] if samples else float("nan")
-        kept = "all" if args.keep is None else args.keep
+        kept = ("all" if args.keep is None else args.keep) if args.method == "oracle" else "few (random eagle3 head)"
         print(f"verify host critical path: {len(samples)} steps, median {1e6 * median:.0f} us/step, "
               f"{ops} torch ops/step (bs={args.batch_size}, k={args.num_tokens}, kept {kept}, {args.device}, "
               f"{args.backend})")
@@ -243,6 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", type=int, default=None, help="drafts kept a step (the oracle's next one is wrong, "
                         "so the KV of the rest goes back each step); default: every draft")
+    parser.add_argument("--method", choices=["oracle", "eagle3"], default="oracle",
+                        help="the speculator: the test oracle, or eagle3 with a random head")
     parser.add_argument("--overlap", choices=["auto", "true", "false"], default="auto",
                         help="speculative.overlap: overlapped verify steps (auto: where supported)")
     parser.add_argument("--profile", type=int, default=0, help="print the N host functions of most own time "

@@ -5,6 +5,7 @@ for a target of any Llama-family shape: the tests' tiny ones, and 8B-shaped ones
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,10 +13,12 @@ import torch
 
 def make_eagle3_head(path: str | Path, target_config: dict, draft_vocab: int, aux_layer_ids: list[int] | None = None,
                      seed: int = 0, bin_format: bool = False, scale: float = 0.2,
-                     dtype: torch.dtype = torch.float32) -> str:
+                     dtype: torch.dtype = torch.float32, draft_targets: Sequence[int] | None = None) -> str:
     """Save a random head for a target of ``target_config`` (an HF Llama config dict): ``config.json``, the weights
     (``model.safetensors``, or ``pytorch_model.bin``) in ``dtype``, and ``d2t``/``t2d`` mapping ``draft_vocab`` of
-    the target's ids (every other one from 0) to the draft vocabulary."""
+    the target's ids (every other one from 0) to the draft vocabulary. ``draft_targets``: map draft id ``d`` to
+    ``draft_targets[d % len(draft_targets)]`` instead (a few tokens the target repeats, so that some drafts are
+    kept; the weights are the same)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hidden, heads = target_config["hidden_size"], target_config["num_attention_heads"]
@@ -43,6 +46,8 @@ def make_eagle3_head(path: str | Path, target_config: dict, draft_vocab: int, au
         return (1.0 + torch.randn(hidden, generator=generator) * scale * 0.25).to(dtype)
 
     target_ids = torch.arange(draft_vocab) * 2
+    if draft_targets is not None:
+        target_ids = torch.tensor(list(draft_targets), dtype=torch.int64)[torch.arange(draft_vocab) % len(draft_targets)]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[target_ids] = True
     weights = {

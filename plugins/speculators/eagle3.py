@@ -14,6 +14,11 @@ sampled token in one extend step, whose last row gives the first draft, then run
 feed the head its own output hidden state. Drafts are greedy, or sampled (with ``Drafts.probs``) for requests
 that sample; draft-vocabulary ids become target ids through ``d2t``.
 
+An overlapped verify batch (``speculative.overlap``, chains) is queued before the host reads the verify step it
+follows: :meth:`Eagle3Speculator.propose_on_device` runs the catch-up and the drafts from the device's accepted
+counts (eagle3_overlap.py), and the host's view of the request (``HeadState.anchor``) is its batch entry, whose
+``kv_start`` is exact once that step is read.
+
 With ``speculative.topk`` > 1 the head grows draft trees instead (eagle3_tree.py) from its output at the last
 sampled token. The verify step's features wait in node order; once its kept path is known (its sampling queued),
 they are laid in depth order and its kept drafts in the buffer of last drafts, as a chain's would be.
@@ -40,6 +45,7 @@ from treadle.plugins.speculators.catch_up import CatchUp, index_tensor
 from treadle.plugins.speculators.draft import draft_distribution, draft_noise, sampling_of
 from treadle.plugins.speculators.eagle3_graphs import HeadDecodeGraphs
 from treadle.plugins.speculators.eagle3_model import Eagle3Head, aux_layer_ids, load_eagle3_head
+from treadle.plugins.speculators.eagle3_overlap import propose_chains_on_device
 from treadle.plugins.speculators.eagle3_tree import HeadTrees, tree_scratch_slots
 
 if TYPE_CHECKING:
@@ -57,7 +63,10 @@ logger = logging.getLogger(__name__)
 class HeadState:
     """One request as the head knows it: pairs ``[0, seen)`` are in its KV; the features of positions
     ``[pending_at, pending_at + pending)`` wait in row ``row`` of the pending buffer; the last proposal's drafts
-    (``proposed`` of them, after ``drafts_at``) in the same row of the last-drafts buffer."""
+    (``proposed`` of them, after ``drafts_at``) in the same row of the last-drafts buffer.
+
+    After an overlapped verify step (drafted on the device) all three positions are its entry's ``kv_start``
+    (``anchor``), which is only an upper bound until the step before it is read: :meth:`settle` takes it then."""
 
     row: int
     seen: int = 0
@@ -65,6 +74,13 @@ class HeadState:
     pending: int = 0
     drafts_at: int = -1
     proposed: int = 0
+    anchor: "BatchEntry | None" = None
+
+    def settle(self) -> "HeadState":
+        if self.anchor is not None:
+            self.seen = self.pending_at = self.drafts_at = self.anchor.kv_start
+            self.anchor = None
+        return self
 
     def pending_covers(self, first: int, last: int) -> bool:
         return self.pending_at >= 0 and self.pending_at <= first and last < self.pending_at + self.pending
@@ -105,11 +121,21 @@ class Eagle3Speculator(Speculator):
                                    device=self.device)
         self.last_drafts = torch.zeros(rows, num_draft_tokens, dtype=torch.int64, device=self.device)
         self.draft_to_target = head.to_target_ids(torch.arange(head.draft_vocab_size, device=self.device))
+        self._arange = torch.arange(max(rows, (num_draft_tokens + 1) * config.runtime.cuda_graph_max_bs),
+                                    device=self.device)
+        # Overlapped verify batches (chains): drafted on the device, their catch-up captured as verify graphs.
+        # Its device path has not run on a GPU yet: there, only an explicit speculative.overlap: true turns it on.
+        self.proposes_on_device = topk == 1 and reads_device_lengths(self.attn_backend, self.device) and (
+            self.device.type != "cuda" or config.speculative.overlap is True)
+        catch_up_graphs = self.proposes_on_device and config.speculative.overlap is not False and \
+            not config.scheduler.disable_overlap and getattr(self.attn_backend, "supports_verify_cuda_graph", False)
         self.states: dict[str, HeadState] = {}
+        self.catch_up_layouts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bs, t) -> eagle3_overlap.py's
         self.graphs: HeadDecodeGraphs | None = None
         if target.cuda_graphs is not None and getattr(self.attn_backend, "supports_cuda_graph", False):
             max_bs = min(config.runtime.cuda_graph_max_bs, config.speculative.max_batch_size)
-            self.graphs = HeadDecodeGraphs(head, self.attn_backend, self._context(target), max_bs)
+            self.graphs = HeadDecodeGraphs(head, self.attn_backend, self._context(target), max_bs,
+                                           catch_up_tokens=range(2, num_draft_tokens + 2) if catch_up_graphs else ())
         self.trees: HeadTrees | None = None
         if topk > 1:
             self.trees = HeadTrees(head, self.kv_cache, self._context(target), backend_name, registry,
@@ -142,6 +168,7 @@ class Eagle3Speculator(Speculator):
             state = self.states.get(req.rid)
             if state is None or last < 1:
                 continue
+            state.settle()
             first = min(state.seen, last - 1)
             if state.pending_covers(first, last - 1) and inputs.add(
                     i, req, first + 1, last, req.kv_slots[first:last].tolist(), state, shift=1):
@@ -166,6 +193,35 @@ class Eagle3Speculator(Speculator):
             full_probs[:, :, 0] = 1.0
             full_probs.index_copy_(0, index, probs)
         return Drafts(token_ids, full_probs)
+
+    @torch.inference_mode()
+    def propose_on_device(self, batch: "ScheduleBatch", num_drafts: int, positions: torch.Tensor,
+                          req_pool_indices: torch.Tensor) -> Drafts:
+        drafts = propose_chains_on_device(self, batch, num_drafts, positions, req_pool_indices)
+        self.last_drafts[:, :num_drafts].index_copy_(0, req_pool_indices, drafts)
+        for entry in batch.entries:
+            state = self._state(entry.req)
+            state.anchor, state.proposed = entry, num_drafts
+        return Drafts(drafts)
+
+    def run_head(self, batch: ForwardBatch, features: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the head over ``batch`` (a decode or chain-verify batch; graphs where captured): its output
+        hidden states and logits, of ``rows`` only when given."""
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(batch):
+            logits, hidden = graphs.replay(batch, features)
+            if rows is not None:
+                logits, hidden = logits.index_select(0, rows), hidden.index_select(0, rows)
+            return hidden, logits
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.head(batch.input_ids, batch.positions, features, batch)
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        return hidden, self.head.logits(hidden)
+
+    def rows_arange(self, n: int) -> torch.Tensor:
+        return self._arange[:n]
 
     def _propose_trees(self, inputs: CatchUp, feature_rows: list[int], live: list["BatchEntry"], num_drafts: int,
                        token_ids: torch.Tensor) -> Drafts:
@@ -216,8 +272,12 @@ class Eagle3Speculator(Speculator):
             t = forward_batch.tokens_per_req
             self.pending[:, :t].index_copy_(0, forward_batch.req_pool_indices,
                                             features.view(len(entries), t, -1).to(self.pending.dtype))
+            overlapped = step.batch.follows is not None
             for entry in entries:
                 state = self._state(entry.req)
+                if overlapped:  # its positions are known once the step before is read (HeadState.settle)
+                    state.anchor, state.pending = entry, t
+                    continue
                 state.pending_at, state.pending, state.seen = entry.kv_start, t, max(state.seen, entry.kv_start)
             return
         self._flush(entries, features)
@@ -331,7 +391,7 @@ class Eagle3Speculator(Speculator):
         state = self.states.get(req.rid)
         if state is None:
             state = self.states[req.rid] = HeadState(req.req_pool_idx)
-        return state
+        return state.settle()
 
     def _extend_batch(self, inputs: CatchUp, input_ids: torch.Tensor) -> ForwardBatch:
         device = self.device
@@ -364,6 +424,15 @@ class Eagle3Speculator(Speculator):
             logits_indices=torch.arange(m, device=self.device), req_to_token_pool=self.target.info.req_to_token_pool,
             kv_cache=self.kv_cache, attn_backend=self.attn_backend,
         )
+
+
+def reads_device_lengths(backend: Any, device: torch.device) -> bool:
+    """Whether the head's attention backend runs its decode and chain-verify steps from the lengths on the device
+    (the host's are upper bounds under overlapped verify): on the CPU any backend (host and device are one), on CUDA
+    triton and flashinfer_triton while its decode batches all go to its Triton half."""
+    if device.type == "cpu":
+        return True
+    return hasattr(backend, "verifies_by_decode") and getattr(backend, "small_decode_batch", None) is None
 
 
 def build_eagle3_speculator(target: "ModelWorker", config: "ResolvedConfig", registry: "Registry") -> Speculator:

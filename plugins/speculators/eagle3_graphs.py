@@ -1,14 +1,17 @@
-"""The EAGLE-3 head's decode steps captured in CUDA graphs (one per batch size, up to the largest verify batch).
+"""The EAGLE-3 head's decode steps captured in CUDA graphs (one per batch size, up to the largest verify batch), and
+the catch-up steps of overlapped verify batches (eagle3_overlap.py) as TARGET_VERIFY graphs of ``t`` tokens per
+request.
 
 A decode step of the head is one decoder layer and its lm_head over a few rows: bound by kernel launches. The
 graphs are :class:`~treadle.core.execution.cuda_graph.CudaGraphRunner`'s decode graphs over a small module that
 reads the step's input features from a static buffer and writes the output hidden state (the next step's
 features) to another, so the runner's usual static inputs (token ids, positions, slots, lengths) are all a step
-needs.
+needs. A catch-up step returns every row's logits (the caller picks each request's valid last row).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,18 +48,24 @@ class HeadDecodeGraphs:
     """Replays the head's decode steps of up to ``max_bs`` requests (``can_run``) through captured graphs."""
 
     def __init__(self, head: "Eagle3Head", attn_backend: "AttentionBackend", context: "AttentionContext",
-                 max_bs: int) -> None:
-        self.step = HeadDecodeStep(head, max_bs, context.dtype, context.device)
-        self.runner = CudaGraphRunner(self.step, attn_backend, context, max_bs, prune=False)
+                 max_bs: int, catch_up_tokens: Sequence[int] = ()) -> None:
+        rows = max_bs * max([1, *catch_up_tokens])
+        self.step = HeadDecodeStep(head, rows, context.dtype, context.device)
+        self.runner = CudaGraphRunner(self.step, attn_backend, context, max_bs, prune=False,
+                                      verify_tokens_per_req=catch_up_tokens, verify_max_bs=max_bs)
 
     def can_run(self, forward_batch: "ForwardBatch") -> bool:
-        return self.runner.can_run(forward_batch)
+        return self.runner.can_run(forward_batch) or (forward_batch.tree_mask is None
+                                                       and self.runner.can_run_verify(forward_batch))
 
     def replay(self, forward_batch: "ForwardBatch", features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits, output hidden state)`` of a decode batch whose input features are ``features``."""
-        rows = forward_batch.batch_size
+        """``(logits, output hidden state)`` of a decode or catch-up batch whose input features are ``features``."""
+        rows = forward_batch.num_tokens
         self.step.features[:rows].copy_(features)
-        logits = self.runner.replay(forward_batch)
+        if forward_batch.forward_mode.is_verify():
+            logits = self.runner.replay_verify(forward_batch)
+        else:
+            logits = self.runner.replay(forward_batch)
         return logits, self.step.hidden[:rows]
 
     def release(self) -> None:

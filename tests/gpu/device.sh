@@ -18,6 +18,7 @@
 # (--compare / --backends) and options (--profile-steps 20).
 # `gputests` runs the pytest files in GPU_TESTS (default: all of tests/gpu).
 # `speculative` runs bench/speculative.py (oracle machinery on Llama-3.1-8B shapes, ngram on SmolLM2).
+# `spec_cost` runs bench/speculative_cost.py: eagle3's step time with and without overlapped verify (about 3 min).
 # `lora` runs `treadle bench lora` (kernels, then end to end; LORA_ARGS="--part kernels" for the kernels only).
 # `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
@@ -175,6 +176,12 @@ PY
       # and ngram on SmolLM2 copy-heavy prompts (bs 1 and 256 at once); SPEC_ARGS adds options (--part machinery).
       timeout ${SPEC_TIMEOUT:-540} python3 -m treadle.bench.speculative --output "$OUT/speculative.json" ${SPEC_ARGS:-} 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/speculative.log" | tail -20 ;;
+    spec_cost)
+      # bench/speculative_cost.py: step time of eagle3 (random head of the published shape) on Llama-3.1-8B shapes
+      # against plain decode, with overlapped verify (eagle3) and without (eagle3-sync); SPEC_COST_ARGS replaces them.
+      timeout ${SPEC_TIMEOUT:-540} python3 -m treadle.bench.speculative_cost --output "$OUT/speculative_cost.json" \
+        ${SPEC_COST_ARGS:---methods eagle3,eagle3-sync --batch-sizes 1,4 --num-tokens 4} 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/speculative_cost.log" | tail -20 ;;
     quant)
       # W4A16 (QUANT_ARGS="--format awq": AWQ with zero points) against bf16 on Llama-3.1-8B shapes in one run:
       # one-batch bs=1/32 and the 1000-request offline run (QUANT_ARGS="--runs one-batch" or "--runs offline" for

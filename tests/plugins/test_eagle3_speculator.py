@@ -16,6 +16,7 @@ from treadle.layers.decoder import HiddenStateTap
 from treadle.plugins.speculators.eagle3_model import aux_layer_ids, load_eagle3_head
 from treadle.testing.eagle3_heads import make_eagle3_head
 from treadle.testing.engine import assert_kv_accounted
+from treadle.testing.speculator_plugins import OverlappedVerifySteps
 
 EAGLE_PLUGIN = "treadle.plugins.speculators.eagle3"  # until the installed package lists it as an entry point
 PROMPTS = [
@@ -37,6 +38,17 @@ def target_config(model_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def eagle_dir(tiny_llama_dir, tmp_path_factory) -> str:
     return make_eagle3_head(tmp_path_factory.mktemp("eagle3"), target_config(tiny_llama_dir), 128, AUX)
+
+
+LOOP_TOKENS = (8, 81, 471, 400, 197)  # what the tiny target's greedy outputs repeat
+
+
+@pytest.fixture(scope="module")
+def looping_eagle_dir(tiny_llama_dir, tmp_path_factory) -> str:
+    """The random head with its draft vocabulary mapped onto ``LOOP_TOKENS``, so that its drafts are kept now and
+    then (a random head's hardly ever are)."""
+    return make_eagle3_head(tmp_path_factory.mktemp("eagle3-looping"), target_config(tiny_llama_dir), 128, AUX,
+                            draft_targets=LOOP_TOKENS)
 
 
 def engine_config(model_dir: str, eagle: str | None = None, k: int = 3, overlap: bool = True,
@@ -88,11 +100,16 @@ def test_the_hub_layout_loads(tiny_llama_dir, tmp_path, bin_format):
         aux_layer_ids(type("C", (), {})(), 2)
 
 
-def test_greedy_output_is_the_plain_runs(tiny_llama_dir, eagle_dir, plain_outputs):
-    with Engine(engine_config(tiny_llama_dir, eagle_dir, 3)) as engine:
+def test_greedy_output_is_the_plain_runs(tiny_llama_dir, looping_eagle_dir, plain_outputs):
+    """Verify steps overlapped (drafted on the device: eagle3_overlap.py) keep some drafts and give the plain tokens."""
+    with Engine(engine_config(tiny_llama_dir, looping_eagle_dir, 3)) as engine:
+        steps = OverlappedVerifySteps()
+        engine.scheduler.add_observer(steps)
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
         assert all(o.spec_verify_steps > 0 for o in outputs)
+        assert sum(o.spec_verify_steps for o in outputs) < sum(BUDGETS) - len(BUDGETS)  # drafts kept
+        assert steps.overlapped >= steps.verify // 2 > 0, (steps.overlapped, steps.verify)
         assert_kv_accounted(engine, flush=False)
         # Again from half of each output, on the prefix cache the first run left (the head's KV comes with it).
         cuts = [len(o.token_ids) // 2 for o in plain_outputs]
@@ -106,11 +123,13 @@ def test_greedy_output_is_the_plain_runs(tiny_llama_dir, eagle_dir, plain_output
         assert not engine.scheduler.worker.speculator.states
 
 
-def test_retraction_in_a_small_pool_keeps_the_tokens(tiny_llama_dir, eagle_dir, plain_outputs):
-    with Engine(engine_config(tiny_llama_dir, eagle_dir, 2, kv_tokens=48, new_token_ratio=0.0)) as engine:
+def test_retraction_in_a_small_pool_keeps_the_tokens(tiny_llama_dir, looping_eagle_dir, plain_outputs):
+    with Engine(engine_config(tiny_llama_dir, looping_eagle_dir, 2, kv_tokens=48, new_token_ratio=0.0)) as engine:
+        steps = OverlappedVerifySteps()
+        engine.scheduler.add_observer(steps)
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
-        assert engine.kv_stats()["retractions"] > 0
+        assert engine.kv_stats()["retractions"] > 0 and steps.overlapped > 0
         assert_kv_accounted(engine)
         assert not engine.scheduler.worker.speculator.states
 
@@ -183,7 +202,8 @@ class ReferenceEagle3:
                        * (h @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
                 hidden = mlp + summed
                 logits = _rms(hidden[-1], w["norm.weight"], eps) @ w["lm_head.weight"].T
-                draft = int(logits.argmax()) * 2  # d2t of the tiny head: draft id d is target id 2d
+                draft = int(logits.argmax())
+                draft += int(w["d2t"][draft])  # the tiny head's: draft id d is target id 2d
                 if len(out) < len(path):
                     draft = path[len(out)]
                 out.append(draft)
@@ -193,19 +213,34 @@ class ReferenceEagle3:
         return out, logits
 
 
-def record_proposals(speculator) -> list[tuple[tuple[int, ...], int, object]]:
-    """Make ``speculator.propose`` record ``(prompt, last token's position, that request's Drafts row)``."""
-    recorded = []
-    propose = speculator.propose
+class RecordedProposals(list):
+    """``(prompt, last token's position, that request's Drafts row)`` of every proposal; ``on_device`` counts those of
+    overlapped verify batches (``propose_on_device``), whose positions are read once the run is over (an entry's
+    ``kv_start`` is exact once the step before it is read)."""
 
-    def recording_propose(batch, num_drafts):
-        drafts = propose(batch, num_drafts)
+    on_device = 0
+
+    def __iter__(self):
+        return ((prompt, entry.kv_start, row) for prompt, entry, row in super().__iter__())
+
+
+def record_proposals(speculator) -> RecordedProposals:
+    """Make ``speculator.propose`` (and ``propose_on_device``) record each request's proposals."""
+    recorded = RecordedProposals()
+    propose, propose_on_device = speculator.propose, speculator.propose_on_device
+
+    def record(batch, drafts):
         for i, entry in enumerate(batch.entries):
             row = type(drafts)(drafts.token_ids[i], parents=None if drafts.parents is None else drafts.parents[i])
-            recorded.append((tuple(entry.req.origin_input_ids), entry.kv_start, row))
+            recorded.append((tuple(entry.req.origin_input_ids), entry, row))
         return drafts
 
-    speculator.propose = recording_propose
+    def recording_propose_on_device(batch, num_drafts, positions, rows):
+        recorded.on_device += len(batch.entries)
+        return record(batch, propose_on_device(batch, num_drafts, positions, rows))
+
+    speculator.propose = lambda batch, num_drafts: record(batch, propose(batch, num_drafts))
+    speculator.propose_on_device = recording_propose_on_device
     return recorded
 
 
@@ -214,18 +249,21 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_proposals_are_what_eagle3_computes(tiny_llama_dir, eagle_dir, plain_outputs, overlap):
-    k = 3
-    config = engine_config(tiny_llama_dir, eagle_dir, k, overlap)
+def test_proposals_are_what_eagle3_computes(tiny_llama_dir, eagle_dir, looping_eagle_dir, plain_outputs, overlap):
+    """With overlap the head keeps some drafts and most proposals are made on the device (overlapped verify)."""
+    k, head = 3, looping_eagle_dir if overlap else eagle_dir
+    config = engine_config(tiny_llama_dir, head, k, overlap)
     config["cache"]["disable_radix_cache"] = True  # a cached prefix brings a pair computed for another request
     with Engine(config) as engine:
         recorded = record_proposals(engine.scheduler.worker.speculator)
         engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    reference = ReferenceEagle3(tiny_llama_dir, eagle_dir)
+    reference = ReferenceEagle3(tiny_llama_dir, head)
     full = {tuple(p): p + o.token_ids for p, o in zip(PROMPTS, plain_outputs)}
-    proposals = [(prompt, last, drafts.token_ids.tolist()) for prompt, last, drafts in recorded]
-    assert len(proposals) > 20
-    for prompt, last, drafts in proposals[::3]:
+    # A row of a request that its previous step finished is discarded (its position, an upper bound, was not set).
+    proposals = [(prompt, last, drafts.token_ids.tolist()) for prompt, last, drafts in recorded
+                 if last < len(full[prompt]) - 1]
+    assert len(proposals) > 20 and (recorded.on_device > len(proposals) // 2) == overlap
+    for prompt, last, drafts in proposals[::2 if overlap else 3]:
         assert drafts == reference.drafts(full[prompt][:last + 1], len(drafts)), (prompt, last)
 
 
