@@ -13,8 +13,9 @@ decode, and the speed-up a real run would get at acceptance lengths 2, 3 and 4 (
     python -m treadle.bench.speculative_cost --shape tiny --batch-sizes 1 --new-tokens 8   # a CPU smoke run
     python -m treadle.bench.speculative_cost --methods eagle3,eagle3-sync --batch-sizes 1,4   # overlapped verify
 
-``eagle3`` runs with ``speculative.overlap: true`` (on CUDA ``auto`` leaves it off for eagle3 until its GPU tests pass; its verify steps overlapped where they can be: chains of at most
-20 tokens a step on triton/flashinfer_triton, so bs <= 4 at k = 4), ``eagle3-sync`` with it off.
+``eagle3`` runs with ``speculative.overlap: true`` (on CUDA ``auto`` leaves it off for eagle3 until its GPU tests
+pass): its verify steps overlapped where they can be (chains of at most 20 tokens a step on triton/flashinfer_triton,
+so bs <= 4 at k = 4); ``eagle3-sync`` with it off.
 
 Writes JSON to ``--output`` (default: the results folder outside the tree).
 """
