@@ -159,14 +159,13 @@ def _verify_forward_batch(entries: list["BatchEntry"], context: "AttentionContex
     # Chain positions are the table's: each token's flat index in the (contiguous) table, so the slots go in with
     # one index_copy_ (cheaper to launch than a two-index index_put_).
     table_index = (rows[:, None] * req_to_token.shape[1] + positions_2d).reshape(-1)
-    new_slots = entries[0].new_slots.numpy() if bs == 1 else np.concatenate([e.new_slots.numpy() for e in entries])
+    new_slots = _new_slots(entries)
     (req_pool_indices, seq_lens_dev, prefix_dev, starts, extend_lens, positions, logits_indices,
      out_cache_loc, table_index) = to_device_packed(
         [rows, seq_lens, prefix, np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64),
          positions_2d.reshape(-1), np.arange(bs * t, dtype=np.int64), new_slots, table_index], device)
     req_to_token.view(-1).index_copy_(0, table_index, out_cache_loc.to(req_to_token.dtype))
-    first = next_input_ids.gather(req_pool_indices)
-    input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
+    input_ids = _verify_input_ids(next_input_ids, req_pool_indices, draft_ids)
     tree_mask = None
     if tree is not None:  # each node sits at kv_start + its depth, under the tree mask
         tree_mask = tree.ancestors
@@ -201,7 +200,7 @@ def _overlapped_verify_forward_batch(batch: "ScheduleBatch", context: "Attention
     req_to_token = context.req_to_token_pool.req_to_token
     rows = np.asarray([e.req.req_pool_idx for e in entries], dtype=np.int64)
     follow = np.asarray(batch.follow_rows, dtype=np.int64)
-    new_slots = entries[0].new_slots.numpy() if bs == 1 else np.concatenate([e.new_slots.numpy() for e in entries])
+    new_slots = _new_slots(entries)
     # Few kernels on the device (each one adds to the step): what the host knows is packed into the one copy.
     (req_pool_indices, row_starts, follow_dev, offsets, starts, extend_lens, logits_indices,
      out_cache_loc) = to_device_packed(
@@ -209,15 +208,14 @@ def _overlapped_verify_forward_batch(batch: "ScheduleBatch", context: "Attention
          np.arange(bs, dtype=np.int64) * t, np.full(bs, t, dtype=np.int64), np.arange(bs * t, dtype=np.int64),
          new_slots], device)
     kept_end = previous.forward_batch.extend_prefix_lens + previous.accepted  # the last token's position - 1
-    if len(follow) != len(previous.batch.entries) or (follow != np.arange(len(follow))).any():
+    if not batch.follows_every_row():
         kept_end = kept_end.index_select(0, follow_dev)
     prefix = kept_end + 1  # where each request's last sampled token sits
     positions_2d = prefix.unsqueeze(1) + offsets
     table_index = (row_starts + positions_2d).flatten()
     req_to_token.view(-1).index_copy_(0, table_index, out_cache_loc.to(req_to_token.dtype))
     draft_ids = propose_drafts(prefix, req_pool_indices)
-    first = next_input_ids.gather(req_pool_indices)
-    input_ids = torch.cat([first.unsqueeze(1), draft_ids.to(device=device, dtype=torch.int64)], dim=1).flatten()
+    input_ids = _verify_input_ids(next_input_ids, req_pool_indices, draft_ids)
     bound = np.asarray([e.kv_start for e in entries], dtype=np.int64) + t  # every previous draft kept
     return ForwardBatch(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=input_ids,
@@ -227,6 +225,21 @@ def _overlapped_verify_forward_batch(batch: "ScheduleBatch", context: "Attention
         attn_backend=attn_backend, extend_seq_lens=extend_lens, extend_prefix_lens=prefix,
         extend_start_loc=starts, extend_seq_lens_cpu=[t] * bs, extend_prefix_lens_cpu=None, tokens_per_req=t,
     )
+
+
+def _new_slots(entries: list["BatchEntry"]) -> np.ndarray:
+    """The entries' new KV slots end to end (host int64)."""
+    if len(entries) == 1:
+        return entries[0].new_slots.numpy()
+    return np.concatenate([e.new_slots.numpy() for e in entries])
+
+
+def _verify_input_ids(next_input_ids: "NextInputIds", req_pool_indices: torch.Tensor,
+                      draft_ids: torch.Tensor) -> torch.Tensor:
+    """A verify step's input ids, request by request: its last sampled token (on the device), then its drafts."""
+    first = next_input_ids.gather(req_pool_indices)
+    drafts = draft_ids.to(device=first.device, dtype=torch.int64)
+    return torch.cat([first.unsqueeze(1), drafts], dim=1).flatten()
 
 
 def token_owners(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,8 +54,7 @@ class DecodeManager:
         """A decode row for every running request that steps again, with its KV slot; without ``allow_retract``
         none when the pool cannot hold them all."""
         while True:
-            # A request whose in-flight token is surely its last (length limits) is not stepped again.
-            reqs = [req for req in self.state.running if not self.ends_with_pending_token(req)]
+            reqs = self._stepping_reqs()
             if not reqs:
                 return []
             need = self.memory.decode_slots_needed(reqs)
@@ -71,14 +70,14 @@ class DecodeManager:
         self.memory.assign_slots(entries, slots)
         for entry in entries:
             entry.logit_positions = range(entry.kv_start, entry.kv_start + 1)
-        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
+        self._decay_new_token_ratio()
         return entries
 
     def _build_verify_batch(self) -> ScheduleBatch | None:
         """Every running request's next ``t`` positions (its last token, then ``t - 1`` drafts the worker
         supplies): a TARGET_VERIFY batch, or a DECODE one when ``t`` is 1 (:meth:`verify_tokens`)."""
         while True:
-            reqs = [req for req in self.state.running if not self.ends_with_pending_token(req)]
+            reqs = self._stepping_reqs()
             if not reqs:
                 return None
             per_req, need = self.verify_tokens(reqs)
@@ -89,14 +88,8 @@ class DecodeManager:
         if per_req == 1:
             entries = self.entries(allow_retract=False)  # the same requests, and room for one slot each
             return ScheduleBatch(ForwardMode.DECODE, entries) if entries else None
-        kv_lens = [req.kv_len for req in reqs]
-        slots = self.memory.alloc_verify(reqs, kv_lens, per_req, need)
-        assert slots is not None, "verify allocation failed after eviction"
-        entries = [BatchEntry(req, kv_len, per_req, EMPTY_SLOTS, write_from=kv_len,
-                              logit_positions=range(kv_len, kv_len + per_req), input_on_device=True)
-                   for req, kv_len in zip(reqs, kv_lens)]
-        self.memory.assign_verify_slots(entries, slots, per_req)
-        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
+        entries = self._verify_entries(reqs, per_req, need)
+        assert entries is not None, "verify allocation failed after eviction"
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, entries)
 
     def overlapped_verify_batch(self, step: "LaunchedStep") -> ScheduleBatch | None:
@@ -117,12 +110,21 @@ class DecodeManager:
                 or self.state.waiting or self.state.chunked_req is not None):
             return None
         row_of = {id(entry.req): i for i, entry in enumerate(previous.entries)}
-        reqs = [req for req in self.state.running if not self.ends_with_pending_token(req)]
+        reqs = self._stepping_reqs()
         if not reqs or not all(id(req) in row_of and _overlappable(req) for req in reqs):
             return None
         per_req, need = self.verify_tokens(reqs)
         if per_req < 2 or not self.overlaps_verify(len(reqs) * per_req):
             return None
+        entries = self._verify_entries(reqs, per_req, need)
+        if entries is None:
+            return None
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, entries, follows=step,
+                             follow_rows=[row_of[id(req)] for req in reqs])
+
+    def _verify_entries(self, reqs: list[Req], per_req: int, need: int) -> list[BatchEntry] | None:
+        """A verify row of ``per_req`` positions for each of ``reqs`` from its KV length, with its slots (``need``
+        of them in all); None when the pool cannot give them."""
         kv_lens = [req.kv_len for req in reqs]
         slots = self.memory.alloc_verify(reqs, kv_lens, per_req, need)
         if slots is None:
@@ -131,9 +133,8 @@ class DecodeManager:
                               logit_positions=range(kv_len, kv_len + per_req), input_on_device=True)
                    for req, kv_len in zip(reqs, kv_lens)]
         self.memory.assign_verify_slots(entries, slots, per_req)
-        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
-        return ScheduleBatch(ForwardMode.TARGET_VERIFY, entries, follows=step,
-                             follow_rows=[row_of[id(req)] for req in reqs])
+        self._decay_new_token_ratio()
+        return entries
 
     def verify_tokens(self, reqs: list[Req]) -> tuple[int, int]:
         """``(t, slots needed)`` of a decode step of ``reqs`` at ``t`` tokens per request; ``(0, 0)`` when the pool
@@ -189,6 +190,15 @@ class DecodeManager:
             return False
         self.lifecycle.retract(max(reqs, key=lambda r: r.arrival))
         return True
+
+    def _stepping_reqs(self) -> list[Req]:
+        """The running requests that step again: not those whose in-flight token is surely their last (length
+        limits)."""
+        return [req for req in self.state.running if not self.ends_with_pending_token(req)]
+
+    def _decay_new_token_ratio(self) -> None:
+        """A batch of running requests was built: admission may reserve a little less for them from now on."""
+        self.state.new_token_ratio = max(self.config.scheduler.new_token_ratio, self.state.new_token_ratio - 0.002)
 
     def ends_with_pending_token(self, req: Req) -> bool:
         if not req.pending_tokens:

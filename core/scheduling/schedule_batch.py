@@ -52,6 +52,11 @@ class ScheduleBatch:
     def reqs(self) -> list[Req]:
         return [entry.req for entry in self.entries]
 
+    def follows_every_row(self) -> bool:
+        """Whether this overlapped batch's entries are the rows of the step it ``follows``, all of them in order:
+        that step's per-row tensors then need no gather by ``follow_rows``."""
+        return self.follow_rows == list(range(len(self.follows.batch.entries)))
+
     def last_logit_rows(self) -> list[int]:
         """Row (in the model's logits) of each request's last computed position."""
         rows, offset = [], 0

@@ -74,7 +74,7 @@ def _catch_up(speculator: "Eagle3Speculator", batch: "ScheduleBatch",
     follow = np.asarray(batch.follow_rows, dtype=np.int64)
     first, accepted = fb.extend_prefix_lens, previous.accepted
     drafts, slots = previous.draft_ids, fb.out_cache_loc.view(fb.batch_size, t)
-    if len(follow) != fb.batch_size or (follow != np.arange(len(follow))).any():
+    if not batch.follows_every_row():
         follow_dev = to_device_packed([follow], device)[0]
         first, accepted = first.index_select(0, follow_dev), accepted.index_select(0, follow_dev)
         drafts, slots = drafts.index_select(0, follow_dev), slots.index_select(0, follow_dev)
