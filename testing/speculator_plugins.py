@@ -40,14 +40,12 @@ class OracleSpeculator(Speculator):
     def __init__(self, num_draft_tokens: int, device: torch.device, table_rows: int = 0) -> None:
         self.num_draft_tokens = num_draft_tokens
         self.device = device
-        self._width: int | None = None
-        self._row_owner: dict[int, str] = {}  # table row -> the request whose sequence it holds
         self.references = {}
         # Set: each step's draft at this index (and so every one after it) is wrong, so a step keeps that many
         # drafts and gives the KV of the rest back (a benchmark's partly accepted steps).
         self.wrong_at: int | None = None
         self.table_rows = table_rows  # request-table rows (the device table's)
-        self._table: torch.Tensor | None = None  # [rows, longest sequence + drafts + 1]: prompt then reference
+        self._table: torch.Tensor | None = None  # [rows, longest sequence + drafts + 2]: prompt, reference, zeros
         self._offsets: dict[int, torch.Tensor] = {}
 
     @property
@@ -58,8 +56,8 @@ class OracleSpeculator(Speculator):
     @references.setter
     def references(self, references: dict[tuple[int, ...], list[int]]) -> None:
         self._references = references
-        self._width = None
-        self._row_owner = {}  # rows written from the old references are written again
+        self._width: int | None = None  # the longest prompt + reference, + 2; found again on the next device proposal
+        self._row_owner: dict[int, str] = {}  # table row -> the request whose sequence it holds (all written again)
 
     def propose(self, batch: "ScheduleBatch", num_drafts: int) -> Drafts:
         return Drafts(to_device_packed([self.continuations(batch, num_drafts)], self.device)[0])
