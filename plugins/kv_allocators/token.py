@@ -52,15 +52,15 @@ class TokenKVAllocator(KVAllocator):
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        units = slots.to(device="cpu", dtype=torch.int64).reshape(-1).numpy()
-        _check_owned(units, self._is_free, 1, self.size)
-        self._is_free[units] = True
+        freed = slots.to(device="cpu", dtype=torch.int64).reshape(-1).numpy()
+        _check_owned(freed, self._is_free, 1, self.size)
+        self._is_free[freed] = True
         tail = (self._head + self._count) % self.size
-        count = units.size
+        count = freed.size
         first = min(count, self.size - tail)
-        self._ring[tail:tail + first] = units[:first]
+        self._ring[tail:tail + first] = freed[:first]
         if first < count:  # wrapped round
-            self._ring[:count - first] = units[first:]
+            self._ring[:count - first] = freed[first:]
         self._count += count
 
     def clear(self) -> None:

@@ -77,6 +77,8 @@ class HeadState:
     anchor: "BatchEntry | None" = None
 
     def settle(self) -> "HeadState":
+        """Take the position of the overlapped verify entry it waits on (``anchor``: exact once the step before that
+        one is read); returns ``self``."""
         if self.anchor is not None:
             self.seen = self.pending_at = self.drafts_at = self.anchor.kv_start
             self.anchor = None
@@ -221,6 +223,7 @@ class Eagle3Speculator(Speculator):
         return hidden, self.head.logits(hidden)
 
     def rows_arange(self, n: int) -> torch.Tensor:
+        """``0 .. n - 1`` on the device (a decode step's logits rows), without an allocation."""
         return self._arange[:n]
 
     def _propose_trees(self, inputs: CatchUp, feature_rows: list[int], live: list["BatchEntry"], num_drafts: int,
