@@ -104,9 +104,10 @@ class SpeculativeConfig(Section):
     overlap: bool | Literal["auto"] = Field(
         "auto", description="overlapped verify: queue a verify step before the host reads the previous one's "
                             "results, every input that depends on them computed on the device (chains, a speculator "
-                            "with propose_on_device, an attention backend that reads a verify step's lengths on the "
-                            "device: triton, flashinfer_triton; docs/speculative.md); auto: on where supported; "
-                            "true: an error at start-up where it is not")
+                            "with propose_on_device, page size 1, an attention backend that reads a verify step's "
+                            "lengths on the device: triton, flashinfer_triton, for steps of at most 20 tokens; "
+                            "docs/speculative.md); auto: on where supported (eagle3 on CUDA: not yet); true: an "
+                            "error at start-up where it is not")
 
     @field_validator("max_batch_size")
     @classmethod
