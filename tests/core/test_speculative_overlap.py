@@ -1,10 +1,11 @@
-"""Overlapped verify (speculative.overlap): the next verify step of draft chains is queued before the host reads
-the previous one's results, its positions, request-table entries and drafts (the test ``oracle`` speculator's
+"""Overlapped verify (speculative.overlap): the next verify step of draft chains is queued before the host reads the
+previous one's results, its positions, request-table entries and drafts (the test ``oracle`` speculator's
 ``propose_on_device``) computed on the device. Greedy outputs stay the plain run's token for token with every draft
-kept, with steps keeping two of four (the rest's KV given back one step late), when a stop token or the token
-budget ends a request in the middle of a chain (its row of the overlapped step wasted), when a small KV pool
-forces retractions, and when a request is aborted with an overlapped step in flight; every KV slot comes back. torch_native runs here; triton runs under the interpreter in a fresh
-process (this file as a script, TRITON_INTERPRET=1 set before anything imports triton)."""
+kept, with steps keeping two of four (the rest's KV given back one step late), when a stop token or the token budget
+ends a request in the middle of a chain (its row of the overlapped step wasted), when a small KV pool forces
+retractions, and when a request is aborted with an overlapped step in flight; every KV slot comes back. torch_native
+runs here; triton runs under the interpreter in a fresh process (this file as a script, TRITON_INTERPRET=1 set before
+anything imports triton)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def greedy(stop_token_ids=None) -> list[SamplingParams]:
                            stop_token_ids=stop_token_ids if i == 0 else None) for i, n in enumerate(BUDGETS)]
 
 
-def oracle_run(model_dir: str, plain: list[list[int]], backend: str, wrong_at: int | None = None,
-               pool: int = 2048, stop_token_ids=None) -> tuple[list, Engine, OverlappedVerifySteps]:
-    """The oracle's run of the first ``len(plain)`` prompts."""
+def oracle_engine(model_dir: str, plain: list[list[int]], backend: str = "torch_native", wrong_at: int | None = None,
+                  pool: int = 2048) -> tuple[Engine, OverlappedVerifySteps]:
+    """An engine whose oracle drafts ``plain`` (wrong from ``wrong_at`` on, if set), with a counter of its verify
+    steps."""
     engine = make_engine(model_dir, "oracle", backend, pool)
     assert engine.scheduler.worker.overlap_verify
     if backend == "triton":  # the interpreter runs a program per KV split, used or not: 2 cover these lengths
@@ -54,6 +56,13 @@ def oracle_run(model_dir: str, plain: list[list[int]], backend: str, wrong_at: i
     oracle.wrong_at = wrong_at
     steps = OverlappedVerifySteps()
     engine.scheduler.add_observer(steps)
+    return engine, steps
+
+
+def oracle_run(model_dir: str, plain: list[list[int]], backend: str, wrong_at: int | None = None,
+               pool: int = 2048, stop_token_ids=None) -> tuple[list, Engine, OverlappedVerifySteps]:
+    """The oracle's run of the first ``len(plain)`` prompts."""
+    engine, steps = oracle_engine(model_dir, plain, backend, wrong_at, pool)
     outputs = engine.generate(input_ids=PROMPTS[:len(plain)], sampling_params=greedy(stop_token_ids)[:len(plain)])
     assert_kv_accounted(engine)
     return outputs, engine, steps
@@ -99,12 +108,8 @@ def test_overlapped_verify_under_retraction_keeps_the_plain_tokens(tiny_llama_di
 
 @pytest.mark.parametrize("abort_after", [3, 5])
 def test_an_abort_with_overlapped_steps_in_flight_frees_everything(tiny_llama_dir, plain, abort_after):
-    engine = make_engine(tiny_llama_dir, "oracle")
-    oracle = engine.scheduler.worker.speculator
-    oracle.references, oracle.wrong_at = {tuple(p): ids for p, ids in zip(PROMPTS, plain)}, 2
-    steps = OverlappedVerifySteps()
+    engine, steps = oracle_engine(tiny_llama_dir, plain, wrong_at=2)
     scheduler = engine.scheduler
-    scheduler.add_observer(steps)
     for i, (prompt, params) in enumerate(zip(PROMPTS, greedy())):
         scheduler.add_request(Req(rid=f"r{i}", origin_input_ids=prompt, sampling_params=params))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}

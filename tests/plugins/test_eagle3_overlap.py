@@ -1,9 +1,10 @@
 """eagle3 under overlapped verify (``speculative.overlap``: its drafts proposed on the device, eagle3_overlap.py): a
 stop token in the middle of a chain ends the request there (its row of the overlapped step wasted) while the others
-run out of budget mid-chain, the head's KV computed on the device is the host path's, an abort with an overlapped step in flight frees everything, and both hold with the
-triton backend under the interpreter (this file as a script, in a fresh process with TRITON_INTERPRET=1). The head's
-drafts are kept now and then (its draft vocabulary mapped onto tokens the tiny target repeats); every KV slot comes
-back. Parity over longer runs, retraction and the drafts' values: tests/plugins/test_eagle3_speculator.py."""
+run out of budget mid-chain, the head's KV computed on the device is the host path's, an abort with an overlapped step
+in flight frees everything, and both hold with the triton backend under the interpreter (this file as a script, in a
+fresh process with TRITON_INTERPRET=1). The head's drafts are kept now and then (its draft vocabulary mapped onto
+tokens the tiny target repeats); every KV slot comes back. Parity over longer runs, retraction and the drafts' values:
+tests/plugins/test_eagle3_speculator.py."""
 
 from __future__ import annotations
 
