@@ -146,8 +146,8 @@ class DecodeManager:
         draft's position would depend on the drafts before it, and while more requests run than
         ``speculative.max_batch_size`` (verifying them would cost more than it saves); for a constrained request, to
         ``1 +`` what its matcher can roll back (``GrammarMatcher.max_rollback_tokens``: each position's mask comes
-        from walking the matcher through the drafts before it; 1 with draft trees); and to what the worker says is worth verifying
-        (``tokens_for``: a speculator with nothing to propose makes it 1).
+        from walking the matcher through the drafts before it; 1 with draft trees); and to what the worker says is
+        worth verifying (``tokens_for``: a speculator with nothing to propose makes it 1).
         """
         per_req = self.tokens_per_req if len(reqs) <= self.config.speculative.max_batch_size else 1
         most_wanted = 1
