@@ -234,7 +234,7 @@ class ModelWorker(Worker):
         tree = TreeLayout.of(draft_parents) if draft_parents is not None else None
         forward_batch = build_forward_batch(batch, self.context, runner.attn_backend, self.next_input_ids,
                                             draft_ids, tree, propose_drafts)
-        if draft_ids is None and batch.follows is not None:
+        if draft_ids is None and batch.follows is not None:  # drafted on the device: sampling compares against them
             draft_ids = forward_batch.input_ids.view(forward_batch.batch_size, -1)[:, 1:]
         if runner.lora is not None:
             forward_batch.batch_context = adapter_context(batch, forward_batch)
