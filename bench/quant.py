@@ -148,8 +148,8 @@ def chosen_kernels(layers: int = 0) -> str:
     for rows in (1, 16, 32, 64):
         if layers and plans and all((n, k, rows) in timed for n, k in plans):
             total = sum(timed[n, k, rows] for n, k in plans) * layers
-            lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: {total * 1e3:.2f} ms per "
-                         f"decode step ({layers} layers)")
+            lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: "
+                         f"{total * 1e3:.2f} ms per decode step ({layers} layers)")
     return "\n".join(["kernels chosen at load:", *lines]) if lines else ""
 
 

@@ -1,5 +1,8 @@
-"""Candidate W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel
-layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to rank against today's:
+"""W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel layout,
+unchanged): :func:`magic_mma` is what the loader times first at 2 to 64 rows where it applies
+(``kernels/packed_int_mma.py``'s ``load_candidates``); :func:`magic_gemv` runs only in the GPU sweep
+(``python -m treadle.bench.quant_kernels --sweep``), where the GEMV's own subnormal widening
+(``IntTiles.subnormal``) and 16-byte loads took its gains:
 
 - :func:`magic_gemv` (one token, CUDA cores), two ways to widen (``denormal``):
 
@@ -8,15 +11,16 @@ layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels -
     after one shift of the word by 16); the activations take the power of two (``x * 2**(89 - 4P)``), so every
     product is ``u * x * 2**-60`` exactly (FMAs keep subnormals: Triton does not emit .ftz), the row's sum takes
     ``2**60`` once at the end, and each group's zero leaves through the activations' sum. A word of eight values:
-    one shift, eight ands, eight FMAs; float32 all the way, as exact as today's;
+    one shift, eight ands, eight FMAs; float32 all the way, as exact as the plain widening;
   - offsets: each value becomes float32 ``OFFSET + u`` with one and-or (two immediates, one kept in a register)
     straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed
     into the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings
     the other six values there, and each group takes the offsets off once per word column, through the
     activations' offset-weighted sum, with the zero point (the float32 sums keep 13 bits past the offsets).
 
-  Today's GEMV: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three of the eight.
-  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than today's, offsets
+  The GEMV's plain widening: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three
+  of the eight.
+  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than the plain, offsets
   12-17% fewer (ptxas reloads the second immediate of most and-ors into a register).
 - :func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
   row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
@@ -63,6 +67,7 @@ class MagicGemvTiles:
     denormal: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
+        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
         words = k // 8
         return bits == 4 and group % 16 == 0 and words % (self.block_w * self.split_k) == 0 and (
             PANEL % group == 0 or group % PANEL == 0)
@@ -86,6 +91,7 @@ class MagicMmaTiles:
     pair_dots: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
+        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
         return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
 
 
