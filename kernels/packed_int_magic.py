@@ -148,6 +148,29 @@ def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
+def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
+    """:func:`magic_mma`'s launches the loader times for a batch of about ``rows`` (``kernels/packed_int_mma.py``'s
+    ``load_candidates`` lists them first): its values widened by pairs in inline PTX and scaled before four dots a
+    panel (the round-1 sweep's best form, or within 0.1 us of it, at every shape, 16 and 32 rows), 128 weight rows a
+    tile; at 16 rows split-K for two programs per SM on 4 or 8 warps (the first within 1.2 us of each shape's best
+    on an H200), and the same scaled after the dots (down_proj's best); at 32 rows split-K for two or one program
+    per SM, and 64-row tiles (qkv's second); at 64 rows (not swept) the like on a 64-token tile."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps = k // PANEL
+
+    def tiles(block_n: int, programs: int, warps: int = 4, scaled: bool = True) -> MagicMmaTiles:
+        return MagicMmaTiles(block_m, block_n, _split(n, steps, block_n, 1, programs * sm_count), warps,
+                             scaled=scaled, pair_dots=True)
+
+    if rows <= 16:
+        listed = [tiles(128, 2), tiles(128, 2, 8), tiles(128, 2, 8, scaled=False)]
+    elif rows <= 32:
+        listed = [tiles(128, 2), tiles(128, 1), tiles(64, 1)]
+    else:
+        listed = [tiles(128, 2), tiles(128, 1), tiles(128, 2, 8)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
+
+
 def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
     holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
@@ -156,9 +179,7 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     steps, listed = k // PANEL, []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
         for programs in (1, 2):
-            split = 1
-            while triton.cdiv(n, block_n) * split < programs * sm_count and split < 8 and steps % (2 * split) == 0:
-                split *= 2
+            split = _split(n, steps, block_n, 1, programs * sm_count)  # K ranges of whole panels
             listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled, pair_dots=pair_dots)
                        for pair_dots in (False, True) for scaled in (False, True)]
     # A control: the first launch of each form with the plain-op widening (the inline PTX's gain, and a fallback).
