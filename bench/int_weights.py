@@ -11,7 +11,9 @@ LAYERS = 32  # Llama-3.1-8B's decoder layers
 
 
 def candidates(n: int, k: int, rows: int, device: torch.device, explore: bool) -> list:
-    """The configs the loader times for a batch of ``rows`` (``layers/int_kernel_choice.py``), or a wider grid."""
+    """For one row the GEMV configs the loader times (``layers/int_kernel_choice.py``), for more ``int_dot``'s
+    (``tile_candidates``: the loader times them at 64 rows, and only the first at 16 and 32); with ``explore`` a
+    wider grid of plain ones besides."""
     from treadle.kernels.packed_int import IntTiles, gemv_candidates, tile_candidates
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count

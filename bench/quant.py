@@ -98,8 +98,7 @@ def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
         kinds = list(dict.fromkeys(kind for p in (base, quant) for kind in p.get("by_category_us_per_step", {})))
         host = list(dict.fromkeys(what for p in (base, quant) for what in p.get("host_us_per_step", {})))
         for label, key in rows + [(f"  {kind}", kind) for kind in kinds] + [(f"  {what[:42]}", what) for what in host]:
-            a, b = (p.get(key, p.get("by_category_us_per_step", {}).get(key, p.get("host_us_per_step", {}).get(key)))
-                    for p in (base, quant))
+            a, b = (_profile_value(p, key) for p in (base, quant))
             lines.append(f"{label:<44}{_cell(a)}{_cell(b)}{_cell(None if a is None or b is None else b - a, 12)}")
         lines.append(f"  idle just before {'bf16 (us, name)':<43}| w4a16")
         for left, right in zip(*(_padded(list(p.get("gpu_idle_before_us_per_step", {}).items())[:5], 5)
@@ -111,6 +110,12 @@ def profile_table(profiles: dict, quantized: str, top: int = 14) -> str:
             if left is not None or right is not None:
                 lines.append(f"  {_kernel_cell(left):<60}| {_kernel_cell(right)}")
     return "\n".join(lines)
+
+
+def _profile_value(profile: dict, key: str) -> float | None:
+    """A profile's top-level number ``key``, else its kernel kind's or host method's time of that name."""
+    return profile.get(key, profile.get("by_category_us_per_step", {}).get(
+        key, profile.get("host_us_per_step", {}).get(key)))
 
 
 def _cell(value: float | None, width: int = 9) -> str:
@@ -148,8 +153,8 @@ def chosen_kernels(layers: int = 0) -> str:
     for rows in (1, 16, 32, 64):
         if layers and plans and all((n, k, rows) in timed for n, k in plans):
             total = sum(timed[n, k, rows] for n, k in plans) * layers
-            lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: {total * 1e3:.2f} ms per "
-                         f"decode step ({layers} layers)")
+            lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: "
+                         f"{total * 1e3:.2f} ms per decode step ({layers} layers)")
     return "\n".join(["kernels chosen at load:", *lines]) if lines else ""
 
 

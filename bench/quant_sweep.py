@@ -86,8 +86,8 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, devi
 
 def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
     """``(kernel, tiles)`` pairs to time for a batch of ``rows``: the GEMV's wider grid (``--explore``'s: rows per
-    program, words per step, split-K, warps) for one row, else the ``int_dot`` configs the loader times, and the
-    ``int_mma`` candidates."""
+    program, words per step, split-K, warps) for one row, else ``int_dot``'s configs (``bench/int_weights.py``'s
+    ``candidates``), then the ``int_mma`` candidates and :func:`magic_trials`."""
     from treadle.kernels.packed_int_mma import mma_candidates
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count

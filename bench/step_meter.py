@@ -354,7 +354,7 @@ def kernel_category(name: str) -> str:
     """A coarse kind for a GPU kernel name: matmul, attention, copies, or elementwise/other."""
     lowered = name.lower()
     if any(key in lowered for key in ("gemv", "gemm", "nvjet", "xmma", "cutlass", "splitk", "split_k", "matmul",
-                                      "small_batch", "int_gemv", "int_dot", "_mma_", "dequantize_kernel",
+                                      "small_batch", "int_dot", "_mma_", "dequantize_kernel",
                                       "recompute_kernel")):
         return "matmul (weights)"
     if any(key in lowered for key in ("flashinfer", "batchprefill", "batchdecode", "attention", "attn",

@@ -1,5 +1,8 @@
-"""Candidate W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel
-layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to rank against today's:
+"""W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel layout,
+unchanged): :func:`magic_mma` is what the loader times first at 2 to 64 rows where it applies
+(``kernels/packed_int_mma.py``'s ``load_candidates``); :func:`magic_gemv` runs only in the GPU sweep
+(``python -m treadle.bench.quant_kernels --sweep``), where the GEMV's own subnormal widening
+(``IntTiles.subnormal``) and 16-byte loads took its gains:
 
 - :func:`magic_gemv` (one token, CUDA cores), two ways to widen (``denormal``):
 
@@ -8,15 +11,16 @@ layout, unchanged), for the GPU sweep (``python -m treadle.bench.quant_kernels -
     after one shift of the word by 16); the activations take the power of two (``x * 2**(89 - 4P)``), so every
     product is ``u * x * 2**-60`` exactly (FMAs keep subnormals: Triton does not emit .ftz), the row's sum takes
     ``2**60`` once at the end, and each group's zero leaves through the activations' sum. A word of eight values:
-    one shift, eight ands, eight FMAs; float32 all the way, as exact as today's;
+    one shift, eight ands, eight FMAs; float32 all the way, as exact as the plain widening;
   - offsets: each value becomes float32 ``OFFSET + u`` with one and-or (two immediates, one kept in a register)
     straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed
     into the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings
     the other six values there, and each group takes the offsets off once per word column, through the
     activations' offset-weighted sum, with the zero point (the float32 sums keep 13 bits past the offsets).
 
-  Today's GEMV: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three of the eight.
-  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than today's, offsets
+  The GEMV's plain widening: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three
+  of the eight.
+  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than the plain, offsets
   12-17% fewer (ptxas reloads the second immediate of most and-ors into a register).
 - :func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
   row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
@@ -63,6 +67,7 @@ class MagicGemvTiles:
     denormal: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
+        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
         words = k // 8
         return bits == 4 and group % 16 == 0 and words % (self.block_w * self.split_k) == 0 and (
             PANEL % group == 0 or group % PANEL == 0)
@@ -86,6 +91,7 @@ class MagicMmaTiles:
     pair_dots: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
+        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
         return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
 
 
@@ -142,6 +148,29 @@ def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
+def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
+    """:func:`magic_mma`'s launches the loader times for a batch of about ``rows`` (``kernels/packed_int_mma.py``'s
+    ``load_candidates`` lists them first): its values widened by pairs in inline PTX and scaled before four dots a
+    panel (the round-1 sweep's best form, or within 0.1 us of it, at every shape, 16 and 32 rows), 128 weight rows a
+    tile; at 16 rows split-K for two programs per SM on 4 or 8 warps (the first within 1.2 us of each shape's best
+    on an H200), and the same scaled after the dots (down_proj's best); at 32 rows split-K for two or one program
+    per SM, and 64-row tiles (qkv's second); at 64 rows (not swept) the like on a 64-token tile."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps = k // PANEL
+
+    def tiles(block_n: int, programs: int, warps: int = 4, scaled: bool = True) -> MagicMmaTiles:
+        return MagicMmaTiles(block_m, block_n, _split(n, steps, block_n, 1, programs * sm_count), warps,
+                             scaled=scaled, pair_dots=True)
+
+    if rows <= 16:
+        listed = [tiles(128, 2), tiles(128, 2, 8), tiles(128, 2, 8, scaled=False)]
+    elif rows <= 32:
+        listed = [tiles(128, 2), tiles(128, 1), tiles(64, 1)]
+    else:
+        listed = [tiles(128, 2), tiles(128, 1), tiles(128, 2, 8)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
+
+
 def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
     holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
@@ -150,9 +179,7 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     steps, listed = k // PANEL, []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
         for programs in (1, 2):
-            split = 1
-            while triton.cdiv(n, block_n) * split < programs * sm_count and split < 8 and steps % (2 * split) == 0:
-                split *= 2
+            split = _split(n, steps, block_n, 1, programs * sm_count)  # K ranges of whole panels
             listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled, pair_dots=pair_dots)
                        for pair_dots in (False, True) for scaled in (False, True)]
     # A control: the first launch of each form with the plain-op widening (the inline PTX's gain, and a fallback).

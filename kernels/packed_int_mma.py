@@ -31,7 +31,7 @@ import triton.language as tl
 
 from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _store_or_reduce, _widened,
                                         widening)
-from treadle.kernels.packed_int_magic import MagicMmaTiles
+from treadle.kernels.packed_int_magic import MagicMmaTiles, magic_load_candidates
 from treadle.kernels.small_batch import _arrivals
 
 
@@ -116,11 +116,11 @@ def mma_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: i
 def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int,
                     dtype: torch.dtype | None = None) -> list[MmaTiles | MagicMmaTiles]:
     """The few launches the loader times for a batch of about ``rows`` (16, 32 or 64), first the one to run
-    untimed: with 16-bit activations (``dtype``), 4-bit values and groups of whole panels, ``magic_mma``'s
-    first (:func:`magic_load_candidates`); then the :func:`int_mma` kinds that won the H100 sweep at
-    Llama-3.1-8B's shapes (per-slot dots of 128 weight rows a tile at 16 rows, split-K for two programs per SM, or
-    one or four; at 32 rows also whole-panel steps, two panels scaled before the dot on 64-row tiles or one after
-    it on 128-row tiles)."""
+    untimed: with 16-bit activations (``dtype``), 4-bit values and groups of whole panels, ``magic_mma``'s first
+    (``kernels/packed_int_magic.py``'s ``magic_load_candidates``); then the :func:`int_mma` kinds that won the H100
+    sweep at Llama-3.1-8B's shapes (per-slot dots of 128 weight rows a tile at 16 rows, split-K for two programs per
+    SM, or one or four; at 32 rows also whole-panel steps, two panels scaled before the dot on 64-row tiles or one
+    after it on 128-row tiles)."""
     def tiles(block_m: int, block_n: int, programs: int = 1, **kind) -> MmaTiles:
         steps = k * bits // (32 * PANEL_WORDS * kind.get("panels", 1))
         return MmaTiles(block_m, block_n, split_k=_split(n, steps, block_n, programs * sm_count), **kind)
@@ -135,29 +135,6 @@ def load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: 
     magic = magic_load_candidates(n, k, bits, group, rows, sm_count) if dtype is not None and widening(
         bits, dtype)[0] else []
     return magic + [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
-
-
-def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
-    """``magic_mma``'s launches (``kernels/packed_int_magic.py``) for a batch of about ``rows``: its values widened
-    by pairs in inline PTX and scaled before four dots a panel (the round-1 sweep's best form, or within 0.1 us of
-    it, at every shape, 16 and 32 rows), 128 weight rows a tile; at 16 rows split-K for two programs per SM on 4 or
-    8 warps (the first within 1.2 us of each shape's best on an H200), and the same scaled after the dots
-    (down_proj's best); at 32 rows split-K for two or one program per SM, and 64-row tiles (qkv's second); at 64
-    rows (not swept) the like on a 64-token tile."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    steps = k // (PANEL_WORDS * 8)
-
-    def tiles(block_n: int, programs: int, warps: int = 4, scaled: bool = True) -> MagicMmaTiles:
-        return MagicMmaTiles(block_m, block_n, _split(n, steps, block_n, programs * sm_count), warps,
-                             scaled=scaled, pair_dots=True)
-
-    if rows <= 16:
-        listed = [tiles(128, 2), tiles(128, 2, 8), tiles(128, 2, 8, scaled=False)]
-    elif rows <= 32:
-        listed = [tiles(128, 2), tiles(128, 1), tiles(64, 1)]
-    else:
-        listed = [tiles(128, 2), tiles(128, 1), tiles(128, 2, 8)]
-    return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
 def _split(n: int, steps: int, block_n: int, programs: int) -> int:

@@ -6,11 +6,6 @@ next to today's GEMV on the same inputs."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 CHECKS = r"""
@@ -114,11 +109,9 @@ print("RESULTS " + json.dumps({"gemv": gemv, "subnormal": subnormal, "mma": mma,
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECKS], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line.removeprefix("RESULTS "))
+    from interpreted import interpreted_code_results
+
+    return interpreted_code_results(CHECKS)
 
 
 def test_gemv_with_offset_values_gives_the_dequantized_matmul(results):

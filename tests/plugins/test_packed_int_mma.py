@@ -5,11 +5,6 @@ widening on fp16) give ``x @ ((u - zero) * scale).T`` on the panel layout."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 CHECKS = r"""
@@ -59,11 +54,9 @@ print("RESULTS " + json.dumps({"candidates": candidates, "switches": switches, "
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECKS], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))
-    return json.loads(line.removeprefix("RESULTS "))
+    from interpreted import interpreted_code_results
+
+    return interpreted_code_results(CHECKS)
 
 
 def test_every_candidate_the_sweep_times_is_exact(results):
