@@ -101,7 +101,8 @@ class DecodeManager:
         ``t`` more KV slots as if every draft of ``step`` were kept (``kv_start`` = its KV length so far, an upper
         bound) and, reading ``step``, moves them to their place and frees the rejected ones
         (``OutputProcessing.take_positions``). Budgets count one token of ``step`` per request (its least), so a
-        request that finishes within ``step`` wastes its row here, whose tokens are then discarded. Not for
+        request that finishes within ``step`` wastes its row here, whose tokens are then discarded; where every
+        request would reach its budget if ``step`` kept all its drafts, there is no overlapped batch. Not for
         constrained, penalized, log-prob or multimodal requests, nor while requests wait or a prompt is chunked.
         """
         previous = step.batch
@@ -112,6 +113,10 @@ class DecodeManager:
         row_of = {id(entry.req): i for i, entry in enumerate(previous.entries)}
         reqs = self._stepping_reqs()
         if not reqs or not all(id(req) in row_of and _overlappable(req) for req in reqs):
+            return None
+        if all(_may_end_within(req, previous.entries[row_of[id(req)]]) for req in reqs):
+            # Each request reaches its token budget if ``step`` keeps all its drafts: a step queued now would be
+            # thrown away whole then (a full forward, against the one host read that waiting costs).
             return None
         per_req, need = self.verify_tokens(reqs)
         if per_req < 2 or not self.overlaps_verify(len(reqs) * per_req):
@@ -208,6 +213,12 @@ class DecodeManager:
     def reserve(self) -> int:
         """KV slots admission keeps free for the running requests' remaining tokens (``new_token_ratio`` of them)."""
         return int(sum(remaining_new_tokens(req) for req in self.state.running) * self.state.new_token_ratio)
+
+
+def _may_end_within(req: Req, entry: BatchEntry) -> bool:
+    """Whether ``req`` reaches its ``max_new_tokens`` if its verify ``entry`` (in flight, counted as one token in
+    ``pending_tokens``) keeps every draft."""
+    return entry.extend_len - 1 >= remaining_new_tokens(req)
 
 
 def _overlappable(req: Req) -> bool:

@@ -126,9 +126,7 @@ class Eagle3Speculator(Speculator):
         self._arange = torch.arange(max(rows, (num_draft_tokens + 1) * config.runtime.cuda_graph_max_bs),
                                     device=self.device)
         # Overlapped verify batches (chains): drafted on the device, their catch-up captured as verify graphs.
-        # Its device path has not run on a GPU yet: there, only an explicit speculative.overlap: true turns it on.
-        self.proposes_on_device = topk == 1 and reads_device_lengths(self.attn_backend, self.device) and (
-            self.device.type != "cuda" or config.speculative.overlap is True)
+        self.proposes_on_device = topk == 1 and reads_device_lengths(self.attn_backend, self.device)
         catch_up_graphs = self.proposes_on_device and config.speculative.overlap is not False and \
             not config.scheduler.disable_overlap and getattr(self.attn_backend, "supports_verify_cuda_graph", False)
         self.states: dict[str, HeadState] = {}

@@ -99,11 +99,17 @@ def test_a_stop_in_the_middle_of_a_chain_ends_the_request_there(tiny_llama_dir, 
     check_stop_mid_chain(tiny_llama_dir, plain, "torch_native")
 
 
-def test_overlapped_verify_under_retraction_keeps_the_plain_tokens(tiny_llama_dir, plain):
-    outputs, engine, steps = oracle_run(tiny_llama_dir, plain, "torch_native", wrong_at=2, pool=24)
+def test_overlapped_verify_under_retraction_keeps_the_plain_tokens(tiny_llama_dir):
+    """Budgets long enough that requests overlap their verify steps around the retractions a 48-slot pool forces
+    (no step overlaps while a retracted request waits)."""
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 25, 40)]
+    plain = [o.token_ids for o in make_engine(tiny_llama_dir, None).generate(input_ids=PROMPTS, sampling_params=params)]
+    engine, steps = oracle_engine(tiny_llama_dir, plain, wrong_at=2, pool=48)
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert [o.token_ids for o in outputs] == plain
     assert engine.kv_stats()["retractions"] > 0, "the small pool must force a retraction"
     assert steps.overlapped > 0
+    assert_kv_accounted(engine)
 
 
 @pytest.mark.parametrize("abort_after", [3, 5])
@@ -158,3 +164,14 @@ if __name__ == "__main__":
     model_dir, plain_ids = sys.argv[1], ast.literal_eval(sys.argv[2])
     check_stop_mid_chain(model_dir, plain_ids, "triton", wrong_at=None)
     print("stop-mid-chain", flush=True)
+
+
+def test_no_step_is_queued_that_a_fully_kept_chain_would_waste(tiny_llama_dir, plain):
+    """Budget 9: the prefill's token, then chains of 5 leave 3 for the second verify step, whose drafts all kept
+    end the request. Overlapping it with a third step would throw that step away whole: none is launched."""
+    engine, steps = oracle_engine(tiny_llama_dir, plain)
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
+    (output,) = engine.generate(input_ids=PROMPTS[:1], sampling_params=params)
+    assert output.token_ids == plain[0][:9]
+    assert steps.verify == output.spec_verify_steps == 2 and steps.overlapped == 1
+    assert_kv_accounted(engine)
