@@ -132,7 +132,8 @@ class ModelWorker(Worker):
 
     ``verify_tokens_per_req``: the ``k + 1`` of the TARGET_VERIFY steps to capture in CUDA graphs (a speculative
     worker asks for its own; empty: verify steps run eagerly or through the prefill graphs), for batch sizes up to
-    ``verify_max_bs`` (None: every decode graph's); ``verify_trees``: those steps verify draft trees (their graphs
+    ``verify_max_bs`` (None: ``speculative.max_batch_size``, past which a decode step verifies no drafts);
+    ``verify_trees``: those steps verify draft trees (their graphs
     take a tree mask). Plain decode is captured as it is without them.
     """
 
@@ -146,7 +147,7 @@ class ModelWorker(Worker):
         self.sampler = Sampler()
         self.next_input_ids = NextInputIds(self.runner.req_to_token_pool.size, self.runner.device)
         self.verify_tokens_per_req = tuple(sorted({int(t) for t in verify_tokens_per_req if int(t) > 1}))
-        self.verify_max_bs = verify_max_bs
+        self.verify_max_bs = verify_max_bs if verify_max_bs is not None else self.config.speculative.max_batch_size
         self.verify_trees = verify_trees  # verify steps carry draft trees (their graphs a tree mask)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None

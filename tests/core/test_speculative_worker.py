@@ -111,3 +111,10 @@ def test_the_conformance_kit_passes_the_test_and_built_in_speculators(tiny_llama
 def test_the_conformance_kit_fails_a_broken_speculator(tiny_llama_dir):
     with pytest.raises(AssertionError, match=r"token_ids must be int64 \[3, 3\], got torch.int64 \[3, 4\]"):
         check_speculator(_WrongShape, model_dir=tiny_llama_dir)
+
+
+def test_verify_graphs_stop_at_the_speculative_batch_size(tiny_llama_dir):
+    """Past ``speculative.max_batch_size`` running requests a step verifies no drafts: the target captures verify
+    graphs no larger (a default server captured them up to ``cuda_graph_max_bs``, 1280-token FlashInfer plans)."""
+    with engine(tiny_llama_dir, "ngram") as spec_engine:
+        assert spec_engine.scheduler.worker.target.verify_max_bs == 16

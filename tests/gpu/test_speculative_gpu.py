@@ -140,3 +140,21 @@ def test_one_request_replays_a_tree_verify_graph_every_step(real_shape_llama_dir
         assert_kv_accounted(engine)
     # Every verify step that gave tokens replayed a graph (none fell back to an eager forward).
     assert sum(r.count for r in replays) >= output.spec_verify_steps > 0
+
+
+def test_a_default_graph_size_captures_verify_graphs_only_to_the_speculative_batch_size(real_shape_llama_dir,
+                                                                                       engine_config):
+    """``cuda_graph_max_bs`` 256 with FlashInfer: verify graphs of 5 tokens up to bs 256 overflowed its workspace at
+    start-up; they stop at the first captured size >= speculative.max_batch_size (32)."""
+    config = engine_config(real_shape_llama_dir, "flashinfer_triton", "bfloat16", page_size=16)
+    config["runtime"]["cuda_graph_max_bs"] = 256
+    config["scheduler"]["max_running_requests"] = 256
+    config["plugins"] = PLUGINS
+    config["speculative"] = {"method": "ngram", "num_tokens": K, "max_batch_size": 32}
+    with Engine(config) as engine:
+        graphs = engine.scheduler.worker.target.cuda_graphs
+        verify_sizes = next(iter(graphs.verify.values())).batch_sizes
+        assert max(verify_sizes) == min(bs for bs in graphs.batch_sizes if bs >= 32) < max(graphs.batch_sizes)
+        (output,) = engine.generate(input_ids=[[5, 6, 7, 5, 6, 7, 5, 6]],
+                                    sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+        assert len(output.token_ids) == 8
