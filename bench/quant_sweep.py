@@ -15,7 +15,6 @@ kernel's fastest per shape and its 32-layer sum (:func:`kernel_table`); writes e
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import multiprocessing
@@ -91,7 +90,7 @@ def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str,
     from treadle.kernels.packed_int_mma import mma_candidates
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    today = [("gemv" if tiles.block_m == 0 else "int_dot", tiles) for tiles in candidates(n, k, rows, device, rows == 1)]
+    today = [(_kernel(tiles), tiles) for tiles in candidates(n, k, rows, device, rows == 1)]
     return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)] + \
         [(_kernel(tiles), tiles) for tiles in magic_trials(n, k, rows, sm_count)]
 
@@ -140,17 +139,16 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
 
 
 def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
-    """The candidates that widen with fewer instructions: at one row today's GEMV configs with the subnormal
-    widening (``IntTiles.subnormal``), kernels/packed_int_magic.py's GEMV (is the GEMV short of issue slots?) and
-    its tensor-core kernel on a 16-token tile; at 2 to 64 rows the tensor-core kernel (each weight tile widened
-    once a program, by pairs: does M=32 then cost about what M=16 does?)."""
-    from treadle.kernels.packed_int import gemv_candidates
+    """The candidates that widen with fewer instructions: at one row kernels/packed_int_magic.py's GEMV (is the GEMV
+    short of issue slots?) and its tensor-core kernel on a 16-token tile; at 2 to 64 rows the tensor-core kernel
+    (each weight tile widened once a program, by pairs: does M=32 then cost about what M=16 does?). The GEMV's
+    subnormal widening (``IntTiles.subnormal``), once a trial here, is in the loader's configs (``gemv_candidates``),
+    so every sweep times it as today's ``gemv_subnormal``."""
     from treadle.kernels.packed_int_magic import gemv_trials, mma_trials
 
     if rows > 1:
         return mma_trials(n, k, rows, sm_count)
-    subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in gemv_candidates(n, k, 4, sm_count)]
-    return subnormal + gemv_trials(n, k, sm_count) + mma_trials(n, k, rows, sm_count)
+    return gemv_trials(n, k, sm_count) + mma_trials(n, k, rows, sm_count)
 
 
 def _kernel(tiles) -> str:
@@ -175,8 +173,8 @@ def table(results: list[dict], rows_list: list[int]) -> str:
             # Today's kernels: what the loader times (a --narrow sweep's launches but its trials), else all but
             # the candidates (int_mma's, the magic kernels').
             narrow = any(r["kernel"].endswith("trial") for r in timed)
-            today = [r for r in timed if not (r["kernel"].endswith("trial") if narrow else r["kernel"].endswith(
-                ("int_mma", "subnormal")) or r["kernel"].startswith("magic"))]
+            today = [r for r in timed if not (r["kernel"].endswith("trial") if narrow else r["kernel"] == "int_mma"
+                                              or r["kernel"].startswith("magic"))]
             if not timed or not today:
                 continue
             best, best_today = min(timed, key=lambda r: r["us"]), min(today, key=lambda r: r["us"])

@@ -12,12 +12,13 @@ poisons the output), runs the backend and the reference on identical copies, and
 attention output and the K/V the backend wrote. Scenarios: extend with a cached prefix (aligned and
 unaligned to pages, and no prefix), decode (and, for a backend that ``applies_rotary`` to decode
 batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
-the same 2 or more new tokens after its prefix: an extend-shaped step; for a backend with ``supports_tree_mask``
-also over random draft trees, ``ForwardBatch.tree_mask``), each with GQA, with and without a
-sliding window, for every page size asked for; on CUDA, for a backend with ``supports_cuda_graph``,
-decode captured in a CUDA graph at a padded batch size and replayed twice with new lengths, and the
-same for TARGET_VERIFY with ``supports_verify_cuda_graph``. The reference computes in float32 from the
-same (rounded) values.
+the same 2 or more new tokens after its prefix: an extend-shaped step; where the backend's ``verifies_by_decode``
+says it runs one from the device's lengths, again with the host's upper bounds of an overlapped verify step; for
+a backend with ``supports_tree_mask`` also over random draft trees, ``ForwardBatch.tree_mask``), each with GQA,
+with and without a sliding window, for every page size asked for; on CUDA, for a backend with
+``supports_cuda_graph``, decode captured in a CUDA graph at a padded batch size and replayed twice with new
+lengths, and the same for TARGET_VERIFY with ``supports_verify_cuda_graph``. The reference computes in float32
+from the same (rounded) values.
 
 With an FP8 ``kv_dtype`` the backend reads an FP8 cache with per-layer scales
 while torch_native (which does not read FP8) reads an unquantized cache holding
@@ -33,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from treadle.core.execution.forward_batch import ForwardMode
+from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.memory.pools import FP8_KV_DTYPES
 from treadle.testing.attention_graphs import check_graph_replay
 from treadle.testing.attention_world import (
@@ -49,6 +50,9 @@ from treadle.testing.attention_world import (
     make_tree_step,
     reference,
 )
+
+
+HOST_SLACK = 3  # drafts of the previous step the host counts as kept, past each request's true length
 
 
 def check_attention_backend(
@@ -126,12 +130,14 @@ def check_attention_backend(
 
 def _check_verify_steps(factory, configure, world: World, tol: tuple[float, float], context: str,
                         generator: torch.Generator, graphs: bool) -> None:
-    """TARGET_VERIFY steps of 2 and k + 1 tokens, over draft trees too (``supports_tree_mask``), and through CUDA
-    graphs (``supports_verify_cuda_graph``, when ``graphs``)."""
+    """TARGET_VERIFY steps of 2 and k + 1 tokens (2, the smallest, from the device's lengths too:
+    ``verifies_by_decode``), over draft trees too (``supports_tree_mask``), and through CUDA graphs
+    (``supports_verify_cuda_graph``, when ``graphs``)."""
     verify_tokens = min(4, min(world.max_lens))  # k + 1: every request must hold that many tokens
     trees = bool(getattr(factory, "supports_tree_mask", False))
     for tokens in sorted({2, verify_tokens}):
-        _check_verify(factory, configure, world, tokens, tol, context, generator)
+        _check_verify(factory, configure, world, tokens, tol, context, generator,
+                      from_device_lengths=tokens == 2)
     if trees:
         _check_tree_verify(factory, configure, world, verify_tokens, tol, context, generator)
     if not (graphs and getattr(factory, "supports_verify_cuda_graph", False)):
@@ -151,11 +157,18 @@ def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens
                          context)
 
 
-def _check_prepared_step(factory, configure, world: World, step, tol: tuple[float, float], context: str) -> None:
-    expected, ref_cache = reference(world, step)
+def _check_prepared_step(factory, configure, world: World, step, tol: tuple[float, float], context: str,
+                         host_upper_bounds: bool = False) -> None:
+    """``host_upper_bounds``: only where the backend runs the step from the device's lengths (``verifies_by_decode``),
+    with the host's as an overlapped verify step has them (:func:`_with_host_upper_bounds`)."""
     cache = world.fresh_cache()
     backend = build_backend(factory, configure, world, cache)
     forward_batch = step.forward_batch(world.pool, cache, backend)
+    if host_upper_bounds:
+        if not backend.verifies_by_decode(step.mode, forward_batch.num_tokens):
+            return
+        forward_batch = _with_host_upper_bounds(forward_batch, world)
+    expected, ref_cache = reference(world, step)
     backend.init_forward_metadata(forward_batch)
     out = backend.forward(step.q, step.k, step.v, world.layer(), forward_batch)
     assert_output(out, expected, step.q.shape, tol, context)
@@ -197,11 +210,28 @@ def _check_rotary_decode(factory, configure, world: World, seq_lens: list[int], 
 
 
 def _check_verify(factory, configure, world: World, tokens: int, tol: tuple[float, float], context: str,
-                  generator: torch.Generator) -> None:
-    """A TARGET_VERIFY step: every request ``tokens`` new tokens after a random prefix, each attending causally."""
+                  generator: torch.Generator, from_device_lengths: bool) -> None:
+    """A TARGET_VERIFY step: every request ``tokens`` new tokens after a random prefix, each attending causally;
+    ``from_device_lengths``: again with the host's upper bounds where the backend says it reads the device's."""
     prefix_lens = [int(torch.randint(0, n - tokens + 1, (1,), generator=generator)) for n in world.max_lens]
-    _check_step(factory, configure, world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens),
-                tol, f"TARGET_VERIFY of {tokens} tokens per request with {context}", generator)
+    step = make_step(world, ForwardMode.TARGET_VERIFY, prefix_lens, [tokens] * len(prefix_lens), generator)
+    _check_prepared_step(factory, configure, world, step, tol,
+                         f"TARGET_VERIFY of {tokens} tokens per request with {context}")
+    if from_device_lengths:
+        _check_prepared_step(factory, configure, world, step, tol,
+                             f"TARGET_VERIFY of {tokens} tokens per request from the device's lengths "
+                             f"(verifies_by_decode; the host's upper bounds, as in an overlapped verify step) with "
+                             f"{context}", host_upper_bounds=True)
+
+
+def _with_host_upper_bounds(forward_batch: ForwardBatch, world: World) -> ForwardBatch:
+    """``forward_batch`` with the host's lengths an overlapped verify step has: ``seq_lens_cpu`` and ``seq_lens_sum``
+    upper bounds (every draft of a previous step of :data:`HOST_SLACK` drafts kept: that many past each request's
+    end, where its row holds later K/V or the padding slot's NaN) and no ``extend_prefix_lens_cpu``."""
+    width = world.pool.req_to_token.shape[1]
+    bounds = torch.clamp(forward_batch.seq_lens_cpu + HOST_SLACK, max=width)
+    return dataclasses.replace(forward_batch, seq_lens_cpu=bounds, seq_lens_sum=int(bounds.sum()),
+                               extend_prefix_lens_cpu=None)
 
 
 def _check_tree_verify(factory, configure, world: World, tokens: int, tol: tuple[float, float], context: str,

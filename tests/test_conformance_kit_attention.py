@@ -124,6 +124,18 @@ class _ReadsWrongLayer(TorchNativeAttnBackend):
         return super().forward(q, k, v, other, forward_batch, save_kv_cache)
 
 
+class _PlansVerifyFromHostLengths(TorchNativeAttnBackend):
+    # Says it runs verify steps from the device's lengths, yet takes their prefixes from the host's.
+    def verifies_by_decode(self, mode, num_tokens: int) -> bool:
+        return mode.is_verify()
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if forward_batch.forward_mode.is_verify() and forward_batch.extend_prefix_lens_cpu is None:
+            forward_batch.extend_prefix_lens_cpu = [
+                int(n) - t for n, t in zip(forward_batch.seq_lens_cpu, forward_batch.extend_seq_lens_cpu)]
+        super().init_forward_metadata(forward_batch)
+
+
 @pytest.mark.parametrize(
     ("backend", "message"),
     [
@@ -131,6 +143,7 @@ class _ReadsWrongLayer(TorchNativeAttnBackend):
         (_WrongScale, "differs from torch_native"),
         (_ForgetsToSaveKV, "did not write"),
         (_ReadsWrongLayer, "did not write"),
+        (_PlansVerifyFromHostLengths, "from the device's lengths"),
     ],
 )
 def test_broken_backends_fail_with_the_scenario_named(backend, message: str) -> None:

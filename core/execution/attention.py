@@ -106,6 +106,16 @@ class AttentionBackend(ABC):
         arrive rotated."""
         return False
 
+    def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
+        """Whether a TARGET_VERIFY step of draft chains with ``num_tokens`` new tokens in all runs from the lengths on
+        the device alone (``seq_lens``, ``extend_prefix_lens``): the host's ``seq_lens_cpu`` and ``seq_lens_sum`` may
+        then be upper bounds and ``extend_prefix_lens_cpu`` None, as in an overlapped verify step
+        (``speculative.overlap``). The answer depends on ``mode`` and ``num_tokens`` alone (a CUDA graph captured at a
+        size replays the route it was captured with) and is False for other modes. A backend answering True for the
+        smallest verify step (:func:`joins_overlapped_verify`) may join overlapped verify; each step is then overlapped
+        only where its own token count gets True. Default False: never (on the CPU every backend joins)."""
+        return False
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
@@ -131,6 +141,13 @@ class AttentionBackend(ABC):
 
 
 AUTO_BACKEND = "auto"
+SMALLEST_VERIFY_TOKENS = 2  # one request, one draft
+
+
+def joins_overlapped_verify(backend: AttentionBackend) -> bool:
+    """Whether ``backend`` may take overlapped verify steps off the CPU: it runs the smallest verify step from the
+    lengths on the device (:meth:`AttentionBackend.verifies_by_decode`)."""
+    return bool(backend.verifies_by_decode(ForwardMode.TARGET_VERIFY, SMALLEST_VERIFY_TOKENS))
 
 
 def model_sliding_windows(model: nn.Module) -> tuple[int | None, ...]:

@@ -35,9 +35,10 @@ class BatchContext:
     ``token_requests`` [num_tokens] int64 is the batch row of each token's request; ``adapter_ids``
     [num_tokens] int64 (or None) each token's adapter slot, :data:`NO_ADAPTER` for none; ``per_request``
     maps names to ``[batch_size, ...]`` tensors and ``per_token`` to ``[num_tokens, ...]`` tensors;
-    ``adapter_order`` [num_tokens] int64 (None without adapter ids, or where no reader wants it: a CUDA graph of
-    no more tokens than the layout's ``adapter_order_above``) the token indices sorted by ``adapter_ids``
-    (stable: :func:`adapter_order`), so LoRA kernels need not sort in every layer.
+    ``adapter_order`` [num_tokens] int64 (None without adapter ids, or where no reader wants it: every step for a
+    LoRA backend whose ``adapter_order_above`` is None, else a step of no more tokens than that, or a CUDA graph of
+    no more tokens than the layout's) the token indices sorted by ``adapter_ids`` (stable: :func:`adapter_order`),
+    so LoRA kernels need not sort in every layer.
     Build one with :meth:`for_batch`.
     """
 
@@ -50,14 +51,18 @@ class BatchContext:
     @classmethod
     def for_batch(cls, forward_batch: "ForwardBatch", request_adapter_ids: torch.Tensor | None = None,
                   per_request: Mapping[str, torch.Tensor] | None = None,
-                  per_token: Mapping[str, torch.Tensor] | None = None) -> "BatchContext":
+                  per_token: Mapping[str, torch.Tensor] | None = None,
+                  adapter_order_above: int | None = 0) -> "BatchContext":
         """The context of ``forward_batch`` given each request's adapter slot (``[batch_size]``, expanded here to
-        one per token) and named tensors; no host-device sync."""
+        one per token) and named tensors; no host-device sync. The adapter ids are sorted into ``adapter_order`` for
+        batches of more than ``adapter_order_above`` tokens (None: never; the model worker passes its LoRA
+        backend's, :attr:`~treadle.core.lora.backend.LoRABackend.adapter_order_above`)."""
         token_requests = token_request_rows(forward_batch)
         adapter_ids = order = None
         if request_adapter_ids is not None:
             adapter_ids = request_adapter_ids.to(torch.int64).index_select(0, token_requests)
-            order = adapter_order(adapter_ids)
+            if adapter_order_above is not None and forward_batch.num_tokens > adapter_order_above:
+                order = adapter_order(adapter_ids)
         return cls(token_requests, adapter_ids, dict(per_request or {}), dict(per_token or {}), order)
 
     def request_values(self, name: str) -> torch.Tensor:

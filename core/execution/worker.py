@@ -238,7 +238,7 @@ class ModelWorker(Worker):
         if draft_ids is None and batch.follows is not None:  # drafted on the device: sampling compares against them
             draft_ids = forward_batch.input_ids.view(forward_batch.batch_size, -1)[:, 1:]
         if runner.lora is not None:
-            forward_batch.batch_context = adapter_context(batch, forward_batch)
+            forward_batch.batch_context = adapter_context(batch, forward_batch, runner.lora.backend.adapter_order_above)
         return LaunchedStep(batch, forward_batch, self.forward(forward_batch), draft_ids=draft_ids, tree=tree)
 
     def launch_sampling(self, step: LaunchedStep, vocab_mask: torch.Tensor | None = None,
@@ -320,14 +320,16 @@ class ModelWorker(Worker):
         return tensors
 
 
-def adapter_context(batch: "ScheduleBatch", forward_batch: ForwardBatch) -> BatchContext | None:
-    """The batch context carrying each token's adapter slot (``Req.lora_slot``); None when no request of the
-    batch runs an adapter (the deltas then add nothing, eagerly; a graph replays with every row NO_ADAPTER)."""
+def adapter_context(batch: "ScheduleBatch", forward_batch: ForwardBatch,
+                    adapter_order_above: int | None) -> BatchContext | None:
+    """The batch context carrying each token's adapter slot (``Req.lora_slot``), sorted by slot past
+    ``adapter_order_above`` tokens (the LoRA backend's; None: never sorted); None when no request of the batch runs
+    an adapter (the deltas then add nothing, eagerly; a graph replays with every row NO_ADAPTER)."""
     slots = [entry.req.lora_slot for entry in batch.entries]
     if all(slot == NO_ADAPTER for slot in slots):
         return None
     ids = to_device(torch.tensor(slots, dtype=torch.int64), forward_batch.input_ids.device)
-    return BatchContext.for_batch(forward_batch, ids)
+    return BatchContext.for_batch(forward_batch, ids, adapter_order_above=adapter_order_above)
 
 
 def prompt_logprob_tensors(batch: "ScheduleBatch", logits: torch.Tensor,

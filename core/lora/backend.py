@@ -64,7 +64,7 @@ class LoRABackend(ABC):
     """Shrink and expand for a batch of tokens whose adapters differ (module docstring)."""
 
     #: :meth:`add_delta` takes ``order=`` (the batch's tokens sorted by slot, for batches of more tokens than
-    #: this; module docstring); None: it takes no ``order``.
+    #: this; module docstring); None: it takes no ``order``, and no step sorts its adapters for it.
     adapter_order_above: int | None = None
 
     @abstractmethod

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.core.config import ServerConfig
+from treadle.core.execution.attention import joins_overlapped_verify
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.execution.overlap import HostCopy, LaunchedStep
 from treadle.core.execution.worker import ModelWorker, Worker
@@ -192,9 +193,10 @@ def overlapped_verify_support(setting: bool | str, worker: SpeculativeWorker) ->
     if config.scheduler.disable_overlap:
         missing.append("overlap scheduling (scheduler.disable_overlap is set)")
     backend = worker.target.runner.attn_backend
-    if worker.info.device.type != "cpu" and not hasattr(backend, "verifies_by_decode"):
-        missing.append(f"an attention backend that reads a verify step's lengths on the device (triton, "
-                       f"flashinfer_triton; not {config.attention.backend})")
+    if worker.info.device.type != "cpu" and not joins_overlapped_verify(backend):
+        missing.append(f"an attention backend that reads a verify step's lengths on the device "
+                       f"(AttentionBackend.verifies_by_decode: triton, flashinfer_triton; not "
+                       f"{config.attention.backend})")
     if missing and setting is True:
         raise ValueError("speculative.overlap: true needs " + ", ".join(missing) + "; set speculative.overlap to "
                          "auto or false")

@@ -130,7 +130,7 @@ def _group_size(speculator: "Eagle3Speculator", bs: int, t: int) -> int:
     """Requests per catch-up step: all of them where the backend runs them from device lengths (the CPU, or up to
     its decode-kernel route's token count), else as many as fit that route."""
     backend = speculator.attn_backend
-    if speculator.device.type == "cpu" or not hasattr(backend, "verifies_by_decode"):
+    if speculator.device.type == "cpu":
         return bs
     group = bs
     while group > 1 and not backend.verifies_by_decode(ForwardMode.TARGET_VERIFY, group * t):

@@ -1,10 +1,15 @@
 """bench/quant_sweep.py's tables: each kernel's fastest config per shape and its 32-layer sum, and the trials of
-the candidates that widen with fewer instructions named by kernel."""
+the candidates that widen with fewer instructions named by kernel; a full sweep times each config once."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import torch
+
 from treadle.bench.int_weights import SHAPES
-from treadle.bench.quant_sweep import _kernel, kernel_table, magic_trials
+from treadle.bench.quant_sweep import _kernel, kernel_table, magic_trials, table, variants
+from treadle.kernels.packed_int import gemv_candidates
 
 
 def _result(shape: str, rows: int, kernel: str, us: float, correct: bool = True) -> dict:
@@ -25,5 +30,20 @@ def test_kernel_table_sums_each_kernels_fastest_correct_config_over_the_layers()
 
 def test_trials_name_their_kernels():
     n, k = SHAPES["down_proj"]
-    assert {_kernel(t) for t in magic_trials(n, k, 1, 132)} == {"gemv_subnormal", "magic_gemv", "magic_mma"}
+    assert {_kernel(t) for t in magic_trials(n, k, 1, 132)} == {"magic_gemv", "magic_mma"}
     assert {_kernel(t) for t in magic_trials(n, k, 32, 132)} == {"magic_mma"}
+
+
+def test_a_full_sweep_times_each_one_row_config_once_the_loaders_subnormal_ones_as_today(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    n, k = SHAPES["o_proj"]
+    listed = variants(n, k, 1, torch.device("cuda"))
+    tiles = [t for _, t in listed]
+    assert len(tiles) == len(set(tiles))
+    loader = [t for t in gemv_candidates(n, k, 4, 132) if t.subnormal]
+    assert loader and set(loader) <= set(tiles)
+    assert {kernel for kernel, t in listed if getattr(t, "subnormal", False)} == {"gemv_subnormal"}
+    results = [_result(shape, 1, kernel, us) for shape in SHAPES
+               for kernel, us in (("gemv", 10.0), ("gemv_subnormal", 8.0), ("int_mma", 5.0))]
+    row = next(line for line in table(results, [1]).splitlines() if line.startswith("o_proj M=1"))
+    assert row.split()[3:5] == ["8.0", "5.0"]  # today's fastest is the subnormal GEMV; int_mma a candidate

@@ -3,6 +3,8 @@ around a forward, what a model's modules declare they read, and the static copie
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -17,7 +19,11 @@ from treadle.core.execution.batch_context import (
     using_batch_context,
 )
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
+from treadle.core.execution.worker import adapter_context
+from treadle.kernels.lora_choice import LoRAKernelChoice
 from treadle.layers.linear import ColumnParallelLinear, RowParallelLinear
+from treadle.plugins.lora_backends import triton as triton_lora
+from treadle.plugins.lora_backends.torch import TorchLoRABackend
 
 STEERING = BatchContextLayout(per_request={"steer": ContextTensor((4,), torch.float32)})
 
@@ -41,6 +47,24 @@ def test_an_extend_batch_maps_each_token_to_its_request_and_adapter():
     assert context.adapter_ids.tolist() == [1, 1, 1, NO_ADAPTER, 0, 0]
     assert context.adapter_order.tolist() == [3, 4, 5, 0, 1, 2]  # by slot, stable: what LoRA kernels sort by
     assert torch.equal(context.request_values("steer"), steer[[0, 0, 0, 1, 2, 2]])
+
+
+def test_a_step_sorts_its_adapters_only_for_a_lora_backend_that_reads_the_order(monkeypatch):
+    # The triton backend built without Triton: only its adapter_order_above (LoRAKernelChoice.sort_above) is read.
+    monkeypatch.setattr(triton_lora, "_interpreting", lambda: True)
+    monkeypatch.setattr(triton_lora, "_import_kernels", lambda: SimpleNamespace(DEFAULT=LoRAKernelChoice()))
+    backends = TorchLoRABackend(4, 8, "cpu", torch.float32), triton_lora.TritonLoRABackend(4, 8, "cpu", torch.float32)
+    above = backends[1].kernel_choice.sort_above
+    batch = SimpleNamespace(entries=[SimpleNamespace(req=SimpleNamespace(lora_slot=s)) for s in (2, NO_ADAPTER, 0, 2)])
+
+    def order(backend, tokens: int) -> torch.Tensor | None:
+        step = _batch(ForwardMode.DECODE, tokens, 4)
+        return adapter_context(batch, step, backend.adapter_order_above).adapter_order
+
+    assert order(backends[0], 4 * above) is None  # the torch backend never reads it
+    assert order(backends[1], above) is None and order(backends[0], above + 4) is None
+    tokens = above + 4  # four requests of 17 tokens: slots 2, none, 0, 2
+    assert order(backends[1], tokens).tolist() == [*range(17, 34), *range(34, 51), *range(0, 17), *range(51, 68)]
 
 
 def test_a_decode_batch_has_one_row_per_request_or_equal_runs_of_them():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -20,7 +21,10 @@ import pytest
 import torch
 
 from treadle import Engine, SamplingParams
+from treadle.core.execution.attention import AttentionBackend
+from treadle.core.execution.forward_batch import ForwardMode
 from treadle.core.request import Req
+from treadle.core.speculative.worker import overlapped_verify_support
 from treadle.testing.engine import assert_kv_accounted
 from treadle.testing.speculator_plugins import OverlappedVerifySteps
 
@@ -145,6 +149,30 @@ def test_overlap_true_needs_a_speculator_that_proposes_on_the_device(tiny_llama_
                                          r"device .*'ngram' does not"):
         make_engine(tiny_llama_dir, "ngram")
     assert not make_engine(tiny_llama_dir, "ngram", overlap="auto").scheduler.worker.overlap_verify
+
+
+class _HostLengthsBackend(AttentionBackend):  # never run: only its verify route is asked
+    init_forward_metadata = forward_extend = forward_decode = None
+
+
+class _DeviceLengthsBackend(_HostLengthsBackend):
+    def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
+        return mode.is_verify() and num_tokens <= 8
+
+
+def test_a_backend_joins_overlapped_verify_off_the_cpu_by_answering_verifies_by_decode():
+    def worker(backend: AttentionBackend) -> SimpleNamespace:
+        config = SimpleNamespace(speculative=SimpleNamespace(topk=1, method="oracle"), attention=SimpleNamespace(
+            backend="mine"), scheduler=SimpleNamespace(disable_overlap=False))
+        return SimpleNamespace(config=config, speculator=SimpleNamespace(proposes_on_device=True),
+                               info=SimpleNamespace(page_size=1, device=torch.device("cuda")),
+                               target=SimpleNamespace(runner=SimpleNamespace(attn_backend=backend)))
+
+    assert overlapped_verify_support("auto", worker(_DeviceLengthsBackend()))
+    assert not overlapped_verify_support("auto", worker(_HostLengthsBackend()))
+    with pytest.raises(ValueError, match=r"reads a verify step's lengths on the device "
+                                         r"\(AttentionBackend.verifies_by_decode.*not mine"):
+        overlapped_verify_support(True, worker(_HostLengthsBackend()))
 
 
 def test_overlapped_verify_stops_mid_chain_with_triton_interpreted(tiny_llama_dir, plain):
