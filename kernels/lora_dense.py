@@ -37,29 +37,30 @@ def add_delta_dense(x: torch.Tensor, a: torch.Tensor, dense_b: torch.Tensor, ada
     rank = dense_b.shape[1]
     every = torch.mm(x, a.reshape(slots * rows, in_features).t())
     masked = torch.empty((num_tokens, rows // rank, slots, rank), dtype=x.dtype, device=x.device)
-    block_columns = triton.next_power_of_2(rows)
-    block_tokens = max(1, min(64, _MASK_TILE // block_columns))
+    block_rank = triton.next_power_of_2(rank)
+    block_tokens = max(1, min(64, _MASK_TILE // triton.next_power_of_2(block_rank * (rows // rank))))
     _keep_own_slot[(triton.cdiv(num_tokens, block_tokens), slots)](
-        every, adapter_ids, masked, num_tokens, slots, rank, rows, block_tokens, block_columns)
+        every, adapter_ids, masked, num_tokens, slots, rank, rows // rank, block_tokens, block_rank)
     stacked_b = dense_b.reshape(slots * rank, dense_b.shape[2])
     for p, (start, end) in enumerate(segments):
         out[:, start:end].addmm_(masked[:, p].reshape(num_tokens, slots * rank), stacked_b[:, start:end])
 
 
 @triton.jit
-def _keep_own_slot(every_ptr, ids_ptr, masked_ptr, num_tokens, slots, RANK: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
-    """Program (block of tokens, slot): the slot's ``ROWS`` (= P * RANK) columns of ``every`` [T, slots * ROWS] for
-    the tokens of that slot, zeros for the others, into ``masked`` [T, P, slots, RANK]."""
+def _keep_own_slot(every_ptr, ids_ptr, masked_ptr, num_tokens, SLOTS: tl.constexpr, RANK: tl.constexpr,
+                   PARTS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    """Program (block of tokens, slot): the slot's ``PARTS * RANK`` columns of ``every`` [T, SLOTS * PARTS * RANK]
+    for the tokens of that slot, zeros for the others, into ``masked`` [T, PARTS, SLOTS, RANK] (runs of ``RANK``
+    contiguous elements on both sides; the shapes constexpr, so they load and store 16 bytes at a time)."""
     slot = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    columns = tl.arange(0, BLOCK_COLUMNS)
+    ranks = tl.arange(0, BLOCK_RANK)
     in_batch = tokens < num_tokens
-    ids = tl.load(ids_ptr + tokens, mask=in_batch, other=-1)
-    tokens = tokens.to(tl.int64)
-    keep = (columns < ROWS)[None, :]
-    values = tl.load(every_ptr + tokens[:, None] * (slots * ROWS) + slot * ROWS + columns[None, :],
-                     mask=(ids == slot)[:, None] & keep, other=0.0)
-    projection, rank = columns // RANK, columns % RANK
-    target = masked_ptr + tokens[:, None] * (slots * ROWS) + (projection * (slots * RANK) + slot * RANK + rank)[None, :]
-    tl.store(target, values, mask=in_batch[:, None] & keep)
+    mine = tl.load(ids_ptr + tokens, mask=in_batch, other=-1) == slot
+    rows = tokens.to(tl.int64)[:, None] * (SLOTS * PARTS * RANK)
+    in_rank = (ranks < RANK)[None, :]
+    for part in tl.static_range(PARTS):
+        values = tl.load(every_ptr + rows + (slot * PARTS + part) * RANK + ranks[None, :],
+                         mask=mine[:, None] & in_rank, other=0.0)
+        tl.store(masked_ptr + rows + (part * SLOTS + slot) * RANK + ranks[None, :], values,
+                 mask=in_batch[:, None] & in_rank)
