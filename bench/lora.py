@@ -17,7 +17,9 @@ base model, in one run.
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
   16-600, outputs 16-400 tokens) spread over ``--spread`` adapters (target: >= 0.85x the base's throughput),
-  bs=1 decode with an adapter (<= 1.10x the base step) and bs=32 with 32 different adapters (<= 1.25x). It needs
+  bs=1 decode with an adapter (<= 1.10x the base step) and bs=32 with 32 different adapters (<= 1.25x);
+  ``--engine-kernels dense_above=1048576`` (repeatable) runs the adapters' side again with that
+  ``TREADLE_LORA_KERNELS`` text, against the same base run (an A/B of a kernel choice end to end). It needs
   the engine's LoRA side (``lora.*`` config, ``Engine.generate(..., lora_path=...)``); without it the part says
   so and is skipped.
 
@@ -126,6 +128,9 @@ def format_engine_table(result: dict[str, Any]) -> str:
         met = result[key] >= bound if sign == ">=" else result[key] <= bound
         lines.append(f"{label:38s} {base_value:10.2f} {lora_value:10.2f} {result[key]:7.3f}  {sign} {bound:.2f} "
                      f"{'ok' if met else 'MISSED'}")
+    for variant, values in result.get("kernel_variants", {}).items():
+        lines.append(f"  with TREADLE_LORA_KERNELS={variant}: offline {values['offline_ratio']:.3f}x, bs=1 "
+                     f"{values['bs1_step_ratio']:.3f}x, bs=32 {values['bs32_step_ratio']:.3f}x")
     return "\n".join(lines)
 
 
@@ -153,7 +158,8 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
             "lora.backend": args.backend}
     workload = build_workload("random", args.num_prompts, usable_token_ids(shape["vocab_size"]), seed=args.seed,
                               input_len=parse_len_range(args.input_len), output_len=parse_len_range(args.output_len))
-    result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens)
+    result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens,
+                             tuple(args.engine_kernels))
     result["workload"] = workload.summary()
     result["adapters_written_s"] = written_s
     return result
@@ -186,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --sweep: only these sizes in tokens (of 1, 8, 32, 64, 128, 256, 512, 1024, 4096)")
     parser.add_argument("--slots", type=int,
                         help="kernels part: resident adapter slots (default: the cases' largest adapter count)")
+    parser.add_argument("--engine-kernels", action="append", default=[], metavar="FIELD=N,...",
+                        help="engine part: run the adapters' side once more with this TREADLE_LORA_KERNELS text "
+                             "(repeatable), e.g. dense_above=1048576 for the engine without the dense form")
     parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
     return parser
 

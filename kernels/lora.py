@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice
+from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice, choice_from_env  # noqa: F401  (the backend's)
 from treadle.kernels.lora_dense import add_delta_dense  # noqa: F401  (the triton backend reads it here)
 from treadle.kernels.lora_sorted import add_delta_sorted, sort_by_adapter, sorts
 from treadle.kernels.lora_tiles import MAX_PROJECTIONS  # noqa: F401  (the triton backend reads it here)

@@ -83,6 +83,11 @@ def choice_fields(text: str) -> dict[str, int]:
     return fields
 
 
-# What the triton backend runs; TREADLE_LORA_KERNELS (the same FIELD=N,... text as ``treadle bench lora --sweep
-# --choice``) overrides it for A/B runs of the engine.
-DEFAULT = LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
+def choice_from_env() -> LoRAKernelChoice:
+    """The default choice with ``TREADLE_LORA_KERNELS``'s fields (the same FIELD=N,... text as ``treadle bench lora
+    --sweep --choice``): what a triton backend built now runs, for A/B runs of the engine."""
+    return LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
+
+
+# The choice when this module was imported: the two-call shrink/expand's.
+DEFAULT = choice_from_env()

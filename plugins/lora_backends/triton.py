@@ -34,7 +34,8 @@ class TritonLoRABackend(LoRABackend):
             )
         self.max_slots, self.max_rank, self.dtype = max_slots, max_rank, dtype
         self._kernels = _import_kernels()
-        self.kernel_choice = self._kernels.DEFAULT  # add_delta's tiles and PDL hand-over (kernels/lora_choice.py)
+        # add_delta's forms, tiles and PDL hand-over (kernels/lora_choice.py), TREADLE_LORA_KERNELS read when built
+        self.kernel_choice = self._kernels.choice_from_env()
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
                ranks: torch.Tensor) -> torch.Tensor:
