@@ -57,10 +57,10 @@ def _keep_own_slot(every_ptr, ids_ptr, masked_ptr, num_tokens, SLOTS: tl.constex
     ranks = tl.arange(0, BLOCK_RANK)
     in_batch = tokens < num_tokens
     mine = tl.load(ids_ptr + tokens, mask=in_batch, other=-1) == slot
-    rows = tokens.to(tl.int64)[:, None] * (SLOTS * PARTS * RANK)
+    row_start = tokens.to(tl.int64)[:, None] * (SLOTS * PARTS * RANK)
     in_rank = (ranks < RANK)[None, :]
     for part in tl.static_range(PARTS):
-        values = tl.load(every_ptr + rows + (slot * PARTS + part) * RANK + ranks[None, :],
+        values = tl.load(every_ptr + row_start + (slot * PARTS + part) * RANK + ranks[None, :],
                          mask=mine[:, None] & in_rank, other=0.0)
-        tl.store(masked_ptr + rows + (part * SLOTS + slot) * RANK + ranks[None, :], values,
+        tl.store(masked_ptr + row_start + (part * SLOTS + slot) * RANK + ranks[None, :], values,
                  mask=in_batch[:, None] & in_rank)
