@@ -10,7 +10,8 @@ every adapter slot at once, and a one-hot mask keeps each token's own slot.
 - expand: ``out[:, segment p] += masked[:, p] @ dense_b[:, :, segment p]``, ``dense_b`` viewed ``[slots * R,
   width]`` (every slot's ``B`` transposed with its scaling folded in, made when an adapter is loaded:
   ``StackedLoRA.dense_b``), one cuBLAS GEMM per projection accumulating into the layer's output in place (beta = 1,
-  the old value and the delta summed in float32 and rounded once).
+  the old value and the delta summed in float32 and rounded once); adjacent projections of one width (k and v,
+  gate and up) share one strided batched GEMM, so a layer of all seven projections runs 5 expands.
 
 Padded ranks are zero rows of ``a`` and ``dense_b``, so mixed ranks need nothing. The extra work is ``slots * R *
 (in + out)`` multiply-adds a token whatever adapters the batch holds, at cuBLAS efficiency, and every slot's ``A`` and
@@ -42,8 +43,31 @@ def add_delta_dense(x: torch.Tensor, a: torch.Tensor, dense_b: torch.Tensor, ada
     _keep_own_slot[(triton.cdiv(num_tokens, block_tokens), slots)](
         every, adapter_ids, masked, num_tokens, slots, rank, rows // rank, block_tokens, block_rank)
     stacked_b = dense_b.reshape(slots * rank, dense_b.shape[2])
+    for first, count in _equal_width_runs(segments):
+        start, width = segments[first][0], segments[first][1] - segments[first][0]
+        if count == 1:
+            out[:, start:start + width].addmm_(masked[:, first].reshape(num_tokens, slots * rank),
+                                               stacked_b[:, start:start + width])
+            continue
+        # Side by side projections of one width (k and v, gate and up): one strided batched GEMM.
+        end = start + count * width
+        out[:, start:end].unflatten(1, (count, width)).transpose(0, 1).baddbmm_(
+            masked[:, first:first + count].flatten(2).transpose(0, 1),
+            stacked_b[:, start:end].unflatten(1, (count, width)).transpose(0, 1))
+
+
+def _equal_width_runs(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """``(first projection, count)`` for each run of adjacent projections of one width, in order."""
+    runs: list[tuple[int, int]] = []
     for p, (start, end) in enumerate(segments):
-        out[:, start:end].addmm_(masked[:, p].reshape(num_tokens, slots * rank), stacked_b[:, start:end])
+        if runs:
+            first, count = runs[-1]
+            first_start, first_end = segments[first]
+            if end - start == first_end - first_start and start == first_start + count * (first_end - first_start):
+                runs[-1] = (first, count + 1)
+                continue
+        runs.append((p, 1))
+    return runs
 
 
 @triton.jit
