@@ -16,13 +16,16 @@ per token; ``sort_programs`` is how many programs its shrink aims for (it splits
 ``sort_columns`` how many output columns each expand program covers (it adds up the shrink's slices once for them).
 
 Past ``dense_above`` tokens, where the layer's slots stack no more than ``dense_max_stack`` rank rows (``slots *
-max_rank``), it runs the dense form (kernels/lora_dense.py): every slot's ``A`` and ``B`` in two cuBLAS GEMMs per
-projection, each token's own slot kept by a one-hot mask. Its extra work is ``slots * max_rank * (in + out)``
-multiply-adds a token and layer whatever adapters the batch holds (at Llama-3.1-8B's widths 9.6% of the base
-layers' at a stack of 256, 19% at 512) and every slot's weights read once a step (2.7 GB at 512), so it pays only
-where a batch has many tokens; ``dense_above`` = 128 is above the decode sizes the gather kernels serve and below
-bs=256, where the unsorted forms measured 2.17x the base matmuls (the sorted form less, but far from the dense
-form's estimated 1.2-1.4x there). ``treadle bench lora --part kernels --sweep`` times it around 128 and 512.
+max_rank``), it runs the dense form (kernels/lora_dense.py): every slot's ``A`` in one cuBLAS GEMM a layer and
+every slot's ``B`` in one a projection, each token's own slot kept by a mask. Its extra work is ``slots * max_rank *
+(in + out)`` multiply-adds a token and layer whatever adapters the batch holds (at Llama-3.1-8B's widths 9.6% of
+the base layers' at a stack of 256, 19% at 512), every slot's weights read once a step (1.3 GB at 256, 2.7 GB at
+512) and 13 launches a layer, so it pays only where a batch has many tokens. ``dense_above`` = 128 is above the
+decode sizes the gather kernels serve and below bs=256, where the unsorted forms measured 2.17x the base matmuls
+and a roofline estimate of the dense form (its GEMMs at 650 TFLOP/s or 3 TB/s, 2.5 us a launch) gives 1.40x at 16
+slots, 1.48x at 32; past ~1000 tokens the estimate is 1.15-1.26x, about what the segmented tiles measured on an
+8192-token prefill (1.17x). ``treadle bench lora --part kernels --sweep`` times it against the other forms at
+every size (``dense_above=1`` / ``dense_above=1048576``).
 """
 
 from __future__ import annotations
