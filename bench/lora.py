@@ -7,14 +7,19 @@ base model, in one run.
 - ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
   layers' deltas (one shrink and one expand per fused layer, as the engine runs them; and per projection, the
   earlier form, for comparison) against their base matmuls, from CUDA graphs, at bs=1 decode with one adapter,
-  bs=32 with 32 adapters, bs=256 and an 8192-token prefill over 16. With ``--sweep``: the ``triton`` backend's
-  kernel choices (kernels/lora_choice.py) side by side per decode size (``--sizes 1,32``: those batch sizes only),
-  each as ``(base + LoRA) / base``.
+  bs=32 with 32 adapters, bs=256, 1024 decode tokens, 4096- and 8192-token prefills over 16; for the ``triton``
+  backend also with the dense form (kernels/lora_dense.py) forced on and off. With ``--sweep``: the ``triton``
+  backend's kernel choices (kernels/lora_choice.py, ``dense_above`` among them) side by side per size (``--sizes
+  1,32``: those sizes only), each as ``(base + LoRA) / base``. ``--slots N``: resident adapter slots (default the
+  cases' largest adapter count, 32; the engine part's ``max_loras_per_batch`` is 32), which the dense form's work
+  grows with.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
   16-600, outputs 16-400 tokens) spread over ``--spread`` adapters (target: >= 0.85x the base's throughput),
-  bs=1 decode with an adapter (<= 1.10x the base step) and bs=32 with 32 different adapters (<= 1.25x). It needs
+  bs=1 decode with an adapter (<= 1.10x the base step) and bs=32 with 32 different adapters (<= 1.25x);
+  ``--engine-kernels dense_above=1048576`` (repeatable) runs the adapters' side again with that
+  ``TREADLE_LORA_KERNELS`` text, against the same base run (an A/B of a kernel choice end to end). It needs
   the engine's LoRA side (``lora.*`` config, ``Engine.generate(..., lora_path=...)``); without it the part says
   so and is skipped.
 
@@ -57,12 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices = (SWEEP_CHOICES[0], *(choice_fields(text) for text in args.choice)) if args.choice else SWEEP_CHOICES
         sizes = {int(size) for size in args.sizes.split(",")} if args.sizes else None
         cases = tuple(case for case in SWEEP_CASES if sizes is None or case.tokens in sizes)
-        report["kernel_sweep"] = run_kernel_sweep(args.rank, choices, cases)
+        report["kernel_sweep"] = run_kernel_sweep(args.rank, choices, cases, slots=args.slots)
         print(format_sweep_table(report["kernel_sweep"]), flush=True)
     elif args.part in ("kernels", "all"):
         from treadle.bench.lora_kernels import run_kernel_cases
 
-        report["kernels"] = run_kernel_cases(args.backend, args.rank)
+        report["kernels"] = run_kernel_cases(args.backend, args.rank, slots=args.slots)
         print(format_kernel_table(report["kernels"]), flush=True)
         torch.cuda.empty_cache()  # the 32 layers' weights, before the engines load theirs
     if args.part in ("engine", "all"):
@@ -79,11 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def format_kernel_table(rows: list[dict[str, Any]]) -> str:
     lines = [f"LoRA kernels ({rows[0]['backend']}, rank {rows[0]['rank']}, 7 projections x 32 layers) vs base matmuls"
              if rows else "LoRA kernels: no cases",
-             f"{'case':34s} {'base ms':>9s} {'lora ms':>9s} {'both ms':>9s} {'ratio':>7s} {'per-proj ms':>11s}"]
+             f"{'case':34s} {'base ms':>9s} {'lora ms':>9s} {'both ms':>9s} {'ratio':>7s} {'per-proj ms':>11s}"
+             f" {'dense ratio':>11s} {'no-dense':>8s}"]
     for row in rows:
         per_projection = row.get("lora_per_projection_ms")
+        forms = row.get("forms", {})
         lines.append(f"{row['case']:34s} {row['base_ms']:9.3f} {row['lora_ms']:9.3f} {row['base_plus_lora_ms']:9.3f} "
-                     f"{row['ratio']:7.3f} " + (f"{per_projection:11.3f}" if per_projection is not None else ""))
+                     f"{row['ratio']:7.3f} " + (f"{per_projection:11.3f}" if per_projection is not None else " " * 11)
+                     + "".join(f" {forms[form]['ratio']:{width}.3f}" for form, width in (("dense", 11), ("no_dense", 8))
+                               if form in forms))
     return "\n".join(lines)
 
 
@@ -119,6 +128,9 @@ def format_engine_table(result: dict[str, Any]) -> str:
         met = result[key] >= bound if sign == ">=" else result[key] <= bound
         lines.append(f"{label:38s} {base_value:10.2f} {lora_value:10.2f} {result[key]:7.3f}  {sign} {bound:.2f} "
                      f"{'ok' if met else 'MISSED'}")
+    for variant, values in result.get("kernel_variants", {}).items():
+        lines.append(f"  with TREADLE_LORA_KERNELS={variant}: offline {values['offline_ratio']:.3f}x, bs=1 "
+                     f"{values['bs1_step_ratio']:.3f}x, bs=32 {values['bs32_step_ratio']:.3f}x")
     return "\n".join(lines)
 
 
@@ -146,7 +158,8 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
             "lora.backend": args.backend}
     workload = build_workload("random", args.num_prompts, usable_token_ids(shape["vocab_size"]), seed=args.seed,
                               input_len=parse_len_range(args.input_len), output_len=parse_len_range(args.output_len))
-    result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens)
+    result = run_engine_side(base, lora, list(paths), workload, args.spread, args.repeats, args.decode_tokens,
+                             tuple(args.engine_kernels))
     result["workload"] = workload.summary()
     result["adapters_written_s"] = written_s
     return result
@@ -176,7 +189,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --sweep: a LoRAKernelChoice to time instead of the built-in list (repeatable), "
                              "e.g. go_ahead=0 or shrink_tile=16384,busy_programs=1024")
     parser.add_argument("--sizes", metavar="N,N,...",
-                        help="with --sweep: only these decode batch sizes (of 1, 8, 32, 64, 128, 256, 512)")
+                        help="with --sweep: only these sizes in tokens (of 1, 8, 32, 64, 128, 256, 512, 1024, 4096)")
+    parser.add_argument("--slots", type=int,
+                        help="kernels part: resident adapter slots (default: the cases' largest adapter count)")
+    parser.add_argument("--engine-kernels", action="append", default=[], metavar="FIELD=N,...",
+                        help="engine part: run the adapters' side once more with this TREADLE_LORA_KERNELS text "
+                             "(repeatable), e.g. dense_above=1048576 for the engine without the dense form")
     parser.add_argument("--output", help="JSON path (default <results folder>/lora_<gpu>_<date>.json)")
     return parser
 

@@ -15,12 +15,14 @@ Needs the LoRA side of the engine (config ``lora.*`` and ``Engine.generate(..., 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -86,15 +88,43 @@ def _random(rows: int, cols: int, gen: torch.Generator, device: str) -> torch.Te
 
 
 def run_engine_side(base_overrides: dict[str, Any], lora_overrides: dict[str, Any], adapters: list[str],
-                    workload: Workload, spread: int, repeats: int, decode_tokens: int) -> dict[str, Any]:
-    """Offline throughput and bs=1 / bs=32 decode steps of the base model, then of the model with adapters."""
+                    workload: Workload, spread: int, repeats: int, decode_tokens: int,
+                    kernel_variants: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Offline throughput and bs=1 / bs=32 decode steps of the base model, then of the model with adapters; then
+    once more with adapters per ``kernel_variants`` entry (``TREADLE_LORA_KERNELS`` text, e.g.
+    ``dense_above=1048576``: the triton backend's choice for that engine), its ratios against the same base."""
     base = _measure(base_overrides, workload, None, repeats, decode_tokens)
-    offline_names = [adapters[i % spread] for i in range(workload.num_requests)]
-    with_lora = _measure({**base_overrides, **lora_overrides}, workload, {"offline": offline_names, "bs1": adapters[:1],
-                                                                          "bs32": adapters[:32]},
-                         repeats, decode_tokens)
-    return {"base": base, "lora": with_lora, "spread_over_adapters": spread,
-            "offline_ratio": with_lora["offline_output_tok_s"] / base["offline_output_tok_s"],
+    names = {"offline": [adapters[i % spread] for i in range(workload.num_requests)], "bs1": adapters[:1],
+             "bs32": adapters[:32]}
+    with_lora = _measure({**base_overrides, **lora_overrides}, workload, names, repeats, decode_tokens)
+    result = {"base": base, "lora": with_lora, "spread_over_adapters": spread, **_ratios(with_lora, base)}
+    if kernel_variants:
+        result["kernel_variants"] = {}
+    for variant in kernel_variants:
+        with _kernels_env(variant):
+            measured = _measure({**base_overrides, **lora_overrides}, workload, names, repeats, decode_tokens)
+        result["kernel_variants"][variant] = {"lora": measured, **_ratios(measured, base)}
+        print(f"kernels {variant}: offline {result['kernel_variants'][variant]['offline_ratio']:.3f}x the base",
+              flush=True)
+    return result
+
+
+@contextlib.contextmanager
+def _kernels_env(text: str) -> Iterator[None]:
+    """``TREADLE_LORA_KERNELS=text`` while an engine is built and run (its triton backend reads it when built)."""
+    before = os.environ.get("TREADLE_LORA_KERNELS")
+    os.environ["TREADLE_LORA_KERNELS"] = text
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TREADLE_LORA_KERNELS"]
+        else:
+            os.environ["TREADLE_LORA_KERNELS"] = before
+
+
+def _ratios(with_lora: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    return {"offline_ratio": with_lora["offline_output_tok_s"] / base["offline_output_tok_s"],
             "bs1_step_ratio": with_lora["bs1_step_ms"] / base["bs1_step_ms"],
             "bs32_step_ratio": with_lora["bs32_step_ms"] / base["bs32_step_ms"]}
 

@@ -8,7 +8,8 @@ layer), both, and the deltas per projection (a shrink and an expand into each pr
 launches a layer: the form before the projections were stacked, for comparison). Every layer has its own weights
 and its own stacked adapters, so a step reads them from memory as a decode step does, not from L2. The ratio
 ``(base + LoRA) / base`` is what the deltas add to the linear layers' time; the whole decode step (attention, norms,
-sampling) is the end-to-end half's business.
+sampling) is the end-to-end half's business. For the ``triton`` backend each case also times the dense form
+(kernels/lora_dense.py: cuBLAS GEMMs over every slot) forced on and off, so one run shows where it wins.
 
 :func:`run_kernel_sweep` (``--sweep``) times the ``triton`` backend's kernel tunables (kernels/lora_choice.py's
 ``LoRAKernelChoice``: the PDL go-ahead, gather tiles, split-K reach) against its default, per decode size, each as
@@ -46,29 +47,44 @@ class KernelCase:
 
 
 CASES = (KernelCase("bs=1 decode, one adapter", 1, 1), KernelCase("bs=32 decode, 32 adapters", 32, 32),
-         KernelCase("bs=256 decode, 16 adapters", 256, 16),
+         KernelCase("bs=256 decode, 16 adapters", 256, 16), KernelCase("1024 decode tokens, 16 adapters", 1024, 16),
+         KernelCase("4096-token prefill, 16 adapters", 4096, 16, prefill=True),
          KernelCase("8192-token prefill, 16 adapters", 8192, 16, prefill=True))
+# The triton backend's add_delta with the dense form at every size, and never (the gather / sorted forms).
+DENSE_FORMS = {"dense": {"dense_above": 0}, "no_dense": {"dense_above": 1 << 20}}
 
 
 def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...] = CASES,
-                     replays: int = 20) -> list[dict[str, Any]]:
-    """Each case's base, LoRA and combined device milliseconds per 32-layer step, and the ratio."""
+                     replays: int = 20, slots: int | None = None) -> list[dict[str, Any]]:
+    """Each case's base, LoRA and combined device milliseconds per 32-layer step, and the ratio; for the triton
+    backend also ``forms``: the LoRA and combined milliseconds with the dense form forced on and off."""
     from treadle.core.registry import build_registry
+    from treadle.kernels.lora_choice import LoRAKernelChoice
 
     dtype, device = torch.bfloat16, torch.device("cuda")
-    max_slots = max(case.adapters for case in cases)
+    max_slots = slots or max(case.adapters for case in cases)
     backend = build_registry().get("lora_backends", backend_name)(max_slots, rank, device, dtype)
     layers = [_Layer(max_slots, rank, dtype, device, seed=i) for i in range(NUM_LAYERS)]
     results = []
     for case in cases:
-        base_s, lora_s, both_s, split_s = _case_seconds(
-            layers, _Inputs(case, layers[0], dtype, device), backend, replays)
-        results.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "rank": rank,
-                        "backend": backend_name, "base_ms": 1e3 * base_s, "lora_ms": 1e3 * lora_s,
-                        "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s,
-                        "lora_per_projection_ms": 1e3 * split_s})
+        inputs = _Inputs(case, layers[0], dtype, device)
+        base_s, lora_s, both_s, split_s = _case_seconds(layers, inputs, backend, replays)
+        row = {"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "slots": max_slots,
+               "rank": rank, "backend": backend_name, "base_ms": 1e3 * base_s, "lora_ms": 1e3 * lora_s,
+               "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s, "lora_per_projection_ms": 1e3 * split_s}
+        if hasattr(backend, "kernel_choice"):
+            default, row["forms"] = backend.kernel_choice, {}
+            for form, fields in DENSE_FORMS.items():
+                backend.kernel_choice = LoRAKernelChoice(**fields)
+                form_s = _graph_seconds(lambda: _lora(layers, inputs, backend), replays)
+                form_both_s = _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays)
+                row["forms"][form] = {"lora_ms": 1e3 * form_s, "ratio": form_both_s / base_s}
+            backend.kernel_choice = default
+        results.append(row)
         print(f"{case.label}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, both {1e3 * both_s:.3f} ms, "
-              f"LoRA per projection {1e3 * split_s:.3f} ms", flush=True)
+              f"LoRA per projection {1e3 * split_s:.3f} ms"
+              + "".join(f", {form} {values['ratio']:.3f}x" for form, values in row.get("forms", {}).items()),
+              flush=True)
         torch.cuda.empty_cache()
     return results
 
@@ -79,7 +95,8 @@ def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...]
 SWEEP_CASES = (KernelCase("bs=1, 1 adapter", 1, 1), KernelCase("bs=8, 8 adapters", 8, 8),
                KernelCase("bs=32, 32 adapters", 32, 32), KernelCase("bs=64, 16 adapters", 64, 16),
                KernelCase("bs=128, 16 adapters", 128, 16), KernelCase("bs=256, 16 adapters", 256, 16),
-               KernelCase("bs=512, 16 adapters", 512, 16))
+               KernelCase("bs=512, 16 adapters", 512, 16), KernelCase("1024 tokens, 16 adapters", 1024, 16),
+               KernelCase("4096-token prefill, 16", 4096, 16, prefill=True))
 SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"sort_above": 1 << 20},  # no sorted form: gather / slot-grouped / segmented over unsorted tokens
                  {"sort_above": 32},  # the sorted form from 33 tokens (bs=64 over 16 adapters: 4 tokens each)
@@ -88,18 +105,22 @@ SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"shrink_tile": 16384, "expand_tile": 16384},  # wider loads, fewer programs
                  {"shrink_tile": 4096, "expand_tile": 4096},  # more programs in flight
                  {"busy_programs": 1024},  # split-K shrinks and narrow expand blocks up to bs~32
-                 {"busy_programs": 1024, "split_k": 1024})
+                 {"busy_programs": 1024, "split_k": 1024},
+                 # the dense form (cuBLAS over every slot) past 1 token, i.e. at every size but bs=1, and never
+                 {"dense_above": 1}, {"dense_above": 1 << 20})
 
 
 def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,
-                     cases: tuple[KernelCase, ...] = SWEEP_CASES, replays: int = 20) -> list[dict[str, Any]]:
+                     cases: tuple[KernelCase, ...] = SWEEP_CASES, replays: int = 20,
+                     slots: int | None = None) -> list[dict[str, Any]]:
     """Per case, the base matmuls once, then base + LoRA deltas with each ``LoRAKernelChoice(**fields)`` of
-    ``choices``: one row each."""
+    ``choices``: one row each. ``slots``: resident adapter slots (default the cases' largest adapter count; the
+    dense form's work grows with it)."""
     from treadle.core.registry import build_registry
     from treadle.kernels.lora_choice import LoRAKernelChoice
 
     dtype, device = torch.bfloat16, torch.device("cuda")
-    max_slots = max(case.adapters for case in cases)
+    max_slots = slots or max(case.adapters for case in cases)
     backend = build_registry().get("lora_backends", "triton")(max_slots, rank, device, dtype)
     layers = [_Layer(max_slots, rank, dtype, device, seed=i) for i in range(NUM_LAYERS)]
     built = [LoRAKernelChoice(**fields) for fields in choices]
@@ -111,7 +132,8 @@ def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOI
             backend.kernel_choice = choice
             lora_s = _graph_seconds(lambda: _lora(layers, inputs, backend), replays)
             both_s = _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays)
-            rows.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "rank": rank,
+            rows.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "slots": max_slots,
+                         "rank": rank,
                          "choice": choice.name, "fields": choices[i], "base_ms": 1e3 * base_s,
                          "lora_ms": 1e3 * lora_s, "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s})
             print(f"{case.label}: {choice.name}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, "
@@ -131,7 +153,8 @@ def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any,
 
 class _Layer:
     """One decoder layer's fused base weights and, per fused weight, its projections' adapters stacked as the
-    engine stacks them (:class:`StackedLoRA`; small random values, every slot of rank ``rank``)."""
+    engine stacks them (:class:`StackedLoRA` with its dense copy of ``B``; small random values, every slot of rank
+    ``rank``)."""
 
     def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device, seed: int) -> None:
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -150,7 +173,7 @@ class _Layer:
                 b=torch.randn(slots, sum(widths), rank, device=device, generator=gen, dtype=dtype) * 0.02,
                 scalings=torch.full((len(parts), slots), 2.0, device=device),
                 ranks=torch.full((len(parts), slots), rank, dtype=torch.int32, device=device),
-                segments=tuple((start, start + width) for start, width in zip(starts, widths)))
+                segments=tuple((start, start + width) for start, width in zip(starts, widths))).with_dense_b()
 
 
 class _Inputs:

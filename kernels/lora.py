@@ -16,7 +16,8 @@ The form is picked by the number of tokens (and the stacked ranks) alone, so a C
 whatever the ids. ``add_delta`` past ``LoRAKernelChoice.sort_above`` (64) tokens runs the **sorted** form
 (kernels/lora_sorted.py: tensor-core tiles over the tokens in slot order, each adapter's weights read once per
 block of sorted tokens); the forms below serve it up to there, and ``shrink``/``expand`` (and ``add_delta`` with a
-larger ``sort_above``) at every size:
+larger ``sort_above``) at every size. (Past ``dense_above`` tokens the triton backend calls kernels/lora_dense.py's
+``add_delta_dense`` instead, where its layers keep the dense copy of ``b``: cuBLAS GEMMs over every slot.)
 
 - **gather** (decode: up to 64 tokens, and the shrink up to ``4096 // rows``): each program takes one token and a
   block of ranks (shrink) or of output columns (expand), loads its adapter's rows through the token's slot (one
@@ -53,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice
+from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice, choice_from_env  # noqa: F401  (the backend's)
+from treadle.kernels.lora_dense import add_delta_dense  # noqa: F401  (the triton backend reads it here)
 from treadle.kernels.lora_sorted import add_delta_sorted, sort_by_adapter, sorts
 from treadle.kernels.lora_tiles import MAX_PROJECTIONS  # noqa: F401  (the triton backend reads it here)
 from treadle.kernels.lora_tiles import (dot, expand_segmented, ieee_dot, load_h, projection_stride, segment,

@@ -14,6 +14,18 @@ instead: the tokens in slot order (one device-side sort a step), so a block of t
 whose ``a`` and ``b`` tiles it reads once and multiplies on tensor cores, where the gather kernels read them once
 per token; ``sort_programs`` is how many programs its shrink aims for (it splits ``in`` to get them), and
 ``sort_columns`` how many output columns each expand program covers (it adds up the shrink's slices once for them).
+
+Past ``dense_above`` tokens, where the layer's slots stack no more than ``dense_max_stack`` rank rows (``slots *
+max_rank``), it runs the dense form (kernels/lora_dense.py): every slot's ``A`` in one cuBLAS GEMM a layer and
+every slot's ``B`` in one a projection, each token's own slot kept by a mask. Its extra work is ``slots * max_rank *
+(in + out)`` multiply-adds a token and layer whatever adapters the batch holds (at Llama-3.1-8B's widths 9.6% of
+the base layers' at a stack of 256, 19% at 512), every slot's weights read once a step (1.3 GB at 256, 2.7 GB at
+512) and 13 launches a layer, so it pays only where a batch has many tokens. ``dense_above`` = 128 is above the
+decode sizes the gather kernels serve and below bs=256, where the unsorted forms measured 2.17x the base matmuls
+and a roofline estimate of the dense form (its GEMMs at 650 TFLOP/s or 3 TB/s, 2.5 us a launch) gives 1.40x at 16
+slots, 1.48x at 32; past ~1000 tokens the estimate is 1.15-1.26x, about what the segmented tiles measured on an
+8192-token prefill (1.17x). ``treadle bench lora --part kernels --sweep`` times it against the other forms at
+every size (``dense_above=1`` / ``dense_above=1048576``).
 """
 
 from __future__ import annotations
@@ -31,7 +43,10 @@ class LoRAKernelChoice:
     columns each (the shrink) or narrows its column blocks to 64 (the expand); ``sort_above``: batches of more
     tokens take the sorted form (a large value keeps the gather / slot-grouped / segmented forms of unsorted
     tokens); ``sort_programs``: the programs the sorted shrink aims for; ``sort_columns``: output columns of one
-    projection a sorted expand program covers (it reads its rows' partial sums once for all of them)."""
+    projection a sorted expand program covers (it reads its rows' partial sums once for all of them);
+    ``dense_above``: batches of more tokens take the dense form (library GEMMs over every slot) where the slots'
+    stack ``slots * max_rank`` is at most ``dense_max_stack`` (a larger stack never takes it, and its layers keep no
+    dense copy of ``B``)."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -41,6 +56,8 @@ class LoRAKernelChoice:
     sort_above: int = 64
     sort_programs: int = 128
     sort_columns: int = 256
+    dense_above: int = 128
+    dense_max_stack: int = 512
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):
@@ -69,6 +86,11 @@ def choice_fields(text: str) -> dict[str, int]:
     return fields
 
 
-# What the triton backend runs; TREADLE_LORA_KERNELS (the same FIELD=N,... text as ``treadle bench lora --sweep
-# --choice``) overrides it for A/B runs of the engine.
-DEFAULT = LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
+def choice_from_env() -> LoRAKernelChoice:
+    """The default choice with ``TREADLE_LORA_KERNELS``'s fields (the same FIELD=N,... text as ``treadle bench lora
+    --sweep --choice``): what a triton backend built now runs, for A/B runs of the engine."""
+    return LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
+
+
+# The choice when this module was imported: the two-call shrink/expand's.
+DEFAULT = choice_from_env()

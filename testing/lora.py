@@ -45,7 +45,8 @@ def check_lora_backend(
     - a batch where no token has an adapter adds nothing;
     - ``add_delta`` (for each number of tokens in ``stacked_token_counts``, default ``token_counts``) adds three
       stacked projections' deltas, each slot of its own rank per projection, into their columns of a layer's
-      output in place: rows of ``NO_ADAPTER`` tokens and the columns outside the projections left bit for bit;
+      output in place: rows of ``NO_ADAPTER`` tokens and the columns outside the projections left bit for bit
+      (the weights carry ``dense_b``, for a backend that ``wants_dense_b``);
     - on a CUDA device: shrink and expand, and add_delta, captured in a CUDA graph and replayed with other adapter ids (and other
       inputs) give what they give eagerly.
 
@@ -141,7 +142,8 @@ class _StackedWeights:
         self.width = start + 4
         self.weights = StackedLoRA(a.to(device, dtype), b.to(device, dtype),
                                    (torch.rand(count, slots, generator=generator) * 2 + 0.25).to(device),
-                                   torch.tensor(_STACKED_RANKS, dtype=torch.int32, device=device), tuple(segments))
+                                   torch.tensor(_STACKED_RANKS, dtype=torch.int32, device=device),
+                                   tuple(segments)).with_dense_b()  # for a backend that wants_dense_b
         self.tolerance = 1e-4 if dtype == torch.float32 else 3e-2
         self.dtype, self.device = dtype, device
 

@@ -20,7 +20,9 @@ backend that has only those works unchanged; the built-ins override it to shrink
 ``adapter_order_above`` is a number ``n`` also receives ``order=``: for batches of more than ``n`` tokens the
 step's token indices sorted by slot (stable, tokens without an adapter first; ``BatchContext.adapter_order``),
 sorted once a step on the device, so kernels can work on blocks of tokens that share an adapter without sorting
-in every layer; ``order`` may be None (a smaller batch, or a step whose context has none).
+in every layer; ``order`` may be None (a smaller batch, or a step whose context has none). A backend whose
+``wants_dense_b`` is true gets :attr:`StackedLoRA.dense_b` too (a second copy of ``b``, transposed and scaled, kept
+current by whoever loads the slots), for a form that multiplies every slot's ``B`` in one library GEMM.
 
 All of them must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
 same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic within the dtype's
@@ -29,6 +31,7 @@ rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -40,13 +43,19 @@ class StackedLoRA:
     """The adapters of one linear layer, its ``P`` projections stacked: ``a`` ``[slots, P * R, in]`` (projection
     ``p``'s ``A`` in rows ``p * R`` to ``(p + 1) * R``), ``b`` ``[slots, width, R]`` whose row ``n`` is output column
     ``n`` (projection ``p``'s ``B`` in the rows of its columns, ``segments[p]`` = ``(start, end)``), ``scalings``
-    ``[P, slots]`` float32 and ``ranks`` ``[P, slots]`` int32 (0: the slot's adapter leaves the projection alone)."""
+    ``[P, slots]`` float32 and ``ranks`` ``[P, slots]`` int32 (0: the slot's adapter leaves the projection alone).
+
+    ``dense_b`` (None unless the backend ``wants_dense_b``): ``[slots, R, width]``, each slot's ``b`` transposed with
+    its projection's scaling folded in (``dense_b[s, r, n] = scalings[p, s] * b[s, n, r]`` for ``n`` in
+    ``segments[p]``), so ``dense_b.view(slots * R, width)`` is every slot's ``B`` stacked along the reduction: one
+    GEMM expands a batch over all slots (:meth:`with_dense_b` computes it)."""
 
     a: torch.Tensor
     b: torch.Tensor
     scalings: torch.Tensor
     ranks: torch.Tensor
     segments: tuple[tuple[int, int], ...]
+    dense_b: torch.Tensor | None = None
 
     @property
     def rank_dim(self) -> int:
@@ -59,6 +68,16 @@ class StackedLoRA:
         rank, (start, end) = self.rank_dim, self.segments[p]
         return self.a[:, p * rank:(p + 1) * rank], self.b[:, start:end], self.scalings[p], self.ranks[p]
 
+    def with_dense_b(self) -> "StackedLoRA":
+        """These weights with :attr:`dense_b` computed from ``b`` and ``scalings`` (rounded once, to ``b``'s
+        dtype)."""
+        dense_b = torch.zeros(self.b.shape[0], self.b.shape[2], self.b.shape[1], dtype=self.b.dtype,
+                              device=self.b.device)
+        for p, (start, end) in enumerate(self.segments):
+            scaled = self.b[:, start:end].float() * self.scalings[p].view(-1, 1, 1)
+            dense_b[:, :, start:end] = scaled.transpose(1, 2).to(self.b.dtype)
+        return dataclasses.replace(self, dense_b=dense_b)
+
 
 class LoRABackend(ABC):
     """Shrink and expand for a batch of tokens whose adapters differ (module docstring)."""
@@ -66,6 +85,9 @@ class LoRABackend(ABC):
     #: :meth:`add_delta` takes ``order=`` (the batch's tokens sorted by slot, for batches of more tokens than
     #: this; module docstring); None: it takes no ``order``, and no step sorts its adapters for it.
     adapter_order_above: int | None = None
+    #: The layers' :class:`StackedLoRA` carry ``dense_b`` (a second copy of every slot's ``B``: the same memory
+    #: again) for this backend's ``add_delta``.
+    wants_dense_b: bool = False
 
     @abstractmethod
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,

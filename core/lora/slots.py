@@ -44,6 +44,7 @@ class ProjectionSlots:
     in_start: int
     out_start: int
     out_offset: int
+    dense_b: torch.Tensor | None = None  # [slots, R, rows]: b transposed and scaled (StackedLoRA.dense_b)
 
     @property
     def out_rows(self) -> int:
@@ -55,6 +56,8 @@ class ProjectionSlots:
         with torch.inference_mode():
             self.a[slot].zero_()
             self.b[slot].zero_()
+            if self.dense_b is not None:
+                self.dense_b[slot].zero_()
             if module is None:
                 self.scalings[slot] = 0.0
                 self.ranks[slot] = 0
@@ -64,6 +67,8 @@ class ProjectionSlots:
             self.b[slot, :, :rank].copy_(module.b[self.out_start:self.out_start + rows], non_blocking=True)
             self.scalings[slot] = module.scaling
             self.ranks[slot] = rank
+            if self.dense_b is not None:  # zero past the rank, as b is
+                self.dense_b[slot].copy_((self.b[slot].float() * module.scaling).T.to(self.dense_b.dtype))
 
 
 class LayerSlots:
@@ -85,11 +90,16 @@ class LayerSlots:
                 b=torch.zeros(slots, width, max_rank, dtype=dtype, device=device),
                 scalings=torch.zeros(count, slots, dtype=torch.float32, device=device),
                 ranks=torch.zeros(count, slots, dtype=torch.int32, device=device),
-                segments=tuple((out_offset, out_offset + rows) for *_, out_offset, rows in shapes))
+                segments=tuple((out_offset, out_offset + rows) for *_, out_offset, rows in shapes),
+                dense_b=(torch.zeros(slots, max_rank, width, dtype=dtype, device=device)
+                         if backend.wants_dense_b else None))
         self.projections = []
         for p, ((name, _), (_, _, out_start, out_offset, _)) in enumerate(zip(named, shapes)):
             a, b, scalings, ranks = self.weights.projection(p)
-            self.projections.append(ProjectionSlots(name, a, b, scalings, ranks, in_start, out_start, out_offset))
+            start, end = self.weights.segments[p]
+            dense_b = None if self.weights.dense_b is None else self.weights.dense_b[:, :, start:end]
+            self.projections.append(ProjectionSlots(name, a, b, scalings, ranks, in_start, out_start, out_offset,
+                                                    dense_b))
         reads = dataclasses.replace(READS, adapter_order_above=backend.adapter_order_above)
         self.remove = layer.add_output_delta(self.delta, reads, in_place=True)
 

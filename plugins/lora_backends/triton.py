@@ -2,7 +2,9 @@
 use different adapters of different ranks, decode (one token per program, gathered through its slot) and prefill
 (tensor-core tiles over blocks of tokens that share an adapter) alike. ``add_delta`` is a layer's whole LoRA path in
 two launches: one shrink for its stacked projections, one expand into the layer's output in place; past
-``LoRAKernelChoice.sort_above`` tokens over the tokens sorted by adapter (``order=``, sorted once a step).
+``LoRAKernelChoice.sort_above`` tokens over the tokens sorted by adapter (``order=``, sorted once a step); past
+``dense_above`` tokens as cuBLAS GEMMs over every slot at once (kernels/lora_dense.py), where the slots' stack is
+small enough (``dense_max_stack``) that the layers keep the dense copy of ``B`` it reads.
 
 Registered even where Triton is missing (so ``treadle plugins`` lists it); building it there fails with the
 install hint. Triton is imported only when the backend is built.
@@ -32,7 +34,8 @@ class TritonLoRABackend(LoRABackend):
             )
         self.max_slots, self.max_rank, self.dtype = max_slots, max_rank, dtype
         self._kernels = _import_kernels()
-        self.kernel_choice = self._kernels.DEFAULT  # add_delta's tiles and PDL hand-over (kernels/lora_choice.py)
+        # add_delta's forms, tiles and PDL hand-over (kernels/lora_choice.py), TREADLE_LORA_KERNELS read when built
+        self.kernel_choice = self._kernels.choice_from_env()
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
                ranks: torch.Tensor) -> torch.Tensor:
@@ -43,12 +46,22 @@ class TritonLoRABackend(LoRABackend):
         self._kernels.expand(h, b, adapter_ids, ranks, out)
 
     @property
+    def wants_dense_b(self) -> bool:
+        """The layers keep ``StackedLoRA.dense_b`` for the dense form where the stack of slots is small enough."""
+        return self.max_slots * self.max_rank <= self.kernel_choice.dense_max_stack
+
+    @property
     def adapter_order_above(self) -> int:
         """Batches of more tokens than this run the sorted form (kernels/lora_sorted.py), over ``order=``."""
         return self.kernel_choice.sort_above
 
     def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor,
                   order: torch.Tensor | None = None) -> None:
+        choice = self.kernel_choice
+        if (weights.dense_b is not None and x.shape[0] > choice.dense_above
+                and weights.a.shape[0] * weights.rank_dim <= choice.dense_max_stack):
+            self._kernels.add_delta_dense(x, weights.a, weights.dense_b, adapter_ids, weights.segments, out)
+            return
         if len(weights.segments) > self._kernels.MAX_PROJECTIONS:  # no such layer among the model families
             super().add_delta(x, weights, adapter_ids, out)
             return

@@ -35,6 +35,12 @@ def test_tables_mark_each_ratio_against_its_target() -> None:
     kernels = format_kernel_table([{"case": "bs=1 decode, one adapter", "backend": "triton", "rank": 16,
                                     "base_ms": 4.0, "lora_ms": 0.3, "base_plus_lora_ms": 4.2, "ratio": 1.05}])
     assert "bs=1 decode, one adapter" in kernels and "1.050" in kernels
+    dense = format_kernel_table([{"case": "4096-token prefill", "backend": "triton", "rank": 16, "base_ms": 80.0,
+                                  "lora_ms": 12.0, "base_plus_lora_ms": 92.0, "ratio": 1.15,
+                                  "forms": {"dense": {"lora_ms": 8.0, "ratio": 1.104},
+                                            "no_dense": {"lora_ms": 14.0, "ratio": 1.171}}}])
+    assert dense.splitlines()[1].split()[-2:] == ["ratio", "no-dense"]
+    assert dense.splitlines()[2].split()[-3:] == ["1.150", "1.104", "1.171"]  # default, dense on, dense off
     result = {"spread_over_adapters": 16, "offline_ratio": 0.9, "bs1_step_ratio": 1.2, "bs32_step_ratio": 1.1,
               "base": {"offline_output_tok_s": 1000.0, "bs1_step_ms": 5.0, "bs32_step_ms": 8.0},
               "lora": {"offline_output_tok_s": 900.0, "bs1_step_ms": 6.0, "bs32_step_ms": 8.8}}

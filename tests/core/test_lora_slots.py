@@ -34,3 +34,37 @@ def test_the_sorted_order_reaches_only_backends_that_take_it():
             layer(torch.ones(3, 4))
         got = backend.orders[0]
         assert (got.tolist() if isinstance(got, torch.Tensor) else got) == expected
+
+
+class WantsDenseB(TorchLoRABackend):
+    wants_dense_b = True
+
+
+def test_loading_an_adapter_keeps_the_dense_copy_of_b_current():
+    """A backend that ``wants_dense_b`` gets each slot's B transposed and scaled per projection, written when an
+    adapter is loaded into the slot (zeros past its rank and for a projection it leaves alone) and cleared with
+    it: what ``StackedLoRA.with_dense_b`` computes from ``b`` and the scalings."""
+    from treadle.core.lora.adapter import LoRAAdapter, LoRAModule
+    from treadle.layers.linear import MergedColumnParallelLinear
+
+    layer = MergedColumnParallelLinear(6, {"gate_proj": 5, "up_proj": 3})
+    named = [("mlp.gate_proj", "gate_proj"), ("mlp.up_proj", "up_proj")]
+    slots = LayerSlots(layer, named, WantsDenseB(3, 4, "cpu", torch.float32), 3, 4, torch.device("cpu"),
+                       torch.float32)
+    assert LayerSlots(layer, named, TorchLoRABackend(3, 4, "cpu", torch.float32), 3, 4, torch.device("cpu"),
+                      torch.float32).weights.dense_b is None
+    gen = torch.Generator().manual_seed(0)
+    adapter = LoRAAdapter("x", "/x", {"mlp.gate_proj": LoRAModule(torch.randn(2, 6, generator=gen),
+                                                                  torch.randn(5, 2, generator=gen), 1.5)})
+    other = LoRAAdapter("y", "/y", {"mlp.up_proj": LoRAModule(torch.randn(4, 6, generator=gen),
+                                                              torch.randn(3, 4, generator=gen), 0.25)})
+    for projection in slots.projections:
+        projection.load(2, adapter)
+        projection.load(1, other)
+    expected = slots.weights.with_dense_b().dense_b
+    assert torch.equal(slots.weights.dense_b, expected)
+    assert torch.equal(expected[2, :2, :5], 1.5 * adapter.modules["mlp.gate_proj"].b.T)
+    assert not expected[2, 2:].any() and not expected[2, :, 5:].any() and not expected[0].any()
+    for projection in slots.projections:
+        projection.load(2, None)
+    assert not slots.weights.dense_b[2].any() and torch.equal(slots.weights.dense_b[1], expected[1])

@@ -1,7 +1,8 @@
 """The engine with the `triton` LoRA backend, its kernels run by Triton's interpreter on the CPU: adapters of two
 ranks and the base model mixed in one batch give HF transformers + PEFT's tokens. The prefill (30 tokens) runs the
 sorted form (``sort_above=16``: the tokens in the batch context's ``adapter_order``), the decode steps (4 tokens)
-the gather kernels.
+the gather kernels. With ``dense_above=1`` every step runs the dense form instead (cuBLAS-style matmuls over every
+slot, kernels/lora_dense.py), adapters of ranks 8 and 64.
 
 Triton decides interpret-or-compile when first imported, so the engine runs in a fresh subprocess (this file as a
 script, TRITON_INTERPRET=1) that prints its outputs; the test compares them with PEFT's.
@@ -20,16 +21,16 @@ if __name__ == "__main__":
 import pytest
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 250, 11, 7, 64, 31, 2], [300, 301, 9]]
-NAMES = ["r8", None, "r32", "r32"]
+NAMES = ["r8", None, "big", "big"]
 NEW_TOKENS = 5
 MARKER = "LORA_ENGINE_JSON="
 
 
-def run_engine(base: str, adapters: dict[str, str]) -> list[list[int]]:
+def run_engine(base: str, adapters: dict[str, str], max_rank: int) -> list[list[int]]:
     from treadle import Engine
 
     config = {"model": {"path": base, "device": "cpu", "dtype": "float32"}, "cache": {"max_total_tokens": 512},
-              "lora": {"paths": adapters, "backend": "triton", "max_rank": 32},
+              "lora": {"paths": adapters, "backend": "triton", "max_rank": max_rank},
               "plugins": ["treadle.plugins.lora_backends.triton"]}
     with Engine(config) as engine:
         outputs = engine.generate(input_ids=[PROMPTS[i % 2] for i in range(len(NAMES))], lora_path=NAMES,
@@ -40,21 +41,31 @@ def run_engine(base: str, adapters: dict[str, str]) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_triton_backend_in_the_engine_matches_peft(tiny_llama_dir, tmp_path):
+    _check_engine_against_peft(tiny_llama_dir, tmp_path, 32, "sort_above=16")
+
+
+def test_dense_form_in_the_engine_matches_peft(tiny_llama_dir, tmp_path):
+    """Every step (the 30-token prefill, the 4-token decodes) through the dense form, ranks 8 and 64 mixed."""
+    _check_engine_against_peft(tiny_llama_dir, tmp_path, 64, "dense_above=1")
+
+
+def _check_engine_against_peft(tiny_llama_dir: str, tmp_path, big_rank: int, kernels: str) -> None:
     pytest.importorskip("triton")
     from peft_adapters import ALL_PROJECTIONS, make_peft_adapter, peft_greedy  # tests/ is on the path under pytest
 
     adapters = {"r8": make_peft_adapter(tiny_llama_dir, tmp_path / "r8", rank=8, targets=ALL_PROJECTIONS),
-                "r32": make_peft_adapter(tiny_llama_dir, tmp_path / "r32", rank=32, seed=4, std=0.05)}
+                "big": make_peft_adapter(tiny_llama_dir, tmp_path / "big", rank=big_rank, seed=4, std=0.05)}
     expected = {name: peft_greedy(tiny_llama_dir, path, PROMPTS, NEW_TOKENS) for name, path in adapters.items()}
     expected[None] = peft_greedy(tiny_llama_dir, None, PROMPTS, NEW_TOKENS)
-    result = subprocess.run([sys.executable, __file__, tiny_llama_dir, json.dumps(adapters)], capture_output=True,
-                            text=True, timeout=600,
-                            env={**os.environ, "TRITON_INTERPRET": "1", "TREADLE_LORA_KERNELS": "sort_above=16"})
+    result = subprocess.run([sys.executable, __file__, tiny_llama_dir, json.dumps(adapters), str(big_rank)],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "TRITON_INTERPRET": "1", "TREADLE_LORA_KERNELS": kernels})
     lines = [line for line in result.stdout.splitlines() if line.startswith(MARKER)]
     assert lines, result.stdout[-2000:] + result.stderr[-4000:]
     outputs = json.loads(lines[-1].removeprefix(MARKER))
     assert outputs == [expected[name][i % 2] for i, name in enumerate(NAMES)]
+    assert len({tuple(expected[name][0]) for name in expected}) == 3  # the adapters change the greedy tokens
 
 
 if __name__ == "__main__":
-    print(MARKER + json.dumps(run_engine(sys.argv[1], json.loads(sys.argv[2]))))
+    print(MARKER + json.dumps(run_engine(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))))

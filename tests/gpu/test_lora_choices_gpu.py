@@ -1,6 +1,6 @@
 """The ``triton`` LoRA backend's ``add_delta`` under the ``LoRAKernelChoice`` tunables that ``treadle bench lora
---sweep`` times (kernels/lora_choice.py: the PDL go-ahead, tiles, split-K reach) at Llama-3.1-8B's stacked shapes
-against the ``torch`` backend, and captured in a CUDA graph then replayed with other adapter ids."""
+--sweep`` times (kernels/lora_choice.py: the PDL go-ahead, tiles, split-K reach, the dense form) at Llama-3.1-8B's
+stacked shapes against the ``torch`` backend, and captured in a CUDA graph then replayed with other adapter ids."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), 
 
 # The default (go-ahead on; the sorted form past 64 tokens), the hand-over before it, the sweep's widest tiles and
 # widest split-K reach, the unsorted forms at every size, and the sorted form's other shapes (bench/lora_kernels.py
-# SWEEP_CHOICES).
+# SWEEP_CHOICES), and the dense form (cuBLAS over every slot) past 1 token and never (the default takes it past 128).
 CHOICES = ({}, {"go_ahead": 0}, {"shrink_tile": 16384, "expand_tile": 16384},
            {"busy_programs": 1024, "split_k": 1024}, {"sort_above": 1 << 20},
-           {"sort_programs": 256, "sort_columns": 128}, {"sort_columns": 512})
+           {"sort_programs": 256, "sort_columns": 128}, {"sort_columns": 512}, {"dense_above": 1},
+           {"dense_above": 1 << 20})
 
 
 def _choices():
@@ -47,7 +48,7 @@ def _stacked(in_features: int, widths: tuple[int, ...], max_rank: int, seed: int
             b[slot, start:start + width, rank:] = 0
         start += width
     scalings = torch.linspace(0.5, 2.0, SLOTS * count, device="cuda").view(count, SLOTS)
-    return StackedLoRA(a.bfloat16(), b.bfloat16(), scalings, ranks, tuple(segments))
+    return StackedLoRA(a.bfloat16(), b.bfloat16(), scalings, ranks, tuple(segments)).with_dense_b()
 
 
 def _ids(num_tokens: int, seed: int) -> torch.Tensor:

@@ -50,15 +50,15 @@ def _run(config: dict) -> tuple[list, int, int]:
         return outputs, decode.count, prefill.count
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton_sorted"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_sorted", "triton_dense"])
 def test_float32_matches_peft_through_cuda_graphs(real_shape_llama_dir, adapters, backend, monkeypatch):
     """``triton_sorted``: the sorted form from 3 tokens (LoRAKernelChoice.sort_above=2), so the decode graphs of 6
-    requests (8 rows) and the prefill graphs run it over the order their static context sorts each replay."""
-    if backend == "triton_sorted":
-        from treadle.kernels import lora
-        from treadle.kernels.lora_choice import LoRAKernelChoice
-
-        monkeypatch.setattr(lora, "DEFAULT", LoRAKernelChoice(sort_above=2))  # what the backend is built with
+    requests (8 rows) and the prefill graphs run it over the order their static context sorts each replay;
+    ``triton_dense``: the dense form from 3 tokens (dense_above=2), its mask built in the graphs from their static
+    slot ids."""
+    kernels = {"triton_sorted": "sort_above=2", "triton_dense": "dense_above=2"}.get(backend)
+    if kernels:
+        monkeypatch.setenv("TREADLE_LORA_KERNELS", kernels)  # read when the backend is built
         backend = "triton"
     references = {name: peft_greedy(real_shape_llama_dir, path, PROMPTS, GREEDY["max_new_tokens"])
                   for name, path in {**adapters, None: None}.items()}

@@ -169,12 +169,14 @@ def _stacked(in_features: int, widths: tuple[int, ...], max_rank: int, dtype: to
     (32, "distinct"), (64, "one"),  # gather
     (200, "distinct"), (1500, "prefill"),  # add_delta's sorted form (the two-call shrink/expand: grouped, segmented)
 ])
-def test_stacked_layers_match_torch(fused: str, num_tokens: int, layout: str) -> None:
+@pytest.mark.parametrize("dense_b", [False, True])  # with the dense copy of B: the dense form past 128 tokens
+def test_stacked_layers_match_torch(fused: str, num_tokens: int, layout: str, dense_b: bool) -> None:
     """add_delta on a fused layer (one shrink, one expand into its output) against each projection's float32
     reference in its columns."""
     in_features, widths = FUSED[fused]
     dtype, max_rank = torch.bfloat16, 64
     weights, pieces = _stacked(in_features, widths, max_rank, dtype)
+    weights = weights.with_dense_b() if dense_b else weights
     ids = _ids(num_tokens, layout, seed=num_tokens)
     x = torch.randn(num_tokens, in_features, device="cuda").to(dtype)
     out = torch.randn(num_tokens, sum(widths), device="cuda").to(dtype)
@@ -188,9 +190,11 @@ def test_stacked_layers_match_torch(fused: str, num_tokens: int, layout: str) ->
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 512])
 def test_stacked_graph_replay_with_changing_adapters(num_tokens: int) -> None:
-    """add_delta of a fused qkv captured once, replayed with other ids and inputs: what the eager call gives."""
+    """add_delta of a fused qkv captured once, replayed with other ids and inputs: what the eager call gives (512
+    tokens: the dense form, its mask built from the captured ids)."""
     dtype, max_rank = torch.bfloat16, 32
     weights, _ = _stacked(4096, (4096, 1024, 1024), max_rank, dtype)
+    weights = weights.with_dense_b()
     backend = _backend(max_rank, dtype)
     x = torch.randn(num_tokens, 4096, device="cuda").to(dtype)
     ids = _ids(num_tokens, "distinct", seed=0)

@@ -252,6 +252,61 @@ def run_sorted_scenario(name: str) -> dict:
     return result
 
 
+# The dense form (add_delta past LoRAKernelChoice.dense_above tokens: cuBLAS-style matmuls over every slot and a
+# Triton mask, kernels/lora_dense.py) against the torch backend and against the same backend without the dense copy
+# of B (its other forms). Scenario -> (token counts, dtype, max_rank, in, projection widths, padding rows, ranks
+# [P, slots], LoRAKernelChoice fields): either side of a threshold of 8 with ranks 16 and 8 mixed (a slot leaving
+# the last projection alone); a CUDA graph's shape in bf16 (the last rows padding without an adapter); ranks 8 and
+# 64 mixed, padded to 64.
+RANKS_8_64 = torch.tensor([[64, 8, 8, 64], [8, 64, 0, 64], [8, 8, 64, 0]], dtype=torch.int32)
+DENSE_SCENARIOS = {
+    "dense_around_threshold_fp32": ((8, 9, 40), torch.float32, 16, 48, (24, 8, 8), 0, MIXED_RANKS,
+                                    {"dense_above": 8}),
+    "dense_graph_padded_bf16": ((200,), torch.bfloat16, 16, 200, (24, 8, 8), 24, MIXED_RANKS, {}),
+    "dense_ranks_8_and_64_fp32": ((150,), torch.float32, 64, 40, (24, 16, 8), 0, RANKS_8_64, {}),
+}
+
+
+def run_dense_scenario(name: str) -> dict:
+    import dataclasses
+
+    from treadle.core.execution.batch_context import adapter_order
+    from treadle.kernels import lora
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+    from treadle.plugins.lora_backends.torch import TorchLoRABackend
+    from treadle.plugins.lora_backends.triton import TritonLoRABackend
+
+    counts, dtype, max_rank, in_features, widths, padding, ranks, fields = DENSE_SCENARIOS[name]
+    slots = ranks.shape[1]
+    result = {"tolerance": 1e-5 if dtype == torch.float32 else TOLERANCE[dtype], "errors": [], "other_forms": [],
+              "no_adapter_rows_untouched": True, "outside_untouched": True, "dense_calls": []}
+    dense = lora.add_delta_dense
+    lora.add_delta_dense = lambda x, *args: (result["dense_calls"].append(x.shape[0]), dense(x, *args))[1]
+    try:
+        for num_tokens in counts:
+            x, weights, ids, out = make_stacked_case(num_tokens, dtype, max_rank, in_features, widths, seed=num_tokens,
+                                                     ranks=ranks)
+            ids[num_tokens - padding:] = NO_ADAPTER
+            expected = out.float().clone()
+            TorchLoRABackend(slots, max_rank, "cpu", torch.float32).add_delta(x.float(), _float_weights(weights), ids,
+                                                                              expected)
+            backend = TritonLoRABackend(slots, max_rank, "cpu", dtype)
+            backend.kernel_choice = LoRAKernelChoice(**fields)
+            got, other = out.clone(), out.clone()
+            backend.add_delta(x, weights.with_dense_b(), ids, got, order=adapter_order(ids))
+            backend.add_delta(x, dataclasses.replace(weights, dense_b=None), ids, other, order=adapter_order(ids))
+            none, (first, last) = ids == NO_ADAPTER, (weights.segments[0][0], weights.segments[-1][1])
+            result["errors"].append(_relative_error(got, expected.double()))
+            result["other_forms"].append(_relative_error(got, other.double()))
+            result["no_adapter_rows_untouched"] &= torch.equal(got[none], out[none])
+            result["outside_untouched"] &= torch.equal(got[:, :first], out[:, :first]) and torch.equal(
+                got[:, last:], out[:, last:])
+    finally:
+        lora.add_delta_dense = dense
+    result["wants_dense_b"] = [TritonLoRABackend(s, r, "cpu", dtype).wants_dense_b for s, r in ((32, 16), (32, 32))]
+    return result
+
+
 def _float_weights(weights):
     import dataclasses
 
@@ -277,6 +332,7 @@ def _run_all() -> dict:
     jobs = {**{name: (run_scenario, name) for name in SCENARIOS},
             **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
             **{name: (run_sorted_scenario, name) for name in SORTED_SCENARIOS},
+            **{name: (run_dense_scenario, name) for name in DENSE_SCENARIOS},
             "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
@@ -343,6 +399,21 @@ def test_sorted_form_matches_torch_backend(name: str, interpreted_results: dict[
     assert result["no_adapter_rows_untouched"], "add_delta changed rows of tokens without an adapter"
     if name == "sorted_around_threshold_fp32":
         assert result["splits"][1] == 4  # 9 tokens: one block, in=512 over four slices
+
+
+@pytest.mark.parametrize("name", list(DENSE_SCENARIOS))
+def test_dense_form_matches_torch_backend(name: str, interpreted_results: dict[str, dict]) -> None:
+    """Past ``dense_above`` tokens, with the layer's dense copy of B, the deltas are the torch backend's (and the
+    other forms') within the dtype's rounding, rows without an adapter and columns outside the projections left
+    bit for bit; a stack of slots past ``dense_max_stack`` keeps no dense copy."""
+    result = interpreted_results[name]
+    assert "traceback" not in result, result.get("traceback")
+    counts, fields = DENSE_SCENARIOS[name][0], DENSE_SCENARIOS[name][-1]
+    assert result["dense_calls"] == [count for count in counts if count > fields.get("dense_above", 128)]
+    assert max(result["errors"]) <= result["tolerance"], f"relative errors {result['errors']}"
+    assert max(result["other_forms"]) <= 2 * result["tolerance"], f"against the other forms {result['other_forms']}"
+    assert result["no_adapter_rows_untouched"] and result["outside_untouched"]
+    assert result["wants_dense_b"] == [True, False]  # 32 slots x rank 16 = 512 rank rows; rank 32 is past the cap
 
 
 def test_backend_passes_conformance_kit(interpreted_results: dict[str, dict]) -> None:

@@ -206,7 +206,7 @@ def _model_kernels() -> dict:
 
 
 def _lora_kernels() -> dict:
-    from treadle.kernels import lora, lora_sorted, lora_tiles
+    from treadle.kernels import lora, lora_dense, lora_sorted, lora_tiles
 
     shrink = {"X": "*bf16", "A": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "H": "*bf16"}
     expand = {"H": "*bf16", "B": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "Out": "*bf16"}
@@ -251,6 +251,9 @@ def _lora_kernels() -> dict:
         "lora_expand_sorted": lambda: _compile(
             lora_sorted._expand_sorted_kernel, {**summed, "Order": "*i64"}, set(),
             dict(GROUP=4, BLOCK_M=64, BLOCK_N=128, BLOCK_R=16, SPLIT=16, IEEE=False)),
+        "lora_dense_mask": lambda: _compile(  # q/k/v at rank 16: 48 rows a slot
+            lora_dense._keep_own_slot, {"every_ptr": "*bf16", "ids_ptr": "*i64", "masked_ptr": "*bf16"}, set(),
+            dict(SLOTS=32, RANK=16, PARTS=3, BLOCK_TOKENS=64, BLOCK_RANK=16)),
     }
 
 
@@ -322,7 +325,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
            "lora_expand_gather[pdl]", "lora_expand_gather[split-k,go-ahead]", "lora_expand_grouped",
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
-           "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted"]
+           "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted", "lora_dense_mask"]
 
 
 def _compile_all() -> dict[str, str | None]:
