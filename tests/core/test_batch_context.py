@@ -52,7 +52,7 @@ def test_an_extend_batch_maps_each_token_to_its_request_and_adapter():
 def test_a_step_sorts_its_adapters_only_for_a_lora_backend_that_reads_the_order(monkeypatch):
     # The triton backend built without Triton: only its adapter_order_above (LoRAKernelChoice.sort_above) is read.
     monkeypatch.setattr(triton_lora, "_interpreting", lambda: True)
-    monkeypatch.setattr(triton_lora, "_import_kernels", lambda: SimpleNamespace(DEFAULT=LoRAKernelChoice()))
+    monkeypatch.setattr(triton_lora, "_import_kernels", lambda: SimpleNamespace(choice_from_env=LoRAKernelChoice))
     backends = TorchLoRABackend(4, 8, "cpu", torch.float32), triton_lora.TritonLoRABackend(4, 8, "cpu", torch.float32)
     above = backends[1].kernel_choice.sort_above
     batch = SimpleNamespace(entries=[SimpleNamespace(req=SimpleNamespace(lora_slot=s)) for s in (2, NO_ADAPTER, 0, 2)])
