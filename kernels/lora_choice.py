@@ -25,7 +25,11 @@ decode sizes the gather kernels serve and below bs=256, where the unsorted forms
 and a roofline estimate of the dense form (its GEMMs at 650 TFLOP/s or 3 TB/s, 2.5 us a launch) gives 1.40x at 16
 slots, 1.48x at 32; past ~1000 tokens the estimate is 1.15-1.26x, about what the segmented tiles measured on an
 8192-token prefill (1.17x). ``treadle bench lora --part kernels --sweep`` times it against the other forms at
-every size (``dense_above=1`` / ``dense_above=1048576``).
+every size (``dense_above=1`` / ``dense_above=1048576``). Measured (2 x H200, 2026-11-28, 32 slots of rank 16 over 16
+adapters, ``--sizes 64,256,1024,4096``): the dense form loses at 64 tokens (1.58x the base matmuls against 1.48x),
+wins at 256 (1.44x against the sorted form's 1.60x) and loses again at 1024 (1.28x against 1.20x) and on a 4096-token
+prefill (1.24x against 1.15x), where the sorted form's tensor-core tiles read each adapter once per block: so it runs
+up to ``dense_max_tokens`` = 512 (a decode batch of every running request), the crossover interpolated at ~680.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class LoRAKernelChoice:
     projection a sorted expand program covers (it reads its rows' partial sums once for all of them);
     ``dense_above``: batches of more tokens take the dense form (library GEMMs over every slot) where the slots'
     stack ``slots * max_rank`` is at most ``dense_max_stack`` (a larger stack never takes it, and its layers keep no
-    dense copy of ``B``)."""
+    dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort)."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -58,6 +62,7 @@ class LoRAKernelChoice:
     sort_columns: int = 256
     dense_above: int = 128
     dense_max_stack: int = 512
+    dense_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):

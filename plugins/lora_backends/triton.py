@@ -3,8 +3,8 @@ use different adapters of different ranks, decode (one token per program, gather
 (tensor-core tiles over blocks of tokens that share an adapter) alike. ``add_delta`` is a layer's whole LoRA path in
 two launches: one shrink for its stacked projections, one expand into the layer's output in place; past
 ``LoRAKernelChoice.sort_above`` tokens over the tokens sorted by adapter (``order=``, sorted once a step); past
-``dense_above`` tokens as cuBLAS GEMMs over every slot at once (kernels/lora_dense.py), where the slots' stack is
-small enough (``dense_max_stack``) that the layers keep the dense copy of ``B`` it reads.
+``dense_above`` (up to ``dense_max_tokens``) tokens as cuBLAS GEMMs over every slot at once (kernels/lora_dense.py),
+where the slots' stack is small enough (``dense_max_stack``) that the layers keep the dense copy of ``B`` it reads.
 
 Registered even where Triton is missing (so ``treadle plugins`` lists it); building it there fails with the
 install hint. Triton is imported only when the backend is built.
@@ -58,7 +58,7 @@ class TritonLoRABackend(LoRABackend):
     def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor,
                   order: torch.Tensor | None = None) -> None:
         choice = self.kernel_choice
-        if (weights.dense_b is not None and x.shape[0] > choice.dense_above
+        if (weights.dense_b is not None and choice.dense_above < x.shape[0] <= choice.dense_max_tokens
                 and weights.a.shape[0] * weights.rank_dim <= choice.dense_max_stack):
             self._kernels.add_delta_dense(x, weights.a, weights.dense_b, adapter_ids, weights.segments, out)
             return

@@ -255,13 +255,13 @@ def run_sorted_scenario(name: str) -> dict:
 # The dense form (add_delta past LoRAKernelChoice.dense_above tokens: cuBLAS-style matmuls over every slot and a
 # Triton mask, kernels/lora_dense.py) against the torch backend and against the same backend without the dense copy
 # of B (its other forms). Scenario -> (token counts, dtype, max_rank, in, projection widths, padding rows, ranks
-# [P, slots], LoRAKernelChoice fields): either side of a threshold of 8 with ranks 16 and 8 mixed (a slot leaving
+# [P, slots], LoRAKernelChoice fields): either side of the bounds 8 and 40 with ranks 16 and 8 mixed (a slot leaving
 # the last projection alone); a CUDA graph's shape in bf16 (the last rows padding without an adapter); ranks 8 and
 # 64 mixed, padded to 64.
 RANKS_8_64 = torch.tensor([[64, 8, 8, 64], [8, 64, 0, 64], [8, 8, 64, 0]], dtype=torch.int32)
 DENSE_SCENARIOS = {
-    "dense_around_threshold_fp32": ((8, 9, 40), torch.float32, 16, 48, (24, 8, 8), 0, MIXED_RANKS,
-                                    {"dense_above": 8}),
+    "dense_around_threshold_fp32": ((8, 9, 40, 41), torch.float32, 16, 48, (24, 8, 8), 0, MIXED_RANKS,
+                                    {"dense_above": 8, "dense_max_tokens": 40}),
     "dense_graph_padded_bf16": ((200,), torch.bfloat16, 16, 200, (24, 8, 8), 24, MIXED_RANKS, {}),
     "dense_ranks_8_and_64_fp32": ((150,), torch.float32, 64, 40, (24, 16, 8), 0, RANKS_8_64, {}),
 }
@@ -409,7 +409,8 @@ def test_dense_form_matches_torch_backend(name: str, interpreted_results: dict[s
     result = interpreted_results[name]
     assert "traceback" not in result, result.get("traceback")
     counts, fields = DENSE_SCENARIOS[name][0], DENSE_SCENARIOS[name][-1]
-    assert result["dense_calls"] == [count for count in counts if count > fields.get("dense_above", 128)]
+    assert result["dense_calls"] == [count for count in counts
+                                     if fields.get("dense_above", 128) < count <= fields.get("dense_max_tokens", 512)]
     assert max(result["errors"]) <= result["tolerance"], f"relative errors {result['errors']}"
     assert max(result["other_forms"]) <= 2 * result["tolerance"], f"against the other forms {result['other_forms']}"
     assert result["no_adapter_rows_untouched"] and result["outside_untouched"]
