@@ -161,7 +161,9 @@ def _kernel(tiles) -> str:
         return "magic_gemv" if isinstance(tiles, MagicGemvTiles) else "magic_mma"
     if isinstance(tiles, MmaTiles):
         return "int_mma"
-    return ("gemv_subnormal" if tiles.subnormal else "gemv") if tiles.block_m == 0 else "int_dot"
+    if tiles.block_m:
+        return "int_dot"
+    return "gemv_lean" if tiles.lean else "gemv_subnormal" if tiles.subnormal else "gemv"
 
 
 def table(results: list[dict], rows_list: list[int]) -> str:
