@@ -116,7 +116,7 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     """Launches no loader times yet. One row: GEMV programs that load two panels (128 words) of 4 or 8 rows a step,
     and the best config's split-K doubled: are qkv and o_proj (few rows, 35-42% of the roofline) short of bytes in
-    flight per SM? 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
+    flight per SM? And the lean loop's other tiles. 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
     128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
     dot after another, hold M=32 at 25%?"""
     from treadle.kernels.packed_int import IntTiles, _split
@@ -127,6 +127,11 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
         listed = [IntTiles(0, block_n, 128, _split(n, words, block_n, 128, 12 * sm_count) * more, 1)
                   for block_n in (4, 8) for more in (1, 2)]
         listed.append(IntTiles(0, 8, 64, 2 * _split(n, words, 8, 64, 12 * sm_count), 1))
+        # The lean loop (IntTiles.lean) beyond the loader's launches: 4 rows a program, 16 with split-K doubled,
+        # and two-warp programs of four panels a step.
+        listed += [IntTiles(0, 4, 128, _split(n, words, 4, 128, 12 * sm_count), 1, lean=True),
+                   IntTiles(0, 16, 128, 2 * _split(n, words, 16, 128, 12 * sm_count), 1, lean=True),
+                   IntTiles(0, 16, 256, _split(n, words, 16, 256, 6 * sm_count), 2, lean=True)]
         return [t for t in listed if words % (t.split_k * t.block_w) == 0]
     if rows > 32:
         return []

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int_lean import _lean_gemv_rows
+from treadle.kernels.packed_int_lean import _lean_gemv_rows, lean_splits
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals, _prefetch_share, _prefetching_programs
@@ -90,14 +90,14 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
         return listed
     # 4-bit: every config with the subnormal widening (faster than the plain one at every shape and config the
     # round-1 sweep timed, as exact), the lean loop (a third fewer instructions a value: 8 or 16 rows a one-warp
-    # program, two panels a step, split-K for 12 programs per SM or half that), and the first plain one as a control.
+    # program, two panels a step, K cut into as many ranges as make 12 programs per SM, or the next fewer), and the
+    # first plain one as a control.
     lean = []
     for block_n in (16, 8) if words % 128 == 0 else ():
-        split = _split(n, words, block_n, 128, 12 * sm_count)
-        lean += [IntTiles(0, block_n, 128, split, 1, lean=True), IntTiles(0, block_n, 128, max(split // 2, 1), 1,
-                                                                          lean=True)]
+        lean += [IntTiles(0, block_n, 128, split, 1, lean=True) for split in lean_splits(n, words, block_n, sm_count)]
     subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in listed]
-    return subnormal[:1] + list(dict.fromkeys(lean)) + subnormal[1:] + listed[:1]
+    return subnormal[:1] + lean + subnormal[1:] + listed[:1]
+
 
 
 def tile_candidates(n: int, k: int, bits: int, rows: int, sm_count: int) -> list[IntTiles]:

@@ -18,6 +18,16 @@ import triton.language as tl
 from treadle.kernels.pdl import wait_for_previous
 
 
+def lean_splits(n: int, words: int, block_n: int, sm_count: int, block_w: int = 128) -> list[int]:
+    """The lean GEMV's split-K counts for ``n`` rows of ``words`` words: the fewest K ranges of whole steps (any
+    divisor of the steps, up to 16: down_proj's 14 steps split 7 ways) that give 12 programs per SM, and the next
+    fewer."""
+    tiles, steps = triton.cdiv(n, block_n), words // block_w
+    splits = [d for d in range(1, min(steps, 16) + 1) if steps % d == 0]
+    best = next((i for i, d in enumerate(splits) if tiles * d >= 12 * sm_count), len(splits) - 1)
+    return list(dict.fromkeys([splits[best], splits[max(best - 1, 0)]]))
+
+
 @triton.jit
 def _slot(word, word_high, J: tl.constexpr):
     """Value slot ``J`` of each uint32 word as a float32 subnormal, one and: ``u * 2**(4J - 149)`` for slots 0-4
