@@ -24,7 +24,7 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16
 def configs() -> dict[str, tuple[Any, Any]]:
     """Name -> (tiles, zeros) of the launches counted: the loader's first GEMV config and the H200 sweep's best per
     shape (qkv and gate_up: 8 rows x 64 words with the subnormal widening; o and down: ``magic_gemv`` 8 x 128),
-    and the same tiles with ``IntTiles.lean``."""
+    and the same tiles with ``IntTiles.lean`` and ``IntTiles.hmma``."""
     from treadle.kernels.packed_int import IntTiles
     from treadle.kernels.packed_int_magic import MagicGemvTiles
 
@@ -36,6 +36,8 @@ def configs() -> dict[str, tuple[Any, Any]]:
         "gemv lean 8x128": IntTiles(0, 8, 128, 2, 1, lean=True),
         "gemv lean 16x128": IntTiles(0, 16, 128, 2, 1, lean=True),
         "gemv lean 16x128, 2 warps": IntTiles(0, 16, 256, 2, 2, lean=True),
+        "gemv hmma 8x128": IntTiles(0, 8, 128, 2, 1, hmma=True),
+        "gemv hmma 16x128": IntTiles(0, 16, 128, 2, 1, hmma=True),
     }
     return {name: (tiles, False) for name, tiles in listed.items()}
 
@@ -74,7 +76,8 @@ def count(tiles: Any, zeros: bool = False) -> tuple[float, collections.Counter, 
     else:
         counts, registers = loop_counts(packed_int._int_gemv_kernel, {
             **base, "BITS": 4, "SILU_MUL": False, "ADD_RMSNORM": False, "BLOCK_ROW": 1, "SUBNORMAL": tiles.subnormal,
-            "LEAN": tiles.lean, "PREFETCH": False, "PREFETCH_BLOCK": 1}, tiles.num_warps)
+            "LEAN": tiles.lean or tiles.hmma, "HMMA": tiles.hmma, "PREFETCH": False, "PREFETCH_BLOCK": 1},
+            tiles.num_warps)
     loads = counts.pop("LDG128")  # the packed words' 16-byte loads: one thread's 32 values each
     per = collections.Counter({op: n / loads for op, n in counts.items()})
     return sum(per.values()), per, registers

@@ -120,6 +120,7 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
     dot after another, hold M=32 at 25%?"""
     from treadle.kernels.packed_int import IntTiles, _split
+    from treadle.kernels.packed_int_lean import lean_splits
     from treadle.kernels.packed_int_mma import MmaTiles, _split as _mma_split
 
     words = k // 8
@@ -128,10 +129,13 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
                   for block_n in (4, 8) for more in (1, 2)]
         listed.append(IntTiles(0, 8, 64, 2 * _split(n, words, 8, 64, 12 * sm_count), 1))
         # The lean loop (IntTiles.lean) beyond the loader's launches: 4 rows a program, 16 with split-K doubled,
-        # and two-warp programs of four panels a step.
+        # and two-warp programs of four panels a step; the same tiles on the tensor cores (IntTiles.hmma: not
+        # timed by the loader until a GPU has checked them).
         listed += [IntTiles(0, 4, 128, _split(n, words, 4, 128, 12 * sm_count), 1, lean=True),
                    IntTiles(0, 16, 128, 2 * _split(n, words, 16, 128, 12 * sm_count), 1, lean=True),
                    IntTiles(0, 16, 256, _split(n, words, 16, 256, 6 * sm_count), 2, lean=True)]
+        listed += [IntTiles(0, block_n, 128, split, 1, hmma=True) for block_n in (16, 8)
+                   for split in lean_splits(n, words, block_n, sm_count)]
         return [t for t in listed if words % (t.split_k * t.block_w) == 0]
     if rows > 32:
         return []
@@ -168,7 +172,9 @@ def _kernel(tiles) -> str:
         return "int_mma"
     if tiles.block_m:
         return "int_dot"
-    return "gemv_lean" if tiles.lean else "gemv_subnormal" if tiles.subnormal else "gemv"
+    if tiles.hmma or tiles.lean:
+        return "gemv_hmma" if tiles.hmma else "gemv_lean"
+    return "gemv_subnormal" if tiles.subnormal else "gemv"
 
 
 def table(results: list[dict], rows_list: list[int]) -> str:

@@ -48,7 +48,8 @@ class IntTiles:
     the 16-word panel; the tiles of ``int_dot`` take one panel per step); ``split_k`` K ranges whose float32
     partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone;
     ``subnormal``: the GEMV widens 4-bit values as subnormals (``_subnormal_times_x``); ``lean``: the GEMV's 4-bit
-    loop with fewer instructions per weight byte (``kernels/packed_int_lean.py``; ``block_w`` a multiple of 16)."""
+    loop with fewer instructions per weight byte (``kernels/packed_int_lean.py``; ``block_w`` a multiple of 16);
+    ``hmma``: the lean tiles on the tensor cores (``kernels/packed_int_hmma.py``: bf16, groups of whole panels)."""
 
     block_m: int
     block_n: int
@@ -58,6 +59,7 @@ class IntTiles:
     i16: bool = False
     subnormal: bool = False
     lean: bool = False
+    hmma: bool = False
 
 
 def tiles_shape(k: int, bits: int, group: int) -> bool:
@@ -152,7 +154,8 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, SUBNORMAL=tiles.subnormal and bits == 4,
-        LEAN=tiles.lean and bits == 4,
+        LEAN=(tiles.lean or tiles.hmma) and bits == 4,
+        HMMA=tiles.hmma and bits == 4 and x.is_cuda and x.dtype == torch.bfloat16 and group % 128 == 0,
         **prefetch_args(prefetch, grid[0] * grid[1], weight), launch_pdl=pdl, num_warps=tiles.num_warps)
     return out if add_rmsnorm is None else (normed, residual_out)
 
@@ -337,7 +340,7 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr, LEAN: tl.constexpr,
-                     prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
+                     HMMA: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
                      PREFETCH_BLOCK: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
@@ -347,14 +350,14 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
     k_begin = pid_k * k_per_split
     if LEAN:
         acc = _lean_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn,
-                              stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL)
+                              stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, HMMA)
     else:
         acc = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
                          BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, SUBNORMAL)
     if SILU_MUL:
         if LEAN:
             up = _lean_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn,
-                                 stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False)
+                                 stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, HMMA)
         else:
             up = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn,
                             stride_sn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, SUBNORMAL)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from treadle.kernels.packed_int_hmma import _hmma_gemv_rows
 from treadle.kernels.pdl import wait_for_previous
 
 
@@ -65,10 +66,14 @@ def _unscale(J: tl.constexpr):
 @triton.jit
 def _lean_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
                     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, HMMA: tl.constexpr = False):
     """float32 sums of the activation row with the 4-bit weight rows ``offs_n`` over one K range (module docstring).
     The words of a step are ``[BLOCK_N, BLOCK_W // 4, 4]``: row, thread (four words of one panel), word; each row's
-    four words are split apart so their products chain on one accumulator per row and thread."""
+    four words are split apart so their products chain on one accumulator per row and thread. ``HMMA``: the same
+    tiles on the tensor cores (``kernels/packed_int_hmma.py``)."""
+    if HMMA:
+        return _hmma_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn,
+                               stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL)
     QUADS: tl.constexpr = BLOCK_W // 4
     STEP: tl.constexpr = BLOCK_W * 8
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < 8 else 8  # value slots per group fold

@@ -121,3 +121,24 @@ def test_lean_gemv_equals_the_subnormal_one_closely(epilogue):
                         **extra)
         for a, b in zip(*(((y,) if isinstance(y, torch.Tensor) else y) for y in (subnormal, lean))):
             assert _error(b, a.float()) < 4e-3, (epilogue, asym, _error(b, a.float()))
+
+
+@pytest.mark.parametrize("epilogue", ["none", "split-K", "silu_mul"])
+def test_hmma_gemv_matches_the_lean_one(epilogue):
+    # IntTiles.hmma (kernels/packed_int_hmma.py): the tensor-core loop, which the CPU cannot run, against the lean
+    # loop on the same tiles, with zero points and without, 8 and 16 rows a program, and the reference.
+    from treadle.kernels.packed_int import IntTiles, int_gemv
+
+    n, k = (28672, 4096) if epilogue == "silu_mul" else (4096, 14336)
+    for asym in (False, True):
+        words, scales, zeros, dense = _weight(n, k, asym, torch.bfloat16)
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        for block_n in (16, 8):
+            tiles = IntTiles(0, block_n, 128, 7 if epilogue == "split-K" else 1, 1, lean=True)
+            extra = {"silu_mul": True} if epilogue == "silu_mul" else {}
+            lean = int_gemv(x, words, scales, zeros, 4, 128, tiles, **extra)
+            hmma = int_gemv(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, lean=False, hmma=True),
+                            **extra)
+            assert _error(hmma, lean.float()) < 4e-3, (epilogue, asym, block_n, _error(hmma, lean.float()))
+            if epilogue == "none":
+                assert _error(hmma, x.float() @ dense.t()) < 4e-3
