@@ -158,7 +158,8 @@ def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
 
     if rows > 1:
         return mma_trials(n, k, rows, sm_count)
-    subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in gemv_candidates(n, k, 4, sm_count)]
+    subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in gemv_candidates(n, k, 4, sm_count)
+                 if not tiles.lean]
     return subnormal + gemv_trials(n, k, sm_count) + mma_trials(n, k, rows, sm_count)
 
 

@@ -4,7 +4,7 @@ the candidates that widen with fewer instructions named by kernel."""
 from __future__ import annotations
 
 from treadle.bench.int_weights import SHAPES
-from treadle.bench.quant_sweep import _kernel, kernel_table, magic_trials
+from treadle.bench.quant_sweep import _kernel, kernel_table, magic_trials, trials
 
 
 def _result(shape: str, rows: int, kernel: str, us: float, correct: bool = True) -> dict:
@@ -27,3 +27,5 @@ def test_trials_name_their_kernels():
     n, k = SHAPES["down_proj"]
     assert {_kernel(t) for t in magic_trials(n, k, 1, 132)} == {"gemv_subnormal", "magic_gemv", "magic_mma"}
     assert {_kernel(t) for t in magic_trials(n, k, 32, 132)} == {"magic_mma"}
+    # The lean GEMV's other tiles, and the tensor-core loop the loader does not time.
+    assert {_kernel(t) for t in trials(n, k, 1, 132)} == {"gemv", "gemv_lean", "gemv_hmma"}
