@@ -115,10 +115,11 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     """Launches no loader times yet. One row: GEMV programs that load two panels (128 words) of 4 or 8 rows a step,
     and the best config's split-K doubled: are qkv and o_proj (few rows, 35-42% of the roofline) short of bytes in
-    flight per SM? 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
+    flight per SM? And the lean loop's other tiles. 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
     128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
     dot after another, hold M=32 at 25%?"""
     from treadle.kernels.packed_int import IntTiles, _split
+    from treadle.kernels.packed_int_lean import lean_splits
     from treadle.kernels.packed_int_mma import MmaTiles, _split as _mma_split
 
     words = k // 8
@@ -126,6 +127,14 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
         listed = [IntTiles(0, block_n, 128, _split(n, words, block_n, 128, 12 * sm_count) * more, 1)
                   for block_n in (4, 8) for more in (1, 2)]
         listed.append(IntTiles(0, 8, 64, 2 * _split(n, words, 8, 64, 12 * sm_count), 1))
+        # The lean loop (IntTiles.lean) beyond the loader's launches: 4 rows a program, 16 with split-K doubled,
+        # and two-warp programs of four panels a step; the same tiles on the tensor cores (IntTiles.hmma: not
+        # timed by the loader until a GPU has checked them).
+        listed += [IntTiles(0, 4, 128, _split(n, words, 4, 128, 12 * sm_count), 1, lean=True),
+                   IntTiles(0, 16, 128, 2 * _split(n, words, 16, 128, 12 * sm_count), 1, lean=True),
+                   IntTiles(0, 16, 256, _split(n, words, 16, 256, 6 * sm_count), 2, lean=True)]
+        listed += [IntTiles(0, block_n, 128, split, 1, hmma=True) for block_n in (16, 8)
+                   for split in lean_splits(n, words, block_n, sm_count)]
         return [t for t in listed if words % (t.split_k * t.block_w) == 0]
     if rows > 32:
         return []
@@ -140,15 +149,16 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
 
 def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
     """The candidates that widen with fewer instructions: at one row kernels/packed_int_magic.py's GEMV (is the GEMV
-    short of issue slots?) and its tensor-core kernel on a 16-token tile; at 2 to 64 rows the tensor-core kernel
-    (each weight tile widened once a program, by pairs: does M=32 then cost about what M=16 does?). The GEMV's
-    subnormal widening (``IntTiles.subnormal``), once a trial here, is in the loader's configs (``gemv_candidates``),
-    so every sweep times it as today's ``gemv_subnormal``."""
+    short of issue slots?); its tensor-core kernel at 2 to 64 rows only (each weight tile widened once a program, by
+    pairs: does M=32 then cost about what M=16 does?; at one row on a 16-token tile it lost to every GEMV in round 1,
+    1.33x bf16 against 1.94x, and is no longer timed there). The GEMV's subnormal widening (``IntTiles.subnormal``),
+    once a trial here, is in the loader's configs (``gemv_candidates``), so every sweep times it as today's
+    ``gemv_subnormal``."""
     from treadle.kernels.packed_int_magic import gemv_trials, mma_trials
 
     if rows > 1:
         return mma_trials(n, k, rows, sm_count)
-    return gemv_trials(n, k, sm_count) + mma_trials(n, k, rows, sm_count)
+    return gemv_trials(n, k, sm_count)
 
 
 def _kernel(tiles) -> str:
@@ -159,7 +169,11 @@ def _kernel(tiles) -> str:
         return "magic_gemv" if isinstance(tiles, MagicGemvTiles) else "magic_mma"
     if isinstance(tiles, MmaTiles):
         return "int_mma"
-    return ("gemv_subnormal" if tiles.subnormal else "gemv") if tiles.block_m == 0 else "int_dot"
+    if tiles.block_m:
+        return "int_dot"
+    if tiles.hmma or tiles.lean:
+        return "gemv_hmma" if tiles.hmma else "gemv_lean"
+    return "gemv_subnormal" if tiles.subnormal else "gemv"
 
 
 def table(results: list[dict], rows_list: list[int]) -> str:

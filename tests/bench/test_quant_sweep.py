@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from treadle.bench.int_weights import SHAPES
-from treadle.bench.quant_sweep import _kernel, kernel_table, magic_trials, table, variants
+from treadle.bench.quant_sweep import _kernel, kernel_table, magic_trials, table, trials, variants
 from treadle.kernels.packed_int import gemv_candidates
 
 
@@ -30,8 +30,10 @@ def test_kernel_table_sums_each_kernels_fastest_correct_config_over_the_layers()
 
 def test_trials_name_their_kernels():
     n, k = SHAPES["down_proj"]
-    assert {_kernel(t) for t in magic_trials(n, k, 1, 132)} == {"magic_gemv", "magic_mma"}
+    assert {_kernel(t) for t in magic_trials(n, k, 1, 132)} == {"magic_gemv"}
     assert {_kernel(t) for t in magic_trials(n, k, 32, 132)} == {"magic_mma"}
+    # The lean GEMV's other tiles, and the tensor-core loop the loader does not time.
+    assert {_kernel(t) for t in trials(n, k, 1, 132)} == {"gemv", "gemv_lean", "gemv_hmma"}
 
 
 def test_a_full_sweep_times_each_one_row_config_once_the_loaders_subnormal_ones_as_today(monkeypatch):

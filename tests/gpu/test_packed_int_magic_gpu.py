@@ -90,3 +90,55 @@ def test_todays_gemv_with_subnormal_values_equals_it_closely(epilogue):
     subnormal = int_gemv(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, subnormal=True), **extra)
     for a, b in zip(*(((y,) if isinstance(y, torch.Tensor) else y) for y in (plain, subnormal))):
         assert _error(b, a.float()) < 4e-3, (epilogue, _error(b, a.float()))
+
+
+@pytest.mark.parametrize("epilogue", ["none", "split-K", "silu_mul", "add_rmsnorm"])
+def test_lean_gemv_equals_the_subnormal_one_closely(epilogue):
+    # IntTiles.lean (kernels/packed_int_lean.py): every lean launch the loader may time, bf16 activations (their
+    # power of two added to the exponent) with zero points and without, against the dequantized matmul and the
+    # subnormal GEMV; with the fused epilogues, against the subnormal GEMV's.
+    from treadle.kernels.packed_int import IntTiles, gemv_candidates, int_gemv
+
+    n, k = (28672, 4096) if epilogue == "silu_mul" else (4096, 14336) if epilogue != "none" else (6144, 4096)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for asym in (False, True):
+        words, scales, zeros, dense = _weight(n, k, asym, torch.bfloat16)
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        x[0, ::5] = 0
+        if epilogue == "none":
+            expected = x.float() @ dense.t()
+            for tiles in [t for t in gemv_candidates(n, k, 4, sm_count) if t.lean]:
+                error = _error(int_gemv(x, words, scales, zeros, 4, 128, tiles), expected)
+                assert error < 4e-3, (tiles, error)
+            continue
+        tiles = IntTiles(0, 16, 128, 2 if epilogue == "split-K" else 1, 1, subnormal=True)
+        extra = {"silu_mul": True} if epilogue == "silu_mul" else {}
+        if epilogue == "add_rmsnorm":
+            extra = {"add_rmsnorm": (torch.randn(1, n, device=DEVICE, dtype=torch.bfloat16),
+                                     torch.rand(n, device=DEVICE, dtype=torch.bfloat16) + 0.5, 1e-5)}
+        subnormal = int_gemv(x, words, scales, zeros, 4, 128, tiles, **extra)
+        lean = int_gemv(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, subnormal=False, lean=True),
+                        **extra)
+        for a, b in zip(*(((y,) if isinstance(y, torch.Tensor) else y) for y in (subnormal, lean))):
+            assert _error(b, a.float()) < 4e-3, (epilogue, asym, _error(b, a.float()))
+
+
+@pytest.mark.parametrize("epilogue", ["none", "split-K", "silu_mul"])
+def test_hmma_gemv_matches_the_lean_one(epilogue):
+    # IntTiles.hmma (kernels/packed_int_hmma.py): the tensor-core loop, which the CPU cannot run, against the lean
+    # loop on the same tiles, with zero points and without, 8 and 16 rows a program, and the reference.
+    from treadle.kernels.packed_int import IntTiles, int_gemv
+
+    n, k = (28672, 4096) if epilogue == "silu_mul" else (4096, 14336)
+    for asym in (False, True):
+        words, scales, zeros, dense = _weight(n, k, asym, torch.bfloat16)
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        for block_n in (16, 8):
+            tiles = IntTiles(0, block_n, 128, 7 if epilogue == "split-K" else 1, 1, lean=True)
+            extra = {"silu_mul": True} if epilogue == "silu_mul" else {}
+            lean = int_gemv(x, words, scales, zeros, 4, 128, tiles, **extra)
+            hmma = int_gemv(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, lean=False, hmma=True),
+                            **extra)
+            assert _error(hmma, lean.float()) < 4e-3, (epilogue, asym, block_n, _error(hmma, lean.float()))
+            if epilogue == "none":
+                assert _error(hmma, x.float() @ dense.t()) < 4e-3

@@ -32,13 +32,27 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
         variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=norm,
                                BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True, SUBNORMAL=False,
-                               **_prefetch(split > 1)))
+                               LEAN=False, HMMA=False, **_prefetch(split > 1)))
     # The subnormal widening (a sweep trial), with the SiLU·mul epilogue and with split-K and zero points.
     for zeros, split, silu in ((False, 1, True), (True, 4, False)):
         variants[f"gemv[subnormal,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
             "_int_gemv_kernel", {"out_ptr": "*bf16"},
             dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
-                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, **_prefetch(silu)))
+                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, LEAN=False, HMMA=False,
+                 **_prefetch(silu)))
+    # The lean loop (kernels/packed_int_lean.py): SiLU·mul, split-K with zero points, groups of 32 and four panels a
+    # step.
+    for zeros, split, silu, group, words in ((False, 1, True, 128, 128), (True, 2, False, 32, 256)):
+        variants[f"gemv[lean,zeros={zeros},split_k={split},silu_mul={silu},group={group},words={words}]"] = (
+            "_int_gemv_kernel", {"out_ptr": "*bf16"},
+            dict(BITS=4, GROUP=group, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
+                 BLOCK_N=16, BLOCK_W=words, PDL=True, SUBNORMAL=False, LEAN=True, HMMA=False, **_prefetch(silu)))
+    # The tensor-core loop (kernels/packed_int_hmma.py, inline PTX): split-K with zero points.
+    for zeros, split, silu in ((True, 2, False),):
+        variants[f"gemv[hmma,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
+            "_int_gemv_kernel", {"out_ptr": "*bf16"},
+            dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
+                 BLOCK_N=16, BLOCK_W=128, PDL=True, SUBNORMAL=False, LEAN=True, HMMA=True, **_prefetch(silu)))
     for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
         name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
@@ -128,7 +142,8 @@ def _gemv_loads(kernel) -> str | None:
     from triton.compiler import ASTSource
 
     constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
-                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, PREFETCH=True, PREFETCH_BLOCK=64)
+                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, LEAN=False, HMMA=False, PREFETCH=True,
+                      PREFETCH_BLOCK=64)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
