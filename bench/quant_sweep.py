@@ -33,7 +33,7 @@ MAX_ERROR = 1e-2  # relative to the dequantized weight's bf16 matmul: bf16 round
 
 def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, device: str = "cuda",
           narrow: bool = False) -> int:
-    from treadle.kernels.packed_int import dequantize
+    from treadle.kernels.packed_int_dequant import dequantize
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device(device)

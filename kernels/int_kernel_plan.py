@@ -2,7 +2,8 @@
 of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``) and
 ``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to ``DOT_MAX_ROWS`` rows a ``tl.dot``
 kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``, timed at load by
-``layers/int_kernel_choice.py``), larger batches :func:`dequantize` and the library matmul.
+``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear` (``kernels/packed_int_dequant.py``'s
+dequantization into one buffer per device, then the library matmul).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
-from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, dequantize, gemv_candidates, int_dot, int_gemv,
-                                        tile_candidates, tiles_shape)
+from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates, int_dot, int_gemv, tile_candidates,
+                                        tiles_shape)
+from treadle.kernels.packed_int_dequant import dequantize, dequantize_scratch
 from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
@@ -64,7 +66,16 @@ class IntKernelPlan:
         if g_idx is None and rows <= DOT_MAX_ROWS:
             tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
             return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles, prefetch)
-        return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
+        return dequantize_linear(x, weight, scales, zeros, g_idx, self.bits, self.group)
+
+
+def dequantize_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      g_idx: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
+    """``x @ dequantized(weight).T`` for large batches: the weight dequantized into the device's one buffer
+    (``dequantize_scratch``), then the library matmul."""
+    n, k = weight.shape[0], weight.shape[1] * (32 // bits)
+    dense = dequantize(weight, scales, zeros, g_idx, bits, group, x.dtype, dequantize_scratch(n, k, x.dtype, x.device))
+    return F.linear(x, dense)
 
 
 def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,

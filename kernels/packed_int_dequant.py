@@ -1,0 +1,126 @@
+"""The whole-weight dequantization of the panel-packed integer weights (``kernels/packed_int.py``'s layout: int32
+``[N, K * bits / 32]``, each row in panels of 16 words whose value slot ``j`` of word ``c`` is the panel's element
+``16 * j + c``): what batches above ``DOT_MAX_ROWS`` rows (and act-order weights with uneven groups) run before the
+library matmul (``kernels/int_kernel_plan.py``).
+
+It only moves bytes (half a byte a 4-bit value read, two written), so it is written to run at the memory's
+bandwidth: each program walks ``panels`` panels of ``block_n`` rows, the next panel's words loaded (16 bytes a
+load) before this one's are widened; a panel's values are one ``[rows, slots, 16]`` tile whose stores are 16
+contiguous bytes a thread; each group's scale (and zero) is loaded once per panel and row, not per value; and the
+16-bit weight goes to one buffer per device (:func:`dequantize_scratch`) instead of a new tensor each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_PANEL_WORDS = 16  # kernels/packed_int.py's PANEL_WORDS (that module imports this one)
+
+
+@dataclass(frozen=True)
+class DequantTiles:
+    """One launch of :func:`dequantize`: ``block_n`` weight rows a program, ``panels`` panels (16 words each) it
+    walks along K, ``num_warps``."""
+
+    block_n: int = 32
+    panels: int = 4
+    num_warps: int = 4
+
+
+def dequantize_candidates() -> list[DequantTiles]:
+    """The launch configs ``bench/quant_kernels.py --dequantize`` times (the default first)."""
+    listed = [DequantTiles()] + [DequantTiles(block_n, panels, warps) for block_n in (16, 32, 64)
+                                 for panels in (1, 2, 4, 8) for warps in (4, 8) if block_n * 8 >= warps * 32]
+    return list(dict.fromkeys(listed))
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, g_idx: torch.Tensor | None,
+               bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+               tiles: DequantTiles = DequantTiles()) -> torch.Tensor:
+    """The weight ``[N, K]`` in ``dtype`` (into ``out`` when given: ``[N, K]``, unit stride along K), K in natural
+    order; ``g_idx`` (int32, one group per column): act-order weights whose sorted groups are uneven."""
+    n, k = weight.shape[0], weight.shape[1] * (32 // bits)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device) if out is None else out
+    panels = weight.shape[1] // _PANEL_WORDS
+    per_program = min(tiles.panels, panels)
+    _dequantize_kernel[(triton.cdiv(panels, per_program), triton.cdiv(n, tiles.block_n))](
+        weight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales, out, n,
+        panels, per_program, weight.stride(0), scales.stride(0), out.stride(0), BITS=bits, GROUP=group,
+        HAS_ZEROS=zeros is not None, HAS_GIDX=g_idx is not None, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps)
+    return out
+
+
+def reserve_dequantize_scratch(n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Size ``device``'s dequantization buffer for an ``[n, k]`` weight in ``dtype``. The loader reserves every
+    weight's size before the first forward, so the buffer is allocated once, at its largest, by the first large
+    batch: after the KV pool was sized (it takes the memory a new tensor per call took, no more)."""
+    key = str(device)
+    _reserved[key] = max(_reserved.get(key, 0), n * k * dtype.itemsize)
+
+
+def dequantize_scratch(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An ``[n, k]`` ``dtype`` view of ``device``'s one dequantization buffer. Its users run in stream order and the
+    matmul reads it before the next layer's dequantization overwrites it; CUDA graphs capture its address, so a
+    buffer outgrown (a weight larger than every reserved one) is kept, never freed."""
+    key, need = str(device), n * k * dtype.itemsize
+    buffer = _scratch.get(key)
+    if buffer is None or buffer.numel() < need:
+        if buffer is not None:
+            _outgrown.append(buffer)
+        buffer = _scratch[key] = torch.empty(max(need, _reserved.get(key, 0)), dtype=torch.uint8, device=device)
+    return buffer[:need].view(dtype).view(n, k)
+
+
+# str(device) -> the dequantization buffer, the bytes the loaded weights reserved; the buffers outgrown.
+_scratch: dict[str, torch.Tensor] = {}
+_reserved: dict[str, int] = {}
+_outgrown: list[torch.Tensor] = []
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, panels, per_program, stride_wn, stride_sn, stride_on,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    # One program: BLOCK_N rows of `per_program` consecutive panels (program_id 0 walks K, so neighbouring programs
+    # write neighbouring stretches of the same rows). A value becomes float32 2**23 + u with one and-or (its bits
+    # under the exponent of 2**23), and 2**23 comes off exactly: (u - zero) * scale in float32, as the reference.
+    PACK: tl.constexpr = 32 // BITS
+    PANEL: tl.constexpr = 16 * PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    MIDPOINT: tl.constexpr = 8388608.0 + (1 << (BITS - 1))
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_j = tl.arange(0, PACK)
+    offs_c = tl.arange(0, 16)
+    in_panel = (16 * offs_j[:, None] + offs_c[None, :])[None, :, :]  # [1, PACK, 16]: slot j of word c
+    shifts = (BITS * offs_j)[None, :, None]
+    first = tl.program_id(0) * per_program
+    last = tl.minimum(first + per_program, panels)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_c[None, :]
+    o_rows = out_ptr + offs_n[:, None, None] * stride_on + in_panel
+    s_rows = offs_n * stride_sn  # each row's first group
+    words = tl.load(w_rows + first * 16, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    for panel in range(first, last):
+        # The next panel's words in flight while this one's are widened and stored.
+        ahead_mask = n_mask[:, None] & ((panel + 1) * 16 + offs_c < last * 16)[None, :]
+        ahead = tl.load(w_rows + (panel + 1) * 16, mask=ahead_mask, other=0, eviction_policy="evict_first")
+        u = (((words[:, None, :] >> shifts) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+        if HAS_GIDX:  # a group per column
+            index = s_rows[:, None, None] + tl.load(g_ptr + panel * PANEL + in_panel)
+        elif GROUP >= PANEL:  # one group for the whole panel
+            index = (s_rows + panel * PANEL // GROUP)[:, None, None]
+        else:  # a group per GROUP // 16 value slots
+            index = (s_rows[:, None] + (panel * PANEL + 16 * offs_j)[None, :] // GROUP)[:, :, None]
+        mask = n_mask[:, None, None]
+        s = tl.load(s_ptr + index, mask=mask, other=0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + index, mask=mask, other=0).to(tl.float32)
+            w = ((u - 8388608.0) - zero) * s
+        else:
+            w = (u - MIDPOINT) * s
+        tl.store(o_rows + panel * PANEL, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None, None])
+        words = ahead
