@@ -32,9 +32,9 @@ class DequantTiles:
 
 
 def dequantize_candidates() -> list[DequantTiles]:
-    """The launch configs ``bench/quant_kernels.py --dequantize`` times (the default first)."""
-    listed = [DequantTiles()] + [DequantTiles(block_n, panels, warps) for block_n in (16, 32, 64)
-                                 for panels in (1, 2, 4, 8) for warps in (4, 8) if block_n * 8 >= warps * 32]
+    """The launch configs ``python -m treadle.bench.quant_kernels --large`` times (the default first)."""
+    listed = [DequantTiles()] + [DequantTiles(block_n, panels) for block_n in (16, 32, 64) for panels in (2, 4, 8)]
+    listed += [DequantTiles(32, 1), DequantTiles(32, 4, 8), DequantTiles(64, 4, 8), DequantTiles(64, 8, 8)]
     return list(dict.fromkeys(listed))
 
 

@@ -146,3 +146,24 @@ def test_untimed_plans_run_int_mma_for_batches_of_2_to_256_rows(results):
 def test_the_gemv_adds_the_residual_and_norms_in_its_epilogue(results):
     for split, (residual_error, norm_error) in results["add_rmsnorm"].items():
         assert residual_error < 1e-5 and norm_error < 1e-5, (split, residual_error, norm_error)
+
+
+def test_large_batches_dequantize_into_one_buffer_per_device(monkeypatch):
+    # Allocated once at the size the loader reserved, shared by every shape and dtype; a weight past it gets a
+    # larger buffer and the old one is kept (a captured CUDA graph may still write it).
+    import torch
+
+    from treadle.kernels import packed_int_dequant
+
+    for name in ("_scratch", "_reserved"):
+        monkeypatch.setattr(packed_int_dequant, name, {})
+    monkeypatch.setattr(packed_int_dequant, "_outgrown", [])
+    cpu = torch.device("cpu")
+    packed_int_dequant.reserve_dequantize_scratch(8, 64, torch.bfloat16, cpu)
+    packed_int_dequant.reserve_dequantize_scratch(4, 64, torch.bfloat16, cpu)
+    qkv = packed_int_dequant.dequantize_scratch(4, 64, torch.bfloat16, cpu)
+    down = packed_int_dequant.dequantize_scratch(8, 32, torch.float32, cpu)
+    assert qkv.shape == (4, 64) and down.shape == (8, 32) and down.dtype == torch.float32
+    assert qkv.data_ptr() == down.data_ptr() and qkv.untyped_storage().nbytes() == 8 * 64 * 2
+    larger = packed_int_dequant.dequantize_scratch(16, 64, torch.bfloat16, cpu)
+    assert larger.data_ptr() != qkv.data_ptr() and packed_int_dequant._outgrown[0].data_ptr() == qkv.data_ptr()
