@@ -167,3 +167,26 @@ def test_large_batches_dequantize_into_one_buffer_per_device(monkeypatch):
     assert qkv.data_ptr() == down.data_ptr() and qkv.untyped_storage().nbytes() == 8 * 64 * 2
     larger = packed_int_dequant.dequantize_scratch(16, 64, torch.bfloat16, cpu)
     assert larger.data_ptr() != qkv.data_ptr() and packed_int_dequant._outgrown[0].data_ptr() == qkv.data_ptr()
+
+
+def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
+    import torch
+
+    from treadle.kernels import int_kernel_plan
+    from treadle.kernels.int_kernel_plan import DOT_MAX_ROWS, plan_kernels
+    from treadle.kernels.packed_int_dequant import DequantTiles
+
+    def dequantize_wins_from(threshold):  # a stand-in for the loader's timing: the first launch, or the last
+        return lambda candidates, rows: candidates[-1] if rows >= threshold else candidates[0]
+
+    assert plan_kernels(4096, 4096, 4, 128, 132).dot_max_rows == DOT_MAX_ROWS == 256  # untimed
+    assert plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(512)).dot_max_rows == 256
+    assert plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(256)).dot_max_rows == 128
+    plan = plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(128))
+    assert plan.dot_max_rows == 64 and plan.dequant == DequantTiles()
+    ran = []
+    monkeypatch.setattr(int_kernel_plan, "run_tiles", lambda *args: ran.append(args[-2]))
+    monkeypatch.setattr(int_kernel_plan, "dequantize_linear", lambda *args: ran.append(args[-1]))
+    for rows in (64, 65):
+        plan.run(torch.zeros(rows, 4096), None, None, None, None)
+    assert ran == [plan.large, DequantTiles()]
