@@ -95,8 +95,14 @@ for split in (1, 2):
     normed, residual_out = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16, 16, split),
                                     add_rmsnorm=(residual, norm_weight, 1e-6))
     add_rmsnorm[split] = [(residual_out - summed).abs().max().item(), (normed - expected_norm).abs().max().item()]
+# The dequantization alone, bit for bit: 5 panels among programs of 4 (one walks a single panel), a ragged N.
+from treadle.kernels.packed_int_dequant import DequantTiles, dequantize
+values, packed, scales, zeros = weight_of(4, 128, 40, 640, True)
+dequantized = dequantize(packed, scales, zeros, None, 4, 128, torch.float32, tiles=DequantTiles(32, 4))
+exact = torch.equal(dequantized, reference(values, scales, zeros, torch.arange(640) // 128, 4))
 print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates, "half": half,
-                               "silu_mul": [list(fused.shape), silu_mul_error], "add_rmsnorm": add_rmsnorm}))
+                               "silu_mul": [list(fused.shape), silu_mul_error], "add_rmsnorm": add_rmsnorm,
+                               "dequantize_exact": exact}))
 """
 
 
@@ -146,6 +152,10 @@ def test_untimed_plans_run_int_mma_for_batches_of_2_to_256_rows(results):
 def test_the_gemv_adds_the_residual_and_norms_in_its_epilogue(results):
     for split, (residual_error, norm_error) in results["add_rmsnorm"].items():
         assert residual_error < 1e-5 and norm_error < 1e-5, (split, residual_error, norm_error)
+
+
+def test_the_dequantization_walks_uneven_panel_shares_exactly(results):
+    assert results["dequantize_exact"]
 
 
 def test_large_batches_dequantize_into_one_buffer_per_device(monkeypatch):
