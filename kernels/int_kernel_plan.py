@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates, int_dot, int_gemv, tile_candidates,
                                         tiles_shape)
-from treadle.kernels.packed_int_dequant import DequantTiles, dequantize, dequantize_scratch
+from treadle.kernels.packed_int_dequant import DequantTiles, dequantize, dequantize_scratch, load_dequantize_candidates
 from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
@@ -31,7 +31,7 @@ class IntKernelPlan:
     """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
     row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``dot_max_rows`` (64, 128 or
     ``DOT_MAX_ROWS``), then :func:`dequantize_linear` with ``dequant``'s launch (so do act-order weights whose sorted
-    groups are uneven)."""
+    groups are uneven); the loader times ``dot_max_rows`` and ``dequant`` like the launches."""
 
     bits: int
     group: int
@@ -111,19 +111,20 @@ def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
     if not tiles_shape(k, bits, group):
         return None
     choose = pick or (lambda candidates, rows: candidates[0])
+    gemv = choose(gemv_candidates(n, k, bits, sm_count), 1)
     small, medium, large = (choose(batch_candidates(n, k, bits, group, rows, sm_count, dtype), rows)
                             for rows in (16, 32, 64))
-    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1), small, medium, large,
-                         _dot_max_rows(large, choose))
+    dequant = choose(load_dequantize_candidates(), 512)
+    return IntKernelPlan(bits, group, gemv, small, medium, large, _dot_max_rows(large, dequant, choose), dequant)
 
 
-def _dot_max_rows(large: Tiles, choose: Callable[[list, int], Tiles]) -> int:
+def _dot_max_rows(large: Tiles, dequant: DequantTiles, choose: Callable[[list, int], Tiles]) -> int:
     """The most rows the ``tl.dot`` kernels run: ``DOT_MAX_ROWS`` untimed; timed, the last of 64, 128 and 256
-    rows up to which ``large`` beat the dequantization and the library matmul (the ``tl.dot`` tiles widen the
-    weight again for every 64 rows, the library matmul reads it widened once)."""
+    rows up to which ``large`` beat the dequantization (``dequant``) and the library matmul (the ``tl.dot`` tiles
+    widen the weight again for every 64 rows, the library matmul reads it widened once)."""
     most = 64
     for rows in (128, 256):
-        if rows > DOT_MAX_ROWS or choose([large, DequantTiles()], rows) != large:
+        if rows > DOT_MAX_ROWS or choose([large, dequant], rows) != large:
             break
         most = rows
     return most

@@ -31,6 +31,12 @@ class DequantTiles:
     num_warps: int = 4
 
 
+def load_dequantize_candidates() -> list[DequantTiles]:
+    """The launch configs the loader times (``kernels/int_kernel_plan.py``): the default, a larger program on
+    8 warps and a smaller one."""
+    return [DequantTiles(), DequantTiles(64, 8, 8), DequantTiles(16, 2)]
+
+
 def dequantize_candidates() -> list[DequantTiles]:
     """The launch configs ``python -m treadle.bench.quant_kernels --large`` times (the default first)."""
     listed = [DequantTiles()] + [DequantTiles(block_n, panels) for block_n in (16, 32, 64) for panels in (2, 4, 8)]

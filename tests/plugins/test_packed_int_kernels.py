@@ -184,7 +184,7 @@ def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
 
     from treadle.kernels import int_kernel_plan
     from treadle.kernels.int_kernel_plan import DOT_MAX_ROWS, plan_kernels
-    from treadle.kernels.packed_int_dequant import DequantTiles
+    from treadle.kernels.packed_int_dequant import DequantTiles, load_dequantize_candidates
 
     def dequantize_wins_from(threshold):  # a stand-in for the loader's timing: the first launch, or the last
         return lambda candidates, rows: candidates[-1] if rows >= threshold else candidates[0]
@@ -192,11 +192,13 @@ def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
     assert plan_kernels(4096, 4096, 4, 128, 132).dot_max_rows == DOT_MAX_ROWS == 256  # untimed
     assert plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(512)).dot_max_rows == 256
     assert plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(256)).dot_max_rows == 128
+    assert plan_kernels(4096, 4096, 4, 128, 132).dequant == DequantTiles()
     plan = plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(128))
-    assert plan.dot_max_rows == 64 and plan.dequant == DequantTiles()
+    # The dequantization's launch is timed too (at 512 rows, the last candidate here), then raced at 128.
+    assert plan.dot_max_rows == 64 and plan.dequant == load_dequantize_candidates()[-1] != DequantTiles()
     ran = []
     monkeypatch.setattr(int_kernel_plan, "run_tiles", lambda *args: ran.append(args[-2]))
     monkeypatch.setattr(int_kernel_plan, "dequantize_linear", lambda *args: ran.append(args[-1]))
     for rows in (64, 65):
         plan.run(torch.zeros(rows, 4096), None, None, None, None)
-    assert ran == [plan.large, DequantTiles()]
+    assert ran == [plan.large, plan.dequant]
