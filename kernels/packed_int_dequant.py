@@ -110,23 +110,39 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, panels, per_progr
     o_rows = out_ptr + offs_n[:, None, None] * stride_on + in_panel
     s_rows = offs_n * stride_sn  # each row's first group
     words = tl.load(w_rows + first * 16, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+    s, zero = _panel_scales(s_ptr, z_ptr, g_ptr, s_rows, n_mask, first, offs_j, in_panel, GROUP, PACK, HAS_ZEROS,
+                            HAS_GIDX)
     for panel in range(first, last):
-        # The next panel's words in flight while this one's are widened and stored.
+        # The next panel's words and scales in flight while this one's are widened and stored (the last panel's
+        # scales again on the last step: a valid address, in L1).
         ahead_mask = n_mask[:, None] & ((panel + 1) * 16 + offs_c < last * 16)[None, :]
         ahead = tl.load(w_rows + (panel + 1) * 16, mask=ahead_mask, other=0, eviction_policy="evict_first")
+        s_ahead, zero_ahead = _panel_scales(s_ptr, z_ptr, g_ptr, s_rows, n_mask, tl.minimum(panel + 1, last - 1),
+                                            offs_j, in_panel, GROUP, PACK, HAS_ZEROS, HAS_GIDX)
         u = (((words[:, None, :] >> shifts) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
-        if HAS_GIDX:  # a group per column
-            index = s_rows[:, None, None] + tl.load(g_ptr + panel * PANEL + in_panel)
-        elif GROUP >= PANEL:  # one group for the whole panel
-            index = (s_rows + panel * PANEL // GROUP)[:, None, None]
-        else:  # a group per GROUP // 16 value slots
-            index = (s_rows[:, None] + (panel * PANEL + 16 * offs_j)[None, :] // GROUP)[:, :, None]
-        mask = n_mask[:, None, None]
-        s = tl.load(s_ptr + index, mask=mask, other=0).to(tl.float32)
         if HAS_ZEROS:
-            zero = tl.load(z_ptr + index, mask=mask, other=0).to(tl.float32)
             w = ((u - 8388608.0) - zero) * s
         else:
             w = (u - MIDPOINT) * s
         tl.store(o_rows + panel * PANEL, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None, None])
-        words = ahead
+        words, s, zero = ahead, s_ahead, zero_ahead
+
+
+@triton.jit
+def _panel_scales(s_ptr, z_ptr, g_ptr, s_rows, n_mask, panel, offs_j, in_panel, GROUP: tl.constexpr,
+                  PACK: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr):
+    """float32 ``(scale, zero)`` of the rows (``s_rows``: their first group's offset) for panel ``panel``,
+    broadcastable to its ``[rows, PACK, 16]`` values: a group per column (``HAS_GIDX``), per panel or per
+    ``GROUP // 16`` value slots; the zero is the scale, unread, without zero points."""
+    PANEL: tl.constexpr = 16 * PACK
+    if HAS_GIDX:
+        index = s_rows[:, None, None] + tl.load(g_ptr + panel * PANEL + in_panel)
+    elif GROUP >= PANEL:
+        index = (s_rows + panel * PANEL // GROUP)[:, None, None]
+    else:
+        index = (s_rows[:, None] + (panel * PANEL + 16 * offs_j)[None, :] // GROUP)[:, :, None]
+    s = tl.load(s_ptr + index, mask=n_mask[:, None, None], other=0).to(tl.float32)
+    zero = s
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + index, mask=n_mask[:, None, None], other=0).to(tl.float32)
+    return s, zero
