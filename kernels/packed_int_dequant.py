@@ -1,11 +1,11 @@
 """The whole-weight dequantization of the panel-packed integer weights (``kernels/packed_int.py``'s layout: int32
 ``[N, K * bits / 32]``, each row in panels of 16 words whose value slot ``j`` of word ``c`` is the panel's element
-``16 * j + c``): what batches above ``DOT_MAX_ROWS`` rows (and act-order weights with uneven groups) run before the
-library matmul (``kernels/int_kernel_plan.py``).
+``16 * j + c``): what batches above a shape's ``IntKernelPlan.dot_max_rows`` (and act-order weights with uneven
+groups) run before the library matmul (``kernels/int_kernel_plan.py``).
 
 It only moves bytes (half a byte a 4-bit value read, two written), so it is written to run at the memory's
-bandwidth: each program walks ``panels`` panels of ``block_n`` rows, the next panel's words loaded (16 bytes a
-load) before this one's are widened; a panel's values are one ``[rows, slots, 16]`` tile whose stores are 16
+bandwidth: each program walks ``panels`` panels of ``block_n`` rows, the next panel's words (16 bytes a load) and
+scales loaded before this one's are widened; a panel's values are one ``[rows, slots, 16]`` tile whose stores are 16
 contiguous bytes a thread; each group's scale (and zero) is loaded once per panel and row, not per value; and the
 16-bit weight goes to one buffer per device (:func:`dequantize_scratch`) instead of a new tensor each call.
 """
