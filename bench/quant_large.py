@@ -28,9 +28,10 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
     """The large-batch timings (module docstring) as ``{"dequantize": [...], "matmul": [...]}``, printed as they
     come; ``seconds(run)`` times ``run(i)`` (``layers/small_batch.py``'s ``graph_seconds``)."""
     from treadle.kernels.int_kernel_plan import dequantize_linear
-    from treadle.kernels.packed_int_dequant import DequantTiles, dequantize, dequantize_candidates
+    from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, dequantize_candidates
 
     dequantized, matmuls = [], []
+    buffer = DequantBuffer(device)  # the model's layers share one per device
     for name, (n, k) in SHAPES.items():
         weight = PackedWeight(n, k, zeros, device)
         out = torch.empty(n, k, dtype=torch.bfloat16, device=device)
@@ -54,7 +55,8 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
             row = {"shape": name, "n": n, "k": k, "rows": rows,
                    "bf16_us": 1e6 * seconds(lambda i: F.linear(x, dense[i % len(dense)])),
                    "path_us": 1e6 * seconds(lambda i: dequantize_linear(
-                       x, weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP)),
+                       x, weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,
+                       buffer=buffer)),
                    "dequantize_us": timed[DequantTiles()] * 1e6, "best_dequantize": str(best),
                    "best_path_us": 1e6 * seconds(lambda i: F.linear(x, dequantize(
                        weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,

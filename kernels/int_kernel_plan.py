@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates, int_dot, int_gemv, tile_candidates,
                                         tiles_shape)
-from treadle.kernels.packed_int_dequant import DequantTiles, dequantize, dequantize_scratch, load_dequantize_candidates
+from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, load_dequantize_candidates
 from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
@@ -62,34 +62,34 @@ class IntKernelPlan:
                         add_rmsnorm=(residual, norm_weight, eps), prefetch=prefetch)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+            g_idx: torch.Tensor | None, prefetch: torch.Tensor | None = None,
+            buffer: DequantBuffer | None = None) -> torch.Tensor:
         """``x @ dequantized(weight).T`` by the kernel this many rows run; ``prefetch`` (the head of the weight the
-        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV and ``magic_mma``."""
+        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV and ``magic_mma``;
+        ``buffer`` (``layer.dequant_buffer``) takes the dequantized weight of large batches (None: a new tensor)."""
         rows = x.shape[0]
         if g_idx is None and rows <= self.dot_max_rows:
             tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
             return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles, prefetch)
-        return dequantize_linear(x, weight, scales, zeros, g_idx, self.bits, self.group, self.dequant)
+        return dequantize_linear(x, weight, scales, zeros, g_idx, self.bits, self.group, self.dequant, buffer)
 
 
 def dequantize_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                      g_idx: torch.Tensor | None, bits: int, group: int,
-                      tiles: DequantTiles = DequantTiles()) -> torch.Tensor:
-    """``x @ dequantized(weight).T`` for large batches: the weight dequantized into the device's one buffer
-    (``dequantize_scratch``), then the library matmul."""
+                      g_idx: torch.Tensor | None, bits: int, group: int, tiles: DequantTiles = DequantTiles(),
+                      buffer: DequantBuffer | None = None) -> torch.Tensor:
+    """``x @ dequantized(weight).T`` for large batches: the weight dequantized (into ``buffer``, the device's one,
+    where given), then the library matmul."""
     n, k = weight.shape[0], weight.shape[1] * (32 // bits)
-    dense = dequantize(weight, scales, zeros, g_idx, bits, group, x.dtype, dequantize_scratch(n, k, x.dtype, x.device),
-                       tiles)
-    return F.linear(x, dense)
+    out = buffer.view(n, k, x.dtype) if buffer is not None else None
+    return F.linear(x, dequantize(weight, scales, zeros, g_idx, bits, group, x.dtype, out, tiles))
 
 
 def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
               group: int, tiles: Tiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures (``prefetch``: see :meth:`IntKernelPlan.run`;
     the GEMV and ``magic_mma`` take it, the others do not)."""
-    if isinstance(tiles, DequantTiles):
-        # A new tensor, not the device's buffer: the loader times this before the KV pool is sized.
-        return F.linear(x, dequantize(weight, scales, zeros, None, bits, group, x.dtype, tiles=tiles))
+    if isinstance(tiles, DequantTiles):  # into a new tensor: the loader times this before the KV pool is sized
+        return dequantize_linear(x, weight, scales, zeros, None, bits, group, tiles)
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicGemvTiles):

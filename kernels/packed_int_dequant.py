@@ -7,11 +7,12 @@ It only moves bytes (half a byte a 4-bit value read, two written), so it is writ
 bandwidth: each program walks ``panels`` panels of ``block_n`` rows, the next panel's words (16 bytes a load) and
 scales loaded before this one's are widened; a panel's values are one ``[rows, slots, 16]`` tile whose stores are 16
 contiguous bytes a thread; each group's scale (and zero) is loaded once per panel and row, not per value; and the
-16-bit weight goes to one buffer per device (:func:`dequantize_scratch`) instead of a new tensor each call.
+16-bit weight goes to one buffer per device (:class:`DequantBuffer`) instead of a new tensor each call.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,31 +61,45 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
     return out
 
 
-def reserve_dequantize_scratch(n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Size ``device``'s dequantization buffer for an ``[n, k]`` weight in ``dtype``. The loader reserves every
-    weight's size before the first forward, so the buffer is allocated once, at its largest, by the first large
-    batch: after the KV pool was sized (it takes the memory a new tensor per call took, no more)."""
-    key = str(device)
-    _reserved[key] = max(_reserved.get(key, 0), n * k * dtype.itemsize)
+class DequantBuffer:
+    """The buffer one device's large-batch dequantizations write, shared by the integer layers that hold it (one
+    weight at a time: the kernels run in stream order, and the library matmul reads the weight before the next
+    layer's dequantization overwrites it). Each layer reserves its size at load; the first large batch allocates
+    the largest, after the KV pool was sized (the memory a new tensor per call took, no more). CUDA graphs capture
+    its address, so a tensor outgrown (a weight past every reserved size) is kept while the buffer lives; it lives
+    as long as a layer holds it (:func:`dequantize_buffer`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reserved = 0  # bytes
+        self.tensor: torch.Tensor | None = None
+        self.outgrown: list[torch.Tensor] = []
+
+    def reserve(self, n: int, k: int, dtype: torch.dtype) -> None:
+        """Size the buffer for an ``[n, k]`` weight in ``dtype``."""
+        self.reserved = max(self.reserved, n * k * dtype.itemsize)
+
+    def view(self, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer's head as an ``[n, k]`` ``dtype`` tensor."""
+        need = n * k * dtype.itemsize
+        if self.tensor is None or self.tensor.numel() < need:
+            if self.tensor is not None:
+                self.outgrown.append(self.tensor)
+            self.tensor = torch.empty(max(need, self.reserved), dtype=torch.uint8, device=self.device)
+        return self.tensor[:need].view(dtype).view(n, k)
 
 
-def dequantize_scratch(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An ``[n, k]`` ``dtype`` view of ``device``'s one dequantization buffer. Its users run in stream order and the
-    matmul reads it before the next layer's dequantization overwrites it; CUDA graphs capture its address, so a
-    buffer outgrown (a weight larger than every reserved one) is kept, never freed."""
-    key, need = str(device), n * k * dtype.itemsize
-    buffer = _scratch.get(key)
-    if buffer is None or buffer.numel() < need:
-        if buffer is not None:
-            _outgrown.append(buffer)
-        buffer = _scratch[key] = torch.empty(max(need, _reserved.get(key, 0)), dtype=torch.uint8, device=device)
-    return buffer[:need].view(dtype).view(n, k)
+def dequantize_buffer(device: torch.device) -> DequantBuffer:
+    """``device``'s :class:`DequantBuffer`: the one the loaded layers hold, or a new one where none does (so a model
+    shut down takes its buffer with it)."""
+    buffer = _buffers.get(str(device))
+    if buffer is None:
+        buffer = _buffers[str(device)] = DequantBuffer(device)
+    return buffer
 
 
-# str(device) -> the dequantization buffer, the bytes the loaded weights reserved; the buffers outgrown.
-_scratch: dict[str, torch.Tensor] = {}
-_reserved: dict[str, int] = {}
-_outgrown: list[torch.Tensor] = []
+# str(device) -> the buffer the live layers on it hold.
+_buffers: weakref.WeakValueDictionary[str, DequantBuffer] = weakref.WeakValueDictionary()
 
 
 @triton.jit

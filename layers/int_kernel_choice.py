@@ -31,7 +31,6 @@ def int_kernel_plan(layer: nn.Module) -> Any:
     if not use_triton(layer.weight):
         return None
     from treadle.kernels.int_kernel_plan import plan_kernels
-    from treadle.kernels.packed_int_dequant import reserve_dequantize_scratch
 
     n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
     key = (n, k, layer.bits, layer.group_size, layer.weight_zeros is not None, layer.int_out_dtype,
@@ -41,9 +40,19 @@ def int_kernel_plan(layer: nn.Module) -> Any:
         pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
         _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, sm_count, pick, layer.int_out_dtype)
         logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
-    if _plans[key] is not None:  # large batches dequantize into one buffer per device, allocated at its largest
-        reserve_dequantize_scratch(n, k, layer.int_out_dtype, layer.weight.device)
     return _plans[key]  # an IntKernelPlan, or None: the torch path
+
+
+def dequant_buffer(layer: nn.Module) -> Any:
+    """The buffer a repacked layer's large batches dequantize into (``kernels/packed_int_dequant.py``'s
+    ``DequantBuffer``: one per device while layers hold it), sized for this layer's weight; None without kernels."""
+    if layer.int_kernels is None:
+        return None
+    from treadle.kernels.packed_int_dequant import dequantize_buffer
+
+    buffer = dequantize_buffer(layer.weight.device)
+    buffer.reserve(layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits), layer.int_out_dtype)
+    return buffer
 
 
 # (N, K, bits, group, zeros, dtype, device) -> the kernels that shape runs (timed once per process).

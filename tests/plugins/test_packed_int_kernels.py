@@ -158,25 +158,28 @@ def test_the_dequantization_walks_uneven_panel_shares_exactly(results):
     assert results["dequantize_exact"]
 
 
-def test_large_batches_dequantize_into_one_buffer_per_device(monkeypatch):
-    # Allocated once at the size the loader reserved, shared by every shape and dtype; a weight past it gets a
-    # larger buffer and the old one is kept (a captured CUDA graph may still write it).
+def test_large_batches_dequantize_into_one_buffer_per_device():
+    # Allocated once at the size the layers reserved, shared by every shape and dtype; a weight past it gets a larger
+    # tensor and the old one is kept (a captured CUDA graph may still write it); gone once no layer holds it.
+    import gc
+
     import torch
 
-    from treadle.kernels import packed_int_dequant
+    from treadle.kernels.packed_int_dequant import dequantize_buffer
 
-    for name in ("_scratch", "_reserved"):
-        monkeypatch.setattr(packed_int_dequant, name, {})
-    monkeypatch.setattr(packed_int_dequant, "_outgrown", [])
     cpu = torch.device("cpu")
-    packed_int_dequant.reserve_dequantize_scratch(8, 64, torch.bfloat16, cpu)
-    packed_int_dequant.reserve_dequantize_scratch(4, 64, torch.bfloat16, cpu)
-    qkv = packed_int_dequant.dequantize_scratch(4, 64, torch.bfloat16, cpu)
-    down = packed_int_dequant.dequantize_scratch(8, 32, torch.float32, cpu)
+    buffer = dequantize_buffer(cpu)
+    assert dequantize_buffer(cpu) is buffer
+    buffer.reserve(8, 64, torch.bfloat16)
+    buffer.reserve(4, 64, torch.bfloat16)
+    qkv, down = buffer.view(4, 64, torch.bfloat16), buffer.view(8, 32, torch.float32)
     assert qkv.shape == (4, 64) and down.shape == (8, 32) and down.dtype == torch.float32
     assert qkv.data_ptr() == down.data_ptr() and qkv.untyped_storage().nbytes() == 8 * 64 * 2
-    larger = packed_int_dequant.dequantize_scratch(16, 64, torch.bfloat16, cpu)
-    assert larger.data_ptr() != qkv.data_ptr() and packed_int_dequant._outgrown[0].data_ptr() == qkv.data_ptr()
+    larger = buffer.view(16, 64, torch.bfloat16)
+    assert larger.data_ptr() != qkv.data_ptr() and buffer.outgrown[0].data_ptr() == qkv.data_ptr()
+    del buffer
+    gc.collect()
+    assert dequantize_buffer(cpu).tensor is None  # a new one: the model that held the old one is gone
 
 
 def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
@@ -198,7 +201,7 @@ def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
     assert plan.dot_max_rows == 64 and plan.dequant == load_dequantize_candidates()[-1] != DequantTiles()
     ran = []
     monkeypatch.setattr(int_kernel_plan, "run_tiles", lambda *args: ran.append(args[-2]))
-    monkeypatch.setattr(int_kernel_plan, "dequantize_linear", lambda *args: ran.append(args[-1]))
+    monkeypatch.setattr(int_kernel_plan, "dequantize_linear", lambda *args: ran.append(args[7]))
     for rows in (64, 65):
         plan.run(torch.zeros(rows, 4096), None, None, None, None)
     assert ran == [plan.large, plan.dequant]
