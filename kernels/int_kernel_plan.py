@@ -1,9 +1,9 @@
 """What one panel-packed integer weight shape runs per batch size (:class:`IntKernelPlan`), from the launch configs
 of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``) and
-``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to ``DOT_MAX_ROWS`` rows a ``tl.dot``
-kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``, timed at load by
-``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear` (``kernels/packed_int_dequant.py``'s
-dequantization into one buffer per device, then the library matmul).
+``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to the plan's ``dot_max_rows`` (at most
+``DOT_MAX_ROWS``) rows a ``tl.dot`` kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``,
+timed at load by ``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear`
+(``kernels/packed_int_dequant.py``'s dequantization into one buffer per device, then the library matmul).
 """
 
 from __future__ import annotations
