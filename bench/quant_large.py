@@ -6,8 +6,8 @@ Per shape: ``dequantize`` alone for each launch config of ``dequantize_candidate
 packed weight and scales read plus the 16-bit weight written, against the measured copy bandwidth; the default's
 and the fastest's printed, every config's in the JSON); then per rows
 (default 128, 256, 512) bf16 ``F.linear``, the dequantize-then-matmul path with the default config (what runs) and
-with the fastest, and, up to 256 rows, the ``tl.dot`` kernels the loader times at 64 rows (``magic_mma``'s first):
-whether raising or lowering ``DOT_MAX_ROWS`` wins. The summary adds the shapes up per decoder layer times 32 (ms of
+with the fastest, and the ``tl.dot`` kernels the loader times at 64 rows (``magic_mma``'s first): whether raising
+``DOT_MAX_ROWS`` (256) would win, and what the loader's race at 128 and 256 rows (``dot_max_rows``) sees. The summary adds the shapes up per decoder layer times 32 (ms of
 linear layers a step). Each timing replays a CUDA graph, the weights cycled through copies (read from memory).
 """
 
@@ -61,7 +61,7 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
                    "best_path_us": 1e6 * seconds(lambda i: F.linear(x, dequantize(
                        weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,
                        torch.bfloat16, out, best)))}
-            row.update(_dot_kernels(x, weight, n, k, device, seconds) if rows <= 256 else {})
+            row.update(_dot_kernels(x, weight, n, k, device, seconds))
             matmuls.append(row)
             print(_matmul_line(row))
     print()
