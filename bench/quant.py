@@ -148,7 +148,8 @@ def chosen_kernels(layers: int = 0) -> str:
         return f" ({timed[n, k, rows] * 1e6:.1f} us)" if (n, k, rows) in timed else ""
 
     lines = [f"{n} x {k}: 1 row {plan.gemv}{took(n, k, 1)}\n  16 rows {plan.small}{took(n, k, 16)}\n"
-             f"  32 rows {plan.medium}{took(n, k, 32)}\n  64 rows {plan.large}{took(n, k, 64)}"
+             f"  32 rows {plan.medium}{took(n, k, 32)}\n  64 rows {plan.large}{took(n, k, 64)}\n"
+             f"  the tl.dot kernels up to {plan.dot_max_rows} rows, then dequantize + cuBLAS ({plan.dequant})"
              for (n, k), plan in plans.items()]
     for rows in (1, 16, 32, 64):
         if layers and plans and all((n, k, rows) in timed for n, k in plans):

@@ -9,7 +9,9 @@ decode step reads it. Each line: microseconds, the speed-up over bf16, and the f
 (bytes of the packed weight, its scales and zeros, the activations and the output, at the measured copy bandwidth).
 The summary adds the four shapes up per decoder layer (what a decode step spends in its linear layers, times 32
 layers) with the fastest config of each, as the loader picks them. ``--explore`` times a wider grid of configs;
-``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against W4A16 ones, per token count).
+``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against W4A16 ones, per token count). ``--large``
+times large batches instead (``bench/quant_large.py``: the dequantize-then-matmul path, the dequantization alone
+against the copy bandwidth, and the ``tl.dot`` kernels, against bf16 at 128, 256 and 512 rows).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.bench.int_weights import LAYERS, SHAPES, PackedWeight, candidates, copies, copy_bandwidth
+from treadle.bench.quant_large import large_batch
 from treadle.bench.quant_sweep import sweep
 from treadle.bench.results_folder import results_dir
 
@@ -40,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
+    if args.large:
+        rows = [int(r) for r in (args.rows or "128,256,512").split(",")]
+        return _write(args, bandwidth, large_batch(rows, args.zeros, bandwidth, device, graph_seconds))
     rows_list = [int(r) for r in (args.rows or "1,8,32").split(",")]
     results = []
     for name, (n, k) in SHAPES.items():
@@ -64,10 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(summary(results, rows_list))
     moe = moe_rows(rows_list, bandwidth, device) if args.moe else []
+    return _write(args, bandwidth, {"results": results, "moe": moe})
+
+
+def _write(args: argparse.Namespace, bandwidth: float, results: dict) -> int:
     report = {"benchmark": "quant_kernels", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": torch.cuda.get_device_name(device), "copy_bandwidth_GBps": bandwidth / 1e9,
-              "zeros": args.zeros, "results": results, "moe": moe}
-    output = Path(args.output) if args.output else results_dir() / f"quant_kernels_{dt.date.today():%Y%m%d}.json"
+              "gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "zeros": args.zeros,
+              **results}
+    suffix = "_large" if args.large else ""
+    output = (Path(args.output) if args.output
+              else results_dir() / f"quant_kernels{suffix}_{dt.date.today():%Y%m%d}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")
@@ -137,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
     parser.add_argument("--explore", action="store_true", help="time a wider grid of launch configs")
     parser.add_argument("--moe", action="store_true", help="also one Mixtral-8x7B MoE layer, 16-bit against W4A16")
+    parser.add_argument("--large", action="store_true",
+                        help="large batches instead (bench/quant_large.py): dequantize alone, dequantize + matmul "
+                             "and the tl.dot kernels against bf16 (--rows default 128,256,512)")
     parser.add_argument("--output")
     return parser
 

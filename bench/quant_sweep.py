@@ -32,7 +32,7 @@ MAX_ERROR = 1e-2  # relative to the dequantized weight's bf16 matmul: bf16 round
 
 def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, device: str = "cuda",
           narrow: bool = False) -> int:
-    from treadle.kernels.packed_int import dequantize
+    from treadle.kernels.packed_int_dequant import dequantize
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device(device)
@@ -245,11 +245,13 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
     launch in Triton's cache instead of compiling them one by one."""
     from treadle.kernels.int_kernel_plan import batch_candidates
     from treadle.kernels.packed_int import gemv_candidates
+    from treadle.kernels.packed_int_dequant import load_dequantize_candidates
 
     sm_count = torch.cuda.get_device_properties(torch.device("cuda")).multi_processor_count
     work = [(name, 1, "gemv", tiles) for name, (n, k) in SHAPES.items() for tiles in gemv_candidates(n, k, 4, sm_count)]
     work += [(name, rows, "tl.dot", tiles) for name, (n, k) in SHAPES.items() for rows in (16, 32, 64)
              for tiles in batch_candidates(n, k, 4, GROUP, rows, sm_count, torch.bfloat16)]
+    work += [("qkv_proj", 128, "dequantize", tiles) for tiles in load_dequantize_candidates()]
     _precompile(work, jobs, zeros)
 
 

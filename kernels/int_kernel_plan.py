@@ -1,8 +1,9 @@
 """What one panel-packed integer weight shape runs per batch size (:class:`IntKernelPlan`), from the launch configs
 of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``) and
-``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to ``DOT_MAX_ROWS`` rows a ``tl.dot``
-kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``, timed at load by
-``layers/int_kernel_choice.py``), larger batches :func:`dequantize` and the library matmul.
+``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to the plan's ``dot_max_rows`` (at most
+``DOT_MAX_ROWS``) rows a ``tl.dot`` kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``,
+timed at load by ``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear`
+(``kernels/packed_int_dequant.py``'s dequantization into one buffer per device, then the library matmul).
 """
 
 from __future__ import annotations
@@ -13,22 +14,24 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
-from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, dequantize, gemv_candidates, int_dot, int_gemv,
-                                        tile_candidates, tiles_shape)
+from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates, int_dot, int_gemv, tile_candidates,
+                                        tiles_shape)
+from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, load_dequantize_candidates
 from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
 # One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), of ``magic_mma`` (MagicMmaTiles:
-# what 2 to 64 rows run first where it applies), or of the sweep's ``magic_gemv`` (no plan lists it: the GEMV's
-# subnormal widening and 16-byte loads took its gains).
-Tiles = Union[IntTiles, MmaTiles, MagicGemvTiles, MagicMmaTiles]
+# what 2 to 64 rows run first where it applies), of the sweep's ``magic_gemv`` (no plan lists it: the GEMV's
+# subnormal widening and 16-byte loads took its gains), or the dequantization and the library matmul (DequantTiles).
+Tiles = Union[IntTiles, MmaTiles, MagicGemvTiles, MagicMmaTiles, DequantTiles]
 
 
 @dataclass(frozen=True)
 class IntKernelPlan:
     """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
-    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``DOT_MAX_ROWS``, then
-    :func:`dequantize` and ``F.linear`` (so do act-order weights whose sorted groups are uneven)."""
+    row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``dot_max_rows`` (64, 128 or
+    ``DOT_MAX_ROWS``), then :func:`dequantize_linear` with ``dequant``'s launch (so do act-order weights whose sorted
+    groups are uneven); the loader times ``dot_max_rows`` and ``dequant`` like the launches."""
 
     bits: int
     group: int
@@ -36,6 +39,8 @@ class IntKernelPlan:
     small: Tiles
     medium: Tiles
     large: Tiles
+    dot_max_rows: int = DOT_MAX_ROWS
+    dequant: DequantTiles = DequantTiles()
 
     def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -57,20 +62,34 @@ class IntKernelPlan:
                         add_rmsnorm=(residual, norm_weight, eps), prefetch=prefetch)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            g_idx: torch.Tensor | None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+            g_idx: torch.Tensor | None, prefetch: torch.Tensor | None = None,
+            buffer: DequantBuffer | None = None) -> torch.Tensor:
         """``x @ dequantized(weight).T`` by the kernel this many rows run; ``prefetch`` (the head of the weight the
-        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV and ``magic_mma``."""
+        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV and ``magic_mma``;
+        ``buffer`` (``layer.dequant_buffer``) takes the dequantized weight of large batches (None: a new tensor)."""
         rows = x.shape[0]
-        if g_idx is None and rows <= DOT_MAX_ROWS:
+        if g_idx is None and rows <= self.dot_max_rows:
             tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
             return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles, prefetch)
-        return F.linear(x, dequantize(weight, scales, zeros, g_idx, self.bits, self.group, x.dtype))
+        return dequantize_linear(x, weight, scales, zeros, g_idx, self.bits, self.group, self.dequant, buffer)
+
+
+def dequantize_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      g_idx: torch.Tensor | None, bits: int, group: int, tiles: DequantTiles = DequantTiles(),
+                      buffer: DequantBuffer | None = None) -> torch.Tensor:
+    """``x @ dequantized(weight).T`` for large batches: the weight dequantized (into ``buffer``, the device's one,
+    where given), then the library matmul."""
+    n, k = weight.shape[0], weight.shape[1] * (32 // bits)
+    out = buffer.view(n, k, x.dtype) if buffer is not None else None
+    return F.linear(x, dequantize(weight, scales, zeros, g_idx, bits, group, x.dtype, out, tiles))
 
 
 def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
               group: int, tiles: Tiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures (``prefetch``: see :meth:`IntKernelPlan.run`;
     the GEMV and ``magic_mma`` take it, the others do not)."""
+    if isinstance(tiles, DequantTiles):  # into a new tensor: the loader times this before the KV pool is sized
+        return dequantize_linear(x, weight, scales, zeros, None, bits, group, tiles)
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicGemvTiles):
@@ -92,8 +111,23 @@ def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
     if not tiles_shape(k, bits, group):
         return None
     choose = pick or (lambda candidates, rows: candidates[0])
-    return IntKernelPlan(bits, group, choose(gemv_candidates(n, k, bits, sm_count), 1), *(
-        choose(batch_candidates(n, k, bits, group, rows, sm_count, dtype), rows) for rows in (16, 32, 64)))
+    gemv = choose(gemv_candidates(n, k, bits, sm_count), 1)
+    small, medium, large = (choose(batch_candidates(n, k, bits, group, rows, sm_count, dtype), rows)
+                            for rows in (16, 32, 64))
+    dequant = choose(load_dequantize_candidates(), 512)
+    return IntKernelPlan(bits, group, gemv, small, medium, large, _dot_max_rows(large, dequant, choose), dequant)
+
+
+def _dot_max_rows(large: Tiles, dequant: DequantTiles, choose: Callable[[list, int], Tiles]) -> int:
+    """The most rows the ``tl.dot`` kernels run: ``DOT_MAX_ROWS`` untimed; timed, the last of 64, 128 and 256
+    rows up to which ``large`` beat the dequantization (``dequant``) and the library matmul (the ``tl.dot`` tiles
+    widen the weight again for every 64 rows, the library matmul reads it widened once)."""
+    most = 64
+    for rows in (128, 256):
+        if rows > DOT_MAX_ROWS or choose([large, dequant], rows) != large:
+            break
+        most = rows
+    return most
 
 
 def batch_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int,

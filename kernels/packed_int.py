@@ -15,8 +15,8 @@ contiguous columns), ``scales`` / ``zeros`` ``[N, groups]``.
   activations' dtype in registers (4-bit: ``u | 0x4300`` read as bf16 is ``128 + u`` exactly, no conversion
   instruction) and multiplied on the tensor cores by the 16 activation columns it belongs to; each group's sums
   take its scale and zero (and the widening's offset, through the rows' activation sums) once.
-- :func:`dequantize` — larger batches (compute-bound): the 16-bit weight once per call, then the library matmul;
-  also act-order weights whose sorted groups are not uniform (``g_idx``).
+- ``dequantize`` (``kernels/packed_int_dequant.py``) — larger batches (compute-bound): the 16-bit weight once per
+  call, then the library matmul; also act-order weights whose sorted groups are not uniform (``g_idx``).
 
 :func:`gemv_candidates` and :func:`tile_candidates` list the launch configs the loader may time per weight shape;
 ``kernels/int_kernel_plan.py`` holds what each shape runs (beside ``kernels/packed_int_mma.py``'s tiles).
@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treadle.kernels.packed_int_dequant import dequantize  # noqa: F401  (its home before packed_int_dequant.py)
 from treadle.kernels.packed_int_lean import _lean_gemv_rows, lean_splits
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
@@ -198,19 +199,6 @@ def widening(bits: int, dtype: torch.dtype, i16: bool = True) -> tuple[bool, int
 
 
 _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-
-
-def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, g_idx: torch.Tensor | None,
-               bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight ``[N, K]`` in ``dtype`` (into ``out`` when given), K in natural order."""
-    n, k = weight.shape[0], weight.shape[1] * (32 // bits)
-    out = torch.empty(n, k, dtype=dtype, device=weight.device) if out is None else out
-    block_n = 32
-    _dequantize_kernel[(triton.cdiv(n, block_n), weight.shape[1] // PANEL_WORDS)](
-        weight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales, out, n,
-        weight.stride(0), scales.stride(0), out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
-        HAS_GIDX=g_idx is not None, BLOCK_N=block_n)
-    return out
 
 
 def _partials(split_k: int, rows: int, n: int, device: torch.device) -> torch.Tensor:
@@ -474,24 +462,3 @@ def _int_dot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
     mask = m_mask[:, None] & n_mask[None, :]
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
                      arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K)
-
-
-@triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, BITS: tl.constexpr,
-                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_N: tl.constexpr):
-    # One program: BLOCK_N rows of one panel, written in natural K order (value slot j: 16 contiguous columns).
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, 16)
-    n_mask = offs_n[:, None] < N
-    panel = tl.program_id(1)
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + panel * 16 + offs_c[None, :], mask=n_mask, other=0)
-    for j in tl.static_range(PACK):
-        cols = panel * 16 * PACK + 16 * j + offs_c
-        g = tl.load(g_ptr + cols) if HAS_GIDX else cols // GROUP
-        index = offs_n[:, None] * stride_sn + g[None, :]
-        s = tl.load(s_ptr + index, mask=n_mask, other=0).to(tl.float32)
-        zero = tl.load(z_ptr + index, mask=n_mask, other=0).to(tl.float32) if HAS_ZEROS else (1 << (BITS - 1))
-        w = (((words >> (BITS * j)) & MASK).to(tl.float32) - zero) * s
-        tl.store(out_ptr + offs_n[:, None] * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=n_mask)

@@ -1,11 +1,12 @@
 """Which Triton kernels (``kernels/int_kernel_plan.py``) each integer weight shape runs, chosen once at load.
 
 For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``magic_mma``,
-``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) are timed on the layer's weight, replayed from a CUDA graph
-with each call on another copy of the weight so it is read from memory as a decode step reads it
-(``layers/small_batch.py``'s timing), each call prefetching the next one's head into L2 as the model's calls do
-(``small_batch.chain_l2_prefetch``), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton``
-or ``library`` nothing is timed: the first candidates run.
+``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), and the 64 rows'
+winner against the dequantization and the library matmul at 128 and 256 rows (how many rows the ``tl.dot`` kernels
+run), are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the weight so it
+is read from memory as a decode step reads it (``layers/small_batch.py``'s timing), each call prefetching the next
+one's head into L2 as the model's calls do (``small_batch.chain_l2_prefetch``), and the fastest kept. With
+``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ def int_kernel_plan(layer: nn.Module) -> Any:
     return _plans[key]  # an IntKernelPlan, or None: the torch path
 
 
+def dequant_buffer(layer: nn.Module) -> Any:
+    """The buffer a repacked layer's large batches dequantize into (``kernels/packed_int_dequant.py``'s
+    ``DequantBuffer``: one per device while layers hold it), sized for this layer's weight; None without kernels."""
+    if layer.int_kernels is None:
+        return None
+    from treadle.kernels.packed_int_dequant import dequantize_buffer
+
+    buffer = dequantize_buffer(layer.weight.device)
+    buffer.reserve(layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits), layer.int_out_dtype)
+    return buffer
+
+
 # (N, K, bits, group, zeros, dtype, device) -> the kernels that shape runs (timed once per process).
 _plans: dict[tuple, Any] = {}
 
@@ -57,8 +70,8 @@ def chosen_plans() -> dict[tuple[int, int], Any]:
 
 
 def kept_seconds() -> dict[tuple[int, int, int], float]:
-    """``(N, K, rows)`` -> the loader's timing of the launch it kept for each shape and row bucket (1, 16, 32, 64),
-    for benchmarks to set beside a decode step's."""
+    """``(N, K, rows)`` -> the loader's timing of the launch it kept for each shape and row bucket (1, 16, 32, 64;
+    at 128 and 256 rows the 64 rows' launch or the dequantization), for benchmarks to set beside a decode step's."""
     return dict(_kept_seconds)
 
 

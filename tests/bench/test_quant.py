@@ -181,3 +181,16 @@ def test_integer_kernels_count_as_weight_matmuls():
         assert kernel_category(name) == "matmul (weights)"
     assert kernel_category("_chunk_top_kernel") == "sampling/reductions"
     assert parse_prefill_shapes("none", 4, 300) == [] and parse_prefill_shapes("2x400", 4, 300) == [(2, 300)]
+
+
+def test_large_batch_summary_adds_the_shapes_up_per_step():
+    from treadle.bench.quant_large import summary
+
+    rows = [{"rows": 128, "bf16_us": 100.0, "dequantize_us": 20.0, "path_us": 125.0, "best_path_us": 120.0,
+             "dot_best_us": 150.0}, {"rows": 128, "bf16_us": 50.0, "dequantize_us": 10.0, "path_us": 62.5,
+                                    "best_path_us": 60.0, "dot_best_us": 70.0},
+            {"rows": 512, "bf16_us": 400.0, "dequantize_us": 30.0, "path_us": 440.0, "best_path_us": 430.0}]
+    lines = summary(rows, [128, 512]).splitlines()
+    # 32 layers: (100 + 50) us -> 4.80 ms of bf16, the path 1.25x; no tl.dot timing at 512 rows.
+    assert lines[1].split()[1:6] == ["4.80", "0.96", "6.00", "5.76", "7.04"] and "(1.25x" in lines[1]
+    assert lines[2].split()[1:6] == ["12.80", "0.96", "14.08", "13.76", "-"] and "(1.10x" in lines[2]

@@ -23,6 +23,8 @@
 # `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
 # `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min).
+# `quant_large` runs bench/quant_kernels.py --large: W4A16 above DOT_MAX_ROWS rows (dequantize, then cuBLAS) against
+# bf16 at 128/256/512 rows, the dequantization alone against the copy bandwidth (about a minute; QUANTL_ARGS adds options).
 # `quant_sweep` runs bench/quant_kernels.py --sweep: every W4A16 kernel variant and config, kernels/packed_int_mma.py's
 # candidates included, at rows 1-64 against bf16 and the roofline (about 3 min; SWEEP_ARGS="--rows 1,32" to narrow;
 # SWEEP_ARGS="--narrow --rows 1,32": only what the loader times and round 2's trials, every row bucket's launches
@@ -206,6 +208,12 @@ PY
       # roofline, and one Mixtral-8x7B MoE layer (bench/quant_kernels.py; QUANTK_ARGS="--explore" for a wider grid).
       timeout ${QUANTK_TIMEOUT:-300} python3 -m treadle.bench.quant_kernels --moe --output "$OUT/quant_kernels.json" \
         ${QUANTK_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/quant_kernels.log" | tail -60 ;;
+    quant_large)
+      # W4A16 above DOT_MAX_ROWS rows (bench/quant_large.py): dequantize alone per config against the copy
+      # bandwidth, dequantize + cuBLAS and the tl.dot kernels against bf16 at 128/256/512 rows (about a minute).
+      timeout ${QUANTK_TIMEOUT:-300} python3 -m treadle.bench.quant_kernels --large \
+        --output "$OUT/quant_kernels_large.json" ${QUANTL_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
+        | tee "$OUT/quant_large.log" | tail -${QUANTL_TAIL:-40} ;;
     quant_sweep)
       # Every W4A16 variant x config per Llama-3.1-8B projection shape at rows 1/4/8/16/32/64 (bench/quant_sweep.py):
       # the configs compile in all cores but two first, then each is timed from a CUDA graph; the tables are the

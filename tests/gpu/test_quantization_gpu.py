@@ -237,3 +237,29 @@ def test_the_l2_prefetch_of_the_next_weight_changes_no_result():
         with_head = plan.run_add_rmsnorm(x, packed, scales, None, residual, norm_weight, 1e-5, head)
         without = plan.run_add_rmsnorm(x, packed, scales, None, residual, norm_weight, 1e-5)
         assert all(torch.equal(a, b) for a, b in zip(with_head, without))
+
+
+@pytest.mark.parametrize("bits, group, asym, uneven", [(4, 128, False, False), (4, 128, True, False),
+                                                       (4, 32, True, False), (8, 64, True, False),
+                                                       (4, 128, True, True)])
+def test_dequantize_gives_the_reference_weight_bit_for_bit(bits, group, asym, uneven):
+    # kernels/packed_int_dequant.py: (u - zero) * scale in float32 rounded once to bf16, as the torch reference; a
+    # ragged N (rows past the last tile) and a K whose panels do not split evenly among the programs (5 of 4).
+    from treadle.kernels.packed_int_dequant import DequantTiles, dequantize, dequantize_candidates
+    from treadle.layers.packed_int import pack_panels
+
+    n, k = 200, 5 * 512 // bits
+    gen = torch.Generator(device=DEVICE).manual_seed(bits + group)
+    values = torch.randint(0, 1 << bits, (n, k), device=DEVICE, generator=gen)
+    scales = (torch.rand(n, k // group, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 1 << bits, (n, k // group), device=DEVICE, generator=gen).to(torch.bfloat16) \
+        if asym else None
+    groups = torch.arange(k, device=DEVICE) // group
+    if uneven:  # act-order on a row-parallel rank: sorted, but groups of any size
+        groups = torch.randint(0, k // group, (k,), device=DEVICE, generator=gen).sort().values
+    expected = _reference(values, scales, zeros, groups, bits).to(torch.bfloat16)
+    g_idx = groups.to(torch.int32) if uneven else None
+    configs = dequantize_candidates()[:3] + [DequantTiles(64, 8, 8)] if group == 128 and not asym else [DequantTiles()]
+    for tiles in configs:
+        got = dequantize(pack_panels(values, bits), scales, zeros, g_idx, bits, group, torch.bfloat16, tiles=tiles)
+        assert torch.equal(got, expected), tiles

@@ -87,8 +87,12 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
             dict(GROUP=128, HAS_ZEROS=dtype == "bf16", SPLIT_K=2, MAGIC16=magic, OFFSET16=offset, ASM=True,
                  SCALED=scaled, PAIR_DOTS=pairs, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128,
                  **_prefetch(scaled)))
-    variants["dequantize"] = ("_dequantize_kernel", {"out_ptr": "*bf16"},
-                              dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=True, BLOCK_N=32))
+    # The large batches' dequantization: a group per two value slots, per column (act-order) at 8 bits (a group per
+    # panel: the 16-byte check below).
+    for bits, group, zeros, gidx in ((4, 32, True, False), (8, 128, True, True)):
+        variants[f"dequantize[bits={bits},group={group},zeros={zeros},g_idx={gidx}]"] = (
+            "packed_int_dequant._dequantize_kernel", {"out_ptr": "*bf16"},
+            dict(BITS=bits, GROUP=group, HAS_ZEROS=zeros, HAS_GIDX=gidx, BLOCK_N=32))
     # The integer experts' fused-MoE kernels (kernels/packed_int_moe.py).
     moe = {"ids_ptr": "*i64", "out_ptr": "*bf16", "act_ptr": "*bf16", "a_ptr": "*bf16", "route_ptr": "*fp32",
            "c_ptr": "*bf16", "row_weight_ptr": "*fp32", "sorted_rows_ptr": "*i64", "block_experts_ptr": "*i64"}
@@ -110,10 +114,10 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int, packed_int_magic, packed_int_mma, packed_int_moe
+    from treadle.kernels import packed_int, packed_int_dequant, packed_int_magic, packed_int_mma, packed_int_moe
 
     modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma,
-               "packed_int_magic": packed_int_magic}
+               "packed_int_magic": packed_int_magic, "packed_int_dequant": packed_int_dequant}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
         module, _, kernel = kernel.rpartition(".")
@@ -123,37 +127,62 @@ def _compile_all() -> dict[str, str | None]:
             results[name] = None
         except Exception:  # reported per variant so one failure does not hide the others
             results[name] = traceback.format_exc()
-    try:
-        results["gemv[16-byte loads]"] = _gemv_loads(packed_int._int_gemv_kernel)
-    except Exception:
-        results["gemv[16-byte loads]"] = traceback.format_exc()
+    for name, check in (("gemv[16-byte loads]", lambda: _gemv_loads(packed_int._int_gemv_kernel)),
+                        ("dequantize[16-byte loads and stores]",
+                         lambda: _dequantize_accesses(packed_int_dequant._dequantize_kernel))):
+        try:
+            results[name] = check()
+        except Exception:
+            results[name] = traceback.format_exc()
     return results
 
 
-def _gemv_loads(kernel) -> str | None:
-    """None if the subnormal GEMV, its pointers and integer sizes 16-aligned (as Triton specializes the loader's
-    shapes), loads its packed words as 16-byte vectors and its activations as 8-byte ones (the word offsets hinted
-    whole panels; without the hints 8 and 4); else the loads its PTX has."""
+def _aligned_ptx(kernel, constexprs: dict[str, object], unaligned: tuple[str, ...] = ()) -> str:
+    """The sm_90 PTX of ``kernel`` with its pointers and integers 16-aligned but for ``unaligned`` (as Triton
+    specializes the loader's shapes)."""
     import inspect
-    import re
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
-                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, LEAN=False, HMMA=False, PREFETCH=True,
-                      PREFETCH_BLOCK=64)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
             signature[name], constants[(index,)] = "constexpr", constexprs[name]
         else:
             signature[name] = POINTERS.get(name, "*bf16" if name == "out_ptr" else "fp32" if name == "eps" else "i32")
-            if name != "eps":
+            if name != "eps" and name not in unaligned:
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def _dequantize_accesses(kernel) -> str | None:
+    """None if the dequantization (4-bit, groups of 128 with zero points) loads its packed words and stores its
+    16-bit values 16 bytes at a time (the row count, panel counts and scale stride left unaligned); else the global
+    accesses its PTX has."""
+    import re
+
+    ptx = _aligned_ptx(kernel, dict(BITS=4, GROUP=128, HAS_ZEROS=True, HAS_GIDX=False, BLOCK_N=32),
+                       ("N", "panels", "per_program", "stride_sn"))
+    accesses = sorted(set(re.findall(r"(?:ld|st)\.global[\w.:]*", ptx)))
+    words = [access for access in accesses if "evict_first" in access]
+    stores = [access for access in accesses if access.startswith("st.")]
+    good = words and stores and all(access.endswith(".v4.b32") for access in words + stores)
+    return None if good else f"global accesses: {accesses}"
+
+
+def _gemv_loads(kernel) -> str | None:
+    """None if the subnormal GEMV, its pointers and integer sizes 16-aligned (as Triton specializes the loader's
+    shapes), loads its packed words as 16-byte vectors and its activations as 8-byte ones (the word offsets hinted
+    whole panels; without the hints 8 and 4); else the loads its PTX has."""
+    import re
+
+    constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
+                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, LEAN=False, HMMA=False, PREFETCH=True,
+                      PREFETCH_BLOCK=64)
+    ptx = _aligned_ptx(kernel, constexprs)
     loads = sorted(set(re.findall(r"ld\.global[\w.:]*", ptx)))
     words = [load for load in loads if "evict_first" in load]
     vectors = words and all(load.endswith(".v4.b32") for load in words) and "ld.global.v2.b32" in loads
@@ -179,3 +208,8 @@ def test_int_kernel_compiles_for_sm90(variant, compile_results):
 
 def test_the_gemv_loads_its_packed_words_16_bytes_at_a_time(compile_results):
     assert compile_results["gemv[16-byte loads]"] is None, compile_results["gemv[16-byte loads]"]
+
+
+def test_the_dequantization_moves_its_words_and_values_16_bytes_at_a_time(compile_results):
+    result = compile_results["dequantize[16-byte loads and stores]"]
+    assert result is None, result

@@ -23,7 +23,8 @@ import json, sys, torch
 from treadle.kernels.int_kernel_plan import plan_kernels
 from treadle.kernels.packed_int import PANEL_WORDS
 from treadle.layers.packed_int import PANEL_WORDS as LAYER_PANEL_WORDS, pack_panels, unpack_panels
-assert PANEL_WORDS == LAYER_PANEL_WORDS
+from treadle.kernels.packed_int_dequant import _PANEL_WORDS as DEQUANT_PANEL_WORDS
+assert PANEL_WORDS == LAYER_PANEL_WORDS == DEQUANT_PANEL_WORDS
 torch.manual_seed(0)
 errors, plans = {}, {}
 
@@ -95,8 +96,14 @@ for split in (1, 2):
     normed, residual_out = int_gemv(x, packed, scales.float(), zeros.float(), 4, group, IntTiles(0, 16, 16, split),
                                     add_rmsnorm=(residual, norm_weight, 1e-6))
     add_rmsnorm[split] = [(residual_out - summed).abs().max().item(), (normed - expected_norm).abs().max().item()]
+# The dequantization alone, bit for bit: 5 panels among programs of 4 (one walks a single panel), a ragged N.
+from treadle.kernels.packed_int_dequant import DequantTiles, dequantize
+values, packed, scales, zeros = weight_of(4, 128, 40, 640, True)
+dequantized = dequantize(packed, scales, zeros, None, 4, 128, torch.float32, tiles=DequantTiles(32, 4))
+exact = torch.equal(dequantized, reference(values, scales, zeros, torch.arange(640) // 128, 4))
 print("RESULTS " + json.dumps({"errors": errors, "plans": plans, "candidates": candidates, "half": half,
-                               "silu_mul": [list(fused.shape), silu_mul_error], "add_rmsnorm": add_rmsnorm}))
+                               "silu_mul": [list(fused.shape), silu_mul_error], "add_rmsnorm": add_rmsnorm,
+                               "dequantize_exact": exact}))
 """
 
 
@@ -146,3 +153,56 @@ def test_untimed_plans_run_int_mma_for_batches_of_2_to_256_rows(results):
 def test_the_gemv_adds_the_residual_and_norms_in_its_epilogue(results):
     for split, (residual_error, norm_error) in results["add_rmsnorm"].items():
         assert residual_error < 1e-5 and norm_error < 1e-5, (split, residual_error, norm_error)
+
+
+def test_the_dequantization_walks_uneven_panel_shares_exactly(results):
+    assert results["dequantize_exact"]
+
+
+def test_large_batches_dequantize_into_one_buffer_per_device():
+    # Allocated once at the size the layers reserved, shared by every shape and dtype; a weight past it gets a larger
+    # tensor and the old one is kept (a captured CUDA graph may still write it); gone once no layer holds it.
+    import gc
+
+    import torch
+
+    from treadle.kernels.packed_int_dequant import dequantize_buffer
+
+    cpu = torch.device("cpu")
+    buffer = dequantize_buffer(cpu)
+    assert dequantize_buffer(cpu) is buffer
+    buffer.reserve(8, 64, torch.bfloat16)
+    buffer.reserve(4, 64, torch.bfloat16)
+    qkv, down = buffer.view(4, 64, torch.bfloat16), buffer.view(8, 32, torch.float32)
+    assert qkv.shape == (4, 64) and down.shape == (8, 32) and down.dtype == torch.float32
+    assert qkv.data_ptr() == down.data_ptr() and qkv.untyped_storage().nbytes() == 8 * 64 * 2
+    larger = buffer.view(16, 64, torch.bfloat16)
+    assert larger.data_ptr() != qkv.data_ptr() and buffer.outgrown[0].data_ptr() == qkv.data_ptr()
+    del buffer
+    gc.collect()
+    assert dequantize_buffer(cpu).tensor is None  # a new one: the model that held the old one is gone
+
+
+def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
+    import torch
+
+    from treadle.kernels import int_kernel_plan
+    from treadle.kernels.int_kernel_plan import DOT_MAX_ROWS, plan_kernels
+    from treadle.kernels.packed_int_dequant import DequantTiles, load_dequantize_candidates
+
+    def dequantize_wins_from(threshold):  # a stand-in for the loader's timing: the first launch, or the last
+        return lambda candidates, rows: candidates[-1] if rows >= threshold else candidates[0]
+
+    assert plan_kernels(4096, 4096, 4, 128, 132).dot_max_rows == DOT_MAX_ROWS == 256  # untimed
+    assert plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(512)).dot_max_rows == 256
+    assert plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(256)).dot_max_rows == 128
+    assert plan_kernels(4096, 4096, 4, 128, 132).dequant == DequantTiles()
+    plan = plan_kernels(4096, 4096, 4, 128, 132, dequantize_wins_from(128))
+    # The dequantization's launch is timed too (at 512 rows, the last candidate here), then raced at 128.
+    assert plan.dot_max_rows == 64 and plan.dequant == load_dequantize_candidates()[-1] != DequantTiles()
+    ran = []
+    monkeypatch.setattr(int_kernel_plan, "run_tiles", lambda *args: ran.append(args[-2]))
+    monkeypatch.setattr(int_kernel_plan, "dequantize_linear", lambda *args: ran.append(args[7]))
+    for rows in (64, 65):
+        plan.run(torch.zeros(rows, 4096), None, None, None, None)
+    assert ran == [plan.large, plan.dequant]
