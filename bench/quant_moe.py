@@ -35,7 +35,7 @@ def moe_rows(tokens_list: list[int], bandwidth: float, device: torch.device, zer
         packed += [torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), dtype=torch.int32, device=device),
                    (torch.rand(experts, n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16),
                    torch.randint(0, 16, (experts, n, k // 128), device=device).to(torch.bfloat16) if zeros else None]
-    scratch = torch.empty(experts * 2 * inter * hidden, dtype=torch.bfloat16, device=device)
+    scratch = torch.empty(experts * inter * hidden, dtype=torch.bfloat16, device=device)  # as the layer's
     expert_bytes = sum(t.numel() * t.element_size() for t in packed if t is not None) // experts
     rows = [_widening_row(packed, scratch, bandwidth, dequantize_experts)]
     for tokens in tokens_list:
@@ -102,12 +102,17 @@ def _timer(tokens: int):
 def _widening_row(packed: list, scratch: torch.Tensor, bandwidth: float, dequantize_experts) -> dict:
     from treadle.layers.small_batch import graph_seconds
 
-    def widen(i: int) -> None:
-        dequantize_experts(*packed[:3], 4, 128, scratch)
+    def widen(i: int) -> None:  # as the dequant form widens them: gate rows, up rows, down
+        words, scales = packed[0], packed[1]
+        zeros = packed[2] if packed[2] is not None else None
+        half = words.shape[1] // 2
+        for rows in (slice(0, half), slice(half, None)):
+            dequantize_experts(words[:, rows], scales[:, rows], zeros[:, rows] if zeros is not None else None, 4,
+                               128, scratch)
         dequantize_experts(*packed[3:], 4, 128, scratch)
 
     seconds = graph_seconds(widen, per_graph=4, replays=3)
-    moved = sum(t.numel() * t.element_size() for t in packed if t is not None) + 2 * scratch.numel() * 1.5
+    moved = sum(t.numel() * t.element_size() for t in packed if t is not None) + 3 * scratch.numel() * 2
     print(f"mixtral moe widening of one layer's experts (both GEMMs): {seconds * 1e6:.1f} us, "
           f"{moved / seconds / 1e9:.0f} GB/s ({moved / bandwidth / seconds:.0%} of the copy bandwidth)")
     return {"widening_us": seconds * 1e6, "widening_GBps": moved / seconds / 1e9,

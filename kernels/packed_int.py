@@ -459,8 +459,7 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, stride_wn, stride
     # One program: BLOCK_N rows of one panel, written in natural K order (value slot j: 16 contiguous columns).
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    # 64-bit rows: all experts of an MoE layer widen in one launch (kernels/packed_int_moe.py), past 2**31 elements.
-    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, 16)
     n_mask = offs_n[:, None] < N
     panel = tl.program_id(1)

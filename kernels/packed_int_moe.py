@@ -11,9 +11,9 @@ and run a grouped GEMM, one of three forms (:func:`choose_form`, by the batch's 
   which widen each weight tile once for ``block_m`` rows by ``magic_mma``'s packed pairs;
 - ``grouped``: tiles that widen each panel of their expert's packed weight value slot by value slot for 16-row
   ``tl.dot``s (every other shape);
-- ``dequant`` (from :data:`DEQUANT_ROWS_PER_EXPERT` rows per expert, where the layer has a scratch): each GEMM's
-  experts widened into one 16-bit scratch ``[E, N, K]`` by one bandwidth-bound kernel, then the 16-bit grouped
-  GEMM of ``kernels/fused_moe.py`` on it. The extra traffic (about 4 bytes a parameter) is small against the
+- ``dequant`` (from :data:`DEQUANT_ROWS_PER_EXPERT` rows per expert, where the layer has a scratch): the experts
+  widened into one 16-bit scratch ``[E, I, H]`` by one bandwidth-bound kernel (the gate rows, the up rows, then down,
+  each before its GEMM), then the 16-bit grouped GEMM of ``kernels/fused_moe.py`` on it. The extra traffic (about 4 bytes a parameter) is small against the
   compute of a large batch, and the 16-bit GEMM runs at the tensor cores' pace.
 
 Nothing syncs with the host: the layer captures in a CUDA graph.
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from treadle.kernels.fused_moe import BlockConfig, _grouped_gemm, align_by_expert, default_config, takes_gemv
 from treadle.kernels.fused_ops import silu_mul
-from treadle.kernels.packed_int import _dot_panels, _gemv_rows, dequantize, widening
+from treadle.kernels.packed_int import _dot_panels, _gemv_rows, widening
 from treadle.kernels.packed_int_moe_magic import GroupedMagicTiles, default_magic_tiles, grouped_magic, magic_fits
 
 # Weight rows, words per step and warps of a GEMV program: the gate/up GEMV has two row blocks per program and
@@ -75,8 +75,8 @@ def fused_int_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13
                       form: str | None = None, tiles: GroupedMagicTiles | BlockConfig | None = None) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for packed experts: ``w13`` int32
     ``[E, 2I, H * bits / 32]`` with ``s13`` / ``z13`` ``[E, 2I, H / group]``, ``w2`` ``[E, H, I * bits / 32]``
-    with ``s2`` / ``z2`` ``[E, H, I / group]`` (zeros None: symmetric). ``scratch``: at least ``E * 2I * H``
-    elements of ``x``'s dtype that the ``dequant`` form widens the experts into (None: that form is not chosen);
+    with ``s2`` / ``z2`` ``[E, H, I / group]`` (zeros None: symmetric). ``scratch``: at least ``E * I * H``
+    elements of ``x``'s dtype that the ``dequant`` form widens the experts into (gate/up half by half) (None: that form is not chosen);
     ``form`` (one of :data:`FORMS`) and ``tiles`` (the grouped GEMM's: ``GroupedMagicTiles`` for ``magic``, a
     ``BlockConfig`` otherwise) override the choice, for the benchmark."""
     x = x.contiguous()
@@ -126,26 +126,40 @@ def _by_expert(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tens
 
 def dequantize_experts(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group: int,
                        scratch: torch.Tensor) -> torch.Tensor:
-    """Every expert's weight ``[E, N, K]`` in ``scratch``'s dtype, widened into (the head of) ``scratch``, one
-    bandwidth-bound kernel for all experts."""
+    """Every expert's weight ``[E, N, K]`` in ``scratch``'s dtype, widened into (the head of) ``scratch`` by one
+    bandwidth-bound kernel. ``words`` ``[E, N, K * bits / 32]`` may be a slice of rows of a larger tensor (gate/up's
+    halves), with its ``scales`` / ``zeros`` ``[E, N, K / group]`` sliced alike."""
     num_experts, n, num_words = words.shape
     k = num_words * 32 // bits
     if scratch.numel() < num_experts * n * k:
         raise ValueError(f"a scratch of {scratch.numel()} elements holds no {num_experts} x {n} x {k} experts")
-    flat = scratch[:num_experts * n * k].view(num_experts * n, k)
-    dequantize(words.view(num_experts * n, num_words), scales.view(num_experts * n, -1),
-               zeros.view(num_experts * n, -1) if zeros is not None else None, None, bits, group, scratch.dtype,
-               out=flat)
-    return flat.view(num_experts, n, k)
+    if words.stride(2) != 1 or scales.stride(2) != 1 or (zeros is not None and zeros.stride() != scales.stride()):
+        raise ValueError("the experts' words, scales and zeros must be contiguous along K, zeros strided as scales")
+    widened = scratch[:num_experts * n * k].view(num_experts, n, k)
+    rows = num_experts * n
+    _widen_experts_kernel[(triton.cdiv(rows, _WIDEN_ROWS), num_words // 16)](
+        words, scales, zeros if zeros is not None else scales, widened, n, rows, k, words.stride(0), words.stride(1),
+        scales.stride(0), scales.stride(1), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
+        BLOCK_N=_WIDEN_ROWS, num_warps=4)
+    return widened
+
+
+_WIDEN_ROWS = 16  # weight rows a widening program writes (one panel of each: 16 x 256 bytes in bf16)
 
 
 def _dequantized_gemm(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                       out: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor, a_row_divisor: int,
                       row_weights: torch.Tensor | None, bits: int, group: int, scratch: torch.Tensor,
                       config: BlockConfig) -> None:
-    # One scratch for both GEMMs and every layer: the stream orders each widening after the GEMM that read the last.
-    widened = dequantize_experts(words, scales, zeros, bits, group, scratch)
-    _grouped_gemm(a, None, widened, out, sorted_rows, block_experts, config, a_row_divisor, row_weights)
+    # One scratch of E x I x H for every GEMM of every layer: gate/up runs as two GEMMs (the gate rows, then the up
+    # rows, each into its half of the output's columns), so the scratch holds half of the experts' gate/up weight;
+    # the stream orders each widening after the GEMM that read the last.
+    n = words.shape[1]
+    halves = (slice(0, n // 2), slice(n // 2, n)) if row_weights is None else (slice(None),)
+    for rows in halves:
+        widened = dequantize_experts(words[:, rows], scales[:, rows], zeros[:, rows] if zeros is not None else None,
+                                     bits, group, scratch)
+        _grouped_gemm(a, None, widened, out[:, rows], sorted_rows, block_experts, config, a_row_divisor, row_weights)
 
 
 def _gemvs(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Tensor | None, w2: torch.Tensor,
@@ -255,3 +269,37 @@ def _grouped_int_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorte
         acc = acc * tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)[:, None]
     tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _widen_experts_kernel(w_ptr, s_ptr, z_ptr, out_ptr, rows_per_expert, num_rows, K, stride_we, stride_wn,
+                          stride_se, stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    # One program: one panel of BLOCK_N rows (of all experts, flattened), its values in natural K order (value slot j
+    # of word c is column 16 * j + c of the panel), stored as whole rows of the panel. 64-bit rows: all experts'.
+    PACK: tl.constexpr = 32 // BITS
+    PANEL: tl.constexpr = 16 * PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_mask = rows < num_rows
+    expert, row = rows // rows_per_expert, rows % rows_per_expert
+    panel = tl.program_id(1)
+    offs_c = tl.arange(0, 16)
+    words = tl.load(w_ptr + (expert * stride_we + row * stride_wn)[:, None] + panel * 16 + offs_c[None, :],
+                    mask=row_mask[:, None], other=0, eviction_policy="evict_first")
+    slots = tl.arange(0, PACK)
+    values = (words[:, None, :] >> (BITS * slots)[None, :, None]) & MASK  # [BLOCK_N, PACK, 16]
+    cols = panel * PANEL + 16 * slots[:, None] + offs_c[None, :]  # [PACK, 16]
+    scale_rows = (expert * stride_se + row * stride_sn)[:, None, None]
+    if GROUP % PANEL == 0:  # the panel is one group: one scale (and zero) a row
+        index = scale_rows + (panel * PANEL) // GROUP
+    else:
+        index = scale_rows + (cols // GROUP)[None, :, :]
+    s = tl.load(s_ptr + index, mask=row_mask[:, None, None], other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + index, mask=row_mask[:, None, None], other=0).to(tl.float32)
+    else:
+        zero = (1 << (BITS - 1)) * 1.0
+    widened = ((values.to(tl.float32) - zero) * s).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (rows * K)[:, None] + tl.reshape(cols, [PANEL])[None, :], tl.reshape(widened, [BLOCK_N, PANEL]),
+             mask=row_mask[:, None])

@@ -11,9 +11,9 @@ Scales and zero points are in the model dtype; symmetric checkpoints store no ze
 expert's weight arrives as its :class:`UnpackedWeight` (``PackedIntConfig.checkpoint_stream``); tensor parallelism
 keeps a rank's rows of gate/up and its columns (whole groups) of down. :func:`fused_int_experts` runs them: the
 Triton kernels of ``kernels/packed_int_moe.py`` on a GPU, elsewhere a loop over experts that dequantizes each one
-as it runs (the reference). On a GPU the layer also holds ``dequant_scratch``, a 16-bit buffer of ``E * 2I/tp * H``
-elements shared by every MoE layer (:func:`reserve_dequant_scratch`, at load: Mixtral-8x7B's is 1.9 GB), into
-which large batches widen each GEMM's experts before the 16-bit grouped GEMM.
+as it runs (the reference). On a GPU the layer also holds ``dequant_scratch``, a 16-bit buffer of ``E * I/tp * H``
+elements shared by every MoE layer (:func:`reserve_dequant_scratch`, at load: Mixtral-8x7B's is 0.94 GB), into
+which large batches widen the experts of each GEMM (gate/up half by half) before the 16-bit grouped GEMM.
 """
 
 from __future__ import annotations
@@ -128,15 +128,15 @@ _SCRATCHES: "weakref.WeakValueDictionary[tuple[torch.device, torch.dtype], torch
 
 
 def reserve_dequant_scratch(experts: "FusedExperts") -> None:
-    """Give ``experts`` (packed, on a GPU) the shared scratch of at least ``E * 2I * H`` elements of the model dtype
-    that its larger batches widen into: allocated here, at load, so the KV pool (sized from the memory left after
+    """Give ``experts`` (packed, on a GPU) the shared scratch of at least ``E * I/tp * H`` elements of the model dtype
+    that its larger batches widen into (gate/up half by half): allocated here, at load, so the KV pool (sized from the memory left after
     loading) counts it; none where the dequant form is off (``TREADLE_INT_MOE_DEQUANT_ROWS=0``)."""
     words = experts.gate_up_proj
     experts.dequant_scratch = None
     if not (use_triton(words) and experts.panels) or not _kernels().dequant_rows_per_expert():
         return
     dtype = experts.gate_up_scales.dtype
-    needed = experts.num_experts * 2 * experts.local_size * experts.hidden_size
+    needed = experts.num_experts * experts.local_size * experts.hidden_size
     key = (words.device, dtype)
     scratch = _SCRATCHES.get(key)
     if scratch is None or scratch.numel() < needed:

@@ -197,7 +197,7 @@ def test_every_grouped_form_of_int4_experts_matches_the_reference(tokens, asym):
     from treadle.kernels.packed_int_moe_magic import magic_trials
 
     packed, layer, x, weights, ids = _int4_experts(tokens, asym)
-    scratch = torch.empty(layer.num_experts * layer.gate_up_proj.shape[1] * x.shape[1], dtype=x.dtype, device=DEVICE)
+    scratch = torch.empty(layer.num_experts * layer.down_proj.shape[2] * 8 * x.shape[1], dtype=x.dtype, device=DEVICE)
     runs = [("grouped", None), ("dequant", None), ("magic", None)]
     runs += [("magic", tiles) for tiles in magic_trials(tokens * 2, 8)] if tokens == 600 and not asym else []
     for form, tiles in runs:

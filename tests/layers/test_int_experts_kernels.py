@@ -16,7 +16,8 @@ RESULT_MARKER = "INT-MOE-RESULTS:"
 CASES = [(4, 32, True), (4, 128, False)]  # (bits, group, zero points)
 TOKENS = (1, 5)  # 2 and 10 assignments of 4 experts: the GEMVs, then the grouped GEMM
 # (form, tiles, bits, group, zero points, dtype): the forced grouped forms at 5 tokens.
-FORMS = [("dequant", None, 4, 32, True, "float32"), ("magic", None, 4, 128, True, "float16"),
+FORMS = [("dequant", None, 4, 32, True, "float32"), ("dequant", None, 8, 128, False, "float32"),
+         ("magic", None, 4, 128, True, "float16"),
          ("magic", (32, 64, False), 4, 128, False, "float16")]
 
 
@@ -50,7 +51,7 @@ def _check() -> dict[str, float]:
                                     bits, group)
             errors[f"{bits}-{group}-{asym}-{tokens}"] = ((got - expected).norm() / expected.norm()).item()
     for form, tiles, bits, group, asym, dtype in FORMS:
-        errors[f"{form}-{tiles}-{asym}"] = _form_error(form, tiles, bits, group, asym, getattr(torch, dtype))
+        errors[f"{form}-{tiles}-{bits}-{asym}"] = _form_error(form, tiles, bits, group, asym, getattr(torch, dtype))
     return errors
 
 
@@ -75,8 +76,8 @@ def _form_error(form, tiles, bits, group, asym, dtype) -> float:
     x = torch.randn(tokens, hidden).to(dtype)
     weights, ids = torch.rand(tokens, top_k), torch.stack([torch.randperm(num_experts)[:top_k]
                                                            for _ in range(tokens)])
-    # The scratch a layer holds: room for its larger GEMM's experts (gate/up), plus some the widening must not touch.
-    scratch = torch.full((num_experts * 2 * inter * hidden + 64,), float("nan"), dtype=dtype)
+    # The scratch a layer holds (E x I x H: gate/up widens half by half), plus some the widening must not touch.
+    scratch = torch.full((num_experts * inter * hidden + 64,), float("nan"), dtype=dtype)
     got = fused_int_experts(x, packed["gate_up_proj"], packed["gate_up_scales"], packed["gate_up_zeros"],
                             packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, bits, group,
                             scratch, form=form,
@@ -109,7 +110,7 @@ def test_int_expert_kernels_match_the_dequantizing_reference(errors, bits, group
 @pytest.mark.parametrize("form, tiles, bits, group, asym, dtype", FORMS)
 def test_each_grouped_form_matches_the_dequantizing_reference(errors, form, tiles, bits, group, asym, dtype):
     # fp16 rows: the magic form's products and each routed output round to fp16 (the reference here is float32).
-    assert errors[f"{form}-{tiles}-{asym}"] < (1e-5 if dtype == "float32" else 5e-3)
+    assert errors[f"{form}-{tiles}-{bits}-{asym}"] < (1e-5 if dtype == "float32" else 5e-3)
 
 
 def test_each_batch_shape_takes_its_form(monkeypatch):
