@@ -87,7 +87,22 @@ def summary(rows: list[dict]) -> str:
         auto_cell = f"{auto['us']:.1f} ({auto['picked']})" if auto else "-"
         lines.append(f"{tokens:>7}{timed[0]['bf16_us']:>10.1f}{auto_cell:>20}{cells}  {winner['form']} "
                      f"{winner['tiles']}")
+    lines.append(_threshold_line(rows))
     return "\n".join(lines)
+
+
+def _threshold_line(rows: list[dict]) -> str:
+    """Where the dequant form starts to win for good: the token count from which it beats every other form at every
+    larger count, as rows per expert (``DEQUANT_ROWS_PER_EXPERT``)."""
+    experts, _, _, top_k = MIXTRAL_MOE
+    counts = sorted({r["tokens"] for r in rows if "tokens" in r})
+    wins = {t: min((r for r in rows if r.get("tokens") == t and r["form"] != "auto"),
+                   key=lambda r: r["us"])["form"] == "dequant" for t in counts}
+    first = next((t for t in counts if all(wins[u] for u in counts if u >= t)), None)
+    if first is None:
+        return "dequant wins at no measured token count: DEQUANT_ROWS_PER_EXPERT above the largest measured"
+    return (f"dequant wins from {first} tokens on ({first * top_k / experts:.0f} rows per expert): "
+            f"DEQUANT_ROWS_PER_EXPERT between the previous count's rows per expert and that")
 
 
 def _timer(tokens: int):
