@@ -33,7 +33,8 @@ import triton.language as tl
 from treadle.kernels.fused_moe import BlockConfig, _grouped_gemm, align_by_expert, default_config, takes_gemv
 from treadle.kernels.fused_ops import silu_mul
 from treadle.kernels.packed_int import _dot_panels, _gemv_rows, widening
-from treadle.kernels.packed_int_moe_magic import GroupedMagicTiles, default_magic_tiles, grouped_magic, magic_fits
+from treadle.kernels.packed_int_moe_magic import (GroupedMagicTiles, _sorted_block_rows, default_magic_tiles,
+                                                  grouped_magic, magic_fits)
 
 # Weight rows, words per step and warps of a GEMV program: the gate/up GEMV has two row blocks per program and
 # top_k * I / 16 programs per token; the down GEMV's H / 8 programs per token each read top_k experts' rows.
@@ -255,9 +256,7 @@ def _grouped_int_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorte
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < num_rows
-    a_rows = tl.where(row_mask, rows // a_row_divisor, 0)
+    rows, row_mask, a_rows = _sorted_block_rows(sorted_rows_ptr, pid_m, num_rows, a_row_divisor, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_c = tl.arange(0, 16)

@@ -83,6 +83,15 @@ def grouped_magic(a: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, 
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+@triton.jit
+def _sorted_block_rows(sorted_rows_ptr, pid_m, num_rows, a_row_divisor, BLOCK_M: tl.constexpr):
+    """Block ``pid_m``'s sorted rows (64-bit), which of them are real (not padding), and the rows of the GEMM's
+    input they read (``row // a_row_divisor``: a token's row for gate/up, the row itself for down)."""
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < num_rows
+    return rows, row_mask, tl.where(row_mask, rows // a_row_divisor, 0)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _grouped_magic_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorted_rows_ptr, block_experts_ptr, N,
                           K, num_rows, a_row_divisor, stride_am, stride_we, stride_wn, stride_se, stride_sn,
@@ -95,9 +104,7 @@ def _grouped_magic_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sor
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < num_rows
-    a_rows = tl.where(row_mask, rows // a_row_divisor, 0)
+    rows, row_mask, a_rows = _sorted_block_rows(sorted_rows_ptr, pid_m, num_rows, a_row_divisor, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_tile = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]

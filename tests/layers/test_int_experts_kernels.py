@@ -63,7 +63,7 @@ def _form_error(form, tiles, bits, group, asym, dtype) -> float:
     from treadle.layers.int_experts import fused_int_experts_reference
     from treadle.layers.packed_int import IntWeightScheme, pack_panels
 
-    num_experts, hidden, inter, top_k, tokens = 4, 128, 256, 2, 5
+    num_experts, hidden, inter, top_k, tokens = 4, 128, 128, 2, 5
     packed = {}
     for name, (n, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
         values = torch.randint(0, 1 << bits, (num_experts, n, k))
