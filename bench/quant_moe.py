@@ -5,7 +5,7 @@ Per token count (8 experts of 4096 x 14336, top-2, random routing; symmetric gro
 points with ``--zeros``), each replayed from a CUDA graph: bf16 ``fused_experts``; W4A16 as the layer runs it
 (``auto``: :func:`~treadle.kernels.packed_int_moe.choose_form`'s pick), then each form forced — the decode GEMVs
 (up to 64 tokens), the grouped GEMM that widens value slots (``grouped``), the magic-widening grouped GEMM
-(``magic``: its default tiles, and from 64 tokens every launch of ``magic_trials``), and the experts dequantized
+(``magic``: its default tiles, and from 256 tokens every launch of ``magic_trials``), and the experts dequantized
 into a bf16 scratch then the 16-bit grouped GEMM (``dequant``). Each line: microseconds, TFLOPS, the speed-up over
 bf16, the fraction of the W4A16 memory roofline (each routed expert's packed bytes read once). Then the widening
 alone (both GEMMs' experts, GB/s of its reads and writes) and, per token count, the fastest form: what
@@ -51,7 +51,7 @@ def moe_rows(tokens_list: list[int], bandwidth: float, device: torch.device, zer
             runs.append(("gemv", None, "gemv"))
         runs += [("grouped", None, "grouped"), ("dequant", None, "dequant")]
         magic = [default_magic_tiles(tokens * top_k, experts)] + (
-            magic_trials(tokens * top_k, experts)[1:] if tokens >= 64 else [])
+            magic_trials(tokens * top_k, experts)[1:] if tokens >= 256 else [])
         runs += [("magic", tiles, "magic") for tiles in magic]
         for name, tiles, form in runs:
             try:

@@ -53,12 +53,14 @@ def default_magic_tiles(num_rows: int, num_experts: int) -> GroupedMagicTiles:
 
 def magic_trials(num_rows: int, num_experts: int) -> list[GroupedMagicTiles]:
     """The launches ``bench/quant_kernels.py --moe`` times at ``num_rows`` (sorted rows): the default, token tiles
-    of 16 to 128 rows on 128 weight rows (4 or 8 warps), and the default's token tile on 64 weight rows, scaled after
-    the dots, and with a fourth pipeline stage (about a dozen, to keep the benchmark near two minutes)."""
+    of half, the same and twice its rows (16 to 128) on 128 weight rows (4 or 8 warps), and the default's token tile
+    on 64 weight rows, scaled after the dots, and with a fourth pipeline stage (at most ten, so the benchmark stays
+    near two minutes)."""
     first = default_magic_tiles(num_rows, num_experts)
     listed = [first]
-    for block_m in (16, 32, 64, 128):
-        listed += [GroupedMagicTiles(block_m, 128, 4), GroupedMagicTiles(block_m, 128, 8)]
+    for block_m in (first.block_m // 2, first.block_m, first.block_m * 2):
+        if 16 <= block_m <= 128:
+            listed += [GroupedMagicTiles(block_m, 128, 4), GroupedMagicTiles(block_m, 128, 8)]
     listed += [GroupedMagicTiles(first.block_m, 64, 4),
                GroupedMagicTiles(first.block_m, first.block_n, first.num_warps, scaled=False),
                GroupedMagicTiles(first.block_m, first.block_n, first.num_warps, num_stages=4)]
