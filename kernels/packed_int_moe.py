@@ -12,9 +12,10 @@ and run a grouped GEMM, one of three forms (:func:`choose_form`, by the batch's 
 - ``grouped``: tiles that widen each panel of their expert's packed weight value slot by value slot for 16-row
   ``tl.dot``s (every other shape);
 - ``dequant`` (from :data:`DEQUANT_ROWS_PER_EXPERT` rows per expert, where the layer has a scratch): the experts
-  widened into one 16-bit scratch ``[E, I, H]`` by one bandwidth-bound kernel (the gate rows, the up rows, then down,
-  each before its GEMM), then the 16-bit grouped GEMM of ``kernels/fused_moe.py`` on it. The extra traffic (about 4 bytes a parameter) is small against the
-  compute of a large batch, and the 16-bit GEMM runs at the tensor cores' pace.
+  widened into one 16-bit scratch ``[E, I, H]`` by one bandwidth-bound kernel (the gate rows, the up rows, then
+  down, each before its GEMM), then the 16-bit grouped GEMM of ``kernels/fused_moe.py`` on it. The extra traffic
+  (about 4 bytes a parameter) is small against the compute of a large batch, and the 16-bit GEMM runs at the
+  tensor cores' pace.
 
 Nothing syncs with the host: the layer captures in a CUDA graph.
 """
@@ -77,9 +78,9 @@ def fused_int_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for packed experts: ``w13`` int32
     ``[E, 2I, H * bits / 32]`` with ``s13`` / ``z13`` ``[E, 2I, H / group]``, ``w2`` ``[E, H, I * bits / 32]``
     with ``s2`` / ``z2`` ``[E, H, I / group]`` (zeros None: symmetric). ``scratch``: at least ``E * I * H``
-    elements of ``x``'s dtype that the ``dequant`` form widens the experts into (gate/up half by half) (None: that form is not chosen);
-    ``form`` (one of :data:`FORMS`) and ``tiles`` (the grouped GEMM's: ``GroupedMagicTiles`` for ``magic``, a
-    ``BlockConfig`` otherwise) override the choice, for the benchmark."""
+    elements of ``x``'s dtype that the ``dequant`` form widens the experts into, gate/up half by half (None: that
+    form is not chosen); ``form`` (one of :data:`FORMS`) and ``tiles`` (the grouped GEMM's: ``GroupedMagicTiles``
+    for ``magic``, a ``BlockConfig`` otherwise) override the choice, for the benchmark."""
     x = x.contiguous()
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape

@@ -129,8 +129,9 @@ _SCRATCHES: "weakref.WeakValueDictionary[tuple[torch.device, torch.dtype], torch
 
 def reserve_dequant_scratch(experts: "FusedExperts") -> None:
     """Give ``experts`` (packed, on a GPU) the shared scratch of at least ``E * I/tp * H`` elements of the model dtype
-    that its larger batches widen into (gate/up half by half): allocated here, at load, so the KV pool (sized from the memory left after
-    loading) counts it; none where the dequant form is off (``TREADLE_INT_MOE_DEQUANT_ROWS=0``)."""
+    that its larger batches widen into (gate/up half by half): allocated here, at load, so the KV pool (sized from
+    the memory left after loading) counts it; none where the dequant form is off
+    (``TREADLE_INT_MOE_DEQUANT_ROWS=0``)."""
     words = experts.gate_up_proj
     experts.dequant_scratch = None
     if not (use_triton(words) and experts.panels) or not _kernels().dequant_rows_per_expert():
