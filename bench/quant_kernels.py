@@ -9,9 +9,10 @@ decode step reads it. Each line: microseconds, the speed-up over bf16, and the f
 (bytes of the packed weight, its scales and zeros, the activations and the output, at the measured copy bandwidth).
 The summary adds the four shapes up per decoder layer (what a decode step spends in its linear layers, times 32
 layers) with the fastest config of each, as the loader picks them. ``--explore`` times a wider grid of configs;
-``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against W4A16 ones, per token count). ``--large``
-times large batches instead (``bench/quant_large.py``: the dequantize-then-matmul path, the dequantization alone
-against the copy bandwidth, and the ``tl.dot`` kernels, against bf16 at 128, 256 and 512 rows).
+``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against every form of W4A16 ones, per token
+count: ``bench/quant_moe.py``), ``--moe-only`` runs only that. ``--large`` times large batches instead
+(``bench/quant_large.py``: the dequantize-then-matmul path, the dequantization alone against the copy bandwidth, and
+the ``tl.dot`` kernels, against bf16 at 128, 256 and 512 rows).
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ import torch.nn.functional as F
 
 from treadle.bench.int_weights import LAYERS, SHAPES, PackedWeight, candidates, copies, copy_bandwidth
 from treadle.bench.quant_large import large_batch
+from treadle.bench.quant_moe import MOE_TOKENS, moe_rows
 from treadle.bench.quant_sweep import sweep
 from treadle.bench.results_folder import results_dir
-
-MIXTRAL_MOE = (8, 4096, 14336, 2)  # experts, hidden, intermediate, top-k
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -48,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _write(args, bandwidth, large_batch(rows, args.zeros, bandwidth, device, graph_seconds))
     rows_list = [int(r) for r in (args.rows or "1,8,32").split(",")]
     results = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in ({} if args.moe_only else SHAPES).items():
         weight = PackedWeight(n, k, args.zeros, device)
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.01
         dense_copies = copies(dense)
@@ -67,9 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "roofline_fraction": roofline_s / seconds})
                 print(f"{name:<13} M={rows:<3} {seconds * 1e6:8.1f} us  bf16 {bf16_s * 1e6:8.1f} us  "
                       f"{bf16_s / seconds:5.2f}x  {roofline_s / seconds:5.0%} of roofline  {tiles}")
-    print()
-    print(summary(results, rows_list))
-    moe = moe_rows(rows_list, bandwidth, device) if args.moe else []
+    if results:
+        print()
+        print(summary(results, rows_list))
+    moe_tokens = [int(t) for t in args.moe_tokens.split(",")]
+    moe = moe_rows(moe_tokens, bandwidth, device, args.zeros) if args.moe or args.moe_only else []
     return _write(args, bandwidth, {"results": results, "moe": moe})
 
 
@@ -84,36 +85,6 @@ def _write(args: argparse.Namespace, bandwidth: float, results: dict) -> int:
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")
     return 0
-
-
-def moe_rows(rows_list: list[int], bandwidth: float, device: torch.device) -> list[dict]:
-    """One Mixtral-8x7B MoE layer (8 experts of 4096 x 14336, top-2, random routing): the 16-bit fused experts
-    against W4A16 ones (symmetric, groups of 128), per token count; the roofline reads each routed expert once."""
-    from treadle.kernels.fused_moe import fused_experts
-    from treadle.kernels.packed_int_moe import fused_int_experts
-    from treadle.layers.fused_moe import route_top_k
-    from treadle.layers.small_batch import graph_seconds
-
-    experts, hidden, inter, top_k = MIXTRAL_MOE
-    w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.01
-    w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.01
-    packed = []
-    for n, k in ((2 * inter, hidden), (hidden, inter)):
-        packed += [torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), dtype=torch.int32, device=device),
-                   (torch.rand(experts, n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16), None]
-    expert_bytes = sum(t[0].numel() * 4 + t[1].numel() * 2 for t in (packed[:2], packed[3:5])) // experts
-    rows = []
-    for tokens in rows_list:
-        x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-        weights, ids = route_top_k(torch.randn(tokens, experts, device=device), top_k)
-        bf16_s = graph_seconds(lambda i: fused_experts(x, w13, w2, weights, ids))
-        int4_s = graph_seconds(lambda i: fused_int_experts(x, *packed, weights, ids, 4, 128))
-        roofline_s = ids.unique().numel() * expert_bytes / bandwidth
-        rows.append({"tokens": tokens, "bf16_us": bf16_s * 1e6, "w4a16_us": int4_s * 1e6,
-                     "speedup": bf16_s / int4_s, "roofline_fraction": roofline_s / int4_s})
-        print(f"mixtral moe layer T={tokens:<3} bf16 {bf16_s * 1e6:8.1f} us  w4a16 {int4_s * 1e6:8.1f} us  "
-              f"{bf16_s / int4_s:5.2f}x  {roofline_s / int4_s:5.0%} of roofline")
-    return rows
 
 
 def summary(results: list[dict], rows_list: list[int]) -> str:
@@ -148,7 +119,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="--sweep: processes compiling the configs first (default: all cores but two)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
     parser.add_argument("--explore", action="store_true", help="time a wider grid of launch configs")
-    parser.add_argument("--moe", action="store_true", help="also one Mixtral-8x7B MoE layer, 16-bit against W4A16")
+    parser.add_argument("--moe", action="store_true",
+                        help="also one Mixtral-8x7B MoE layer, 16-bit against every W4A16 form (bench/quant_moe.py)")
+    parser.add_argument("--moe-only", action="store_true", help="only the MoE layer (about 2 minutes on an H100)")
+    parser.add_argument("--moe-tokens", default=MOE_TOKENS, help=f"MoE token counts (default {MOE_TOKENS})")
     parser.add_argument("--large", action="store_true",
                         help="large batches instead (bench/quant_large.py): dequantize alone, dequantize + matmul "
                              "and the tl.dot kernels against bf16 (--rows default 128,256,512)")

@@ -1,23 +1,41 @@
 """Triton fused-MoE kernels for integer experts (W4A16, W8A16) in ``layers/packed_int.py``'s panel layout, behind
 ``layers/int_experts.py``'s :func:`fused_int_experts`.
 
-The same two ways as 16-bit experts (``kernels/fused_moe.py``): a decode step of a few tokens (fewer assignments
-than experts) runs two GEMVs per (token, expert) assignment, the one-token integer GEMV's loop
-(``kernels/packed_int.py``) on the assignment's expert — the first with ``silu(gate) * up`` in its epilogue, the
-second summing the token's ``k`` routed outputs — so nothing is sorted or padded; larger batches sort the
-assignments by expert (``align_by_expert``) and run a grouped GEMM whose tiles widen each panel of their expert's
-packed weight in registers for ``tl.dot``. Nothing syncs with the host: the layer captures in a CUDA graph.
+A decode step of a few tokens (fewer assignments than experts, as 16-bit experts: ``kernels/fused_moe.py``) runs two
+GEMVs per (token, expert) assignment, the one-token integer GEMV's loop (``kernels/packed_int.py``) on the
+assignment's expert — the first with ``silu(gate) * up`` in its epilogue, the second summing the token's ``k``
+routed outputs — so nothing is sorted or padded. Larger batches sort the assignments by expert (``align_by_expert``)
+and run a grouped GEMM, one of three forms (:func:`choose_form`, by the batch's shape):
+
+- ``magic`` (4-bit, groups of whole 128-value panels, 16-bit rows): ``kernels/packed_int_moe_magic.py``'s tiles,
+  which widen each weight tile once for ``block_m`` rows by ``magic_mma``'s packed pairs;
+- ``grouped``: tiles that widen each panel of their expert's packed weight value slot by value slot for 16-row
+  ``tl.dot``s (every other shape);
+- ``dequant`` (from :data:`DEQUANT_ROWS_PER_EXPERT` rows per expert, where the layer has a scratch): the experts
+  widened into one 16-bit scratch ``[E, I, H]`` by one bandwidth-bound kernel (the gate rows, the up rows, then
+  down, each before its GEMM), then the 16-bit grouped GEMM of ``kernels/fused_moe.py`` on it. The extra traffic
+  (about 4 bytes a parameter) is small against the compute of a large batch, and the 16-bit GEMM runs at the
+  tensor cores' pace.
+
+Nothing syncs with the host: the layer captures in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.fused_moe import align_by_expert, default_config, takes_gemv
+from treadle.kernels.fused_moe import BlockConfig, _grouped_gemm, align_by_expert, default_config, takes_gemv
 from treadle.kernels.fused_ops import silu_mul
 from treadle.kernels.packed_int import _dot_panels, _gemv_rows, widening
+from treadle.kernels.packed_int_moe_magic import (GroupedMagicTiles, _sorted_block_rows, default_magic_tiles,
+                                                  grouped_magic, magic_fits)
 
 # Weight rows, words per step and warps of a GEMV program: the gate/up GEMV has two row blocks per program and
 # top_k * I / 16 programs per token; the down GEMV's H / 8 programs per token each read top_k experts' rows.
@@ -25,12 +43,44 @@ _GEMV_ROWS, _GEMV_WORDS, _GEMV_WARPS = 16, 32, 2
 _DOWN_ROWS, _DOWN_WARPS = 8, 1
 
 
+# The forms :func:`fused_int_experts` runs: the decode GEMVs, the grouped GEMM widening value slots for 16-row dots
+# (``_dot_panels``), the grouped GEMM with magic_mma's widening (``kernels/packed_int_moe_magic.py``), and the experts
+# dequantized into a 16-bit scratch for the 16-bit grouped GEMM (``kernels/fused_moe.py``).
+FORMS = ("gemv", "grouped", "magic", "dequant")
+# Sorted rows per expert from which the experts are dequantized (with a scratch to hold them): the extra traffic
+# (a 16-bit write and read of every expert's weight) costs about as much as widening in the grouped GEMM at ~40
+# rows per expert on an H100 (Mixtral-8x7B: ~160 tokens; Qwen3-30B-A3B: ~600), by the 2026-11-28 estimates
+# (dequantize at ~3 TB/s against the grouped GEMM's ~55 TFLOPS); bench/quant_kernels.py --moe times both.
+# TREADLE_INT_MOE_DEQUANT_ROWS overrides it for A/B runs (0: never).
+DEQUANT_ROWS_PER_EXPERT = 32
+
+
+def dequant_rows_per_expert() -> int:
+    """Rows per expert from which the experts run dequantized (0: never; ``TREADLE_INT_MOE_DEQUANT_ROWS``)."""
+    return int(os.environ.get("TREADLE_INT_MOE_DEQUANT_ROWS", DEQUANT_ROWS_PER_EXPERT))
+
+
+def choose_form(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, bits: int, group: int,
+                dtype: torch.dtype, has_scratch: bool) -> str:
+    """What a batch of ``num_tokens`` runs (one of :data:`FORMS`), from its shape alone (no host sync)."""
+    if takes_gemv(num_tokens, top_k, num_experts):
+        return "gemv"
+    threshold = dequant_rows_per_expert()
+    if has_scratch and threshold and num_tokens * top_k >= threshold * num_experts:
+        return "dequant"
+    return "magic" if magic_fits(hidden, inter, bits, group, dtype) else "grouped"
+
+
 def fused_int_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Tensor | None,
                       w2: torch.Tensor, s2: torch.Tensor, z2: torch.Tensor | None, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+                      topk_ids: torch.Tensor, bits: int, group: int, scratch: torch.Tensor | None = None,
+                      form: str | None = None, tiles: GroupedMagicTiles | BlockConfig | None = None) -> torch.Tensor:
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for packed experts: ``w13`` int32
     ``[E, 2I, H * bits / 32]`` with ``s13`` / ``z13`` ``[E, 2I, H / group]``, ``w2`` ``[E, H, I * bits / 32]``
-    with ``s2`` / ``z2`` ``[E, H, I / group]`` (zeros None: symmetric)."""
+    with ``s2`` / ``z2`` ``[E, H, I / group]`` (zeros None: symmetric). ``scratch``: at least ``E * I * H``
+    elements of ``x``'s dtype that the ``dequant`` form widens the experts into, gate/up half by half (None: that
+    form is not chosen); ``form`` (one of :data:`FORMS`) and ``tiles`` (the grouped GEMM's: ``GroupedMagicTiles``
+    for ``magic``, a ``BlockConfig`` otherwise) override the choice, for the benchmark."""
     x = x.contiguous()
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -38,17 +88,80 @@ def fused_int_experts(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13
     if num_tokens == 0:
         return torch.zeros_like(x)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    if takes_gemv(num_tokens, top_k, num_experts):
+    form = form or choose_form(num_tokens, top_k, num_experts, hidden, two_inter // 2, bits, group, x.dtype,
+                               scratch is not None)
+    if form == "gemv":
         return _gemvs(x, w13, s13, z13, w2, s2, z2, weights, topk_ids, bits, group)
     num_rows = num_tokens * top_k
-    config = default_config(num_rows, x.dtype)
-    sorted_rows, block_experts = align_by_expert(topk_ids, num_experts, config.block_m)
-    gate_up = torch.empty((num_rows, two_inter), dtype=x.dtype, device=x.device)
-    _grouped(x, w13, s13, z13, gate_up, sorted_rows, block_experts, config, top_k, None, bits, group)
-    activated = silu_mul(gate_up)
-    down = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
-    _grouped(activated, w2, s2, z2, down, sorted_rows, block_experts, config, 1, weights, bits, group)
-    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+    if form == "magic":
+        magic = tiles if isinstance(tiles, GroupedMagicTiles) else default_magic_tiles(num_rows, num_experts)
+        if not x.is_cuda:  # the interpreter runs no inline PTX
+            magic = dataclasses.replace(magic, asm=False)
+        gemm = functools.partial(grouped_magic, bits=bits, group=group, tiles=magic)
+        return _by_expert(x, (w13, s13, z13), (w2, s2, z2), weights, topk_ids, magic.block_m, gemm)
+    config = tiles if isinstance(tiles, BlockConfig) else default_config(num_rows, x.dtype)
+    if form == "dequant":
+        if scratch is None:
+            raise ValueError("the dequant form needs a scratch for the 16-bit experts")
+        gemm = functools.partial(_dequantized_gemm, bits=bits, group=group, scratch=scratch, config=config)
+    else:
+        gemm = functools.partial(_grouped, bits=bits, group=group, config=config)
+    return _by_expert(x, (w13, s13, z13), (w2, s2, z2), weights, topk_ids, config.block_m, gemm)
+
+
+def _by_expert(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tensor, topk_ids: torch.Tensor,
+               block_m: int, gemm: Callable[..., None]) -> torch.Tensor:
+    """The grouped forms: the assignments sorted by expert (runs padded to ``block_m``), ``gemm(a, words, scales,
+    zeros, out, sorted_rows, block_experts, a_row_divisor, row_weights)`` for gate/up, ``silu(gate) * up``, then
+    ``gemm`` for down scaled by the routing weights, and each token's ``k`` outputs summed."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_rows = num_tokens * top_k
+    sorted_rows, block_experts = align_by_expert(topk_ids, gate_up[0].shape[0], block_m)
+    gate_up_out = torch.empty((num_rows, gate_up[0].shape[1]), dtype=x.dtype, device=x.device)
+    gemm(x, *gate_up, gate_up_out, sorted_rows, block_experts, top_k, None)
+    activated = silu_mul(gate_up_out)
+    down_out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    gemm(activated, *down, down_out, sorted_rows, block_experts, 1, weights)
+    return down_out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def dequantize_experts(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group: int,
+                       scratch: torch.Tensor) -> torch.Tensor:
+    """Every expert's weight ``[E, N, K]`` in ``scratch``'s dtype, widened into (the head of) ``scratch`` by one
+    bandwidth-bound kernel. ``words`` ``[E, N, K * bits / 32]`` may be a slice of rows of a larger tensor (gate/up's
+    halves), with its ``scales`` / ``zeros`` ``[E, N, K / group]`` sliced alike."""
+    num_experts, n, num_words = words.shape
+    k = num_words * 32 // bits
+    if scratch.numel() < num_experts * n * k:
+        raise ValueError(f"a scratch of {scratch.numel()} elements holds no {num_experts} x {n} x {k} experts")
+    if words.stride(2) != 1 or scales.stride(2) != 1 or (zeros is not None and zeros.stride() != scales.stride()):
+        raise ValueError("the experts' words, scales and zeros must be contiguous along K, zeros strided as scales")
+    widened = scratch[:num_experts * n * k].view(num_experts, n, k)
+    rows = num_experts * n
+    _widen_experts_kernel[(triton.cdiv(rows, _WIDEN_ROWS), num_words // 16)](
+        words, scales, zeros if zeros is not None else scales, widened, n, rows, k, words.stride(0), words.stride(1),
+        scales.stride(0), scales.stride(1), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
+        BLOCK_N=_WIDEN_ROWS, num_warps=4)
+    return widened
+
+
+_WIDEN_ROWS = 16  # weight rows a widening program writes (one panel of each: 16 x 256 bytes in bf16)
+
+
+def _dequantized_gemm(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      out: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor, a_row_divisor: int,
+                      row_weights: torch.Tensor | None, bits: int, group: int, scratch: torch.Tensor,
+                      config: BlockConfig) -> None:
+    # One scratch of E x I x H for every GEMM of every layer: gate/up runs as two GEMMs (the gate rows, then the up
+    # rows, each into its half of the output's columns), so the scratch holds half of the experts' gate/up weight;
+    # the stream orders each widening after the GEMM that read the last.
+    n = words.shape[1]
+    halves = (slice(0, n // 2), slice(n // 2, n)) if row_weights is None else (slice(None),)
+    for rows in halves:
+        widened = dequantize_experts(words[:, rows], scales[:, rows], zeros[:, rows] if zeros is not None else None,
+                                     bits, group, scratch)
+        _grouped_gemm(a, None, widened, out[:, rows], sorted_rows, block_experts, config, a_row_divisor, row_weights)
 
 
 def _gemvs(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, z13: torch.Tensor | None, w2: torch.Tensor,
@@ -75,8 +188,8 @@ def _block_words(k: int, bits: int) -> int:
 
 
 def _grouped(a: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-             out: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor, config, a_row_divisor: int,
-             row_weights: torch.Tensor | None, bits: int, group: int) -> None:
+             out: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor, a_row_divisor: int,
+             row_weights: torch.Tensor | None, bits: int, group: int, config: BlockConfig) -> None:
     """``out[r] = a[r // a_row_divisor] @ dequantized(weights[expert(r)]).T`` (times ``row_weights[r]``) for each
     sorted row ``r``."""
     _, n, _ = weights.shape
@@ -144,9 +257,7 @@ def _grouped_int_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorte
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < num_rows
-    a_rows = tl.where(row_mask, rows // a_row_divisor, 0)
+    rows, row_mask, a_rows = _sorted_block_rows(sorted_rows_ptr, pid_m, num_rows, a_row_divisor, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_c = tl.arange(0, 16)
@@ -158,3 +269,37 @@ def _grouped_int_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorte
         acc = acc * tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)[:, None]
     tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _widen_experts_kernel(w_ptr, s_ptr, z_ptr, out_ptr, rows_per_expert, num_rows, K, stride_we, stride_wn,
+                          stride_se, stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    # One program: one panel of BLOCK_N rows (of all experts, flattened), its values in natural K order (value slot j
+    # of word c is column 16 * j + c of the panel), stored as whole rows of the panel. 64-bit rows: all experts'.
+    PACK: tl.constexpr = 32 // BITS
+    PANEL: tl.constexpr = 16 * PACK
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_mask = rows < num_rows
+    expert, row = rows // rows_per_expert, rows % rows_per_expert
+    panel = tl.program_id(1)
+    offs_c = tl.arange(0, 16)
+    words = tl.load(w_ptr + (expert * stride_we + row * stride_wn)[:, None] + panel * 16 + offs_c[None, :],
+                    mask=row_mask[:, None], other=0, eviction_policy="evict_first")
+    slots = tl.arange(0, PACK)
+    values = (words[:, None, :] >> (BITS * slots)[None, :, None]) & MASK  # [BLOCK_N, PACK, 16]
+    cols = panel * PANEL + 16 * slots[:, None] + offs_c[None, :]  # [PACK, 16]
+    scale_rows = (expert * stride_se + row * stride_sn)[:, None, None]
+    if GROUP % PANEL == 0:  # the panel is one group: one scale (and zero) a row
+        index = scale_rows + (panel * PANEL) // GROUP
+    else:
+        index = scale_rows + (cols // GROUP)[None, :, :]
+    s = tl.load(s_ptr + index, mask=row_mask[:, None, None], other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + index, mask=row_mask[:, None, None], other=0).to(tl.float32)
+    else:
+        zero = (1 << (BITS - 1)) * 1.0
+    widened = ((values.to(tl.float32) - zero) * s).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (rows * K)[:, None] + tl.reshape(cols, [PANEL])[None, :], tl.reshape(widened, [BLOCK_N, PANEL]),
+             mask=row_mask[:, None])

@@ -11,11 +11,15 @@ Scales and zero points are in the model dtype; symmetric checkpoints store no ze
 expert's weight arrives as its :class:`UnpackedWeight` (``PackedIntConfig.checkpoint_stream``); tensor parallelism
 keeps a rank's rows of gate/up and its columns (whole groups) of down. :func:`fused_int_experts` runs them: the
 Triton kernels of ``kernels/packed_int_moe.py`` on a GPU, elsewhere a loop over experts that dequantizes each one
-as it runs (the reference).
+as it runs (the reference). On a GPU the layer also holds ``dequant_scratch``, a 16-bit buffer of ``E * I/tp * H``
+elements shared by every MoE layer (:func:`reserve_dequant_scratch`, at load: Mixtral-8x7B's is 0.94 GB), into
+which large batches widen the experts of each GEMM (gate/up half by half) before the 16-bit grouped GEMM.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +117,40 @@ class _DropSymmetricZeros:
         half = float(1 << (experts.int_scheme.bits - 1))
         if all(bool((zeros == half).all()) for zeros in (experts.gate_up_zeros, experts.down_zeros)):
             experts.gate_up_zeros = experts.down_zeros = None
+        reserve_dequant_scratch(experts)
+
+
+# The 16-bit scratch that large batches widen a layer's experts into (kernels/packed_int_moe.py's ``dequant`` form):
+# one per device and dtype, shared by every MoE layer of the model; each layer holds a reference, so it lives as
+# long as a model that uses it.
+_SCRATCHES: "weakref.WeakValueDictionary[tuple[torch.device, torch.dtype], torch.Tensor]" = \
+    weakref.WeakValueDictionary()
+
+
+def reserve_dequant_scratch(experts: "FusedExperts") -> None:
+    """Give ``experts`` (packed, on a GPU) the shared scratch of at least ``E * I/tp * H`` elements of the model dtype
+    that its larger batches widen into (gate/up half by half): allocated here, at load, so the KV pool (sized from
+    the memory left after loading) counts it; none where the dequant form is off
+    (``TREADLE_INT_MOE_DEQUANT_ROWS=0``)."""
+    words = experts.gate_up_proj
+    experts.dequant_scratch = None
+    if not (use_triton(words) and experts.panels) or not _kernels().dequant_rows_per_expert():
+        return
+    dtype = experts.gate_up_scales.dtype
+    needed = experts.num_experts * experts.local_size * experts.hidden_size
+    key = (words.device, dtype)
+    scratch = _SCRATCHES.get(key)
+    if scratch is None or scratch.numel() < needed:
+        scratch = torch.empty(needed, dtype=dtype, device=words.device)
+        _SCRATCHES[key] = scratch
+    experts.dequant_scratch = scratch
+
+
+@functools.cache
+def _kernels():
+    from treadle.kernels import packed_int_moe
+
+    return packed_int_moe
 
 
 def dequantize_expert(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group: int,
@@ -129,10 +167,12 @@ def fused_int_experts(x: torch.Tensor, experts: "FusedExperts", topk_weights: to
     """``sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` on the packed experts."""
     bits, group = experts.int_scheme.bits, experts.int_group
     if use_triton(x) and experts.panels:
-        from treadle.kernels.packed_int_moe import fused_int_experts as kernels
-
-        return kernels(x, experts.gate_up_proj, experts.gate_up_scales, experts.gate_up_zeros, experts.down_proj,
-                       experts.down_scales, experts.down_zeros, topk_weights, topk_ids, bits, group)
+        scratch = getattr(experts, "dequant_scratch", None)
+        if scratch is not None and scratch.dtype != x.dtype:
+            scratch = None
+        return _kernels().fused_int_experts(
+            x, experts.gate_up_proj, experts.gate_up_scales, experts.gate_up_zeros, experts.down_proj,
+            experts.down_scales, experts.down_zeros, topk_weights, topk_ids, bits, group, scratch)
     return fused_int_experts_reference(x, experts, topk_weights, topk_ids)
 
 

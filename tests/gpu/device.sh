@@ -22,7 +22,8 @@
 # `lora` runs `treadle bench lora` (kernels, then end to end; LORA_ARGS="--part kernels" for the kernels only).
 # `embed` runs bench/embed.py (embeddings/s against HF); `vl` runs bench/vl.py (images against text-only).
 # `quant` runs bench/quant.py: W4A16 against bf16 on Llama-3.1-8B shapes (one-batch bs=1/32, offline).
-# `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min).
+# `quant_kernels` runs bench/quant_kernels.py --moe: the integer kernels per shape against bf16 (about 1.5 min),
+# then every form of the W4A16 MoE experts (bench/quant_moe.py); QUANTK_ARGS="--moe-only" runs only those (~2 min).
 # `quant_large` runs bench/quant_kernels.py --large: W4A16 above DOT_MAX_ROWS rows (dequantize, then cuBLAS) against
 # bf16 at 128/256/512 rows, the dequantization alone against the copy bandwidth (about a minute; QUANTL_ARGS adds options).
 # `quant_sweep` runs bench/quant_kernels.py --sweep: every W4A16 kernel variant and config, kernels/packed_int_mma.py's

@@ -180,10 +180,70 @@ def test_one_token_gemv_adds_the_residual_and_norms_in_its_epilogue(n, k):
 @pytest.mark.parametrize("tokens", [1, 3, 64, 600])  # the GEMVs, then grouped tiles of 16, 64 and 128 rows
 @pytest.mark.parametrize("asym", [False, True])
 def test_int4_experts_kernels_match_the_dequantizing_reference(tokens, asym):
+    from treadle.kernels.packed_int_moe import fused_int_experts
+
+    packed, layer, x, weights, ids = _int4_experts(tokens, asym)
+    got = fused_int_experts(x, packed["gate_up_proj"], packed["gate_up_scales"], packed["gate_up_zeros"],
+                            packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, 4, 128)
+    assert _relative_error(got, layer, x, weights, ids) < 2e-2
+
+
+@pytest.mark.parametrize("tokens", [64, 600])
+@pytest.mark.parametrize("asym", [False, True])
+def test_every_grouped_form_of_int4_experts_matches_the_reference(tokens, asym):
+    # The magic-widening grouped GEMM (every launch the benchmark times, at 600 tokens), the slot-widening one, and
+    # the experts dequantized into a scratch for the 16-bit grouped GEMM.
+    from treadle.kernels.packed_int_moe import fused_int_experts
+    from treadle.kernels.packed_int_moe_magic import magic_trials
+
+    packed, layer, x, weights, ids = _int4_experts(tokens, asym)
+    scratch = torch.empty(layer.num_experts * layer.down_proj.shape[2] * 8 * x.shape[1], dtype=x.dtype, device=DEVICE)
+    runs = [("grouped", None), ("dequant", None), ("magic", None)]
+    runs += [("magic", tiles) for tiles in magic_trials(tokens * 2, 8)] if tokens == 600 and not asym else []
+    for form, tiles in runs:
+        got = fused_int_experts(x, packed["gate_up_proj"], packed["gate_up_scales"], packed["gate_up_zeros"],
+                                packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, 4,
+                                128, scratch, form=form, tiles=tiles)
+        assert _relative_error(got, layer, x, weights, ids) < 2e-2, (form, tiles)
+
+
+def test_int4_mixtral_generates_the_dequantized_models_tokens_through_every_experts_form(tmp_path, engine_config):
+    # Panel-sized experts (hidden 128, intermediate 256, 4 experts top-2, groups of 128): a 100-token prefill runs
+    # the dequant form (50 rows per expert), a 40-token one the magic grouped GEMM, decode steps the GEMVs.
+    import functools
+
+    from treadle.core.engine import Engine
+    from treadle.testing.models import make_tiny_mixtral
+    from treadle.testing.quantized_models import make_tiny_quantized
+
+    make = functools.partial(make_tiny_mixtral, hidden_size=128, intermediate_size=256)
+    quantized, dequantized = make_tiny_quantized(tmp_path, "gptq", make, group_size=128)
+    prompts = [[(7 * i) % 500 + 3 for i in range(100)], [(11 * i) % 500 + 3 for i in range(40)], [42, 43]]
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    outputs = []
+    for folder in (dequantized, quantized):
+        config = {**engine_config(folder, "triton", "bfloat16"), "plugins": QUANTIZATION_PLUGINS}
+        with Engine(config) as engine:
+            if folder == quantized:
+                layers = engine.scheduler.worker.runner.model.model.layers
+                scratches = {id(layer.mlp.experts.dequant_scratch) for layer in layers}
+                assert len(scratches) == 1 and layers[0].mlp.experts.dequant_scratch.numel() == 4 * 256 * 128
+            outputs.append([engine.generate(input_ids=[prompt], sampling_params=params)[0].token_ids[:6]
+                            for prompt in prompts])
+    # Same weights (the dequantized copy rounds as the widening does), sums in another order: the first tokens agree.
+    assert outputs[0] == outputs[1]
+
+
+def _relative_error(got: torch.Tensor, layer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> float:
+    from treadle.layers.int_experts import fused_int_experts_reference
+
+    expected = fused_int_experts_reference(x, layer, weights, ids)
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def _int4_experts(tokens: int, asym: bool):
     from types import SimpleNamespace
 
-    from treadle.kernels.packed_int_moe import fused_int_experts
-    from treadle.layers.int_experts import fused_int_experts_reference
     from treadle.layers.packed_int import IntWeightScheme, pack_panels
 
     experts, hidden, inter, top_k = 8, 4096, 1792, 2  # Mixtral-8x7B's experts at tp=8 (a smaller intermediate)
@@ -200,10 +260,7 @@ def test_int4_experts_kernels_match_the_dequantizing_reference(tokens, asym):
                             **packed)
     x = torch.randn(tokens, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
     weights, ids = torch.rand(tokens, experts, device=DEVICE, generator=gen).softmax(-1).topk(top_k)
-    got = fused_int_experts(x, packed["gate_up_proj"], packed["gate_up_scales"], packed["gate_up_zeros"],
-                            packed["down_proj"], packed["down_scales"], packed["down_zeros"], weights, ids, 4, 128)
-    expected = fused_int_experts_reference(x, layer, weights, ids)
-    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-2
+    return packed, layer, x, weights, ids
 
 
 def test_the_l2_prefetch_of_the_next_weight_changes_no_result():

@@ -38,3 +38,27 @@ def test_a_rank_holds_its_slice_of_the_packed_experts(tmp_path, monkeypatch):
     gate, up = whole["gate_up"][:, :inter], whole["gate_up"][:, inter:]
     assert torch.equal(rank["gate_up"], torch.cat([gate[:, local:], up[:, local:]], dim=1))
     assert torch.equal(rank["down"], whole["down"][:, :, local:])
+
+
+def test_moe_layers_share_one_dequant_scratch_sized_for_half_of_gate_up(monkeypatch):
+    # What a GPU load does (the scratch exists only where the Triton kernels run, so use_triton is forced here).
+    from types import SimpleNamespace
+
+    from treadle.layers import int_experts
+
+    monkeypatch.setattr(int_experts, "use_triton", lambda tensor: True)
+
+    def layer(num_experts=4, local=256, hidden=128, dtype=torch.bfloat16):
+        return SimpleNamespace(gate_up_proj=torch.zeros(num_experts, 2 * local, hidden // 8, dtype=torch.int32),
+                               gate_up_scales=torch.ones(1, dtype=dtype), panels=True, num_experts=num_experts,
+                               local_size=local, hidden_size=hidden)
+
+    first, second = layer(), layer()
+    int_experts.reserve_dequant_scratch(first)
+    int_experts.reserve_dequant_scratch(second)
+    assert first.dequant_scratch is second.dequant_scratch
+    assert first.dequant_scratch.numel() == 4 * 256 * 128 and first.dequant_scratch.dtype == torch.bfloat16
+    monkeypatch.setenv("TREADLE_INT_MOE_DEQUANT_ROWS", "0")  # the dequant form off: no scratch
+    off = layer()
+    int_experts.reserve_dequant_scratch(off)
+    assert off.dequant_scratch is None

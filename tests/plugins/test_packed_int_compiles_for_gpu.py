@@ -2,7 +2,7 @@
 the interpreter accepts code the real compiler rejects (see test_triton_compiles_for_gpu.py, whose compile helper
 this reuses). Split-K, the SiLU·mul and add+RMSNorm epilogues, zero points, both ways of widening, act-order, 4 and 8
 bits, the L2 prefetch of the next weight (inline PTX, which the interpreter cannot run), the integer experts' fused-MoE
-kernels, and the sweep's candidate tiles (kernels/packed_int_mma.py, and
+kernels (the magic-widening grouped GEMM too), and the sweep's candidate tiles (kernels/packed_int_mma.py, and
 kernels/packed_int_magic.py's, inline PTX included)."""
 
 from __future__ import annotations
@@ -102,6 +102,18 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     variants["moe_grouped"] = ("packed_int_moe._grouped_int_kernel", moe,
                                dict(BITS=4, GROUP=128, HAS_ZEROS=False, I16=True, MAGIC16=0x4300, OFFSET16=128.0,
                                     MUL_ROW_WEIGHT=True, BLOCK_M=64, BLOCK_N=128))
+    # The magic-widening grouped GEMM (kernels/packed_int_moe_magic.py): scaled before the dots, and after them with
+    # zero points, on 16- and 128-row token tiles.
+    for block_m, scaled, zeros in ((16, True, False), (128, False, True)):
+        variants[f"moe_grouped_magic[block_m={block_m},scaled={scaled}]"] = (
+            "packed_int_moe_magic._grouped_magic_kernel", moe,
+            dict(GROUP=128, HAS_ZEROS=zeros, MAGIC16=0x4300, OFFSET16=128.0, ASM=True, SCALED=scaled,
+                 MUL_ROW_WEIGHT=not zeros, BLOCK_M=block_m, BLOCK_N=128))
+    # The widening of all experts into the dequant form's scratch: a group a panel, and groups within one.
+    for bits, group, zeros in ((4, 128, False), (8, 32, True)):
+        variants[f"moe_widen[bits={bits},group={group},zeros={zeros}]"] = (
+            "packed_int_moe._widen_experts_kernel", {"out_ptr": "*bf16"},
+            dict(BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_N=16))
     return variants
 
 
@@ -114,10 +126,12 @@ def _compile_all() -> dict[str, str | None]:
     spec = importlib.util.spec_from_file_location("aot", Path(__file__).with_name("test_triton_compiles_for_gpu.py"))
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
-    from treadle.kernels import packed_int, packed_int_dequant, packed_int_magic, packed_int_mma, packed_int_moe
+    from treadle.kernels import (packed_int, packed_int_dequant, packed_int_magic, packed_int_mma, packed_int_moe,
+                                 packed_int_moe_magic)
 
     modules = {"packed_int": packed_int, "packed_int_moe": packed_int_moe, "packed_int_mma": packed_int_mma,
-               "packed_int_magic": packed_int_magic, "packed_int_dequant": packed_int_dequant}
+               "packed_int_magic": packed_int_magic, "packed_int_dequant": packed_int_dequant,
+               "packed_int_moe_magic": packed_int_moe_magic}
     results: dict[str, str | None] = {}
     for name, (kernel, pointers, constexprs) in _variants().items():
         module, _, kernel = kernel.rpartition(".")
