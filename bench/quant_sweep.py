@@ -127,14 +127,14 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
         listed = [IntTiles(0, block_n, 128, _split(n, words, block_n, 128, 12 * sm_count) * more, 1)
                   for block_n in (4, 8) for more in (1, 2)]
         listed.append(IntTiles(0, 8, 64, 2 * _split(n, words, 8, 64, 12 * sm_count), 1))
-        # The lean loop (IntTiles.lean) beyond the loader's launches: 4 rows a program, 16 with split-K doubled,
-        # and two-warp programs of four panels a step; the same tiles on the tensor cores (IntTiles.hmma: not
-        # timed by the loader until a GPU has checked them).
+        # The lean loop (IntTiles.lean, which the loader does not time: it lost on an H200): 4, 8 and 16 rows a
+        # program, 16 with split-K doubled, two-warp programs of four panels a step; the same tiles on the tensor
+        # cores (IntTiles.hmma).
         listed += [IntTiles(0, 4, 128, _split(n, words, 4, 128, 12 * sm_count), 1, lean=True),
                    IntTiles(0, 16, 128, 2 * _split(n, words, 16, 128, 12 * sm_count), 1, lean=True),
                    IntTiles(0, 16, 256, _split(n, words, 16, 256, 6 * sm_count), 2, lean=True)]
-        listed += [IntTiles(0, block_n, 128, split, 1, hmma=True) for block_n in (16, 8)
-                   for split in lean_splits(n, words, block_n, sm_count)]
+        listed += [IntTiles(0, block_n, 128, split, 1, **kind) for kind in ({"lean": True}, {"hmma": True})
+                   for block_n in (16, 8) for split in lean_splits(n, words, block_n, sm_count)]
         return [t for t in listed if words % (t.split_k * t.block_w) == 0]
     if rows > 32:
         return []

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.packed_int_dequant import dequantize  # noqa: F401  (its home before packed_int_dequant.py)
-from treadle.kernels.packed_int_lean import _lean_gemv_rows, lean_splits
+from treadle.kernels.packed_int_lean import _lean_gemv_rows
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals, _prefetch_share, _prefetching_programs
@@ -92,14 +92,11 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     if bits != 4:
         return listed
     # 4-bit: every config with the subnormal widening (faster than the plain one at every shape and config the
-    # round-1 sweep timed, as exact), the lean loop (a third fewer instructions a value: 8 or 16 rows a one-warp
-    # program, two panels a step, K cut into as many ranges as make 12 programs per SM, or the next fewer), and the
-    # first plain one as a control.
-    lean = []
-    for block_n in (16, 8) if words % 128 == 0 else ():
-        lean += [IntTiles(0, block_n, 128, split, 1, lean=True) for split in lean_splits(n, words, block_n, sm_count)]
+    # round-1 sweep timed, as exact) and the first plain one as a control. The lean loop (IntTiles.lean, a third
+    # fewer instructions a value) is a sweep trial only: on an H200 it took 2.91 ms of linear layers a step against
+    # the subnormal GEMV's 1.84 (2026-11-28, bench/quant_sweep.py).
     subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in listed]
-    return subnormal[:1] + lean + subnormal[1:] + listed[:1]
+    return subnormal + listed[:1]
 
 
 
