@@ -4,11 +4,11 @@ against bf16 ``F.linear`` at Llama-3.1-8B's projection shapes, on one GPU.
 
 Per shape: ``dequantize`` alone for each launch config of ``dequantize_candidates`` (microseconds, and GB/s of the
 packed weight and scales read plus the 16-bit weight written, against the measured copy bandwidth; the default's
-and the fastest's printed, every config's in the JSON); then per rows
-(default 128, 256, 512) bf16 ``F.linear``, the dequantize-then-matmul path with the default config (what runs) and
-with the fastest, and the ``tl.dot`` kernels the loader times at 64 rows (``magic_mma``'s first): whether raising
-``DOT_MAX_ROWS`` (256) would win, and what the loader's race at 128 and 256 rows (``dot_max_rows``) sees. The summary adds the shapes up per decoder layer times 32 (ms of
-linear layers a step). Each timing replays a CUDA graph, the weights cycled through copies (read from memory).
+and the fastest's printed, every config's in the JSON); then per rows (default 128, 256, 512) bf16 ``F.linear``,
+the dequantize-then-matmul path with the default config (what runs) and with the fastest, and the ``tl.dot``
+kernels the loader times at 64 rows (``magic_mma``'s first): whether raising ``DOT_MAX_ROWS`` (256) would win, and
+what the loader's race at 128 and 256 rows (``dot_max_rows``) sees. The summary adds the shapes up per decoder
+layer times 32 (ms of linear layers a step). Each timing replays a CUDA graph, the weights cycled through copies (read from memory).
 """
 
 from __future__ import annotations

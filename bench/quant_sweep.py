@@ -115,9 +115,10 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     """Launches no loader times yet. One row: GEMV programs that load two panels (128 words) of 4 or 8 rows a step,
     and the best config's split-K doubled: are qkv and o_proj (few rows, 35-42% of the roofline) short of bytes in
-    flight per SM? And the lean loop's other tiles. 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
-    128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
-    dot after another, hold M=32 at 25%?"""
+    flight per SM? And the lean loop (``IntTiles.lean``) and its tensor-core twin (``IntTiles.hmma``). 16 and 32
+    rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on 128-row tiles of one or two
+    warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one dot after another, hold
+    M=32 at 25%?"""
     from treadle.kernels.packed_int import IntTiles, _split
     from treadle.kernels.packed_int_lean import lean_splits
     from treadle.kernels.packed_int_mma import MmaTiles, _split as _mma_split

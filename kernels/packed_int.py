@@ -50,7 +50,8 @@ class IntTiles:
     partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone;
     ``subnormal``: the GEMV widens 4-bit values as subnormals (``_subnormal_times_x``); ``lean``: the GEMV's 4-bit
     loop with fewer instructions per weight byte (``kernels/packed_int_lean.py``; ``block_w`` a multiple of 16);
-    ``hmma``: the lean tiles on the tensor cores (``kernels/packed_int_hmma.py``: bf16, groups of whole panels)."""
+    ``hmma``: the lean tiles on the tensor cores (``kernels/packed_int_hmma.py``: bf16, groups of whole panels);
+    both are sweep trials (``bench/quant_sweep.py``) that the loader does not time."""
 
     block_m: int
     block_n: int
@@ -95,9 +96,7 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     # round-1 sweep timed, as exact) and the first plain one as a control. The lean loop (IntTiles.lean, a third
     # fewer instructions a value) is a sweep trial only: on an H200 it took 2.91 ms of linear layers a step against
     # the subnormal GEMV's 1.84 (2026-11-28, bench/quant_sweep.py).
-    subnormal = [dataclasses.replace(tiles, subnormal=True) for tiles in listed]
-    return subnormal + listed[:1]
-
+    return [dataclasses.replace(tiles, subnormal=True) for tiles in listed] + listed[:1]
 
 
 def tile_candidates(n: int, k: int, bits: int, rows: int, sm_count: int) -> list[IntTiles]:

@@ -94,10 +94,11 @@ def test_todays_gemv_with_subnormal_values_equals_it_closely(epilogue):
 
 @pytest.mark.parametrize("epilogue", ["none", "split-K", "silu_mul", "add_rmsnorm"])
 def test_lean_gemv_equals_the_subnormal_one_closely(epilogue):
-    # IntTiles.lean (kernels/packed_int_lean.py): every lean launch the loader may time, bf16 activations (their
-    # power of two added to the exponent) with zero points and without, against the dequantized matmul and the
-    # subnormal GEMV; with the fused epilogues, against the subnormal GEMV's.
-    from treadle.kernels.packed_int import IntTiles, gemv_candidates, int_gemv
+    # IntTiles.lean (kernels/packed_int_lean.py): every lean launch the sweep times (the loader times none), bf16
+    # activations (their power of two added to the exponent) with zero points and without, against the dequantized
+    # matmul and the subnormal GEMV; with the fused epilogues, against the subnormal GEMV's.
+    from treadle.bench.quant_sweep import trials
+    from treadle.kernels.packed_int import IntTiles, int_gemv
 
     n, k = (28672, 4096) if epilogue == "silu_mul" else (4096, 14336) if epilogue != "none" else (6144, 4096)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -107,7 +108,9 @@ def test_lean_gemv_equals_the_subnormal_one_closely(epilogue):
         x[0, ::5] = 0
         if epilogue == "none":
             expected = x.float() @ dense.t()
-            for tiles in [t for t in gemv_candidates(n, k, 4, sm_count) if t.lean]:
+            lean_trials = [t for t in trials(n, k, 1, sm_count) if t.lean]
+            assert lean_trials
+            for tiles in lean_trials:
                 error = _error(int_gemv(x, words, scales, zeros, 4, 128, tiles), expected)
                 assert error < 4e-3, (tiles, error)
             continue
