@@ -76,8 +76,7 @@ def run_kernel_cases(backend_name: str, rank: int, cases: tuple[KernelCase, ...]
             default, row["forms"] = backend.kernel_choice, {}
             for form, fields in DENSE_FORMS.items():
                 backend.kernel_choice = LoRAKernelChoice(**fields)
-                form_s = _graph_seconds(lambda: _lora(layers, inputs, backend), replays)
-                form_both_s = _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays)
+                form_s, form_both_s = _lora_seconds(layers, inputs, backend, replays)
                 row["forms"][form] = {"lora_ms": 1e3 * form_s, "ratio": form_both_s / base_s}
             backend.kernel_choice = default
         results.append(row)
@@ -130,11 +129,9 @@ def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOI
         base_s = _graph_seconds(lambda: _base(layers, inputs), replays)
         for i, choice in enumerate(built):
             backend.kernel_choice = choice
-            lora_s = _graph_seconds(lambda: _lora(layers, inputs, backend), replays)
-            both_s = _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays)
+            lora_s, both_s = _lora_seconds(layers, inputs, backend, replays)
             rows.append({"case": case.label, "tokens": case.tokens, "adapters": case.adapters, "slots": max_slots,
-                         "rank": rank,
-                         "choice": choice.name, "fields": choices[i], "base_ms": 1e3 * base_s,
+                         "rank": rank, "choice": choice.name, "fields": choices[i], "base_ms": 1e3 * base_s,
                          "lora_ms": 1e3 * lora_s, "base_plus_lora_ms": 1e3 * both_s, "ratio": both_s / base_s})
             print(f"{case.label}: {choice.name}: base {1e3 * base_s:.3f} ms, LoRA {1e3 * lora_s:.3f} ms, "
                   f"ratio {both_s / base_s:.3f}", flush=True)
@@ -145,10 +142,15 @@ def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOI
 def _case_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any,
                   replays: int) -> tuple[float, float, float, float]:
     """Seconds per 32-layer step of the base matmuls, the LoRA deltas, both, and the deltas per projection."""
-    return (_graph_seconds(lambda: _base(layers, inputs), replays),
-            _graph_seconds(lambda: _lora(layers, inputs, backend), replays),
-            _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays),
-            _graph_seconds(lambda: _lora_per_projection(layers, inputs, backend), replays))
+    base_s = _graph_seconds(lambda: _base(layers, inputs), replays)
+    lora_s, both_s = _lora_seconds(layers, inputs, backend, replays)
+    return base_s, lora_s, both_s, _graph_seconds(lambda: _lora_per_projection(layers, inputs, backend), replays)
+
+
+def _lora_seconds(layers: list[_Layer], inputs: _Inputs, backend: Any, replays: int) -> tuple[float, float]:
+    """Seconds per 32-layer step of the LoRA deltas (``backend`` as it is now configured), and of base + deltas."""
+    return (_graph_seconds(lambda: _lora(layers, inputs, backend), replays),
+            _graph_seconds(lambda: (_base(layers, inputs), _lora(layers, inputs, backend)), replays))
 
 
 class _Layer:

@@ -33,6 +33,7 @@ from treadle.bench.quant_moe import MOE_TOKENS, moe_rows
 from treadle.bench.quant_sweep import sweep
 from treadle.bench.results_folder import results_dir
 
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.sweep:

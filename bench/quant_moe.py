@@ -23,7 +23,7 @@ MOE_TOKENS = "1,16,64,256,512,2048,8192"
 def moe_rows(tokens_list: list[int], bandwidth: float, device: torch.device, zeros: bool = False) -> list[dict]:
     """The timings above, one dict per (token count, form, tiles)."""
     from treadle.kernels.fused_moe import fused_experts
-    from treadle.kernels.packed_int_moe import choose_form, dequantize_experts, fused_int_experts
+    from treadle.kernels.packed_int_moe import choose_form, fused_int_experts
     from treadle.kernels.packed_int_moe_magic import default_magic_tiles, magic_trials
     from treadle.layers.fused_moe import route_top_k
 
@@ -37,7 +37,7 @@ def moe_rows(tokens_list: list[int], bandwidth: float, device: torch.device, zer
                    torch.randint(0, 16, (experts, n, k // 128), device=device).to(torch.bfloat16) if zeros else None]
     scratch = torch.empty(experts * inter * hidden, dtype=torch.bfloat16, device=device)  # as the layer's
     expert_bytes = sum(t.numel() * t.element_size() for t in packed if t is not None) // experts
-    rows = [_widening_row(packed, scratch, bandwidth, dequantize_experts)]
+    rows = [_widening_row(packed, scratch, bandwidth)]
     for tokens in tokens_list:
         x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
         weights, ids = route_top_k(torch.randn(tokens, experts, device=device), top_k)
@@ -114,12 +114,13 @@ def _timer(tokens: int):
     return graph_seconds
 
 
-def _widening_row(packed: list, scratch: torch.Tensor, bandwidth: float, dequantize_experts) -> dict:
+def _widening_row(packed: list, scratch: torch.Tensor, bandwidth: float) -> dict:
+    """The widening alone of one layer's experts into ``scratch``, as the dequant form runs it."""
+    from treadle.kernels.packed_int_moe import dequantize_experts
     from treadle.layers.small_batch import graph_seconds
 
     def widen(i: int) -> None:  # as the dequant form widens them: gate rows, up rows, down
-        words, scales = packed[0], packed[1]
-        zeros = packed[2] if packed[2] is not None else None
+        words, scales, zeros = packed[:3]
         half = words.shape[1] // 2
         for rows in (slice(0, half), slice(half, None)):
             dequantize_experts(words[:, rows], scales[:, rows], zeros[:, rows] if zeros is not None else None, 4,

@@ -67,7 +67,7 @@ class DequantBuffer:
     layer's dequantization overwrites it). Each layer reserves its size at load; the first large batch allocates
     the largest, after the KV pool was sized (the memory a new tensor per call took, no more). CUDA graphs capture
     its address, so a tensor outgrown (a weight past every reserved size) is kept while the buffer lives; it lives
-    as long as a layer holds it (:func:`dequantize_buffer`)."""
+    as long as a layer holds it (:func:`shared_dequant_buffer`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -89,7 +89,7 @@ class DequantBuffer:
         return self.tensor[:need].view(dtype).view(n, k)
 
 
-def dequantize_buffer(device: torch.device) -> DequantBuffer:
+def shared_dequant_buffer(device: torch.device) -> DequantBuffer:
     """``device``'s :class:`DequantBuffer`: the one the loaded layers hold, or a new one where none does (so a model
     shut down takes its buffer with it)."""
     buffer = _buffers.get(str(device))

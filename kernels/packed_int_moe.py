@@ -41,6 +41,7 @@ from treadle.kernels.packed_int_moe_magic import (GroupedMagicTiles, _sorted_blo
 # top_k * I / 16 programs per token; the down GEMV's H / 8 programs per token each read top_k experts' rows.
 _GEMV_ROWS, _GEMV_WORDS, _GEMV_WARPS = 16, 32, 2
 _DOWN_ROWS, _DOWN_WARPS = 8, 1
+_WIDEN_ROWS = 16  # weight rows a widening program (dequantize_experts) writes: a panel of each, 16 x 256 B in bf16
 
 
 # The forms :func:`fused_int_experts` runs: the decode GEMVs, the grouped GEMM widening value slots for 16-row dots
@@ -146,16 +147,14 @@ def dequantize_experts(words: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return widened
 
 
-_WIDEN_ROWS = 16  # weight rows a widening program writes (one panel of each: 16 x 256 bytes in bf16)
-
-
 def _dequantized_gemm(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                       out: torch.Tensor, sorted_rows: torch.Tensor, block_experts: torch.Tensor, a_row_divisor: int,
                       row_weights: torch.Tensor | None, bits: int, group: int, scratch: torch.Tensor,
                       config: BlockConfig) -> None:
     # One scratch of E x I x H for every GEMM of every layer: gate/up runs as two GEMMs (the gate rows, then the up
     # rows, each into its half of the output's columns), so the scratch holds half of the experts' gate/up weight;
-    # the stream orders each widening after the GEMM that read the last.
+    # the stream orders each widening after the GEMM that read the last. Gate/up is the GEMM without routing
+    # weights (``_by_expert`` scales down's rows).
     n = words.shape[1]
     halves = (slice(0, n // 2), slice(n // 2, n)) if row_weights is None else (slice(None),)
     for rows in halves:

@@ -43,14 +43,14 @@ def int_kernel_plan(layer: nn.Module) -> Any:
     return _plans[key]  # an IntKernelPlan, or None: the torch path
 
 
-def dequant_buffer(layer: nn.Module) -> Any:
+def reserve_dequant_buffer(layer: nn.Module) -> Any:
     """The buffer a repacked layer's large batches dequantize into (``kernels/packed_int_dequant.py``'s
     ``DequantBuffer``: one per device while layers hold it), sized for this layer's weight; None without kernels."""
     if layer.int_kernels is None:
         return None
-    from treadle.kernels.packed_int_dequant import dequantize_buffer
+    from treadle.kernels.packed_int_dequant import shared_dequant_buffer
 
-    buffer = dequantize_buffer(layer.weight.device)
+    buffer = shared_dequant_buffer(layer.weight.device)
     buffer.reserve(layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits), layer.int_out_dtype)
     return buffer
 

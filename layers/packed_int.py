@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.core.loading.quantization import QuantizationError, fp8_matmul_unsupported
-from treadle.layers.int_kernel_choice import dequant_buffer, int_kernel_plan
+from treadle.layers.int_kernel_choice import int_kernel_plan, reserve_dequant_buffer
 from treadle.layers.linear import CheckpointError, loaded_shape, narrow_loaded
 from treadle.layers.linear_method import LinearMethod, set_weight_attrs
 
@@ -310,7 +310,7 @@ def repack_into(layer: nn.Module, unpacked: UnpackedWeight, scheme: IntWeightSch
     layer.weight_zeros = None if zeros is None else nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
     layer.g_idx = None if g_idx is None else nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False)
     layer.int_kernels = int_kernel_plan(layer)
-    layer.dequant_buffer = dequant_buffer(layer)
+    layer.dequant_buffer = reserve_dequant_buffer(layer)
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:

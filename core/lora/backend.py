@@ -74,9 +74,14 @@ class StackedLoRA:
         dense_b = torch.zeros(self.b.shape[0], self.b.shape[2], self.b.shape[1], dtype=self.b.dtype,
                               device=self.b.device)
         for p, (start, end) in enumerate(self.segments):
-            scaled = self.b[:, start:end].float() * self.scalings[p].view(-1, 1, 1)
-            dense_b[:, :, start:end] = scaled.transpose(1, 2).to(self.b.dtype)
+            dense_b[:, :, start:end] = scaled_transpose(self.b[:, start:end], self.scalings[p].view(-1, 1, 1))
         return dataclasses.replace(self, dense_b=dense_b)
+
+
+def scaled_transpose(b: torch.Tensor, scaling: torch.Tensor | float) -> torch.Tensor:
+    """``b`` ``[..., rows, R]`` times ``scaling`` in float32, as ``[..., R, rows]`` rounded once to ``b``'s dtype: what
+    :attr:`StackedLoRA.dense_b` holds of each slot's ``b``."""
+    return (b.float() * scaling).transpose(-2, -1).to(b.dtype)
 
 
 class LoRABackend(ABC):

@@ -25,7 +25,7 @@ from torch import nn
 from treadle.core.distributed.parallel import tp_kv_head_start
 from treadle.core.execution.batch_context import BatchContext, BatchContextLayout
 from treadle.core.lora.adapter import PROJECTIONS, LoRAAdapter
-from treadle.core.lora.backend import LoRABackend, StackedLoRA
+from treadle.core.lora.backend import LoRABackend, StackedLoRA, scaled_transpose
 
 READS = BatchContextLayout(adapter_ids=True)  # plus the order, past the backend's adapter_order_above
 
@@ -68,7 +68,7 @@ class ProjectionSlots:
             self.scalings[slot] = module.scaling
             self.ranks[slot] = rank
             if self.dense_b is not None:  # zero past the rank, as b is
-                self.dense_b[slot].copy_((self.b[slot].float() * module.scaling).T.to(self.dense_b.dtype))
+                self.dense_b[slot].copy_(scaled_transpose(self.b[slot], module.scaling))
 
 
 class LayerSlots:

@@ -166,11 +166,11 @@ def test_large_batches_dequantize_into_one_buffer_per_device():
 
     import torch
 
-    from treadle.kernels.packed_int_dequant import dequantize_buffer
+    from treadle.kernels.packed_int_dequant import shared_dequant_buffer
 
     cpu = torch.device("cpu")
-    buffer = dequantize_buffer(cpu)
-    assert dequantize_buffer(cpu) is buffer
+    buffer = shared_dequant_buffer(cpu)
+    assert shared_dequant_buffer(cpu) is buffer
     buffer.reserve(8, 64, torch.bfloat16)
     buffer.reserve(4, 64, torch.bfloat16)
     qkv, down = buffer.view(4, 64, torch.bfloat16), buffer.view(8, 32, torch.float32)
@@ -180,7 +180,7 @@ def test_large_batches_dequantize_into_one_buffer_per_device():
     assert larger.data_ptr() != qkv.data_ptr() and buffer.outgrown[0].data_ptr() == qkv.data_ptr()
     del buffer
     gc.collect()
-    assert dequantize_buffer(cpu).tensor is None  # a new one: the model that held the old one is gone
+    assert shared_dequant_buffer(cpu).tensor is None  # a new one: the model that held the old one is gone
 
 
 def test_the_loader_times_how_many_rows_the_tl_dot_kernels_run(monkeypatch):
