@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int_dequant import dequantize  # noqa: F401  (its home before packed_int_dequant.py)
 from treadle.kernels.packed_int_lean import _lean_gemv_rows
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-_PANEL_WORDS = 16  # kernels/packed_int.py's PANEL_WORDS (that module imports this one)
+from treadle.kernels.packed_int import PANEL_WORDS
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
     order; ``g_idx`` (int32, one group per column): act-order weights whose sorted groups are uneven."""
     n, k = weight.shape[0], weight.shape[1] * (32 // bits)
     out = torch.empty(n, k, dtype=dtype, device=weight.device) if out is None else out
-    panels = weight.shape[1] // _PANEL_WORDS
+    panels = weight.shape[1] // PANEL_WORDS
     per_program = min(tiles.panels, panels)
     _dequantize_kernel[(triton.cdiv(panels, per_program), triton.cdiv(n, tiles.block_n))](
         weight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales, out, n,

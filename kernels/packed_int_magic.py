@@ -31,8 +31,8 @@ unchanged): :func:`magic_mma` is what the loader times first at 2 to 64 rows whe
   column is ``16j + c``), and the activations are loaded and permuted into that order. The step's group takes its
   scale and zero (and the widening's offset, through the tokens' activation sums) after the dot, or (``scaled``)
   before it, by a packed subtraction and multiplication of each pair in the same PTX (``(u - zero) * scale``
-  rounded once, as :func:`~treadle.kernels.packed_int.dequantize` rounds), the dot then accumulating across steps.
-  Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
+  rounded once, as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds), the dot then accumulating across
+  steps. Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
   by 16 tokens a panel): 380 instructions (scaled: 423) against ``int_mma``'s 662 (per-slot dots) and 771 (whole
   panels).
 """

@@ -11,9 +11,9 @@ rows, for the GPU sweep (``python -m treadle.bench.quant_kernels --sweep``) to r
   tokens is the MMA's narrow side (Hopper's wgmma takes N down to 8 and its first operand from registers) rather
   than rows of padding;
 - ``scale_in_regs``: the values become ``(u - zero) * scale`` in the activations' dtype before the dot (rounded
-  as :func:`dequantize` rounds, any group that tiles the step); otherwise the dot multiplies the widened values
-  (``128 + u`` from integer ops alone for 4-bit bf16/fp16) and each step's group takes its scale and zero after
-  it, through the rows' activation sums (the step must lie in one group).
+  as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds, any group that tiles the step); otherwise the dot
+  multiplies the widened values (``128 + u`` from integer ops alone for 4-bit bf16/fp16) and each step's group
+  takes its scale and zero after it, through the rows' activation sums (the step must lie in one group).
 
 Split-K ranges' float32 partials are summed by the last of a tile's programs (``_store_or_reduce``).
 

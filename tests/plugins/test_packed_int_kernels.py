@@ -23,8 +23,7 @@ import json, sys, torch
 from treadle.kernels.int_kernel_plan import plan_kernels
 from treadle.kernels.packed_int import PANEL_WORDS
 from treadle.layers.packed_int import PANEL_WORDS as LAYER_PANEL_WORDS, pack_panels, unpack_panels
-from treadle.kernels.packed_int_dequant import _PANEL_WORDS as DEQUANT_PANEL_WORDS
-assert PANEL_WORDS == LAYER_PANEL_WORDS == DEQUANT_PANEL_WORDS
+assert PANEL_WORDS == LAYER_PANEL_WORDS
 torch.manual_seed(0)
 errors, plans = {}, {}
 
