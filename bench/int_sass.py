@@ -21,14 +21,14 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16
             "normed_ptr": "*bf16", "residual_out_ptr": "*bf16", "prefetch_ptr": "*u8"}
 
 
-def configs() -> dict[str, tuple[Any, Any]]:
-    """Name -> (tiles, zeros) of the launches counted: the loader's first GEMV config and the H200 sweep's best per
+def configs() -> dict[str, Any]:
+    """Name -> tiles of the launches counted (symmetric weights, groups of 128): the loader's first GEMV config and the H200 sweep's best per
     shape (qkv and gate_up: 8 rows x 64 words with the subnormal widening; o and down: ``magic_gemv`` 8 x 128),
     and the same tiles with ``IntTiles.lean`` and ``IntTiles.hmma``."""
     from treadle.kernels.packed_int import IntTiles
     from treadle.kernels.packed_int_magic import MagicGemvTiles
 
-    listed = {
+    return {
         "gemv plain 8x64": IntTiles(0, 8, 64, 4, 1),
         "gemv subnormal 8x64 (qkv, gate_up)": IntTiles(0, 8, 64, 4, 1, subnormal=True),
         "gemv subnormal 8x128": IntTiles(0, 8, 128, 2, 1, subnormal=True),
@@ -39,7 +39,6 @@ def configs() -> dict[str, tuple[Any, Any]]:
         "gemv hmma 8x128": IntTiles(0, 8, 128, 2, 1, hmma=True),
         "gemv hmma 16x128": IntTiles(0, 16, 128, 2, 1, hmma=True),
     }
-    return {name: (tiles, False) for name, tiles in listed.items()}
 
 
 def loop_counts(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> tuple[collections.Counter, int]:
@@ -63,12 +62,12 @@ def loop_counts(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> tupl
     return _longest_loop(sass), registers
 
 
-def count(tiles: Any, zeros: bool = False) -> tuple[float, collections.Counter, int]:
+def count(tiles: Any) -> tuple[float, collections.Counter, int]:
     """(instructions per 16 bytes of packed weight, opcode -> count per 16 bytes, registers a thread) of one
     launch's inner loop (an unrolled loop's steps counted together)."""
     from treadle.kernels import packed_int, packed_int_magic
 
-    base = dict(GROUP=128, HAS_ZEROS=zeros, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
+    base = dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
                 PDL=True)
     if isinstance(tiles, packed_int_magic.MagicGemvTiles):
         counts, registers = loop_counts(packed_int_magic._magic_gemv_kernel, {**base, "DENORMAL": tiles.denormal},
@@ -113,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argparse.ArgumentParser(prog="python -m treadle.bench.int_sass", description=__doc__.split("\n")[0]).parse_args(
         argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as the GPU's Triton compiles
-    for name, (tiles, zeros) in configs().items():
-        total, per, registers = count(tiles, zeros)
+    for name, tiles in configs().items():
+        total, per, registers = count(tiles)
         top = ", ".join(f"{op} {n:.1f}" for op, n in per.most_common(10))
         print(f"{name:<40}{total:7.1f} per 16 B  ({total / 32:.2f} a value, {registers} registers)  {top}")
     return 0

@@ -19,11 +19,11 @@ from treadle.kernels.packed_int_hmma import _hmma_gemv_rows
 from treadle.kernels.pdl import wait_for_previous
 
 
-def lean_splits(n: int, words: int, block_n: int, sm_count: int, block_w: int = 128) -> list[int]:
-    """The lean GEMV's split-K counts for ``n`` rows of ``words`` words: the fewest K ranges of whole steps (any
-    divisor of the steps, up to 16: down_proj's 14 steps split 7 ways) that give 12 programs per SM, and the next
-    fewer."""
-    tiles, steps = triton.cdiv(n, block_n), words // block_w
+def lean_splits(n: int, words: int, block_n: int, sm_count: int) -> list[int]:
+    """The lean GEMV's split-K counts for ``n`` rows of ``words`` words, two panels (128 words) a step: the fewest K
+    ranges of whole steps (any divisor of the steps, up to 16: down_proj's 14 steps split 7 ways) that give 12
+    programs per SM, and the next fewer."""
+    tiles, steps = triton.cdiv(n, block_n), words // 128
     splits = [d for d in range(1, min(steps, 16) + 1) if steps % d == 0]
     best = next((i for i, d in enumerate(splits) if tiles * d >= 12 * sm_count), len(splits) - 1)
     return list(dict.fromkeys([splits[best], splits[max(best - 1, 0)]]))
