@@ -63,7 +63,7 @@ def create_int_expert_params(experts: "FusedExperts", scheme: IntWeightScheme) -
         setattr(experts, f"{name}_proj", words)
         setattr(experts, f"{name}_scales", scales)
         setattr(experts, f"{name}_zeros", zeros)
-    experts.quant_method = _DropSymmetricZeros()
+    experts.quant_method = _FinishLoadedExperts()
     experts.loaded_int = False
 
 
@@ -109,9 +109,9 @@ def leave_int_experts(experts: "FusedExperts") -> None:
     del experts.quant_method
 
 
-class _DropSymmetricZeros:
+class _FinishLoadedExperts:
     """Once loaded: zero points that are all the midpoint (a symmetric checkpoint, or dummy weights) go, so the
-    kernels use the constant."""
+    kernels use the constant; and the layer takes its share of the dequant scratch (:func:`reserve_dequant_scratch`)."""
 
     def process_weights_after_loading(self, experts: "FusedExperts") -> None:
         half = float(1 << (experts.int_scheme.bits - 1))
