@@ -74,16 +74,16 @@ def moe_rows(tokens_list: list[int], bandwidth: float, device: torch.device, zer
 
 def summary(rows: list[dict]) -> str:
     """Per token count: the fastest of each form, and which form won."""
-    lines = ["", f"{'tokens':>7}{'bf16 us':>10}{'auto':>20}" + "".join(
-        f"{form:>11}" for form in ("gemv", "grouped", "magic", "dequant")) + "  fastest"]
+    from treadle.kernels.packed_int_moe import FORMS
+
+    lines = ["", f"{'tokens':>7}{'bf16 us':>10}{'auto':>20}" + "".join(f"{form:>11}" for form in FORMS) + "  fastest"]
     for tokens in sorted({r["tokens"] for r in rows if "tokens" in r}):
         timed = [r for r in rows if r.get("tokens") == tokens]
         best = {form: min((r["us"] for r in timed if r["form"] == form), default=None)
-                for form in ("auto", "gemv", "grouped", "magic", "dequant")}
+                for form in ("auto", *FORMS)}
         auto = next((r for r in timed if r["form"] == "auto"), None)
         winner = min((r for r in timed if r["form"] != "auto"), key=lambda r: r["us"])
-        cells = "".join(f"{best[form]:>11.1f}" if best[form] else f"{'-':>11}"
-                        for form in ("gemv", "grouped", "magic", "dequant"))
+        cells = "".join(f"{best[form]:>11.1f}" if best[form] else f"{'-':>11}" for form in FORMS)
         auto_cell = f"{auto['us']:.1f} ({auto['picked']})" if auto else "-"
         lines.append(f"{tokens:>7}{timed[0]['bf16_us']:>10.1f}{auto_cell:>20}{cells}  {winner['form']} "
                      f"{winner['tiles']}")
