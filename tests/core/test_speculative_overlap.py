@@ -184,16 +184,6 @@ def test_overlapped_verify_stops_mid_chain_with_triton_interpreted(tiny_llama_di
     assert proc.stdout.split() == ["stop-mid-chain"]
 
 
-if __name__ == "__main__":
-    import ast
-
-    # One run (the interpreter takes a second or more a step): every draft kept, request 0 stopped
-    # mid-chain, the others out of budget mid-chain.
-    model_dir, plain_ids = sys.argv[1], ast.literal_eval(sys.argv[2])
-    check_stop_mid_chain(model_dir, plain_ids, "triton", wrong_at=None)
-    print("stop-mid-chain", flush=True)
-
-
 def test_no_step_is_queued_that_a_fully_kept_chain_would_waste(tiny_llama_dir, plain):
     """Budget 9: the prefill's token, then chains of 5 leave 3 for the second verify step, whose drafts all kept
     end the request. Overlapping it with a third step would throw that step away whole: none is launched."""
@@ -203,3 +193,13 @@ def test_no_step_is_queued_that_a_fully_kept_chain_would_waste(tiny_llama_dir, p
     assert output.token_ids == plain[0][:9]
     assert steps.verify == output.spec_verify_steps == 2 and steps.overlapped == 1
     assert_kv_accounted(engine)
+
+
+if __name__ == "__main__":
+    import ast
+
+    # One run (the interpreter takes a second or more a step): every draft kept, request 0 stopped
+    # mid-chain, the others out of budget mid-chain.
+    model_dir, plain_ids = sys.argv[1], ast.literal_eval(sys.argv[2])
+    check_stop_mid_chain(model_dir, plain_ids, "triton", wrong_at=None)
+    print("stop-mid-chain", flush=True)
