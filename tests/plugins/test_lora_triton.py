@@ -408,9 +408,11 @@ def test_dense_form_matches_torch_backend(name: str, interpreted_results: dict[s
     bit for bit; a stack of slots past ``dense_max_stack`` keeps no dense copy."""
     result = interpreted_results[name]
     assert "traceback" not in result, result.get("traceback")
-    counts, fields = DENSE_SCENARIOS[name][0], DENSE_SCENARIOS[name][-1]
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+
+    counts, choice = DENSE_SCENARIOS[name][0], LoRAKernelChoice(**DENSE_SCENARIOS[name][-1])
     assert result["dense_calls"] == [count for count in counts
-                                     if fields.get("dense_above", 128) < count <= fields.get("dense_max_tokens", 512)]
+                                     if choice.dense_above < count <= choice.dense_max_tokens]
     assert max(result["errors"]) <= result["tolerance"], f"relative errors {result['errors']}"
     assert max(result["other_forms"]) <= 2 * result["tolerance"], f"against the other forms {result['other_forms']}"
     assert result["no_adapter_rows_untouched"] and result["outside_untouched"]
