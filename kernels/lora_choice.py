@@ -1,5 +1,6 @@
 """The tunables of kernels/lora.py's decode forms (``add_delta``'s two launches), as one frozen value: what the
-``triton`` LoRA backend runs (:data:`DEFAULT`) and what ``treadle bench lora --part kernels --sweep`` varies.
+``triton`` LoRA backend runs (:func:`choice_from_env`, when it is built) and what ``treadle bench lora --part
+kernels --sweep`` varies.
 
 At decode sizes the LoRA path is a chain of small kernels (two a linear layer, 256 a Llama-3.1-8B step): at bs=1
 the 2.6 MB a layer's rank-16 adapters hold take under a microsecond to read, so each launch's hand-over (the
@@ -97,5 +98,6 @@ def choice_from_env() -> LoRAKernelChoice:
     return LoRAKernelChoice(**choice_fields(os.environ.get("TREADLE_LORA_KERNELS", "")))
 
 
-# The choice when this module was imported: the two-call shrink/expand's.
+# The choice when this module was imported: what the two-call shrink/expand (and add_delta called without a choice)
+# run.
 DEFAULT = choice_from_env()
