@@ -98,14 +98,14 @@ def run_engine_side(base_overrides: dict[str, Any], lora_overrides: dict[str, An
              "bs32": adapters[:32]}
     with_lora = _measure({**base_overrides, **lora_overrides}, workload, names, repeats, decode_tokens)
     result = {"base": base, "lora": with_lora, "spread_over_adapters": spread, **_ratios(with_lora, base)}
-    if kernel_variants:
-        result["kernel_variants"] = {}
+    variants = {}
     for variant in kernel_variants:
         with _kernels_env(variant):
             measured = _measure({**base_overrides, **lora_overrides}, workload, names, repeats, decode_tokens)
-        result["kernel_variants"][variant] = {"lora": measured, **_ratios(measured, base)}
-        print(f"kernels {variant}: offline {result['kernel_variants'][variant]['offline_ratio']:.3f}x the base",
-              flush=True)
+        variants[variant] = {"lora": measured, **_ratios(measured, base)}
+        print(f"kernels {variant}: offline {variants[variant]['offline_ratio']:.3f}x the base", flush=True)
+    if variants:
+        result["kernel_variants"] = variants
     return result
 
 
