@@ -34,6 +34,7 @@ import triton.language as tl
 from treadle.kernels.fused_moe import BlockConfig, _grouped_gemm, align_by_expert, default_config, takes_gemv
 from treadle.kernels.fused_ops import silu_mul
 from treadle.kernels.packed_int import _dot_panels, _gemv_rows, widening
+from treadle.kernels.packed_int_dequant import dequantize
 from treadle.kernels.packed_int_moe_magic import (GroupedMagicTiles, _sorted_block_rows, default_magic_tiles,
                                                   grouped_magic, magic_fits)
 
@@ -41,19 +42,20 @@ from treadle.kernels.packed_int_moe_magic import (GroupedMagicTiles, _sorted_blo
 # top_k * I / 16 programs per token; the down GEMV's H / 8 programs per token each read top_k experts' rows.
 _GEMV_ROWS, _GEMV_WORDS, _GEMV_WARPS = 16, 32, 2
 _DOWN_ROWS, _DOWN_WARPS = 8, 1
-_WIDEN_ROWS = 16  # weight rows a widening program (dequantize_experts) writes: a panel of each, 16 x 256 B in bf16
 
 
 # The forms :func:`fused_int_experts` runs: the decode GEMVs, the grouped GEMM widening value slots for 16-row dots
 # (``_dot_panels``), the grouped GEMM with magic_mma's widening (``kernels/packed_int_moe_magic.py``), and the experts
 # dequantized into a 16-bit scratch for the 16-bit grouped GEMM (``kernels/fused_moe.py``).
 FORMS = ("gemv", "grouped", "magic", "dequant")
-# Sorted rows per expert from which the experts are dequantized (with a scratch to hold them): the extra traffic
-# (a 16-bit write and read of every expert's weight) costs about as much as widening in the grouped GEMM at ~40
-# rows per expert on an H100 (Mixtral-8x7B: ~160 tokens; Qwen3-30B-A3B: ~600), by the 2026-11-28 estimates
-# (dequantize at ~3 TB/s against the grouped GEMM's ~55 TFLOPS); bench/quant_kernels.py --moe times both.
+# Sorted rows per expert from which the experts are dequantized (with a scratch to hold them). Measured on an H200
+# (2026-11-28, one Mixtral-8x7B layer, `bench/quant_kernels.py --moe-only`): the magic grouped GEMM took 1.13 / 1.96 /
+# 6.29 ms at 256 / 512 / 2048 tokens (64 / 128 / 512 rows per expert) against the 16-bit grouped GEMM's 1.62 / 1.11 /
+# 2.95 ms on 16-bit experts; the dequant form adds the widening of every expert (~3.5 GB moved a layer, ~1 ms at the
+# dense dequantize kernel's 78-87% of the copy bandwidth), so it wins from ~200 rows per expert (Mixtral: ~800 tokens,
+# prefill chunks; its 512-request decode steps stay on magic).
 # TREADLE_INT_MOE_DEQUANT_ROWS overrides it for A/B runs (0: never).
-DEQUANT_ROWS_PER_EXPERT = 32
+DEQUANT_ROWS_PER_EXPERT = 256
 
 
 def dequant_rows_per_expert() -> int:
@@ -129,9 +131,10 @@ def _by_expert(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tens
 
 def dequantize_experts(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group: int,
                        scratch: torch.Tensor) -> torch.Tensor:
-    """Every expert's weight ``[E, N, K]`` in ``scratch``'s dtype, widened into (the head of) ``scratch`` by one
-    bandwidth-bound kernel. ``words`` ``[E, N, K * bits / 32]`` may be a slice of rows of a larger tensor (gate/up's
-    halves), with its ``scales`` / ``zeros`` ``[E, N, K / group]`` sliced alike."""
+    """Every expert's weight ``[E, N, K]`` in ``scratch``'s dtype, widened into (the head of) ``scratch`` by the dense
+    weights' bandwidth-bound kernel (kernels/packed_int_dequant.py: the same panel layout). ``words`` ``[E, N, K *
+    bits / 32]`` may be a slice of rows of a larger tensor (gate/up's halves), with its ``scales`` / ``zeros`` ``[E,
+    N, K / group]`` sliced alike: then one launch per expert, else one for all."""
     num_experts, n, num_words = words.shape
     k = num_words * 32 // bits
     if scratch.numel() < num_experts * n * k:
@@ -139,11 +142,13 @@ def dequantize_experts(words: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     if words.stride(2) != 1 or scales.stride(2) != 1 or (zeros is not None and zeros.stride() != scales.stride()):
         raise ValueError("the experts' words, scales and zeros must be contiguous along K, zeros strided as scales")
     widened = scratch[:num_experts * n * k].view(num_experts, n, k)
-    rows = num_experts * n
-    _widen_experts_kernel[(triton.cdiv(rows, _WIDEN_ROWS), num_words // 16)](
-        words, scales, zeros if zeros is not None else scales, widened, n, rows, k, words.stride(0), words.stride(1),
-        scales.stride(0), scales.stride(1), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
-        BLOCK_N=_WIDEN_ROWS, num_warps=4)
+    whole = words.is_contiguous() and scales.is_contiguous()
+    parts = [(words, scales, zeros, widened)] if whole else [
+        (words[e], scales[e], zeros[e] if zeros is not None else None, widened[e]) for e in range(num_experts)]
+    for w, s, z, out in parts:
+        groups = s.shape[-1]
+        dequantize(w.reshape(-1, num_words), s.reshape(-1, groups), None if z is None else z.reshape(-1, groups), None,
+                   bits, group, widened.dtype, out=out.reshape(-1, k))
     return widened
 
 
@@ -268,37 +273,3 @@ def _grouped_int_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sorte
         acc = acc * tl.load(row_weight_ptr + rows, mask=row_mask, other=0.0)[:, None]
     tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _widen_experts_kernel(w_ptr, s_ptr, z_ptr, out_ptr, rows_per_expert, num_rows, K, stride_we, stride_wn,
-                          stride_se, stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-    # One program: one panel of BLOCK_N rows (of all experts, flattened), its values in natural K order (value slot j
-    # of word c is column 16 * j + c of the panel), stored as whole rows of the panel. 64-bit rows: all experts'.
-    PACK: tl.constexpr = 32 // BITS
-    PANEL: tl.constexpr = 16 * PACK
-    MASK: tl.constexpr = (1 << BITS) - 1
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_mask = rows < num_rows
-    expert, row = rows // rows_per_expert, rows % rows_per_expert
-    panel = tl.program_id(1)
-    offs_c = tl.arange(0, 16)
-    words = tl.load(w_ptr + (expert * stride_we + row * stride_wn)[:, None] + panel * 16 + offs_c[None, :],
-                    mask=row_mask[:, None], other=0, eviction_policy="evict_first")
-    slots = tl.arange(0, PACK)
-    values = (words[:, None, :] >> (BITS * slots)[None, :, None]) & MASK  # [BLOCK_N, PACK, 16]
-    cols = panel * PANEL + 16 * slots[:, None] + offs_c[None, :]  # [PACK, 16]
-    scale_rows = (expert * stride_se + row * stride_sn)[:, None, None]
-    if GROUP % PANEL == 0:  # the panel is one group: one scale (and zero) a row
-        index = scale_rows + (panel * PANEL) // GROUP
-    else:
-        index = scale_rows + (cols // GROUP)[None, :, :]
-    s = tl.load(s_ptr + index, mask=row_mask[:, None, None], other=0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + index, mask=row_mask[:, None, None], other=0).to(tl.float32)
-    else:
-        zero = (1 << (BITS - 1)) * 1.0
-    widened = ((values.to(tl.float32) - zero) * s).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (rows * K)[:, None] + tl.reshape(cols, [PANEL])[None, :], tl.reshape(widened, [BLOCK_N, PANEL]),
-             mask=row_mask[:, None])

@@ -121,9 +121,9 @@ def test_each_batch_shape_takes_its_form(monkeypatch):
     def form(tokens, group=128, dtype=torch.bfloat16, scratch=True, experts=8, top_k=2):
         return choose_form(tokens, top_k, experts, 4096, 14336, 4, group, dtype, scratch)
 
-    # Mixtral-8x7B: the GEMVs below one assignment per expert, the magic grouped GEMM, then from 32 rows per expert
-    # (128 tokens) the dequantized experts, where the layer has a scratch.
-    assert [form(t) for t in (3, 4, 127, 128, 8192)] == ["gemv", "magic", "magic", "dequant", "dequant"]
+    # Mixtral-8x7B: the GEMVs below one assignment per expert, the magic grouped GEMM, then from 256 rows per expert
+    # (1024 tokens) the dequantized experts, where the layer has a scratch.
+    assert [form(t) for t in (3, 4, 512, 1023, 1024, 8192)] == ["gemv", "magic", "magic", "magic", "dequant", "dequant"]
     assert form(8192, scratch=False) == "magic"
     # Groups smaller than a panel, or float32 rows: the slot-widening grouped GEMM.
     assert form(64, group=32) == form(64, dtype=torch.float32) == "grouped"

@@ -109,11 +109,6 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
             "packed_int_moe_magic._grouped_magic_kernel", moe,
             dict(GROUP=128, HAS_ZEROS=zeros, MAGIC16=0x4300, OFFSET16=128.0, ASM=True, SCALED=scaled,
                  MUL_ROW_WEIGHT=not zeros, BLOCK_M=block_m, BLOCK_N=128))
-    # The widening of all experts into the dequant form's scratch: a group a panel, and groups within one.
-    for bits, group, zeros in ((4, 128, False), (8, 32, True)):
-        variants[f"moe_widen[bits={bits},group={group},zeros={zeros}]"] = (
-            "packed_int_moe._widen_experts_kernel", {"out_ptr": "*bf16"},
-            dict(BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_N=16))
     return variants
 
 
