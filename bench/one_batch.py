@@ -112,8 +112,9 @@ def _tensor_parallel_rank(rank: int, tp_size: int, store: str, argv: list[str]) 
     from treadle.core.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
 
     args = _parser().parse_args(argv)
-    # HF and the profiler see one rank's shard only; an Engine row would start its own tensor-parallel ranks.
-    args.no_hf = args.no_profile = args.no_engine = True
+    # HF sees one rank's shard only; an Engine row would start its own tensor-parallel ranks. The profiler runs on
+    # every rank (the same steps in lockstep, collectives included): rank 0's summary is printed.
+    args.no_hf = args.no_engine = True
     device = _device(args)
     rank_device = torch.device("cuda", rank) if device.type == "cuda" else device
     init_tensor_parallel(rank, tp_size, f"file://{store}", rank_device, timeout_s=1800)
