@@ -51,7 +51,9 @@ class LoRAKernelChoice:
     projection a sorted expand program covers (it reads its rows' partial sums once for all of them);
     ``dense_above``: batches of more tokens take the dense form (library GEMMs over every slot) where the slots'
     stack ``slots * max_rank`` is at most ``dense_max_stack`` (a larger stack never takes it, and its layers keep no
-    dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort)."""
+    dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort);
+    ``fuse_gemv`` (1/0): where a layer's matmul is the small-batch Triton kernel, the gather shrink runs in its launch
+    and the expand carries the layer's epilogue (kernels/lora_fused.py: two launches a layer), or apart."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -64,6 +66,7 @@ class LoRAKernelChoice:
     dense_above: int = 128
     dense_max_stack: int = 512
     dense_max_tokens: int = 512
+    fuse_gemv: int = 1
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):
@@ -85,11 +88,14 @@ def choice_fields(text: str) -> dict[str, int]:
     fields: dict[str, int] = {}
     for pair in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = (side.strip() for side in pair.partition("="))
-        if key not in known or not value.isdigit() or int(value) <= 0 and key != "go_ahead":
+        if key not in known or not value.isdigit() or int(value) <= 0 and key not in _FLAGS:
             raise ValueError(f"bad LoRA kernel choice {pair!r}: expected FIELD=N (N a positive integer; go_ahead "
-                             f"0 or 1), FIELD one of {', '.join(sorted(known))}")
+                             f"and fuse_gemv 0 or 1), FIELD one of {', '.join(sorted(known))}")
         fields[key] = int(value)
     return fields
+
+
+_FLAGS = ("go_ahead", "fuse_gemv")
 
 
 def choice_from_env() -> LoRAKernelChoice:

@@ -30,6 +30,7 @@ from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.fp8_ops import quantize_per_token
 from treadle.kernels.fused import rmsnorm_row, rounded_add
+from treadle.kernels.lora_gather import GemvShrink, gather_shrink_program
 
 
 @triton.jit
@@ -40,8 +41,48 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
                         BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
-                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
+                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr,
+                        La, Lids, Lscalings, Lranks, Lpartials, l_rank_dim, l_rows, l_proj_stride, l_stride_as,
+                        l_stride_ar, l_stride_ak, l_stride_hs, l_stride_hm, l_k_per_split, l_columns, l_programs,
+                        l_r_blocks, l_slices, LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_K: tl.constexpr,
+                        L_GO_AHEAD: tl.constexpr):
+    if LORA:
+        # The first l_columns programs of every (row block, split) run a LoRA shrink beside the matmul
+        # (lora_gather.py): low program ids, so they run with the matmul's first wave. The matmul's programs keep
+        # their indices and their tile counters (counted over the matmul's columns, not the grid's).
+        if tl.program_id(0) < l_columns:
+            shrink = tl.program_id(0) + l_columns * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+            if shrink < l_programs:
+                per_token = l_r_blocks * l_slices
+                gather_shrink_program((shrink // per_token).to(tl.int64), shrink % per_token // l_slices,
+                                      shrink % l_slices, X, La, Lids, Lscalings, Lranks, Lpartials, K, l_rank_dim,
+                                      l_rows, l_proj_stride, stride_xm, 1, l_stride_as, l_stride_ar, l_stride_ak,
+                                      l_stride_hs, l_stride_hm, l_k_per_split, L_BLOCK_R, L_BLOCK_K, False, PDL,
+                                      L_GO_AHEAD)
+        else:
+            _matmul_program(l_columns, X, W, Scale, Y,
+                            Partials, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, M, N, K, k_per_split,
+                            stride_xm, stride_wn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GEMV, HAS_SCALE, EVEN,
+                            SILU_MUL, EVICT_ROWS, ADD_RMSNORM, BLOCK_ROW, X_scale, W8A8, PDL)
+    else:
+        _matmul_program(0, X, W, Scale, Y, Partials, Arrivals, Residual,
+                        Norm_weight, Normed, Residual_out, eps, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GEMV, HAS_SCALE, EVEN, SILU_MUL, EVICT_ROWS, ADD_RMSNORM,
+                        BLOCK_ROW, X_scale, W8A8, PDL)
+    if PREFETCH:
+        _prefetch_share(Prefetch, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
+
+
+@triton.jit
+def _matmul_program(columns_before, X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weight, Normed,
+                    Residual_out, eps, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
+                    SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
+                    BLOCK_ROW: tl.constexpr, X_scale, W8A8: tl.constexpr, PDL: tl.constexpr):
+    """The matmul's program: output columns ``program_id(0) - columns_before`` (the programs before run
+    something else), rows ``program_id(1)``, split ``program_id(2)``."""
+    pid_n = tl.program_id(0) - columns_before
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,7 +130,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
             # visible), so no second kernel is launched. It resets the count for the next call.
             tile_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
             tl.store(Partials + pid_k * M * N + tile_offs, acc, mask=tile_mask)
-            arrival = Arrivals + pid_m * tl.num_programs(0) + pid_n
+            arrival = Arrivals + pid_m * (tl.num_programs(0) - columns_before) + pid_n
             if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for split in tl.static_range(SPLIT_K):
@@ -99,13 +140,12 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                 _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
                 if ADD_RMSNORM:
                     _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N,
-                                           BLOCK_ROW)
+                                           BLOCK_ROW, columns_before)
         else:
             _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
             if ADD_RMSNORM:
-                _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N, BLOCK_ROW)
-    if PREFETCH:
-        _prefetch_share(Prefetch, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
+                _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N, BLOCK_ROW,
+                                       columns_before)
 
 
 @triton.jit
@@ -141,13 +181,14 @@ def _prefetch_tile_head(W, offs_n, n_mask, k_start, k_end, stride_wn, BLOCK_K: t
 
 @triton.jit
 def _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N,
-                           BLOCK_ROW: tl.constexpr):
-    """For one row of output: the program that stores its last tile (counted on the counter after the tiles')
-    computes ``residual_out = y + residual`` and ``normed = rmsnorm(residual_out) * weight``, rounded as
+                           BLOCK_ROW: tl.constexpr, columns_before=0):
+    """For one row of output: the program that stores its last tile (counted on the counter after the tiles', the
+    grid's columns from ``columns_before`` on) computes ``residual_out = y + residual`` and ``normed = rmsnorm(residual_out) * weight``, rounded as
     ``fused_ops.add_rmsnorm`` rounds them, so the layer's next norm needs no kernel of its own."""
     tl.debug_barrier()  # every thread's part of the tile is stored before the count releases it
-    done = Arrivals + tl.num_programs(0)
-    if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+    tiles = tl.num_programs(0) - columns_before
+    done = Arrivals + tiles
+    if tl.atomic_add(done, 1, sem="acq_rel") == tiles - 1:
         cols = tl.arange(0, BLOCK_ROW)
         mask = cols < N
         weight = tl.load(Norm_weight + cols, mask=mask, other=0.0)
@@ -383,7 +424,7 @@ SIXTEEN_BIT_CONFIGS = (
 def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                        config: SmallBatchConfig, silu_mul: bool = False,
                        add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                       prefetch: torch.Tensor | None = None) -> Any:
+                       prefetch: torch.Tensor | None = None, beside: GemvShrink | None = None) -> Any:
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
     16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype. ``silu_mul``: the
     weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (configs
@@ -393,7 +434,8 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     the row last.
     ``prefetch``: bytes (a uint8 tensor, see :func:`l2_prefetch_bytes`) the kernel's last programs ask L2 to
     fetch as they finish, for the kernel that runs next. A ``w8a8`` config quantizes ``x`` per token first
-    (:func:`fp8_ops.quantize_per_token`)."""
+    (:func:`fp8_ops.quantize_per_token`). ``beside``: a LoRA shrink of ``x`` (kernels/lora_gather.py) run by extra
+    programs placed first in this launch (16-bit configs, no epilogue)."""
     m, k = x.shape
     n = weight.shape[0]
     out_dtype = x.dtype
@@ -415,6 +457,9 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
+    arrivals = _arrivals(x.device, grid[0] * grid[1] + 1)  # one counter per output tile, one for the rows' norm
+    lora = _beside_args(beside, x, config, silu_mul or add_rmsnorm is not None, grid)
+    grid = (grid[0] + lora["l_columns"], grid[1], grid[2])
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
     if add_rmsnorm is not None:
@@ -433,11 +478,11 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # blocks while the kernel before it finishes. Not FP8's tiles: with PDL FP8 decode of 16-32 requests was
     # 3-6% slower on the H100, 16-bit tiles 1-3% faster (docs/lab/benchmarks-history.md).
     pdl = pdl_enabled(x.device) and (config.gemv or weight.element_size() == 2)
+    lora["L_GO_AHEAD"] = lora["L_GO_AHEAD"] and pdl
     lines = prefetch.numel() // 128 if prefetch is not None else 0
     first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
     _small_batch_kernel[grid](
-        # One counter per output tile, and one after them for the rows' norm.
-        x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1] + 1),
+        x, weight, scale if has_scale else weight, y, partials, arrivals,
         residual, norm_weight, normed, residual_out, eps,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
@@ -450,10 +495,32 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
         X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, launch_pdl=pdl, **lora,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)
+
+
+def _beside_args(beside: GemvShrink | None, x: torch.Tensor, config: SmallBatchConfig, epilogue: bool,
+                 grid: tuple[int, int, int]) -> dict[str, Any]:
+    """The kernel's LoRA arguments: ``beside``'s shrink in ``l_columns`` extra programs ahead of each (row block,
+    split) of the matmul's grid, or the LORA=False placeholders."""
+    if beside is None:
+        return dict(La=x, Lids=x, Lscalings=x, Lranks=x, Lpartials=x, l_rank_dim=0, l_rows=0, l_proj_stride=0,
+                    l_stride_as=0, l_stride_ar=0, l_stride_ak=0, l_stride_hs=0, l_stride_hm=0, l_k_per_split=0,
+                    l_columns=0, l_programs=0, l_r_blocks=0, l_slices=0, LORA=False, L_BLOCK_R=1, L_BLOCK_K=1,
+                    L_GO_AHEAD=False)
+    if config.w8a8 or epilogue:
+        raise ValueError(f"a LoRA shrink runs beside a 16-bit matmul without an epilogue, not {config}")
+    a, partials = beside.a, beside.partials
+    programs = beside.programs
+    return dict(La=a, Lids=beside.adapter_ids, Lscalings=beside.scalings, Lranks=beside.ranks, Lpartials=partials,
+                l_rank_dim=beside.rank_dim, l_rows=a.shape[1], l_proj_stride=beside.proj_stride,
+                l_stride_as=a.stride(0), l_stride_ar=a.stride(1), l_stride_ak=a.stride(2),
+                l_stride_hs=partials.stride(0), l_stride_hm=partials.stride(1), l_k_per_split=beside.k_per_split,
+                l_columns=triton.cdiv(programs, grid[1] * grid[2]), l_programs=programs,
+                l_r_blocks=triton.cdiv(a.shape[1], beside.block_r), l_slices=partials.shape[0], LORA=True,
+                L_BLOCK_R=beside.block_r, L_BLOCK_K=beside.block_k, L_GO_AHEAD=beside.go_ahead)
 
 
 _arrival_counts: dict[torch.device, torch.Tensor] = {}
