@@ -99,6 +99,7 @@ class SplitLoRA:
         if len(self.segments) != 1:
             raise ValueError(f"add_rmsnorm runs a layer of one projection, not segments {self.segments}")
         num_tokens, width = y.shape
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
         normed = torch.empty((num_tokens, width), dtype=y.dtype, device=y.device)
         residual_out = torch.empty_like(normed)
         block_r, block_n = self._expand_tile(width, width)
