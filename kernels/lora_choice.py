@@ -31,6 +31,11 @@ adapters, ``--sizes 64,256,1024,4096``): the dense form loses at 64 tokens (1.58
 wins at 256 (1.44x against the sorted form's 1.60x) and loses again at 1024 (1.28x against 1.20x) and on a 4096-token
 prefill (1.24x against 1.15x), where the sorted form's tensor-core tiles read each adapter once per block: so it runs
 up to ``dense_max_tokens`` = 512 (a decode batch of every running request), the crossover interpolated at ~680.
+
+``fuse_gemv`` (on by default): where a layer's matmul is the small-batch Triton kernel and the batch takes the gather
+form, the shrink runs in extra programs of the matmul's launch and the expand carries the layer's epilogue
+(kernels/lora_fused.py): two launches a layer where the gather form alone runs three or four. ``fuse_gemv=0`` is the
+unfused path, for A/B runs (``treadle bench lora --part gemv`` times both; ``--engine-kernels fuse_gemv=0``).
 """
 
 from __future__ import annotations
