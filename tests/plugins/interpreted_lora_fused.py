@@ -39,8 +39,7 @@ SEGMENTS = {"qkv": ((0, 64), (64, 80), (80, 96)), "gate_up": ((0, 48), (48, 96))
 # (layer, tokens, config, LoRA choice): split_k=32 makes the shrink write partial sums of 3 slices of in=96.
 KERNEL_CASES = [("qkv", 1, GEMV, LoRAKernelChoice(split_k=32)), ("gate_up", 1, GEMV, LoRAKernelChoice()),
                 ("o_proj", 1, GEMV, LoRAKernelChoice(split_k=32)), ("qkv", 1, GEMV_SPLIT_K, LoRAKernelChoice()),
-                ("o_proj", 5, TILE, LoRAKernelChoice()), ("gate_up", 20, TILE, LoRAKernelChoice(split_k=32)),
-                ("o_proj", 20, TILE, LoRAKernelChoice(split_k=32))]
+                ("o_proj", 5, TILE, LoRAKernelChoice()), ("gate_up", 20, TILE, LoRAKernelChoice(split_k=32))]
 
 
 def stacked(layer: str, tokens: int, seed: int, dtype: torch.dtype):
