@@ -3,8 +3,9 @@ layers and small-batch kernels (the Triton configs ``small_batch.choose`` times 
 fused SiLU·mul and add + RMSNorm epilogues, the L2 prefetch chain), replayed from CUDA graphs: the base model, then
 with a rank-``rank`` adapter on all seven projections (the ``triton`` backend) unfused (``fuse_gemv=0``: the
 matmul, the shrink, the expand, then ``silu_mul`` or the norm) and split around the matmul (``fuse_gemv=1``,
-kernels/lora_fused.py: the shrink in the matmul's launch, the expand with the layer's epilogue), at bs=1 with one
-adapter and bs=32 with 32. A layer runs ``qkv_proj``, ``o_proj`` with the residual add + ``post_attention_layernorm``,
+kernels/lora_fused.py: the shrink in the matmul's launch, the expand with the layer's epilogue), and split with
+every shrink tile (``fuse_tile`` unbounded: ``down_proj`` at bs=32 too), at bs=1 with one adapter and bs=32 with
+32. A layer runs ``qkv_proj``, ``o_proj`` with the residual add + ``post_attention_layernorm``,
 ``gate_up_proj`` with SiLU·mul, ``down_proj`` with the add + next ``input_layernorm``, as the decoder does; attention
 and sampling are not in it, so the ratios are the linear layers' (the engine part measures whole steps).
 """
@@ -20,6 +21,7 @@ from torch import nn
 from treadle.bench.lora_kernels import NUM_LAYERS, _graph_seconds
 
 CASES = ((1, 1), (32, 32))  # (tokens, adapters): token t has adapter t % adapters
+FORMS = {"unfused": {"fuse_gemv": 0}, "split": {"fuse_gemv": 1}, "split_all": {"fuse_gemv": 1, "fuse_tile": 1 << 20}}
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 
 
@@ -89,15 +91,16 @@ def run_gemv_cases(rank: int, slots: int = 32, replays: int = 20) -> list[dict[s
         context = BatchContext(torch.arange(tokens, device=device), ids)
         row = {"case": f"bs={tokens}, {adapters} adapter{'s' if adapters > 1 else ''}", "tokens": tokens,
                "adapters": adapters, "rank": rank, "base_ms": 1e3 * base_s[tokens]}
-        for form, fuse in (("unfused", 0), ("split", 1)):
-            backend.kernel_choice = dataclasses.replace(backend.kernel_choice, fuse_gemv=fuse)
+        default = backend.kernel_choice
+        for form, fields in FORMS.items():
+            backend.kernel_choice = dataclasses.replace(default, **fields)
             with using_batch_context(context):
                 seconds = _graph_seconds(lambda: _step(layers, inputs), replays)
             row[f"{form}_ms"], row[f"{form}_ratio"] = 1e3 * seconds, seconds / base_s[tokens]
+        backend.kernel_choice = default
         rows.append(row)
-        print(f"{row['case']}: base {row['base_ms']:.3f} ms, unfused {row['unfused_ms']:.3f} ms "
-              f"({row['unfused_ratio']:.3f}x), split {row['split_ms']:.3f} ms ({row['split_ratio']:.3f}x)",
-              flush=True)
+        print(f"{row['case']}: base {row['base_ms']:.3f} ms, " + ", ".join(
+            f"{form} {row[f'{form}_ms']:.3f} ms ({row[f'{form}_ratio']:.3f}x)" for form in FORMS), flush=True)
     for row in rows:
         row["small_batch"] = small_batch.choices()
     return rows
@@ -105,10 +108,10 @@ def run_gemv_cases(rank: int, slots: int = 32, replays: int = 20) -> list[dict[s
 
 def format_gemv_table(rows: list[dict[str, Any]]) -> str:
     lines = ["LoRA through the engine's small-batch layers (7 projections x 32 layers, linear work only)",
-             f"{'case':22s} {'base ms':>8s} {'unfused ms':>10s} {'ratio':>6s} {'split ms':>9s} {'ratio':>6s}"]
+             f"{'case':22s} {'base ms':>8s}" + "".join(f" {form + ' ms':>13s} {'ratio':>6s}" for form in FORMS)]
     for row in rows:
-        lines.append(f"{row['case']:22s} {row['base_ms']:8.3f} {row['unfused_ms']:10.3f} {row['unfused_ratio']:6.3f} "
-                     f"{row['split_ms']:9.3f} {row['split_ratio']:6.3f}")
+        lines.append(f"{row['case']:22s} {row['base_ms']:8.3f}" + "".join(
+            f" {row[f'{form}_ms']:13.3f} {row[f'{form}_ratio']:6.3f}" for form in FORMS if f"{form}_ms" in row))
     if rows:
         lines += [f"  {shape}: {choice}" for shape, choice in rows[0]["small_batch"].items()]
     return "\n".join(lines)

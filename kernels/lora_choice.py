@@ -58,7 +58,10 @@ class LoRAKernelChoice:
     stack ``slots * max_rank`` is at most ``dense_max_stack`` (a larger stack never takes it, and its layers keep no
     dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort);
     ``fuse_gemv`` (1/0): where a layer's matmul is the small-batch Triton kernel, the gather shrink runs in its launch
-    and the expand carries the layer's epilogue (kernels/lora_fused.py: two launches a layer), or apart."""
+    and the expand carries the layer's epilogue (kernels/lora_fused.py: two launches a layer), or apart;
+    ``fuse_tile``: the largest gather-shrink tile (elements of ``a`` a program loads at once) that runs in a matmul's
+    launch: its registers are the launch's (bs=32's ``[1, 16384]`` tiles of ``down_proj`` would spill a 4-warp
+    matmul tile's), larger ones run apart."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -72,6 +75,7 @@ class LoRAKernelChoice:
     dense_max_stack: int = 512
     dense_max_tokens: int = 512
     fuse_gemv: int = 1
+    fuse_tile: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):

@@ -41,11 +41,14 @@ from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals
 
 
-def splits(num_tokens: int, projections: int, choice: LoRAKernelChoice) -> bool:
-    """Whether ``add_delta`` would run the gather form for this batch (the form :class:`SplitLoRA` splits), and the
-    choice lets it run split (``fuse_gemv``)."""
-    return (bool(choice.fuse_gemv) and 0 < num_tokens <= min(GATHER_MAX_TOKENS, choice.sort_above)
-            and projections <= MAX_PROJECTIONS)
+def splits(num_tokens: int, rows: int, in_features: int, projections: int, choice: LoRAKernelChoice) -> bool:
+    """Whether ``add_delta`` would run the gather form for this batch (the form :class:`SplitLoRA` splits; ``rows``
+    stacked rank rows of ``in_features``), and the choice lets it run split: ``fuse_gemv``, and a shrink tile of at
+    most ``fuse_tile`` elements (the matmul's launch holds it in registers beside its own)."""
+    if not choice.fuse_gemv or not 0 < num_tokens <= min(GATHER_MAX_TOKENS, choice.sort_above):
+        return False
+    block_r, block_k = _gather_shrink_blocks(num_tokens, rows, in_features, True, choice)[:2]
+    return projections <= MAX_PROJECTIONS and block_r * block_k <= choice.fuse_tile
 
 
 def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
@@ -56,7 +59,7 @@ def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: t
     block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)
     partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
     beside = GemvShrink(a, adapter_ids, scalings, ranks, partials, b.shape[2], projection_stride(scalings), block_r,
-                        block_k, k_per_split, bool(choice.go_ahead))
+                        block_k, k_per_split)
     return SplitLoRA(beside, b, segments, choice)
 
 

@@ -35,7 +35,6 @@ class GemvShrink(NamedTuple):
     block_r: int
     block_k: int
     k_per_split: int
-    go_ahead: bool
 
     @property
     def programs(self) -> int:

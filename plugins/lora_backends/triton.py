@@ -75,7 +75,8 @@ class TritonLoRABackend(LoRABackend):
 
             self._split_kernels = lora_fused
         choice = self.kernel_choice
-        if self._dense(x, weights) or not self._split_kernels.splits(x.shape[0], len(weights.segments), choice):
+        if self._dense(x, weights) or not self._split_kernels.splits(x.shape[0], weights.a.shape[1], x.shape[1],
+                                                                    len(weights.segments), choice):
             return None
         return self._split_kernels.split_lora(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
                                               weights.segments, choice)

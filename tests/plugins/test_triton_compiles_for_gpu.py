@@ -254,7 +254,7 @@ def _lora_kernels() -> dict:
         # kernels/lora_fused.py: a layer's LoRA in two launches (the shrink in the small-batch matmul's launch)
         "small_batch[bf16,gemv,lora_shrink,pdl]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1,
                                                               GEMV=True, HAS_SCALE=False, EVEN=True, PDL=True,
-                                                              LORA=True, L_BLOCK_R=4, L_BLOCK_K=512, L_GO_AHEAD=True),
+                                                              LORA=True, L_BLOCK_R=4, L_BLOCK_K=512),
         "lora_expand_silu_mul[pdl]": lambda: _check_pdl(True, _compile(
             lora_fused._expand_silu_mul_kernel, {**summed, "Gate_up": "*bf16"}, set(),
             dict(BLOCK_N=64, BLOCK_R=16, SPLIT=8, PDL=True, GO_AHEAD=True))),
@@ -303,7 +303,7 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
                   "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "PDL": False, "LORA": False,
-                  "L_BLOCK_R": 1, "L_BLOCK_K": 1, "L_GO_AHEAD": False, **constexprs}
+                  "L_BLOCK_R": 1, "L_BLOCK_K": 1, **constexprs}
 
     def check() -> None:
         compiled = _compile(small_batch_kernels._small_batch_kernel,
