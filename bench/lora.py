@@ -1,7 +1,7 @@
 """LoRA adapters' cost on a GPU: the kernels against the base projections, and the engine with adapters against the
 base model, in one run.
 
-``treadle bench lora [--part kernels|engine|all] [--backend triton] [--rank 16] [--num-prompts 1000]
+``treadle bench lora [--part kernels|gemv|engine|all] [--backend triton] [--rank 16] [--num-prompts 1000]
 [--spread 16] [--set KEY=VALUE ...] [--sweep [--choice FIELD=N,...] [--sizes 1,32]] [--output PATH]``
 
 - ``kernels`` (bench/lora_kernels.py): Llama-3.1-8B's projections, a rank-``rank`` adapter on all seven: the 32
@@ -13,6 +13,10 @@ base model, in one run.
   1,32``: those sizes only), each as ``(base + LoRA) / base``. ``--slots N``: resident adapter slots (default the
   cases' largest adapter count, 32; the engine part's ``max_loras_per_batch`` is 32), which the dense form's work
   grows with.
+- ``gemv`` (bench/lora_gemv.py): the 32 layers through the engine's own layers and small-batch kernels (the Triton
+  GEMVs and tiles chosen by timing, their SiLU·mul and add + RMSNorm epilogues), base against a rank-``rank``
+  adapter on all seven projections unfused (``fuse_gemv=0``) and split around the matmul (kernels/lora_fused.py), at
+  bs=1 with one adapter and bs=32 with 32. Not part of ``all``.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs
@@ -64,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = tuple(case for case in SWEEP_CASES if sizes is None or case.tokens in sizes)
         report["kernel_sweep"] = run_kernel_sweep(args.rank, choices, cases, slots=args.slots)
         print(format_sweep_table(report["kernel_sweep"]), flush=True)
+    elif args.part == "gemv":
+        from treadle.bench.lora_gemv import format_gemv_table, run_gemv_cases
+
+        report["gemv"] = run_gemv_cases(args.rank, slots=args.slots or NUM_ADAPTERS)
+        print(format_gemv_table(report["gemv"]), flush=True)
     elif args.part in ("kernels", "all"):
         from treadle.bench.lora_kernels import run_kernel_cases
 
@@ -168,7 +177,7 @@ def _engine_part(args: argparse.Namespace) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle bench lora",
                                      description="LoRA adapters' cost: kernels vs base projections, engine vs base.")
-    parser.add_argument("--part", choices=["kernels", "engine", "all"], default="all")
+    parser.add_argument("--part", choices=["kernels", "gemv", "engine", "all"], default="all")
     parser.add_argument("--backend", default="triton", help="the lora_backends plugin to time")
     parser.add_argument("--rank", type=int, default=16, help="every adapter's rank (and lora.max_rank)")
     parser.add_argument("--shape", default="llama-3.1-8b", help="engine part: a bench/shapes.py MODEL_SHAPES entry")

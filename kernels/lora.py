@@ -56,6 +56,7 @@ import triton.language as tl
 
 from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice, choice_from_env  # noqa: F401  (the backend's)
 from treadle.kernels.lora_dense import add_delta_dense  # noqa: F401  (the triton backend reads it here)
+from treadle.kernels.lora_gather import gather_shrink_program
 from treadle.kernels.lora_sorted import add_delta_sorted, sort_by_adapter, sorts
 from treadle.kernels.lora_tiles import MAX_PROJECTIONS  # noqa: F401  (the triton backend reads it here)
 from treadle.kernels.lora_tiles import (dot, expand_segmented, ieee_dot, load_h, projection_stride, segment,
@@ -216,20 +217,6 @@ def _gather_warps(tile: int) -> int:
 
 
 @triton.jit
-def token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride):
-    """Token ``token``'s slot (clamped to 0 for none) and, over stacked rows ``offs_r`` of ``a``, each row's
-    projection, whether it exists and whether it is within the slot's rank of that projection (none without an
-    adapter)."""
-    slot = tl.load(Ids + token)
-    with_adapter = slot >= 0
-    slot = tl.maximum(slot, 0)
-    proj = offs_r // rank_dim
-    in_rows = offs_r < rows
-    rank = tl.where(with_adapter, tl.load(Ranks + proj * proj_stride + slot, mask=in_rows, other=0), 0)
-    return slot, proj, in_rows, offs_r - proj * rank_dim < rank
-
-
-@triton.jit
 def token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_stride, stride_bs, stride_bn, stride_br):
     """Token ``token``'s slot (clamped to 0 for none), whether it has an adapter, its projection's rank mask over
     ``offs_r`` and its block of ``b`` (rows ``offs_n``; nothing loaded past the rank or without an adapter)."""
@@ -248,35 +235,11 @@ def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr,
                           GO_AHEAD: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k_start = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, in_features)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Before the wait only what no kernel of this step writes: the ids (copied in before the step), ranks,
-    # scalings and the adapter's first weight block (kernels/pdl.py). Out-of-rank rows and tokens without an
-    # adapter mask every weight load, so they read nothing. Row r is rank r % R of projection r // R.
-    slot, proj, in_rows, r_mask = token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride)
-    scaling = tl.load(Scalings + proj * proj_stride + slot, mask=in_rows, other=0.0)
-    x_limit = tl.where(tl.max(r_mask.to(tl.int32), axis=0) > 0, k_end, 0)  # an idle program reads no x
-    a_rows = A + slot * stride_as + offs_r[:, None].to(tl.int64) * stride_ar
-    k = k_start + offs_k
-    w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    wait_for_previous(PDL)
-    # Everything before this kernel is complete now: the next kernel (the expand) may start and load its weights
-    # while this one reads x and stores (kernels/pdl.py's contract holds for it).
-    allow_next(GO_AHEAD)
-    result = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
-        result += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        k = k0 + BLOCK_K + offs_k  # the next block (past the slice: nothing is read)
-        w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    if FINAL:
-        result = result * scaling
-    result = tl.where(r_mask, result, 0.0)  # exact zeros past the rank, whatever an unused slot holds
-    tl.store(H + tl.program_id(2) * stride_hs + token * stride_hm + offs_r, result.to(H.dtype.element_ty),
-             mask=in_rows)
+    # The program's body is shared with the small-batch matmul, which runs it beside its own (lora_gather.py).
+    gather_shrink_program(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), X, A, Ids, Scalings,
+                          Ranks, H, in_features, rank_dim, rows, proj_stride, stride_xm, stride_xk, stride_as,
+                          stride_ar, stride_ak, stride_hs, stride_hm, k_per_split, BLOCK_R, BLOCK_K, FINAL, PDL,
+                          GO_AHEAD)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size

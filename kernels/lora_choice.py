@@ -31,6 +31,11 @@ adapters, ``--sizes 64,256,1024,4096``): the dense form loses at 64 tokens (1.58
 wins at 256 (1.44x against the sorted form's 1.60x) and loses again at 1024 (1.28x against 1.20x) and on a 4096-token
 prefill (1.24x against 1.15x), where the sorted form's tensor-core tiles read each adapter once per block: so it runs
 up to ``dense_max_tokens`` = 512 (a decode batch of every running request), the crossover interpolated at ~680.
+
+``fuse_gemv`` (on by default): where a layer's matmul is the small-batch Triton kernel and the batch takes the gather
+form, the shrink runs in extra programs of the matmul's launch and the expand carries the layer's epilogue
+(kernels/lora_fused.py): two launches a layer where the gather form alone runs three or four. ``fuse_gemv=0`` is the
+unfused path, for A/B runs (``treadle bench lora --part gemv`` times both; ``--engine-kernels fuse_gemv=0``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,12 @@ class LoRAKernelChoice:
     projection a sorted expand program covers (it reads its rows' partial sums once for all of them);
     ``dense_above``: batches of more tokens take the dense form (library GEMMs over every slot) where the slots'
     stack ``slots * max_rank`` is at most ``dense_max_stack`` (a larger stack never takes it, and its layers keep no
-    dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort)."""
+    dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort);
+    ``fuse_gemv`` (1/0): where a layer's matmul is the small-batch Triton kernel, the gather shrink runs in its launch
+    and the expand carries the layer's epilogue (kernels/lora_fused.py: two launches a layer), or apart;
+    ``fuse_tile``: the largest gather-shrink tile (elements of ``a`` a program loads at once) that runs in a matmul's
+    launch: its registers are the launch's (bs=32's ``[1, 16384]`` tiles of ``down_proj`` would spill a 4-warp
+    matmul tile's), larger ones run apart."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -64,6 +74,8 @@ class LoRAKernelChoice:
     dense_above: int = 128
     dense_max_stack: int = 512
     dense_max_tokens: int = 512
+    fuse_gemv: int = 1
+    fuse_tile: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):
@@ -85,11 +97,14 @@ def choice_fields(text: str) -> dict[str, int]:
     fields: dict[str, int] = {}
     for pair in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = (side.strip() for side in pair.partition("="))
-        if key not in known or not value.isdigit() or int(value) <= 0 and key != "go_ahead":
+        if key not in known or not value.isdigit() or int(value) <= 0 and key not in _FLAGS:
             raise ValueError(f"bad LoRA kernel choice {pair!r}: expected FIELD=N (N a positive integer; go_ahead "
-                             f"0 or 1), FIELD one of {', '.join(sorted(known))}")
+                             f"and fuse_gemv 0 or 1), FIELD one of {', '.join(sorted(known))}")
         fields[key] = int(value)
     return fields
+
+
+_FLAGS = ("go_ahead", "fuse_gemv")
 
 
 def choice_from_env() -> LoRAKernelChoice:

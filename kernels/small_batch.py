@@ -13,7 +13,10 @@ Given the head of the next layer's weight (``prefetch``), the kernel's last prog
 so the memory works through the gap between the two kernels (``small_batch.chain_l2_prefetch``). The GEMV and
 the 16-bit tiles are launched with programmatic dependent launch on Hopper (``kernels/pdl.py``): while the kernel
 before finishes, the GEMV loads its first weight block and a tile asks L2 for its first two; each lets the next
-kernel start once its own weight loop is done.
+kernel start once its own weight loop is done. The K loops are kernels/small_batch_loops.py.
+
+Given a LoRA shrink (``beside``, kernels/lora_gather.py), extra programs placed first in the grid run it on the same
+``x`` (kernels/lora_fused.py: a layer's LoRA in two launches); without one the kernel compiles as before.
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
@@ -30,6 +33,8 @@ from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.fp8_ops import quantize_per_token
 from treadle.kernels.fused import rmsnorm_row, rounded_add
+from treadle.kernels.lora_gather import GemvShrink, gather_shrink_program
+from treadle.kernels.small_batch_loops import _gate_up_row, _gate_up_rows, _prefetch_tile_head, _row, _rows
 
 
 @triton.jit
@@ -40,8 +45,48 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         Prefetch, prefetch_lines, first_prefetcher,
                         SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
                         BLOCK_ROW: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
-                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
+                        X_scale, W8A8: tl.constexpr, PDL: tl.constexpr,
+                        La, Lids, Lscalings, Lranks, Lpartials, l_rank_dim, l_rows, l_proj_stride, l_stride_as,
+                        l_stride_ar, l_stride_ak, l_stride_hs, l_stride_hm, l_k_per_split, l_columns, l_programs,
+                        l_r_blocks, l_slices, LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_K: tl.constexpr):
+    if LORA:
+        # The first l_columns programs of every (row block, split) run a LoRA shrink beside the matmul
+        # (lora_gather.py): low program ids, so they run with the matmul's first wave. They wait (PDL) before reading
+        # x, as the matmul's programs do, and let the next kernel start by exiting. The matmul's programs keep
+        # their indices and their tile counters (counted over the matmul's columns, not the grid's).
+        if tl.program_id(0) < l_columns:
+            shrink = tl.program_id(0) + l_columns * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+            if shrink < l_programs:
+                per_token = l_r_blocks * l_slices
+                gather_shrink_program((shrink // per_token).to(tl.int64), shrink % per_token // l_slices,
+                                      shrink % l_slices, X, La, Lids, Lscalings, Lranks, Lpartials, K, l_rank_dim,
+                                      l_rows, l_proj_stride, stride_xm, 1, l_stride_as, l_stride_ar, l_stride_ak,
+                                      l_stride_hs, l_stride_hm, l_k_per_split, L_BLOCK_R, L_BLOCK_K, False, PDL,
+                                      False)
+        else:
+            _matmul_program(l_columns, X, W, Scale, Y,
+                            Partials, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, M, N, K, k_per_split,
+                            stride_xm, stride_wn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GEMV, HAS_SCALE, EVEN,
+                            SILU_MUL, EVICT_ROWS, ADD_RMSNORM, BLOCK_ROW, X_scale, W8A8, PDL)
+    else:
+        _matmul_program(0, X, W, Scale, Y, Partials, Arrivals, Residual,
+                        Norm_weight, Normed, Residual_out, eps, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GEMV, HAS_SCALE, EVEN, SILU_MUL, EVICT_ROWS, ADD_RMSNORM,
+                        BLOCK_ROW, X_scale, W8A8, PDL)
+    if PREFETCH:
+        _prefetch_share(Prefetch, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
+
+
+@triton.jit
+def _matmul_program(columns_before, X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weight, Normed,
+                    Residual_out, eps, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, GEMV: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr,
+                    SILU_MUL: tl.constexpr, EVICT_ROWS: tl.constexpr, ADD_RMSNORM: tl.constexpr,
+                    BLOCK_ROW: tl.constexpr, X_scale, W8A8: tl.constexpr, PDL: tl.constexpr):
+    """The matmul's program: output columns ``program_id(0) - columns_before`` (the programs before run
+    something else), rows ``program_id(1)``, split ``program_id(2)``."""
+    pid_n = tl.program_id(0) - columns_before
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,7 +134,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
             # visible), so no second kernel is launched. It resets the count for the next call.
             tile_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
             tl.store(Partials + pid_k * M * N + tile_offs, acc, mask=tile_mask)
-            arrival = Arrivals + pid_m * tl.num_programs(0) + pid_n
+            arrival = Arrivals + pid_m * (tl.num_programs(0) - columns_before) + pid_n
             if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for split in tl.static_range(SPLIT_K):
@@ -99,13 +144,12 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                 _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
                 if ADD_RMSNORM:
                     _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N,
-                                           BLOCK_ROW)
+                                           BLOCK_ROW, columns_before)
         else:
             _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS_SCALE)
             if ADD_RMSNORM:
-                _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N, BLOCK_ROW)
-    if PREFETCH:
-        _prefetch_share(Prefetch, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
+                _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N, BLOCK_ROW,
+                                       columns_before)
 
 
 @triton.jit
@@ -128,26 +172,15 @@ def _prefetch_share(Prefetch, lines, first_prefetcher, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_tile_head(W, offs_n, n_mask, k_start, k_end, stride_wn, BLOCK_K: tl.constexpr):
-    """Asks L2 for the first two K blocks of weight rows ``offs_n`` (one request per 128-byte line)."""
-    ELEMS_PER_LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth
-    LINES: tl.constexpr = 2 * BLOCK_K // ELEMS_PER_LINE
-    cols = k_start + tl.arange(0, LINES) * ELEMS_PER_LINE
-    lines = W + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
-    lines = tl.where(n_mask[:, None] & (cols < k_end)[None, :], lines, W)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _add_rmsnorm_when_last(Y, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, N,
-                           BLOCK_ROW: tl.constexpr):
-    """For one row of output: the program that stores its last tile (counted on the counter after the tiles')
-    computes ``residual_out = y + residual`` and ``normed = rmsnorm(residual_out) * weight``, rounded as
+                           BLOCK_ROW: tl.constexpr, columns_before=0):
+    """For one row of output: the program that stores its last tile (counted on the counter after the tiles', the
+    grid's columns from ``columns_before`` on) computes ``residual_out = y + residual`` and ``normed = rmsnorm(residual_out) * weight``, rounded as
     ``fused_ops.add_rmsnorm`` rounds them, so the layer's next norm needs no kernel of its own."""
     tl.debug_barrier()  # every thread's part of the tile is stored before the count releases it
-    done = Arrivals + tl.num_programs(0)
-    if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+    tiles = tl.num_programs(0) - columns_before
+    done = Arrivals + tiles
+    if tl.atomic_add(done, 1, sem="acq_rel") == tiles - 1:
         cols = tl.arange(0, BLOCK_ROW)
         mask = cols < N
         weight = tl.load(Norm_weight + cols, mask=mask, other=0.0)
@@ -181,131 +214,6 @@ def _store_tile(Y, Scale, acc, offs_m, offs_n, n_mask, tile_mask, stride_ym, HAS
         acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=tile_mask)
-
-
-@triton.jit
-def _rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, stride_xm, stride_wn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        k_mask = (k + tl.arange(0, BLOCK_K)) < K
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if EVICT_FIRST:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(x, w, acc, BLOCK_K)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _dot(x, w, acc, BLOCK_K: tl.constexpr):
-    """``acc + x @ w.T`` (w widened to x's dtype). FP8 by FP8 adds each K step's tensor-core sums to the float32
-    ``acc`` on the CUDA cores: Hopper's FP8 sums keep ~14 bits otherwise (Triton's default on sm_90). On the H100 the
-    W8A8 tiles came within 0.07-0.12% of cuBLAS's precise sums over Llama-3.1-8B's projections instead of 0.23-0.24%,
-    and FP8 decode of 16 / 32 requests took 4.64 / 5.21 ms a step against 4.61 / 5.18 (docs/quantization.md)."""
-    if x.dtype.is_fp8():
-        return tl.dot(x, tl.trans(w.to(x.dtype)), acc, max_num_imprecise_acc=BLOCK_K)
-    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-
-
-@triton.jit
-def _gate_up_rows(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_end, K, N, stride_xm, stride_wn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    """``_rows`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of rows ``offs_m`` of x."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
-    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        k_mask = (k + tl.arange(0, BLOCK_K)) < K
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        if EVICT_FIRST:
-            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        else:
-            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        gate = _dot(x, w_gate, gate, BLOCK_K)
-        up = _dot(x, w_up, up, BLOCK_K)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    return gate, up
-
-
-@triton.jit
-def _row(X_row, W, offs_n, n_mask, k_start, k_end, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         EVEN: tl.constexpr, PDL: tl.constexpr):
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = X_row + offs_k
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    # The first weight block is read before waiting for the kernel before (kernels/pdl.py): the weight is not its.
-    w = _weight_tile(w_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
-    wait_for_previous(PDL)
-    acc = tl.sum(w * _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN)[None, :], axis=1)
-    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
-        acc += tl.sum(_weight_tile(w_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
-    allow_next(PDL)  # after the weight loop: an earlier go-ahead measured slower (docs/lab/benchmarks-history.md)
-    return acc
-
-
-@triton.jit
-def _gate_up_row(X_row, W, offs_n, n_mask, k_start, k_end, K, N, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """``_row`` for weight rows ``offs_n`` and ``N + offs_n`` at once: (gate, up) of one row of x."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = X_row + offs_k
-    gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + N.to(tl.int64) * stride_wn
-    w_gate = _weight_tile(gate_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
-    w_up = _weight_tile(up_ptrs, n_mask, k_start, K, BLOCK_K, EVEN)
-    wait_for_previous(PDL)
-    x = _x_slice(x_ptrs, k_start, K, BLOCK_K, EVEN)
-    gate = tl.sum(w_gate * x[None, :], axis=1)
-    up = tl.sum(w_up * x[None, :], axis=1)
-    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-        x = _x_slice(x_ptrs, k, K, BLOCK_K, EVEN)
-        gate += tl.sum(_weight_tile(gate_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
-        up += tl.sum(_weight_tile(up_ptrs, n_mask, k, K, BLOCK_K, EVEN) * x[None, :], axis=1)
-    allow_next(PDL)
-    return gate, up
-
-
-@triton.jit
-def _x_slice(x_ptrs, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """One K step of a GEMV's row of x, in float32 (unmasked where the tiles fit the shape exactly)."""
-    if EVEN:
-        x = tl.load(x_ptrs)
-    else:
-        x = tl.load(x_ptrs, mask=(k + tl.arange(0, BLOCK_K)) < K, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _weight_tile(w_ptrs, n_mask, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """One K step of a GEMV's weight tile, in float32. The weight is read once per step: evict_first keeps it
-    from pushing x and the partials out of L2."""
-    if EVEN:
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
-    else:
-        k_mask = (k + tl.arange(0, BLOCK_K)) < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-    return w.to(tl.float32)
 
 
 def fuses_silu_mul(config: SmallBatchConfig) -> bool:
@@ -383,7 +291,7 @@ SIXTEEN_BIT_CONFIGS = (
 def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                        config: SmallBatchConfig, silu_mul: bool = False,
                        add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                       prefetch: torch.Tensor | None = None) -> Any:
+                       prefetch: torch.Tensor | None = None, beside: GemvShrink | None = None) -> Any:
     """``x @ (weight * scale).T`` for few rows of ``x`` (16-bit, unit stride on K) and a ``weight`` [N, K] in
     16 bits or FP8, with ``scale`` None or float32 [N, 1]; the result has ``x``'s dtype. ``silu_mul``: the
     weight is ``[gate | up]`` (2N rows) and the result ``silu(gate) * up`` [M, N], in the same kernel (configs
@@ -393,7 +301,8 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     the row last.
     ``prefetch``: bytes (a uint8 tensor, see :func:`l2_prefetch_bytes`) the kernel's last programs ask L2 to
     fetch as they finish, for the kernel that runs next. A ``w8a8`` config quantizes ``x`` per token first
-    (:func:`fp8_ops.quantize_per_token`)."""
+    (:func:`fp8_ops.quantize_per_token`). ``beside``: a LoRA shrink of ``x`` (kernels/lora_gather.py) run by extra
+    programs placed first in this launch (16-bit configs, no epilogue)."""
     m, k = x.shape
     n = weight.shape[0]
     out_dtype = x.dtype
@@ -415,6 +324,9 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     split_k = config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split_k)
+    arrivals = _arrivals(x.device, grid[0] * grid[1] + 1)  # one counter per output tile, one for the rows' norm
+    lora = _beside_args(beside, x, config, silu_mul or add_rmsnorm is not None, grid)
+    grid = (grid[0] + lora["l_columns"], grid[1], grid[2])
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
     has_scale = scale is not None
     if add_rmsnorm is not None:
@@ -436,8 +348,7 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     lines = prefetch.numel() // 128 if prefetch is not None else 0
     first_prefetcher = max(programs - _prefetching_programs(x.device), 0) if lines else 0
     _small_batch_kernel[grid](
-        # One counter per output tile, and one after them for the rows' norm.
-        x, weight, scale if has_scale else weight, y, partials, _arrivals(x.device, grid[0] * grid[1] + 1),
+        x, weight, scale if has_scale else weight, y, partials, arrivals,
         residual, norm_weight, normed, residual_out, eps,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, GEMV=config.gemv,
@@ -450,10 +361,31 @@ def small_batch_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         first_prefetcher=first_prefetcher, PREFETCH=lines > 0,
         PREFETCH_BLOCK=min(256, triton.next_power_of_2(max(triton.cdiv(lines, programs - first_prefetcher), 1))),
         X_scale=x_scale if x_scale is not None else weight, W8A8=config.w8a8,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, launch_pdl=pdl, **lora,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y if add_rmsnorm is None else (normed, residual_out)
+
+
+def _beside_args(beside: GemvShrink | None, x: torch.Tensor, config: SmallBatchConfig, epilogue: bool,
+                 grid: tuple[int, int, int]) -> dict[str, Any]:
+    """The kernel's LoRA arguments: ``beside``'s shrink in ``l_columns`` extra programs ahead of each (row block,
+    split) of the matmul's grid, or the LORA=False placeholders."""
+    if beside is None:
+        return dict(La=x, Lids=x, Lscalings=x, Lranks=x, Lpartials=x, l_rank_dim=0, l_rows=0, l_proj_stride=0,
+                    l_stride_as=0, l_stride_ar=0, l_stride_ak=0, l_stride_hs=0, l_stride_hm=0, l_k_per_split=0,
+                    l_columns=0, l_programs=0, l_r_blocks=0, l_slices=0, LORA=False, L_BLOCK_R=1, L_BLOCK_K=1)
+    if config.w8a8 or epilogue:
+        raise ValueError(f"a LoRA shrink runs beside a 16-bit matmul without an epilogue, not {config}")
+    a, partials = beside.a, beside.partials
+    programs = beside.programs
+    return dict(La=a, Lids=beside.adapter_ids, Lscalings=beside.scalings, Lranks=beside.ranks, Lpartials=partials,
+                l_rank_dim=beside.rank_dim, l_rows=a.shape[1], l_proj_stride=beside.proj_stride,
+                l_stride_as=a.stride(0), l_stride_ar=a.stride(1), l_stride_ak=a.stride(2),
+                l_stride_hs=partials.stride(0), l_stride_hm=partials.stride(1), l_k_per_split=beside.k_per_split,
+                l_columns=triton.cdiv(programs, grid[1] * grid[2]), l_programs=programs,
+                l_r_blocks=triton.cdiv(a.shape[1], beside.block_r), l_slices=partials.shape[0], LORA=True,
+                L_BLOCK_R=beside.block_r, L_BLOCK_K=beside.block_k)
 
 
 _arrival_counts: dict[torch.device, torch.Tensor] = {}

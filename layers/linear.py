@@ -31,8 +31,10 @@ Per-request deltas: ``layer.add_output_delta(fn)`` adds ``fn(x, context)`` to th
 ``context`` being the step's :class:`~treadle.core.execution.batch_context.BatchContext` (a LoRA adapter is
 ``x @ A[adapter].T @ B[adapter].T`` per token; ``in_place=True``: ``fn(x, context, out)`` adds into the output
 itself); the fused decode paths step aside for a layer that has one, except that in-place deltas join the residual
-ahead of a fused add + RMSNorm the quant method says will run (``fuses_add_rmsnorm``). A layer without deltas
-pays one attribute check per call.
+ahead of a fused add + RMSNorm the quant method says will run (``fuses_add_rmsnorm``), and a delta that splits
+(``split=``: the LoRA shrink in the matmul's launch, its expand carrying SiLU·mul or add + RMSNorm) runs around the
+method's own kernel where it has one (``LinearMethod.apply_split``). A layer without deltas pays one attribute
+check per call.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from treadle.core.distributed.parallel import (
 )
 from treadle.core.loading.quantization import QuantizationConfig
 from treadle.layers import small_batch
-from treadle.layers.output_delta import DeltaFn, OutputDelta, add_deltas, merged_reads
+from treadle.layers.output_delta import DeltaFn, OutputDelta, SplitFn, add_deltas, apply_split, merged_reads
 from treadle.layers.linear_method import (  # noqa: F401  (re-exported)
     LinearMethod,
     UnquantizedLinearMethod,
@@ -113,17 +115,19 @@ class LinearBase(nn.Module):
         self.quant_method = quant_method_for(self, quant_config, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
-        return self.add_output_deltas(x, y) if self.output_deltas else y
+        if self.output_deltas:
+            return self._apply_with_deltas(x, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def add_output_delta(self, fn: DeltaFn, reads: BatchContextLayout | None = None, *,
-                         in_place: bool = False) -> Callable[[], None]:
+                         in_place: bool = False, split: SplitFn | None = None) -> Callable[[], None]:
         """Add ``fn(x, context)`` to this layer's output from now on (``x`` this rank's input, ``context`` the
         step's BatchContext or None; see :class:`OutputDelta`); with ``in_place``, ``fn(x, context, out)`` adds
         into the output ``out`` itself. Column-parallel layers add this rank's slice of the output; a row-parallel
         one adds this rank's partial sum, before the all-reduce. Register before the model runner captures CUDA
-        graphs. Returns a function that removes the delta again."""
-        delta = OutputDelta(fn, reads, in_place)
+        graphs. ``split``: the delta in two halves around the matmul's own kernel, where the quant method runs one
+        (see :class:`OutputDelta`). Returns a function that removes the delta again."""
+        delta = OutputDelta(fn, reads, in_place, split)
         self.output_deltas = self.output_deltas + (delta,)
 
         def remove() -> None:
@@ -139,6 +143,14 @@ class LinearBase(nn.Module):
     def add_output_deltas(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus every registered delta of ``x`` under the current batch context."""
         return add_deltas(self.output_deltas, x, y)
+
+    def _apply_with_deltas(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The matmul plus the deltas: split around the method's kernel where it can (no bias), else one after."""
+        if bias is None:
+            y = apply_split(self, x)
+            if y is not None:
+                return y
+        return self.add_output_deltas(x, self.quant_method.apply(self, x, bias))
 
     def _add_bias(self, rows: int, full_shards: list[tuple[str | None, tuple[int, ...]]], loader: Callable) -> None:
         if rows == 0:
@@ -168,9 +180,10 @@ class ColumnParallelLinear(LinearBase):
         self._add_bias(self.output_size_per_partition if bias else 0, [(None, (output_size,))], self.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
         if self.output_deltas:
-            y = self.add_output_deltas(x, y)
+            y = self._apply_with_deltas(x, self.bias)
+        else:
+            y = self.quant_method.apply(self, x, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str | None = None) -> None:
@@ -224,10 +237,11 @@ class MergedColumnParallelLinear(LinearBase):
         kernel where the quant method has one for this batch (one-token GEMVs on a GPU: a kernel launch less per
         layer); None: run the layer, then ``silu_mul``."""
         apply = getattr(self.quant_method, "apply_silu_mul", None)
-        # A layer with output deltas runs unfused: its matmul, the deltas, then silu_mul.
-        if apply is None or len(self.shard_ids) != 2 or self.bias is not None or self.output_deltas:
+        if apply is None or len(self.shard_ids) != 2 or self.bias is not None:
             return None
-        return apply(self, x)
+        # A layer with output deltas runs unfused (its matmul, the deltas, then silu_mul) unless its delta splits
+        # around the matmul's kernel: then the delta's second half runs SiLU·mul.
+        return apply_split(self, x, silu_mul=True) if self.output_deltas else apply(self, x)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -302,7 +316,8 @@ class RowParallelLinear(LinearBase):
         if apply is None or self.bias is not None:
             return None
         if self.output_deltas:
-            return self._add_rmsnorm_with_deltas(x, residual, norm, apply)
+            fused = apply_split(self, x, add_rmsnorm=(residual, norm.weight, norm.eps))
+            return fused if fused is not None else self._add_rmsnorm_with_deltas(x, residual, norm, apply)
         return apply(self, x, residual, norm.weight, norm.eps)
 
     def _add_rmsnorm_with_deltas(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
@@ -325,19 +340,14 @@ class RowParallelLinear(LinearBase):
         # Under tensor parallelism the peer all-reduce may run the add and the norm in its own pass.
         if not self.reduce_results or self.bias is not None or not hasattr(norm, "eps"):
             return None
-        y = self.quant_method.apply(self, x, None)
-        if self.output_deltas:
-            y = self.add_output_deltas(x, y)
+        y = self._apply_with_deltas(x, None) if self.output_deltas else self.quant_method.apply(self, x, None)
         fused = tp_all_reduce_add_rmsnorm(y, residual, norm.weight, norm.eps)
         return fused if fused is not None else norm(tp_all_reduce(y), residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            y = self.quant_method.apply(self, x, self.bias)
-            return self.add_output_deltas(x, y) if self.output_deltas else y
-        y = self.quant_method.apply(self, x, None)
-        if self.output_deltas:
-            y = self.add_output_deltas(x, y)
+            return LinearBase.forward(self, x)
+        y = self._apply_with_deltas(x, None) if self.output_deltas else self.quant_method.apply(self, x, None)
         if self.reduce_results:
             y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

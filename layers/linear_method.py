@@ -4,7 +4,7 @@ plain (unquantized) method. Quantized methods (``layers/fp8.py``) implement the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,16 @@ class LinearMethod(ABC):
         deltas adds them into the residual first, then lets the kernel add its output). False: not known."""
         return False
 
+    def apply_split(self, layer: "LinearBase", x: torch.Tensor, split: Callable[[], Any],
+                    silu_mul: bool = False, add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                    ) -> Any:
+        """What :meth:`apply` (``silu_mul``: :meth:`apply_silu_mul`; ``add_rmsnorm`` = ``(residual, norm_weight,
+        eps)``: :meth:`apply_add_rmsnorm`) returns for the unbiased ``layer``, plus its output delta split in two
+        (``layers/output_delta.py``'s ``SplitDelta``, from ``split()``; None from it: not this step): the delta's
+        ``beside`` run in this method's matmul launch, then its second half. None (the default, and wherever no such
+        kernel runs for ``x``): nothing ran, the layer adds its deltas apart."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain ``[out, in]`` weight in the model dtype and ``F.linear``; on a GPU, decode-sized batches of a 16-bit
@@ -91,6 +101,12 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def fuses_add_rmsnorm(self, layer: "LinearBase", x: torch.Tensor) -> bool:
         return small_batch.fuses_add_rmsnorm(layer.small_batch, x)
+
+    def apply_split(self, layer: "LinearBase", x: torch.Tensor, split: Callable[[], Any],
+                    silu_mul: bool = False, add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                    ) -> Any:
+        return small_batch.split_matmul(layer.small_batch, x, layer.weight, split, layer.l2_prefetch, silu_mul,
+                                        add_rmsnorm)
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:

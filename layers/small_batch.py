@@ -146,6 +146,32 @@ def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weigh
                               add_rmsnorm=(residual.contiguous(), norm_weight, eps), prefetch=prefetch)
 
 
+def split_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
+                 split: Callable[[], Any], prefetch: torch.Tensor | None = None, silu_mul: bool = False,
+                 add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
+    """``x @ weight.T`` (16-bit) through the Triton config ``kernels`` chose for M rows with a split output delta
+    (``split()``: a ``layers/output_delta.py`` ``SplitDelta``, its ``beside`` a LoRA shrink run by extra programs of
+    the matmul's launch), then the delta's second half: added (the result), or ``silu_mul`` / ``add_rmsnorm``'s
+    result; None where no config runs for ``x`` or ``split()`` gives None (nothing ran)."""
+    config = _config_for(kernels, x)
+    if config is None or config.w8a8:
+        return None
+    delta = split()
+    if delta is None:
+        return None
+    from treadle.kernels.small_batch import small_batch_matmul
+
+    y = small_batch_matmul(_unit_stride(x), weight, None, config, prefetch=prefetch, beside=delta.beside)
+    if silu_mul:
+        return delta.silu_mul(y)
+    if add_rmsnorm is not None:
+        # Where the one-token GEMV would have fused add + RMSNorm, the split rounds as that path did.
+        warps = config.num_warps if fuses_add_rmsnorm(kernels, x) else None
+        return delta.add_rmsnorm(y, *add_rmsnorm, gemv_warps=warps)
+    delta.add(y)
+    return y
+
+
 def fuses_add_rmsnorm(kernels: SmallBatchKernels | None, x: torch.Tensor) -> bool:
     """Whether :func:`add_rmsnorm_matmul` runs its kernel for ``x`` (rather than returning None)."""
     config = _config_for(kernels, x)

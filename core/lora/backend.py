@@ -24,6 +24,11 @@ in every layer; ``order`` may be None (a smaller batch, or a step whose context 
 ``wants_dense_b`` is true gets :attr:`StackedLoRA.dense_b` too (a second copy of ``b``, transposed and scaled, kept
 current by whoever loads the slots), for a form that multiplies every slot's ``B`` in one library GEMM.
 
+A backend may also offer :meth:`LoRABackend.split_delta`: the delta in two halves around the layer's own matmul
+kernel, the first (the shrink) run in the matmul's launch, the second (the expand) carrying the layer's epilogue
+(SiLU·mul, add + RMSNorm), where the layer's linear method runs such a kernel (the ``triton`` backend's, with the
+small-batch matmul at decode sizes: two launches a layer). None, the default: the engine calls ``add_delta``.
+
 All of them must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
 same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic within the dtype's
 rounding.
@@ -34,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,3 +120,11 @@ class LoRABackend(ABC):
         for p, (start, end) in enumerate(weights.segments):
             a, b, scalings, ranks = weights.projection(p)
             self.expand(self.shrink(x, a, adapter_ids, scalings, ranks), b, adapter_ids, ranks, out[:, start:end])
+
+    def split_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor) -> Any:
+        """:meth:`add_delta`'s change in two halves around the layer's matmul kernel (a ``SplitDelta``,
+        layers/output_delta.py: ``beside``, what the linear method's kernel runs in its own launch, then ``add``,
+        ``silu_mul`` or ``add_rmsnorm`` after it), or None (the default): the engine calls :meth:`add_delta`.
+        Asked only where the layer's method can run such a kernel for ``x``; the halves must give what
+        :meth:`add_delta` (then SiLU·mul, or add + RMSNorm) gives."""
+        return None

@@ -101,7 +101,7 @@ class LayerSlots:
             self.projections.append(ProjectionSlots(name, a, b, scalings, ranks, in_start, out_start, out_offset,
                                                     dense_b))
         reads = dataclasses.replace(READS, adapter_order_above=backend.adapter_order_above)
-        self.remove = layer.add_output_delta(self.delta, reads, in_place=True)
+        self.remove = layer.add_output_delta(self.delta, reads, in_place=True, split=self.split)
 
     def delta(self, x: torch.Tensor, context: BatchContext | None, out: torch.Tensor) -> None:
         """Add each token's adapter change of this layer's output into ``out`` (nothing when no token of this step
@@ -112,6 +112,14 @@ class LayerSlots:
             self.backend.add_delta(x, self.weights, context.adapter_ids, out, order=context.adapter_order)
             return
         self.backend.add_delta(x, self.weights, context.adapter_ids, out)
+
+    def split(self, x: torch.Tensor, context: BatchContext | None) -> Any:
+        """The delta in two halves around the layer's matmul kernel (the backend's ``split_delta``), or None:
+        :meth:`delta` runs (it adds nothing when no token of this step has an adapter)."""
+        if context is None or context.adapter_ids is None:
+            return None
+        split_delta = getattr(self.backend, "split_delta", None)  # a backend written before it: none
+        return None if split_delta is None else split_delta(x, self.weights, context.adapter_ids)
 
 
 def model_projections(model: nn.Module) -> Iterator[tuple[nn.Module, list[tuple[str, Any]]]]:

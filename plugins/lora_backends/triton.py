@@ -36,6 +36,7 @@ class TritonLoRABackend(LoRABackend):
         self._kernels = _import_kernels()
         # add_delta's forms, tiles and PDL hand-over (kernels/lora_choice.py), TREADLE_LORA_KERNELS read when built
         self.kernel_choice = self._kernels.choice_from_env()
+        self._split_kernels: Any = None
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
                ranks: torch.Tensor) -> torch.Tensor:
@@ -57,9 +58,7 @@ class TritonLoRABackend(LoRABackend):
 
     def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor,
                   order: torch.Tensor | None = None) -> None:
-        choice = self.kernel_choice
-        if (weights.dense_b is not None and choice.dense_above < x.shape[0] <= choice.dense_max_tokens
-                and weights.a.shape[0] * weights.rank_dim <= choice.dense_max_stack):
+        if self._dense(x, weights):
             self._kernels.add_delta_dense(x, weights.a, weights.dense_b, adapter_ids, weights.segments, out)
             return
         if len(weights.segments) > self._kernels.MAX_PROJECTIONS:  # no such layer among the model families
@@ -67,6 +66,26 @@ class TritonLoRABackend(LoRABackend):
             return
         self._kernels.add_delta(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
                                 weights.segments, out, self.kernel_choice, order)
+
+    def split_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor) -> Any:
+        """Where ``add_delta`` runs the gather form (decode sizes) and ``fuse_gemv`` is on: the gather shrink for the
+        small-batch matmul's launch and an expand that carries the layer's epilogue (kernels/lora_fused.py)."""
+        if self._split_kernels is None:  # imported at the first split, as the other kernels when the backend is built
+            from treadle.kernels import lora_fused
+
+            self._split_kernels = lora_fused
+        choice = self.kernel_choice
+        if self._dense(x, weights) or not self._split_kernels.splits(x.shape[0], weights.a.shape[1], x.shape[1],
+                                                                    len(weights.segments), choice):
+            return None
+        return self._split_kernels.split_lora(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
+                                              weights.segments, choice)
+
+    def _dense(self, x: torch.Tensor, weights: StackedLoRA) -> bool:
+        """Whether this batch takes the dense form (kernels/lora_dense.py)."""
+        choice = self.kernel_choice
+        return (weights.dense_b is not None and choice.dense_above < x.shape[0] <= choice.dense_max_tokens
+                and weights.a.shape[0] * weights.rank_dim <= choice.dense_max_stack)
 
 
 def _interpreting() -> bool:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from treadle.bench.lora import format_engine_table, format_kernel_table, format_sweep_table
+from treadle.bench.lora_gemv import format_gemv_table
 from treadle.bench.lora_engine import TARGET_MODULES, write_adapters
 from treadle.bench.shapes import TINY
 
@@ -58,3 +59,13 @@ def test_sweep_table_compares_each_choice_with_the_default_of_its_case() -> None
     row = lines[3]
     assert "shrink_tile=16384" in row and row.endswith("1.080     -0.100")
     assert lines[-1].split() == ["bs=1,", "1", "adapter", "shrink_tile=16384", "1.080"]
+
+
+def test_gemv_table_puts_the_unfused_and_split_ratios_side_by_side() -> None:
+    rows = [{"case": "bs=1, 1 adapter", "base_ms": 4.0, "unfused_ms": 4.6, "unfused_ratio": 1.15, "split_ms": 4.3,
+             "split_ratio": 1.075, "split_all_ms": 4.2, "split_all_ratio": 1.05,
+             "small_batch": {"16-bit 6144 x 4096": "1 row: triton 4/2048/8/4 gemv"}}]
+    lines = format_gemv_table(rows).splitlines()
+    assert lines[1].split()[3:] == ["unfused", "ms", "ratio", "split", "ms", "ratio", "split_all", "ms", "ratio"]
+    assert lines[2].split()[-7:] == ["4.000", "4.600", "1.150", "4.300", "1.075", "4.200", "1.050"]
+    assert lines[3].strip() == "16-bit 6144 x 4096: 1 row: triton 4/2048/8/4 gemv"

@@ -184,3 +184,77 @@ def test_the_triton_decode_kernels_step_aside_for_the_deltas(tmp_path):
         # float16 logits: within a few of their last bits, a hundredth of what an adapter changes.
         assert results[row]["error"] < 0.02
     assert min(results["1"]["adapter_effect"], results["3"]["adapter_effect"]) > 1.0
+
+
+class SplitsMethod(UnquantizedLinearMethod):
+    """Runs a split delta's halves around ``F.linear`` (as the small-batch kernel runs them around its matmul) for
+    inputs of up to 2 rows; counts what it ran."""
+
+    def __init__(self, calls: Counter) -> None:
+        self.calls = calls
+
+    def apply_split(self, layer, x, split, silu_mul=False, add_rmsnorm=None):
+        delta = split() if x.shape[0] <= 2 else None
+        if delta is None:
+            return None
+        self.calls["beside"] += delta.beside
+        y = F.linear(x, layer.weight)
+        if silu_mul:
+            return delta.silu_mul(y)
+        if add_rmsnorm is not None:
+            return delta.add_rmsnorm(y, *add_rmsnorm)
+        delta.add(y)
+        return y
+
+
+class HalvesOfADelta:
+    """A SplitDelta adding ``change`` to the layer's output."""
+
+    beside = 1
+
+    def __init__(self, change: torch.Tensor) -> None:
+        self.change = change
+
+    def add(self, out):
+        out.add_(self.change)
+
+    def silu_mul(self, gate_up):
+        return silu_mul(gate_up + self.change)
+
+    def add_rmsnorm(self, y, residual, norm_weight, eps, gemv_warps=None):
+        summed = y + self.change + residual
+        return rmsnorm_reference(summed, norm_weight, eps), summed
+
+
+def test_a_split_delta_runs_around_the_methods_matmul_or_apart():
+    """A layer whose one delta splits hands it to its method's ``apply_split`` (plain, SiLU·mul, add + RMSNorm); where
+    the method runs nothing (here: 3 rows) the in-place delta runs apart, with the same result."""
+    from treadle.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from treadle.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    calls = Counter()
+    gate_up, down, norm = MergedColumnParallelLinear(16, {"gate": 8, "up": 8}), RowParallelLinear(8, 16), RMSNorm(16)
+    for layer in (gate_up, down):
+        layer.weight.data.normal_()
+        change = torch.randn(layer.weight.shape[0])
+        layer.add_output_delta(lambda x, context, out, change=change: out.add_(change), in_place=True,
+                               split=lambda x, context, change=change: HalvesOfADelta(change))
+        layer.quant_method = SplitsMethod(calls)
+    for rows in (2, 3):
+        x, residual = torch.randn(rows, 16), torch.randn(rows, 16)
+        gate_up_out = F.linear(x, gate_up.weight) + gate_up.output_deltas[0].split(x, None).change
+        torch.testing.assert_close(gate_up(x), gate_up_out)
+        activated = gate_up.forward_silu_mul(x)
+        assert (activated is not None) == (rows == 2)
+        if activated is None:
+            activated = silu_mul(gate_up(x))
+        torch.testing.assert_close(activated, silu_mul(gate_up_out))
+        summed = F.linear(activated, down.weight) + down.output_deltas[0].split(x, None).change + residual
+        fused = down.forward_add_rmsnorm(activated, residual, norm)
+        assert (fused is not None) == (rows == 2)
+        if fused is None:
+            fused = norm(down(activated), residual)
+        torch.testing.assert_close(fused[1], summed)
+        torch.testing.assert_close(fused[0], rmsnorm_reference(summed, norm.weight, norm.eps))
+    assert calls["beside"] == 3  # rows=2: gate_up's forward, its SiLU·mul, down's add + RMSNorm

@@ -206,7 +206,7 @@ def _model_kernels() -> dict:
 
 
 def _lora_kernels() -> dict:
-    from treadle.kernels import lora, lora_dense, lora_sorted, lora_tiles
+    from treadle.kernels import lora, lora_dense, lora_fused, lora_sorted, lora_tiles
 
     shrink = {"X": "*bf16", "A": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "H": "*bf16"}
     expand = {"H": "*bf16", "B": "*bf16", "Ids": "*i64", "Scalings": "*fp32", "Ranks": "*i32", "Out": "*bf16"}
@@ -251,6 +251,18 @@ def _lora_kernels() -> dict:
         "lora_expand_sorted": lambda: _compile(
             lora_sorted._expand_sorted_kernel, {**summed, "Order": "*i64"}, set(),
             dict(GROUP=4, BLOCK_M=64, BLOCK_N=128, BLOCK_R=16, SPLIT=16, IEEE=False)),
+        # kernels/lora_fused.py: a layer's LoRA in two launches (the shrink in the small-batch matmul's launch)
+        "small_batch[bf16,gemv,lora_shrink,pdl]": _small_batch("*bf16", BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, SPLIT_K=1,
+                                                              GEMV=True, HAS_SCALE=False, EVEN=True, PDL=True,
+                                                              LORA=True, L_BLOCK_R=4, L_BLOCK_K=512),
+        "lora_expand_silu_mul[pdl]": lambda: _check_pdl(True, _compile(
+            lora_fused._expand_silu_mul_kernel, {**summed, "Gate_up": "*bf16"}, set(),
+            dict(BLOCK_N=64, BLOCK_R=16, SPLIT=8, PDL=True, GO_AHEAD=True))),
+        "lora_expand_add_rmsnorm[pdl]": lambda: _check_pdl(True, _compile(
+            lora_fused._expand_add_rmsnorm_kernel,
+            {**summed, "Y": "*bf16", "Residual": "*bf16", "Norm_weight": "*bf16", "Normed": "*bf16",
+             "Residual_out": "*bf16", "Counts": "*i32"}, {"eps"},
+            dict(BLOCK_N=64, BLOCK_R=16, SPLIT=8, BLOCK_ROW=4096, RESIDUAL_FIRST=True, PDL=True, GO_AHEAD=True))),
         "lora_dense_mask": lambda: _compile(  # q/k/v at rank 16: 48 rows a slot
             lora_dense._keep_own_slot, {"every_ptr": "*bf16", "ids_ptr": "*i64", "masked_ptr": "*bf16"}, set(),
             dict(SLOTS=32, RANK=16, PARTS=3, BLOCK_TOKENS=64, BLOCK_RANK=16)),
@@ -290,15 +302,16 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
     from treadle.kernels import small_batch as small_batch_kernels
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
-                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "PDL": False,
-                  **constexprs}
+                  "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "PDL": False, "LORA": False,
+                  "L_BLOCK_R": 1, "L_BLOCK_K": 1, **constexprs}
 
     def check() -> None:
         compiled = _compile(small_batch_kernels._small_batch_kernel,
                             {"X": "*fp8e4nv" if constexprs["W8A8"] else "*bf16", "W": weight_type, "Scale": "*fp32",
                              "Y": "*bf16", "Partials": "*fp32", "Arrivals": "*i32", "Residual": "*bf16",
                              "Norm_weight": "*bf16", "Normed": "*bf16", "Residual_out": "*bf16", "Prefetch": "*u8",
-                             "X_scale": "*fp32"}, {"eps"}, constexprs)
+                             "X_scale": "*fp32", "La": "*bf16", "Lids": "*i64", "Lscalings": "*fp32",
+                             "Lranks": "*i32", "Lpartials": "*fp32"}, {"eps"}, constexprs)
         assert expect_in_ptx is None or expect_in_ptx in compiled.asm["ptx"], f"no {expect_in_ptx} in the PTX"
         _check_pdl(constexprs["PDL"], compiled)
 
@@ -325,7 +338,9 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
            "lora_expand_gather[pdl]", "lora_expand_gather[split-k,go-ahead]", "lora_expand_grouped",
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
-           "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted", "lora_dense_mask"]
+           "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
+           "small_batch[bf16,gemv,lora_shrink,pdl]", "lora_expand_silu_mul[pdl]", "lora_expand_add_rmsnorm[pdl]",
+           "lora_dense_mask"]
 
 
 def _compile_all() -> dict[str, str | None]:
