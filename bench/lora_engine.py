@@ -141,8 +141,10 @@ def _measure(overrides: dict[str, Any], workload: Workload, names: dict[str, lis
     try:
         lora = (lambda key: {"lora_path": names[key]}) if names else (lambda key: {})
         requests = workload.requests
-        warmup = 8
-        _generate(engine, [r.input_ids for r in requests[:warmup]], [8] * warmup,
+        # Warm-up: enough prompts for several prefill chunks of every size class (the kernels that prefill chunks
+        # past the piecewise graphs' sizes run are compiled here, not inside the timed run) and decode up to 64.
+        warmup = 64
+        _generate(engine, [r.input_ids for r in requests[:warmup]], [16] * warmup,
                   **({"lora_path": names["offline"][:warmup]} if names else {}))
         engine.flush_cache()
         seconds = _generate(engine, [r.input_ids for r in requests], [r.output_len for r in requests],

@@ -268,7 +268,7 @@ def _expand_gather_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim,
         tl.store(where, (current.to(tl.float32) + delta).to(current.dtype), mask=n_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every batch size
 def _shrink_segmented_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
                              stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm,
                              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -307,7 +307,7 @@ def _shrink_segmented_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_featu
         tl.store(h_tile, result.to(H.dtype.element_ty), mask=mine[:, None] & in_rows[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every batch size
 def _expand_grouped_kernel(H, B, Ids, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
                            stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
                            s0, e0, s1, e1, s2, e2, first1, first2,

@@ -70,7 +70,7 @@ def _equal_width_runs(segments: tuple[tuple[int, int], ...]) -> list[tuple[int, 
     return runs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every batch size
 def _keep_own_slot(every_ptr, ids_ptr, masked_ptr, num_tokens, SLOTS: tl.constexpr, RANK: tl.constexpr,
                    PARTS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_RANK: tl.constexpr):
     """Program (block of tokens, slot): the slot's ``PARTS * RANK`` columns of ``every`` [T, SLOTS * PARTS * RANK]

@@ -83,7 +83,7 @@ def _sorted_split(num_tokens: int, rows: int, in_features: int, block_m: int, bl
     return triton.cdiv(in_features, k_per_split), k_per_split
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every batch size
 def _shrink_sorted_kernel(X, A, Ids, Order, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -121,7 +121,7 @@ def _shrink_sorted_kernel(X, A, Ids, Order, Ranks, H, num_tokens, in_features, r
         remaining = remaining & (ids != slot)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every batch size
 def _expand_sorted_kernel(H, B, Ids, Order, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
                           stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
                           s0, e0, s1, e1, s2, e2, first1, first2,

@@ -96,7 +96,7 @@ def expand_segmented(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Te
                                    SORTED=order is not None, IEEE=ieee_dot(out), num_warps=4, num_stages=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compile for every batch size
 def _expand_segmented_kernel(H, B, Ids, Order, Scalings, Ranks, Out, num_tokens, rank_dim, proj_stride,
                              stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br, stride_om, stride_on,
                              s0, e0, s1, e1, s2, e2, first1, first2,
