@@ -157,7 +157,9 @@ def split_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: tor
     runs for ``x`` (cuBLAS), the delta's ``apart`` runs the first half in its own launch after the matmul. None
     where neither can run or ``split()`` gives None (nothing ran)."""
     config = _config_for(kernels, x)
-    if config is None and (library is None or x.dim() != 2 or not x.shape[0]) or config is not None and config.w8a8:
+    if config is not None and config.w8a8:
+        return None
+    if config is None and (library is None or x.dim() != 2 or not x.shape[0]):  # no matmul to split around
         return None
     delta = split()
     if delta is None:
