@@ -147,8 +147,9 @@ def test_split_equals_the_unfused_path_in_cuda_graphs(layer, tokens):
     for config in _configs(tokens):
         apart = config is None or _split_lora(case).beside is None  # then the same shrink kernel as today's
         graphs = {"split": _graphed(lambda: _split(layer, case, config)),
-                  "same_warps": _graphed(lambda: _unfused(layer, case, config, config.num_warps)),
                   "today": _graphed(lambda: _unfused(layer, case, config, None))}
+        if not apart:  # the shrink in the matmul's launch reduces over its warps
+            graphs["same_warps"] = _graphed(lambda: _unfused(layer, case, config, config.num_warps))
         gen = torch.Generator().manual_seed(7)
         for replay in range(3):  # other adapters each replay: one slot for all, then mixed with tokens of none
             ids = torch.full((tokens,), 2) if replay == 0 else torch.randint(-1, SLOTS, (tokens,), generator=gen)
@@ -156,8 +157,9 @@ def test_split_equals_the_unfused_path_in_cuda_graphs(layer, tokens):
             for graph, _ in graphs.values():
                 graph.replay()
             torch.cuda.synchronize()
-            split, same, today = (graphs[name][1] for name in ("split", "same_warps", "today"))
-            assert torch.equal(split, today if apart else same), (layer, tokens, str(config), replay)
+            split, today = graphs["split"][1], graphs["today"][1]
+            assert torch.equal(split, graphs["today" if apart else "same_warps"][1]), (layer, tokens, str(config),
+                                                                                       replay)
             torch.testing.assert_close(split.float(), today.float(), atol=2e-2, rtol=2e-2)
 
 
