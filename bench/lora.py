@@ -16,7 +16,7 @@ base model, in one run.
 - ``gemv`` (bench/lora_gemv.py): the 32 layers through the engine's own layers and small-batch kernels (the Triton
   GEMVs and tiles chosen by timing, their SiLU·mul and add + RMSNorm epilogues), base against a rank-``rank``
   adapter on all seven projections unfused (``fuse_gemv=0``) and split around the matmul (kernels/lora_fused.py), at
-  bs=1 with one adapter and bs=32 with 32. Not part of ``all``.
+  bs=1 with one adapter and bs=32 with 32, then bs=32 with every layer on cuBLAS. Not part of ``all``.
 - ``engine`` (bench/lora_engine.py): ``load_format: dummy`` weights of the shape (``--shape``), 32 random PEFT
   adapters written to a temporary folder (``--adapters-dir`` keeps them), then the base model alone and the model
   with the adapters: the offline workload (``treadle bench offline``'s 1000-request ``random`` one: inputs

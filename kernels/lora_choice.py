@@ -32,10 +32,12 @@ wins at 256 (1.44x against the sorted form's 1.60x) and loses again at 1024 (1.2
 prefill (1.24x against 1.15x), where the sorted form's tensor-core tiles read each adapter once per block: so it runs
 up to ``dense_max_tokens`` = 512 (a decode batch of every running request), the crossover interpolated at ~680.
 
-``fuse_gemv`` (on by default): where a layer's matmul is the small-batch Triton kernel and the batch takes the gather
-form, the shrink runs in extra programs of the matmul's launch and the expand carries the layer's epilogue
-(kernels/lora_fused.py): two launches a layer where the gather form alone runs three or four. ``fuse_gemv=0`` is the
-unfused path, for A/B runs (``treadle bench lora --part gemv`` times both; ``--engine-kernels fuse_gemv=0``).
+``fuse_gemv`` (on by default): where the batch takes the gather form, the expand carries the layer's epilogue
+(kernels/lora_fused.py) and, where the layer's matmul is the small-batch Triton kernel, the shrink runs in extra
+programs of its launch: two launches a layer where the gather form alone runs three or four; beside a cuBLAS matmul
+the shrink runs in its own launch (three a layer, the ``silu_mul`` and add + RMSNorm kernels gone).
+``fuse_gemv=0`` is the unfused path, for A/B runs (``treadle bench lora --part gemv`` times both;
+``--engine-kernels fuse_gemv=0``).
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ class LoRAKernelChoice:
     ``dense_above``: batches of more tokens take the dense form (library GEMMs over every slot) where the slots'
     stack ``slots * max_rank`` is at most ``dense_max_stack`` (a larger stack never takes it, and its layers keep no
     dense copy of ``B``), up to ``dense_max_tokens`` tokens (larger batches, long prefill chunks, sort);
-    ``fuse_gemv`` (1/0): where a layer's matmul is the small-batch Triton kernel, the gather shrink runs in its launch
-    and the expand carries the layer's epilogue (kernels/lora_fused.py: two launches a layer), or apart;
-    ``fuse_tile``: the largest gather-shrink tile (elements of ``a`` a program loads at once) that runs in a matmul's
-    launch: its registers are the launch's (bs=32's ``[1, 16384]`` tiles of ``down_proj`` would spill a 4-warp
-    matmul tile's), larger ones run apart."""
+    ``fuse_gemv`` (1/0): the gather form split around the layer's matmul: the expand carries the layer's epilogue
+    and the shrink runs in the small-batch Triton kernel's launch (kernels/lora_fused.py: two launches a layer) or,
+    beside cuBLAS, in its own; or the unfused path; ``fuse_tile``: the largest gather-shrink tile (elements of ``a``
+    a program loads at once) that runs in a matmul's launch: its registers are the launch's (bs=32's ``[1, 16384]``
+    tiles of ``down_proj`` would spill a 4-warp matmul tile's), larger ones run in their own launch (the expand
+    still carrying the epilogue)."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192

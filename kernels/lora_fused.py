@@ -1,10 +1,11 @@
-"""A linear layer's LoRA delta in two launches at decode sizes, around treadle's small-batch matmul: the shrink runs
-in extra programs of the matmul's own launch (kernels/small_batch.py, ``beside``), and the expand carries the
-layer's epilogue.
+"""A linear layer's LoRA delta at decode sizes split around the layer's matmul: the shrink runs in extra programs of
+treadle's small-batch matmul's own launch (kernels/small_batch.py, ``beside``) or, beside a library matmul (cuBLAS)
+or where its tile is too large for a matmul's launch, in a launch of its own (:meth:`SplitLoRA.apart`); either way
+the expand carries the layer's epilogue.
 
 :func:`split_lora` builds the job (a :class:`SplitLoRA`) from a layer's stacked adapters; the layer's matmul runs
-its :attr:`SplitLoRA.beside` (the gather shrink of kernels/lora.py, the same tiles and float32 partial sums), then
-one of:
+its :attr:`SplitLoRA.beside` (the gather shrink of kernels/lora.py, the same tiles and float32 partial sums), or
+the matmul runs alone and :meth:`SplitLoRA.apart` runs the shrink kernel itself, then one of:
 
 - :meth:`SplitLoRA.add`: the plain gather expand into the output (``qkv_proj``; any layer);
 - :meth:`SplitLoRA.silu_mul`: for a ``[gate | up]`` output, gate's and up's deltas added and ``silu(gate) * up``
@@ -16,8 +17,9 @@ one of:
   ``fused.add_rmsnorm``'s kernel.
 
 So a decoder layer with all seven projections adapted runs 8 launches at one token (4 matmuls with their shrinks,
-4 expands with their epilogues) where the unfused path runs 13 (4 matmuls, 4 shrinks, 4 expands, the ``silu_mul``).
-Every kernel launches with PDL like the gather kernels (kernels/pdl.py).
+4 expands with their epilogues) where the unfused path runs 13 (4 matmuls, 4 shrinks, 4 expands, the ``silu_mul``);
+on library matmuls 12 where the unfused path runs 15 at 32 tokens (the ``silu_mul`` and both add + RMSNorm kernels
+gone). Every kernel launches with PDL like the gather kernels (kernels/pdl.py).
 
 Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 """
@@ -32,7 +34,7 @@ import triton.language as tl
 
 from treadle.kernels.fused import rmsnorm_row, rounded_add
 from treadle.kernels.lora import (GATHER_MAX_TOKENS, _expand, _gather_expand_columns, _gather_shrink_blocks,
-                                  _gather_warps, token_b_block)
+                                  _gather_warps, _shrink, token_b_block)
 from treadle.kernels.lora_choice import LoRAKernelChoice
 from treadle.kernels.lora_gather import GemvShrink
 from treadle.kernels.lora_tiles import MAX_PROJECTIONS, load_h, projection_stride
@@ -41,14 +43,11 @@ from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals
 
 
-def splits(num_tokens: int, rows: int, in_features: int, projections: int, choice: LoRAKernelChoice) -> bool:
-    """Whether ``add_delta`` would run the gather form for this batch (the form :class:`SplitLoRA` splits; ``rows``
-    stacked rank rows of ``in_features``), and the choice lets it run split: ``fuse_gemv``, and a shrink tile of at
-    most ``fuse_tile`` elements (the matmul's launch holds it in registers beside its own)."""
-    if not choice.fuse_gemv or not 0 < num_tokens <= min(GATHER_MAX_TOKENS, choice.sort_above):
-        return False
-    block_r, block_k = _gather_shrink_blocks(num_tokens, rows, in_features, True, choice)[:2]
-    return projections <= MAX_PROJECTIONS and block_r * block_k <= choice.fuse_tile
+def splits(num_tokens: int, projections: int, choice: LoRAKernelChoice) -> bool:
+    """Whether ``add_delta`` would run the gather form for this batch (the form :class:`SplitLoRA` splits) and the
+    choice lets it run split (``fuse_gemv``)."""
+    return bool(choice.fuse_gemv) and 0 < num_tokens <= min(GATHER_MAX_TOKENS, choice.sort_above) and \
+        projections <= MAX_PROJECTIONS
 
 
 def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,
@@ -58,23 +57,38 @@ def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: t
     num_tokens, rows = x.shape[0], a.shape[1]
     block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)
     partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
-    beside = GemvShrink(a, adapter_ids, scalings, ranks, partials, b.shape[2], projection_stride(scalings), block_r,
+    shrink = GemvShrink(a, adapter_ids, scalings, ranks, partials, b.shape[2], projection_stride(scalings), block_r,
                         block_k, k_per_split)
-    return SplitLoRA(beside, b, segments, choice)
+    return SplitLoRA(shrink, b, segments, choice)
 
 
 @dataclass(frozen=True)
 class SplitLoRA:
-    """The second half of a layer's delta, after its matmul ran :attr:`beside` (module docstring)."""
+    """A layer's delta around its matmul: the :attr:`shrink`, run by the matmul's launch (:attr:`beside`) or apart
+    (:meth:`apart`), then the expand with the layer's epilogue (module docstring)."""
 
-    beside: GemvShrink
+    shrink: GemvShrink
     b: torch.Tensor
     segments: tuple[tuple[int, int], ...]
     choice: LoRAKernelChoice
 
+    @property
+    def beside(self) -> GemvShrink | None:
+        """The shrink for a small-batch matmul's launch; None where its tile is larger than ``fuse_tile`` (it would
+        take the launch's registers: the matmul runs alone and :meth:`apart` runs the shrink)."""
+        shrink = self.shrink
+        return shrink if shrink.block_r * shrink.block_k <= self.choice.fuse_tile else None
+
+    def apart(self, x: torch.Tensor) -> None:
+        """The shrink of ``x`` in a launch of its own (the unfused path's shrink kernel, the same partial sums), for
+        a matmul that does not run :attr:`beside`: the library's, or a tile too large for the matmul's launch."""
+        shrink = self.shrink
+        _shrink(x, shrink.a, shrink.adapter_ids, shrink.scalings, shrink.ranks, shrink.rank_dim, shrink.partials,
+                False, self.choice)
+
     def add(self, out: torch.Tensor) -> None:
         """``out`` (the layer's output) plus every projection's delta, in place."""
-        shrink = self.beside
+        shrink = self.shrink
         _expand(shrink.partials, shrink.scalings, self.b, shrink.adapter_ids, shrink.ranks, self.segments, out,
                 self.choice)
 
@@ -84,7 +98,7 @@ class SplitLoRA:
         half = g1 - g0
         if len(self.segments) != 2 or g0 != 0 or u0 != half or u1 != 2 * half or gate_up.shape[1] != 2 * half:
             raise ValueError(f"silu_mul needs a [gate | up] layer of two equal halves, not segments {self.segments}")
-        shrink, num_tokens = self.beside, gate_up.shape[0]
+        shrink, num_tokens = self.shrink, gate_up.shape[0]
         out = torch.empty((num_tokens, half), dtype=gate_up.dtype, device=gate_up.device)
         block_r, block_n = self._expand_tile(2 * half, half)
         pdl = pdl_enabled(out.device)
@@ -112,7 +126,7 @@ class SplitLoRA:
         _expand_add_rmsnorm_kernel[(num_tokens, blocks)](
             *self._expand_args(), y, residual, norm_weight, normed, residual_out, _arrivals(y.device, num_tokens), eps,
             width, blocks, y.stride(0), residual.stride(0), BLOCK_N=block_n, BLOCK_R=block_r,
-            SPLIT=self.beside.partials.shape[0], BLOCK_ROW=block_row, RESIDUAL_FIRST=gemv_warps is not None,
+            SPLIT=self.shrink.partials.shape[0], BLOCK_ROW=block_row, RESIDUAL_FIRST=gemv_warps is not None,
             PDL=pdl, GO_AHEAD=pdl and bool(self.choice.go_ahead), launch_pdl=pdl,
             # the norm's sum reduces over these warps: as the kernel this one stands in for
             num_warps=gemv_warps if gemv_warps is not None else min(16, max(1, block_row // 256)))
@@ -120,12 +134,12 @@ class SplitLoRA:
 
     def _expand_tile(self, columns: int, widest: int) -> tuple[int, int]:
         """``(BLOCK_R, BLOCK_N)``: the gather expand's tile for this layer (so each column's sum is the same)."""
-        num_tokens, rank_dim = self.beside.partials.shape[1], self.b.shape[2]
+        num_tokens, rank_dim = self.shrink.partials.shape[1], self.b.shape[2]
         block_r = max(2, triton.next_power_of_2(rank_dim))
         return block_r, _gather_expand_columns(num_tokens, columns, widest, block_r, self.choice)
 
     def _expand_args(self) -> tuple:
-        shrink, b = self.beside, self.b
+        shrink, b = self.shrink, self.b
         h = shrink.partials
         return (h, b, shrink.adapter_ids, shrink.scalings, shrink.ranks, shrink.rank_dim,
                 projection_stride(shrink.ranks), h.stride(0), h.stride(1), h.stride(2), b.stride(0), b.stride(1),

@@ -32,8 +32,8 @@ Per-request deltas: ``layer.add_output_delta(fn)`` adds ``fn(x, context)`` to th
 ``x @ A[adapter].T @ B[adapter].T`` per token; ``in_place=True``: ``fn(x, context, out)`` adds into the output
 itself); the fused decode paths step aside for a layer that has one, except that in-place deltas join the residual
 ahead of a fused add + RMSNorm the quant method says will run (``fuses_add_rmsnorm``), and a delta that splits
-(``split=``: the LoRA shrink in the matmul's launch, its expand carrying SiLU·mul or add + RMSNorm) runs around the
-method's own kernel where it has one (``LinearMethod.apply_split``). A layer without deltas pays one attribute
+(``split=``: the LoRA shrink in the matmul's launch or apart, its expand carrying SiLU·mul or add + RMSNorm) runs
+around the method's matmul where it can (``LinearMethod.apply_split``). A layer without deltas pays one attribute
 check per call.
 """
 

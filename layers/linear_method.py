@@ -57,8 +57,9 @@ class LinearMethod(ABC):
         """What :meth:`apply` (``silu_mul``: :meth:`apply_silu_mul`; ``add_rmsnorm`` = ``(residual, norm_weight,
         eps)``: :meth:`apply_add_rmsnorm`) returns for the unbiased ``layer``, plus its output delta split in two
         (``layers/output_delta.py``'s ``SplitDelta``, from ``split()``; None from it: not this step): the delta's
-        ``beside`` run in this method's matmul launch, then its second half. None (the default, and wherever no such
-        kernel runs for ``x``): nothing ran, the layer adds its deltas apart."""
+        ``beside`` run in this method's matmul launch (or its ``apart`` in a launch of its own, where the matmul
+        cannot run it), then its second half. None (the default, and wherever the method cannot split for ``x``):
+        nothing ran, the layer adds its deltas apart."""
         return None
 
 
@@ -106,7 +107,7 @@ class UnquantizedLinearMethod(LinearMethod):
                     silu_mul: bool = False, add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None
                     ) -> Any:
         return small_batch.split_matmul(layer.small_batch, x, layer.weight, split, layer.l2_prefetch, silu_mul,
-                                        add_rmsnorm)
+                                        add_rmsnorm, library=F.linear)
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:

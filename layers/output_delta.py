@@ -18,10 +18,15 @@ SplitFn = Callable[..., "SplitDelta | None"]
 
 class SplitDelta(Protocol):
     """A delta in two halves around the layer's matmul (``OutputDelta.split``): :attr:`beside` is what the linear
-    method's matmul kernel runs in its own launch (``LinearMethod.apply_split``; the LoRA shrink), one of the methods
-    the rest, after the matmul, on its output."""
+    method's matmul kernel runs in its own launch (``LinearMethod.apply_split``; the LoRA shrink), or :meth:`apart`
+    runs it in a launch of its own (a library matmul, or a ``beside`` of None); one of the other methods the rest,
+    after the matmul, on its output."""
 
-    beside: Any
+    beside: Any  # None: the first half cannot run in a matmul's launch (the method calls ``apart``)
+
+    def apart(self, x: torch.Tensor) -> None:
+        """Runs the first half on the layer's input ``x`` in a launch of its own (a delta without this method runs
+        only where the matmul runs :attr:`beside`)."""
 
     def add(self, out: torch.Tensor) -> None:
         """Adds the delta into the layer's output ``out``."""

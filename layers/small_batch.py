@@ -148,20 +148,33 @@ def add_rmsnorm_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weigh
 
 def split_matmul(kernels: SmallBatchKernels | None, x: torch.Tensor, weight: torch.Tensor,
                  split: Callable[[], Any], prefetch: torch.Tensor | None = None, silu_mul: bool = False,
-                 add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Any:
-    """``x @ weight.T`` (16-bit) through the Triton config ``kernels`` chose for M rows with a split output delta
-    (``split()``: a ``layers/output_delta.py`` ``SplitDelta``, its ``beside`` a LoRA shrink run by extra programs of
-    the matmul's launch), then the delta's second half: added (the result), or ``silu_mul`` / ``add_rmsnorm``'s
-    result; None where no config runs for ``x`` or ``split()`` gives None (nothing ran)."""
+                 add_rmsnorm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                 library: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """``x @ weight.T`` (16-bit) with a split output delta (``split()``: a ``layers/output_delta.py``
+    ``SplitDelta``), then the delta's second half: added (the result), or ``silu_mul`` / ``add_rmsnorm``'s result.
+    Through the Triton config ``kernels`` chose for M rows, its launch running the delta's ``beside`` (a LoRA
+    shrink in extra programs) where the delta gives one; else, and through ``library(x, weight)`` where no config
+    runs for ``x`` (cuBLAS), the delta's ``apart`` runs the first half in its own launch after the matmul. None
+    where neither can run or ``split()`` gives None (nothing ran)."""
     config = _config_for(kernels, x)
-    if config is None or config.w8a8:
+    if config is not None and config.w8a8:
+        return None
+    if config is None and (library is None or x.dim() != 2 or not x.shape[0]):  # no matmul to split around
         return None
     delta = split()
     if delta is None:
         return None
-    from treadle.kernels.small_batch import small_batch_matmul
+    beside = delta.beside if config is not None else None
+    if beside is None and getattr(delta, "apart", None) is None:  # a split written before apart: only beside
+        return None
+    if config is None:
+        y = library(x, weight)
+    else:
+        from treadle.kernels.small_batch import small_batch_matmul
 
-    y = small_batch_matmul(_unit_stride(x), weight, None, config, prefetch=prefetch, beside=delta.beside)
+        y = small_batch_matmul(_unit_stride(x), weight, None, config, prefetch=prefetch, beside=beside)
+    if beside is None:
+        delta.apart(x)
     if silu_mul:
         return delta.silu_mul(y)
     if add_rmsnorm is not None:

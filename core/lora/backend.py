@@ -25,9 +25,10 @@ in every layer; ``order`` may be None (a smaller batch, or a step whose context 
 current by whoever loads the slots), for a form that multiplies every slot's ``B`` in one library GEMM.
 
 A backend may also offer :meth:`LoRABackend.split_delta`: the delta in two halves around the layer's own matmul
-kernel, the first (the shrink) run in the matmul's launch, the second (the expand) carrying the layer's epilogue
-(SiLU·mul, add + RMSNorm), where the layer's linear method runs such a kernel (the ``triton`` backend's, with the
-small-batch matmul at decode sizes: two launches a layer). None, the default: the engine calls ``add_delta``.
+kernel, the first (the shrink) run in the matmul's launch (``beside``) or in its own (``apart(x)``, beside a library
+matmul), the second (the expand) carrying the layer's epilogue (SiLU·mul, add + RMSNorm), where the layer's linear
+method can split (the ``triton`` backend's at decode sizes: two launches a layer on the small-batch matmul, three on
+cuBLAS). None, the default: the engine calls ``add_delta``.
 
 All of them must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
 same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic within the dtype's
@@ -123,8 +124,9 @@ class LoRABackend(ABC):
 
     def split_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor) -> Any:
         """:meth:`add_delta`'s change in two halves around the layer's matmul kernel (a ``SplitDelta``,
-        layers/output_delta.py: ``beside``, what the linear method's kernel runs in its own launch, then ``add``,
-        ``silu_mul`` or ``add_rmsnorm`` after it), or None (the default): the engine calls :meth:`add_delta`.
-        Asked only where the layer's method can run such a kernel for ``x``; the halves must give what
-        :meth:`add_delta` (then SiLU·mul, or add + RMSNorm) gives."""
+        layers/output_delta.py: ``beside``, what the linear method's kernel runs in its own launch, or None;
+        ``apart(x)``, the same in a launch of its own, for a library matmul; then ``add``, ``silu_mul`` or
+        ``add_rmsnorm`` after it), or None (the default): the engine calls :meth:`add_delta`. Asked only where the
+        layer's method can split for ``x`` (its own kernel, or its library matmul with ``apart``); the halves must
+        give what :meth:`add_delta` (then SiLU·mul, or add + RMSNorm) gives."""
         return None

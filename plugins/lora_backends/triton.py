@@ -69,14 +69,14 @@ class TritonLoRABackend(LoRABackend):
 
     def split_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor) -> Any:
         """Where ``add_delta`` runs the gather form (decode sizes) and ``fuse_gemv`` is on: the gather shrink for the
-        small-batch matmul's launch and an expand that carries the layer's epilogue (kernels/lora_fused.py)."""
+        small-batch matmul's launch (or a launch of its own beside a library matmul) and an expand that carries the
+        layer's epilogue (kernels/lora_fused.py)."""
         if self._split_kernels is None:  # imported at the first split, as the other kernels when the backend is built
             from treadle.kernels import lora_fused
 
             self._split_kernels = lora_fused
         choice = self.kernel_choice
-        if self._dense(x, weights) or not self._split_kernels.splits(x.shape[0], weights.a.shape[1], x.shape[1],
-                                                                    len(weights.segments), choice):
+        if self._dense(x, weights) or not self._split_kernels.splits(x.shape[0], len(weights.segments), choice):
             return None
         return self._split_kernels.split_lora(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
                                               weights.segments, choice)

@@ -64,8 +64,11 @@ def test_sweep_table_compares_each_choice_with_the_default_of_its_case() -> None
 def test_gemv_table_puts_the_unfused_and_split_ratios_side_by_side() -> None:
     rows = [{"case": "bs=1, 1 adapter", "base_ms": 4.0, "unfused_ms": 4.6, "unfused_ratio": 1.15, "split_ms": 4.3,
              "split_ratio": 1.075, "split_all_ms": 4.2, "split_all_ratio": 1.05,
-             "small_batch": {"16-bit 6144 x 4096": "1 row: triton 4/2048/8/4 gemv"}}]
+             "small_batch": {"16-bit 6144 x 4096": "1 row: triton 4/2048/8/4 gemv"}},
+            {"case": "bs=32, 32 adapters, cuBLAS", "base_ms": 8.0, "unfused_ms": 10.4, "unfused_ratio": 1.3,
+             "split_ms": 10.0, "split_ratio": 1.25, "split_all_ms": 10.0, "split_all_ratio": 1.25}]
     lines = format_gemv_table(rows).splitlines()
     assert lines[1].split()[3:] == ["unfused", "ms", "ratio", "split", "ms", "ratio", "split_all", "ms", "ratio"]
     assert lines[2].split()[-7:] == ["4.000", "4.600", "1.150", "4.300", "1.075", "4.200", "1.050"]
-    assert lines[3].strip() == "16-bit 6144 x 4096: 1 row: triton 4/2048/8/4 gemv"
+    assert lines[3].split()[:4] == ["bs=32,", "32", "adapters,", "cuBLAS"] and lines[3].endswith("1.250")
+    assert lines[4].strip() == "16-bit 6144 x 4096: 1 row: triton 4/2048/8/4 gemv"

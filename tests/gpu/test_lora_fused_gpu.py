@@ -1,9 +1,11 @@
-"""The LoRA delta split around the small-batch matmul (kernels/lora_fused.py) on the GPU, at Llama-3.1-8B's shapes,
-captured in CUDA graphs and replayed with other adapter ids: bit for bit what the unfused path computes (the
-matmul, the gather shrink and expand, then ``silu_mul`` / add + RMSNorm) when its shrink reduces over as many warps
-as the matmul's launch (the shrink's float32 sums are associated by the launch's warps: the only difference), and
-within a rounding of today's unfused path as it launches; the engine with ``fuse_gemv`` on and off gives the same
-greedy tokens (or parts at a near-tie).
+"""The LoRA delta split around the layer's matmul (kernels/lora_fused.py through ``layers/small_batch.split_matmul``)
+on the GPU, at Llama-3.1-8B's shapes, captured in CUDA graphs and replayed with other adapter ids: bit for bit what
+the unfused path computes (the matmul, the gather shrink and expand, then ``silu_mul`` / add + RMSNorm) when its
+shrink reduces over as many warps as the matmul's launch (the shrink's float32 sums are associated by the launch's
+warps: the only difference), and within a rounding of today's unfused path as it launches; where the shrink runs
+apart (beside cuBLAS, config None; ``down_proj``'s tile at 32 tokens) bit for bit today's path. The engine with
+``fuse_gemv`` on and off gives the same greedy tokens (or parts at a near-tie), on the timed small-batch kernels and
+on cuBLAS alone (``TREADLE_SMALL_BATCH_MATMUL=library``).
 
 Run on the device machine: ``python -m pytest -q tests/gpu/test_lora_fused_gpu.py``.
 """
@@ -22,12 +24,24 @@ LAYERS = {"qkv": (4096, ((0, 4096), (4096, 5120), (5120, 6144))), "o_proj": (409
 
 
 def _configs(tokens: int):
+    """The small-batch configs to split around, and None: the library matmul (cuBLAS)."""
     from treadle.kernels.small_batch import SmallBatchConfig
 
     if tokens == 1:  # the GEMVs the loader picks among at one row
-        return [SmallBatchConfig(4, 2048, 8, 4, gemv=True), SmallBatchConfig(16, 256, 4, 3, split_k=4, gemv=True)]
-    return [SmallBatchConfig(32, 128, 4, 4), SmallBatchConfig(128, 128, 4, 4), SmallBatchConfig(32, 128, 4, 4,
-                                                                                                    split_k=4)]
+        return [SmallBatchConfig(4, 2048, 8, 4, gemv=True), SmallBatchConfig(16, 256, 4, 3, split_k=4, gemv=True),
+                None]
+    return [SmallBatchConfig(32, 128, 4, 4), SmallBatchConfig(128, 128, 4, 4),
+            SmallBatchConfig(32, 128, 4, 4, split_k=4), None]
+
+
+def _matmul(case: dict, config):
+    import torch.nn.functional as F
+
+    from treadle.kernels.small_batch import small_batch_matmul
+
+    if config is None:
+        return F.linear(case["x"], case["weight"])
+    return small_batch_matmul(case["x"], case["weight"], None, config)
 
 
 def _case(layer: str, tokens: int):
@@ -72,35 +86,45 @@ def _unfused(layer: str, case: dict, config, shrink_warps: int | None):
         lora._expand(partials, case["scalings"], case["b"], ids, case["ranks"], case["segments"], out, DEFAULT)
 
     if layer in ("o_proj", "down_proj"):
-        if x.shape[0] == 1 and config.gemv:  # the deltas join the residual, then the GEMV's add + RMSNorm
-            moved = case["residual"].clone()
+        if x.shape[0] == 1 and config is not None and config.gemv:  # the deltas join the residual, then the GEMV's
+            moved = case["residual"].clone()                            # add + RMSNorm
             add_delta(moved)
             return torch.cat(small_batch_matmul(x, case["weight"], None, config,
                                                 add_rmsnorm=(moved, case["norm_weight"], 1e-5)), 1)
-        y = small_batch_matmul(x, case["weight"], None, config)
+        y = _matmul(case, config)
         add_delta(y)
         return torch.cat(fused.add_rmsnorm(y, case["residual"], case["norm_weight"], 1e-5), 1)
-    y = small_batch_matmul(x, case["weight"], None, config)
+    y = _matmul(case, config)
     add_delta(y)
     return fused.silu_mul(y) if layer == "gate_up" else y
 
 
-def _split(layer: str, case: dict, config):
+def _split_lora(case: dict):
     from treadle.kernels import lora_fused
     from treadle.kernels.lora_choice import DEFAULT
-    from treadle.kernels.small_batch import small_batch_matmul
 
-    x = case["x"]
-    split = lora_fused.split_lora(x, case["a"], case["b"], case["ids"], case["scalings"], case["ranks"],
-                                  case["segments"], DEFAULT)
-    y = small_batch_matmul(x, case["weight"], None, config, beside=split.beside)
+    return lora_fused.split_lora(case["x"], case["a"], case["b"], case["ids"], case["scalings"], case["ranks"],
+                                 case["segments"], DEFAULT)
+
+
+def _split(layer: str, case: dict, config):
+    """Through the layers' seam: the shrink in the matmul's launch, or apart (cuBLAS, or a tile past fuse_tile)."""
+    import torch.nn.functional as F
+
+    from treadle.layers import small_batch
+
+    split = _split_lora(case)
+    kernels = None if config is None else small_batch.SmallBatchKernels((config,) * len(small_batch.ROW_BUCKETS))
+
+    def run(**epilogue):
+        return small_batch.split_matmul(kernels, case["x"], case["weight"], lambda: split, library=F.linear,
+                                        **epilogue)
+
     if layer == "gate_up":
-        return split.silu_mul(y)
+        return run(silu_mul=True)
     if layer in ("o_proj", "down_proj"):
-        warps = config.num_warps if x.shape[0] == 1 and config.gemv else None
-        return torch.cat(split.add_rmsnorm(y, case["residual"], case["norm_weight"], 1e-5, warps), 1)
-    split.add(y)
-    return y
+        return torch.cat(run(add_rmsnorm=(case["residual"], case["norm_weight"], 1e-5)), 1)
+    return run()
 
 
 def _graphed(run):
@@ -121,9 +145,11 @@ def _graphed(run):
 def test_split_equals_the_unfused_path_in_cuda_graphs(layer, tokens):
     case = _case(layer, tokens)
     for config in _configs(tokens):
+        apart = config is None or _split_lora(case).beside is None  # then the same shrink kernel as today's
         graphs = {"split": _graphed(lambda: _split(layer, case, config)),
-                  "same_warps": _graphed(lambda: _unfused(layer, case, config, config.num_warps)),
                   "today": _graphed(lambda: _unfused(layer, case, config, None))}
+        if not apart:  # the shrink in the matmul's launch reduces over its warps
+            graphs["same_warps"] = _graphed(lambda: _unfused(layer, case, config, config.num_warps))
         gen = torch.Generator().manual_seed(7)
         for replay in range(3):  # other adapters each replay: one slot for all, then mixed with tokens of none
             ids = torch.full((tokens,), 2) if replay == 0 else torch.randint(-1, SLOTS, (tokens,), generator=gen)
@@ -131,13 +157,16 @@ def test_split_equals_the_unfused_path_in_cuda_graphs(layer, tokens):
             for graph, _ in graphs.values():
                 graph.replay()
             torch.cuda.synchronize()
-            split, same, today = (graphs[name][1] for name in ("split", "same_warps", "today"))
-            assert torch.equal(split, same), (layer, tokens, str(config), replay)
+            split, today = graphs["split"][1], graphs["today"][1]
+            assert torch.equal(split, graphs["today" if apart else "same_warps"][1]), (layer, tokens, str(config),
+                                                                                       replay)
             torch.testing.assert_close(split.float(), today.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_engine_tokens_with_and_without_the_split(real_shape_llama_dir, tmp_path, monkeypatch):
-    """bf16 decode graphs through the small-batch kernels the loader times: fuse_gemv on and off."""
+@pytest.mark.parametrize("matmul", ["auto", "library"])
+def test_engine_tokens_with_and_without_the_split(real_shape_llama_dir, tmp_path, monkeypatch, matmul):
+    """bf16 decode graphs through the small-batch kernels the loader times (or cuBLAS alone): fuse_gemv on and
+    off."""
     from near_tie import assert_plain_or_near_tie
     from peft_adapters import ALL_PROJECTIONS, make_peft_adapter
     from treadle import Engine
@@ -150,6 +179,7 @@ def test_engine_tokens_with_and_without_the_split(real_shape_llama_dir, tmp_path
               "plugins": ["treadle.plugins.lora_backends.triton"]}
     prompts, names = [[5, 17, 42, 8, 99, 3], [300, 301, 9], [1000, 1001, 1002, 40]], ["all16", None, "all16"]
     outputs = {}
+    monkeypatch.setenv("TREADLE_SMALL_BATCH_MATMUL", matmul)  # read as the layers load
     for fuse in ("1", "0"):
         monkeypatch.setenv("TREADLE_LORA_KERNELS", f"fuse_gemv={fuse}")  # read when the backend is built
         with Engine(config) as engine:

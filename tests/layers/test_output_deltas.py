@@ -258,3 +258,48 @@ def test_a_split_delta_runs_around_the_methods_matmul_or_apart():
         torch.testing.assert_close(fused[1], summed)
         torch.testing.assert_close(fused[0], rmsnorm_reference(summed, norm.weight, norm.eps))
     assert calls["beside"] == 3  # rows=2: gate_up's forward, its SiLU·mul, down's add + RMSNorm
+
+
+class HalvesApart(HalvesOfADelta):
+    """A SplitDelta whose first half cannot run in a matmul's launch: ``apart`` records the input it ran on."""
+
+    beside = None
+
+    def __init__(self, change: torch.Tensor, order: list) -> None:
+        super().__init__(change)
+        self.order = order
+
+    def apart(self, x):
+        self.order.append(("apart", x))
+
+    def add(self, out):
+        self.order.append("add")
+        super().add(out)
+
+
+def test_beside_a_library_matmul_the_split_runs_its_first_half_apart():
+    """The plain method on the library matmul (no small-batch config: the CPU, or TREADLE_SMALL_BATCH_MATMUL=library)
+    splits too: F.linear, ``apart(x)`` on the layer's input, then the second half; a split without ``apart`` (written
+    before it) leaves the layer to run its delta whole."""
+    from treadle.layers.linear import RowParallelLinear
+
+    torch.manual_seed(1)
+    layer = RowParallelLinear(8, 16)
+    layer.weight.data.normal_()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.small_batch is None
+    change, order, x = torch.randn(16), [], torch.randn(3, 8)
+    remove = layer.add_output_delta(lambda x, context, out: out.add_(change), in_place=True,
+                                    split=lambda x, context: HalvesApart(change, order))
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight) + change)
+    assert order[0][0] == "apart" and order[0][1] is x and order[1:] == ["add"]
+    remove()
+    order.clear()
+
+    def whole(x, context, out):
+        order.append("whole")
+        out.add_(change)
+
+    layer.add_output_delta(whole, in_place=True, split=lambda x, context: HalvesOfADelta(change))  # beside only
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight) + change)
+    assert order == ["whole"]

@@ -1,9 +1,12 @@
-"""Run by test_lora_fused.py in a subprocess under TRITON_INTERPRET=1: the LoRA delta split around the small-batch
-matmul (kernels/lora_fused.py: the shrink in the matmul's launch, the expand with the layer's epilogue) against the
+"""Run by test_lora_fused.py in a subprocess under TRITON_INTERPRET=1: the LoRA delta split around the layer's matmul
+(kernels/lora_fused.py through ``layers/small_batch.split_matmul``: the shrink in the small-batch matmul's launch,
+or apart beside a library matmul or where its tile is too large, the expand with the layer's epilogue) against the
 unfused triton path (the matmul, ``add_delta``'s shrink and expand, then ``silu_mul`` / add + RMSNorm), bit for bit:
-the kernels alone (a GEMV at one token, a split-K GEMV, tiles at 5 and 20 tokens; three, two and one stacked
-projections; mixed adapters and ranks, tokens without one), then a tiny float16 Llama whose linear layers run the
-small-batch kernels with the triton backend's adapters, ``fuse_gemv`` on and off. Prints one ``RESULTS {json}``."""
+the kernels alone (a GEMV at one token, a split-K GEMV, tiles at 5 and 20 tokens, ``F.linear`` at 5, a tile whose
+shrink runs apart; three, two and one stacked projections; mixed adapters and ranks, tokens without one), then a
+tiny float16 Llama whose first layer runs the small-batch kernels and second ``F.linear`` (no config:
+``TREADLE_SMALL_BATCH_MATMUL=library``), with the triton backend's adapters, ``fuse_gemv`` on and off.
+Prints one ``RESULTS {json}``."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from hand_lora import HandSteps, model_config  # noqa: E402
 from treadle.core.config import load_config  # noqa: E402
@@ -36,10 +40,13 @@ GEMV = SmallBatchConfig(4, 64, 4, 3, gemv=True)
 GEMV_SPLIT_K = SmallBatchConfig(16, 32, 4, 3, split_k=2, gemv=True)
 TILE = SmallBatchConfig(16, 32, 4, 2)
 SEGMENTS = {"qkv": ((0, 64), (64, 80), (80, 96)), "gate_up": ((0, 48), (48, 96)), "o_proj": ((0, 80),)}
-# (layer, tokens, config, LoRA choice): split_k=32 makes the shrink write partial sums of 3 slices of in=96.
+# (layer, tokens, config, LoRA choice): split_k=32 makes the shrink write partial sums of 3 slices of in=96; config
+# None is the library matmul (F.linear), the shrink apart; fuse_tile=16 runs the shrink apart beside a tile too.
 KERNEL_CASES = [("qkv", 1, GEMV, LoRAKernelChoice(split_k=32)), ("gate_up", 1, GEMV, LoRAKernelChoice()),
                 ("o_proj", 1, GEMV, LoRAKernelChoice(split_k=32)), ("qkv", 1, GEMV_SPLIT_K, LoRAKernelChoice()),
-                ("o_proj", 5, TILE, LoRAKernelChoice()), ("gate_up", 20, TILE, LoRAKernelChoice(split_k=32))]
+                ("o_proj", 5, TILE, LoRAKernelChoice()), ("gate_up", 20, TILE, LoRAKernelChoice(split_k=32)),
+                ("o_proj", 5, None, LoRAKernelChoice()), ("gate_up", 5, None, LoRAKernelChoice(split_k=32)),
+                ("o_proj", 5, TILE, LoRAKernelChoice(fuse_tile=16))]
 
 
 def stacked(layer: str, tokens: int, seed: int, dtype: torch.dtype):
@@ -64,31 +71,35 @@ def stacked(layer: str, tokens: int, seed: int, dtype: torch.dtype):
     return x, weight, (a.to(dtype), b.to(dtype), ids, scalings, ranks, segments)
 
 
-def kernel_case(layer: str, tokens: int, config: SmallBatchConfig, choice: LoRAKernelChoice) -> dict:
-    # bfloat16 where the GEMV runs; the tiles' 16-bit tl.dot is right under the interpreter in float16 only
-    x, weight, lora_args = stacked(layer, tokens, tokens, torch.bfloat16 if config.gemv else torch.float16)
-    base = small_batch_matmul(x, weight, None, config)
+def kernel_case(layer: str, tokens: int, config: SmallBatchConfig | None, choice: LoRAKernelChoice) -> dict:
+    # bfloat16 where the GEMV or F.linear runs; the tiles' 16-bit tl.dot is right under the interpreter in float16 only
+    x, weight, lora_args = stacked(layer, tokens, tokens,
+                                   torch.bfloat16 if config is None or config.gemv else torch.float16)
+    kernels = None if config is None else small_batch.SmallBatchKernels((config,) * len(small_batch.ROW_BUCKETS))
+    base = F.linear(x, weight) if config is None else small_batch_matmul(x, weight, None, config)
     unfused = base.clone()
     lora.add_delta(x, *lora_args, unfused, choice)
     split = lora_fused.split_lora(x, *lora_args, choice)
-    y = small_batch_matmul(x, weight, None, config, beside=split.beside)
+    assert (split.beside is None) == (choice.fuse_tile < 8192)  # a tile too large for a matmul launch: apart
+
+    def split_matmul(**epilogue):
+        return small_batch.split_matmul(kernels, x, weight, lambda: split, library=F.linear, **epilogue)
+
     if layer == "qkv":
-        expected, got = unfused, y
-        split.add(got)
+        expected, got = unfused, split_matmul()
     elif layer == "gate_up":
-        expected, got, base = fused.silu_mul(unfused), split.silu_mul(y), fused.silu_mul(base)
+        expected, got, base = fused.silu_mul(unfused), split_matmul(silu_mul=True), fused.silu_mul(base)
     else:
         gen = torch.Generator().manual_seed(1)
         residual = torch.randn(tokens, 80, generator=gen).to(x.dtype)
         norm_weight = (torch.rand(80, generator=gen) + 0.5).to(x.dtype)
-        fused_gemv = tokens == 1 and config.gemv  # the one-token GEMV fuses add + RMSNorm after the delta
-        if fused_gemv:
+        if tokens == 1 and config.gemv:  # the one-token GEMV fuses add + RMSNorm after the delta
             moved = residual.clone()
             lora.add_delta(x, *lora_args, moved, choice)
             expected = small_batch_matmul(x, weight, None, config, add_rmsnorm=(moved, norm_weight, 1e-5))
         else:
             expected = fused.add_rmsnorm(unfused, residual, norm_weight, 1e-5)
-        got = split.add_rmsnorm(y, residual, norm_weight, 1e-5, config.num_warps if fused_gemv else None)
+        got = split_matmul(add_rmsnorm=(residual, norm_weight, 1e-5))
         expected, got, base = torch.cat(expected, 1), torch.cat(got, 1), torch.cat(
             fused.add_rmsnorm(base, residual, norm_weight, 1e-5), 1)
     return {"equal": torch.equal(expected, got), "delta": (expected.float() - base.float()).abs().max().item()}
@@ -111,8 +122,9 @@ for _name in ("add", "silu_mul", "add_rmsnorm"):
 
 
 def model_with_adapters(folder: str) -> tuple[ModelRunner, TritonLoRABackend]:
-    """The tiny Llama (float16) on the small-batch kernels (a GEMV for one row, tiles for up to 32), two adapters of
-    ranks 8 and 3 in the triton backend's slots (the second leaves k_proj alone)."""
+    """The tiny Llama (float16), its first layer on the small-batch kernels (a GEMV for one row, tiles for up to
+    32), its second on ``F.linear`` at every size (as ``TREADLE_SMALL_BATCH_MATMUL=library`` loads it), two adapters
+    of ranks 8 and 3 in the triton backend's slots (the second leaves k_proj alone)."""
     model_dir = make_tiny_llama(Path(folder) / "base")
     runner = ModelRunner(load_config(overrides=model_config(model_dir, **{"model.dtype": "float16"}),
                                      use_env=False), REGISTRY)
@@ -121,7 +133,7 @@ def model_with_adapters(folder: str) -> tuple[ModelRunner, TritonLoRABackend]:
     projections = build_layer_slots(runner.model, backend, 2, 8, torch.device("cpu"), torch.float16)
     with torch.inference_mode():
         _fill(projections, gen)
-    for layer in runner.model.modules():
+    for layer in runner.model.model.layers[0].modules():
         if isinstance(layer, LinearBase):  # what a GPU may pick; the CPU picks nothing by itself
             layer.small_batch = small_batch.SmallBatchKernels((GEMV, TILE, TILE))
     return runner, backend
