@@ -10,8 +10,9 @@ The backend is built as ``factory(context)`` from an
 whose requests sit on shuffled pages (every slot no request owns holds NaN, so reading a wrong slot
 poisons the output), runs the backend and the reference on identical copies, and compares the
 attention output and the K/V the backend wrote. Scenarios: extend with a cached prefix (aligned and
-unaligned to pages, and no prefix), decode (and, for a backend that ``applies_rotary`` to decode
-batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
+unaligned to pages, and no prefix), decode (where the backend's ``decodes_by_device_lengths`` says it
+runs decode steps from the device's lengths, again with the host's upper bounds; for a backend that
+``applies_rotary`` to decode batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
 the same 2 or more new tokens after its prefix: an extend-shaped step; where the backend's ``verifies_by_decode``
 says it runs one from the device's lengths, again with the host's upper bounds of an overlapped verify step; for
 a backend with ``supports_tree_mask`` also over random draft trees, ``ForwardBatch.tree_mask``), each with GQA,
@@ -114,8 +115,12 @@ def check_attention_backend(
                             f"extend ({name}) with {context}", generator)
             decode_lens = [int(torch.randint(1, n + 1, (1,), generator=generator)) for n in world.max_lens]
             decode_lens[0] = world.max_lens[0]
-            _check_step(factory, configure, world, ForwardMode.DECODE, [n - 1 for n in decode_lens],
-                        [1] * len(decode_lens), tol, f"decode with {context}", generator)
+            decode = make_step(world, ForwardMode.DECODE, [n - 1 for n in decode_lens], [1] * len(decode_lens),
+                               generator)
+            _check_prepared_step(factory, configure, world, decode, tol, f"decode with {context}")
+            _check_prepared_step(factory, configure, world, decode, tol, f"decode from the device's lengths "
+                                 f"(decodes_by_device_lengths; the host's upper bounds, as in eagle3's drafting for "
+                                 f"an overlapped verify step) with {context}", host_upper_bounds=True)
             if not world.fp8:  # rotated K/V are no longer exact in FP8, which the comparison relies on
                 _check_rotary_decode(factory, configure, world, decode_lens, tol,
                                      f"decode, rotary embedding applied by the backend, with {context}", generator)
@@ -159,13 +164,18 @@ def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens
 
 def _check_prepared_step(factory, configure, world: World, step, tol: tuple[float, float], context: str,
                          host_upper_bounds: bool = False) -> None:
-    """``host_upper_bounds``: only where the backend runs the step from the device's lengths (``verifies_by_decode``),
-    with the host's as an overlapped verify step has them (:func:`_with_host_upper_bounds`)."""
+    """``host_upper_bounds``: only where the backend runs the step from the device's lengths (a decode step:
+    ``decodes_by_device_lengths``; a verify step: ``verifies_by_decode``), with the host's as an overlapped verify
+    step has them (:func:`_with_host_upper_bounds`)."""
     cache = world.fresh_cache()
     backend = build_backend(factory, configure, world, cache)
     forward_batch = step.forward_batch(world.pool, cache, backend)
     if host_upper_bounds:
-        if not backend.verifies_by_decode(step.mode, forward_batch.num_tokens):
+        if step.mode.is_decode():
+            reads_device = backend.decodes_by_device_lengths()
+        else:
+            reads_device = backend.verifies_by_decode(step.mode, forward_batch.num_tokens)
+        if not reads_device:
             return
         forward_batch = _with_host_upper_bounds(forward_batch, world)
     expected, ref_cache = reference(world, step)
