@@ -22,22 +22,15 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16
 
 
 def configs() -> dict[str, Any]:
-    """Name -> tiles of the launches counted (symmetric weights, groups of 128): the loader's first GEMV config and the H200 sweep's best per
-    shape (qkv and gate_up: 8 rows x 64 words with the subnormal widening; o and down: ``magic_gemv`` 8 x 128),
-    and the same tiles with ``IntTiles.lean`` and ``IntTiles.hmma``."""
+    """Name -> tiles of the launches counted (symmetric weights, groups of 128): the loader's first GEMV config
+    (the H200 sweep's best at qkv and gate_up: 8 rows x 64 words with the subnormal widening), plain and subnormal,
+    and two panels a step (8 x 128, the loader's second kind)."""
     from treadle.kernels.packed_int import IntTiles
-    from treadle.kernels.packed_int_magic import MagicGemvTiles
 
     return {
         "gemv plain 8x64": IntTiles(0, 8, 64, 4, 1),
         "gemv subnormal 8x64 (qkv, gate_up)": IntTiles(0, 8, 64, 4, 1, subnormal=True),
         "gemv subnormal 8x128": IntTiles(0, 8, 128, 2, 1, subnormal=True),
-        "magic_gemv subnormal 8x128 (o, down)": MagicGemvTiles(8, 128, 2, 1, True),
-        "gemv lean 8x128": IntTiles(0, 8, 128, 2, 1, lean=True),
-        "gemv lean 16x128": IntTiles(0, 16, 128, 2, 1, lean=True),
-        "gemv lean 16x128, 2 warps": IntTiles(0, 16, 256, 2, 2, lean=True),
-        "gemv hmma 8x128": IntTiles(0, 8, 128, 2, 1, hmma=True),
-        "gemv hmma 16x128": IntTiles(0, 16, 128, 2, 1, hmma=True),
     }
 
 
@@ -65,18 +58,12 @@ def loop_counts(kernel: Any, constexprs: dict[str, Any], num_warps: int) -> tupl
 def count(tiles: Any) -> tuple[float, collections.Counter, int]:
     """(instructions per 16 bytes of packed weight, opcode -> count per 16 bytes, registers a thread) of one
     launch's inner loop (an unrolled loop's steps counted together)."""
-    from treadle.kernels import packed_int, packed_int_magic
+    from treadle.kernels import packed_int
 
-    base = dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
-                PDL=True)
-    if isinstance(tiles, packed_int_magic.MagicGemvTiles):
-        counts, registers = loop_counts(packed_int_magic._magic_gemv_kernel, {**base, "DENORMAL": tiles.denormal},
-                             tiles.num_warps)
-    else:
-        counts, registers = loop_counts(packed_int._int_gemv_kernel, {
-            **base, "BITS": 4, "SILU_MUL": False, "ADD_RMSNORM": False, "BLOCK_ROW": 1, "SUBNORMAL": tiles.subnormal,
-            "LEAN": tiles.lean or tiles.hmma, "HMMA": tiles.hmma, "PREFETCH": False, "PREFETCH_BLOCK": 1},
-            tiles.num_warps)
+    counts, registers = loop_counts(packed_int._int_gemv_kernel, dict(
+        BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=tiles.split_k, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
+        BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=True, SUBNORMAL=tiles.subnormal, PREFETCH=False,
+        PREFETCH_BLOCK=1), tiles.num_warps)
     loads = counts.pop("LDG128")  # the packed words' 16-byte loads: one thread's 32 values each
     per = collections.Counter({op: n / loads for op, n in counts.items()})
     return sum(per.values()), per, registers

@@ -1,6 +1,6 @@
 """``python -m treadle.bench.quant_kernels --sweep [--rows 1,4,8,16,32,64] [--jobs N] [--narrow]``: every W4A16
 kernel variant and launch config (the GEMV and ``int_dot`` configs, the ``int_mma`` candidates of
-``kernels/packed_int_mma.py`` and the ``magic_gemv`` / ``magic_mma`` ones of ``kernels/packed_int_magic.py``) at
+``kernels/packed_int_mma.py`` and the ``magic_mma`` ones of ``kernels/packed_int_magic.py``) at
 Llama-3.1-8B's four projection shapes and each batch size, against bfloat16 ``F.linear`` and the W4A16 roofline, on
 one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
 loader times (``kernels/int_kernel_plan.py``) and the trials (:func:`trials`, :func:`magic_trials`).
@@ -115,12 +115,10 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     """Launches no loader times yet. One row: GEMV programs that load two panels (128 words) of 4 or 8 rows a step,
     and the best config's split-K doubled: are qkv and o_proj (few rows, 35-42% of the roofline) short of bytes in
-    flight per SM? And the lean loop (``IntTiles.lean``) and its tensor-core twin (``IntTiles.hmma``). 16 and 32
-    rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on 128-row tiles of one or two
-    warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one dot after another, hold
-    M=32 at 25%?"""
+    flight per SM? 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
+    128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
+    dot after another, hold M=32 at 25%?"""
     from treadle.kernels.packed_int import IntTiles, _split
-    from treadle.kernels.packed_int_lean import lean_splits
     from treadle.kernels.packed_int_mma import MmaTiles, _split as _mma_split
 
     words = k // 8
@@ -128,14 +126,6 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
         listed = [IntTiles(0, block_n, 128, _split(n, words, block_n, 128, 12 * sm_count) * more, 1)
                   for block_n in (4, 8) for more in (1, 2)]
         listed.append(IntTiles(0, 8, 64, 2 * _split(n, words, 8, 64, 12 * sm_count), 1))
-        # The lean loop (IntTiles.lean, which the loader does not time: it lost on an H200): 4, 8 and 16 rows a
-        # program, 16 with split-K doubled, two-warp programs of four panels a step; the same tiles on the tensor
-        # cores (IntTiles.hmma).
-        listed += [IntTiles(0, 4, 128, _split(n, words, 4, 128, 12 * sm_count), 1, lean=True),
-                   IntTiles(0, 16, 128, 2 * _split(n, words, 16, 128, 12 * sm_count), 1, lean=True),
-                   IntTiles(0, 16, 256, _split(n, words, 16, 256, 6 * sm_count), 2, lean=True)]
-        listed += [IntTiles(0, block_n, 128, split, 1, **kind) for kind in ({"lean": True}, {"hmma": True})
-                   for block_n in (16, 8) for split in lean_splits(n, words, block_n, sm_count)]
         return [t for t in listed if words % (t.split_k * t.block_w) == 0]
     if rows > 32:
         return []
@@ -149,31 +139,26 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
 
 
 def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
-    """The candidates that widen with fewer instructions: at one row kernels/packed_int_magic.py's GEMV (is the GEMV
-    short of issue slots?); its tensor-core kernel at 2 to 64 rows only (each weight tile widened once a program, by
-    pairs: does M=32 then cost about what M=16 does?; at one row on a 16-token tile it lost to every GEMV in round 1,
-    1.33x bf16 against 1.94x, and is no longer timed there). The GEMV's subnormal widening (``IntTiles.subnormal``),
-    once a trial here, is in the loader's configs (``gemv_candidates``), so every sweep times it as today's
-    ``gemv_subnormal``."""
-    from treadle.kernels.packed_int_magic import gemv_trials, mma_trials
+    """The candidates that widen with fewer instructions: kernels/packed_int_magic.py's tensor-core kernel at 2 to 64
+    rows (each weight tile widened once a program, by pairs: does M=32 then cost about what M=16 does?; at one row
+    on a 16-token tile it lost to every GEMV in round 1, 1.33x bf16 against 1.94x, and is no longer timed there).
+    The GEMV's subnormal widening (``IntTiles.subnormal``), once a trial here, is in the loader's configs
+    (``gemv_candidates``), so every sweep times it as today's ``gemv_subnormal``."""
+    from treadle.kernels.packed_int_magic import mma_trials
 
-    if rows > 1:
-        return mma_trials(n, k, rows, sm_count)
-    return gemv_trials(n, k, sm_count)
+    return mma_trials(n, k, rows, sm_count) if rows > 1 else []
 
 
 def _kernel(tiles) -> str:
-    from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles
+    from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_mma import MmaTiles
 
-    if isinstance(tiles, (MagicGemvTiles, MagicMmaTiles)):
-        return "magic_gemv" if isinstance(tiles, MagicGemvTiles) else "magic_mma"
+    if isinstance(tiles, MagicMmaTiles):
+        return "magic_mma"
     if isinstance(tiles, MmaTiles):
         return "int_mma"
     if tiles.block_m:
         return "int_dot"
-    if tiles.hmma or tiles.lean:
-        return "gemv_hmma" if tiles.hmma else "gemv_lean"
     return "gemv_subnormal" if tiles.subnormal else "gemv"
 
 

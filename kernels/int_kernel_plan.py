@@ -17,13 +17,12 @@ import torch.nn.functional as F
 from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates, int_dot, int_gemv, tile_candidates,
                                         tiles_shape)
 from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, load_dequantize_candidates
-from treadle.kernels.packed_int_magic import MagicGemvTiles, MagicMmaTiles, magic_gemv, magic_mma
+from treadle.kernels.packed_int_magic import MagicMmaTiles, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 
 # One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), of ``magic_mma`` (MagicMmaTiles:
-# what 2 to 64 rows run first where it applies), of the sweep's ``magic_gemv`` (no plan lists it: the GEMV's
-# subnormal widening and 16-byte loads took its gains), or the dequantization and the library matmul (DequantTiles).
-Tiles = Union[IntTiles, MmaTiles, MagicGemvTiles, MagicMmaTiles, DequantTiles]
+# what 2 to 64 rows run first where it applies), or the dequantization and the library matmul (DequantTiles).
+Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, DequantTiles]
 
 
 @dataclass(frozen=True)
@@ -92,8 +91,6 @@ def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         return dequantize_linear(x, weight, scales, zeros, None, bits, group, tiles)
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
-    if isinstance(tiles, MagicGemvTiles):
-        return magic_gemv(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicMmaTiles):
         return magic_mma(x, weight, scales, zeros, bits, group, tiles, prefetch)
     if tiles.block_m == 0:

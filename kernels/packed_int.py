@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int_lean import _lean_gemv_rows
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _add_rmsnorm_when_last, _arrivals, _prefetch_share, _prefetching_programs
@@ -47,10 +46,7 @@ class IntTiles:
     """One launch's tiles: ``block_m`` 0 means the GEMV; ``block_w`` packed words per row per K step (a multiple of
     the 16-word panel; the tiles of ``int_dot`` take one panel per step); ``split_k`` K ranges whose float32
     partials the last program of a tile sums; ``i16``: ``int_dot`` widens 4-bit values with integer ops alone;
-    ``subnormal``: the GEMV widens 4-bit values as subnormals (``_subnormal_times_x``); ``lean``: the GEMV's 4-bit
-    loop with fewer instructions per weight byte (``kernels/packed_int_lean.py``; ``block_w`` a multiple of 16);
-    ``hmma``: the lean tiles on the tensor cores (``kernels/packed_int_hmma.py``: bf16, groups of whole panels);
-    both are sweep trials (``bench/quant_sweep.py``) that the loader does not time."""
+    ``subnormal``: the GEMV widens 4-bit values as subnormals (``_subnormal_times_x``)."""
 
     block_m: int
     block_n: int
@@ -59,8 +55,6 @@ class IntTiles:
     num_warps: int = 4
     i16: bool = False
     subnormal: bool = False
-    lean: bool = False
-    hmma: bool = False
 
 
 def tiles_shape(k: int, bits: int, group: int) -> bool:
@@ -92,9 +86,7 @@ def gemv_candidates(n: int, k: int, bits: int, sm_count: int) -> list[IntTiles]:
     if bits != 4:
         return listed
     # 4-bit: every config with the subnormal widening (faster than the plain one at every shape and config the
-    # round-1 sweep timed, as exact) and the first plain one as a control. The lean loop (IntTiles.lean, a third
-    # fewer instructions a value) is a sweep trial only: on an H200 it took 2.91 ms of linear layers a step against
-    # the subnormal GEMV's 1.84 (2026-11-28, bench/quant_sweep.py).
+    # round-1 sweep timed, as exact) and the first plain one as a control.
     return [dataclasses.replace(tiles, subnormal=True) for tiles in listed] + listed[:1]
 
 
@@ -150,8 +142,6 @@ def int_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
         BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, SILU_MUL=silu_mul,
         ADD_RMSNORM=add_rmsnorm is not None, BLOCK_ROW=triton.next_power_of_2(n) if add_rmsnorm is not None else 1,
         BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w, PDL=pdl, SUBNORMAL=tiles.subnormal and bits == 4,
-        LEAN=(tiles.lean or tiles.hmma) and bits == 4,
-        HMMA=tiles.hmma and bits == 4 and x.is_cuda and x.dtype == torch.bfloat16 and group % 128 == 0,
         **prefetch_args(prefetch, grid[0] * grid[1], weight), launch_pdl=pdl, num_warps=tiles.num_warps)
     return out if add_rmsnorm is None else (normed, residual_out)
 
@@ -322,28 +312,19 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
                      normed_ptr, residual_out_ptr, eps, N, k_per_split, stride_wn, stride_sn, BITS: tl.constexpr,
                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
                      ADD_RMSNORM: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr, LEAN: tl.constexpr,
-                     HMMA: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
-                     PREFETCH_BLOCK: tl.constexpr):
+                     BLOCK_W: tl.constexpr, PDL: tl.constexpr, SUBNORMAL: tl.constexpr, prefetch_ptr,
+                     prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     # With SILU_MUL the weight is [gate | up] (2N rows) and the program writes silu(gate) * up for its N rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     k_begin = pid_k * k_per_split
-    if LEAN:
-        acc = _lean_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn,
-                              stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, HMMA)
-    else:
-        acc = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
-                         BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, SUBNORMAL)
+    acc = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_per_split, stride_wn, stride_sn, BITS,
+                     GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, PDL, SUBNORMAL)
     if SILU_MUL:
-        if LEAN:
-            up = _lean_gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn,
-                                 stride_sn, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, HMMA)
-        else:
-            up = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn,
-                            stride_sn, BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, SUBNORMAL)
+        up = _gemv_rows(x_ptr, w_ptr, s_ptr, z_ptr, offs_n + N, n_mask, k_begin, k_per_split, stride_wn, stride_sn,
+                        BITS, GROUP, HAS_ZEROS, BLOCK_N, BLOCK_W, False, SUBNORMAL)
         allow_next(PDL)
         # Rounded where the separate matmul and silu_mul kernels round, so the result is theirs.
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -1,40 +1,20 @@
-"""W4A16 kernels that widen the 4-bit values with fewer instructions (``kernels/packed_int.py``'s panel layout,
-unchanged): :func:`magic_mma` is what the loader times first at 2 to 64 rows where it applies
-(``kernels/packed_int_mma.py``'s ``load_candidates``); :func:`magic_gemv` runs only in the GPU sweep
-(``python -m treadle.bench.quant_kernels --sweep``), where the GEMV's own subnormal widening
-(``IntTiles.subnormal``) and 16-byte loads took its gains:
+"""A W4A16 tensor-core kernel that widens the 4-bit values with fewer instructions (``kernels/packed_int.py``'s
+panel layout, unchanged), what the loader times first at 2 to 64 rows where it applies
+(``kernels/packed_int_mma.py``'s ``load_candidates``).
 
-- :func:`magic_gemv` (one token, CUDA cores), two ways to widen (``denormal``):
-
-  - subnormals: a value's four bits, the word's others cleared (one and with one immediate), read as float32 are
-    the subnormal ``u * 2**(4P - 149)`` exactly, ``P`` its nibble position in the half-word it sits in (values 4-7
-    after one shift of the word by 16); the activations take the power of two (``x * 2**(89 - 4P)``), so every
-    product is ``u * x * 2**-60`` exactly (FMAs keep subnormals: Triton does not emit .ftz), the row's sum takes
-    ``2**60`` once at the end, and each group's zero leaves through the activations' sum. A word of eight values:
-    one shift, eight ands, eight FMAs; float32 all the way, as exact as the plain widening;
-  - offsets: each value becomes float32 ``OFFSET + u`` with one and-or (two immediates, one kept in a register)
-    straight from its bit position in the word, where that position is bits 12-15 (``2048 + u``: the value or'ed
-    into the mantissa of 2048.0) or 16-19 (``128 + u``, of 128.0); the word shifted by 8 or rotated by 16 brings
-    the other six values there, and each group takes the offsets off once per word column, through the
-    activations' offset-weighted sum, with the zero point (the float32 sums keep 13 bits past the offsets).
-
-  The GEMV's plain widening: one and-or, one subtraction of 2**23 and one FMA a value, a shift more for three
-  of the eight.
-  SASS of the loops for sm_90 (same tiles): subnormals about 30% fewer instructions a value than the plain, offsets
-  12-17% fewer (ptxas reloads the second immediate of most and-ors into a register).
-- :func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
-  row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
-  word's eight values become four pairs of 16-bit ``128 + u`` (bf16; fp16 ``1024 + u``), each pair one shift and
-  one lop3 (``(w >> 4p) & 0x000F000F | 0x43004300``: values ``p`` and ``p + 4`` of the word in one register), by
-  inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). Each pair
-  stays one register in the tile (value ``j`` of word ``c`` at K position ``8c + 2 * (j % 4) + j // 4``; its panel
-  column is ``16j + c``), and the activations are loaded and permuted into that order. The step's group takes its
-  scale and zero (and the widening's offset, through the tokens' activation sums) after the dot, or (``scaled``)
-  before it, by a packed subtraction and multiplication of each pair in the same PTX (``(u - zero) * scale``
-  rounded once, as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds), the dot then accumulating across
-  steps. Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
-  by 16 tokens a panel): 380 instructions (scaled: 423) against ``int_mma``'s 662 (per-slot dots) and 771 (whole
-  panels).
+:func:`magic_mma` (1 to 64 tokens, tensor cores, the weight as the dot's first operand): one panel (128 values a
+row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
+word's eight values become four pairs of 16-bit ``128 + u`` (bf16; fp16 ``1024 + u``), each pair one shift and
+one lop3 (``(w >> 4p) & 0x000F000F | 0x43004300``: values ``p`` and ``p + 4`` of the word in one register), by
+inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). Each pair
+stays one register in the tile (value ``j`` of word ``c`` at K position ``8c + 2 * (j % 4) + j // 4``; its panel
+column is ``16j + c``), and the activations are loaded and permuted into that order. The step's group takes its
+scale and zero (and the widening's offset, through the tokens' activation sums) after the dot, or (``scaled``)
+before it, by a packed subtraction and multiplication of each pair in the same PTX (``(u - zero) * scale``
+rounded once, as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds), the dot then accumulating across
+steps. Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
+by 16 tokens a panel): 380 instructions (scaled: 423) against ``int_mma``'s 662 (per-slot dots) and 771 (whole
+panels).
 """
 
 from __future__ import annotations
@@ -46,31 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int import (PANEL_WORDS, _fold_scales, _group_scale_zero, _partials, _split,
-                                        _store_or_reduce, _subnormal_times_x, prefetch_args, widening)
-from treadle.kernels.pdl import allow_next, wait_for_previous
-from treadle.kernels.pdl import enabled as pdl_enabled
+from treadle.kernels.packed_int import (PANEL_WORDS, _group_scale_zero, _partials, _split, _store_or_reduce,
+                                        prefetch_args, widening)
 from treadle.kernels.small_batch import _arrivals, _prefetch_share
 
 PANEL = PANEL_WORDS * 8  # 4-bit values per panel
-
-
-@dataclass(frozen=True)
-class MagicGemvTiles:
-    """One :func:`magic_gemv` launch: ``block_n`` rows by ``block_w`` words (a multiple of the 16-word panel) per
-    program and K step, ``split_k`` K ranges; ``denormal``: the values widened as subnormals (module docstring)."""
-
-    block_n: int
-    block_w: int = 64
-    split_k: int = 1
-    num_warps: int = 1
-    denormal: bool = False
-
-    def fits(self, k: int, bits: int, group: int) -> bool:
-        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
-        words = k // 8
-        return bits == 4 and group % 16 == 0 and words % (self.block_w * self.split_k) == 0 and (
-            PANEL % group == 0 or group % PANEL == 0)
 
 
 @dataclass(frozen=True)
@@ -95,23 +55,6 @@ class MagicMmaTiles:
         return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
 
 
-def magic_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-               group: int, tiles: MagicGemvTiles) -> torch.Tensor:
-    """``x [1, K] @ dequantized(weight).T`` (4-bit), the values widened without a subtraction (module docstring)."""
-    k, n = x.shape[1], weight.shape[0]
-    if x.shape[0] != 1 or not tiles.fits(k, bits, group):
-        raise ValueError(f"{tiles} does not run {x.shape[0]} rows of K={k}, {bits}-bit values in groups of {group}")
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, tiles.block_n), tiles.split_k)
-    pdl = pdl_enabled(x.device)
-    _magic_gemv_kernel[grid](
-        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, 1, n, x.device),
-        _arrivals(x.device, grid[0]), n, k // tiles.split_k, weight.stride(0), scales.stride(0), GROUP=group,
-        HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_w,
-        DENORMAL=tiles.denormal, PDL=pdl, launch_pdl=pdl, num_warps=tiles.num_warps)
-    return out
-
-
 def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
               group: int, tiles: MagicMmaTiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ dequantized(weight).T`` (4-bit, 16-bit activations) on the tensor cores, the weight tile widened
@@ -131,21 +74,6 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
-
-
-def gemv_trials(n: int, k: int, sm_count: int) -> list[MagicGemvTiles]:
-    """The :func:`magic_gemv` launches the sweep times at one token: today's best kinds (8 to 32 rows a one- or
-    two-warp program, 16 to 128 words a step, split-K for 12 or 4 programs per SM, or half of that) with the
-    subnormal widening, and the first of them with the offsets (fewer instructions saved: a control)."""
-    words = k // 8
-    listed = []
-    for block_n, block_w, warps, per_sm in ((8, 64, 1, 12), (16, 32, 1, 4), (16, 64, 1, 4), (32, 32, 1, 4),
-                                            (16, 16, 1, 4), (32, 16, 2, 4), (8, 128, 1, 12)):
-        split = _split(n, words, block_n, block_w, per_sm * sm_count)
-        listed += [MagicGemvTiles(block_n, block_w, split, warps, True),
-                   MagicGemvTiles(block_n, block_w, max(split // 2, 1), warps, True)]
-    listed.append(dataclasses.replace(listed[0], denormal=False))
-    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
 def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
@@ -185,91 +113,6 @@ def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     # A control: the first launch of each form with the plain-op widening (the inline PTX's gain, and a fallback).
     listed += [dataclasses.replace(listed[0], asm=False), dataclasses.replace(listed[2], asm=False)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
-
-
-@triton.jit
-def _offset_value(words, J: tl.constexpr):
-    """Value ``J`` (bits ``4J`` up) of each uint32 word as float32 ``128 + u`` (even ``J``: the value at bits
-    16-19) or ``2048 + u`` (odd: bits 12-15), one and-or after the word's shift to put it there."""
-    if J == 3 or J == 4:
-        moved = words
-    elif J == 1 or J == 2:
-        moved = words << 8
-    elif J == 5 or J == 6:
-        moved = words >> 8
-    else:
-        moved = (words << 16) | (words >> 16)  # a rotation: values 0 and 7 to bits 16-19 and 12-15
-    if J % 2 == 0:
-        bits = (moved & 0x000F0000) | 0x43000000
-    else:
-        bits = (moved & 0x0000F000) | 0x45000000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _magic_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, N, k_per_split, stride_wn,
-                       stride_sn, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DENORMAL: tl.constexpr, PDL: tl.constexpr):
-    STEP: tl.constexpr = BLOCK_W * 8
-    JG: tl.constexpr = GROUP // 16 if GROUP // 16 < 8 else 8  # value slots per group fold
-    ONE_PANEL: tl.constexpr = BLOCK_W == 16
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, BLOCK_W)
-    panel_base = (offs_w // 16) * 128  # each word column's panel, as a K offset within the step
-    x_cols = panel_base + offs_w % 16
-    w_rows = w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :]
-    k_begin = pid_k * k_per_split
-    k_end = k_begin + k_per_split
-    # Word offsets are whole steps (multiples of 16 words): said so, the loads are 16-byte vectors.
-    words = tl.load(w_rows + tl.multiple_of(k_begin // 8, 16), mask=n_mask[:, None], other=0,
-                    eviction_policy="evict_first")
-    wait_for_previous(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, STEP):
-        upcoming = tl.load(w_rows + tl.multiple_of(tl.minimum(k0 + STEP, k_end - STEP) // 8, 16),
-                           mask=n_mask[:, None], other=0, eviction_policy="evict_first")
-        unsigned = words.to(tl.uint32, bitcast=True)
-        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-        # Per word column: the activations times each value's offset plus the symmetric zero (without zero
-        # points), else times the offset, and their plain sum; DENORMAL: the activations' sum (times the symmetric
-        # zero without zero points) in part's scale, 2**-60.
-        x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
-        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for j in tl.static_range(8):
-            x = tl.load(x_ptr + k0 + x_cols + 16 * j).to(tl.float32)
-            if DENORMAL:
-                part += _subnormal_times_x(words, x, j)
-                x_offset += x * (8.673617379884035e-19 if HAS_ZEROS else 6.938893903907228e-18)  # 2**-60, 8 * that
-            else:
-                part += _offset_value(unsigned, j) * x[None, :]
-                if HAS_ZEROS:
-                    x_offset += x * (128.0 + 1920.0 * (j % 2))
-                    x_sum += x
-                else:
-                    x_offset += x * (136.0 + 1920.0 * (j % 2))
-            if (j + 1) % JG == 0:
-                s, z = _fold_scales(s_ptr, z_ptr, offs_n, n_mask, panel_base, k0 + 16 * (j + 1 - JG), stride_sn,
-                                    GROUP, HAS_ZEROS, ONE_PANEL)
-                if HAS_ZEROS:
-                    if DENORMAL:  # x_offset: the activations' sum times 2**-60
-                        acc += s * (part - z * x_offset[None, :])
-                    else:
-                        acc += s * (part - x_offset[None, :] - z * x_sum[None, :])
-                    x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
-                else:
-                    acc += s * (part - x_offset[None, :])
-                part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-                x_offset = tl.zeros([BLOCK_W], dtype=tl.float32)
-        words = upcoming
-    allow_next(PDL)
-    total = tl.sum(acc, axis=1)
-    if DENORMAL:
-        total = total * 1152921504606846976.0  # 2**60
-    _store_or_reduce(total, out_ptr + offs_n, partials_ptr + offs_n, N, arrivals_ptr + pid_n, n_mask,
-                     pid_k, SPLIT_K)
 
 
 # Pair p of a word ($4): (w >> 4p) & 0x000F000F | magic (lop3 truth table 0xEA: (a & b) | c); scaled, minus the

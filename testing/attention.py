@@ -10,8 +10,9 @@ The backend is built as ``factory(context)`` from an
 whose requests sit on shuffled pages (every slot no request owns holds NaN, so reading a wrong slot
 poisons the output), runs the backend and the reference on identical copies, and compares the
 attention output and the K/V the backend wrote. Scenarios: extend with a cached prefix (aligned and
-unaligned to pages, and no prefix), decode (and, for a backend that ``applies_rotary`` to decode
-batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
+unaligned to pages, and no prefix), decode (with the host's lengths as upper bounds where the backend's
+``decodes_by_device_lengths`` says it runs decode steps from the device's; for a backend that
+``applies_rotary`` to decode batches, decode with q and k passed before the rotary embedding), TARGET_VERIFY steps (every request
 the same 2 or more new tokens after its prefix: an extend-shaped step; where the backend's ``verifies_by_decode``
 says it runs one from the device's lengths, again with the host's upper bounds of an overlapped verify step; for
 a backend with ``supports_tree_mask`` also over random draft trees, ``ForwardBatch.tree_mask``), each with GQA,
@@ -114,8 +115,14 @@ def check_attention_backend(
                             f"extend ({name}) with {context}", generator)
             decode_lens = [int(torch.randint(1, n + 1, (1,), generator=generator)) for n in world.max_lens]
             decode_lens[0] = world.max_lens[0]
-            _check_step(factory, configure, world, ForwardMode.DECODE, [n - 1 for n in decode_lens],
-                        [1] * len(decode_lens), tol, f"decode with {context}", generator)
+            decode = make_step(world, ForwardMode.DECODE, [n - 1 for n in decode_lens], [1] * len(decode_lens),
+                               generator)
+            # From the device's lengths, the host's being upper bounds (which the exact ones are too), where the
+            # backend says it decodes so (eagle3's drafting for an overlapped verify step relies on it).
+            if not _check_prepared_step(factory, configure, world, decode, tol, f"decode from the device's lengths "
+                                        f"(decodes_by_device_lengths; the host's upper bounds) with {context}",
+                                        host_upper_bounds=True):
+                _check_prepared_step(factory, configure, world, decode, tol, f"decode with {context}")
             if not world.fp8:  # rotated K/V are no longer exact in FP8, which the comparison relies on
                 _check_rotary_decode(factory, configure, world, decode_lens, tol,
                                      f"decode, rotary embedding applied by the backend, with {context}", generator)
@@ -158,21 +165,27 @@ def _check_step(factory, configure, world: World, mode: ForwardMode, prefix_lens
 
 
 def _check_prepared_step(factory, configure, world: World, step, tol: tuple[float, float], context: str,
-                         host_upper_bounds: bool = False) -> None:
-    """``host_upper_bounds``: only where the backend runs the step from the device's lengths (``verifies_by_decode``),
-    with the host's as an overlapped verify step has them (:func:`_with_host_upper_bounds`)."""
+                         host_upper_bounds: bool = False) -> bool:
+    """``host_upper_bounds``: only where the backend runs the step from the device's lengths (a decode step:
+    ``decodes_by_device_lengths``; a verify step: ``verifies_by_decode``), with the host's as an overlapped verify
+    step has them (:func:`_with_host_upper_bounds`). Returns whether the step ran."""
     cache = world.fresh_cache()
     backend = build_backend(factory, configure, world, cache)
     forward_batch = step.forward_batch(world.pool, cache, backend)
     if host_upper_bounds:
-        if not backend.verifies_by_decode(step.mode, forward_batch.num_tokens):
-            return
+        if step.mode.is_decode():
+            reads_device = backend.decodes_by_device_lengths()
+        else:
+            reads_device = backend.verifies_by_decode(step.mode, forward_batch.num_tokens)
+        if not reads_device:
+            return False
         forward_batch = _with_host_upper_bounds(forward_batch, world)
     expected, ref_cache = reference(world, step)
     backend.init_forward_metadata(forward_batch)
     out = backend.forward(step.q, step.k, step.v, world.layer(), forward_batch)
     assert_output(out, expected, step.q.shape, tol, context)
     assert_kv_written(cache, ref_cache, step.out_cache_loc, context)
+    return True
 
 
 def _check_rotary_decode(factory, configure, world: World, seq_lens: list[int], tol: tuple[float, float],

@@ -129,11 +129,20 @@ class _PlansVerifyFromHostLengths(TorchNativeAttnBackend):
     def verifies_by_decode(self, mode, num_tokens: int) -> bool:
         return mode.is_verify()
 
+    def decodes_by_device_lengths(self) -> bool:
+        return False  # torch_native's decode reads the host's lengths (and says so)
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_verify() and forward_batch.extend_prefix_lens_cpu is None:
             forward_batch.extend_prefix_lens_cpu = [
                 int(n) - t for n, t in zip(forward_batch.seq_lens_cpu, forward_batch.extend_seq_lens_cpu)]
         super().init_forward_metadata(forward_batch)
+
+
+class _PlansDecodeFromHostLengths(TorchNativeAttnBackend):
+    # Says it runs decode steps from the device's lengths, yet torch_native's decode buckets them by the host's.
+    def decodes_by_device_lengths(self) -> bool:
+        return True
 
 
 @pytest.mark.parametrize(
@@ -143,7 +152,8 @@ class _PlansVerifyFromHostLengths(TorchNativeAttnBackend):
         (_WrongScale, "differs from torch_native"),
         (_ForgetsToSaveKV, "did not write"),
         (_ReadsWrongLayer, "did not write"),
-        (_PlansVerifyFromHostLengths, "from the device's lengths"),
+        (_PlansVerifyFromHostLengths, "TARGET_VERIFY of 2 tokens per request from the device's lengths"),
+        (_PlansDecodeFromHostLengths, "decode from the device's lengths"),
     ],
 )
 def test_broken_backends_fail_with_the_scenario_named(backend, message: str) -> None:

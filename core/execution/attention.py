@@ -116,6 +116,15 @@ class AttentionBackend(ABC):
         only where its own token count gets True. Default False: never (on the CPU every backend joins)."""
         return False
 
+    def decodes_by_device_lengths(self) -> bool:
+        """Whether every DECODE step runs from the lengths on the device alone (``seq_lens``): the host's
+        ``seq_lens_cpu`` and ``seq_lens_sum`` may then be upper bounds, as in the head's decode steps ``eagle3`` drafts
+        with on the device for an overlapped verify step (it drafts there only on a backend that joins overlapped
+        verify and answers True here). Default: whether the backend joins overlapped verify
+        (:func:`joins_overlapped_verify`; one that reads a verify step's lengths on the device reads a decode step's
+        there too); a backend that plans some decode batches from the host's lengths answers False."""
+        return joins_overlapped_verify(self)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
         forward_batch: ForwardBatch, save_kv_cache: bool = True,

@@ -66,6 +66,11 @@ class FlashInferTritonAttnBackend(AttentionBackend):
         lengths on the device: no plan on the host)."""
         return self.small.verifies_by_decode(mode, num_tokens)
 
+    def decodes_by_device_lengths(self) -> bool:
+        """Only while every decode batch goes to the Triton half (``small_decode_batch`` None): FlashInfer plans its
+        decode steps from the host's lengths."""
+        return self.small_decode_batch is None and self.small.decodes_by_device_lengths()
+
     def _step_backend(self, forward_batch: ForwardBatch) -> AttentionBackend:
         mode = forward_batch.forward_mode
         if mode.is_decode():

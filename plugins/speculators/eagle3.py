@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.core.execution.attention import build_attention_backend, joins_overlapped_verify
+from treadle.core.execution.attention import AttentionBackend, build_attention_backend, joins_overlapped_verify
 from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.forward_batch import ForwardBatch, ForwardMode
 from treadle.core.execution.overlap import to_device
@@ -427,14 +427,14 @@ class Eagle3Speculator(Speculator):
         )
 
 
-def reads_device_lengths(backend: Any, device: torch.device) -> bool:
+def reads_device_lengths(backend: AttentionBackend, device: torch.device) -> bool:
     """Whether the head's attention backend runs its decode and chain-verify steps from the lengths on the device
     (the host's are upper bounds under overlapped verify): on the CPU any backend (host and device are one), on CUDA
-    one that joins overlapped verify (``AttentionBackend.verifies_by_decode``), its decode steps reading the device's
-    lengths too (flashinfer_triton's only while its decode batches all go to its Triton half)."""
+    one that joins overlapped verify (``AttentionBackend.verifies_by_decode``) and decodes from the device's lengths
+    too (``AttentionBackend.decodes_by_device_lengths``)."""
     if device.type == "cpu":
         return True
-    return joins_overlapped_verify(backend) and getattr(backend, "small_decode_batch", None) is None
+    return joins_overlapped_verify(backend) and backend.decodes_by_device_lengths()
 
 
 def build_eagle3_speculator(target: "ModelWorker", config: "ResolvedConfig", registry: "Registry") -> Speculator:

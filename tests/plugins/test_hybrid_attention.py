@@ -7,9 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from treadle.core.execution.forward_batch import ForwardMode
 from treadle.plugins.attention import hybrid
+from treadle.plugins.speculators.eagle3 import reads_device_lengths
 
 
 class _Recorder:
@@ -34,6 +36,9 @@ class _Large(_Recorder):
 class _Small(_Recorder):
     def verifies_by_decode(self, mode: ForwardMode, num_tokens: int) -> bool:
         return mode.is_verify() and num_tokens <= 20
+
+    def decodes_by_device_lengths(self) -> bool:
+        return True
 
 
 @pytest.fixture
@@ -162,3 +167,13 @@ def test_draft_tree_verify_steps_go_to_flashinfer_whatever_their_size(backend) -
     assert _names(backend.large) == ["init_forward_metadata", "forward_extend",
                                      "init_forward_metadata_capture_cuda_graph",
                                      "init_forward_metadata_replay_cuda_graph"]
+
+
+def test_eagle3_drafts_on_the_device_only_while_every_decode_batch_goes_to_triton(backend) -> None:
+    # FlashInfer plans its decode steps from the host's lengths, which an overlapped verify step leaves as upper
+    # bounds (decodes_by_device_lengths); on the CPU host and device are one.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not backend.decodes_by_device_lengths()
+    assert not reads_device_lengths(backend, cuda) and reads_device_lengths(backend, cpu)
+    backend.small_decode_batch = None
+    assert backend.decodes_by_device_lengths() and reads_device_lengths(backend, cuda)

@@ -32,27 +32,14 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
         variants[name] = ("_int_gemv_kernel", {"out_ptr": "*bf16"},
                           dict(BITS=bits, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=norm,
                                BLOCK_ROW=4096 if norm else 1, BLOCK_N=16, BLOCK_W=block_w, PDL=True, SUBNORMAL=False,
-                               LEAN=False, HMMA=False, **_prefetch(split > 1)))
-    # The subnormal widening (a sweep trial), with the SiLU·mul epilogue and with split-K and zero points.
+                               **_prefetch(split > 1)))
+    # The subnormal widening (the loader's 4-bit configs), with the SiLU·mul epilogue and with split-K and zero
+    # points.
     for zeros, split, silu in ((False, 1, True), (True, 4, False)):
         variants[f"gemv[subnormal,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
             "_int_gemv_kernel", {"out_ptr": "*bf16"},
             dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
-                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, LEAN=False, HMMA=False,
-                 **_prefetch(silu)))
-    # The lean loop (kernels/packed_int_lean.py): SiLU·mul, split-K with zero points, groups of 32 and four panels a
-    # step.
-    for zeros, split, silu, group, words in ((False, 1, True, 128, 128), (True, 2, False, 32, 256)):
-        variants[f"gemv[lean,zeros={zeros},split_k={split},silu_mul={silu},group={group},words={words}]"] = (
-            "_int_gemv_kernel", {"out_ptr": "*bf16"},
-            dict(BITS=4, GROUP=group, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
-                 BLOCK_N=16, BLOCK_W=words, PDL=True, SUBNORMAL=False, LEAN=True, HMMA=False, **_prefetch(silu)))
-    # The tensor-core loop (kernels/packed_int_hmma.py, inline PTX): split-K with zero points.
-    for zeros, split, silu in ((True, 2, False),):
-        variants[f"gemv[hmma,zeros={zeros},split_k={split},silu_mul={silu}]"] = (
-            "_int_gemv_kernel", {"out_ptr": "*bf16"},
-            dict(BITS=4, GROUP=128, HAS_ZEROS=zeros, SPLIT_K=split, SILU_MUL=silu, ADD_RMSNORM=False, BLOCK_ROW=1,
-                 BLOCK_N=16, BLOCK_W=128, PDL=True, SUBNORMAL=False, LEAN=True, HMMA=True, **_prefetch(silu)))
+                 BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, **_prefetch(silu)))
     for i16, bits, block_m, split, group in ((True, 4, 16, 2, 128), (False, 8, 64, 1, 32), (False, 4, 64, 1, 64)):
         name = f"dot[i16={i16},bits={bits},block_m={block_m},split_k={split},group={group}]"
         variants[name] = ("_int_dot_kernel", {"out_ptr": "*bf16"},
@@ -69,14 +56,7 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
                            "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
                                                  HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
         variants[f"mma[{name}]"] = ("packed_int_mma._int_mma_kernel", {"out_ptr": "*bf16"}, {**mma, **switches})
-    # The sweep's candidates of kernels/packed_int_magic.py: the offset GEMV, the tensor-core kernel with the inline
-    # PTX widening (bf16 and fp16 magic numbers).
-    variants["magic_gemv"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
-                              dict(GROUP=32, HAS_ZEROS=True, SPLIT_K=2, BLOCK_N=8, BLOCK_W=64, DENORMAL=False,
-                                   PDL=True))
-    variants["magic_gemv[subnormal]"] = ("packed_int_magic._magic_gemv_kernel", {"out_ptr": "*bf16"},
-                                         dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=1, BLOCK_N=16, BLOCK_W=32,
-                                              DENORMAL=True, PDL=True))
+    # kernels/packed_int_magic.py's tensor-core kernel with the inline PTX widening (bf16 and fp16 magic numbers).
     for dtype, magic, offset, scaled, pairs in (("bf16", 0x4300, 128.0, False, False),
                                                 ("fp16", 0x6400, 1024.0, False, True),
                                                 ("bf16", 0x4300, 128.0, True, False),
@@ -189,8 +169,7 @@ def _gemv_loads(kernel) -> str | None:
     import re
 
     constexprs = dict(BITS=4, GROUP=128, HAS_ZEROS=False, SPLIT_K=4, SILU_MUL=False, ADD_RMSNORM=False, BLOCK_ROW=1,
-                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, LEAN=False, HMMA=False, PREFETCH=True,
-                      PREFETCH_BLOCK=64)
+                      BLOCK_N=8, BLOCK_W=64, PDL=True, SUBNORMAL=True, PREFETCH=True, PREFETCH_BLOCK=64)
     ptx = _aligned_ptx(kernel, constexprs)
     loads = sorted(set(re.findall(r"ld\.global[\w.:]*", ptx)))
     words = [load for load in loads if "evict_first" in load]

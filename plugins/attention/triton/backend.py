@@ -201,6 +201,10 @@ class TritonAttnBackend(AttentionBackend):
         every token (``verify_decode_max_tokens``)."""
         return mode.is_verify() and 0 < num_tokens <= self.verify_decode_max_tokens
 
+    def decodes_by_device_lengths(self) -> bool:
+        """Always: the decode kernel reads ``seq_lens`` on the device (nothing is planned on the host)."""
+        return True
+
     def applies_rotary(self, forward_batch: ForwardBatch) -> bool:
         return self.decode_applies_rotary and forward_batch.forward_mode.is_decode()
 
