@@ -25,7 +25,8 @@ from treadle.bench.lora_kernels import NUM_LAYERS, _graph_seconds
 
 CASES = ((1, 1), (32, 32))  # (tokens, adapters): token t has adapter t % adapters
 LIBRARY_CASES = ((32, 32),)  # the same with every layer's matmul the library's (cuBLAS)
-FORMS = {"unfused": {"fuse_gemv": 0}, "split": {"fuse_gemv": 1}, "split_all": {"fuse_gemv": 1, "fuse_tile": 1 << 20}}
+FORMS = {"unfused": {"fuse_gemv": 0}, "split": {"fuse_gemv": 1, "fuse_max_tokens": 64},
+         "split_all": {"fuse_gemv": 1, "fuse_max_tokens": 64, "fuse_tile": 1 << 20}}
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 
 

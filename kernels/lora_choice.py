@@ -37,7 +37,10 @@ up to ``dense_max_tokens`` = 512 (a decode batch of every running request), the 
 programs of its launch: two launches a layer where the gather form alone runs three or four; beside a cuBLAS matmul
 the shrink runs in its own launch (three a layer, the ``silu_mul`` and add + RMSNorm kernels gone).
 ``fuse_gemv=0`` is the unfused path, for A/B runs (``treadle bench lora --part gemv`` times both;
-``--engine-kernels fuse_gemv=0``).
+``--engine-kernels fuse_gemv=0``). ``fuse_max_tokens`` = 1 keeps the split to one-token steps: on 2 x H200
+(2026-11-28, Llama-3.1-8B shapes, rank 16 on seven projections, the engine's own matmuls) it took a bs=1 step's linear
+work from 1.189x the base to 1.080x (end to end 1.156x -> 1.067x), but at bs=32 over 32 adapters it measured 1.344x
+against the unfused path's 1.318x (1.350x against 1.328x beside cuBLAS); sizes between are not measured yet.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class LoRAKernelChoice:
     beside cuBLAS, in its own; or the unfused path; ``fuse_tile``: the largest gather-shrink tile (elements of ``a``
     a program loads at once) that runs in a matmul's launch: its registers are the launch's (bs=32's ``[1, 16384]``
     tiles of ``down_proj`` would spill a 4-warp matmul tile's), larger ones run in their own launch (the expand
-    still carrying the epilogue)."""
+    still carrying the epilogue); ``fuse_max_tokens``: batches of more tokens run unfused."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -79,6 +82,7 @@ class LoRAKernelChoice:
     dense_max_tokens: int = 512
     fuse_gemv: int = 1
     fuse_tile: int = 8192
+    fuse_max_tokens: int = 1
 
     def __post_init__(self) -> None:
         for name in ("shrink_tile", "expand_tile", "split_k"):

@@ -45,9 +45,9 @@ from treadle.kernels.small_batch import _arrivals
 
 def splits(num_tokens: int, projections: int, choice: LoRAKernelChoice) -> bool:
     """Whether ``add_delta`` would run the gather form for this batch (the form :class:`SplitLoRA` splits) and the
-    choice lets it run split (``fuse_gemv``)."""
-    return bool(choice.fuse_gemv) and 0 < num_tokens <= min(GATHER_MAX_TOKENS, choice.sort_above) and \
-        projections <= MAX_PROJECTIONS
+    choice lets it run split (``fuse_gemv``, up to ``fuse_max_tokens`` tokens)."""
+    return bool(choice.fuse_gemv) and 0 < num_tokens <= min(GATHER_MAX_TOKENS, choice.sort_above,
+                                                             choice.fuse_max_tokens) and projections <= MAX_PROJECTIONS
 
 
 def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: torch.Tensor, scalings: torch.Tensor,

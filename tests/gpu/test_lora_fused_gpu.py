@@ -181,7 +181,7 @@ def test_engine_tokens_with_and_without_the_split(real_shape_llama_dir, tmp_path
     outputs = {}
     monkeypatch.setenv("TREADLE_SMALL_BATCH_MATMUL", matmul)  # read as the layers load
     for fuse in ("1", "0"):
-        monkeypatch.setenv("TREADLE_LORA_KERNELS", f"fuse_gemv={fuse}")  # read when the backend is built
+        monkeypatch.setenv("TREADLE_LORA_KERNELS", f"fuse_gemv={fuse},fuse_max_tokens=64")  # read when built
         with Engine(config) as engine:
             for single in (True, False):  # one request (bs=1: the GEMVs), then three
                 batch = prompts[:1] if single else prompts

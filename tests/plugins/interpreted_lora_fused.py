@@ -161,7 +161,7 @@ def main(folder: str) -> None:
     runner, backend = model_with_adapters(folder)
     split_runs = {}
     for fuse in (1, 0):
-        backend.kernel_choice = dataclasses.replace(backend.kernel_choice, fuse_gemv=fuse)
+        backend.kernel_choice = dataclasses.replace(backend.kernel_choice, fuse_gemv=fuse, fuse_max_tokens=64)
         calls.clear()
         split_runs[fuse] = (model_logits(runner), dict(calls))
     (fused_logits, fused_calls), (unfused_logits, unfused_calls) = split_runs[1], split_runs[0]
