@@ -115,9 +115,9 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
 def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     """Launches no loader times yet. One row: GEMV programs that load two panels (128 words) of 4 or 8 rows a step,
     and the best config's split-K doubled: are qkv and o_proj (few rows, 35-42% of the roofline) short of bytes in
-    flight per SM? 16 and 32 rows: per-slot dots alternating between two accumulators (``two_chains``) or not, on
-    128-row tiles of one or two warpgroups, split-K for one or two programs per SM: do the per-slot wgmma waits, one
-    dot after another, hold M=32 at 25%?"""
+    flight per SM? 16 and 32 rows: per-slot dots on 128-row tiles of one or two warpgroups, split-K for one or two
+    programs per SM (per-slot dots alternating between two accumulators, ``two_chains``, lost to the loader's
+    ``int_mma`` launches at every shape on an H200 and were removed; commit ``178d66b`` has them)."""
     from treadle.kernels.packed_int import IntTiles, _split
     from treadle.kernels.packed_int_mma import MmaTiles, _split as _mma_split
 
@@ -133,8 +133,7 @@ def trials(n: int, k: int, rows: int, sm_count: int) -> list:
     for warps in (4, 8):
         for programs in (1, 2):
             split = _mma_split(n, steps, 128, programs * sm_count)
-            listed += [MmaTiles(block_m, 128, split_k=split, num_warps=warps, per_slot=True, two_chains=chains)
-                       for chains in (True, False)]
+            listed.append(MmaTiles(block_m, 128, split_k=split, num_warps=warps, per_slot=True))
     return [t for t in listed if t.fits(k, 4, GROUP)]
 
 

@@ -6,15 +6,17 @@ panel layout, unchanged), what the loader times first at 2 to 64 rows where it a
 row) per K step, dequantized once per program (the token tile holds the whole batch up to ``block_m``); each
 word's eight values become four pairs of 16-bit ``128 + u`` (bf16; fp16 ``1024 + u``), each pair one shift and
 one lop3 (``(w >> 4p) & 0x000F000F | 0x43004300``: values ``p`` and ``p + 4`` of the word in one register), by
-inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). Each pair
-stays one register in the tile (value ``j`` of word ``c`` at K position ``8c + 2 * (j % 4) + j // 4``; its panel
-column is ``16j + c``), and the activations are loaded and permuted into that order. The step's group takes its
-scale and zero (and the widening's offset, through the tokens' activation sums) after the dot, or (``scaled``)
-before it, by a packed subtraction and multiplication of each pair in the same PTX (``(u - zero) * scale``
-rounded once, as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds), the dot then accumulating across
-steps. Split-K where the weight's row tiles leave the SMs short of programs. SASS of the loop for sm_90 (128 weight rows
-by 16 tokens a panel): 380 instructions (scaled: 423) against ``int_mma``'s 662 (per-slot dots) and 771 (whole
-panels).
+inline PTX (``ASM``; its twin with plain Triton ops gives the same values on the CPU interpreter). Each pair is
+the first operand of a dot of its own over the pair's 32 panel columns (``16p + c`` and ``16(p + 4) + c``), kept
+in registers for Hopper's wgmma, the four dots of a panel chaining without waiting; the activations of those
+columns load as one tile. The step's group takes its scale and zero (and the widening's offset, through the
+tokens' activation sums) after the dots, or (``scaled``) before them, by a packed subtraction and multiplication
+of each pair in the same PTX (``(u - zero) * scale`` rounded once, as ``kernels/packed_int_dequant.py``'s
+``dequantize`` rounds), the dots then accumulating across steps. Split-K where the weight's row tiles leave the
+SMs short of programs. SASS of the loop for sm_90 (128 weight rows by 16 tokens a panel, Triton 3.9): 421
+instructions (scaled: 438) against ``int_mma``'s 661 (per-slot dots) and 769 (whole panels). A form with one dot
+of 128 columns a panel (the widened tile through shared memory) lost to this one at every shape at 16 and 32 rows
+on an H200 and was removed (commit ``178d66b`` has it).
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ PANEL = PANEL_WORDS * 8  # 4-bit values per panel
 class MagicMmaTiles:
     """One :func:`magic_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows a tile, one panel
     a K step, ``split_k`` K ranges; ``asm``: the widening in inline PTX (else the same values from plain ops);
-    ``scaled``: the values become ``(u - zero) * scale`` before the dot (two more packed instructions a pair), which
-    then accumulates across steps, instead of taking the step's scale after it; ``pair_dots``: four dots of 32
-    columns a panel, one a pair of values of each word, instead of one of 128."""
+    ``scaled``: the values become ``(u - zero) * scale`` before the dots (two more packed instructions a pair), which
+    then accumulate across steps, instead of taking the step's scale after them."""
 
     block_m: int
     block_n: int
@@ -48,7 +49,6 @@ class MagicMmaTiles:
     num_stages: int = 3
     asm: bool = True
     scaled: bool = False
-    pair_dots: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
@@ -70,8 +70,8 @@ def magic_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, PAIR_DOTS=tiles.pair_dots,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight),
+        MAGIC16=magic, OFFSET16=offset, ASM=tiles.asm, SCALED=tiles.scaled, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -88,7 +88,7 @@ def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_c
 
     def tiles(block_n: int, programs: int, warps: int = 4, scaled: bool = True) -> MagicMmaTiles:
         return MagicMmaTiles(block_m, block_n, _split(n, steps, block_n, 1, programs * sm_count), warps,
-                             scaled=scaled, pair_dots=True)
+                             scaled=scaled)
 
     if rows <= 16:
         listed = [tiles(128, 2), tiles(128, 2, 8), tiles(128, 2, 8, scaled=False)]
@@ -102,83 +102,16 @@ def magic_load_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_c
 def mma_trials(n: int, k: int, rows: int, sm_count: int) -> list[MagicMmaTiles]:
     """The :func:`magic_mma` launches the sweep times for ``rows`` tokens (1 to 64): the narrowest token tile that
     holds them, weight tiles of 64 or 128 rows (4 or 8 warps), split-K for one or two programs per SM; scaled after
-    the dot or before it, in one dot a panel or four; the first of each form with the plain-op widening too."""
+    the dots or before them; the first with the plain-op widening too."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps, listed = k // PANEL, []
     for block_n, warps in ((64, 4), (128, 4), (128, 8)):
         for programs in (1, 2):
             split = _split(n, steps, block_n, 1, programs * sm_count)  # K ranges of whole panels
-            listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled, pair_dots=pair_dots)
-                       for pair_dots in (False, True) for scaled in (False, True)]
-    # A control: the first launch of each form with the plain-op widening (the inline PTX's gain, and a fallback).
-    listed += [dataclasses.replace(listed[0], asm=False), dataclasses.replace(listed[2], asm=False)]
+            listed += [MagicMmaTiles(block_m, block_n, split, warps, scaled=scaled) for scaled in (False, True)]
+    # A control: the first launch with the plain-op widening (the inline PTX's gain, and a fallback).
+    listed.append(dataclasses.replace(listed[0], asm=False))
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
-
-
-# Pair p of a word ($4): (w >> 4p) & 0x000F000F | magic (lop3 truth table 0xEA: (a & b) | c); scaled, minus the
-# pair (magic + zero) ($6: u - zero exactly) times the pair (scale, scale) ($8: one rounding, as dequantize's).
-def _pairs_asm(magic: int, scaled: str = "") -> str:
-    lop3 = f"0x000F000F, {magic * 0x10001:#x}, 0xEA;"
-    text = "{ .reg .b32 t;"
-    for p in range(4):
-        source = "$4" if p == 0 else "t"
-        text += f" shr.b32 t, $4, {4 * p};" if p else ""
-        if scaled:
-            text += (f" lop3.b32 t, {source}, {lop3} sub.rn.{scaled} t, t, $6; mul.rn.{scaled} ${p}, t, $8;")
-        else:
-            text += f" lop3.b32 ${p}, {source}, {lop3}"
-    return text + " }"
-
-
-_PAIRS_BF16 = tl.constexpr(_pairs_asm(0x4300))
-_PAIRS_FP16 = tl.constexpr(_pairs_asm(0x6400))
-_SCALED_BF16 = tl.constexpr(_pairs_asm(0x4300, "bf16x2"))
-_SCALED_FP16 = tl.constexpr(_pairs_asm(0x6400, "f16x2"))
-
-
-@triton.jit
-def _pairs(words, zero, scale, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr, dtype: tl.constexpr):
-    """``[BLOCK_N, 16, 8]``: the eight values of each word widened to ``dtype``, ``OFFSET16 + u`` (``SCALED``:
-    ``(u - zero) * scale``, ``zero`` and ``scale`` float32 per row), value ``j`` at position ``2 * (j % 4) + j //
-    4``: pair ``p`` (values ``p`` and ``p + 4``, the halves of one register) comes from one shift and one lop3 (and
-    a subtraction and a multiplication of both halves at once) and stays one register."""
-    if ASM:
-        # pack=2 over [.., 2] copies of each word (a join's last dimension stays in one thread): both operands
-        # of an instance are the same word, and each output register holds the pair (value p, value p + 4).
-        twice = tl.join(words, words)
-        if SCALED:
-            zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
-            bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
-            if MAGIC16 == 0x4300:
-                p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                    _SCALED_BF16, "=r,=r,=r,=r,r,r,r,r,r,r", [twice, zero2, scale2],
-                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-            else:
-                p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                    _SCALED_FP16, "=r,=r,=r,=r,r,r,r,r,r,r", [twice, zero2, scale2],
-                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
-        elif MAGIC16 == 0x4300:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _PAIRS_BF16, "=r,=r,=r,=r,r,r", [twice],
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-        else:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _PAIRS_FP16, "=r,=r,=r,=r,r,r", [twice],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
-    else:
-        p0 = tl.join(_value(words, 0, zero, scale, MAGIC16, SCALED, dtype),
-                     _value(words, 4, zero, scale, MAGIC16, SCALED, dtype))
-        p1 = tl.join(_value(words, 1, zero, scale, MAGIC16, SCALED, dtype),
-                     _value(words, 5, zero, scale, MAGIC16, SCALED, dtype))
-        p2 = tl.join(_value(words, 2, zero, scale, MAGIC16, SCALED, dtype),
-                     _value(words, 6, zero, scale, MAGIC16, SCALED, dtype))
-        p3 = tl.join(_value(words, 3, zero, scale, MAGIC16, SCALED, dtype),
-                     _value(words, 7, zero, scale, MAGIC16, SCALED, dtype))
-    # [.., h, b, a] (p = a + 2b, j = p + 4h) permuted to [.., b, a, h]: each register's pair stays adjacent, at
-    # position 2p + h of the word's eight.
-    joined = tl.join(tl.join(p0, p2), tl.join(p1, p3))
-    return tl.reshape(tl.permute(joined, (0, 1, 3, 4, 2)), [words.shape[0], words.shape[1], 8])
 
 
 @triton.jit
@@ -207,8 +140,10 @@ _SCALED_PAIR_FP16 = tl.constexpr(_pair_asm(0x6400, "f16x2"))
 @triton.jit
 def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
           dtype: tl.constexpr):
-    """``[BLOCK_N, 16, 2]``: values ``P`` and ``P + 4`` of each word widened as :func:`_pairs` widens them (the
-    two halves of one register), for a dot over their 32 columns (``16 * (P + 4h) + c`` at ``[c, h]``)."""
+    """``[BLOCK_N, 16, 2]``: values ``P`` and ``P + 4`` of each word widened to ``dtype``, ``OFFSET16 + u``
+    (``SCALED``: ``(u - zero) * scale``, ``zero`` and ``scale`` float32 per row), the two halves of one register
+    from one lop3 of the word shifted (and a subtraction and a multiplication of both halves at once), for a dot
+    over their 32 columns (``16 * (P + 4h) + c`` at ``[c, h]``)."""
     if ASM:
         twice = tl.join(words >> (4 * P), words >> (4 * P))  # pack=2: both operands of an instance, one word
         if SCALED:
@@ -235,9 +170,8 @@ def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.co
 def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split, stride_xm,
                       stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr, ASM: tl.constexpr,
-                      SCALED: tl.constexpr, PAIR_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
-                      PREFETCH_BLOCK: tl.constexpr):
+                      SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, prefetch_ptr,
+                      prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -245,47 +179,32 @@ def _magic_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrival
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    # [2, 4, 16, BLOCK_M] activations of a panel (column 16 * (p + 4h) + c at [h, p, c]), contiguous along c.
-    x_tile = (x_ptr + offs_m[None, None, None, :] * stride_xm + 64 * tl.arange(0, 2)[:, None, None, None]
-              + 16 * tl.arange(0, 4)[None, :, None, None] + tl.arange(0, 16)[None, None, :, None])
     w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
-    # PAIR_DOTS: [16, 2, BLOCK_M] activations of pair p's columns (16 * (p + 4h) + c at [c, h]).
+    # [16, 2, BLOCK_M] activations of pair p's columns (16 * (p + 4h) + c at [c, h]).
     x_pair = (x_ptr + offs_m[None, None, :] * stride_xm + tl.arange(0, 16)[:, None, None]
               + 64 * tl.arange(0, 2)[None, :, None])
     for k0 in range(k_begin, k_begin + k_per_split, 128):
         words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, k0 // GROUP, stride_sn, 4, HAS_ZEROS,
                                     0.0 if SCALED else OFFSET16, BLOCK_N)
-        if PAIR_DOTS:
-            # Four dots of 32 columns, one a pair: the widened operand stays in registers (Hopper's wgmma reads
-            # its first operand from there), the dots chain without waiting.
-            if SCALED:
-                for p in tl.static_range(4):
-                    x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0),
-                                   [32, BLOCK_M])
-                    w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, True, x.dtype), [BLOCK_N, 32])
-                    acc = tl.dot(w, x, acc)
-            else:
-                part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for p in tl.static_range(4):
-                    x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0),
-                                   [32, BLOCK_M])
-                    w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, False, x.dtype), [BLOCK_N, 32])
-                    part = tl.dot(w, x, part)
-                    x_sum += tl.sum(x.to(tl.float32), axis=0)
-                acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
-        else:
-            x_panel = tl.load(x_tile + k0, mask=m_mask[None, None, None, :], other=0)
-            x = tl.reshape(tl.permute(x_panel, (2, 1, 0, 3)), [128, BLOCK_M])  # K position 8c + 2p + h, as w's
-            w = tl.reshape(_pairs(words, zero, s, MAGIC16, ASM, SCALED, x.dtype), [BLOCK_N, 128])
-            if SCALED:  # the values dequantized before the dot, which accumulates
+        # Four dots of 32 columns, one a pair: the widened operand stays in registers (Hopper's wgmma reads its
+        # first operand from there), the dots chain without waiting.
+        if SCALED:  # the values dequantized before the dots, which accumulate
+            for p in tl.static_range(4):
+                x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0), [32, BLOCK_M])
+                w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, True, x.dtype), [BLOCK_N, 32])
                 acc = tl.dot(w, x, acc)
-            else:  # the step's scale and zero (and the widening's offset) after the dot
-                part = tl.dot(w, x)
-                acc += s[:, None] * (part - zero[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :])
+        else:  # the step's scale and zero (and the widening's offset) after the dots
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for p in tl.static_range(4):
+                x = tl.reshape(tl.load(x_pair + k0 + 16 * p, mask=m_mask[None, None, :], other=0), [32, BLOCK_M])
+                w = tl.reshape(_pair(words, zero, s, p, MAGIC16, ASM, False, x.dtype), [BLOCK_N, 32])
+                part = tl.dot(w, x, part)
+                x_sum += tl.sum(x.to(tl.float32), axis=0)
+            acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     _store_or_reduce(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
                      arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,

@@ -42,8 +42,7 @@ class MmaTiles:
     dot's first operand (``swap``), and whether the values are scaled before the dot (``scale_in_regs``).
     ``per_slot``: one panel a step, one dot per 16-column value slot (``int_dot``'s steps with the weight as the
     first operand: each slot's widening is elementwise on the loaded words, which lets the compiler feed Hopper's
-    wgmma from registers instead of a round trip through shared memory); ``two_chains``: the per-slot dots of a
-    panel alternate between two accumulators, so each one's wgmma need not wait for the one before it."""
+    wgmma from registers instead of a round trip through shared memory)."""
 
     block_m: int
     block_n: int
@@ -54,13 +53,10 @@ class MmaTiles:
     swap: bool = True
     scale_in_regs: bool = False
     per_slot: bool = False
-    two_chains: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` in groups of ``group``."""
         step = self.panels * PANEL_WORDS * 32 // bits
-        if self.two_chains and not self.per_slot:
-            return False
         if self.per_slot:
             return self.panels == 1 and self.swap and not self.scale_in_regs and k % (step * self.split_k) == 0
         if k % (step * self.split_k):
@@ -86,8 +82,7 @@ def int_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: 
         scales.stride(0), out.stride(0), BITS=bits, GROUP=group, HAS_ZEROS=zeros is not None,
         SPLIT_K=tiles.split_k, SWAP=tiles.swap, SCALE_IN_REGS=tiles.scale_in_regs, I16=i16, MAGIC16=magic,
         OFFSET16=offset, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PANELS=tiles.panels,
-        PER_SLOT=tiles.per_slot, TWO_CHAINS=tiles.two_chains,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PER_SLOT=tiles.per_slot, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -179,7 +174,7 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
                     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
                     SCALE_IN_REGS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr, OFFSET16: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PANELS: tl.constexpr,
-                    PER_SLOT: tl.constexpr, TWO_CHAINS: tl.constexpr = False):
+                    PER_SLOT: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = PANELS * 16 * PACK
     pid_n = tl.program_id(0)
@@ -203,7 +198,7 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
         acc = _slot_dots(x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 16)[:, None], m_mask,
                          w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :], s_ptr, z_ptr, offs_n,
                          n_mask, k_begin, k_begin + k_per_split, stride_sn, BITS, GROUP, HAS_ZEROS, I16, MAGIC16,
-                         OFFSET16, BLOCK_M, BLOCK_N, TWO_CHAINS)
+                         OFFSET16, BLOCK_M, BLOCK_N)
     else:
         for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
             words = tl.load(w_tile + k0 // PACK, mask=n_mask[:, None, None], other=0, eviction_policy="evict_first")
@@ -244,13 +239,11 @@ def _int_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_
 @triton.jit
 def _slot_dots(x_cols, m_mask, w_rows, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_end, stride_sn, BITS: tl.constexpr,
                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, I16: tl.constexpr, MAGIC16: tl.constexpr,
-               OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TWO_CHAINS: tl.constexpr = False):
+               OFFSET16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """float32 ``[BLOCK_N, BLOCK_M]`` sums over ``[k_begin, k_end)`` of the weight rows (``w_rows``: ``[BLOCK_N,
     16]`` pointers to a row's first panel) with the activation rows (``x_cols``: ``[16, BLOCK_M]`` pointers to
-    their first 16 columns): per panel, value slot ``j`` of the words times the 16 activation columns it holds
-    (odd slots into a second accumulator with TWO_CHAINS); each group's sums take its scale and zero (plus the
-    widening's offset) through the rows' activation sums."""
+    their first 16 columns): per panel, value slot ``j`` of the words times the 16 activation columns it holds;
+    each group's sums take its scale and zero (plus the widening's offset) through the rows' activation sums."""
     PACK: tl.constexpr = 32 // BITS
     PANEL: tl.constexpr = 16 * PACK
     JG: tl.constexpr = GROUP // 16 if GROUP // 16 < PACK else PACK
@@ -258,21 +251,14 @@ def _slot_dots(x_cols, m_mask, w_rows, s_ptr, z_ptr, offs_n, n_mask, k_begin, k_
     for k0 in range(k_begin, k_end, PANEL):
         words = tl.load(w_rows + k0 // PACK, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        odd = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         for j in tl.static_range(PACK):
             x = tl.load(x_cols + k0 + 16 * j, mask=m_mask[None, :], other=0)
-            if TWO_CHAINS and j % 2 == 1:
-                odd = tl.dot(_widened(words, j, BITS, I16, MAGIC16, x.dtype), x, odd)
-            else:
-                part = tl.dot(_widened(words, j, BITS, I16, MAGIC16, x.dtype), x, part)
+            part = tl.dot(_widened(words, j, BITS, I16, MAGIC16, x.dtype), x, part)
             x_sum += tl.sum(x.to(tl.float32), axis=0)
             if (j + 1) % JG == 0:
                 s, zero = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, (k0 + 16 * (j + 1 - JG)) // GROUP,
                                             stride_sn, BITS, HAS_ZEROS, OFFSET16, BLOCK_N)
-                if TWO_CHAINS:
-                    part += odd
-                    odd = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 acc += s[:, None] * (part - zero[:, None] * x_sum[None, :])
                 part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
                 x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -111,7 +111,7 @@ def _grouped_magic_kernel(a_ptr, w_ptr, s_ptr, z_ptr, c_ptr, row_weight_ptr, sor
     n_mask = offs_n < N
     w_tile = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     s_base, z_base = s_ptr + expert * stride_se, z_ptr + expert * stride_se
-    # [16, 2, BLOCK_M] activations of pair p's columns (16 * (p + 4h) + c at [c, h]), as magic_mma's PAIR_DOTS.
+    # [16, 2, BLOCK_M] activations of pair p's columns (16 * (p + 4h) + c at [c, h]), as magic_mma's.
     x_pair = (a_ptr + a_rows[None, None, :] * stride_am + tl.arange(0, 16)[:, None, None]
               + 64 * tl.arange(0, 2)[None, :, None])
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)

@@ -1,7 +1,7 @@
 """kernels/packed_int_magic.py's tensor-core kernel on a GPU at Llama-3.1-8B's projection shapes: its inline-PTX
-widening (scaled after the dot or before it, one dot a panel or four) gives exactly what its plain-op twin gives (the
-CPU tests check the twin) and matches the dequantized matmul in bf16 and fp16, with and without zero points; today's
-GEMV with the subnormal widening matches the plain one, epilogues included."""
+widening (scaled after the dots or before them) gives exactly what its plain-op twin gives (the CPU tests check the
+twin) and matches the dequantized matmul in bf16 and fp16, with and without zero points; today's GEMV with the
+subnormal widening matches the plain one, epilogues included."""
 
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def test_magic_mma_asm_equals_its_twin_and_the_reference(n, k, asym, dtype):
 
     words, scales, zeros, dense = _weight(n, k, asym, dtype)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    # One token on a 16-token tile (bf16 alone), a partial 32-token tile; each way of scaling and of cutting a panel.
+    # One token on a 16-token tile (bf16 alone), a partial 32-token tile; each way of scaling.
     for rows in (1, 21) if dtype == torch.bfloat16 and not asym else (21,):
         x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
         expected = x.float() @ dense.t()
-        for scaled, pair_dots in ((False, False), (True, False), (False, True), (True, True)):
-            tiles = next(t for t in mma_trials(n, k, rows, sm_count) if (t.scaled, t.pair_dots) == (scaled, pair_dots))
+        for scaled in (False, True):
+            tiles = next(t for t in mma_trials(n, k, rows, sm_count) if t.scaled == scaled)
             y = magic_mma(x, words, scales, zeros, 4, 128, tiles)
             twin = magic_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
             assert torch.equal(y, twin), (rows, tiles)

@@ -50,23 +50,18 @@ def _variants() -> dict[str, tuple[str, dict[str, str], dict[str, object]]]:
     mma = dict(BITS=4, MAGIC16=0x4300, OFFSET16=128.0, BLOCK_M=16, BLOCK_N=128, PANELS=1, SWAP=True,
                SCALE_IN_REGS=False, I16=True, PER_SLOT=False)
     for name, switches in {"per_slot": dict(PER_SLOT=True, HAS_ZEROS=True, SPLIT_K=2, GROUP=128),
-                           "per_slot_two_chains": dict(PER_SLOT=True, TWO_CHAINS=True, HAS_ZEROS=False, SPLIT_K=4,
-                                                       GROUP=128, BLOCK_M=32),
                            "panel": dict(HAS_ZEROS=False, SPLIT_K=1, GROUP=128),
                            "panels_scaled": dict(PANELS=2, SCALE_IN_REGS=True, I16=False, SWAP=False, BLOCK_M=32,
                                                  HAS_ZEROS=True, SPLIT_K=1, GROUP=64)}.items():
         variants[f"mma[{name}]"] = ("packed_int_mma._int_mma_kernel", {"out_ptr": "*bf16"}, {**mma, **switches})
-    # kernels/packed_int_magic.py's tensor-core kernel with the inline PTX widening (bf16 and fp16 magic numbers).
-    for dtype, magic, offset, scaled, pairs in (("bf16", 0x4300, 128.0, False, False),
-                                                ("fp16", 0x6400, 1024.0, False, True),
-                                                ("bf16", 0x4300, 128.0, True, False),
-                                                ("bf16", 0x4300, 128.0, True, True)):
-        variants[f"magic_mma[{dtype}{',scaled' if scaled else ''}{',pair_dots' if pairs else ''}]"] = (
+    # kernels/packed_int_magic.py's tensor-core kernel with the inline PTX widening (fp16's magic number scaled after
+    # the dots, bf16's with zero points scaled before them).
+    for dtype, magic, offset, scaled in (("fp16", 0x6400, 1024.0, False), ("bf16", 0x4300, 128.0, True)):
+        variants[f"magic_mma[{dtype}{',scaled' if scaled else ''}]"] = (
             "packed_int_magic._magic_mma_kernel", {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "s_ptr": f"*{dtype}",
                                                    "z_ptr": f"*{dtype}"},
             dict(GROUP=128, HAS_ZEROS=dtype == "bf16", SPLIT_K=2, MAGIC16=magic, OFFSET16=offset, ASM=True,
-                 SCALED=scaled, PAIR_DOTS=pairs, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128,
-                 **_prefetch(scaled)))
+                 SCALED=scaled, BLOCK_M=16 if dtype == "bf16" else 32, BLOCK_N=128, **_prefetch(scaled)))
     # The large batches' dequantization: a group per two value slots, per column (act-order) at 8 bits (a group per
     # panel: the 16-byte check below).
     for bits, group, zeros, gidx in ((4, 32, True, False), (8, 128, True, True)):

@@ -52,9 +52,6 @@ for name, (tiles, rows, group, asym) in {
         "16-token tiles, 20 tokens (two tiles)": (MagicMmaTiles(16, 32, asm=False), 20, 128, True),
         "scaled before the dot, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False, scaled=True), 5, 128, True),
         "scaled before the dot, groups of 256": (MagicMmaTiles(32, 32, asm=False, scaled=True), 20, 256, False),
-        "four dots a panel, split-K, zeros": (MagicMmaTiles(16, 32, 2, asm=False, pair_dots=True), 5, 128, True),
-        "four dots a panel, scaled before": (MagicMmaTiles(32, 32, asm=False, scaled=True, pair_dots=True), 20, 256,
-                                             False),
 }.items():
     mma[name] = errors([(magic_mma, tiles)], 40, 512, rows, group, asym, torch.float16)[0]
 refused = []

@@ -35,10 +35,6 @@ switches = {}
 for name, (bits, group, asym, dtype, tiles) in {
         "per-slot groups of 32": (4, 32, False, torch.float32, MmaTiles(16, 32, per_slot=True, split_k=2)),
         "per-slot 8-bit fp16": (8, 64, True, torch.float16, MmaTiles(16, 32, per_slot=True)),
-        "per-slot two chains, groups of 32": (4, 32, True, torch.float32,
-                                              MmaTiles(16, 32, per_slot=True, two_chains=True, split_k=2)),
-        "per-slot two chains, groups of 128": (4, 128, False, torch.float32,
-                                               MmaTiles(32, 32, per_slot=True, two_chains=True)),
         "panel after the dot fp16": (4, 256, True, torch.float16, MmaTiles(16, 32, split_k=2)),
         "panel before the dot, groups of 32": (4, 32, True, torch.float32, MmaTiles(16, 32, 2, scale_in_regs=True)),
         "panel before the dot, groups of 256, fp16": (4, 256, False, torch.float16, MmaTiles(32, 32, scale_in_regs=True)),
