@@ -17,7 +17,7 @@
 #                   issue 47 asks 2000 at dp=8) requests at once, then DP_RATE_PROMPTS (600; 0: none) at 40 req/s;
 #                   dp_one and dp_all run its two halves apart (dp=1, dp=GPUS)
 #   dp_prefix       dp=2 on 8B shapes, a shared-prefix workload (DP_PREFIXES=97 system prompts of DP_PREFIX_LEN=4000
-#                   tokens, more than one replica's KV cache holds, fewer than two hold; an odd count so that round robin
+#                   tokens, 301 on a GPU of over 100 GB: more than one replica's KV cache holds, fewer than two; an odd count so that round robin
 #                   spreads each prompt over both replicas): parallel.dp_policy prefix_aware vs round_robin, cache hit
 #                   rate and throughput (target prefix_aware >= 1.3x)
 #   dp_nodes        dp=2 as two "nodes" on this host (node 1: GPU 1, its own `treadle serve` joining node 0's controller
@@ -69,6 +69,12 @@ EOF
 }
 prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all at once
   local dir; dir=$(shape_dir llama-3.1-8b); local port=31010
+  # Prefixes that overflow one replica's KV pool but not two: ~420k tokens a replica on an 80 GB GPU (97 x 4000),
+  # ~837k on a 141 GB H200 (301 x 4000); about four requests a prefix.
+  local prefixes=97 prompts=1200
+  if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)" -gt 100000 ]; then
+    prefixes=301; prompts=1204
+  fi
   python3 -m treadle.server.launch --set model.path="$dir" --set model.load_format=dummy --set server.port=$port \
     --set parallel.dp_size=2 --set parallel.dp_policy="$1" > "$OUT/dp_prefix_$1_server.log" 2>&1 &
   local pid=$!
@@ -77,7 +83,7 @@ prefix_policy() {  # $1 = dp_policy; dp=2 server, the shared-prefix workload all
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1
   done
   timeout 300 python3 -m treadle.bench.serving --base-url "http://127.0.0.1:$port" --workload shared-prefix \
-    --num-prompts "${DP_PROMPTS:-1200}" --num-prefixes "${DP_PREFIXES:-97}" --prefix-len "${DP_PREFIX_LEN:-4000}" \
+    --num-prompts "${DP_PROMPTS:-$prompts}" --num-prefixes "${DP_PREFIXES:-$prefixes}" --prefix-len "${DP_PREFIX_LEN:-4000}" \
     --question-len 16:48 --output-len 16:64 --workers 4 --no-progress \
     --output "$OUT/serving_dp2_prefix_$1.json" 2>&1 | tail -16
   replica_balance "$port" "$OUT/dp2_prefix_$1_server_info.json"
