@@ -39,8 +39,9 @@ the shrink runs in its own launch (three a layer, the ``silu_mul`` and add + RMS
 ``fuse_gemv=0`` is the unfused path, for A/B runs (``treadle bench lora --part gemv`` times both;
 ``--engine-kernels fuse_gemv=0``). ``fuse_max_tokens`` = 1 keeps the split to one-token steps: on 2 x H200
 (2026-11-28, Llama-3.1-8B shapes, rank 16 on seven projections, the engine's own matmuls) it took a bs=1 step's linear
-work from 1.189x the base to 1.080x (end to end 1.067x; 1.156x unsplit in an earlier call), but at bs=32 over 32 adapters it measured 1.344x
-against the unfused path's 1.318x (1.350x against 1.328x beside cuBLAS); sizes between are not measured yet.
+work from 1.189x the base to 1.080x (end to end 1.067x; 1.156x unsplit in an earlier call), but at bs=32 over 32
+adapters it measured 1.344x against the unfused path's 1.318x (1.350x against 1.328x beside cuBLAS); sizes between
+are not measured yet.
 """
 
 from __future__ import annotations
