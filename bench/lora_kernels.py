@@ -106,7 +106,15 @@ SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"busy_programs": 1024},  # split-K shrinks and narrow expand blocks up to bs~32
                  {"busy_programs": 1024, "split_k": 1024},
                  # the dense form (cuBLAS over every slot) past 1 token, i.e. at every size but bs=1, and never
-                 {"dense_above": 1}, {"dense_above": 1 << 20})
+                 {"dense_above": 1}, {"dense_above": 1 << 20},
+                 # the looped gather shrink past 16 tokens (bs=32, bs=64): rows a program 16 / 8, chunks of in 512 /
+                 # 1024, in split towards 256 programs (default), or not split (1), or towards 1024 (one chunk a
+                 # program, mostly)
+                 *({"shrink_loop_above": 16, **fields} for fields in (
+                     {}, {"shrink_loop_rows": 8}, {"shrink_loop_k": 1024},
+                     {"shrink_loop_rows": 8, "shrink_loop_k": 1024}, {"shrink_loop_programs": 1},
+                     {"shrink_loop_programs": 1024},
+                     {"shrink_loop_rows": 8, "shrink_loop_programs": 1024})))
 
 
 def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,

@@ -49,6 +49,7 @@ Imported only on a CUDA device (or under ``TRITON_INTERPRET=1`` in tests).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -128,15 +129,15 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
               projection_stride(scalings), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
               h.stride(0), h.stride(1))
     if _shrink_gathers(num_tokens, rows):
-        block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, in_features, not final,
-                                                                     choice)
+        block_r, block_k, k_per_split, split, ahead = _gather_shrink_blocks(num_tokens, rows, in_features, not final,
+                                                                            choice)
         if split != h.shape[0]:
             raise ValueError(f"the shrink takes {split} slices of in here, not {h.shape[0]}")
         grid = (num_tokens, triton.cdiv(rows, block_r), split)
         pdl = pdl_enabled(x.device)
         _shrink_gather_kernel[grid](*common, k_per_split, BLOCK_R=block_r, BLOCK_K=block_k, FINAL=final, PDL=pdl,
-                                    GO_AHEAD=pdl and bool(choice.go_ahead), launch_pdl=pdl,
-                                    num_warps=_gather_warps(block_r * block_k))
+                                    GO_AHEAD=pdl and bool(choice.go_ahead), AHEAD=ahead,
+                                    launch_pdl=pdl, num_warps=_gather_warps(block_r * block_k))
     else:
         block_m = 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
         block_r = max(16, min(64, triton.next_power_of_2(rows)))
@@ -187,19 +188,48 @@ def _shrink_gathers(num_tokens: int, rows: int) -> bool:
     return num_tokens <= max(GATHER_MAX_TOKENS, _SHRINK_GATHER_ELEMENTS // rows)
 
 
+class ShrinkBlocks(NamedTuple):
+    """A gather shrink's launch: ``[block_r, block_k]`` tiles of ``a`` over ``k_per_split`` columns of ``in`` a
+    program, ``split`` slices of ``in``; ``ahead``: the looped form (each program loads its next chunk of ``a`` and
+    ``x`` before reducing this one)."""
+
+    block_r: int
+    block_k: int
+    k_per_split: int
+    split: int
+    ahead: bool = False
+
+
 @functools.lru_cache(maxsize=None)
 def _gather_shrink_blocks(num_tokens: int, rows: int, in_features: int, splittable: bool,
-                          choice: LoRAKernelChoice = DEFAULT) -> tuple[int, int, int, int]:
-    """``(BLOCK_R, BLOCK_K, columns per slice, slices)`` of a gather shrink: a ``shrink_tile`` of ``a`` per
-    program, a whole row of ``in`` per load; where that would give fewer than ``busy_programs`` programs and
-    partial sums may be returned (``splittable``), 4 KB tiles over slices of ``split_k`` columns of ``in``. Two
-    forms per layer shape, whatever the batch: each is compiled once."""
+                          choice: LoRAKernelChoice = DEFAULT) -> ShrinkBlocks:
+    """A gather shrink's :class:`ShrinkBlocks`: a ``shrink_tile`` of ``a`` per program, a whole row of ``in`` per
+    load; where that would give fewer than ``busy_programs`` programs and partial sums may be returned
+    (``splittable``), 4 KB tiles over slices of ``split_k`` columns of ``in``; past ``shrink_loop_above`` tokens
+    (not split-K) the looped form (:func:`_loop_blocks`). Two forms per layer shape by default, whatever the batch:
+    each is compiled once."""
     tile, split_k = choice.shrink_tile, choice.split_k
     full_k = min(triton.next_power_of_2(in_features), 2 * tile)
     if not splittable or num_tokens * rows * in_features >= choice.busy_programs * tile or full_k <= split_k:
-        return max(1, min(triton.next_power_of_2(rows), tile // full_k)), full_k, in_features, 1
+        if num_tokens > choice.shrink_loop_above:
+            return _loop_blocks(num_tokens, rows, in_features, splittable, choice)
+        return ShrinkBlocks(max(1, min(triton.next_power_of_2(rows), tile // full_k)), full_k, in_features, 1)
     block_r = max(1, min(triton.next_power_of_2(rows), _SPLIT_TILE // split_k))
-    return block_r, split_k, split_k, triton.cdiv(in_features, split_k)
+    return ShrinkBlocks(block_r, split_k, split_k, triton.cdiv(in_features, split_k))
+
+
+def _loop_blocks(num_tokens: int, rows: int, in_features: int, splittable: bool,
+                 choice: LoRAKernelChoice) -> ShrinkBlocks:
+    """The looped form: ``shrink_loop_rows`` stacked rows a program (each token's ``x`` read once per that many),
+    chunks of ``shrink_loop_k`` columns; where that gives fewer than ``shrink_loop_programs`` programs and partial
+    sums may be returned, ``in`` in as many slices of whole chunks as reach it."""
+    block_r = min(triton.next_power_of_2(rows), choice.shrink_loop_rows)
+    block_k = min(triton.next_power_of_2(in_features), choice.shrink_loop_k)
+    chunks = triton.cdiv(in_features, block_k)
+    programs = num_tokens * triton.cdiv(rows, block_r)
+    slices = min(chunks, triton.cdiv(choice.shrink_loop_programs, programs)) if splittable else 1
+    k_per_split = triton.cdiv(chunks, slices) * block_k
+    return ShrinkBlocks(block_r, block_k, k_per_split, triton.cdiv(in_features, k_per_split), True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,12 +264,12 @@ def token_b_block(B, Ids, Ranks, token, proj, offs_n, n_mask, offs_r, proj_strid
 def _shrink_gather_kernel(X, A, Ids, Scalings, Ranks, H, num_tokens, in_features, rank_dim, rows, proj_stride,
                           stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm, k_per_split,
                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr,
-                          GO_AHEAD: tl.constexpr):
+                          GO_AHEAD: tl.constexpr, AHEAD: tl.constexpr):
     # The program's body is shared with the small-batch matmul, which runs it beside its own (lora_gather.py).
     gather_shrink_program(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), X, A, Ids, Scalings,
                           Ranks, H, in_features, rank_dim, rows, proj_stride, stride_xm, stride_xk, stride_as,
                           stride_ar, stride_ak, stride_hs, stride_hm, k_per_split, BLOCK_R, BLOCK_K, FINAL, PDL,
-                          GO_AHEAD)
+                          GO_AHEAD, AHEAD)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compile for every decode batch size

@@ -42,6 +42,14 @@ the shrink runs in its own launch (three a layer, the ``silu_mul`` and add + RMS
 work from 1.189x the base to 1.080x (end to end 1.067x; 1.156x unsplit in an earlier call), but at bs=32 over 32
 adapters it measured 1.344x against the unfused path's 1.318x (1.350x against 1.328x beside cuBLAS); sizes between
 are not measured yet.
+
+``shrink_loop_above`` (a candidate, off by default): the gather shrink of batches of more tokens walks ``in`` in
+chunks of ``shrink_loop_k`` columns over blocks of ``shrink_loop_rows`` stacked rank rows (the next chunk of ``a``
+and ``x`` loaded before this one is reduced), where the default form loads one ``shrink_tile`` of whole rows of
+``in`` a program: at bs=32, in=4096, two rows, so each token's ``x`` is read once per 2 of its stacked rows (half
+as many bytes again as ``a`` itself, from L2) and nothing is in flight while a program reduces. Where that gives
+fewer than ``shrink_loop_programs`` programs and partial sums may be returned (``add_delta``), ``in`` is split into
+slices of whole chunks to reach it. The one-token and split-K forms stay as they are.
 """
 
 from __future__ import annotations
@@ -68,7 +76,10 @@ class LoRAKernelChoice:
     beside cuBLAS, in its own; or the unfused path; ``fuse_tile``: the largest gather-shrink tile (elements of ``a``
     a program loads at once) that runs in a matmul's launch: its registers are the launch's (bs=32's ``[1, 16384]``
     tiles of ``down_proj`` would spill a 4-warp matmul tile's), larger ones run in their own launch (the expand
-    still carrying the epilogue); ``fuse_max_tokens``: batches of more tokens run unfused."""
+    still carrying the epilogue); ``fuse_max_tokens``: batches of more tokens run unfused; ``shrink_loop_above``:
+    gather shrinks of more tokens (and not split-K) take the looped form (module docstring; the default keeps it
+    off), ``shrink_loop_rows`` stacked rank rows a program, ``shrink_loop_k`` columns of ``in`` a chunk,
+    ``shrink_loop_programs`` the programs it aims for by splitting ``in`` where partial sums may be returned."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -84,12 +95,17 @@ class LoRAKernelChoice:
     fuse_gemv: int = 1
     fuse_tile: int = 8192
     fuse_max_tokens: int = 1
+    shrink_loop_above: int = 1 << 20
+    shrink_loop_rows: int = 16
+    shrink_loop_k: int = 512
+    shrink_loop_programs: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("shrink_tile", "expand_tile", "split_k"):
+        for name, least in (("shrink_tile", 16), ("expand_tile", 16), ("split_k", 16), ("shrink_loop_k", 16),
+                            ("shrink_loop_rows", 1)):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"LoRAKernelChoice.{name} must be a power of two >= 16 (a block of a Triton "
+            if value < least or value & (value - 1):
+                raise ValueError(f"LoRAKernelChoice.{name} must be a power of two >= {least} (a block of a Triton "
                                  f"kernel), not {value}")
 
     @property

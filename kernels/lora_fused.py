@@ -55,10 +55,10 @@ def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: t
     """A layer's stacked adapters (kernels/lora.py's ``add_delta`` arguments) as a shrink for the matmul's launch
     and an expand to run after it (call only where :func:`splits`)."""
     num_tokens, rows = x.shape[0], a.shape[1]
-    block_r, block_k, k_per_split, split = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)
+    block_r, block_k, k_per_split, split, ahead = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)
     partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
     shrink = GemvShrink(a, adapter_ids, scalings, ranks, partials, b.shape[2], projection_stride(scalings), block_r,
-                        block_k, k_per_split)
+                        block_k, k_per_split, ahead)
     return SplitLoRA(shrink, b, segments, choice)
 
 

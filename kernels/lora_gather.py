@@ -23,7 +23,7 @@ class GemvShrink(NamedTuple):
     """A gather shrink (float32 partials, ``FINAL`` False) to run in extra programs of a small-batch matmul's
     launch: the matmul's ``x`` is its input, ``partials`` ``[split, T, rows]`` its output, ``programs`` = ``T *
     cdiv(rows, block_r) * split`` of them, each a ``[block_r, block_k]`` tile over ``k_per_split`` columns of
-    ``in``, exactly as kernels/lora.py's ``_shrink_gather_kernel`` computes it."""
+    ``in``, exactly as kernels/lora.py's ``_shrink_gather_kernel`` computes it (``ahead``: its looped form)."""
 
     a: torch.Tensor
     adapter_ids: torch.Tensor
@@ -35,6 +35,7 @@ class GemvShrink(NamedTuple):
     block_r: int
     block_k: int
     k_per_split: int
+    ahead: bool = False
 
     @property
     def programs(self) -> int:
@@ -60,8 +61,9 @@ def token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride):
 def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H, in_features, rank_dim, rows,
                           proj_stride, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm,
                           k_per_split, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr,
-                          PDL: tl.constexpr, GO_AHEAD: tl.constexpr):
-    """One gather-shrink program: ``token`` (int64), rows ``r_block * BLOCK_R`` on, slice ``k_slice`` of ``in``."""
+                          PDL: tl.constexpr, GO_AHEAD: tl.constexpr, AHEAD: tl.constexpr = False):
+    """One gather-shrink program: ``token`` (int64), rows ``r_block * BLOCK_R`` on, slice ``k_slice`` of ``in``;
+    ``AHEAD``: the next chunk of ``a`` and ``x`` is loaded before this one is reduced (the looped form)."""
     offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     k_start = k_slice * k_per_split
     k_end = tl.minimum(k_start + k_per_split, in_features)
@@ -80,11 +82,25 @@ def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H
     # while this one reads x and stores (kernels/pdl.py's contract holds for it).
     allow_next(GO_AHEAD)
     result = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
-        result += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        k = k0 + BLOCK_K + offs_k  # the next block (past the slice: nothing is read)
-        w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    if AHEAD:
+        # Products summed per column in registers, reduced across the tile once at the end: the loop is loads and
+        # FMAs, no shuffles or barriers a chunk.
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        x_row = X + token * stride_xm + tl.zeros([BLOCK_R, 1], dtype=tl.int32)  # x in a's tile layout (from L1)
+        x = tl.load(x_row + k[None, :] * stride_xk, mask=(k < x_limit)[None, :], other=0.0)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + BLOCK_K + offs_k  # the next chunk (past the slice: nothing is read), in flight while this one
+            w_next = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
+            x_next = tl.load(x_row + k[None, :] * stride_xk, mask=(k < x_limit)[None, :], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)
+            w, x = w_next, x_next
+        result = tl.sum(acc, axis=1)
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            x = tl.load(X + token * stride_xm + (k0 + offs_k) * stride_xk, mask=k0 + offs_k < x_limit, other=0.0)
+            result += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            k = k0 + BLOCK_K + offs_k  # the next block (past the slice: nothing is read)
+            w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
     if FINAL:
         result = result * scaling
     result = tl.where(r_mask, result, 0.0)  # exact zeros past the rank, whatever an unused slot holds

@@ -48,7 +48,8 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                         X_scale, W8A8: tl.constexpr, PDL: tl.constexpr,
                         La, Lids, Lscalings, Lranks, Lpartials, l_rank_dim, l_rows, l_proj_stride, l_stride_as,
                         l_stride_ar, l_stride_ak, l_stride_hs, l_stride_hm, l_k_per_split, l_columns, l_programs,
-                        l_r_blocks, l_slices, LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_K: tl.constexpr):
+                        l_r_blocks, l_slices, LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_K: tl.constexpr,
+                        L_AHEAD: tl.constexpr):
     if LORA:
         # The first l_columns programs of every (row block, split) run a LoRA shrink beside the matmul
         # (lora_gather.py): low program ids, so they run with the matmul's first wave. They wait (PDL) before reading
@@ -62,7 +63,7 @@ def _small_batch_kernel(X, W, Scale, Y, Partials, Arrivals, Residual, Norm_weigh
                                       shrink % l_slices, X, La, Lids, Lscalings, Lranks, Lpartials, K, l_rank_dim,
                                       l_rows, l_proj_stride, stride_xm, 1, l_stride_as, l_stride_ar, l_stride_ak,
                                       l_stride_hs, l_stride_hm, l_k_per_split, L_BLOCK_R, L_BLOCK_K, False, PDL,
-                                      False)
+                                      False, L_AHEAD)
         else:
             _matmul_program(l_columns, X, W, Scale, Y,
                             Partials, Arrivals, Residual, Norm_weight, Normed, Residual_out, eps, M, N, K, k_per_split,
@@ -374,7 +375,8 @@ def _beside_args(beside: GemvShrink | None, x: torch.Tensor, config: SmallBatchC
     if beside is None:
         return dict(La=x, Lids=x, Lscalings=x, Lranks=x, Lpartials=x, l_rank_dim=0, l_rows=0, l_proj_stride=0,
                     l_stride_as=0, l_stride_ar=0, l_stride_ak=0, l_stride_hs=0, l_stride_hm=0, l_k_per_split=0,
-                    l_columns=0, l_programs=0, l_r_blocks=0, l_slices=0, LORA=False, L_BLOCK_R=1, L_BLOCK_K=1)
+                    l_columns=0, l_programs=0, l_r_blocks=0, l_slices=0, LORA=False, L_BLOCK_R=1, L_BLOCK_K=1,
+                    L_AHEAD=False)
     if config.w8a8 or epilogue:
         raise ValueError(f"a LoRA shrink runs beside a 16-bit matmul without an epilogue, not {config}")
     a, partials = beside.a, beside.partials
@@ -385,7 +387,7 @@ def _beside_args(beside: GemvShrink | None, x: torch.Tensor, config: SmallBatchC
                 l_stride_hs=partials.stride(0), l_stride_hm=partials.stride(1), l_k_per_split=beside.k_per_split,
                 l_columns=triton.cdiv(programs, grid[1] * grid[2]), l_programs=programs,
                 l_r_blocks=triton.cdiv(a.shape[1], beside.block_r), l_slices=partials.shape[0], LORA=True,
-                L_BLOCK_R=beside.block_r, L_BLOCK_K=beside.block_k)
+                L_BLOCK_R=beside.block_r, L_BLOCK_K=beside.block_k, L_AHEAD=beside.ahead)
 
 
 _arrival_counts: dict[torch.device, torch.Tensor] = {}

@@ -96,6 +96,7 @@ STACKED_SCENARIOS = {
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
 UNSORTED = {"sort_above": 1 << 20}  # the forms over unsorted tokens at any size
+LOOP = {"shrink_loop_above": 16, "shrink_loop_k": 128, "shrink_loop_programs": 150, "busy_programs": 16}
 # kernels/lora_choice.py's tunables: split-K shrinks over four slices of in at 8 tokens (busy_programs above the
 # batch's work), and one token through narrow tiles (the shrink's k loop over three blocks of in, one row a
 # program; the expand's 16-column blocks, several per projection) without the PDL go-ahead; the unsorted forms
@@ -109,6 +110,10 @@ CHOICE_SCENARIOS = {
                                      {"busy_programs": 4096, "split_k": 256}),
     "choice_narrow_tiles_one_token_fp32": ((1, torch.float32, 16, 300, (40, 8, 8)),
                                            {"shrink_tile": 64, "expand_tile": 256, "go_ahead": 0}),
+    # the looped gather shrink (a bs=32-like batch: 18 tokens of mixed adapters and ranks, some on the base model):
+    # blocks of 16 of the 36 stacked rows (rank 12: blocks across projections, the last one partial), chunks of 128
+    # of in=600 in three slices of two chunks (the last one partial), to reach 150 programs
+    "loop_shrink_18_tokens_bf16": ((18, torch.bfloat16, 12, 600, (16, 8, 8)), LOOP),
 }
 
 
@@ -143,6 +148,22 @@ def run_scenario(name: str) -> dict:
         "no_adapter_rows_untouched": torch.equal(wide[none], before[none]),
         "tolerance": TOLERANCE[dtype],
     }
+
+
+# The two-call shrink (scaled, rounded, one slice of in) in the looped form: 40 tokens (some without an adapter) over
+# ranks 16, 8, 3 and 1, two blocks of 8 rows, chunks of 64 of in=300 (the last partial).
+LOOP_SHRINK = {"shrink_loop_above": 16, "shrink_loop_rows": 8, "shrink_loop_k": 64}
+
+
+def run_loop_shrink() -> dict:
+    from treadle.kernels import lora
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+
+    x, a, _, ids, scalings, ranks = make_case(40, torch.bfloat16, [16, 8, 3, 1], 16, 300, 8, "decode", seed=5)
+    h = torch.empty((40, 16), dtype=x.dtype)
+    lora._shrink(x, a, ids, scalings, ranks, 16, h.unsqueeze(0), True, LoRAKernelChoice(**LOOP_SHRINK))
+    return {"error": _relative_error(h, reference_shrink(x, a, ids, scalings, ranks)),
+            "no_adapter_rows_zero": bool((h[ids == NO_ADAPTER] == 0).all()), "tolerance": TOLERANCE[x.dtype]}
 
 
 def make_stacked_case(num_tokens: int, dtype: torch.dtype, max_rank: int, in_features: int, widths: tuple,
@@ -333,6 +354,7 @@ def _run_all() -> dict:
             **{name: (run_stacked_scenario, name) for name in (*STACKED_SCENARIOS, *CHOICE_SCENARIOS)},
             **{name: (run_sorted_scenario, name) for name in SORTED_SCENARIOS},
             **{name: (run_dense_scenario, name) for name in DENSE_SCENARIOS},
+            "loop_shrink": (lambda _: run_loop_shrink(), None),
             "conformance_float32": (run_conformance, "float32")}
     for key, (function, argument) in jobs.items():
         try:
@@ -384,6 +406,38 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
         assert result["split"] == 2  # in=1024 over two programs' slices
     if name == "choice_split_k_8_tokens_bf16":
         assert result["split"] == 4  # in=1024 over four slices of split_k=256
+    if name == "loop_shrink_18_tokens_bf16":
+        assert result["split"] == 3  # 54 programs of 16 rows, in three slices of 256 columns towards 150
+
+
+def test_looped_shrink_matches_reference(interpreted_results: dict[str, dict]) -> None:
+    """The two-call shrink in the looped form (several chunks of in a program, the next loaded ahead) is the
+    reference's, scaled and rounded, zero rows for tokens without an adapter."""
+    result = interpreted_results["loop_shrink"]
+    assert "traceback" not in result, result.get("traceback")
+    assert result["error"] <= result["tolerance"], f"relative error {result['error']}"
+    assert result["no_adapter_rows_zero"]
+
+
+def test_looped_shrink_reach() -> None:
+    """The looped form runs past ``shrink_loop_above`` tokens only, in place of the full-row form; the default keeps
+    today's blocks; the split-K form (few tokens, partial sums allowed) stays."""
+    pytest.importorskip("triton")
+    from treadle.kernels.lora import _gather_shrink_blocks
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+
+    default, loop = LoRAKernelChoice(), LoRAKernelChoice(shrink_loop_above=16)
+    # bs=32, Llama-3.1-8B's qkv at rank 16 (48 rows, in=4096): today's two rows of all of in a program
+    assert _gather_shrink_blocks(32, 48, 4096, True, default) == (2, 4096, 4096, 1, False)
+    # looped: 16 rows, chunks of 512, 96 programs split in three slices of three chunks towards 256
+    assert _gather_shrink_blocks(32, 48, 4096, True, loop) == (16, 512, 1536, 3, True)
+    assert _gather_shrink_blocks(32, 48, 4096, False, loop) == (16, 512, 4096, 1, True)  # the two-call shrink
+    assert _gather_shrink_blocks(16, 48, 4096, True, loop) == _gather_shrink_blocks(16, 48, 4096, True, default)
+    # one token: split-K whatever the threshold
+    everywhere = LoRAKernelChoice(shrink_loop_above=0)
+    assert _gather_shrink_blocks(1, 48, 4096, True, everywhere) == (4, 512, 512, 8, False)
+    with pytest.raises(ValueError, match="shrink_loop_rows must be a power of two"):
+        LoRAKernelChoice(shrink_loop_rows=12)
 
 
 @pytest.mark.parametrize("name", list(SORTED_SCENARIOS))
