@@ -109,12 +109,13 @@ SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"dense_above": 1}, {"dense_above": 1 << 20},
                  # the looped gather shrink past 16 tokens (bs=32, bs=64): rows a program 16 / 8, chunks of in 512 /
                  # 1024, in split towards 256 programs (default), or not split (1), or towards 1024 (one chunk a
-                 # program, mostly)
+                 # program, mostly); the next chunk in registers, or three stages of Triton's pipeline
                  *({"shrink_loop_above": 16, **fields} for fields in (
                      {}, {"shrink_loop_rows": 8}, {"shrink_loop_k": 1024},
                      {"shrink_loop_rows": 8, "shrink_loop_k": 1024}, {"shrink_loop_programs": 1},
-                     {"shrink_loop_programs": 1024},
-                     {"shrink_loop_rows": 8, "shrink_loop_programs": 1024})))
+                     {"shrink_loop_programs": 1024}, {"shrink_loop_rows": 8, "shrink_loop_programs": 1024},
+                     {"shrink_loop_stages": 3}, {"shrink_loop_stages": 3, "shrink_loop_programs": 1},
+                     {"shrink_loop_rows": 8, "shrink_loop_stages": 3})))
 
 
 def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,

@@ -190,14 +190,15 @@ def _shrink_gathers(num_tokens: int, rows: int) -> bool:
 
 class ShrinkBlocks(NamedTuple):
     """A gather shrink's launch: ``[block_r, block_k]`` tiles of ``a`` over ``k_per_split`` columns of ``in`` a
-    program, ``split`` slices of ``in``; ``ahead``: the looped form (each program loads its next chunk of ``a`` and
-    ``x`` before reducing this one)."""
+    program, ``split`` slices of ``in``; ``ahead``: 0, or the looped form's pipeline (``shrink_loop_stages``: 1,
+    each program loads its next chunk of ``a`` and ``x`` into registers before reducing this one; more, that many
+    stages of Triton's software pipeline)."""
 
     block_r: int
     block_k: int
     k_per_split: int
     split: int
-    ahead: bool = False
+    ahead: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +230,8 @@ def _loop_blocks(num_tokens: int, rows: int, in_features: int, splittable: bool,
     programs = num_tokens * triton.cdiv(rows, block_r)
     slices = min(chunks, triton.cdiv(choice.shrink_loop_programs, programs)) if splittable else 1
     k_per_split = triton.cdiv(chunks, slices) * block_k
-    return ShrinkBlocks(block_r, block_k, k_per_split, triton.cdiv(in_features, k_per_split), True)
+    return ShrinkBlocks(block_r, block_k, k_per_split, triton.cdiv(in_features, k_per_split),
+                        choice.shrink_loop_stages)
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,7 +45,8 @@ are not measured yet.
 
 ``shrink_loop_above`` (a candidate, off by default): the gather shrink of batches of more tokens walks ``in`` in
 chunks of ``shrink_loop_k`` columns over blocks of ``shrink_loop_rows`` stacked rank rows (the next chunk of ``a``
-and ``x`` loaded before this one is reduced), where the default form loads one ``shrink_tile`` of whole rows of
+and ``x`` loaded before this one is reduced: into registers, or with ``shrink_loop_stages`` > 1 that many
+stages of Triton's software pipeline through shared memory), where the default form loads one ``shrink_tile`` of whole rows of
 ``in`` a program: at bs=32, in=4096, two rows, so each token's ``x`` is read once per 2 of its stacked rows (half
 as many bytes again as ``a`` itself, from L2) and nothing is in flight while a program reduces. Where that gives
 fewer than ``shrink_loop_programs`` programs and partial sums may be returned (``add_delta``), ``in`` is split into
@@ -79,7 +80,9 @@ class LoRAKernelChoice:
     still carrying the epilogue); ``fuse_max_tokens``: batches of more tokens run unfused; ``shrink_loop_above``:
     gather shrinks of more tokens (and not split-K) take the looped form (module docstring; the default keeps it
     off), ``shrink_loop_rows`` stacked rank rows a program, ``shrink_loop_k`` columns of ``in`` a chunk,
-    ``shrink_loop_programs`` the programs it aims for by splitting ``in`` where partial sums may be returned."""
+    ``shrink_loop_programs`` the programs it aims for by splitting ``in`` where partial sums may be returned,
+    ``shrink_loop_stages`` its pipeline (1: the next chunk in registers; more: Triton's pipeline of that many
+    stages, through shared memory)."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -99,6 +102,7 @@ class LoRAKernelChoice:
     shrink_loop_rows: int = 16
     shrink_loop_k: int = 512
     shrink_loop_programs: int = 256
+    shrink_loop_stages: int = 1
 
     def __post_init__(self) -> None:
         for name, least in (("shrink_tile", 16), ("expand_tile", 16), ("split_k", 16), ("shrink_loop_k", 16),

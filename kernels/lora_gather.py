@@ -35,7 +35,7 @@ class GemvShrink(NamedTuple):
     block_r: int
     block_k: int
     k_per_split: int
-    ahead: bool = False
+    ahead: int = 0
 
     @property
     def programs(self) -> int:
@@ -61,9 +61,10 @@ def token_rows(Ids, Ranks, token, offs_r, rank_dim, rows, proj_stride):
 def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H, in_features, rank_dim, rows,
                           proj_stride, stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hs, stride_hm,
                           k_per_split, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr,
-                          PDL: tl.constexpr, GO_AHEAD: tl.constexpr, AHEAD: tl.constexpr = False):
+                          PDL: tl.constexpr, GO_AHEAD: tl.constexpr, AHEAD: tl.constexpr = 0):
     """One gather-shrink program: ``token`` (int64), rows ``r_block * BLOCK_R`` on, slice ``k_slice`` of ``in``;
-    ``AHEAD``: the next chunk of ``a`` and ``x`` is loaded before this one is reduced (the looped form)."""
+    ``AHEAD`` (the looped form): 1, the next chunk of ``a`` and ``x`` is loaded into registers before this one is
+    reduced; more, that many stages of Triton's software pipeline."""
     offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     k_start = k_slice * k_per_split
     k_end = tl.minimum(k_start + k_per_split, in_features)
@@ -82,7 +83,7 @@ def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H
     # while this one reads x and stores (kernels/pdl.py's contract holds for it).
     allow_next(GO_AHEAD)
     result = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if AHEAD:
+    if AHEAD == 1:
         # Products summed per column in registers, reduced across the tile once at the end: the loop is loads and
         # FMAs, no shuffles or barriers a chunk.
         acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
@@ -94,6 +95,16 @@ def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H
             x_next = tl.load(x_row + k[None, :] * stride_xk, mask=(k < x_limit)[None, :], other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)
             w, x = w_next, x_next
+        result = tl.sum(acc, axis=1)
+    elif AHEAD > 1:
+        # Triton's pipeliner: the next AHEAD - 1 chunks of a and x copied into shared memory (cp.async) while this
+        # one is multiplied.
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=AHEAD):
+            k = k0 + offs_k
+            w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
+            x = tl.load(X + token * stride_xm + k * stride_xk, mask=k < x_limit, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         result = tl.sum(acc, axis=1)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):

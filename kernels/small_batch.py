@@ -376,7 +376,7 @@ def _beside_args(beside: GemvShrink | None, x: torch.Tensor, config: SmallBatchC
         return dict(La=x, Lids=x, Lscalings=x, Lranks=x, Lpartials=x, l_rank_dim=0, l_rows=0, l_proj_stride=0,
                     l_stride_as=0, l_stride_ar=0, l_stride_ak=0, l_stride_hs=0, l_stride_hm=0, l_k_per_split=0,
                     l_columns=0, l_programs=0, l_r_blocks=0, l_slices=0, LORA=False, L_BLOCK_R=1, L_BLOCK_K=1,
-                    L_AHEAD=False)
+                    L_AHEAD=0)
     if config.w8a8 or epilogue:
         raise ValueError(f"a LoRA shrink runs beside a 16-bit matmul without an epilogue, not {config}")
     a, partials = beside.a, beside.partials

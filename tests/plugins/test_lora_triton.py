@@ -150,9 +150,10 @@ def run_scenario(name: str) -> dict:
     }
 
 
-# The two-call shrink (scaled, rounded, one slice of in) in the looped form: 40 tokens (some without an adapter) over
-# ranks 16, 8, 3 and 1, two blocks of 8 rows, chunks of 64 of in=300 (the last partial).
-LOOP_SHRINK = {"shrink_loop_above": 16, "shrink_loop_rows": 8, "shrink_loop_k": 64}
+# The two-call shrink (scaled, rounded, one slice of in) in the looped form through Triton's pipeline: 40 tokens
+# (some without an adapter) over ranks 16, 8, 3 and 1, two blocks of 8 rows, chunks of 64 of in=300 (the last one
+# partial).
+LOOP_SHRINK = {"shrink_loop_above": 16, "shrink_loop_rows": 8, "shrink_loop_k": 64, "shrink_loop_stages": 3}
 
 
 def run_loop_shrink() -> dict:
@@ -411,7 +412,7 @@ def test_stacked_projections_add_into_their_columns(name: str, interpreted_resul
 
 
 def test_looped_shrink_matches_reference(interpreted_results: dict[str, dict]) -> None:
-    """The two-call shrink in the looped form (several chunks of in a program, the next loaded ahead) is the
+    """The two-call shrink in the looped form (several chunks of in a program, Triton's pipeline) is the
     reference's, scaled and rounded, zero rows for tokens without an adapter."""
     result = interpreted_results["loop_shrink"]
     assert "traceback" not in result, result.get("traceback")
@@ -428,14 +429,14 @@ def test_looped_shrink_reach() -> None:
 
     default, loop = LoRAKernelChoice(), LoRAKernelChoice(shrink_loop_above=16)
     # bs=32, Llama-3.1-8B's qkv at rank 16 (48 rows, in=4096): today's two rows of all of in a program
-    assert _gather_shrink_blocks(32, 48, 4096, True, default) == (2, 4096, 4096, 1, False)
+    assert _gather_shrink_blocks(32, 48, 4096, True, default) == (2, 4096, 4096, 1, 0)
     # looped: 16 rows, chunks of 512, 96 programs split in three slices of three chunks towards 256
-    assert _gather_shrink_blocks(32, 48, 4096, True, loop) == (16, 512, 1536, 3, True)
-    assert _gather_shrink_blocks(32, 48, 4096, False, loop) == (16, 512, 4096, 1, True)  # the two-call shrink
+    assert _gather_shrink_blocks(32, 48, 4096, True, loop) == (16, 512, 1536, 3, 1)
+    assert _gather_shrink_blocks(32, 48, 4096, False, loop) == (16, 512, 4096, 1, 1)  # the two-call shrink
     assert _gather_shrink_blocks(16, 48, 4096, True, loop) == _gather_shrink_blocks(16, 48, 4096, True, default)
     # one token: split-K whatever the threshold
     everywhere = LoRAKernelChoice(shrink_loop_above=0)
-    assert _gather_shrink_blocks(1, 48, 4096, True, everywhere) == (4, 512, 512, 8, False)
+    assert _gather_shrink_blocks(1, 48, 4096, True, everywhere) == (4, 512, 512, 8, 0)
     with pytest.raises(ValueError, match="shrink_loop_rows must be a power of two"):
         LoRAKernelChoice(shrink_loop_rows=12)
 

@@ -223,10 +223,14 @@ def _lora_kernels() -> dict:
         "lora_shrink_gather[split-k,go-ahead]": lambda: _check_pdl(True, _compile(
             lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=4, BLOCK_K=512, FINAL=False, PDL=True,
                                                               GO_AHEAD=True, AHEAD=False))),
-        # the looped form (LoRAKernelChoice.shrink_loop_above): 16 rows over chunks of 512, the next one ahead
+        # the looped form (LoRAKernelChoice.shrink_loop_above): 16 rows over chunks of 512, the next one ahead in
+        # registers, or copied into shared memory by Triton's pipeline (shrink_loop_stages)
         "lora_shrink_gather[loop,go-ahead]": lambda: _check_pdl(True, _compile(
             lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=16, BLOCK_K=512, FINAL=False, PDL=True,
-                                                              GO_AHEAD=True, AHEAD=True))),
+                                                              GO_AHEAD=True, AHEAD=1))),
+        "lora_shrink_gather[loop,stages=3]": lambda: _check_pdl(True, _compile(
+            lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=16, BLOCK_K=512, FINAL=True, PDL=True,
+                                                            GO_AHEAD=True, AHEAD=3))),
         "lora_expand_gather[pdl]": lambda: _check_pdl(True, _compile(
             lora._expand_gather_kernel, expand, set(), dict(BLOCK_N=512, BLOCK_R=16, SPLIT=1, PARTIAL=False,
                                                             PDL=True, GO_AHEAD=False)), triggers=False),
@@ -307,7 +311,7 @@ def _small_batch(weight_type: str, expect_in_ptx: str | None = None, **constexpr
 
     constexprs = {"EVEN": False, "SILU_MUL": False, "EVICT_ROWS": weight_type == "*bf16", "ADD_RMSNORM": False,
                   "BLOCK_ROW": 1, "PREFETCH": False, "PREFETCH_BLOCK": 1, "W8A8": False, "PDL": False, "LORA": False,
-                  "L_BLOCK_R": 1, "L_BLOCK_K": 1, "L_AHEAD": False, **constexprs}
+                  "L_BLOCK_R": 1, "L_BLOCK_K": 1, "L_AHEAD": 0, **constexprs}
 
     def check() -> None:
         compiled = _compile(small_batch_kernels._small_batch_kernel,
@@ -340,7 +344,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
-           "lora_shrink_gather[loop,go-ahead]",
+           "lora_shrink_gather[loop,go-ahead]", "lora_shrink_gather[loop,stages=3]",
            "lora_expand_gather[pdl]", "lora_expand_gather[split-k,go-ahead]", "lora_expand_grouped",
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
            "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
