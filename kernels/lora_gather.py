@@ -83,13 +83,14 @@ def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H
     # while this one reads x and stores (kernels/pdl.py's contract holds for it).
     allow_next(GO_AHEAD)
     result = tl.zeros([BLOCK_R], dtype=tl.float32)
+    k_stop = tl.maximum(x_limit, k_start)  # the looped forms: an idle program takes no step
     if AHEAD == 1:
         # Products summed per column in registers, reduced across the tile once at the end: the loop is loads and
         # FMAs, no shuffles or barriers a chunk.
         acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         x_row = X + token * stride_xm + tl.zeros([BLOCK_R, 1], dtype=tl.int32)  # x in a's tile layout (from L1)
         x = tl.load(x_row + k[None, :] * stride_xk, mask=(k < x_limit)[None, :], other=0.0)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in range(k_start, k_stop, BLOCK_K):
             k = k0 + BLOCK_K + offs_k  # the next chunk (past the slice: nothing is read), in flight while this one
             w_next = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
             x_next = tl.load(x_row + k[None, :] * stride_xk, mask=(k < x_limit)[None, :], other=0.0)
@@ -100,7 +101,7 @@ def gather_shrink_program(token, r_block, k_slice, X, A, Ids, Scalings, Ranks, H
         # Triton's pipeliner: the next AHEAD - 1 chunks of a and x copied into shared memory (cp.async) while this
         # one is multiplied.
         acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=AHEAD):
+        for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=AHEAD):
             k = k0 + offs_k
             w = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & (k < k_end)[None, :], other=0.0)
             x = tl.load(X + token * stride_xm + k * stride_xk, mask=k < x_limit, other=0.0)
