@@ -145,13 +145,14 @@ def engine_table(rows: list[dict[str, Any]]) -> str:
     for mode in ("auto", "gloo"):
         steps = [r["decode_step_ms"] for r in rows if r["step_broadcast"] == mode]
         lines.append(f"| {mode} | {', '.join(f'{s:.3f}' for s in steps)} | {statistics.median(steps):.3f} |")
-    return "\n".join(lines)
+    same = len({tuple(r["first_tokens"]) for r in rows}) == 1
+    return "\n".join(lines + [f"first tokens identical in every run: {same}"])
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m treadle.bench.tp_step_broadcast",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--messages", type=int, default=2000, help="messages per latency cell (default 2000)")
+    parser.add_argument("--messages", type=int, default=1000, help="messages per latency cell (default 1000)")
     parser.add_argument("--gap-us", default="200,5000", help="rank 0's pauses before each message (default 200,5000)")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
