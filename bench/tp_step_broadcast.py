@@ -1,6 +1,6 @@
 """Rank 0's per-step commands reaching the other ranks: the shared-memory channel against gloo.
 
-    python -m treadle.bench.tp_step_broadcast            # both parts on a 2-GPU machine
+    python -m treadle.bench.tp_step_broadcast            # both parts on a 2-GPU machine (treadle bench tp-step-broadcast)
     python -m treadle.bench.tp_step_broadcast --skip-engine   # the latency part alone (runs on the CPU)
 
 Part 1 (``--skip-latency`` leaves it out): two processes on the CPU; rank 0 sends ``--messages`` messages through
@@ -118,9 +118,9 @@ def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from treadle.bench.one_batch_engine import run_engine
     from treadle.bench.roofline import measure_copy_bandwidth
-    from treadle.bench.shapes import SHAPES, write_config
+    from treadle.bench.shapes import SHAPES, TINY, write_config
 
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and args.device != "cpu" else torch.device("cpu")
     bandwidth = measure_copy_bandwidth(device)
     torch.manual_seed(0)
     prompts = {1: torch.randint(100, 1000, (1, args.input_len))}
@@ -128,11 +128,11 @@ def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
                                      generate_repeats=args.generate_repeats)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = write_config(Path(scratch), SHAPES[args.shape])
+        model_dir = write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
         for round_index in range(args.rounds):
             for mode in ("auto", "gloo"):
                 overrides = {"parallel.tp_size": 2, "parallel.step_broadcast": mode}
-                (row,) = run_engine(model_dir, "triton", overrides, f"tp=2 step_broadcast={mode}", prompts,
+                (row,) = run_engine(model_dir, args.backend, overrides, f"tp=2 step_broadcast={mode}", prompts,
                                     engine_args, device, bandwidth)
                 rows.append({"step_broadcast": mode, "round": round_index, "decode_step_ms": row.decode_step_ms,
                              "prefill_ms": row.prefill_ms, "first_tokens": row.first_tokens})
@@ -157,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--backend", default="triton", help="attention backend of the engine part (default triton)")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the shape (a smoke test)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu"], help="cpu: the engine part on gloo")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--generate-repeats", type=int, default=3)
