@@ -106,3 +106,39 @@ def test_a_writer_with_a_full_ring_calls_the_check_it_was_given():
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_rank_following_a_closed_channel_learns_that_the_leader_is_gone():
+    from treadle.core.distributed.tensor_parallel import LeaderGone, follow_leader
+
+    writer = ShmChannelWriter.create(num_readers=1)
+    reader = ShmChannelReader(writer.name, 0)
+    try:
+        writer.close()
+        with pytest.raises(LeaderGone, match="closed"):
+            follow_leader(scheduler=None, channel=reader)
+    finally:
+        reader.close()
+
+
+def test_the_channel_is_used_only_for_a_group_on_this_node_of_an_x86_host_unless_gloo_is_asked(monkeypatch):
+    from treadle.core.config import load_config
+    from treadle.core.distributed import shm_channel
+    from treadle.core.distributed.rank_layout import RankLayout
+    from treadle.core.distributed.tensor_parallel import open_step_channel
+
+    def channel_for(step_broadcast: str, nnodes: int) -> str | None:
+        config = load_config(overrides={"parallel.tp_size": 2, "parallel.step_broadcast": step_broadcast},
+                             use_env=False)
+        channel = open_step_channel(config, RankLayout(2, nnodes, 0, None, "cpu", 60.0))
+        if channel is None:
+            return None
+        channel.close()
+        return channel.name
+
+    name = channel_for("auto", 1)
+    assert name is not None and not _segment_exists(name)
+    assert channel_for("gloo", 1) is None
+    assert channel_for("auto", 2) is None
+    monkeypatch.setattr(shm_channel.platform, "machine", lambda: "aarch64")
+    assert channel_for("auto", 1) is None
