@@ -220,7 +220,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 BENCHMARKS = {"offline": "offline_throughput", "one-batch": "one_batch", "serving": "serving",
               "arrival-trace": "arrival_trace", "lora": "lora", "plot": "plot", "tp-decode": "tp_decode",
-              "front-end": "front_end", "dp-balance": "dp_balance"}
+              "front-end": "front_end", "dp-balance": "dp_balance", "tp-step-broadcast": "tp_step_broadcast"}
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:

@@ -253,6 +253,9 @@ class ParallelConfig(Section):
     custom_all_reduce: bool | Literal["auto"] = Field(
         "auto", description="peer-to-peer all-reduce for small tensor-parallel messages (NCCL for the rest): auto "
                             "uses it where all ranks can (CUDA, one node, peer access), true requires it, false is NCCL")
+    step_broadcast: Literal["auto", "gloo"] = Field(
+        "auto", description="how rank 0 sends each step's commands to the other ranks: auto through shared memory "
+                            "when every rank is on this node (an x86-64 host), else over gloo; gloo always over gloo")
 
     @model_validator(mode="after")
     def _layout(self) -> "ParallelConfig":

@@ -4,7 +4,8 @@ Every rank holds its share of the model and of the KV cache and runs the same
 deterministic :class:`~treadle.core.scheduling.scheduler.Scheduler`. Only rank 0 talks to
 the outside (Engine caller, scheduler process sockets). It records what
 changes scheduler state — new requests, aborts, cache flushes, steps — and
-broadcasts the list before each step (pickled, over gloo), so every rank admits,
+broadcasts the list before each step (pickled once; through a shared-memory channel,
+``shm_channel.py``, when every rank is on this node, else over gloo), so every rank admits,
 batches, retracts and samples identically: the same ForwardBatch on every rank,
 the same logits after the all-gather, the same tokens.
 
@@ -28,14 +29,11 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator
-
-import torch
 
 from treadle.core.config import ServerConfig
 from treadle.core.distributed.custom_all_reduce import setup_custom_all_reduce
@@ -46,6 +44,8 @@ from treadle.core.distributed.parallel import (
     tp_broadcast_object,
     tp_gather_objects,
 )
+from treadle.core.distributed.rank_layout import RankLayout, TensorParallelError
+from treadle.core.distributed.shm_channel import ShmChannelReader, ShmChannelWriter, channel_supported
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ _STEP, _ADD, _ABORT, _FLUSH, _STATS, _STOP = "step", "add", "abort", "flush", "s
 _LORA_LOAD, _LORA_UNLOAD = "lora_load", "lora_unload"
 _LOG_FORMAT = "[treadle %(processName)s] %(asctime)s %(levelname)s %(name)s: %(message)s"
 _PR_SET_PDEATHSIG = 1
-
-
-class TensorParallelError(RuntimeError):
-    """The tensor-parallel layout cannot run here, or a rank failed."""
 
 
 class LeaderGone(RuntimeError):
@@ -87,19 +83,23 @@ def start_scheduler(config: ServerConfig, registry: Any = None, in_server: bool 
     layout = RankLayout.of(config)
     check_model_splits(config)
     init_method = layout.init_method()
-    ranks = RankProcesses(config, layout, init_method, first_local=1, offline=offline)
+    channel = open_step_channel(config, layout)
+    ranks = RankProcesses(config, layout, init_method, first_local=1, offline=offline,
+                          step_channel=channel.name if channel is not None else None)
     try:
         ranks.start()
-        watcher = ranks.watch(exit_process=in_server)
+        watcher = ranks.watch(exit_process=in_server, before_exit=channel.unlink if channel is not None else None)
         _join_group(layout, 0, init_method, config, check_peers=ranks.check_alive)
         scheduler = Scheduler(config, registry, offline=offline)
     except BaseException:
         ranks.stop()
         destroy_tensor_parallel()
         remove_file_store(init_method)
+        if channel is not None:
+            channel.close()
         raise
     freeze_startup_objects()
-    leader = LeaderScheduler(scheduler, ranks, watcher)
+    leader = LeaderScheduler(scheduler, ranks, watcher, channel)
     # A script that ends without Engine.shutdown() still stops its ranks with a goodbye, before multiprocessing's
     # own exit hook would terminate them (hooks run last-registered first).
     atexit.register(leader.shutdown)
@@ -112,6 +112,18 @@ def remove_file_store(init_method: str) -> None:
     if init_method.startswith("file://"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(init_method[len("file://"):])
+
+
+def open_step_channel(config: ServerConfig, layout: RankLayout) -> ShmChannelWriter | None:
+    """The shared-memory channel for rank 0's per-step commands (``shm_channel.py``), or None for gloo: when
+    ``parallel.step_broadcast`` says gloo, the group spans nodes, or this machine's memory order does not suit it."""
+    if config.parallel.step_broadcast == "gloo" or layout.nnodes > 1 or not channel_supported():
+        return None
+    try:
+        return ShmChannelWriter.create(num_readers=layout.tp_size - 1)
+    except OSError as exc:  # no (or a full) /dev/shm: the commands still reach the ranks over gloo
+        logger.warning("tensor-parallel step commands go over gloo: no shared-memory channel (%s)", exc)
+        return None
 
 
 def run_node_ranks(config: ServerConfig) -> int:
@@ -152,10 +164,12 @@ class LeaderScheduler:
     go straight to the local scheduler.
     """
 
-    def __init__(self, scheduler: Any, ranks: "RankProcesses", watcher: threading.Thread | None) -> None:
+    def __init__(self, scheduler: Any, ranks: "RankProcesses", watcher: threading.Thread | None,
+                 channel: ShmChannelWriter | None = None) -> None:
         self.scheduler = scheduler
         self.ranks = ranks
         self.watcher = watcher
+        self.channel = channel  # the step commands' shared-memory channel; None: gloo
         self._commands: list[tuple[Any, ...]] = []
         self._closed = False
 
@@ -173,7 +187,9 @@ class LeaderScheduler:
         fast = get_tp_group().custom_all_reduce
         return {**self.scheduler.model_info, "tp_size": self.ranks.layout.tp_size,
                 "tp_rank_pids": {rank: process.pid for rank, process in self.ranks.processes.items()},
-                "all_reduce": fast.describe() if fast is not None else "nccl"}
+                "all_reduce": fast.describe() if fast is not None else "nccl",
+                "step_broadcast": "gloo" if self.channel is None else "shared_memory",
+                "step_channel": None if self.channel is None else self.channel.name}
 
     def add_request(self, req: Any) -> None:
         snapshot = pickle.dumps(req)  # before the local scheduler touches it
@@ -223,29 +239,38 @@ class LeaderScheduler:
         if self.ranks.failed is None:  # after a failure a collective may never finish: no waiting on the GPU
             self.scheduler.worker.release_graphs()
         destroy_tensor_parallel()
-        remove_file_store(self.ranks.init_method)
+        self._remove_files()
 
     def stop_without_goodbye(self) -> None:
         """Stop the other ranks at once and remove the group's store: for a signal that may arrive mid-step, when
         the ranks wait in a collective and cannot take a stop command."""
         self._closed = True
         self.ranks.stop()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
         remove_file_store(self.ranks.init_method)
+        if self.channel is not None:
+            self.channel.close()
 
     def _broadcast(self, last: tuple[Any, ...]) -> None:
         commands, self._commands = self._commands + [last], []
         self.ranks.check_alive()
-        with self.ranks.naming_a_dead_rank():
-            tp_broadcast_object(commands)
+        with self.ranks.naming_a_dead_rank():  # a rank that died also closes the channel's wait
+            if self.channel is None:
+                tp_broadcast_object(commands)
+            else:
+                self.channel.send(pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL), self.ranks.check_alive)
 
 
-def follow_leader(scheduler: Any) -> None:
-    """A rank other than 0: apply rank 0's broadcast commands to ``scheduler`` until told to stop."""
+def follow_leader(scheduler: Any, channel: ShmChannelReader | None = None) -> None:
+    """A rank other than 0: apply rank 0's broadcast commands (from ``channel``, else over gloo) to ``scheduler``
+    until told to stop."""
     from treadle.core.request import InvalidRequestError
 
     while True:
         try:
-            commands = tp_broadcast_object(None)
+            commands = tp_broadcast_object(None) if channel is None else pickle.loads(channel.receive())
         except RuntimeError as exc:  # a closed connection: rank 0's process ended (stopped or failed)
             raise LeaderGone(str(exc).splitlines()[0]) from None
         for command in commands:
@@ -271,67 +296,18 @@ def follow_leader(scheduler: Any) -> None:
                 return
 
 
-class RankLayout:
-    """Which global ranks this node hosts and how they meet: ``tp_size / nnodes`` ranks per node."""
-
-    def __init__(self, tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None,
-                 device_type: str, timeout_s: float) -> None:
-        self.tp_size = tp_size
-        self.nnodes = nnodes
-        self.node_rank = node_rank
-        self.dist_init_addr = dist_init_addr
-        self.device_type = device_type
-        self.timeout_s = timeout_s
-        self.ranks_per_node = tp_size // nnodes
-        self._file_store: str | None = None
-
-    @classmethod
-    def of(cls, config: ServerConfig) -> "RankLayout":
-        from treadle.core.loading.model_loader import resolve_device
-
-        par = config.parallel
-        device = resolve_device(config.model.device)
-        layout = cls(par.tp_size, par.nnodes, par.node_rank, par.dist_init_addr, device.type, par.dist_timeout_s)
-        if device.type == "cuda":
-            available = torch.cuda.device_count()
-            if layout.ranks_per_node > available:
-                raise TensorParallelError(
-                    f"parallel.tp_size={par.tp_size} over {par.nnodes} node(s) needs {layout.ranks_per_node} GPUs on "
-                    f"this node but {available} are visible; lower tp_size or raise nnodes")
-        return layout
-
-    def local_ranks(self) -> range:
-        first = self.node_rank * self.ranks_per_node
-        return range(first, first + self.ranks_per_node)
-
-    def local_device(self, rank: int) -> torch.device:
-        if self.device_type == "cuda":
-            return torch.device("cuda", rank - self.node_rank * self.ranks_per_node)
-        return torch.device("cpu")
-
-    def init_method(self) -> str:
-        """``tcp://dist_init_addr`` (multi-node, or when given); else a fresh file store for this group."""
-        if self.dist_init_addr:
-            return f"tcp://{self.dist_init_addr}"
-        if self._file_store is None:
-            handle, path = tempfile.mkstemp(prefix="treadle-tp-", suffix=".store")
-            os.close(handle)
-            os.unlink(path)  # the store creates it; a stale file would confuse the rendezvous
-            self._file_store = path
-        return f"file://{self._file_store}"
-
-
 class RankProcesses:
     """This node's rank processes (``first_local`` 1 on node 0, whose rank 0 is the caller): start, watch, stop."""
 
     def __init__(self, config: ServerConfig, layout: RankLayout, init_method: str, first_local: int,
-                 offline: bool = False) -> None:
+                 offline: bool = False, step_channel: str | None = None) -> None:
         import multiprocessing as mp
 
         self.config = config
         self.offline = offline
         self.layout = layout
         self.init_method = init_method
+        self.step_channel = step_channel
         self.ranks = list(layout.local_ranks())[first_local:]
         self.context = mp.get_context("spawn")  # CUDA and threads do not survive fork
         self.processes: dict[int, Any] = {}
@@ -341,14 +317,16 @@ class RankProcesses:
     def start(self) -> None:
         for rank in self.ranks:
             process = self.context.Process(
-                target=run_rank_process, args=(self.config, rank, self.init_method, self.offline),
+                target=run_rank_process,
+                args=(self.config, rank, self.init_method, self.offline, self.step_channel),
                 name=f"scheduler-tp{rank}", daemon=True,
             )
             process.start()
             self.processes[rank] = process
 
-    def watch(self, exit_process: bool) -> threading.Thread | None:
-        """A daemon thread that logs a rank's death and (``exit_process``) ends this process at once."""
+    def watch(self, exit_process: bool, before_exit: Callable[[], None] | None = None) -> threading.Thread | None:
+        """A daemon thread that logs a rank's death and (``exit_process``) ends this process at once, after
+        ``before_exit`` (which must be safe beside the main thread)."""
         if not self.processes:
             return None
 
@@ -359,6 +337,8 @@ class RankProcesses:
                 return
             self._note_failure(sentinels[ready[0]])
             if exit_process:
+                if before_exit is not None:
+                    before_exit()
                 os._exit(1)
 
         thread = threading.Thread(target=_watch, name="tp-rank-watcher", daemon=True)
@@ -434,18 +414,23 @@ class RankProcesses:
         logger.error(self.failed)
 
 
-def run_rank_process(config: ServerConfig, rank: int, init_method: str, offline: bool = False) -> None:
-    """Process entry point of a rank other than 0: join, load the model shard, follow rank 0."""
+def run_rank_process(config: ServerConfig, rank: int, init_method: str, offline: bool = False,
+                     step_channel: str | None = None) -> None:
+    """Process entry point of a rank other than 0: join, load the model shard, follow rank 0 (its step commands
+    from the shared-memory channel ``step_channel`` names, or over gloo)."""
     _configure_rank_process(config.server.log_level)
     layout = RankLayout.of(config)
+    channel = None
     try:
+        if step_channel is not None:  # only on rank 0's node: its ranks are 1 .. tp_size - 1
+            channel = ShmChannelReader(step_channel, reader=rank - 1)
         _join_group(layout, rank, init_method, config)
         from treadle.core.loading.gc_freeze import freeze_startup_objects
         from treadle.core.scheduling.scheduler import Scheduler
 
         scheduler = Scheduler(config, None, offline=offline)
         freeze_startup_objects()
-        follow_leader(scheduler)
+        follow_leader(scheduler, channel)
         scheduler.worker.release_graphs()
     except LeaderGone as exc:
         logger.warning("tensor-parallel rank %d: the group ended while waiting for rank 0 (its server stopped, "
@@ -454,6 +439,8 @@ def run_rank_process(config: ServerConfig, rank: int, init_method: str, offline:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise SystemExit(1)
     finally:
+        if channel is not None:
+            channel.close()
         destroy_tensor_parallel()
 
 

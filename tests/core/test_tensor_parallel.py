@@ -68,8 +68,10 @@ def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_p
     reference.shutdown()
 
     first, again, engine = _generate(_config(path, 2))  # weights read as per-rank safetensors slices
+    channel = engine.model_info["step_channel"]
     try:
         assert engine.model_info["tp_size"] == 2
+        assert engine.model_info["step_broadcast"] == "shared_memory" and os.path.exists(f"/dev/shm/{channel}")
         assert first == expected_first
         assert again == expected_again
         per_rank = engine.scheduler.kv_stats_per_rank()
@@ -86,6 +88,7 @@ def test_tp2_llama_checkpoint_matches_tp1_with_chunks_retraction_and_radix(tmp_p
     finally:
         engine.shutdown()
     assert not list(stores.glob("treadle-tp-*")), "the group's file store outlived it"
+    assert not os.path.exists(f"/dev/shm/{channel}"), "the step channel's shared memory outlived the group"
 
 
 def test_tp4_mistral_replicates_kv_heads_with_paged_cache_no_radix_and_latency_chunks(tmp_path):
@@ -209,13 +212,16 @@ def test_a_script_ending_without_shutdown_stops_its_ranks_cleanly(tmp_path):
 
 def test_tp2_with_ngram_speculation_matches_tp1_plain(tmp_path, stores):
     """Every rank runs its own speculative worker; the n-gram drafts depend only on what each rank's scheduler read,
-    so the ranks verify the same drafts and keep the same tokens (with retraction under the small pool)."""
+    so the ranks verify the same drafts and keep the same tokens (with retraction under the small pool). The step
+    commands go over gloo here (``parallel.step_broadcast: gloo``), the path of groups that span nodes."""
     path = make_tiny_llama(tmp_path / "llama", num_key_value_heads=2)
     expected, _, reference = _generate(_config(path, 1))
     reference.shutdown()
     speculative = {"method": "ngram", "num_tokens": 3, "max_batch_size": 8}
-    engine = Engine(_config(path, 2, speculative=speculative) | {"plugins": ["treadle.plugins.speculators.ngram"]})
+    engine = Engine(_config(path, 2, speculative=speculative, parallel={"step_broadcast": "gloo"})
+                    | {"plugins": ["treadle.plugins.speculators.ngram"]})
     try:
+        assert engine.model_info["step_broadcast"] == "gloo" and engine.model_info["step_channel"] is None
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o.token_ids for o in outputs] == expected
         assert sum(o.spec_verify_steps for o in outputs) > 0

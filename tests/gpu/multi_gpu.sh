@@ -27,6 +27,8 @@
 #                   eager and CUDA graphs) and a tp=2 Engine using it
 #   tp_decode       all-reduce latency by size (NCCL, one-shot, two-shot) and the bs=1/32 decode step of 8B shapes:
 #                   tp=1, tp=2 over NCCL, tp=2 over the peer all-reduce (target tp=2 <= 0.6x tp=1)
+#   tp_step_broadcast rank 0's per-step commands: one-way latency through shared memory vs gloo (CPU processes), then
+#                   Engine.generate at tp=2, bs=1, 8B shapes, triton, graphs: parallel.step_broadcast auto vs gloo
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -132,6 +134,8 @@ PY
     ar_tests) timeout 560 python3 -m pytest -q -s -rs tests/gpu/test_custom_all_reduce_gpu.py 2>&1 | tee "$OUT/ar_tests.log" | tail -30 ;;
     tp_decode) timeout 590 python3 -m treadle.bench.tp_decode --timeout-s 180 --output "$OUT/tp_decode_2gpu.json" 2>&1 \
         | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/tp_decode.log" | tail -40 ;;
+    tp_step_broadcast) timeout 590 python3 -m treadle.bench.tp_step_broadcast --output "$OUT/tp_step_broadcast_2gpu.json" \
+        2>&1 | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/tp_step_broadcast.log" | tail -30 ;;
     tp_tests) timeout 500 python3 -m pytest -q -s -rs tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
     tp_8b)
       for tp in 1 2; do

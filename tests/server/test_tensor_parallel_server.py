@@ -53,12 +53,14 @@ def test_tp2_server_matches_tp1_and_a_dead_rank_takes_it_down(tiny_model_dir, ma
         assert kv["running"] == 0 and kv["free_slots"] + kv["cached_slots"] == kv["total_slots"]
 
         rank1 = int(info["model_info"]["tp_rank_pids"]["1"])
+        channel = f"/dev/shm/{info['model_info']['step_channel']}"
         os.kill(rank1, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while handle.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert handle.process.returncode == 1
         assert "tensor-parallel rank 1" in handle.log()
+        assert not os.path.exists(channel)  # removed before rank 0 exits
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", handle.port), timeout=5).close()
     finally:
@@ -73,7 +75,10 @@ def test_tp2_server_stopped_by_sigterm_leaves_nothing_behind(tiny_model_dir, mak
     config.parallel.tp_size = 2
     handle = launch_server(config, timeout=240, env={"TMPDIR": str(tmp_path)})
     try:
-        rank1 = int(_info(handle)["model_info"]["tp_rank_pids"]["1"])
+        model_info = _info(handle)["model_info"]
+        rank1 = int(model_info["tp_rank_pids"]["1"])
+        channel = f"/dev/shm/{model_info['step_channel']}"
+        assert model_info["step_broadcast"] == "shared_memory" and os.path.exists(channel)
         assert _completions(handle)
     finally:
         assert handle.shutdown(signal.SIGTERM) == 0, handle.log()[-3000:]
@@ -81,6 +86,7 @@ def test_tp2_server_stopped_by_sigterm_leaves_nothing_behind(tiny_model_dir, mak
     for alarm in ("resource_tracker", "leaked", "Traceback", "unexpectedly"):
         assert alarm not in handle.log(), handle.log()[-3000:]
     assert not list(tmp_path.glob("treadle-tp-*"))
+    assert not os.path.exists(channel)
     assert _gone_within(rank1, 5)
 
 
