@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-
 from lora_warm_recorder import RecordingLoRABackend
 from treadle import Engine
 from treadle.core.execution.worker import largest_step_tokens
