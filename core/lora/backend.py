@@ -129,10 +129,11 @@ class LoRABackend(ABC):
             self.expand(self.shrink(x, a, adapter_ids, scalings, ranks), b, adapter_ids, ranks, out[:, start:end])
 
     def warm_up(self, layers: Sequence[StackedLoRA], max_tokens: int) -> int:
-        """Launch, once, every kernel variant that :meth:`add_delta` (and :meth:`split_delta`) would compile at first
-        use for a batch of 1 to ``max_tokens`` tokens on these layers, reading their weights and writing only scratch
-        tensors (``adapter_ids`` of :data:`~treadle.core.execution.batch_context.NO_ADAPTER` suit: the kernels
-        compile whatever the ids). Returns the number of batches run (0: nothing to warm, the default)."""
+        """Launch, once, every kernel variant that :meth:`add_delta` would compile at first use for a batch of 1 to
+        ``max_tokens`` tokens on these layers, reading their weights and writing only scratch tensors (``adapter_ids``
+        of :data:`~treadle.core.execution.batch_context.NO_ADAPTER` suit: the kernels compile whatever the ids).
+        Called once at engine start, after the CUDA graphs are captured (whose sizes, and the one-token steps
+        :meth:`split_delta` serves, their capture compiled). Returns the number of batches run (the default: 0)."""
         return 0
 
     def split_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor) -> Any:
