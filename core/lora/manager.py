@@ -82,10 +82,16 @@ class LoRAManager:
         if warm_up is None:
             return
         start = time.perf_counter()
-        with torch.inference_mode():
-            batches = warm_up([layer.weights for layer in self.layers], max_tokens)
-            if batches and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        try:
+            with torch.inference_mode():
+                batches = warm_up([layer.weights for layer in self.layers], max_tokens)
+                if batches and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError:  # its scratch tensors did not fit beside the KV pool: serve without it
+            logger.warning("LoRA kernel warm-up ran out of device memory (batches of up to %d tokens); kernels it did "
+                           "not reach compile at their first use", max_tokens)
+            torch.cuda.empty_cache()
+            return
         if batches:
             logger.info("LoRA kernels warmed up (%s backend, batches of 1 to %d tokens): %d batches in %.1f s",
                         self.backend_name, max_tokens, batches, time.perf_counter() - start)

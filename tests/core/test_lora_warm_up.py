@@ -37,13 +37,19 @@ def test_engine_warms_its_lora_backend_once_at_start(tiny_llama_dir, caplog):
             "plugins": PLUGINS}
     with caplog.at_level(logging.INFO, logger="treadle.core.lora.manager"):
         with Engine({**base, "lora": {"backend": "warm_up_recorder", "max_rank": 8}}) as engine:
-            layers = len(engine.scheduler.worker.runner.lora.layers)
+            lora = engine.scheduler.worker.runner.lora
+            layers = len(lora.layers)
+            # A warm-up whose scratch tensors do not fit is given up with a warning; the engine serves.
+            lora.backend.out_of_memory = True
+            lora.warm_up(16)
+            assert "LoRA kernel warm-up ran out of device memory (batches of up to 16 tokens)" in caplog.text
+            assert len(engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2})[0].token_ids) == 2
     assert layers == 4 * 2  # qkv, o, gate_up and down of the tiny Llama's two decoder layers
-    assert RecordingLoRABackend.calls == [(layers, 300 + 8)]  # a chunk and the decode rows of a mixed step
+    assert RecordingLoRABackend.calls[0] == (layers, 300 + 8)  # a chunk and the decode rows of a mixed step
     assert "LoRA kernels warmed up (warm_up_recorder backend, batches of 1 to 308 tokens): 1 batches in" in caplog.text
     with Engine(base):  # no lora section: nothing of LoRA is built, nothing warmed
         pass
-    assert len(RecordingLoRABackend.calls) == 1
+    assert len(RecordingLoRABackend.calls) == 2  # the start's and the one run by hand above
 
 
 def test_a_backend_without_the_hook_is_not_warmed():
