@@ -107,15 +107,17 @@ SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"busy_programs": 1024, "split_k": 1024},
                  # the dense form (cuBLAS over every slot) past 1 token, i.e. at every size but bs=1, and never
                  {"dense_above": 1}, {"dense_above": 1 << 20},
-                 # the looped gather shrink past 16 tokens (bs=32, bs=64): rows a program 16 / 8, chunks of in 512 /
-                 # 1024, in split towards 256 programs (default), or not split (1), or towards 1024 (one chunk a
-                 # program, mostly); the next chunk in registers, or three stages of Triton's pipeline
-                 *({"shrink_loop_above": 16, **fields} for fields in (
-                     {}, {"shrink_loop_rows": 8}, {"shrink_loop_k": 1024},
-                     {"shrink_loop_rows": 8, "shrink_loop_k": 1024}, {"shrink_loop_programs": 1},
-                     {"shrink_loop_programs": 1024}, {"shrink_loop_rows": 8, "shrink_loop_programs": 1024},
-                     {"shrink_loop_stages": 3}, {"shrink_loop_stages": 3, "shrink_loop_programs": 1},
-                     {"shrink_loop_rows": 8, "shrink_loop_stages": 3})))
+                 # the gather shrink's looped form past 16 tokens (the default: 4 rows a program, chunks of 2048,
+                 # towards 384 programs of at most 2 chunks, 4 warps, no lookahead) against the full-row form, and
+                 # its neighbours: fewer / more programs and chunks, 8 warps, the next chunk ahead in registers (1)
+                 # or Triton's pipeline (3), round 1's 8-16 rows over chunks of 512-1024
+                 {"shrink_loop_above": 1 << 20},
+                 {"shrink_loop_programs": 256}, {"shrink_loop_programs": 512}, {"shrink_loop_chunks": 1},
+                 {"shrink_loop_chunks": 4}, {"shrink_loop_warps": 8}, {"shrink_loop_stages": 1},
+                 {"shrink_loop_stages": 3}, {"shrink_loop_rows": 8, "shrink_loop_k": 1024},
+                 {"shrink_loop_rows": 8, "shrink_loop_k": 512, "shrink_loop_programs": 768, "shrink_loop_chunks": 1 << 20},
+                 {"shrink_loop_rows": 16, "shrink_loop_k": 512, "shrink_loop_programs": 256,
+                  "shrink_loop_chunks": 1 << 20, "shrink_loop_stages": 1, "shrink_loop_warps": 8})
 
 
 def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,

@@ -26,10 +26,10 @@ POINTERS = {"X": "*bf16", "A": "*bf16", "Ids": "*i32", "Scalings": "*fp32", "Ran
 UNIT_STRIDES = ("stride_xk", "stride_ak")
 LAYERS = {"qkv": (48, 4096), "down": (16, 14336)}
 LOOP_OPCODES = ("LDG", "LDGSTS", "LDS", "FFMA", "FMUL", "FADD", "SHFL", "BAR")
-CHOICES = ({}, {"shrink_loop_above": 16}, {"shrink_loop_above": 16, "shrink_loop_rows": 8},
-           {"shrink_loop_above": 16, "shrink_loop_k": 1024}, {"shrink_loop_above": 16, "shrink_loop_programs": 1},
-           {"shrink_loop_above": 16, "shrink_loop_stages": 3},
-           {"shrink_loop_above": 16, "shrink_loop_rows": 8, "shrink_loop_stages": 3})
+CHOICES = ({}, {"shrink_loop_above": 1 << 20}, {"shrink_loop_warps": 8}, {"shrink_loop_stages": 1},
+           {"shrink_loop_stages": 3}, {"shrink_loop_rows": 8, "shrink_loop_k": 1024},
+           {"shrink_loop_rows": 16, "shrink_loop_k": 512, "shrink_loop_programs": 256, "shrink_loop_chunks": 1 << 20,
+            "shrink_loop_stages": 1, "shrink_loop_warps": 8})
 
 
 def compile_shrink(block_r: int, block_k: int, ahead: int, num_warps: int) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choice = LoRAKernelChoice(**fields)
         for layer, (rows, in_features) in LAYERS.items():
             blocks = _gather_shrink_blocks(32, rows, in_features, True, choice)
-            warps = _gather_warps(blocks.block_r * blocks.block_k)
+            warps = blocks.warps or _gather_warps(blocks.block_r * blocks.block_k)
             result = compile_shrink(blocks.block_r, blocks.block_k, blocks.ahead, warps)
             programs = 32 * -(-rows // blocks.block_r) * blocks.split
             loop = result["loop"]

@@ -130,15 +130,15 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
               projection_stride(scalings), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
               h.stride(0), h.stride(1))
     if _shrink_gathers(num_tokens, rows):
-        block_r, block_k, k_per_split, split, ahead = _gather_shrink_blocks(num_tokens, rows, in_features, not final,
-                                                                            choice)
-        if split != h.shape[0]:
-            raise ValueError(f"the shrink takes {split} slices of in here, not {h.shape[0]}")
-        grid = (num_tokens, triton.cdiv(rows, block_r), split)
+        blocks = _gather_shrink_blocks(num_tokens, rows, in_features, not final, choice)
+        if blocks.split != h.shape[0]:
+            raise ValueError(f"the shrink takes {blocks.split} slices of in here, not {h.shape[0]}")
+        grid = (num_tokens, triton.cdiv(rows, blocks.block_r), blocks.split)
         pdl = pdl_enabled(x.device)
-        _shrink_gather_kernel[grid](*common, k_per_split, BLOCK_R=block_r, BLOCK_K=block_k, FINAL=final, PDL=pdl,
-                                    GO_AHEAD=pdl and bool(choice.go_ahead), AHEAD=ahead,
-                                    launch_pdl=pdl, num_warps=_gather_warps(block_r * block_k))
+        _shrink_gather_kernel[grid](*common, blocks.k_per_split, BLOCK_R=blocks.block_r, BLOCK_K=blocks.block_k,
+                                    FINAL=final, PDL=pdl, GO_AHEAD=pdl and bool(choice.go_ahead), AHEAD=blocks.ahead,
+                                    launch_pdl=pdl,
+                                    num_warps=blocks.warps or _gather_warps(blocks.block_r * blocks.block_k))
     else:
         block_m = _segmented_block_m(num_tokens)
         block_r = max(16, min(64, triton.next_power_of_2(rows)))
@@ -232,13 +232,14 @@ class ShrinkBlocks(NamedTuple):
     """A gather shrink's launch: ``[block_r, block_k]`` tiles of ``a`` over ``k_per_split`` columns of ``in`` a
     program, ``split`` slices of ``in``; ``ahead``: 0, or the looped form's pipeline (``shrink_loop_stages``: 1,
     each program loads its next chunk of ``a`` and ``x`` into registers before reducing this one; more, that many
-    stages of Triton's software pipeline)."""
+    stages of Triton's software pipeline); ``warps``: its own launch's warps (0: by the tile, ``_gather_warps``)."""
 
     block_r: int
     block_k: int
     k_per_split: int
     split: int
     ahead: int = 0
+    warps: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,16 +263,18 @@ def _gather_shrink_blocks(num_tokens: int, rows: int, in_features: int, splittab
 def _loop_blocks(num_tokens: int, rows: int, in_features: int, splittable: bool,
                  choice: LoRAKernelChoice) -> ShrinkBlocks:
     """The looped form: ``shrink_loop_rows`` stacked rows a program (each token's ``x`` read once per that many),
-    chunks of ``shrink_loop_k`` columns; where that gives fewer than ``shrink_loop_programs`` programs and partial
-    sums may be returned, ``in`` in as many slices of whole chunks as reach it."""
+    chunks of ``shrink_loop_k`` columns, ``shrink_loop_warps`` warps; where partial sums may be returned, ``in`` in
+    slices of whole chunks, as many as reach ``shrink_loop_programs`` programs and at most ``shrink_loop_chunks``
+    chunks a program."""
     block_r = min(triton.next_power_of_2(rows), choice.shrink_loop_rows)
     block_k = min(triton.next_power_of_2(in_features), choice.shrink_loop_k)
     chunks = triton.cdiv(in_features, block_k)
     programs = num_tokens * triton.cdiv(rows, block_r)
-    slices = min(chunks, triton.cdiv(choice.shrink_loop_programs, programs)) if splittable else 1
+    wanted = max(triton.cdiv(choice.shrink_loop_programs, programs), triton.cdiv(chunks, choice.shrink_loop_chunks))
+    slices = min(chunks, wanted) if splittable else 1
     k_per_split = triton.cdiv(chunks, slices) * block_k
     return ShrinkBlocks(block_r, block_k, k_per_split, triton.cdiv(in_features, k_per_split),
-                        choice.shrink_loop_stages)
+                        choice.shrink_loop_stages, choice.shrink_loop_warps)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,14 +43,16 @@ work from 1.189x the base to 1.080x (end to end 1.067x; 1.156x unsplit in an ear
 adapters it measured 1.344x against the unfused path's 1.318x (1.350x against 1.328x beside cuBLAS); sizes between
 are not measured yet.
 
-``shrink_loop_above`` (a candidate, off by default): the gather shrink of batches of more tokens walks ``in`` in
-chunks of ``shrink_loop_k`` columns over blocks of ``shrink_loop_rows`` stacked rank rows (the next chunk of ``a``
-and ``x`` loaded before this one is reduced: into registers, or with ``shrink_loop_stages`` > 1 that many
-stages of Triton's software pipeline through shared memory), where the default form loads one ``shrink_tile`` of whole rows of
-``in`` a program: at bs=32, in=4096, two rows, so each token's ``x`` is read once per 2 of its stacked rows (half
-as many bytes again as ``a`` itself, from L2) and nothing is in flight while a program reduces. Where that gives
-fewer than ``shrink_loop_programs`` programs and partial sums may be returned (``add_delta``), ``in`` is split into
-slices of whole chunks to reach it. The one-token and split-K forms stay as they are.
+``shrink_loop_above`` (16): the gather shrink of batches of more tokens takes the looped form: blocks of
+``shrink_loop_rows`` (4) stacked rank rows walk ``in`` in chunks of ``shrink_loop_k`` (2048) columns with
+``shrink_loop_warps`` (4) warps, where the full-row form loads one ``shrink_tile`` of whole rows of ``in`` a program
+(at bs=32, in=14336: one row, 16 warps, one program an SM) and then only reduces. Where partial sums may be returned
+(``add_delta``), ``in`` is split into slices of whole chunks, as many as reach ``shrink_loop_programs`` (384) programs
+and at most ``shrink_loop_chunks`` (2) chunks a program. ``shrink_loop_stages``: 0 (default) loads each chunk when
+its turn comes; 1 loads the next one into registers before reducing this one; more, that many stages of Triton's
+software pipeline through shared memory. Measured on an H200 (2026-11-28, every shrink launch alone at bs=32 over 32
+adapters, Llama-3.1-8B's four projections): 14.7 us a layer against the full-row form's 18.1; end to end the bs=32
+step 1.269x the base against 1.288x (docs/lora.md). The one-token and split-K forms stay as they are.
 """
 
 from __future__ import annotations
@@ -78,11 +80,12 @@ class LoRAKernelChoice:
     a program loads at once) that runs in a matmul's launch: its registers are the launch's (bs=32's ``[1, 16384]``
     tiles of ``down_proj`` would spill a 4-warp matmul tile's), larger ones run in their own launch (the expand
     still carrying the epilogue); ``fuse_max_tokens``: batches of more tokens run unfused; ``shrink_loop_above``:
-    gather shrinks of more tokens (and not split-K) take the looped form (module docstring; the default keeps it
-    off), ``shrink_loop_rows`` stacked rank rows a program, ``shrink_loop_k`` columns of ``in`` a chunk,
+    gather shrinks of more tokens (and not split-K) take the looped form (module docstring),
+    ``shrink_loop_rows`` stacked rank rows a program, ``shrink_loop_k`` columns of ``in`` a chunk,
     ``shrink_loop_programs`` the programs it aims for by splitting ``in`` where partial sums may be returned,
-    ``shrink_loop_stages`` its pipeline (1: the next chunk in registers; more: Triton's pipeline of that many
-    stages, through shared memory)."""
+    ``shrink_loop_chunks`` the most chunks a program walks there, ``shrink_loop_stages`` its pipeline (0: none; 1: the
+    next chunk in registers; more: Triton's pipeline of that many stages, through shared memory),
+    ``shrink_loop_warps`` its launch's warps."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -98,15 +101,17 @@ class LoRAKernelChoice:
     fuse_gemv: int = 1
     fuse_tile: int = 8192
     fuse_max_tokens: int = 1
-    shrink_loop_above: int = 1 << 20
-    shrink_loop_rows: int = 16
-    shrink_loop_k: int = 512
-    shrink_loop_programs: int = 256
-    shrink_loop_stages: int = 1
+    shrink_loop_above: int = 16
+    shrink_loop_rows: int = 4
+    shrink_loop_k: int = 2048
+    shrink_loop_programs: int = 384
+    shrink_loop_chunks: int = 2
+    shrink_loop_stages: int = 0
+    shrink_loop_warps: int = 4
 
     def __post_init__(self) -> None:
         for name, least in (("shrink_tile", 16), ("expand_tile", 16), ("split_k", 16), ("shrink_loop_k", 16),
-                            ("shrink_loop_rows", 1)):
+                            ("shrink_loop_rows", 1), ("shrink_loop_warps", 1)):
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"LoRAKernelChoice.{name} must be a power of two >= {least} (a block of a Triton "
@@ -125,14 +130,15 @@ def choice_fields(text: str) -> dict[str, int]:
     fields: dict[str, int] = {}
     for pair in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = (side.strip() for side in pair.partition("="))
-        if key not in known or not value.isdigit() or int(value) <= 0 and key not in _FLAGS:
+        if key not in known or not value.isdigit() or int(value) <= 0 and key not in _MAY_BE_ZERO:
             raise ValueError(f"bad LoRA kernel choice {pair!r}: expected FIELD=N (N a positive integer; go_ahead "
-                             f"and fuse_gemv 0 or 1), FIELD one of {', '.join(sorted(known))}")
+                             f"and fuse_gemv 0 or 1; shrink_loop_stages 0 too), FIELD one of {', '.join(sorted(known))}")
         fields[key] = int(value)
     return fields
 
 
 _FLAGS = ("go_ahead", "fuse_gemv")
+_MAY_BE_ZERO = _FLAGS + ("shrink_loop_stages",)
 
 
 def choice_from_env() -> LoRAKernelChoice:

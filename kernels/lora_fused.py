@@ -55,10 +55,10 @@ def split_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_ids: t
     """A layer's stacked adapters (kernels/lora.py's ``add_delta`` arguments) as a shrink for the matmul's launch
     and an expand to run after it (call only where :func:`splits`)."""
     num_tokens, rows = x.shape[0], a.shape[1]
-    block_r, block_k, k_per_split, split, ahead = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)
-    partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
-    shrink = GemvShrink(a, adapter_ids, scalings, ranks, partials, b.shape[2], projection_stride(scalings), block_r,
-                        block_k, k_per_split, ahead)
+    blocks = _gather_shrink_blocks(num_tokens, rows, x.shape[1], True, choice)
+    partials = torch.empty((blocks.split, num_tokens, rows), dtype=torch.float32, device=x.device)
+    shrink = GemvShrink(a, adapter_ids, scalings, ranks, partials, b.shape[2], projection_stride(scalings),
+                        blocks.block_r, blocks.block_k, blocks.k_per_split, blocks.ahead)
     return SplitLoRA(shrink, b, segments, choice)
 
 
@@ -101,6 +101,7 @@ class SplitLoRA:
         shrink, num_tokens = self.shrink, gate_up.shape[0]
         out = torch.empty((num_tokens, half), dtype=gate_up.dtype, device=gate_up.device)
         block_r, block_n = self._expand_tile(2 * half, half)
+        block_n = max(16, min(block_n, self.choice.expand_tile // (2 * block_r)))  # gate's and up's blocks: one tile
         pdl = pdl_enabled(out.device)
         _expand_silu_mul_kernel[(num_tokens, triton.cdiv(half, block_n))](
             *self._expand_args(), gate_up, out, half, gate_up.stride(0), BLOCK_N=block_n, BLOCK_R=block_r,

@@ -18,13 +18,14 @@ LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), 
 # The default (go-ahead on; the sorted form past 64 tokens), the hand-over before it, the sweep's widest tiles and
 # widest split-K reach, the unsorted forms at every size, and the sorted form's other shapes (bench/lora_kernels.py
 # SWEEP_CHOICES), the dense form (cuBLAS over every slot) past 1 token and never (the default takes it past 128), and
-# the looped gather shrink at 32 tokens (in split over slices, and not; through Triton's pipeline).
+# the gather shrink at 32 tokens: the full-row form, the looped form (the default) with in split over more
+# slices, in registers ahead and through Triton's pipeline.
 CHOICES = ({}, {"go_ahead": 0}, {"shrink_tile": 16384, "expand_tile": 16384},
            {"busy_programs": 1024, "split_k": 1024}, {"sort_above": 1 << 20},
            {"sort_programs": 256, "sort_columns": 128}, {"sort_columns": 512}, {"dense_above": 1},
-           {"dense_above": 1 << 20}, {"shrink_loop_above": 16},
-           {"shrink_loop_above": 16, "shrink_loop_rows": 8, "shrink_loop_k": 1024, "shrink_loop_programs": 1},
-           {"shrink_loop_above": 16, "shrink_loop_stages": 3})
+           {"dense_above": 1 << 20}, {"shrink_loop_above": 1 << 20},
+           {"shrink_loop_rows": 8, "shrink_loop_k": 1024, "shrink_loop_programs": 1024, "shrink_loop_stages": 1},
+           {"shrink_loop_stages": 3})
 
 
 def _choices():

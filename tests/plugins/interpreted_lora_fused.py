@@ -43,7 +43,8 @@ SEGMENTS = {"qkv": ((0, 64), (64, 80), (80, 96)), "gate_up": ((0, 48), (48, 96))
 # (layer, tokens, config, LoRA choice): split_k=32 makes the shrink write partial sums of 3 slices of in=96; config
 # None is the library matmul (F.linear), the shrink apart; fuse_tile=16 runs the shrink apart beside a tile too; LOOP
 # runs the looped shrink beside the tile (8 rows a program, chunks of 32: in=96 in slices of two chunks and one).
-LOOP = LoRAKernelChoice(shrink_loop_above=16, shrink_loop_rows=8, shrink_loop_k=32, shrink_loop_programs=100)
+LOOP = LoRAKernelChoice(shrink_loop_above=16, shrink_loop_rows=8, shrink_loop_k=32, shrink_loop_programs=100,
+                        shrink_loop_stages=1)
 KERNEL_CASES = [("qkv", 1, GEMV, LoRAKernelChoice(split_k=32)), ("gate_up", 1, GEMV, LoRAKernelChoice()),
                 ("o_proj", 1, GEMV, LoRAKernelChoice(split_k=32)), ("qkv", 1, GEMV_SPLIT_K, LoRAKernelChoice()),
                 ("o_proj", 5, TILE, LoRAKernelChoice()), ("gate_up", 20, TILE, LoRAKernelChoice(split_k=32)),

@@ -96,7 +96,8 @@ STACKED_SCENARIOS = {
     "stacked_wide_rank_70_tokens_fp32": (70, torch.float32, 128, 24, (16, 8)),
 }
 UNSORTED = {"sort_above": 1 << 20}  # the forms over unsorted tokens at any size
-LOOP = {"shrink_loop_above": 16, "shrink_loop_k": 128, "shrink_loop_programs": 150, "busy_programs": 16}
+LOOP = {"shrink_loop_above": 16, "shrink_loop_k": 128, "shrink_loop_programs": 150, "shrink_loop_stages": 1,
+        "busy_programs": 16}
 # kernels/lora_choice.py's tunables: split-K shrinks over four slices of in at 8 tokens (busy_programs above the
 # batch's work), and one token through narrow tiles (the shrink's k loop over three blocks of in, one row a
 # program; the expand's 16-column blocks, several per projection) without the PDL go-ahead; the unsorted forms
@@ -421,22 +422,31 @@ def test_looped_shrink_matches_reference(interpreted_results: dict[str, dict]) -
 
 
 def test_looped_shrink_reach() -> None:
-    """The looped form runs past ``shrink_loop_above`` tokens only, in place of the full-row form; the default keeps
-    today's blocks; the split-K form (few tokens, partial sums allowed) stays."""
+    """The looped form runs past ``shrink_loop_above`` (16) tokens, in place of the full-row form: 4 rows over chunks
+    of 2048 columns, ``in`` split towards 384 programs and at most two chunks a program; the split-K form (few
+    tokens, partial sums allowed) stays."""
     pytest.importorskip("triton")
     from treadle.kernels.lora import _gather_shrink_blocks
     from treadle.kernels.lora_choice import LoRAKernelChoice
 
-    default, loop = LoRAKernelChoice(), LoRAKernelChoice(shrink_loop_above=16)
-    # bs=32, Llama-3.1-8B's qkv at rank 16 (48 rows, in=4096): today's two rows of all of in a program
-    assert _gather_shrink_blocks(32, 48, 4096, True, default) == (2, 4096, 4096, 1, 0)
-    # looped: 16 rows, chunks of 512, 96 programs split in three slices of three chunks towards 256
-    assert _gather_shrink_blocks(32, 48, 4096, True, loop) == (16, 512, 1536, 3, 1)
-    assert _gather_shrink_blocks(32, 48, 4096, False, loop) == (16, 512, 4096, 1, 1)  # the two-call shrink
-    assert _gather_shrink_blocks(16, 48, 4096, True, loop) == _gather_shrink_blocks(16, 48, 4096, True, default)
+    default, full_rows = LoRAKernelChoice(), LoRAKernelChoice(shrink_loop_above=1 << 20)
+    # bs=32 over Llama-3.1-8B's layers at rank 16: qkv (48 rows, in=4096) 384 programs of all of in
+    assert _gather_shrink_blocks(32, 48, 4096, True, default) == (4, 2048, 4096, 1, 0, 4)
+    assert _gather_shrink_blocks(32, 16, 4096, True, default) == (4, 2048, 2048, 2, 0, 4)  # o: 128 programs, 2 slices
+    assert _gather_shrink_blocks(32, 32, 4096, True, default) == (4, 2048, 2048, 2, 0, 4)  # gate_up: 256 x 2
+    # down (in=14336: 7 chunks): 128 programs x 4 slices of two chunks (3 slices would reach 384, of three chunks)
+    assert _gather_shrink_blocks(32, 16, 14336, True, default) == (4, 2048, 4096, 4, 0, 4)
+    assert _gather_shrink_blocks(32, 48, 4096, False, default) == (4, 2048, 4096, 1, 0, 4)  # the two-call shrink
+    # up to 16 tokens, and with the looped form off: two rows of all of in a program, warps by the tile
+    assert _gather_shrink_blocks(16, 48, 4096, True, default) == (2, 4096, 4096, 1, 0, 0)
+    assert _gather_shrink_blocks(32, 48, 4096, True, full_rows) == (2, 4096, 4096, 1, 0, 0)
+    # round 1's candidate: 16 rows, chunks of 512 ahead in registers, 96 programs in three slices towards 256
+    round1 = LoRAKernelChoice(shrink_loop_rows=16, shrink_loop_k=512, shrink_loop_programs=256,
+                              shrink_loop_chunks=1 << 20, shrink_loop_stages=1, shrink_loop_warps=8)
+    assert _gather_shrink_blocks(32, 48, 4096, True, round1) == (16, 512, 1536, 3, 1, 8)
     # one token: split-K whatever the threshold
     everywhere = LoRAKernelChoice(shrink_loop_above=0)
-    assert _gather_shrink_blocks(1, 48, 4096, True, everywhere) == (4, 512, 512, 8, 0)
+    assert _gather_shrink_blocks(1, 48, 4096, True, everywhere) == (4, 512, 512, 8, 0, 0)
     with pytest.raises(ValueError, match="shrink_loop_rows must be a power of two"):
         LoRAKernelChoice(shrink_loop_rows=12)
 
