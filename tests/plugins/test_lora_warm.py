@@ -185,8 +185,8 @@ def test_every_batch_size_launches_only_warmed_kernels(name: str, results: dict[
 
 
 def test_warm_up_reaches_every_form(results: dict[str, dict]) -> None:
-    """Gather (split-K and not), sorted (blocks of 32 and 64 tokens), dense; ranks past one tensor-core tile expand
-    segmented; with the sorted form off, the segmented shrink, slot-grouped and segmented expands."""
+    """Gather (split-K, whole rows, looped), sorted (blocks of 32 and 64 tokens), dense; ranks past one tensor-core
+    tile expand segmented; with the sorted form off, the segmented shrink, slot-grouped and segmented expands."""
     default = {"_shrink_gather_kernel", "_expand_gather_kernel", "_shrink_sorted_kernel", "_expand_sorted_kernel",
                "_keep_own_slot"}
     assert set(results["rank8"]["warmed_forms"]) == default
@@ -196,8 +196,9 @@ def test_warm_up_reaches_every_form(results: dict[str, dict]) -> None:
         "_expand_segmented_kernel", "_keep_own_slot"}
     sizes = results["rank8"]["sizes"]
     # o_proj's 8 stacked rows: the partial sums' stride 8n specializes apart for odd and even n
-    assert sizes["o"] == [1, 2, 65, 66, 129, 1025, 1026]
-    assert sizes["gate_up"] == [1, 65, 129, 1025]  # gather, sorted, dense, sorted shrink of 64-token blocks
+    assert sizes["o"] == [1, 2, 17, 18, 65, 66, 129, 1025, 1026]
+    # gather (whole rows of in, looped past 16 tokens), sorted, dense, the sorted shrink's 64-token blocks
+    assert sizes["gate_up"] == [1, 17, 65, 129, 1025]
     # in=1024: the gather shrink split-K at every gather size; the sorted shrink's slices of in: 8, then 4 past 512
     assert sizes["down"] == [1, 2, 65, 66, 129, 513, 514, 1025, 1026]
 
