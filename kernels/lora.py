@@ -206,10 +206,10 @@ def add_delta_variant(num_tokens: int, rows: int, in_features: int, rank_dim: in
                       segments: tuple[tuple[int, int], ...], choice: LoRAKernelChoice = DEFAULT) -> tuple:
     """What :func:`add_delta`'s launches for a batch of ``num_tokens`` depend on beyond the layer's shape (``rows``
     stacked rank rows of ``rank_dim``, ``in_features``, ``segments``): the form and its token-dependent blocks,
-    equal for two batch sizes that launch the same constexprs and options (so Triton compiles them once). Each
-    part is monotone in ``num_tokens`` while the parts before it stay the same, so a value is taken by one run of
-    consecutive batch sizes. Not included: the specialization of the partial sums' stride ``num_tokens * rows``
-    (an integer argument Triton specializes: 1, a multiple of 16, or neither)."""
+    different wherever two batch sizes launch different constexprs or options (Triton compiles each once; equal
+    values launch the same). Each part is monotone in ``num_tokens`` while the parts before it stay the same, so a
+    value is taken by one run of consecutive batch sizes. Not included: the specialization of the partial sums'
+    stride ``num_tokens * rows`` (an integer argument Triton specializes: 1, a multiple of 16, or neither)."""
     if sorts(num_tokens, choice):
         blocks = sorted_blocks(num_tokens, rows, in_features, choice)
         return ("sorted", blocks.block_m, blocks.split)

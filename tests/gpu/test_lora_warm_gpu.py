@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 
 import pytest
 
@@ -59,7 +60,9 @@ def test_long_prefill_with_an_adapter_compiles_no_lora_kernel(real_shape_llama_d
         assert len(warmed) == 1 and "batches of 1 to 4096 tokens" in warmed[0]
         compiled = lora_compiles()
         assert sum(compiled.values()) > 0
+        start = time.perf_counter()
         engine.generate(input_ids=[prompt(3000)], lora_path="all16", sampling_params=GREEDY)
+        print(f"the first 3000-token prefill with the adapter (and 3 decode steps): {time.perf_counter() - start:.3f} s")
         # One extend step of 2610 tokens over two adapters' prompts and the base model's, then their decode steps.
         engine.generate(input_ids=[prompt(n) for n in (1500, 700, 300, 90, 20)],
                         lora_path=["all16", None, "all16", "all16", None], sampling_params=GREEDY)
@@ -70,5 +73,7 @@ def test_long_prefill_with_an_adapter_compiles_no_lora_kernel(real_shape_llama_d
         # The count moves when a launch needs a variant not compiled yet: the sorted expand's column groups of 3.
         backend = engine.scheduler.worker.runner.lora.backend
         backend.kernel_choice = dataclasses.replace(backend.kernel_choice, sort_columns=384)
+        start = time.perf_counter()
         engine.generate(input_ids=[prompt(3000)], lora_path="all16", sampling_params=GREEDY)
+        print(f"the same with a sorted expand not compiled yet: {time.perf_counter() - start:.3f} s")
         assert sum(lora_compiles().values()) > sum(compiled.values())
