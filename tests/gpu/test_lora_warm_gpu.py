@@ -62,7 +62,7 @@ def test_long_prefill_with_an_adapter_compiles_no_lora_kernel(real_shape_llama_d
         assert sum(compiled.values()) > 0
         start = time.perf_counter()
         engine.generate(input_ids=[prompt(3000)], lora_path="all16", sampling_params=GREEDY)
-        print(f"the first 3000-token prefill with the adapter (and 3 decode steps): {time.perf_counter() - start:.3f} s")
+        print(f"the first 3000-token prefill with the adapter, 3 decode steps: {time.perf_counter() - start:.3f} s")
         # One extend step of 2610 tokens over two adapters' prompts and the base model's, then their decode steps.
         engine.generate(input_ids=[prompt(n) for n in (1500, 700, 300, 90, 20)],
                         lora_path=["all16", None, "all16", "all16", None], sampling_params=GREEDY)
