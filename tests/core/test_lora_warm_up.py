@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+from batch_log import record_batches
 from lora_warm_recorder import RecordingLoRABackend
 from treadle import Engine
 from treadle.core.execution.worker import largest_step_tokens
@@ -33,20 +34,25 @@ def test_largest_step_is_a_chunk_a_mixed_step_or_a_decode_step():
 def test_engine_warms_its_lora_backend_once_at_start(tiny_llama_dir, caplog):
     RecordingLoRABackend.calls.clear()
     base = {"model": {"path": tiny_llama_dir, "device": "cpu"}, "cache": {"max_total_tokens": 512},
-            "scheduler": {"chunked_prefill_size": 300, "max_running_requests": 8, "enable_mixed_chunk": True},
+            "scheduler": {"chunked_prefill_size": 32, "max_running_requests": 4, "enable_mixed_chunk": True},
             "plugins": PLUGINS}
     with caplog.at_level(logging.INFO, logger="treadle.core.lora.manager"):
         with Engine({**base, "lora": {"backend": "warm_up_recorder", "max_rank": 8}}) as engine:
             lora = engine.scheduler.worker.runner.lora
             layers = len(lora.layers)
+            # The steps stay within the bound warmed: chunks of 32 prompt tokens with up to 4 decode rows beside.
+            steps = record_batches(engine, lambda batch: sum(entry.extend_len for entry in batch.entries))
+            engine.generate(input_ids=[list(range(5 + i, 45 + i)) for i in range(4)],
+                            sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+            assert 32 < max(steps) <= 32 + 4
             # A warm-up whose scratch tensors do not fit is given up with a warning; the engine serves.
             lora.backend.out_of_memory = True
             lora.warm_up(16)
             assert "LoRA kernel warm-up ran out of device memory (batches of up to 16 tokens)" in caplog.text
             assert len(engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 2})[0].token_ids) == 2
     assert layers == 4 * 2  # qkv, o, gate_up and down of the tiny Llama's two decoder layers
-    assert RecordingLoRABackend.calls[0] == (layers, 300 + 8)  # a chunk and the decode rows of a mixed step
-    assert "LoRA kernels warmed up (warm_up_recorder backend, batches of 1 to 308 tokens): 1 batches in" in caplog.text
+    assert RecordingLoRABackend.calls[0] == (layers, 32 + 4)  # a chunk and the decode rows of a mixed step
+    assert "LoRA kernels warmed up (warm_up_recorder backend, batches of 1 to 36 tokens): 1 batches in" in caplog.text
     with Engine(base):  # no lora section: nothing of LoRA is built, nothing warmed
         pass
     assert len(RecordingLoRABackend.calls) == 2  # the start's and the one run by hand above
