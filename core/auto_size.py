@@ -202,8 +202,14 @@ def resolve_piecewise_max_tokens(piecewise_max_tokens: int | str, *, on_cuda: bo
         return 0
     if chunked_prefill_size is None:
         return GPU_PIECEWISE_GRAPH_MAX_TOKENS
-    largest = max(chunked_prefill_size + mixed_decode_rows, 2 * latency_chunk_size - 1)
+    largest = largest_extend_tokens(chunked_prefill_size, mixed_decode_rows, latency_chunk_size)
     return largest if launch_bound_prefill else min(GPU_PIECEWISE_GRAPH_MAX_TOKENS, largest)
+
+
+def largest_extend_tokens(chunk_tokens: int, mixed_decode_rows: int, latency_chunk_size: int) -> int:
+    """The most tokens an extend step holds: a full chunk of prompts and the decode rows a mixed step carries beside
+    it, or a latency chunk beside fewer decode rows than its size."""
+    return max(chunk_tokens + mixed_decode_rows, 2 * latency_chunk_size - 1)
 
 
 def piecewise_token_sizes(max_tokens: int) -> list[int]:

@@ -58,8 +58,9 @@ import triton.language as tl
 from treadle.kernels.lora_choice import DEFAULT, LoRAKernelChoice, choice_from_env  # noqa: F401  (the backend's)
 from treadle.kernels.lora_dense import add_delta_dense  # noqa: F401  (the triton backend reads it here)
 from treadle.kernels.lora_gather import gather_shrink_program
-from treadle.kernels.lora_sorted import add_delta_sorted, sort_by_adapter, sorts
+from treadle.kernels.lora_sorted import add_delta_sorted, sort_by_adapter, sorted_blocks, sorts
 from treadle.kernels.lora_tiles import MAX_PROJECTIONS  # noqa: F401  (the triton backend reads it here)
+from treadle.kernels.lora_warm import BatchVariant, variant_token_counts  # noqa: F401  (the backend's)
 from treadle.kernels.lora_tiles import (dot, expand_segmented, ieee_dot, load_h, projection_stride, segment,
                                         segment_blocks)
 from treadle.kernels.pdl import allow_next, wait_for_previous
@@ -139,7 +140,7 @@ def _shrink(x: torch.Tensor, a: torch.Tensor, adapter_ids: torch.Tensor, scaling
                                     launch_pdl=pdl,
                                     num_warps=blocks.warps or _gather_warps(blocks.block_r * blocks.block_k))
     else:
-        block_m = 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
+        block_m = _segmented_block_m(num_tokens)
         block_r = max(16, min(64, triton.next_power_of_2(rows)))
         block_k = max(16, min(128, triton.next_power_of_2(in_features)))
         grid = (triton.cdiv(num_tokens, block_m), slots, triton.cdiv(rows, block_r))
@@ -175,8 +176,8 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
     block_n = max(16, min(128, triton.next_power_of_2(max(end - start for start, end in segments))))
     bounds, blocks = segment_blocks(segments, block_n)
     tile_r = max(16, min(64, triton.next_power_of_2(rank_dim)))  # a tensor-core tile's ranks
-    if num_tokens <= GROUPED_MAX_TOKENS and rank_dim <= tile_r:
-        span = min(_GROUPED_SPAN, max(64, triton.next_power_of_2(num_tokens)))
+    span = _grouped_span(num_tokens, rank_dim)
+    if span:
         grid = (slots, blocks, triton.cdiv(num_tokens, span))
         _expand_grouped_kernel[grid](*common, *bounds, SPAN=span, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r,
                                      **flags, IEEE=ieee_dot(out), num_warps=4)
@@ -186,6 +187,45 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
 
 def _shrink_gathers(num_tokens: int, rows: int) -> bool:
     return num_tokens <= max(GATHER_MAX_TOKENS, _SHRINK_GATHER_ELEMENTS // rows)
+
+
+def _segmented_block_m(num_tokens: int) -> int:
+    """Tokens a segmented shrink program takes."""
+    return 32 if num_tokens <= GROUPED_MAX_TOKENS else 64
+
+
+def _grouped_span(num_tokens: int, rank_dim: int) -> int:
+    """Tokens a slot-grouped expand program covers past the gather form's batches, or 0: the segmented expand (more
+    tokens, or ranks past one tensor-core tile)."""
+    if num_tokens > GROUPED_MAX_TOKENS or rank_dim > max(16, min(64, triton.next_power_of_2(rank_dim))):
+        return 0
+    return min(_GROUPED_SPAN, max(64, triton.next_power_of_2(num_tokens)))
+
+
+def add_delta_variant(num_tokens: int, rows: int, in_features: int, rank_dim: int,
+                      segments: tuple[tuple[int, int], ...], choice: LoRAKernelChoice = DEFAULT) -> tuple:
+    """What :func:`add_delta`'s launches for a batch of ``num_tokens`` depend on beyond the layer's shape (``rows``
+    stacked rank rows of ``rank_dim``, ``in_features``, ``segments``): the form and its token-dependent blocks,
+    different wherever two batch sizes launch different constexprs or options (Triton compiles each once; equal
+    values launch the same). Each part is monotone in ``num_tokens`` while the parts before it stay the same, so a
+    value is taken by one run of consecutive batch sizes. Not included: the specialization of the partial sums'
+    stride ``num_tokens * rows`` (an integer argument Triton specializes: 1, a multiple of 16, or neither)."""
+    if sorts(num_tokens, choice):
+        blocks = sorted_blocks(num_tokens, rows, in_features, choice)
+        return ("sorted", blocks.block_m, blocks.split)
+    if not _shrink_gathers(num_tokens, rows):
+        shrink: tuple = ("segmented", _segmented_block_m(num_tokens))
+        split = 1
+    else:
+        blocks = _gather_shrink_blocks(num_tokens, rows, in_features, True, choice)
+        shrink, split = ("gather", *blocks), blocks.split
+    if num_tokens > GATHER_MAX_TOKENS:
+        return ("unsorted", shrink, split, "grouped" if _grouped_span(num_tokens, rank_dim) else "segmented",
+                _grouped_span(num_tokens, rank_dim))
+    widest = max(end - start for start, end in segments)
+    block_n = _gather_expand_columns(num_tokens, sum(e - s for s, e in segments), widest,
+                                     max(2, triton.next_power_of_2(rank_dim)), choice)
+    return ("unsorted", shrink, split, "gather", block_n)
 
 
 class ShrinkBlocks(NamedTuple):

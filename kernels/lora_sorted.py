@@ -17,6 +17,8 @@ Nothing reads the ids or the order on the host, and the grids depend on shapes o
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -46,10 +48,7 @@ def add_delta_sorted(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_
     ``in`` over programs (float32 partials in sorted rows) so a few busy blocks still fill the GPU."""
     num_tokens, in_features = x.shape
     rows = a.shape[1]
-    block_m = 32 if num_tokens <= _LARGE_BATCH else 64
-    block_r = max(16, min(64, triton.next_power_of_2(rows)))
-    block_k = max(16, min(128, triton.next_power_of_2(in_features)))
-    split, k_per_split = _sorted_split(num_tokens, rows, in_features, block_m, block_r, block_k, choice)
+    block_m, block_r, block_k, split, k_per_split = sorted_blocks(num_tokens, rows, in_features, choice)
     partials = torch.empty((split, num_tokens, rows), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(rows, block_r), split)
     _shrink_sorted_kernel[grid](x, a, adapter_ids, order, ranks, partials, num_tokens, in_features, b.shape[2], rows,
@@ -69,6 +68,26 @@ def add_delta_sorted(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter_
         partials.stride(0), partials.stride(1), partials.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), *bounds, GROUP=group, BLOCK_M=64, BLOCK_N=block_n, BLOCK_R=tile_r, SPLIT=split,
         IEEE=ieee_dot(out), num_warps=4)
+
+
+class SortedBlocks(NamedTuple):
+    """The sorted shrink's launch: ``[block_m, block_k]`` tiles of sorted tokens' ``x`` against ``[block_k,
+    block_r]`` tiles of ``a``, ``split`` slices of ``k_per_split`` columns of ``in`` (the expand adds them up)."""
+
+    block_m: int
+    block_r: int
+    block_k: int
+    split: int
+    k_per_split: int
+
+
+def sorted_blocks(num_tokens: int, rows: int, in_features: int, choice: LoRAKernelChoice = DEFAULT) -> SortedBlocks:
+    """The sorted form's :class:`SortedBlocks` for a batch of ``num_tokens`` over ``rows`` stacked rank rows."""
+    block_m = 32 if num_tokens <= _LARGE_BATCH else 64
+    block_r = max(16, min(64, triton.next_power_of_2(rows)))
+    block_k = max(16, min(128, triton.next_power_of_2(in_features)))
+    split, k_per_split = _sorted_split(num_tokens, rows, in_features, block_m, block_r, block_k, choice)
+    return SortedBlocks(block_m, block_r, block_k, split, k_per_split)
 
 
 def _sorted_split(num_tokens: int, rows: int, in_features: int, block_m: int, block_r: int, block_k: int,

@@ -47,6 +47,7 @@ def check_lora_backend(
       stacked projections' deltas, each slot of its own rank per projection, into their columns of a layer's
       output in place: rows of ``NO_ADAPTER`` tokens and the columns outside the projections left bit for bit
       (the weights carry ``dense_b``, for a backend that ``wants_dense_b``);
+    - ``warm_up`` (batches of up to the largest of ``token_counts``) returns a count and changes no weight;
     - on a CUDA device: shrink and expand, and add_delta, captured in a CUDA graph and replayed with other adapter ids (and other
       inputs) give what they give eagerly.
 
@@ -68,10 +69,21 @@ def check_lora_backend(
         _check_stacked(built, stacked, ids, f"{name} ({dtype}, add_delta, {num_tokens} tokens)", generator)
     nobody = torch.full((max(token_counts),), NO_ADAPTER, dtype=torch.int64, device=device)
     _check_batch(built, weights, nobody, f"{name} ({dtype}, no token with an adapter)", generator)
+    _check_warm_up(built, stacked, max(token_counts), f"{name} ({dtype}, warm_up)")
     if torch.device(device).type == "cuda":
         for num_tokens in token_counts:
             _check_graph_replay(built, weights, stacked, num_tokens,
                                 f"{name} ({dtype}, CUDA graph of {num_tokens} tokens)", generator)
+
+
+def _check_warm_up(backend: LoRABackend, stacked: "_StackedWeights", max_tokens: int, what: str) -> None:
+    """``warm_up`` returns a count of batches and changes none of the layers' weights."""
+    weights = stacked.weights
+    before = [t.clone() for t in (weights.a, weights.b, weights.scalings, weights.ranks, weights.dense_b)]
+    batches = backend.warm_up([weights, weights], max_tokens)
+    _expect(isinstance(batches, int) and batches >= 0, f"{what}: returned {batches!r}, not a count of batches")
+    after = (weights.a, weights.b, weights.scalings, weights.ranks, weights.dense_b)
+    _expect(all(torch.equal(old, new) for old, new in zip(before, after)), f"{what}: changed the layers' weights")
 
 
 class _LoRAWeights:

@@ -56,6 +56,15 @@ class OneScalingPerLayer(EinsumBackend):
         super().add_delta(x, dataclasses.replace(weights, scalings=first), adapter_ids, out)
 
 
+class WarmUpWritesTheWeights(EinsumBackend):
+    """A warm-up that uses the layer's own ``a`` as its scratch output."""
+
+    def warm_up(self, layers, max_tokens):
+        for weights in layers:
+            weights.a.zero_()
+        return len(layers)
+
+
 class NotABackend:
     def __init__(self, *args) -> None:
         pass
@@ -71,6 +80,7 @@ def test_plain_arithmetic_passes(dtype: torch.dtype) -> None:
     (DeltaForEveryRow, "changed rows of tokens without an adapter"),
     (LosesStridedOut, "expand into a strided column slice: differs from the reference"),
     (OneScalingPerLayer, "add_delta, 1 tokens\\): differs from the reference"),
+    (WarmUpWritesTheWeights, "warm_up\): changed the layers' weights"),
     (NotABackend, "not a LoRABackend"),
 ])
 def test_broken_backend_is_named(backend, message: str) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from treadle.core.auto_size import largest_extend_tokens
 from treadle.core.config import ServerConfig
 from treadle.core.execution.attention_context import AttentionContext
 from treadle.core.execution.batch_context import NO_ADAPTER, BatchContext, using_batch_context
@@ -152,6 +153,8 @@ class ModelWorker(Worker):
         self.cuda_graphs: CudaGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
         self.capture_graphs()
+        if self.runner.lora is not None:  # the LoRA kernels the graphs did not run, compiled now (core/lora/manager.py)
+            self.runner.lora.warm_up(largest_step_tokens(self.config, max([1, *self.verify_tokens_per_req])))
         if self.runner.device.type == "cuda":
             embeds = self.config.model.task == "embed"  # no logits: warm up what EmbeddingWorker runs
             self.runner._warm_up_prefill(forward=self.runner.forward_hidden_states if embeds else self.forward)
@@ -318,6 +321,17 @@ class ModelWorker(Worker):
         step.kept_ids = verdict.token_ids
         step.kept_path = verdict.path
         return tensors
+
+
+def largest_step_tokens(config: "ResolvedConfig", decode_tokens_per_req: int = 1) -> int:
+    """The most tokens one forward step can hold under ``config``: an extend step (a prefill chunk with the decode rows
+    a mixed step carries; without chunking, up to ``max_prefill_tokens`` of prompts or one whole prompt) or a decode
+    step of every running request, ``decode_tokens_per_req`` tokens each."""
+    sched = config.scheduler
+    running = sched.max_running_requests
+    chunk = sched.chunked_prefill_size or max(sched.max_prefill_tokens, config.model.context_length)
+    extend = largest_extend_tokens(chunk, running if sched.enable_mixed_chunk else 0, sched.latency_chunk_size)
+    return max(extend, running * decode_tokens_per_req)
 
 
 def adapter_context(batch: "ScheduleBatch", forward_batch: ForwardBatch,

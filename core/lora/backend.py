@@ -30,6 +30,12 @@ matmul), the second (the expand) carrying the layer's epilogue (SiLU·mul, add +
 method can split (the ``triton`` backend's at decode sizes: two launches a layer on the small-batch matmul, three on
 cuBLAS). None, the default: the engine calls ``add_delta``.
 
+A backend whose kernels compile at first use may implement :meth:`LoRABackend.warm_up`: the engine calls it once at
+start (the slots built, before serving) with every layer's :class:`StackedLoRA` and the most tokens a step can hold,
+so that every kernel a batch of 1 to that many tokens can launch is compiled before the first request rather than
+on it (the default does nothing). It must change no adapter slot: it reads the weights and writes only scratch
+tensors of its own.
+
 All of them must run under CUDA-graph capture (no host-device sync, no allocation that depends on values, and the
 same kernels whatever the adapter ids are) and match the ``torch`` built-in's arithmetic within the dtype's
 rounding.
@@ -40,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -121,6 +127,14 @@ class LoRABackend(ABC):
         for p, (start, end) in enumerate(weights.segments):
             a, b, scalings, ranks = weights.projection(p)
             self.expand(self.shrink(x, a, adapter_ids, scalings, ranks), b, adapter_ids, ranks, out[:, start:end])
+
+    def warm_up(self, layers: Sequence[StackedLoRA], max_tokens: int) -> int:
+        """Launch, once, every kernel variant that :meth:`add_delta` would compile at first use for a batch of 1 to
+        ``max_tokens`` tokens on these layers, reading their weights and writing only scratch tensors (``adapter_ids``
+        of :data:`~treadle.core.execution.batch_context.NO_ADAPTER` suit: the kernels compile whatever the ids).
+        Called once at engine start, after the CUDA graphs are captured (whose sizes, and the one-token steps
+        :meth:`split_delta` serves, their capture compiled). Returns the number of batches run (the default: 0)."""
+        return 0
 
     def split_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor) -> Any:
         """:meth:`add_delta`'s change in two halves around the layer's matmul kernel (a ``SplitDelta``,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch import nn
 
 from treadle.core.execution.batch_context import NO_ADAPTER
 from treadle.core.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter, read_adapter_rank
-from treadle.core.lora.slots import build_layer_slots, projection_shapes
+from treadle.core.lora.slots import build_layers, projection_shapes, projections_by_name
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class LoRAManager:
         factory = registry.get("lora_backends", self.backend_name)
         self.num_slots = int(lora_config.max_loras_per_batch)
         self.backend = factory(self.num_slots, self.max_rank, device, dtype)
-        self.projections = build_layer_slots(model, self.backend, self.num_slots, self.max_rank, device, dtype)
+        self.layers = build_layers(model, self.backend, self.num_slots, self.max_rank, device, dtype)
+        self.projections = projections_by_name(self.layers)
         self.max_loaded = lora_config.max_loaded_loras
         self.known: dict[str, KnownAdapter] = {}
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -71,6 +73,28 @@ class LoRAManager:
         self._clock = itertools.count(1)
         for name, path in lora_config.paths.items():
             self.add(name, path)
+
+    def warm_up(self, max_tokens: int) -> None:
+        """Run the backend's :meth:`~treadle.core.lora.backend.LoRABackend.warm_up` over every layer's stacked
+        adapters for batches of 1 to ``max_tokens`` tokens (the worker's largest step), so that kernels compiled
+        at first use compile now rather than on a request; one log line with its time where it ran anything."""
+        warm_up = getattr(self.backend, "warm_up", None)  # a backend written before the hook: nothing to do
+        if warm_up is None:
+            return
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                batches = warm_up([layer.weights for layer in self.layers], max_tokens)
+                if batches and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError:  # its scratch tensors did not fit beside the KV pool: serve without it
+            logger.warning("LoRA kernel warm-up ran out of device memory (batches of up to %d tokens); kernels it did "
+                           "not reach compile at their first use", max_tokens)
+            torch.cuda.empty_cache()
+            return
+        if batches:
+            logger.info("LoRA kernels warmed up (%s backend, batches of 1 to %d tokens): %d batches in %.1f s",
+                        self.backend_name, max_tokens, batches, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ known adapters
 

@@ -151,10 +151,20 @@ def build_layer_slots(model: nn.Module, backend: LoRABackend, slots: int, max_ra
                       dtype: torch.dtype) -> dict[str, ProjectionSlots]:
     """Stacked buffers for every projection of ``model`` and their deltas registered on the layers; the
     projections by HF name."""
-    by_name: dict[str, ProjectionSlots] = {}
-    for layer, named in model_projections(model):
-        by_name.update((p.name, p) for p in LayerSlots(layer, named, backend, slots, max_rank, device, dtype).projections)
-    return by_name
+    return projections_by_name(build_layers(model, backend, slots, max_rank, device, dtype))
+
+
+def build_layers(model: nn.Module, backend: LoRABackend, slots: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype) -> list[LayerSlots]:
+    """A :class:`LayerSlots` (stacked buffers, delta registered) for every linear layer of ``model`` an adapter may
+    change."""
+    return [LayerSlots(layer, named, backend, slots, max_rank, device, dtype) for layer, named in
+            model_projections(model)]
+
+
+def projections_by_name(layers: list[LayerSlots]) -> dict[str, ProjectionSlots]:
+    """Every projection of ``layers`` by its HF name."""
+    return {projection.name: projection for layer in layers for projection in layer.projections}
 
 
 def _projection_shape(layer: nn.Module, shard: Any) -> tuple[int, int, int, int, int]:

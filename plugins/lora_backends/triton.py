@@ -13,10 +13,12 @@ install hint. Triton is imported only when the backend is built.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from treadle.core.execution.batch_context import NO_ADAPTER
 from treadle.core.hookspecs import Register, hookimpl
 from treadle.core.lora.backend import LoRABackend, StackedLoRA
 
@@ -34,6 +36,8 @@ class TritonLoRABackend(LoRABackend):
             )
         self.max_slots, self.max_rank, self.dtype = max_slots, max_rank, dtype
         self._kernels = _import_kernels()
+        # Kernels compile at first use on CUDA (the interpreter compiles nothing): warm_up runs them at start.
+        self.compiles = self.device.type == "cuda"
         # add_delta's forms, tiles and PDL hand-over (kernels/lora_choice.py), TREADLE_LORA_KERNELS read when built
         self.kernel_choice = self._kernels.choice_from_env()
         self._split_kernels: Any = None
@@ -58,7 +62,7 @@ class TritonLoRABackend(LoRABackend):
 
     def add_delta(self, x: torch.Tensor, weights: StackedLoRA, adapter_ids: torch.Tensor, out: torch.Tensor,
                   order: torch.Tensor | None = None) -> None:
-        if self._dense(x, weights):
+        if self._dense(x.shape[0], weights):
             self._kernels.add_delta_dense(x, weights.a, weights.dense_b, adapter_ids, weights.segments, out)
             return
         if len(weights.segments) > self._kernels.MAX_PROJECTIONS:  # no such layer among the model families
@@ -75,17 +79,66 @@ class TritonLoRABackend(LoRABackend):
             from treadle.kernels import lora_fused
 
             self._split_kernels = lora_fused
-        choice = self.kernel_choice
-        if self._dense(x, weights) or not self._split_kernels.splits(x.shape[0], len(weights.segments), choice):
+        num_tokens = x.shape[0]
+        if (self._dense(num_tokens, weights)
+                or not self._split_kernels.splits(num_tokens, len(weights.segments), self.kernel_choice)):
             return None
         return self._split_kernels.split_lora(x, weights.a, weights.b, adapter_ids, weights.scalings, weights.ranks,
-                                              weights.segments, choice)
+                                              weights.segments, self.kernel_choice)
 
-    def _dense(self, x: torch.Tensor, weights: StackedLoRA) -> bool:
-        """Whether this batch takes the dense form (kernels/lora_dense.py)."""
+    def warm_up(self, layers: Sequence[StackedLoRA], max_tokens: int) -> int:
+        """``add_delta`` once for every batch size of 1 to ``max_tokens`` tokens that compiles kernels of its own
+        (kernels/lora_warm.py), on one layer of each shape (layers of one shape share their compiled kernels):
+        every token of no adapter, scratch inputs and outputs (zeros, allocated once for the largest), the layers'
+        weights only read. Nothing to compile off CUDA (the interpreter): ``compiles`` False skips it."""
+        if not self.compiles:
+            return 0
+        by_shape: dict[tuple, StackedLoRA] = {}
+        for weights in layers:
+            by_shape.setdefault(_shape(weights), weights)
+        batches = [(weights, num_tokens) for weights in by_shape.values()
+                   for num_tokens in self.warm_up_sizes(weights, max_tokens)]
+        if not batches:
+            return 0
+        most = max(num_tokens for _, num_tokens in batches)
+        x_flat = torch.zeros(max(n * w.a.shape[2] for w, n in batches), dtype=self.dtype, device=self.device)
+        out_flat = torch.zeros(max(n * w.b.shape[1] for w, n in batches), dtype=self.dtype, device=self.device)
+        ids = torch.full((most,), NO_ADAPTER, dtype=torch.int64, device=self.device)
+        order = torch.arange(most, dtype=torch.int64, device=self.device)
+        for weights, num_tokens in batches:
+            in_features, width = weights.a.shape[2], weights.b.shape[1]
+            out = out_flat[:num_tokens * width].view(num_tokens, width)
+            sorted_order = order[:num_tokens] if num_tokens > self.adapter_order_above else None
+            self.add_delta(x_flat[:num_tokens * in_features].view(num_tokens, in_features), weights, ids[:num_tokens],
+                           out, order=sorted_order)
+        return len(batches)
+
+    def warm_up_sizes(self, weights: StackedLoRA, max_tokens: int) -> list[int]:
+        """The batch sizes of 1 to ``max_tokens`` whose ``add_delta`` on a layer of ``weights``' shape launches kernels
+        no smaller size launches (the smallest of each)."""
+        choice, rows, in_features = self.kernel_choice, weights.a.shape[1], weights.a.shape[2]
+
+        def variant(num_tokens: int) -> Any:
+            if self._dense(num_tokens, weights):  # its launches take no stride that grows with the batch
+                return self._kernels.BatchVariant("dense", "dense", None)
+            launches = self._kernels.add_delta_variant(num_tokens, rows, in_features, weights.rank_dim,
+                                                       weights.segments, choice)
+            # The sorted form resumes past the dense window: the sizes after it are a run of their own.
+            return self._kernels.BatchVariant((num_tokens > choice.dense_above, launches), launches, num_tokens * rows)
+
+        return self._kernels.variant_token_counts(variant, max_tokens)
+
+    def _dense(self, num_tokens: int, weights: StackedLoRA) -> bool:
+        """Whether a batch of ``num_tokens`` takes the dense form (kernels/lora_dense.py)."""
         choice = self.kernel_choice
-        return (weights.dense_b is not None and choice.dense_above < x.shape[0] <= choice.dense_max_tokens
+        return (weights.dense_b is not None and choice.dense_above < num_tokens <= choice.dense_max_tokens
                 and weights.a.shape[0] * weights.rank_dim <= choice.dense_max_stack)
+
+
+def _shape(weights: StackedLoRA) -> tuple:
+    """What the kernels compiled for a layer depend on besides the batch: its tensors' shapes, strides and dtypes."""
+    tensors = (weights.a, weights.b, weights.scalings, weights.ranks, weights.dense_b)
+    return weights.segments, tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
 
 
 def _interpreting() -> bool:
