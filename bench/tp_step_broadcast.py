@@ -13,7 +13,8 @@ gap (within the reader's spin; long enough that it naps).
 Part 2 (``--skip-engine``; needs 2 GPUs): ``Engine.generate`` at tp=2 with one request, Llama-3.1-8B shapes, dummy
 weights, triton, CUDA graphs, timed whole as ``treadle bench one-batch``'s Engine rows are (decode ms a step
 = (time for N tokens - time for 1) / (N - 1)), with ``parallel.step_broadcast`` auto (shared memory) and gloo,
-alternating ``--rounds`` times. Prints both tables; writes one JSON.
+alternating ``--rounds`` times, each in a process of its own (``--modes auto,gloo``: in this one). Prints both
+tables; writes one JSON.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["latency_us"] = run_ranks(2, _latency_rank, (args.messages, gaps), args.timeout_s)[1]["latency_us"]
         print(latency_table(result["latency_us"]), flush=True)
     if not args.skip_engine:
-        result["engine"] = engine_steps(args)
+        result["engine"] = engine_steps(args) if args.modes else engine_steps_apart(args, argv)
         print(engine_table(result["engine"]), flush=True)
     out = Path(args.output) if args.output else default_output(f"tp_step_broadcast_{dt.date.today():%Y%m%d}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,7 @@ def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
         for round_index in range(args.rounds):
-            for mode in ("auto", "gloo"):
+            for mode in args.modes.split(","):
                 overrides = {"parallel.tp_size": 2, "parallel.step_broadcast": mode}
                 (row,) = run_engine(model_dir, args.backend, overrides, f"tp=2 step_broadcast={mode}", prompts,
                                     engine_args, device, bandwidth)
@@ -140,9 +141,42 @@ def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def engine_steps_apart(args: argparse.Namespace, argv: Sequence[str] | None) -> list[dict[str, Any]]:
+    """``engine_steps`` for one setting and round at a time, each in a process of its own: a second tp=2 Engine in
+    one process stalls on the GPU in the peer all-reduce's set-up (its symmetric-memory rendezvous), seen on
+    2 x H200 (2026-11-28)."""
+    import subprocess
+
+    given = list(argv if argv is not None else sys.argv[1:])
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for mode in ("auto", "gloo"):
+                out = Path(scratch) / f"{mode}{round_index}.json"
+                command = [sys.executable, "-m", "treadle.bench.tp_step_broadcast", *_without(given, "--output"),
+                           "--skip-latency", "--rounds", "1", "--modes", mode, "--output", str(out)]
+                subprocess.run(command, check=True, timeout=args.timeout_s)
+                for row in json.loads(out.read_text())["engine"]:
+                    rows.append({**row, "round": round_index})
+    return rows
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` less ``flag`` and its value."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            kept.append(arg)
+    return kept
+
+
 def engine_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| parallel.step_broadcast | decode ms/step (each round) | median |", "| --- | --- | ---: |"]
-    for mode in ("auto", "gloo"):
+    for mode in sorted({r["step_broadcast"] for r in rows}):
         steps = [r["decode_step_ms"] for r in rows if r["step_broadcast"] == mode]
         lines.append(f"| {mode} | {', '.join(f'{s:.3f}' for s in steps)} | {statistics.median(steps):.3f} |")
     same = len({tuple(r["first_tokens"]) for r in rows}) == 1
@@ -164,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--generate-repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="engine runs per setting, alternating (default 2)")
+    parser.add_argument("--modes", default="",
+                        help="auto,gloo: those settings' engines in this process, one after another (default: each "
+                             "setting and round in a process of its own)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--output", default=None)
     return parser
