@@ -223,11 +223,15 @@ def _lora_kernels() -> dict:
         "lora_shrink_gather[split-k,go-ahead]": lambda: _check_pdl(True, _compile(
             lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=4, BLOCK_K=512, FINAL=False, PDL=True,
                                                               GO_AHEAD=True, AHEAD=False))),
-        # the looped form (LoRAKernelChoice.shrink_loop_above): 16 rows over chunks of 512, the next one ahead in
-        # registers, or copied into shared memory by Triton's pipeline (shrink_loop_stages)
+        # the looped form (LoRAKernelChoice.shrink_loop_above; the default past 16 tokens: 4 rows over chunks of
+        # 2048, each loaded in its turn), the next chunk ahead in registers, or copied into shared memory by
+        # Triton's pipeline (shrink_loop_stages)
         "lora_shrink_gather[loop,go-ahead]": lambda: _check_pdl(True, _compile(
+            lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=4, BLOCK_K=2048, FINAL=False, PDL=True,
+                                                              GO_AHEAD=True, AHEAD=0))),
+        "lora_shrink_gather[loop,ahead]": lambda: _compile(
             lora._shrink_gather_kernel, partials, set(), dict(BLOCK_R=16, BLOCK_K=512, FINAL=False, PDL=True,
-                                                              GO_AHEAD=True, AHEAD=1))),
+                                                              GO_AHEAD=True, AHEAD=1)),
         "lora_shrink_gather[loop,stages=3]": lambda: _check_pdl(True, _compile(
             lora._shrink_gather_kernel, shrink, set(), dict(BLOCK_R=16, BLOCK_K=512, FINAL=True, PDL=True,
                                                             GO_AHEAD=True, AHEAD=3))),
