@@ -112,8 +112,9 @@ def setup_custom_all_reduce(mode: bool | str, device: torch.device, nnodes: int,
     group = get_tp_group()
     if mode is False or group.size == 1:
         return None
-    reason = agreed_reason(tp_gather_objects(unsupported_reason(device, group.size, nnodes,
-                                                                local_devices=local_devices)))
+    reports = tp_gather_objects((unsupported_reason(device, group.size, nnodes, local_devices=local_devices),
+                                 _rendezvous_made))
+    reason = agreed_reason([why for why, _ in reports]) or _rendezvous_counts_disagree([n for _, n in reports])
     fast = None
     if reason is None:
         fast, failure = _try_build(group, device)
@@ -132,6 +133,10 @@ def setup_custom_all_reduce(mode: bool | str, device: torch.device, nnodes: int,
     install_custom_all_reduce(fast)
     logger.info("all-reduce: %s", fast.describe())
     return fast
+
+
+# Symmetric-memory rendezvous this process has made (setup_custom_all_reduce compares it across the ranks).
+_rendezvous_made = 0
 
 
 class CustomAllReduce:
@@ -177,6 +182,8 @@ class CustomAllReduce:
         buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
         with contextlib.suppress(Exception):  # needed by older torch releases, a no-op where it is not
             symm_mem.enable_symm_mem_for_group(process_group.group_name)
+        global _rendezvous_made
+        _rendezvous_made += 1  # counted even if it fails part-way: a later group then keeps to NCCL
         handle = symm_mem.rendezvous(buffer, process_group.group_name)  # a name: every torch release takes it
         # The tensor may sit inside a larger symmetric allocation, at the same offset on every rank (checked by
         # setup_custom_all_reduce across the ranks).
@@ -253,6 +260,17 @@ def _try_build(group: Any, device: torch.device) -> tuple[CustomAllReduce | None
         return CustomAllReduce.over_symmetric_memory(group.rank, group.size, device, group.device_group), None
     except Exception as exc:  # any failure here means NCCL, said in the log, never a crash or a hang
         return None, f"setting up peer buffers failed: {type(exc).__name__}: {exc}"
+
+
+def _rendezvous_counts_disagree(counts: list[int]) -> str | None:
+    """Why ranks that have made different numbers of symmetric-memory rendezvous in their processes cannot set up
+    peer buffers together: torch numbers its store exchanges per process, so each would wait for the other's key
+    forever (an Engine started after another in the same process, beside freshly started ranks)."""
+    if len(set(counts)) > 1:
+        return (f"the ranks' processes set up peer buffers for earlier groups {counts} times (a tensor-parallel "
+                "engine started after another in this process), and torch's symmetric memory numbers its exchanges "
+                "per process: they would wait for each other")
+    return None
 
 
 def _offsets_disagree(offsets: list[int]) -> str | None:

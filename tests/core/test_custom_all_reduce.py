@@ -96,6 +96,20 @@ def test_a_failed_buffer_setup_means_nccl_under_auto(two_cpu_ranks, monkeypatch,
     assert "all-reduce: NCCL only (rank 0: setting up failed: boom)" in caplog.text
 
 
+def test_ranks_with_different_earlier_rendezvous_keep_to_nccl(two_cpu_ranks, monkeypatch, caplog):
+    """A second tensor-parallel engine in one process: rank 0's process made a symmetric-memory rendezvous for the
+    first group, the new ranks' processes none; torch's per-process exchange numbers would make them wait for each
+    other forever (seen on 2 x H200), so the peer all-reduce is not set up, and true fails naming why."""
+    monkeypatch.setattr(custom_all_reduce, "unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(custom_all_reduce, "_try_build", lambda group, device: pytest.fail("built"))
+    monkeypatch.setattr(custom_all_reduce, "tp_gather_objects", lambda obj: [(None, 1), (None, 0)])
+    with caplog.at_level("INFO"):
+        assert setup_custom_all_reduce("auto", torch.device("cuda", 0), nnodes=1) is None
+    assert "NCCL only" in caplog.text and "earlier groups [1, 0] times" in caplog.text
+    with pytest.raises(RuntimeError, match="would wait for each other"):
+        setup_custom_all_reduce(True, torch.device("cuda", 0), nnodes=1)
+
+
 def test_false_never_sets_anything_up(two_cpu_ranks, monkeypatch):
     monkeypatch.setattr(custom_all_reduce, "_try_build", lambda group, device: pytest.fail("built"))
     assert setup_custom_all_reduce(False, torch.device("cuda", 0), nnodes=1) is None
