@@ -115,7 +115,8 @@ SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"shrink_loop_programs": 256}, {"shrink_loop_programs": 512}, {"shrink_loop_chunks": 1},
                  {"shrink_loop_chunks": 4}, {"shrink_loop_warps": 8}, {"shrink_loop_stages": 1},
                  {"shrink_loop_stages": 3}, {"shrink_loop_rows": 8, "shrink_loop_k": 1024},
-                 {"shrink_loop_rows": 8, "shrink_loop_k": 512, "shrink_loop_programs": 768, "shrink_loop_chunks": 1 << 20},
+                 {"shrink_loop_rows": 8, "shrink_loop_k": 512, "shrink_loop_programs": 768,
+                  "shrink_loop_chunks": 1 << 20},
                  {"shrink_loop_rows": 16, "shrink_loop_k": 512, "shrink_loop_programs": 256,
                   "shrink_loop_chunks": 1 << 20, "shrink_loop_stages": 1, "shrink_loop_warps": 8})
 

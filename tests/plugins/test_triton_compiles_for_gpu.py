@@ -348,7 +348,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
-           "lora_shrink_gather[loop,go-ahead]", "lora_shrink_gather[loop,stages=3]",
+           "lora_shrink_gather[loop,go-ahead]", "lora_shrink_gather[loop,ahead]", "lora_shrink_gather[loop,stages=3]",
            "lora_expand_gather[pdl]", "lora_expand_gather[split-k,go-ahead]", "lora_expand_grouped",
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
            "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
