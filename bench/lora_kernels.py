@@ -118,7 +118,11 @@ SWEEP_CHOICES = ({}, {"go_ahead": 0},
                  {"shrink_loop_rows": 8, "shrink_loop_k": 512, "shrink_loop_programs": 768,
                   "shrink_loop_chunks": 1 << 20},
                  {"shrink_loop_rows": 16, "shrink_loop_k": 512, "shrink_loop_programs": 256,
-                  "shrink_loop_chunks": 1 << 20, "shrink_loop_stages": 1, "shrink_loop_warps": 8})
+                  "shrink_loop_chunks": 1 << 20, "shrink_loop_stages": 1, "shrink_loop_warps": 8},
+                 # the gather expand: 1024-column blocks of 8 warps for layers up to 8192 columns, 256 columns (4
+                 # warps) for wider ones (gate/up), and each half of that alone
+                 {"expand_tile": 16384, "expand_max_warps": 8, "expand_wide_above": 8192, "expand_wide_tile": 4096},
+                 {"expand_tile": 16384, "expand_max_warps": 8}, {"expand_wide_above": 8192, "expand_wide_tile": 4096})
 
 
 def run_kernel_sweep(rank: int, choices: tuple[dict[str, int], ...] = SWEEP_CHOICES,

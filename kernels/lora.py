@@ -171,7 +171,9 @@ def _expand(h: torch.Tensor, scalings: torch.Tensor | None, b: torch.Tensor, ada
         pdl = pdl_enabled(h.device)
         _expand_gather_kernel[(num_tokens, blocks)](*common, *bounds, BLOCK_N=block_n, BLOCK_R=block_r, **flags,
                                                     PDL=pdl, GO_AHEAD=pdl and bool(choice.go_ahead),
-                                                    launch_pdl=pdl, num_warps=_gather_warps(block_r * block_n))
+                                                    launch_pdl=pdl,
+                                                    num_warps=min(choice.expand_max_warps,
+                                                                  _gather_warps(block_r * block_n)))
         return
     block_n = max(16, min(128, triton.next_power_of_2(max(end - start for start, end in segments))))
     bounds, blocks = segment_blocks(segments, block_n)
@@ -280,9 +282,10 @@ def _loop_blocks(num_tokens: int, rows: int, in_features: int, splittable: bool,
 @functools.lru_cache(maxsize=None)
 def _gather_expand_columns(num_tokens: int, columns: int, widest: int, block_r: int,
                            choice: LoRAKernelChoice) -> int:
-    """Output columns per gather-expand program: an ``expand_tile`` block of ``b``, or 64 where that would give
-    fewer than ``busy_programs`` programs."""
-    block_n = max(16, min(triton.next_power_of_2(widest), choice.expand_tile // block_r))
+    """Output columns per gather-expand program: an ``expand_tile`` block of ``b`` (``expand_wide_tile`` for a layer
+    of more than ``expand_wide_above`` columns), or 64 where that would give fewer than ``busy_programs`` programs."""
+    tile = choice.expand_wide_tile if columns > choice.expand_wide_above else choice.expand_tile
+    block_n = max(16, min(triton.next_power_of_2(widest), tile // block_r))
     return min(block_n, 64) if num_tokens * triton.cdiv(columns, block_n) < choice.busy_programs else block_n
 
 

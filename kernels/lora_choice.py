@@ -53,6 +53,12 @@ its turn comes; 1 loads the next one into registers before reducing this one; mo
 software pipeline through shared memory. Measured on an H200 (2026-11-28, every shrink launch alone at bs=32 over 32
 adapters, Llama-3.1-8B's four projections): 14.7 us a layer against the full-row form's 18.1; end to end the bs=32
 step 1.269x the base against 1.288x (docs/lora.md). The one-token and split-K forms stay as they are.
+
+``expand_wide_above`` / ``expand_wide_tile`` / ``expand_max_warps`` (candidates): the same launches alone gave the
+plain gather expand no one best block: 1024 columns and 8 warps took o's and down's (4096 columns, 128 programs at
+bs=32) from 2.5 to 1.8-2.2 us and q/k/v's from 3.4 to 3.2, while gate/up's 28672 columns were fastest at 256 columns
+and 4 warps (9.9 us against 10.2; 11.3 at 1024). ``expand_tile=16384,expand_max_warps=8,expand_wide_above=8192,
+expand_wide_tile=4096`` gives each layer its best of those (~1.5 us a layer at bs=32); not yet measured end to end.
 """
 
 from __future__ import annotations
@@ -85,7 +91,9 @@ class LoRAKernelChoice:
     ``shrink_loop_programs`` the programs it aims for by splitting ``in`` where partial sums may be returned,
     ``shrink_loop_chunks`` the most chunks a program walks there, ``shrink_loop_stages`` its pipeline (0: none; 1: the
     next chunk in registers; more: Triton's pipeline of that many stages, through shared memory),
-    ``shrink_loop_warps`` its launch's warps."""
+    ``shrink_loop_warps`` its launch's warps; ``expand_wide_above`` / ``expand_wide_tile`` (candidates, off by
+    default): a layer of more output columns than that takes that gather-expand tile instead of ``expand_tile``;
+    ``expand_max_warps``: at most that many warps a gather-expand program (16: the tile decides)."""
 
     go_ahead: int = 1
     shrink_tile: int = 8192
@@ -108,10 +116,14 @@ class LoRAKernelChoice:
     shrink_loop_chunks: int = 2
     shrink_loop_stages: int = 0
     shrink_loop_warps: int = 4
+    expand_wide_above: int = 1 << 20
+    expand_wide_tile: int = 8192
+    expand_max_warps: int = 16
 
     def __post_init__(self) -> None:
         for name, least in (("shrink_tile", 16), ("expand_tile", 16), ("split_k", 16), ("shrink_loop_k", 16),
-                            ("shrink_loop_rows", 1), ("shrink_loop_warps", 1)):
+                            ("shrink_loop_rows", 1), ("shrink_loop_warps", 1), ("expand_wide_tile", 16),
+                            ("expand_max_warps", 1)):
             value = getattr(self, name)
             if value < least or value & (value - 1):
                 raise ValueError(f"LoRAKernelChoice.{name} must be a power of two >= {least} (a block of a Triton "

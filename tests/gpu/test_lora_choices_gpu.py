@@ -25,7 +25,8 @@ CHOICES = ({}, {"go_ahead": 0}, {"shrink_tile": 16384, "expand_tile": 16384},
            {"sort_programs": 256, "sort_columns": 128}, {"sort_columns": 512}, {"dense_above": 1},
            {"dense_above": 1 << 20}, {"shrink_loop_above": 1 << 20},
            {"shrink_loop_rows": 8, "shrink_loop_k": 1024, "shrink_loop_programs": 1024, "shrink_loop_stages": 1},
-           {"shrink_loop_stages": 3})
+           {"shrink_loop_stages": 3},
+           {"expand_tile": 16384, "expand_max_warps": 8, "expand_wide_above": 8192, "expand_wide_tile": 4096})
 
 
 def _choices():

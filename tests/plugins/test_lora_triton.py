@@ -109,6 +109,10 @@ CHOICE_SCENARIOS = {
     "unsorted_wide_rank_70_tokens_fp32": ((70, torch.float32, 128, 24, (16, 8)), UNSORTED),
     "choice_split_k_8_tokens_bf16": ((8, torch.bfloat16, 8, 1024, (16, 8, 8)),
                                      {"busy_programs": 4096, "split_k": 256}),
+    # the expand candidates: a layer of 48 columns counts as wide past 32 and takes 16-column blocks, 2 warps
+    "choice_wide_expand_20_tokens_bf16": ((20, torch.bfloat16, 8, 40, (24, 24)),
+                                          {"expand_wide_above": 32, "expand_wide_tile": 128, "expand_max_warps": 2,
+                                           "busy_programs": 16}),
     "choice_narrow_tiles_one_token_fp32": ((1, torch.float32, 16, 300, (40, 8, 8)),
                                            {"shrink_tile": 64, "expand_tile": 256, "go_ahead": 0}),
     # the looped gather shrink (a bs=32-like batch: 18 tokens of mixed adapters and ranks, some on the base model):
@@ -449,6 +453,25 @@ def test_looped_shrink_reach() -> None:
     assert _gather_shrink_blocks(1, 48, 4096, True, everywhere) == (4, 512, 512, 8, 0, 0)
     with pytest.raises(ValueError, match="shrink_loop_rows must be a power of two"):
         LoRAKernelChoice(shrink_loop_rows=12)
+
+
+def test_expand_blocks_for_wide_layers() -> None:
+    """The expand candidates: layers of more than ``expand_wide_above`` columns take ``expand_wide_tile``, the others
+    ``expand_tile``; the narrowing for few programs stays; the default keeps 512-column blocks at rank 16."""
+    pytest.importorskip("triton")
+    from treadle.kernels.lora import _gather_expand_columns
+    from treadle.kernels.lora_choice import LoRAKernelChoice
+
+    default = LoRAKernelChoice()
+    split = LoRAKernelChoice(expand_tile=16384, expand_max_warps=8, expand_wide_above=8192, expand_wide_tile=4096)
+    # bs=32 over Llama-3.1-8B's layers at rank 16: o (4096 columns), q/k/v (6144, widest 4096), gate/up (2 x 14336)
+    assert [_gather_expand_columns(32, cols, widest, 16, default)
+            for cols, widest in ((4096, 4096), (6144, 4096), (28672, 14336))] == [512, 512, 512]
+    assert [_gather_expand_columns(32, cols, widest, 16, split)
+            for cols, widest in ((4096, 4096), (6144, 4096), (28672, 14336))] == [1024, 1024, 256]
+    assert _gather_expand_columns(1, 28672, 14336, 16, split) == 64  # one token: narrow blocks, as before
+    with pytest.raises(ValueError, match="expand_max_warps must be a power of two"):
+        LoRAKernelChoice(expand_max_warps=6)
 
 
 @pytest.mark.parametrize("name", list(SORTED_SCENARIOS))
