@@ -8,8 +8,10 @@ on purpose (``--output bench/results/NAME.json``), never by running a benchmark.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from treadle.core.loading.default_model import models_cache_dir
 
@@ -28,3 +30,13 @@ def results_dir() -> Path:
 def default_output(name: str) -> Path:
     """``results_dir() / name``."""
     return results_dir() / name
+
+
+def write_result(result: dict[str, Any], output: str | None, default_name: str) -> Path:
+    """``result`` as indented JSON to ``output`` (else :func:`default_output` of ``default_name``), its folder made;
+    prints and returns the path."""
+    out = Path(output) if output else default_output(default_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return out

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from treadle.bench.results_folder import default_output
+from treadle.bench.results_folder import write_result
 from treadle.core.execution.cuda_graph import replay_seconds
 from treadle.testing.all_reduce import run_ranks
 
@@ -44,10 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_decode:
         result["decode"] = decode_steps(args)
         print(decode_table(result["decode"]), flush=True)
-    out = Path(args.output) if args.output else default_output(f"tp_decode_{dt.date.today():%Y%m%d}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, args.output, f"tp_decode_{dt.date.today():%Y%m%d}.json")
     return 0
 
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from treadle.bench.results_folder import default_output
+from treadle.bench.results_folder import write_result
 from treadle.testing.all_reduce import run_ranks
 
 SIZES = {"step (64 B)": 64, "new requests (64 KiB)": 64 * 1024}
@@ -49,10 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_engine:
         result["engine"] = engine_steps(args) if args.modes else engine_steps_apart(args, argv)
         print(engine_table(result["engine"]), flush=True)
-    out = Path(args.output) if args.output else default_output(f"tp_step_broadcast_{dt.date.today():%Y%m%d}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(result, args.output, f"tp_step_broadcast_{dt.date.today():%Y%m%d}.json")
     return 0
 
 
