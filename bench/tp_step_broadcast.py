@@ -12,9 +12,9 @@ gap (within the reader's spin; long enough that it naps).
 
 Part 2 (``--skip-engine``; needs 2 GPUs): ``Engine.generate`` at tp=2 with one request, Llama-3.1-8B shapes, dummy
 weights, triton, CUDA graphs, timed whole as ``treadle bench one-batch``'s Engine rows are (decode ms a step
-= (time for N tokens - time for 1) / (N - 1)), with ``parallel.step_broadcast`` auto (shared memory) and gloo,
-alternating ``--rounds`` times, each in a process of its own (``--modes auto,gloo``: in this one). Prints both
-tables; writes one JSON.
+= (time for N tokens - time for 1) / (N - 1)), at tp=1 (the reference) and at tp=2 with ``parallel.step_broadcast``
+auto (shared memory) and gloo, alternating ``--rounds`` times, each in a process of its own (``--modes
+tp1,auto,gloo``: in this one). Prints both tables, each tp=2 median over tp=1's; writes one JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from treadle.testing.all_reduce import run_ranks
 
 SIZES = {"step (64 B)": 64, "new requests (64 KiB)": 64 * 1024}
 TRANSPORTS = ("gloo", "shared_memory")
+TP1 = "tp1"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,8 +130,10 @@ def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
         model_dir = write_config(Path(scratch), TINY if args.tiny else SHAPES[args.shape])
         for round_index in range(args.rounds):
             for mode in args.modes.split(","):
-                overrides = {"parallel.tp_size": 2, "parallel.step_broadcast": mode}
-                (row,) = run_engine(model_dir, args.backend, overrides, f"tp=2 step_broadcast={mode}", prompts,
+                # "tp1": the same engine on one GPU, the reference the tp=2 steps are divided by.
+                overrides = ({"parallel.tp_size": 1} if mode == TP1 else
+                             {"parallel.tp_size": 2, "parallel.step_broadcast": mode})
+                (row,) = run_engine(model_dir, args.backend, overrides, f"{mode} step_broadcast", prompts,
                                     engine_args, device, bandwidth)
                 rows.append({"step_broadcast": mode, "round": round_index, "decode_step_ms": row.decode_step_ms,
                              "prefill_ms": row.prefill_ms, "first_tokens": row.first_tokens})
@@ -148,7 +151,7 @@ def engine_steps_apart(args: argparse.Namespace, argv: Sequence[str] | None) -> 
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for round_index in range(args.rounds):
-            for mode in ("auto", "gloo"):
+            for mode in (TP1, "auto", "gloo"):
                 out = Path(scratch) / f"{mode}{round_index}.json"
                 command = [sys.executable, "-m", "treadle.bench.tp_step_broadcast", *_without(given, "--output"),
                            "--skip-latency", "--rounds", "1", "--modes", mode, "--output", str(out)]
@@ -172,10 +175,13 @@ def _without(argv: list[str], flag: str) -> list[str]:
 
 
 def engine_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| parallel.step_broadcast | decode ms/step (each round) | median |", "| --- | --- | ---: |"]
-    for mode in sorted({r["step_broadcast"] for r in rows}):
+    medians = {mode: statistics.median(r["decode_step_ms"] for r in rows if r["step_broadcast"] == mode)
+               for mode in sorted({r["step_broadcast"] for r in rows})}
+    lines = ["| parallel.step_broadcast | decode ms/step (each round) | median | / tp=1 |", "| --- | --- | ---: | ---: |"]
+    for mode, median in medians.items():
         steps = [r["decode_step_ms"] for r in rows if r["step_broadcast"] == mode]
-        lines.append(f"| {mode} | {', '.join(f'{s:.3f}' for s in steps)} | {statistics.median(steps):.3f} |")
+        ratio = f"{median / medians[TP1]:.3f}x" if TP1 in medians else "-"
+        lines.append(f"| {mode} | {', '.join(f'{s:.3f}' for s in steps)} | {median:.3f} | {ratio} |")
     same = len({tuple(r["first_tokens"]) for r in rows}) == 1
     return "\n".join(lines + [f"first tokens identical in every run: {same}"])
 
