@@ -17,6 +17,11 @@ peer had finished the call before (stream order). Hence one flag exchange per ph
 compared with ``>=`` because a fast peer may already have raised the next call's number.
 
 Sums run in rank order in float32 on every rank, so every rank gets bitwise the same result, run after run.
+
+Launched with PDL on Hopper (``PDL``, kernels/pdl.py): a program loads what no kernel still running writes (the
+norm's weight) before it waits for the kernel before, and (``GO_AHEAD``) lets the kernel after it start right
+after that wait, so that the next matmul's programs load their first weight blocks while this kernel's flags
+cross NVLink: the exchange needs a few SMs and almost no bandwidth, the matmul after it all of both.
 A wait that spins ``max_spins`` times gives up and counts an error in ``errors`` (the result is then garbage;
 callers check ``errors`` in tests, a hang would be worse).
 """
@@ -27,6 +32,7 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.fused import rmsnorm_row, rounded_add
+from treadle.kernels.pdl import allow_next, wait_for_previous
 
 
 @triton.jit
@@ -84,7 +90,12 @@ def _sum_in_rank_order(x, own, half, at, mask, RANK: tl.constexpr, WORLD: tl.con
 
 
 @triton.jit
-def _next_epoch(epochs, pid):
+def _next_epoch(epochs, pid, PDL: tl.constexpr, GO_AHEAD: tl.constexpr):
+    """This program's call number, counted once the kernel before has completed (a kernel of the same all-reduce
+    could be the one before); the next kernel may start from then on (``GO_AHEAD``)."""
+    wait_for_previous(PDL)
+    if GO_AHEAD:
+        allow_next(PDL)
     epoch = tl.load(epochs + pid) + 1
     tl.store(epochs + pid, epoch)
     return epoch
@@ -93,11 +104,12 @@ def _next_epoch(epochs, pid):
 @triton.jit
 def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                               SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+                               SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr, PDL: tl.constexpr = False,
+                               GO_AHEAD: tl.constexpr = False):
     """``x`` (``n`` elements) replaced by its sum over the ranks: push ``x`` to every peer, one flag exchange,
     sum the ranks' copies locally."""
     pid = tl.program_id(0)
-    epoch = _next_epoch(epochs, pid)
+    epoch = _next_epoch(epochs, pid, PDL, GO_AHEAD)
     half = epoch % 2
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -119,12 +131,13 @@ def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
 @triton.jit
 def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                               SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+                               SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr, PDL: tl.constexpr = False,
+                               GO_AHEAD: tl.constexpr = False):
     """``x`` replaced by its sum over the ranks in two phases: rank r owns chunk r of ``WORLD`` chunks; each rank
     pushes chunk p to rank p, which sums it (reduce-scatter) and pushes the sum back into every peer's slot at
     the chunk's own place (all-gather)."""
     pid = tl.program_id(0)
-    epoch = _next_epoch(epochs, pid)
+    epoch = _next_epoch(epochs, pid, PDL, GO_AHEAD)
     half = epoch % 2
     chunk = tl.cdiv(tl.cdiv(n, WORLD), 16) * 16  # chunks start 16 elements aligned
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
@@ -163,16 +176,18 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
 def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_out, rows, cols, eps, bases, epochs,
                                            errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                            PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
-                                           SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr):
+                                           SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr,
+                                           PDL: tl.constexpr = False, GO_AHEAD: tl.constexpr = False):
     """The one-shot all-reduce of ``x`` (``rows`` x ``cols``, contiguous) followed, in the same pass, by the
     residual add and RMSNorm of ``kernels/fused.py``'s ``add_rmsnorm``: ``residual_out = sum + residual`` and
     ``out = weight * rmsnorm(residual_out)``, rounded as there. A program owns whole rows (the norm needs all of
     one), rows ``pid, pid + PROGRAMS, ...``."""
     pid = tl.program_id(0)
-    epoch = _next_epoch(epochs, pid)
-    half = epoch % 2
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
+    w = tl.load(weight + offs, mask=mask, other=0.0)
+    epoch = _next_epoch(epochs, pid, PDL, GO_AHEAD)
+    half = epoch % 2
     for row in range(pid, rows, PROGRAMS):
         at = row * cols + offs
         mine = tl.load(x + at, mask=mask)
@@ -181,7 +196,6 @@ def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_ou
                 tl.store(_slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mine, mask=mask)
     _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     own = tl.load(bases + RANK)
-    w = tl.load(weight + offs, mask=mask, other=0.0)
     for row in range(pid, rows, PROGRAMS):
         at = row * cols + offs
         acc = _sum_in_rank_order(x, own, half, at, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)

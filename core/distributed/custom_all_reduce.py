@@ -161,6 +161,7 @@ class CustomAllReduce:
             raise ValueError(f"rank {rank}'s buffer ({buffer.numel()} bytes at {buffer.data_ptr():#x}) is not the "
                              f"{self.layout.total_bytes} bytes at {bases[rank]:#x} its peers see")
         self.buffer, self.keepalive, self.offset = buffer, keepalive, 0
+        self._pdl: bool | None = None
         self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self.epochs = torch.zeros(self.PROGRAMS, dtype=torch.int64, device=self.device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -214,7 +215,8 @@ class CustomAllReduce:
         kernel[(self.PROGRAMS,)](
             x, n, self.bases, self.epochs, self.errors, RANK=self.rank, WORLD=self.world_size,
             PROGRAMS=self.PROGRAMS, BLOCK=self.BLOCK, FLAG_BYTES=self.layout.flag_bytes,
-            SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS, num_warps=self.NUM_WARPS)
+            SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS, num_warps=self.NUM_WARPS,
+            **self._pdl_args())
         return x
 
     def handles_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -237,8 +239,18 @@ class CustomAllReduce:
             x, residual, weight, out, residual_out, rows, cols, eps, self.bases, self.epochs, self.errors,
             RANK=self.rank, WORLD=self.world_size, PROGRAMS=self.PROGRAMS, BLOCK=block,
             FLAG_BYTES=self.layout.flag_bytes, SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS,
-            num_warps=min(16, max(1, block // 256)))  # add_rmsnorm's layout: the same sums, bit for bit
+            num_warps=min(16, max(1, block // 256)),  # add_rmsnorm's layout: the same sums, bit for bit
+            **self._pdl_args())
         return out, residual_out
+
+    def _pdl_args(self) -> dict[str, bool]:
+        """The kernels' launch with PDL and early go-ahead (kernels/peer_all_reduce.py) where the GPU has PDL;
+        ``TREADLE_AR_PDL=0`` launches them stream-ordered, for A/B runs."""
+        if self._pdl is None:
+            from treadle.kernels.pdl import enabled
+
+            self._pdl = enabled(self.device) and os.environ.get("TREADLE_AR_PDL") != "0"
+        return {"PDL": self._pdl, "GO_AHEAD": self._pdl, "launch_pdl": self._pdl}
 
     def error_count(self) -> int:
         """Waits that gave up so far (a host sync: tests and diagnostics only)."""

@@ -148,7 +148,8 @@ def test_kernels_compile_for_hopper_with_system_scope_flags_vector_accesses_and_
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(facts) == 3
     for name, kernel in facts.items():
-        assert kernel == {"release_flag": True, "acquire_wait": True, "vector_data": True, "multimem": False}, name
+        assert kernel == {"release_flag": True, "acquire_wait": True, "vector_data": True, "multimem": False,
+                          "pdl": True}, name
 
 
 def test_two_rank_processes_sum_through_each_others_memory_run_after_run(tmp_path, monkeypatch):
