@@ -11,9 +11,12 @@
 #   tp_tests        tp=2 vs tp=1 greedy parity, triton + flashinfer, CUDA graphs on (NCCL all-reduce captured)
 #   tp_8b           Llama-3.1-8B shapes, bs=1 decode step: tp=1 vs tp=2 (target tp=2 <= 0.6x tp=1), and first tokens equal
 #   tp_70b          Llama-3.1-70B shapes (141 GB bf16: no single GPU holds it), tp=GPUS, bs=1 and bs=32 vs the roofline
+#   tp_70b_profile  the same shapes, tp=GPUS, bs=1: rank 0's torch.profiler table of a graph decode step (where the
+#                   time beyond the weights' read goes; the PDL launches make kernels look longer than they run)
 #   tp_70b_offline  Llama-3.1-70B shapes, tp=GPUS, offline throughput on the 1000-request random workload (default config)
 #   mixtral_offline Mixtral-8x7B shapes, tp=GPUS, offline throughput on the same workload
-#   dp              Llama-3.1-8B shapes, dp=GPUS vs dp=1 through the server (default config): DP_PROMPTS (1000;
+#   dp              Llama-3.1-8B shapes, dp=GPUS vs dp=1 through the server (default config; DP_SET="--set K=V ..." adds
+#                   launch overrides for A/B runs, e.g. DP_SET="--set scheduler.enable_mixed_chunk=true"): DP_PROMPTS (1000;
 #                   issue 47 asks 2000 at dp=8) requests at once, then DP_RATE_PROMPTS (600; 0: none) at 40 req/s;
 #                   dp_one and dp_all run its two halves apart (dp=1, dp=GPUS)
 #   dp_prefix       dp=2 on 8B shapes, a shared-prefix workload (DP_PREFIXES=97 system prompts of DP_PREFIX_LEN=4000
@@ -40,7 +43,7 @@ shape_dir() {  # write an HF config.json of a bench shape into /tmp/<shape> and 
 serve_and_bench() {  # $1 = dp_size; 8B shapes, dummy weights; offline (all at once) then saturation
   local dir; dir=$(shape_dir llama-3.1-8b); local port=$((31000 + $1))
   python3 -m treadle.server.launch --set model.path="$dir" --set model.load_format=dummy --set server.port=$port \
-    --set parallel.dp_size="$1" > "$OUT/dp$1_server.log" 2>&1 &
+    --set parallel.dp_size="$1" ${DP_SET:-} > "$OUT/dp$1_server.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1 300); do
     grep -q Traceback "$OUT/dp$1_server.log" && break
@@ -157,6 +160,10 @@ PY
     tp_70b) timeout 580 python3 -m treadle.bench.one_batch --tp "$GPUS" --shape llama-3.1-70b --batch-sizes 1,32 \
         --input-len 512 --decode-steps 64 --backends "$BACKENDS" --graphs on --no-hf --no-profile \
         --output "$OUT/one_batch_70b_tp$GPUS.json" 2>&1 | grep -v "it/s\]\|Warning\|warn(" | tail -12 ;;
+    tp_70b_profile) timeout 580 python3 -m treadle.bench.one_batch --tp "$GPUS" --shape llama-3.1-70b --batch-sizes 1 \
+        --input-len 512 --decode-steps 64 --backends "${BACKENDS%%,*}" --graphs on --no-hf --no-engine \
+        --profile-batch-sizes 1 --prefill-profile none --output "$OUT/one_batch_70b_tp${GPUS}_profile.json" 2>&1 \
+        | grep -v "it/s\]\|Warning\|warn(" | tee "$OUT/tp_70b_profile.log" | tail -60 ;;
     tp_70b_offline)
       dir=$(shape_dir llama-3.1-70b)
       timeout 580 python3 -m treadle.bench.offline_throughput --workload random --num-prompts 1000 \
