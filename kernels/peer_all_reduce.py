@@ -18,12 +18,13 @@ compared with ``>=`` because a fast peer may already have raised the next call's
 
 Sums run in rank order in float32 on every rank, so every rank gets bitwise the same result, run after run.
 
+A wait that spins ``max_spins`` times gives up and counts an error in ``errors`` (the result is then garbage;
+callers check ``errors`` in tests, a hang would be worse).
+
 Launched with PDL on Hopper (``PDL``, kernels/pdl.py): a program loads what no kernel still running writes (the
 norm's weight) before it waits for the kernel before, and (``GO_AHEAD``) lets the kernel after it start right
 after that wait, so that the next matmul's programs load their first weight blocks while this kernel's flags
 cross NVLink: the exchange needs a few SMs and almost no bandwidth, the matmul after it all of both.
-A wait that spins ``max_spins`` times gives up and counts an error in ``errors`` (the result is then garbage;
-callers check ``errors`` in tests, a hang would be worse).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ class CustomAllReduce:
             raise ValueError(f"rank {rank}'s buffer ({buffer.numel()} bytes at {buffer.data_ptr():#x}) is not the "
                              f"{self.layout.total_bytes} bytes at {bases[rank]:#x} its peers see")
         self.buffer, self.keepalive, self.offset = buffer, keepalive, 0
-        self._pdl: bool | None = None
+        self._pdl = _pdl_launch(self.device)
         self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self.epochs = torch.zeros(self.PROGRAMS, dtype=torch.int64, device=self.device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -244,12 +244,6 @@ class CustomAllReduce:
         return out, residual_out
 
     def _pdl_args(self) -> dict[str, bool]:
-        """The kernels' launch with PDL and early go-ahead (kernels/peer_all_reduce.py) where the GPU has PDL;
-        ``TREADLE_AR_PDL=0`` launches them stream-ordered, for A/B runs."""
-        if self._pdl is None:
-            from treadle.kernels.pdl import enabled
-
-            self._pdl = enabled(self.device) and os.environ.get("TREADLE_AR_PDL") != "0"
         return {"PDL": self._pdl, "GO_AHEAD": self._pdl, "launch_pdl": self._pdl}
 
     def error_count(self) -> int:
@@ -265,6 +259,16 @@ class CustomAllReduce:
             install_custom_all_reduce(None)
         self.keepalive = None
         self.buffer = None
+
+
+def _pdl_launch(device: torch.device) -> bool:
+    """Whether the kernels launch with PDL and the early go-ahead (kernels/peer_all_reduce.py): where the GPU has
+    PDL; ``TREADLE_AR_PDL=0`` launches them stream-ordered, for A/B runs."""
+    if device.type != "cuda":
+        return False
+    from treadle.kernels.pdl import enabled
+
+    return enabled(device) and os.environ.get("TREADLE_AR_PDL") != "0"
 
 
 def _try_build(group: Any, device: torch.device) -> tuple[CustomAllReduce | None, str | None]:
