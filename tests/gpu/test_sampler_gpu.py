@@ -26,3 +26,18 @@ def test_argmax_matches_torch_argmax_at_llama3_vocab(rows: int, dtype: torch.dty
     assert torch.equal(argmax_last_dim(x[:, 3:]), torch.argmax(x[:, 3:], dim=-1))  # rows not contiguous
     noisy = torch.randn(rows, 128256, generator=gen, device="cuda").to(dtype)
     assert torch.equal(argmax_last_dim(noisy), torch.argmax(noisy, dim=-1))
+
+
+def test_argmax_replays_in_a_cuda_graph_with_new_logits() -> None:
+    """The split form's per-row counters are reset by each row's last program: replays with new logits keep
+    picking what ``torch.argmax`` picks."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 128256, generator=gen, device="cuda").to(torch.bfloat16)
+    argmax_last_dim(x)  # the counters exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        picked = argmax_last_dim(x)
+    for _ in range(5):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        assert torch.equal(picked, torch.argmax(x, dim=-1))

@@ -162,6 +162,10 @@ def _model_kernels() -> dict:
             dict(BLOCK=1024, TO_FP8=True)),
         "argmax": lambda: _compile(argmax_kernel._argmax_kernel, {"X": "*bf16", "Out": "*i64"}, set(),
                                    dict(BLOCK=4096)),
+        "argmax_blocks": lambda: _compile(
+            argmax_kernel._argmax_blocks_kernel,
+            {"X": "*bf16", "Out": "*i64", "Block_value": "*fp32", "Block_at": "*i32", "Counters": "*i32"}, set(),
+            dict(BLOCK=4096, BLOCKS=32)),
         "exact_top_chunks": lambda: _compile(
             exact_top_logits_kernels._chunk_top_kernel, {"Logits": "*bf16", "Values": "*fp32", "Columns": "*i32"},
             set(), dict(K=8, CHUNK=2048)),
@@ -344,7 +348,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[fp8,gemv,split_k,add_rmsnorm]", "small_batch[bf16,silu_mul]", "small_batch[bf16,gemv,prefetch]",
            "small_batch[fp8,split_k,prefetch]", "small_batch[fp8,w8a8]", "small_batch[fp8,w8a8,split_k]",
            "small_batch[fp8,w8a8,silu_mul]", "small_batch[bf16,silu_mul,pdl]", "small_batch[fp8,w8a8,split_k,pdl]",
-           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "exact_top_chunks", "exact_top_recompute", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
+           "moe_grouped_gemm", "store_kv[fp8e4nv]", "argmax", "argmax_blocks", "exact_top_chunks", "exact_top_recompute", "moe_gate_up_gemv", "moe_down_gemv[fp8]",
            "moe_gate_up_gemv[fp8]", "moe_grouped_gemm[fp8]", "moe_count_experts", "moe_align[single_chunk]",
            "moe_align", "moe_grouped_gemm[w8a8,16]", "moe_grouped_gemm[w8a8,128]",
            "lora_shrink_gather[pdl]", "lora_shrink_gather[in=14336]", "lora_shrink_gather[split-k,go-ahead]",
