@@ -20,7 +20,7 @@ PROMPT ?= What is the capital of France?
 # make test: PYTEST_ARGS="tests/core -k radix" or "-x"; the suite already runs quietly (-q)
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-gpu install shell generate lock clean
+.PHONY: serve test test-gpu compile-gpu-triton install shell generate lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,16 @@ test: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
+
+# Every kernel compiled for sm_90 by the GPU machine's Triton (tests/gpu/device.sh prints its version), in a venv
+# of its own: .venv's newer Triton accepts code the older one rejects, which a device call would find out late.
+GPU_TRITON ?= 3.6.0
+GPU_TRITON_VENV := .venv-triton-$(GPU_TRITON)
+compile-gpu-triton: $(STAMP)
+	[ -x $(GPU_TRITON_VENV)/bin/python ] || ($(PYTHON) -m venv $(GPU_TRITON_VENV) && \
+		$(GPU_TRITON_VENV)/bin/python -m pip install -q triton==$(GPU_TRITON))
+	$(GPU_TRITON_VENV)/bin/python tests/plugins/compile_with_gpu_triton.py \
+		"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
 # Renew $(CONSTRAINTS) on purpose: resolve every dependency afresh (the newest releases the
 # requirements allow) in a throw-away venv, then freeze it. Run `make test` after, commit both.

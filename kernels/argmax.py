@@ -42,9 +42,9 @@ def _argmax_kernel(X, Out, stride_row, vocab, BLOCK: tl.constexpr):
 def _pick(values, at, none_past):
     """The first NaN's position among ``values`` if there is one, else the lowest position of their maximum."""
     nan_lane = values != values
-    if tl.max(nan_lane.to(tl.int32), 0) > 0:
-        return tl.min(tl.where(nan_lane, at, none_past), 0)
-    return tl.min(tl.where(values == tl.max(values, 0), at, none_past), 0)
+    any_nan = tl.max(nan_lane.to(tl.int32), 0) > 0
+    wanted = tl.where(any_nan, nan_lane, values == tl.max(values, 0))
+    return tl.min(tl.where(wanted, at, none_past), 0)
 
 
 @triton.jit
