@@ -58,7 +58,9 @@ step 1.269x the base against 1.288x (docs/lora.md). The one-token and split-K fo
 plain gather expand no one best block: 1024 columns and 8 warps took o's and down's (4096 columns, 128 programs at
 bs=32) from 2.5 to 1.8-2.2 us and q/k/v's from 3.4 to 3.2, while gate/up's 28672 columns were fastest at 256 columns
 and 4 warps (9.9 us against 10.2; 11.3 at 1024). ``expand_tile=16384,expand_max_warps=8,expand_wide_above=8192,
-expand_wide_tile=4096`` gives each layer its best of those (~1.5 us a layer at bs=32); not yet measured end to end.
+expand_wide_tile=4096`` gives each layer its best of those (~1.5 us a layer at bs=32); end to end it gained nothing (4 x
+H200, 2026-11-28, 300 requests: bs=32 1.241x the base against the defaults' 1.236x, 1024-column blocks everywhere
+1.253x), so they stay candidates.
 """
 
 from __future__ import annotations
