@@ -7,7 +7,7 @@ launch does it: each program takes one block of a row's vocabulary and stores it
 among equal maxima, or its first NaN) and value; the last of a row's programs to arrive (counted on a per-row
 counter, which it resets) picks among the blocks in their order, so the pick is ``torch.argmax``'s. One program
 streaming a whole 128k row took ~17 us on an H200 at bs=1 (one SM's share of the bandwidth); 32 programs a row
-read it in parallel. Where no counters can be set aside (the first call inside a CUDA graph capture) one program a
+read it in parallel in ~3 us (docs/benchmarks.md). Where no counters can be set aside (the first call inside a CUDA graph capture) one program a
 row streams the row instead (``_argmax_kernel``), with the same pick.
 """
 
