@@ -72,7 +72,8 @@ test-gpu: $(STAMP)
 # Every kernel compiled for sm_90 by the GPU machine's Triton (tests/gpu/device.sh prints its version), in a venv
 # of its own: .venv's newer Triton accepts code the older one rejects, which a device call would find out late.
 GPU_TRITON ?= 3.6.0
-GPU_TRITON_VENV := .venv-triton-$(GPU_TRITON)
+# Inside .venv: out of the package tree that the packaging and structure tests scan.
+GPU_TRITON_VENV := $(VENV)/triton-$(GPU_TRITON)
 compile-gpu-triton: $(STAMP)
 	[ -x $(GPU_TRITON_VENV)/bin/python ] || ($(PYTHON) -m venv $(GPU_TRITON_VENV) && \
 		$(GPU_TRITON_VENV)/bin/python -m pip install -q triton==$(GPU_TRITON))

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# vLLM 0.26 beside treadle's figures on the GPU machine: the bs=1 / bs=32 decode step of Llama-3.1-8B shapes at
+# tp=1 and tp=2, in W4A16 (compressed-tensors, as `treadle bench quant` writes it) and with 32 rank-16 adapters (as
+# `treadle bench lora` writes them). vLLM's packages come from ../shared/device/vllm_peer.sh, in parts that fit the
+# device tool's 64 MiB a call beside this tree (~26 MiB): here, once,
+#
+#   echo /.vllm/ >> .git/info/exclude && ../shared/device/vllm_peer.sh pack .vllm
+#   (cd .vllm && cat part* > /tmp/v.tgz && rm part* && split -b 32m -d /tmp/v.tgz part && rm /tmp/v.tgz)
+#
+# then one device call per part while the machine stays warm (each ~10 s; an idle machine goes back after 30 s):
+#
+#   run(kind="nvidia-h200-x4", carry=[".vllm/part00"], command="mkdir -p /tmp/vc && cp .vllm/part00 /tmp/vc/")
+#   ... part01 .. part06
+#   run(carry=[".whl"], command="bash tests/gpu/device.sh setup && bash tests/gpu/vllm_peer.sh unpack configs runs")
+#
+# Stages: unpack (/tmp/vc/part* -> /tmp/vsite); configs (the shapes' config.json and the adapters, by treadle);
+# runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2), each
+# writing $OUT/vllm_*.json. treadle's counterparts: `python -m treadle.bench.tp_step_broadcast --skip-latency
+# --backend auto --rounds 1 --modes tp1` (and `--modes auto`), `python -m treadle.bench.quant --runs one-batch`,
+# `python -m treadle.bench.lora --part engine`.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+HERE=$(cd "$(dirname "$0")" && pwd)
+peer() {  # $1 = GPUs, $2 = tag, rest: vllm_peer.py arguments (vLLM's packages only on the path)
+  local gpus=$1 tag=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/vsite timeout "${PEER_TIMEOUT:-420}" python3 "$HERE/vllm_peer.py" "$@" \
+    --output "$OUT/vllm_$tag.json" > "$OUT/vllm_$tag.log" 2>&1
+  echo "vllm $tag rc $?: $(grep -E '^vllm ' "$OUT/vllm_$tag.log" | tr '\n' ' ')"
+}
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    unpack) cat /tmp/vc/part* | tar xzf - -C /tmp && PYTHONPATH=/tmp/vsite python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
+    configs)
+      for shape in llama-3.1-8b llama-3.1-8b-w4a16; do python3 -m treadle.bench.shapes "$shape" "/tmp/$shape"; done
+      python3 - <<'PY'
+import json
+from pathlib import Path
+from treadle.bench.lora_engine import write_adapters
+config = json.loads(Path("/tmp/llama-3.1-8b/config.json").read_text())
+print(len(write_adapters(Path("/tmp/lora16"), config, 32, 16, device="cuda")), "adapters in /tmp/lora16")
+PY
+      ;;
+    runs)
+      (peer 0 bf16 --model /tmp/llama-3.1-8b; peer 0 lora --model /tmp/llama-3.1-8b --lora-dir /tmp/lora16) &
+      peer 1 w4a16 --model /tmp/llama-3.1-8b-w4a16 &
+      peer 2,3 tp2 --model /tmp/llama-3.1-8b --tp 2 --batch-sizes 1 &
+      wait ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "STAGE $stage took $(( $(date +%s) - t0 )) s"
+done
