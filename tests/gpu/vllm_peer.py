@@ -27,11 +27,13 @@ def main() -> int:
     extra = {}
     if args.lora_dir:
         extra = {"enable_lora": True, "max_loras": args.lora_count, "max_lora_rank": args.lora_rank}
+    if args.no_ar_fusion:  # vLLM's all-reduce + RMSNorm fusion (FlashInfer's) faults on machines without multicast
+        extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     llm = LLM(model=args.model, load_format="dummy", tensor_parallel_size=args.tp, dtype="bfloat16",
               skip_tokenizer_init=True, enable_prefix_caching=False, max_model_len=args.input_len + args.new_tokens + 64,
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **extra)
     rng = random.Random(0)
-    result = {"model": args.model, "tp": args.tp, "lora_dir": args.lora_dir, "input_len": args.input_len,
+    result = {"model": args.model, "tp": args.tp, "no_ar_fusion": args.no_ar_fusion, "lora_dir": args.lora_dir, "input_len": args.input_len,
               "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps_ms": {}}
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         prompts = [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(args.input_len)]} for _ in range(bs)]
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-count", type=int, default=32)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--no-ar-fusion", action="store_true", help="vLLM's all-reduce + RMSNorm fusion off")
     parser.add_argument("--output")
     return parser
 

@@ -14,7 +14,8 @@
 #   run(carry=[".whl"], command="bash tests/gpu/device.sh setup && bash tests/gpu/vllm_peer.sh unpack configs runs")
 #
 # Stages: unpack (/tmp/vc/part* -> /tmp/vsite); configs (the shapes' config.json and the adapters, by treadle);
-# runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2), each
+# runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2; on 2 GPUs
+# the stages `single` (GPU 0 bf16 then the adapters, GPU 1 W4A16) and `tp2`, one device call each), each
 # writing $OUT/vllm_*.json. treadle's counterparts: `python -m treadle.bench.tp_step_broadcast --skip-latency
 # --backend auto --rounds 1 --modes tp1` (and `--modes auto`), `python -m treadle.bench.quant --runs one-batch`,
 # `python -m treadle.bench.lora --part engine`.
@@ -23,9 +24,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
 peer() {  # $1 = GPUs, $2 = tag, rest: vllm_peer.py arguments (vLLM's packages only on the path)
   local gpus=$1 tag=$2; shift 2
+  local log="$OUT/vllm_$tag.log"
   CUDA_VISIBLE_DEVICES=$gpus PYTHONPATH=/tmp/vsite timeout "${PEER_TIMEOUT:-420}" python3 "$HERE/vllm_peer.py" "$@" \
-    --output "$OUT/vllm_$tag.json" > "$OUT/vllm_$tag.log" 2>&1
-  echo "vllm $tag rc $?: $(grep -E '^vllm ' "$OUT/vllm_$tag.log" | tr '\n' ' ')"
+    --output "$OUT/vllm_$tag.json" > "$log" 2>&1 &
+  local pid=$!
+  # A worker that faults leaves the engine waiting until the timeout: stop at the first sign of it.
+  while kill -0 $pid 2>/dev/null; do
+    if grep -qE "Worker failed|illegal memory access|^Traceback" "$log"; then
+      sleep 3; kill $pid 2>/dev/null; pkill -9 -f "$HERE/vllm_peer.py" 2>/dev/null
+      nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2>/dev/null; break
+    fi
+    sleep 2
+  done
+  wait $pid
+  echo "vllm $tag rc $?: $(grep -E '^vllm ' "$log" | tr '\n' ' ')"
 }
 for stage in "$@"; do
   t0=$(date +%s)
@@ -41,11 +53,19 @@ config = json.loads(Path("/tmp/llama-3.1-8b/config.json").read_text())
 print(len(write_adapters(Path("/tmp/lora16"), config, 32, 16, device="cuda")), "adapters in /tmp/lora16")
 PY
       ;;
-    runs)
+    runs)  # 4 GPUs: everything side by side; fewer: `single`, then `tp2`
+      if [ "$(nvidia-smi -L | wc -l)" -lt 4 ]; then bash "$0" single tp2; continue; fi
       (peer 0 bf16 --model /tmp/llama-3.1-8b; peer 0 lora --model /tmp/llama-3.1-8b --lora-dir /tmp/lora16) &
       peer 1 w4a16 --model /tmp/llama-3.1-8b-w4a16 &
       peer 2,3 tp2 --model /tmp/llama-3.1-8b --tp 2 --batch-sizes 1 &
       wait ;;
+    single)  # 2 GPUs: bf16 then the adapters on GPU 0, W4A16 on GPU 1
+      (peer 0 bf16 --model /tmp/llama-3.1-8b; peer 0 lora --model /tmp/llama-3.1-8b --lora-dir /tmp/lora16) &
+      peer 1 w4a16 --model /tmp/llama-3.1-8b-w4a16 &
+      wait ;;
+    tp2) peer 0,1 tp2 --model /tmp/llama-3.1-8b --tp 2 --batch-sizes 1 ${TP2_ARGS:-} ;;
+    marlin)  # vLLM's other W4A16 kernel (Machete is its Hopper default)
+      VLLM_DISABLED_KERNELS=MacheteLinearKernel peer 0 w4a16_marlin --model /tmp/llama-3.1-8b-w4a16 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "STAGE $stage took $(( $(date +%s) - t0 )) s"
