@@ -11,11 +11,16 @@
 #
 #   run(kind="nvidia-h200-x4", carry=[".vllm/part00"], command="mkdir -p /tmp/vc && cp .vllm/part00 /tmp/vc/")
 #   ... part01 .. part06
-#   run(carry=[".whl"], command="bash tests/gpu/device.sh setup && bash tests/gpu/vllm_peer.sh unpack configs runs")
+#   run(carry=[".whl"], command="bash tests/gpu/device.sh setup && export PYTHONPATH=/tmp/site:/tmp/pkg &&
+#       bash tests/gpu/vllm_peer.sh unpack configs runs")
+#
+# (checked on 2 x H200, 2026-11-28: seven part calls ~35 s of device time in all; `single` 270 s, `tp2` ~250 s
+# with TP2_ARGS=--no-ar-fusion, since vLLM's default all-reduce + RMSNorm fusion faulted there; `marlin` 106 s.)
 #
 # Stages: unpack (/tmp/vc/part* -> /tmp/vsite); configs (the shapes' config.json and the adapters, by treadle);
 # runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2; on 2 GPUs
-# the stages `single` (GPU 0 bf16 then the adapters, GPU 1 W4A16) and `tp2`, one device call each), each
+# the stages `single` (GPU 0 bf16 then the adapters, GPU 1 W4A16) and `tp2`, one device call each; `marlin`: W4A16
+# on GPU 0 with vLLM's Marlin kernel instead of Machete), each
 # writing $OUT/vllm_*.json. treadle's counterparts: `python -m treadle.bench.tp_step_broadcast --skip-latency
 # --backend auto --rounds 1 --modes tp1` (and `--modes auto`), `python -m treadle.bench.quant --runs one-batch`,
 # `python -m treadle.bench.lora --part engine`.
