@@ -38,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.sweep:
         rows = "1,4,8,16,32,64" if args.rows is None else args.rows
-        return sweep([int(r) for r in rows.split(",")], args.jobs, args.zeros, args.output, narrow=args.narrow)
+        return sweep([int(r) for r in rows.split(",")], args.jobs, args.zeros, args.output, narrow=args.narrow,
+                     only=args.trials)
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device("cuda")
@@ -116,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="every kernel variant and config, int_mma's included (bench/quant_sweep.py)")
     parser.add_argument("--narrow", action="store_true",
                         help="--sweep: only what the loader times and round 2's trials (about 40 s on an H100)")
+    parser.add_argument("--trials", choices=("all", "natural"), default="all",
+                        help="--sweep --narrow: every kind's trials, or natural_mma's alone "
+                             "(kernels/packed_int_natural.py)")
     parser.add_argument("--jobs", type=int, default=max((os.cpu_count() or 4) - 2, 1),
                         help="--sweep: processes compiling the configs first (default: all cores but two)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")

@@ -3,7 +3,9 @@ kernel variant and launch config (the GEMV and ``int_dot`` configs, the ``int_mm
 ``kernels/packed_int_mma.py`` and the ``magic_mma`` ones of ``kernels/packed_int_magic.py``) at
 Llama-3.1-8B's four projection shapes and each batch size, against bfloat16 ``F.linear`` and the W4A16 roofline, on
 one GPU (about 3 minutes on an H100). ``--narrow``: only the launches the
-loader times (``kernels/int_kernel_plan.py``) and the trials (:func:`trials`, :func:`magic_trials`).
+loader times (``kernels/int_kernel_plan.py``) and the trials (:func:`trials`, :func:`magic_trials`); ``--trials
+natural``: only ``kernels/packed_int_natural.py``'s trials beside what the loader times (about 3 minutes at rows
+16, 32 and 64 on an H200).
 
 The configs compile first in ``--jobs`` processes at once (filling Triton's on-disk cache), then each is timed alone
 from a CUDA graph with the weight cycled through copies (read from memory, as a decode step reads it), after its
@@ -31,12 +33,14 @@ MAX_ERROR = 1e-2  # relative to the dequantized weight's bf16 matmul: bf16 round
 
 
 def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, device: str = "cuda",
-          narrow: bool = False) -> int:
+          narrow: bool = False, only: str = "all") -> int:
     from treadle.kernels.packed_int_dequant import dequantize
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device(device)
-    listing = narrow_variants if narrow else variants
+    def listing(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
+        return narrow_variants(n, k, rows, device, only) if narrow else variants(n, k, rows, device)
+
     work = [(name, rows, kernel, tiles) for name in SHAPES for rows in rows_list
             for kernel, tiles in listing(*SHAPES[name], rows, device)]
     if jobs > 1:
@@ -86,19 +90,20 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, devi
 def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
     """``(kernel, tiles)`` pairs to time for a batch of ``rows``: the GEMV's wider grid (``--explore``'s: rows per
     program, words per step, split-K, warps) for one row, else ``int_dot``'s configs (``bench/int_weights.py``'s
-    ``candidates``), then the ``int_mma`` candidates and :func:`magic_trials`."""
+    ``candidates``), then the ``int_mma`` candidates, :func:`magic_trials` and :func:`natural_trials`."""
     from treadle.kernels.packed_int_mma import mma_candidates
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     today = [(_kernel(tiles), tiles) for tiles in candidates(n, k, rows, device, rows == 1)]
     return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)] + \
-        [(_kernel(tiles), tiles) for tiles in magic_trials(n, k, rows, sm_count)]
+        [(_kernel(tiles), tiles) for tiles in magic_trials(n, k, rows, sm_count) + natural_trials(n, k, rows, sm_count)]
 
 
-def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
+def narrow_variants(n: int, k: int, rows: int, device: torch.device, only: str = "all") -> list[tuple[str, object]]:
     """``--narrow``: what the loader times for a batch of ``rows`` (``kernels/int_kernel_plan.py``: the GEMV's
-    configs at one row, else its row bucket's ``int_mma`` and ``int_dot`` launches), then the trials that test the
-    hypotheses of what holds the kernels below their roofline (:func:`trials`)."""
+    configs at one row, else its row bucket's ``magic_mma``, ``natural_mma``, ``int_mma`` and ``int_dot``
+    launches), then the trials that test the hypotheses of what holds the kernels below their roofline
+    (:func:`trials`, :func:`magic_trials`, :func:`natural_trials`; ``only="natural"``: the last alone)."""
     from treadle.kernels.int_kernel_plan import batch_candidates
     from treadle.kernels.packed_int import gemv_candidates
 
@@ -106,8 +111,10 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device) -> list[tup
     bucket = 16 if rows <= 16 else 32 if rows <= 32 else 64
     loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count,
                                                                                    torch.bfloat16)
-    tried = [t for t in dict.fromkeys(trials(n, k, rows, sm_count) + magic_trials(n, k, rows, sm_count))
-             if t not in loader]
+    listed = natural_trials(n, k, rows, sm_count)
+    if only != "natural":
+        listed = trials(n, k, rows, sm_count) + magic_trials(n, k, rows, sm_count) + listed
+    tried = [t for t in dict.fromkeys(listed) if t not in loader]
     return [(_kernel(tiles), tiles) for tiles in dict.fromkeys(loader)] + \
         [(f"{_kernel(tiles)} trial", tiles) for tiles in tried]
 
@@ -148,12 +155,24 @@ def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
     return mma_trials(n, k, rows, sm_count) if rows > 1 else []
 
 
+def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list:
+    """kernels/packed_int_natural.py's tensor-core kernel at 2 to 64 rows (the widened panel in natural K order, one
+    dot a panel whose wgmmas do not wait for each other, the activations copied straight into the MMA's shared
+    layout): do M=16, 32 and 64 then run near the packed weight's roofline, under bf16 at every shape?"""
+    from treadle.kernels.packed_int_natural import natural_trials as listed
+
+    return listed(n, k, rows, sm_count) if rows > 1 else []
+
+
 def _kernel(tiles) -> str:
     from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_mma import MmaTiles
+    from treadle.kernels.packed_int_natural import NaturalMmaTiles
 
     if isinstance(tiles, MagicMmaTiles):
         return "magic_mma"
+    if isinstance(tiles, NaturalMmaTiles):
+        return "natural_mma"
     if isinstance(tiles, MmaTiles):
         return "int_mma"
     if tiles.block_m:
@@ -173,7 +192,7 @@ def table(results: list[dict], rows_list: list[int]) -> str:
             # the candidates (int_mma's, the magic kernels').
             narrow = any(r["kernel"].endswith("trial") for r in timed)
             today = [r for r in timed if not (r["kernel"].endswith("trial") if narrow else r["kernel"] == "int_mma"
-                                              or r["kernel"].startswith("magic"))]
+                                              or r["kernel"].startswith(("magic", "natural")))]
             if not timed or not today:
                 continue
             best, best_today = min(timed, key=lambda r: r["us"]), min(today, key=lambda r: r["us"])

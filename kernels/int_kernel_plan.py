@@ -1,9 +1,10 @@
 """What one panel-packed integer weight shape runs per batch size (:class:`IntKernelPlan`), from the launch configs
-of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``) and
-``kernels/packed_int_magic.py`` (``magic_mma``): one row runs the GEMV, 2 to the plan's ``dot_max_rows`` (at most
-``DOT_MAX_ROWS``) rows a ``tl.dot`` kernel (per row bucket the fastest of ``magic_mma``, ``int_mma`` and ``int_dot``,
-timed at load by ``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear`
-(``kernels/packed_int_dequant.py``'s dequantization into one buffer per device, then the library matmul).
+of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``),
+``kernels/packed_int_magic.py`` (``magic_mma``) and ``kernels/packed_int_natural.py`` (``natural_mma``): one row
+runs the GEMV, 2 to the plan's ``dot_max_rows`` (at most ``DOT_MAX_ROWS``) rows a ``tl.dot`` kernel (per row
+bucket the fastest of ``magic_mma``, ``natural_mma``, ``int_mma`` and ``int_dot``, timed at load by
+``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear` (``kernels/packed_int_dequant.py``'s
+dequantization into one buffer per device, then the library matmul).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates,
 from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, load_dequantize_candidates
 from treadle.kernels.packed_int_magic import MagicMmaTiles, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
+from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_candidates, natural_mma
 
 # One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), of ``magic_mma`` (MagicMmaTiles:
-# what 2 to 64 rows run first where it applies), or the dequantization and the library matmul (DequantTiles).
-Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, DequantTiles]
+# what 2 to 64 rows run first where it applies), of ``natural_mma`` (NaturalMmaTiles), or the dequantization and the
+# library matmul (DequantTiles).
+Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, NaturalMmaTiles, DequantTiles]
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,9 @@ class IntKernelPlan:
             g_idx: torch.Tensor | None, prefetch: torch.Tensor | None = None,
             buffer: DequantBuffer | None = None) -> torch.Tensor:
         """``x @ dequantized(weight).T`` by the kernel this many rows run; ``prefetch`` (the head of the weight the
-        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV and ``magic_mma``;
-        ``buffer`` (``layer.dequant_buffer``) takes the dequantized weight of large batches (None: a new tensor)."""
+        model reads next, ``layer.l2_prefetch``) is asked of L2 by the last programs of the GEMV, ``magic_mma``
+        and ``natural_mma``; ``buffer`` (``layer.dequant_buffer``) takes the dequantized weight of large batches
+        (None: a new tensor)."""
         rows = x.shape[0]
         if g_idx is None and rows <= self.dot_max_rows:
             tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
@@ -86,13 +90,15 @@ def dequantize_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
 def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
               group: int, tiles: Tiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantized(weight).T`` by the kernel ``tiles`` configures (``prefetch``: see :meth:`IntKernelPlan.run`;
-    the GEMV and ``magic_mma`` take it, the others do not)."""
+    the GEMV, ``magic_mma`` and ``natural_mma`` take it, the others do not)."""
     if isinstance(tiles, DequantTiles):  # into a new tensor: the loader times this before the KV pool is sized
         return dequantize_linear(x, weight, scales, zeros, None, bits, group, tiles)
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicMmaTiles):
         return magic_mma(x, weight, scales, zeros, bits, group, tiles, prefetch)
+    if isinstance(tiles, NaturalMmaTiles):
+        return natural_mma(x, weight, scales, zeros, bits, group, tiles, prefetch)
     if tiles.block_m == 0:
         return int_gemv(x, weight, scales, zeros, bits, group, tiles, prefetch=prefetch)
     return int_dot(x, weight, scales, zeros, bits, group, tiles)
@@ -131,7 +137,10 @@ def batch_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count:
                      dtype: torch.dtype | None = None) -> list[Tiles]:
     """The ``tl.dot`` launches timed for a batch of about ``rows`` (16, 32 or 64), the untimed choice first:
     ``magic_mma``'s where it applies (it won every shape at 16 and 32 rows in the round-1 sweep), then
-    ``int_mma``'s, then ``int_dot``'s, whose first config stays as the fallback for a K the ``tl.dot`` steps of
-    the others do not tile."""
+    ``natural_mma``'s (same conditions), then ``int_mma``'s, then ``int_dot``'s, whose first config stays as the
+    fallback for a K the ``tl.dot`` steps of the others do not tile."""
     dot = tile_candidates(n, k, bits, rows, sm_count)
-    return load_candidates(n, k, bits, group, rows, sm_count, dtype) + (dot if rows > 32 else dot[:1])
+    listed = load_candidates(n, k, bits, group, rows, sm_count, dtype)
+    magic = [t for t in listed if isinstance(t, MagicMmaTiles)]
+    natural = natural_candidates(n, k, bits, group, rows, sm_count) if magic else []
+    return magic + natural + [t for t in listed if not isinstance(t, MagicMmaTiles)] + (dot if rows > 32 else dot[:1])

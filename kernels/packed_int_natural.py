@@ -1,0 +1,230 @@
+"""A W4A16 tensor-core kernel for 2 to 64 tokens whose widened weight tile is in natural K order
+(``kernels/packed_int.py``'s panel layout, unchanged), a candidate beside ``kernels/packed_int_magic.py``'s
+``magic_mma``.
+
+:func:`natural_mma` (swap-AB: the weight is the dot's first operand, the tokens its narrow side): per panel (128
+values a row, one K step) each pair of adjacent words ``2i`` and ``2i + 1`` becomes, by one ``prmt`` per half,
+a register holding the low (or high) 16 bits of both; one shift and one lop3 (``& 0x000F000F | 0x43004300``)
+make of it the bf16 pair ``128 + u`` of value slot ``j`` of both words, that is of the panel's columns
+``16j + 2i`` and ``16j + 2i + 1`` (fp16: ``1024 + u``), and a packed subtraction and multiplication
+``(u - zero) * scale``, rounded once as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds. Two values a
+register in natural K order are what Hopper's wgmma reads as its first operand from registers, so each slot's
+16 activation columns load as a plain ``[16, tokens]`` tile that Triton's pipeline copies (cp.async) into shared
+memory in the layout the MMA reads, with no round trip through registers (``magic_mma``'s pairs hold columns
+``16p + c`` and ``16(p + 4) + c``, whose activation tile is reshaped through registers and shared memory before
+each of its dots, each dot then waited for). The next step's group scale loads one step ahead. Split-K where the
+weight's row tiles leave the SMs short of programs; the last program of a tile sums the float32 partials in a
+loop (one partial live at a time, not ``SPLIT_K`` of them: an unrolled sum of eight 32-token partials took 255
+registers and spilled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.kernels.packed_int import PANEL_WORDS, _partials, _split, prefetch_args, widening
+from treadle.kernels.small_batch import _arrivals, _prefetch_share
+
+PANEL = PANEL_WORDS * 8  # 4-bit values per panel
+
+
+@dataclass(frozen=True)
+class NaturalMmaTiles:
+    """One :func:`natural_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows (64 a warp
+    group) a tile, one panel a K step, ``split_k`` K ranges, ``num_stages`` pipeline stages of the packed words and
+    activations; ``asm``: the widening in inline PTX (else the same values from plain ops, the CPU interpreter's)."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    asm: bool = True
+
+    def fits(self, k: int, bits: int, group: int) -> bool:
+        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
+        return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
+
+
+def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                group: int, tiles: NaturalMmaTiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequantized(weight).T`` (4-bit, 16-bit activations) on the tensor cores, the weight tile
+    widened in natural K order (module docstring); ``prefetch`` as :func:`~treadle.kernels.packed_int.int_gemv`'s."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    i16, magic, _ = widening(bits, x.dtype)
+    if not i16 or not tiles.fits(k, bits, group):
+        raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    _natural_mma_kernel[grid](
+        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
+        _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
+        scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
+        MAGIC16=magic, ASM=tiles.asm, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return out
+
+
+def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
+    """The :func:`natural_mma` launches the loader times for a batch of about ``rows`` (after ``magic_mma``'s first):
+    the narrowest token tile that holds it, 128 weight rows a tile on one warp group, split-K for two programs
+    per SM then one, four pipeline stages."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps = k // PANEL
+    listed = [NaturalMmaTiles(block_m, 128, _split(n, steps, 128, 1, programs * sm_count))
+              for programs in (2, 1)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
+
+
+def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
+    """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64): weight tiles of 64 or 128 rows
+    (one warp group) or 256 (two), split-K for one, two or four programs per SM, three to six pipeline stages."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    steps, listed = k // PANEL, []
+    for block_n, warps in ((128, 4), (64, 4), (256, 8)):
+        for programs in (2, 1, 4):
+            split = _split(n, steps, block_n, 1, programs * sm_count)
+            listed += [NaturalMmaTiles(block_m, block_n, split, warps, stages) for stages in (4, 3, 6)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+# prmt selectors: the low (0x5410) or high (0x7632) halves of two words side by side in one register.
+_HALVES_LOW = tl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")
+_HALVES_HIGH = tl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")
+
+
+def _scaled_pair_asm(magic: int, kind: str) -> str:
+    # One shifted register ($1): & 0x000F000F | magic, minus (magic + zero) ($3), times scale ($5), rounded once.
+    return (f"{{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, {magic * 0x10001:#x}, 0xEA; sub.rn.{kind} t, t, $3; "
+            f"mul.rn.{kind} $0, t, $5; }}")
+
+
+_SCALED_PAIR_BF16 = tl.constexpr(_scaled_pair_asm(0x4300, "bf16x2"))
+_SCALED_PAIR_FP16 = tl.constexpr(_scaled_pair_asm(0x6400, "f16x2"))
+
+
+@triton.jit
+def _halves(even, odd, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """``[BLOCK_N, 8]`` int32: the low (``HIGH``: high) 16 bits of each even word below those of the next word."""
+    if ASM:
+        if HIGH:
+            return tl.inline_asm_elementwise(_HALVES_HIGH, "=r,r,r", [even, odd], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        return tl.inline_asm_elementwise(_HALVES_LOW, "=r,r,r", [even, odd], dtype=tl.int32, is_pure=True, pack=1)
+    if HIGH:
+        return ((even >> 16) & 0xFFFF) | (odd & -65536)
+    return (even & 0xFFFF) | (odd << 16)
+
+
+@triton.jit
+def _slot(halves, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr):
+    """``[BLOCK_N, 8, 2]``: ``(u - zero) * scale`` in ``dtype`` of the four bits at ``4P`` (and ``16 + 4P``) of each
+    register of ``halves``: the values of one value slot of a panel's 16 words, word ``2i + h`` at ``[i, h]``; ``zero``
+    and ``scale`` float32 per row."""
+    shifted = halves >> (4 * P)
+    if ASM:
+        twice = tl.join(shifted, shifted)  # pack=2: both operands of an instance, one register
+        zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
+        bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
+        if MAGIC16 == 0x4300:
+            pair = tl.inline_asm_elementwise(_SCALED_PAIR_BF16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                             dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            pair = tl.inline_asm_elementwise(_SCALED_PAIR_FP16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                             dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        low = ((shifted & 15).to(tl.float32) - zero[:, None]) * scale[:, None]
+        high = (((shifted >> 16) & 15).to(tl.float32) - zero[:, None]) * scale[:, None]
+        pair = tl.join(low, high)  # float32: the panel is rounded once it is whole (the interpreter's bf16 joins)
+    return pair
+
+
+@triton.jit
+def _panel(words, zero, scale, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """``[BLOCK_N, 128]``: one panel's values ``(u - zero) * scale`` in ``dtype``, in natural K order (value slot
+    ``j`` of word ``c`` at column ``16j + c``), from its ``[BLOCK_N, 16]`` words."""
+    even, odd = tl.split(tl.reshape(words, [BLOCK_N, 8, 2]))
+    low = _halves(even, odd, False, ASM)
+    high = _halves(even, odd, True, ASM)
+    # [BLOCK_N, 8 (word pair i), 2 (word 2i + h)] per slot j = 4 * half + 2 * a + b; each join adds a last dimension:
+    # [BLOCK_N, i, h, b, a, half].
+    slots = tl.join(tl.join(tl.join(_slot(low, zero, scale, 0, MAGIC16, ASM, dtype),
+                                    _slot(low, zero, scale, 1, MAGIC16, ASM, dtype)),
+                            tl.join(_slot(low, zero, scale, 2, MAGIC16, ASM, dtype),
+                                    _slot(low, zero, scale, 3, MAGIC16, ASM, dtype))),
+                    tl.join(tl.join(_slot(high, zero, scale, 0, MAGIC16, ASM, dtype),
+                                    _slot(high, zero, scale, 1, MAGIC16, ASM, dtype)),
+                            tl.join(_slot(high, zero, scale, 2, MAGIC16, ASM, dtype),
+                                    _slot(high, zero, scale, 3, MAGIC16, ASM, dtype))))
+    # -> [BLOCK_N, half, a, b, i, h]: column 64 half + 32 a + 16 b + 2 i + h.
+    return tl.reshape(tl.permute(slots, (0, 5, 4, 3, 1, 2)), [BLOCK_N, 128]).to(dtype)
+
+
+@triton.jit
+def _scale_zero(s_ptr, z_ptr, offs_n, n_mask, g, stride_sn, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Group ``g``'s float32 scale and zero (8 without zero points) of each weight row."""
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+    else:
+        zero = tl.full([BLOCK_N], 8.0, tl.float32)
+    return s, zero
+
+
+@triton.jit
+def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_K: tl.constexpr):
+    """``kernels/packed_int.py``'s ``_store_or_reduce`` with the last program's sum in a loop over the partials."""
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partials + pid_k * split_stride, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part is stored before the count releases it
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.load(partials, mask=mask, other=0.0, cache_modifier=".cg")
+            for split in tl.range(1, SPLIT_K, loop_unroll_factor=1):
+                total += tl.load(partials + split * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrival, 0, sem="relaxed")
+            tl.store(out, total.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
+def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
+                        stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                        SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher,
+                        PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    x_panel = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 128)[:, None]  # [128, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = k_begin + k_per_split
+    s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, BLOCK_N)
+    for k0 in range(k_begin, k_end, 128):
+        words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        s, zero = s_next, zero_next
+        # The next step's group (the last step reloads its own: an L2 hit instead of a predicate), a step ahead.
+        s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, tl.minimum(k0 + 128, k_end - 128) // GROUP,
+                                        stride_sn, HAS_ZEROS, BLOCK_N)
+        x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
+        acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
+    tile = offs_m[None, :] * stride_om + offs_n[:, None]
+    _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
+                  arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,
+                  SPLIT_K)
+    if PREFETCH:  # the next weight's head into L2 as the last programs finish (kernels/packed_int.py's GEMV too)
+        _prefetch_share(prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)
