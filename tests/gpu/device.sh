@@ -29,7 +29,8 @@
 # `quant_sweep` runs bench/quant_kernels.py --sweep: every W4A16 kernel variant and config, kernels/packed_int_mma.py's
 # candidates included, at rows 1-64 against bf16 and the roofline (about 3 min; SWEEP_ARGS="--rows 1,32" to narrow;
 # SWEEP_ARGS="--narrow --rows 1,32": only what the loader times and round 2's trials, every row bucket's launches
-# compiled first so that a `quant` stage after it loads without compiling them one by one).
+# compiled first so that a `quant` stage after it loads without compiling them one by one; SWEEP_ARGS="--narrow
+# --trials natural --rows 16,32,64": the loader's launches and kernels/packed_int_natural.py's trials alone).
 # `front_end` runs bench/front_end.py (the HTTP front with a stand-in scheduler, CPU only) at an 8B step's pace.
 # `serving_workers` runs `serving` at saturation for several server settings in turn (SERVING_VARIANTS, default
 # server.workers auto against 1), for the A/B of the HTTP front's processes.

@@ -19,7 +19,10 @@ RESULT_MARKER = "AOT-RESULTS:"
 KV_TYPES = ("bf16", "fp8e4nv")
 
 
-def _compile(kernel, pointers: dict[str, str], floats: set[str], constexprs: dict[str, object]):
+def _compile(kernel, pointers: dict[str, str], floats: set[str], constexprs: dict[str, object],
+             aligned: set[str] = frozenset(), **options: object):
+    """``kernel`` compiled for sm_90; ``aligned``: arguments a launch passes as multiples of 16 (pointers and ints,
+    as Triton specializes them: what lets its pipeline copy tiles asynchronously); ``options``: num_warps etc."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -34,8 +37,9 @@ def _compile(kernel, pointers: dict[str, str], floats: set[str], constexprs: dic
             constants[(index,)] = constexprs[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32))
+    attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(names) if name in aligned}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options or None)
     assert compiled.asm["cubin"]
     return compiled
 
@@ -285,6 +289,32 @@ def _lora_kernels() -> dict:
     }
 
 
+def _int_weight_kernels() -> dict:
+    """kernels/packed_int_natural.py's W4A16 tensor-core kernel (bf16, and fp16 with zero points and split-K): its
+    panel's wgmmas read the widened weight from registers and wait for all that are pending once, after the loop."""
+    from treadle.kernels import packed_int_natural
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+                "partials_ptr": "*fp32", "arrivals_ptr": "*i32", "prefetch_ptr": "*i32"}
+    fp16 = {name: "*fp16" if kind == "*bf16" else kind for name, kind in pointers.items()}
+
+    def check(types: dict[str, str], **constexprs: object) -> None:
+        compiled = _compile(packed_int_natural._natural_mma_kernel, types, set(),
+                            dict(GROUP=128, ASM=True, PREFETCH_BLOCK=1, **constexprs),
+                            aligned=set(types) | {"N", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
+                                                  "stride_om"}, num_warps=4, num_stages=4)
+        ptx = compiled.asm["ptx"]
+        assert "wgmma.mma_async.sync.aligned.m64n32k16.f32" in ptx
+        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
+
+    return {
+        "natural_mma[bf16,32]": lambda: check(pointers, HAS_ZEROS=False, SPLIT_K=1, MAGIC16=0x4300, BLOCK_M=32,
+                                              BLOCK_N=128, PREFETCH=True),
+        "natural_mma[fp16,zeros,32,split_k]": lambda: check(fp16, HAS_ZEROS=True, SPLIT_K=8, MAGIC16=0x6400,
+                                                            BLOCK_M=32, BLOCK_N=128, PREFETCH=False),
+    }
+
+
 def _expect_in_ptx(compiled, text: str) -> None:
     assert text in compiled.asm["ptx"], f"{text!r} not in the PTX"
 
@@ -357,12 +387,13 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
            "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
            "small_batch[bf16,gemv,lora_shrink,pdl]", "lora_expand_silu_mul[pdl]", "lora_expand_add_rmsnorm[pdl]",
-           "lora_dense_mask"]
+           "lora_dense_mask", "natural_mma[bf16,32]", "natural_mma[fp16,zeros,32,split_k]"]
 
 
 def _compile_all() -> dict[str, str | None]:
     results: dict[str, str | None] = {}
-    for name, check in {**_attention_kernels(), **_model_kernels(), **_lora_kernels()}.items():
+    for name, check in {**_attention_kernels(), **_model_kernels(), **_lora_kernels(),
+                        **_int_weight_kernels()}.items():
         try:
             check()
             results[name] = None
