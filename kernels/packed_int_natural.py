@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.kernels.packed_int import PANEL_WORDS, _partials, _split, prefetch_args, widening
+from treadle.kernels.packed_int import PANEL_WORDS, _partials, prefetch_args, widening
 from treadle.kernels.small_batch import _arrivals, _prefetch_share
 
 PANEL = PANEL_WORDS * 8  # 4-bit values per panel
@@ -72,26 +72,38 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
 
 
 def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
-    """The :func:`natural_mma` launches the loader times for a batch of about ``rows`` (after ``magic_mma``'s first):
+    """The :func:`natural_mma` launches the loader times for a batch of about ``rows`` (after ``magic_mma``'s):
     the narrowest token tile that holds it, 128 weight rows a tile on one warp group, split-K for two programs
-    per SM then one, four pipeline stages."""
+    per SM then one (up to 16 K ranges), four pipeline stages."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
-    listed = [NaturalMmaTiles(block_m, 128, _split(n, steps, 128, 1, programs * sm_count))
-              for programs in (2, 1)]
+    listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
 def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
-    """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64): weight tiles of 64 or 128 rows
-    (one warp group) or 256 (two), split-K for one, two or four programs per SM, three to six pipeline stages."""
+    """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64): 128 weight rows a tile (one
+    warp group) with split-K for two, one or four programs per SM, the first also with three and six pipeline
+    stages; 256 rows (two warp groups, half the activation tiles per weight byte) for two or one. (64-row tiles on
+    one warp group compile with the widened values moved between threads: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    steps, listed = k // PANEL, []
-    for block_n, warps in ((128, 4), (64, 4), (256, 8)):
-        for programs in (2, 1, 4):
-            split = _split(n, steps, block_n, 1, programs * sm_count)
-            listed += [NaturalMmaTiles(block_m, block_n, split, warps, stages) for stages in (4, 3, 6)]
+    steps = k // PANEL
+
+    def tiles(block_n: int, programs: int, warps: int = 4, stages: int = 4) -> NaturalMmaTiles:
+        return NaturalMmaTiles(block_m, block_n, _split_k(n, steps, block_n, programs * sm_count), warps, stages)
+
+    listed = [tiles(128, 2), tiles(128, 1), tiles(128, 4), tiles(128, 2, stages=3), tiles(128, 2, stages=6),
+              tiles(256, 2, 8), tiles(256, 1, 8)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+
+
+def _split_k(n: int, steps: int, block_n: int, programs: int) -> int:
+    """K ranges (a power of two up to 16, each whole steps) for at least ``programs`` programs: the last program's
+    sum of the partials is a loop, so 16 of them cost no registers (o_proj and down_proj's 32 row tiles)."""
+    split = 1
+    while triton.cdiv(n, block_n) * split < programs and split < 16 and steps % (2 * split) == 0:
+        split *= 2
+    return split
 
 
 # prmt selectors: the low (0x5410) or high (0x7632) halves of two words side by side in one register.
