@@ -65,7 +65,8 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        MAGIC16=magic, ASM=tiles.asm, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return out
@@ -181,11 +182,18 @@ def _panel(words, zero, scale, MAGIC16: tl.constexpr, ASM: tl.constexpr, dtype: 
 
 
 @triton.jit
-def _scale_zero(s_ptr, z_ptr, offs_n, n_mask, g, stride_sn, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Group ``g``'s float32 scale and zero (8 without zero points) of each weight row."""
-    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+def _scale_zero(s_ptr, z_ptr, offs_n, n_mask, g, stride_sn, HAS_ZEROS: tl.constexpr, EVEN_N: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Group ``g``'s float32 scale and zero (8 without zero points) of each weight row (``EVEN_N``: all rows are)."""
+    if EVEN_N:
+        s = tl.load(s_ptr + offs_n * stride_sn + g).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
     if HAS_ZEROS:
-        zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+        if EVEN_N:
+            zero = tl.load(z_ptr + offs_n * stride_sn + g).to(tl.float32)
+        else:
+            zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
     else:
         zero = tl.full([BLOCK_N], 8.0, tl.float32)
     return s, zero
@@ -210,8 +218,8 @@ def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_
 @triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher,
+                        SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher,
                         PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -225,18 +233,22 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split
-    s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, BLOCK_N)
+    s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
+                                    BLOCK_N)
     for k0 in range(k_begin, k_end, 128):
-        words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        if EVEN_N:  # whole row tiles: unmasked (the predicates were 5% of the loop's instructions)
+            words = tl.load(w_tile + k0 // 8, eviction_policy="evict_first")
+        else:
+            words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         s, zero = s_next, zero_next
         # The next step's group (the last step reloads its own: an L2 hit instead of a predicate), a step ahead.
         s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, tl.minimum(k0 + 128, k_end - 128) // GROUP,
-                                        stride_sn, HAS_ZEROS, BLOCK_N)
+                                        stride_sn, HAS_ZEROS, EVEN_N, BLOCK_N)
         x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
         acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
     _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
-                  arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, n_mask[:, None] & m_mask[None, :], pid_k,
-                  SPLIT_K)
+                  arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K)
     if PREFETCH:  # the next weight's head into L2 as the last programs finish (kernels/packed_int.py's GEMV too)
         _prefetch_share(prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)

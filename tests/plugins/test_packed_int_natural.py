@@ -29,13 +29,14 @@ def error(n, k, rows, group, asym, tiles):
 
 
 errors = {}
-for name, (tiles, rows, group, asym) in {
-        "16-token tile, 5 tokens, split-K, zeros": (NaturalMmaTiles(16, 32, 2, asm=False), 5, 128, True),
-        "32-token tile, 20 tokens, groups of 256": (NaturalMmaTiles(32, 64, asm=False), 20, 256, False),
-        "16-token tiles, 20 tokens (two tiles), four K ranges": (NaturalMmaTiles(16, 32, 4, asm=False), 20, 128, True),
-        "64-token tile, 40 tokens, a partial row tile": (NaturalMmaTiles(64, 32, 2, asm=False), 40, 128, False),
+for name, (tiles, n, rows, group, asym) in {
+        "16-token tile, 5 tokens, split-K, zeros": (NaturalMmaTiles(16, 32, 2, asm=False), 40, 5, 128, True),
+        "32-token tile, 20 tokens, groups of 256": (NaturalMmaTiles(32, 64, asm=False), 40, 20, 256, False),
+        "16-token tiles, 20 tokens (two tiles), four K ranges": (NaturalMmaTiles(16, 32, 4, asm=False), 40, 20, 128,
+                                                                 True),
+        "64-token tile, 40 tokens, whole row tiles": (NaturalMmaTiles(64, 32, 2, asm=False), 64, 40, 128, False),
 }.items():
-    errors[name] = error(40, 512, rows, group, asym, tiles)
+    errors[name] = error(n, 512, rows, group, asym, tiles)
 refused = []
 for dtype, group in ((torch.float32, 128), (torch.float16, 64)):
     try:
