@@ -20,6 +20,7 @@ registers and spilled).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,9 @@ PANEL = PANEL_WORDS * 8  # 4-bit values per panel
 class NaturalMmaTiles:
     """One :func:`natural_mma` launch: ``block_m`` tokens (16, 32 or 64) by ``block_n`` weight rows (64 a warp
     group) a tile, one panel a K step, ``split_k`` K ranges, ``num_stages`` pipeline stages of the packed words and
-    activations; ``asm``: the widening in inline PTX (else the same values from plain ops, the CPU interpreter's)."""
+    activations; ``asm``: the widening in inline PTX (else the same values from plain ops, the CPU interpreter's);
+    ``max_registers`` a thread (0: the compiler's choice), to fit more programs on an SM (65536 registers: 128 a
+    thread of 4 warps fit four, 168 three)."""
 
     block_m: int
     block_n: int
@@ -44,6 +47,7 @@ class NaturalMmaTiles:
     num_warps: int = 4
     num_stages: int = 4
     asm: bool = True
+    max_registers: int = 0
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
@@ -68,33 +72,38 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        num_stages=tiles.num_stages, **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
 
 
 def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
     """The :func:`natural_mma` launches the loader times for a batch of about ``rows`` (after ``magic_mma``'s):
     the narrowest token tile that holds it, 128 weight rows a tile on one warp group, split-K for two programs
-    per SM then one (up to 16 K ranges), four pipeline stages."""
+    per SM then one (up to 16 K ranges), four pipeline stages; at 16 tokens also 128 registers a thread, four
+    programs an SM (sm_90 SASS: no spills; 140 without the cap, three)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
     listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1)]
+    if block_m == 16:
+        listed.insert(1, dataclasses.replace(listed[0], max_registers=128))
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
 def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
     """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64): 128 weight rows a tile (one
     warp group) with split-K for two, one or four programs per SM, the first also with three and six pipeline
-    stages; 256 rows (two warp groups, half the activation tiles per weight byte) for two or one. (64-row tiles on
-    one warp group compile with the widened values moved between threads: not timed.)"""
+    stages and with registers capped for one more program an SM (128 a thread up to 32 tokens, 168 at 64: a few
+    spills in the loop past 16); 256 rows (two warp groups, half the activation tiles per weight byte) for two or
+    one. (64-row tiles on one warp group compile with the widened values moved between threads: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
 
-    def tiles(block_n: int, programs: int, warps: int = 4, stages: int = 4) -> NaturalMmaTiles:
-        return NaturalMmaTiles(block_m, block_n, _split_k(n, steps, block_n, programs * sm_count), warps, stages)
+    def tiles(block_n: int, programs: int, warps: int = 4, stages: int = 4, registers: int = 0) -> NaturalMmaTiles:
+        return NaturalMmaTiles(block_m, block_n, _split_k(n, steps, block_n, programs * sm_count), warps, stages,
+                               max_registers=registers)
 
     listed = [tiles(128, 2), tiles(128, 1), tiles(128, 4), tiles(128, 2, stages=3), tiles(128, 2, stages=6),
-              tiles(256, 2, 8), tiles(256, 1, 8)]
+              tiles(128, 2, registers=168 if block_m == 64 else 128), tiles(256, 2, 8), tiles(256, 1, 8)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 

@@ -29,8 +29,9 @@ def error(n, k, rows, group, asym, tiles):
 
 
 errors = {}
+capped = NaturalMmaTiles(16, 32, 2, asm=False, max_registers=128)
 for name, (tiles, n, rows, group, asym) in {
-        "16-token tile, 5 tokens, split-K, zeros": (NaturalMmaTiles(16, 32, 2, asm=False), 40, 5, 128, True),
+        "16-token tile, 5 tokens, split-K, zeros, registers capped": (capped, 40, 5, 128, True),
         "32-token tile, 20 tokens, groups of 256": (NaturalMmaTiles(32, 64, asm=False), 40, 20, 256, False),
         "16-token tiles, 20 tokens (two tiles), four K ranges": (NaturalMmaTiles(16, 32, 4, asm=False), 40, 20, 128,
                                                                  True),
