@@ -48,3 +48,15 @@ def test_a_full_sweep_times_each_one_row_config_once_the_loaders_subnormal_ones_
                for kernel, us in (("gemv", 10.0), ("gemv_subnormal", 8.0), ("int_mma", 5.0))]
     row = next(line for line in table(results, [1]).splitlines() if line.startswith("o_proj M=1"))
     assert row.split()[3:5] == ["8.0", "5.0"]  # today's fastest is the subnormal GEMV; int_mma a candidate
+
+
+def test_the_natural_sweep_times_the_loaders_launches_and_natural_mmas_trials_alone(monkeypatch):
+    from treadle.bench.quant_sweep import narrow_variants
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    n, k = SHAPES["gate_up_proj"]
+    listed = narrow_variants(n, k, 32, torch.device("cuda"), only="natural")
+    kinds = {kernel for kernel, _ in listed}
+    assert {"magic_mma", "natural_mma", "natural_mma trial"} <= kinds  # the loader's launches, then the trials
+    assert {kernel for kernel in kinds if kernel.endswith("trial")} == {"natural_mma trial"}
+    assert len(listed) == len({t for _, t in listed})
