@@ -53,6 +53,11 @@ class NaturalMmaTiles:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
         return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
 
+    def sum_chunk(self) -> int:
+        """Split-K partials the last program loads at once: 128 float32 registers a thread of them."""
+        per_thread = max(self.block_n * self.block_m // (32 * self.num_warps), 1)
+        return max(min(self.split_k, 128 // per_thread), 1)
+
 
 def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                 group: int, tiles: NaturalMmaTiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,7 +74,7 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m,
+        SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
@@ -209,17 +214,22 @@ def _scale_zero(s_ptr, z_ptr, offs_n, n_mask, g, stride_sn, HAS_ZEROS: tl.conste
 
 
 @triton.jit
-def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_K: tl.constexpr):
-    """``kernels/packed_int.py``'s ``_store_or_reduce`` with the last program's sum in a loop over the partials."""
+def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_K: tl.constexpr,
+                  SUM_CHUNK: tl.constexpr):
+    """``kernels/packed_int.py``'s ``_store_or_reduce`` with the last program's sum of the partials in a loop,
+    ``SUM_CHUNK`` of them loaded at once (as many as the registers the main loop took hold: one L2 round trip
+    each chunk, not each partial)."""
     if SPLIT_K == 1:
         tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
     else:
         tl.store(partials + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's part is stored before the count releases it
         if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.load(partials, mask=mask, other=0.0, cache_modifier=".cg")
-            for split in tl.range(1, SPLIT_K, loop_unroll_factor=1):
-                total += tl.load(partials + split * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            total = tl.zeros_like(acc)
+            for first in tl.range(0, SPLIT_K, SUM_CHUNK, loop_unroll_factor=1):
+                for split in tl.static_range(SUM_CHUNK):
+                    total += tl.load(partials + (first + split) * split_stride, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
             tl.atomic_xchg(arrival, 0, sem="relaxed")
             tl.store(out, total.to(out.dtype.element_ty), mask=mask)
 
@@ -227,7 +237,8 @@ def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_
 @triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        SPLIT_K: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
+                        SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
+                        EVEN_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher,
                         PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -258,6 +269,6 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
-                  arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K)
+                  arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K, SUM_CHUNK)
     if PREFETCH:  # the next weight's head into L2 as the last programs finish (kernels/packed_int.py's GEMV too)
         _prefetch_share(prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)

@@ -35,7 +35,9 @@ for name, (tiles, n, rows, group, asym) in {
         "32-token tile, 20 tokens, groups of 256": (NaturalMmaTiles(32, 64, asm=False), 40, 20, 256, False),
         "16-token tiles, 20 tokens (two tiles), four K ranges": (NaturalMmaTiles(16, 32, 4, asm=False), 40, 20, 128,
                                                                  True),
-        "64-token tile, 40 tokens, whole row tiles": (NaturalMmaTiles(64, 32, 2, asm=False), 64, 40, 128, False),
+        # one warp: each partial 64 registers a thread, summed one by one
+        "64-token tile, 40 tokens, whole row tiles, four K ranges": (NaturalMmaTiles(64, 64, 4, 1, asm=False), 64, 40,
+                                                                     128, False),
 }.items():
     errors[name] = error(n, 512, rows, group, asym, tiles)
 refused = []

@@ -308,10 +308,11 @@ def _int_weight_kernels() -> dict:
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
 
     return {
-        "natural_mma[bf16,32]": lambda: check(pointers, HAS_ZEROS=False, SPLIT_K=1, MAGIC16=0x4300, EVEN_N=True,
-                                              BLOCK_M=32, BLOCK_N=128, PREFETCH=True),
-        "natural_mma[fp16,zeros,32,split_k]": lambda: check(fp16, HAS_ZEROS=True, SPLIT_K=8, MAGIC16=0x6400,
-                                                            EVEN_N=False, BLOCK_M=32, BLOCK_N=128, PREFETCH=False),
+        "natural_mma[bf16,32]": lambda: check(pointers, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
+                                              EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PREFETCH=True),
+        "natural_mma[fp16,zeros,32,split_k]": lambda: check(fp16, HAS_ZEROS=True, SPLIT_K=8, SUM_CHUNK=4,
+                                                            MAGIC16=0x6400, EVEN_N=False, BLOCK_M=32, BLOCK_N=128,
+                                                            PREFETCH=False),
     }
 
 
