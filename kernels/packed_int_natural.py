@@ -238,9 +238,8 @@ def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_
 def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                         SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
-                        EVEN_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, prefetch_ptr, prefetch_lines, first_prefetcher,
-                        PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
+                        EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, prefetch_ptr,
+                        prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)

@@ -1,7 +1,8 @@
-"""kernels/packed_int_magic.py's tensor-core kernel on a GPU at Llama-3.1-8B's projection shapes: its inline-PTX
-widening (scaled after the dots or before them) gives exactly what its plain-op twin gives (the CPU tests check the
-twin) and matches the dequantized matmul in bf16 and fp16, with and without zero points; today's GEMV with the
-subnormal widening matches the plain one, epilogues included."""
+"""kernels/packed_int_magic.py's and kernels/packed_int_natural.py's tensor-core kernels on a GPU at Llama-3.1-8B's
+projection shapes: their inline-PTX widening (magic_mma's scaled after the dots or before them; natural_mma's at 1,
+16, 32 and 64 tokens and a partial tile) gives exactly what its plain-op twin gives (the CPU tests check the twins)
+and matches the dequantized matmul in bf16 and fp16, with and without zero points; today's GEMV with the subnormal
+widening matches the plain one, epilogues included."""
 
 from __future__ import annotations
 
@@ -52,6 +53,26 @@ def test_magic_mma_asm_equals_its_twin_and_the_reference(n, k, asym, dtype):
             tiles = next(t for t in mma_trials(n, k, rows, sm_count) if t.scaled == scaled)
             y = magic_mma(x, words, scales, zeros, 4, 128, tiles)
             twin = magic_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
+            assert torch.equal(y, twin), (rows, tiles)
+            assert _error(y, expected) < 1e-2, (rows, tiles, _error(y, expected))
+
+
+@pytest.mark.parametrize("dtype, asym", KINDS)
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336)])  # qkv_proj, down_proj
+def test_natural_mma_equals_its_twin_and_the_dequantized_matmul(n, k, asym, dtype):
+    from treadle.kernels.packed_int_natural import natural_mma, natural_trials
+
+    words, scales, zeros, dense = _weight(n, k, asym, dtype)
+    sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for rows in (1, 16, 21, 32, 64):
+        x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+        expected = x.float() @ dense.t()
+        trials = natural_trials(n, k, max(rows, 2), sm_count)
+        # The first (one warp group, split-K for two programs per SM), registers capped, two warp groups.
+        for tiles in (trials[0], next(t for t in trials if t.max_registers),
+                      next(t for t in trials if t.num_warps == 8)):
+            y = natural_mma(x, words, scales, zeros, 4, 128, tiles)
+            twin = natural_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
             assert torch.equal(y, twin), (rows, tiles)
             assert _error(y, expected) < 1e-2, (rows, tiles, _error(y, expected))
 

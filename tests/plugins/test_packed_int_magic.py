@@ -1,7 +1,10 @@
-"""kernels/packed_int_magic.py's tensor-core kernel under TRITON_INTERPRET=1 on small shapes: the plain-op twin of
-its inline-PTX widening, scaled after the dot or before it (the PTX itself runs on GPUs only:
+"""kernels/packed_int_magic.py's and kernels/packed_int_natural.py's tensor-core kernels under TRITON_INTERPRET=1 on
+small shapes: the plain-op twins of their inline-PTX widening (magic_mma's scaled after the dot or before it;
+natural_mma's through the plan's ``run_tiles``; the PTX itself runs on GPUs only:
 tests/gpu/test_packed_int_magic_gpu.py), and today's GEMV with the subnormal widening, against
-``x @ ((u - zero) * scale).T`` on the panel layout; the plans the loader makes with them."""
+``x @ ((u - zero) * scale).T`` on the panel layout; the plans the loader makes with them, where it races
+natural_mma. fp16 activations: the interpreter's bf16 ``tl.dot`` of converted values is wrong (a Triton
+interpreter limit)."""
 
 from __future__ import annotations
 
@@ -60,6 +63,29 @@ try:  # groups smaller than the panel step
 except ValueError:
     refused.append(True)
 trials = [len(mma_trials(4096, 14336, 32, 132))]
+from treadle.kernels.int_kernel_plan import batch_candidates, run_tiles
+from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_mma
+natural = {}
+for name, (tiles, n, rows, group, asym) in {
+        "16-token tile, 5 tokens, split-K, zeros, registers capped": (NaturalMmaTiles(16, 32, 2, asm=False,
+                                                                                      max_registers=128),
+                                                                      40, 5, 128, True),
+        "32-token tile, 20 tokens, groups of 256": (NaturalMmaTiles(32, 64, asm=False), 40, 20, 256, False),
+        "16-token tiles, 20 tokens (two tiles), four K ranges": (NaturalMmaTiles(16, 32, 4, asm=False), 40, 20, 128,
+                                                                 True),
+        # one warp: each partial 64 registers a thread, summed one by one
+        "64-token tile, 40 tokens, whole row tiles, four K ranges": (NaturalMmaTiles(64, 64, 4, 1, asm=False), 64, 40,
+                                                                     128, False),
+}.items():
+    natural[name] = errors([(run_tiles, tiles)], n, 512, rows, group, asym, torch.float16)[0]
+for dtype, group in ((torch.float32, 128), (torch.float16, 64)):
+    try:
+        natural_mma(torch.zeros(2, 512, dtype=dtype), torch.zeros(8, 64, dtype=torch.int32),
+                    torch.ones(8, 512 // group, dtype=dtype), None, 4, group, NaturalMmaTiles(16, 32))
+    except ValueError:
+        refused.append(True)
+raced = {str(dtype): [type(t).__name__ for t in batch_candidates(4096, 4096, 4, 128, 32, 132, dtype)]
+         for dtype in (torch.float16, torch.float32)}
 # The plan the loader makes for 16-bit activations: the GEMV widens as subnormals, 2 to 64 rows run magic_mma (its
 # plain-op twin here), epilogues included; float32 activations or groups of 64 keep today's tl.dot kernels.
 import dataclasses
@@ -86,7 +112,8 @@ fused = plan.run_silu_mul(x, words, half_scales, None)
 epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
              ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
 print("RESULTS " + json.dumps({"subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
-                               "kinds": kinds, "planned": planned, "epilogues": epilogues}))
+                               "kinds": kinds, "planned": planned, "epilogues": epilogues, "natural": natural,
+                               "raced": raced}))
 """
 
 
@@ -109,7 +136,8 @@ def test_tensor_core_twin_gives_the_dequantized_matmul(results):
 
 
 def test_launches_that_do_not_tile_are_refused_and_trials_are_listed(results):
-    assert results["refused"] == [True]
+    # magic_mma: groups of 64; natural_mma: float32 activations, groups of 64
+    assert results["refused"] == [True, True, True]
     assert all(count >= 4 for count in results["trials"])
 
 
@@ -119,3 +147,16 @@ def test_loader_plans_run_subnormal_gemv_and_magic_mma_for_16_bit_activations(re
         assert error < 2e-3, (name, error)
     norm_error, silu_mul_error = results["epilogues"]  # fp16 outputs: a rounding or two of each
     assert norm_error < 4e-3 and silu_mul_error < 4e-3, results["epilogues"]
+
+
+def test_natural_order_twin_gives_the_dequantized_matmul(results):
+    assert len(results["natural"]) == 4
+    for name, error in results["natural"].items():
+        assert error < 2e-3, (name, error)
+
+
+def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(results):
+    kinds = results["raced"]["torch.float16"]
+    assert kinds[0] == "MagicMmaTiles" and "NaturalMmaTiles" in kinds
+    assert kinds.index("NaturalMmaTiles") > kinds.index("MagicMmaTiles")
+    assert "NaturalMmaTiles" not in results["raced"]["torch.float32"]
