@@ -8,14 +8,16 @@ a register holding the low (or high) 16 bits of both; one shift and one lop3 (``
 make of it the bf16 pair ``128 + u`` of value slot ``j`` of both words, that is of the panel's columns
 ``16j + 2i`` and ``16j + 2i + 1`` (fp16: ``1024 + u``), and a packed subtraction and multiplication
 ``(u - zero) * scale``, rounded once as ``kernels/packed_int_dequant.py``'s ``dequantize`` rounds. Two values a
-register in natural K order are what Hopper's wgmma reads as its first operand from registers, so each slot's
-16 activation columns load as a plain ``[16, tokens]`` tile that Triton's pipeline copies (cp.async) into shared
-memory in the layout the MMA reads, with no round trip through registers (``magic_mma``'s pairs hold columns
-``16p + c`` and ``16(p + 4) + c``, whose activation tile is reshaped through registers and shared memory before
-each of its dots, each dot then waited for). The next step's group scale loads one step ahead. Split-K where the
-weight's row tiles leave the SMs short of programs; the last program of a tile sums the float32 partials in a
-loop (one partial live at a time, not ``SPLIT_K`` of them: an unrolled sum of eight 32-token partials took 255
-registers and spilled).
+register in natural K order are what Hopper's wgmma reads as its first operand from registers, so the panel's
+activations load as a plain ``[128, tokens]`` tile that Triton's pipeline copies (cp.async) straight into shared
+memory in the layout the MMA reads, and the panel is one dot: Triton splits it into eight wgmmas of K 16 that
+chain without waiting for each other (it makes a dot asynchronous only when nothing in the loop but the next
+iteration reads its result; ``magic_mma``'s four chained dots a panel are each waited for, and its pairs, columns
+``16p + c`` and ``16(p + 4) + c``, need their activation tile re-laid out through shared memory). The next step's
+group scale loads a step ahead. Split-K where the weight's row tiles leave the SMs short of programs (up to 16 K
+ranges); the last program of a tile sums the float32 partials in a loop, a chunk of them at a time (an unrolled sum
+of eight 32-token partials took ``magic_mma`` 255 registers and spilled). ``python -m treadle.bench.mma_sass``
+shows the loops in sm_90 SASS.
 """
 
 from __future__ import annotations
@@ -74,10 +76,10 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
-        SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
+        SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
 
 
