@@ -86,11 +86,11 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
 def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
     """The :func:`natural_mma` launches the loader times for a batch of about ``rows`` (after ``magic_mma``'s):
     the narrowest token tile that holds it, 128 weight rows a tile on one warp group, split-K for two programs
-    per SM then one (up to 16 K ranges), four pipeline stages; at 16 tokens also 128 registers a thread, four
-    programs an SM (sm_90 SASS: no spills; 140 without the cap, three)."""
+    per SM, one, then four (up to 16 K ranges: the last wave of programs shorter), four pipeline stages; at 16
+    tokens also 128 registers a thread, four programs an SM (sm_90 SASS: no spills; 146 without the cap, three)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
-    listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1)]
+    listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1, 4)]
     if block_m == 16:
         listed.insert(1, dataclasses.replace(listed[0], max_registers=128))
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
