@@ -58,23 +58,28 @@ def test_magic_mma_asm_equals_its_twin_and_the_reference(n, k, asym, dtype):
 
 
 @pytest.mark.parametrize("dtype, asym", KINDS)
-@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336)])  # qkv_proj, down_proj
-def test_natural_mma_equals_its_twin_and_the_dequantized_matmul(n, k, asym, dtype):
+def test_natural_mma_equals_its_twin_and_the_dequantized_matmul(asym, dtype):
+    # bf16 without zero points (the common checkpoints) at qkv_proj's shape: 1 to 64 tokens, a partial tile, the
+    # loader's first launch and the registers capped, two warp groups at 32; each kind at down_proj's, 21 tokens.
     from treadle.kernels.packed_int_natural import natural_mma, natural_trials
 
-    words, scales, zeros, dense = _weight(n, k, asym, dtype)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    for rows in (1, 16, 21, 32, 64):
-        x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
-        expected = x.float() @ dense.t()
-        trials = natural_trials(n, k, max(rows, 2), sm_count)
-        # The first (one warp group, split-K for two programs per SM), registers capped, two warp groups.
-        for tiles in (trials[0], next(t for t in trials if t.max_registers),
-                      next(t for t in trials if t.num_warps == 8)):
-            y = natural_mma(x, words, scales, zeros, 4, 128, tiles)
-            twin = natural_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
-            assert torch.equal(y, twin), (rows, tiles)
-            assert _error(y, expected) < 1e-2, (rows, tiles, _error(y, expected))
+    full = dtype == torch.bfloat16 and not asym
+    for n, k in ((6144, 4096), (4096, 14336)) if full else ((4096, 14336),):
+        words, scales, zeros, dense = _weight(n, k, asym, dtype)
+        for rows in (1, 16, 21, 32, 64) if full and n == 6144 else (21,):
+            x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+            expected = x.float() @ dense.t()
+            trials = natural_trials(n, k, max(rows, 2), sm_count)
+            launches = [trials[0]]
+            if full and n == 6144:
+                launches.append(next(t for t in trials if t.max_registers))
+                launches += [t for t in trials if t.num_warps == 8][:1] if rows == 32 else []
+            for tiles in launches:
+                y = natural_mma(x, words, scales, zeros, 4, 128, tiles)
+                twin = natural_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
+                assert torch.equal(y, twin), (rows, tiles)
+                assert _error(y, expected) < 1e-2, (rows, tiles, _error(y, expected))
 
 
 @pytest.mark.parametrize("epilogue", ["split-K", "silu_mul", "add_rmsnorm"])
