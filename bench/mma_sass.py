@@ -57,7 +57,8 @@ def compiled(tiles: Any) -> Any:
         constexprs.update(OFFSET16=128.0, SCALED=tiles.scaled)
     else:
         kernel = packed_int_natural._natural_mma_kernel
-        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk())  # Llama-3.1-8B's shapes: whole row tiles
+        # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
+        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:

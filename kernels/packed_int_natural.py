@@ -14,10 +14,11 @@ memory in the layout the MMA reads, and the panel is one dot: Triton splits it i
 chain without waiting for each other (it makes a dot asynchronous only when nothing in the loop but the next
 iteration reads its result; ``magic_mma``'s four chained dots a panel are each waited for, and its pairs, columns
 ``16p + c`` and ``16(p + 4) + c``, need their activation tile re-laid out through shared memory). The next step's
-group scale loads a step ahead. Split-K where the weight's row tiles leave the SMs short of programs (up to 16 K
-ranges); the last program of a tile sums the float32 partials in a loop, a chunk of them at a time (an unrolled sum
-of eight 32-token partials took ``magic_mma`` 255 registers and spilled). ``python -m treadle.bench.mma_sass``
-shows the loops in sm_90 SASS.
+group scale loads a step ahead. Launched with PDL on Hopper (``kernels/pdl.py``), as the 16-bit small-batch tiles
+are: L2 fetches the program's first two panels while the kernel before finishes. Split-K where the weight's row
+tiles leave the SMs short of programs (up to 16 K ranges); the last program of a tile sums the float32 partials in
+a loop, a chunk of them at a time (an unrolled sum of eight 32-token partials took ``magic_mma`` 255 registers and
+spilled). ``python -m treadle.bench.mma_sass`` shows the loops in sm_90 SASS.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.packed_int import PANEL_WORDS, _partials, prefetch_args, widening
+from treadle.kernels.pdl import allow_next, wait_for_previous
+from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals, _prefetch_share
+from treadle.kernels.small_batch_loops import _prefetch_tile_head
 
 PANEL = PANEL_WORDS * 8  # 4-bit values per panel
 
@@ -72,13 +76,15 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    pdl = pdl_enabled(x.device)
     _natural_mma_kernel[grid](
         x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
         SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PDL=pdl,
+        **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), launch_pdl=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
 
@@ -240,8 +246,9 @@ def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_
 def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                         SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
-                        EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, prefetch_ptr,
-                        prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr):
+                        EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                        prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
+                        PREFETCH_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -254,19 +261,25 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split
+    if PDL:  # launched with PDL (kernels/pdl.py): L2 fetches the first two panels while the kernel before finishes
+        _prefetch_tile_head(w_ptr, offs_n, n_mask, k_begin // 8, k_end // 8, stride_wn, 32)
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
+    wait_for_previous(PDL)  # the activations are the kernel before's output
     for k0 in range(k_begin, k_end, 128):
+        # Whole panels (k_per_split is whole panels: said so, a row's 64 bytes copy 16 bytes at a time, not 8).
+        panel = w_tile + tl.multiple_of(k0 // 8, 16)
         if EVEN_N:  # whole row tiles: unmasked (the predicates were 5% of the loop's instructions)
-            words = tl.load(w_tile + k0 // 8, eviction_policy="evict_first")
+            words = tl.load(panel, eviction_policy="evict_first")
         else:
-            words = tl.load(w_tile + k0 // 8, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+            words = tl.load(panel, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         s, zero = s_next, zero_next
         # The next step's group (the last step reloads its own: an L2 hit instead of a predicate), a step ahead.
         s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, tl.minimum(k0 + 128, k_end - 128) // GROUP,
                                         stride_sn, HAS_ZEROS, EVEN_N, BLOCK_N)
         x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
         acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
+    allow_next(PDL)  # after the weight loop, as the 16-bit tiles (kernels/small_batch.py)
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,

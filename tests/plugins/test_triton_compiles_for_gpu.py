@@ -290,8 +290,9 @@ def _lora_kernels() -> dict:
 
 
 def _int_weight_kernels() -> dict:
-    """kernels/packed_int_natural.py's W4A16 tensor-core kernel (bf16, and fp16 with zero points and split-K): its
-    panel's wgmmas read the widened weight from registers and wait for all that are pending once, after the loop."""
+    """kernels/packed_int_natural.py's W4A16 tensor-core kernel (bf16 with PDL, and fp16 with zero points and split-K
+    without): its panel's wgmmas read the widened weight from registers and wait for all that are pending once, after
+    the loop."""
     from treadle.kernels import packed_int_natural
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
@@ -306,13 +307,14 @@ def _int_weight_kernels() -> dict:
         ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async.sync.aligned.m64n32k16.f32" in ptx
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
+        _check_pdl(constexprs["PDL"], compiled)
 
     return {
-        "natural_mma[bf16,32]": lambda: check(pointers, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
-                                              EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PREFETCH=True),
+        "natural_mma[bf16,32,pdl]": lambda: check(pointers, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
+                                                  EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PDL=True, PREFETCH=True),
         "natural_mma[fp16,zeros,32,split_k]": lambda: check(fp16, HAS_ZEROS=True, SPLIT_K=8, SUM_CHUNK=4,
                                                             MAGIC16=0x6400, EVEN_N=False, BLOCK_M=32, BLOCK_N=128,
-                                                            PREFETCH=False),
+                                                            PDL=False, PREFETCH=False),
     }
 
 
@@ -388,7 +390,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_shrink_segmented", "lora_shrink_segmented[fp32]", "lora_expand_segmented",
            "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
            "small_batch[bf16,gemv,lora_shrink,pdl]", "lora_expand_silu_mul[pdl]", "lora_expand_add_rmsnorm[pdl]",
-           "lora_dense_mask", "natural_mma[bf16,32]", "natural_mma[fp16,zeros,32,split_k]"]
+           "lora_dense_mask", "natural_mma[bf16,32,pdl]", "natural_mma[fp16,zeros,32,split_k]"]
 
 
 def _compile_all() -> dict[str, str | None]:
