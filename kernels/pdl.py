@@ -17,9 +17,10 @@ The contract for a kernel launched with ``launch_pdl=True``:
   only once everything before this one has completed: that is what makes the first rule hold for the next kernel.
 
 Launched with PDL: the small-batch GEMVs and 16-bit tiles (a tile asks L2 for its first weight blocks before it
-waits), the W4A16 GEMV and ``natural_mma`` (kernels/packed_int_natural.py: the same L2 request), the add + RMSNorm
-kernel (it loads its weight first), the Triton decode attention and the LoRA gather kernels (kernels/lora.py: each loads its adapter's weight block, through the token's slot, before it waits) and the
-tensor-parallel peer all-reduce (kernels/peer_all_reduce.py). The matmuls give the go-ahead after their weight loop,
+waits), the W4A16 GEMV (its first words loaded first) and ``natural_mma`` (kernels/packed_int_natural.py: the
+tiles' L2 request), the add + RMSNorm kernel (it loads its weight first), the Triton decode attention and the LoRA
+gather kernels (kernels/lora.py: each loads its adapter's weight block, through the token's slot, before it waits)
+and the tensor-parallel peer all-reduce (kernels/peer_all_reduce.py). The matmuls give the go-ahead after their weight loop,
 the all-reduce right after its wait (the next matmul then loads its first weights while the flags cross NVLink:
 tp=2 bs=1 2.894 -> 2.771 ms on 2 x H200), the others not at all (they end on their own): on the H100, earlier go-aheads
 (as soon as a GEMV or the attention has waited, or after a GEMV's first block or the attention's chunk) were
