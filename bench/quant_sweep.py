@@ -38,6 +38,7 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, devi
     from treadle.layers.small_batch import graph_seconds
 
     device = torch.device(device)
+
     def listing(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str, object]]:
         return narrow_variants(n, k, rows, device, only) if narrow else variants(n, k, rows, device)
 
@@ -96,7 +97,8 @@ def variants(n: int, k: int, rows: int, device: torch.device) -> list[tuple[str,
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     today = [(_kernel(tiles), tiles) for tiles in candidates(n, k, rows, device, rows == 1)]
     return today + [("int_mma", tiles) for tiles in mma_candidates(n, k, 4, GROUP, rows, sm_count)] + \
-        [(_kernel(tiles), tiles) for tiles in magic_trials(n, k, rows, sm_count) + natural_trials(n, k, rows, sm_count)]
+        [(_kernel(tiles), tiles) for tiles in magic_trials(n, k, rows, sm_count) +
+         natural_trials(n, k, rows, sm_count)]
 
 
 def narrow_variants(n: int, k: int, rows: int, device: torch.device, only: str = "all") -> list[tuple[str, object]]:
