@@ -107,7 +107,7 @@ def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaT
     warp group) with split-K for two, one or four programs per SM, the first also with three and six pipeline
     stages and with registers capped for one more program an SM (128 a thread up to 32 tokens, 168 at 64: a few
     spills in the loop past 16); 256 rows (two warp groups, half the activation tiles per weight byte) for two or
-    one. (64-row tiles on one warp group compile with the widened values moved between threads: not timed.)"""
+    one, up to 32 tokens the first also at 128 registers (two programs an SM instead of one). (64-row tiles on one warp group compile with the widened values moved between threads: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
 
@@ -115,8 +115,11 @@ def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaT
         return NaturalMmaTiles(block_m, block_n, _split_k(n, steps, block_n, programs * sm_count), warps, stages,
                                max_registers=registers)
 
+    capped = 168 if block_m == 64 else 128
     listed = [tiles(128, 2), tiles(128, 1), tiles(128, 4), tiles(128, 2, stages=3), tiles(128, 2, stages=6),
-              tiles(128, 2, registers=168 if block_m == 64 else 128), tiles(256, 2, 8), tiles(256, 1, 8)]
+              tiles(128, 2, registers=capped), tiles(256, 2, 8), tiles(256, 1, 8)]
+    if block_m <= 32:  # no spills (at 64 tokens 128 registers spill 256 bytes)
+        listed.append(tiles(256, 2, 8, registers=128))
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
