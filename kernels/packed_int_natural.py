@@ -107,7 +107,8 @@ def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaT
     warp group) with split-K for two, one or four programs per SM, the first also with three and six pipeline
     stages and with registers capped for one more program an SM (128 a thread up to 32 tokens, 168 at 64: a few
     spills in the loop past 16); 256 rows (two warp groups, half the activation tiles per weight byte) for two or
-    one, up to 32 tokens the first also at 128 registers (two programs an SM instead of one). (64-row tiles on one warp group compile with the widened values moved between threads: not timed.)"""
+    one, up to 32 tokens the first also at 128 registers (two programs an SM instead of one). (64-row tiles on one
+    warp group compile with the widened values moved between threads: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
 
