@@ -50,7 +50,7 @@ def sweep(rows_list: list[int], jobs: int, zeros: bool, output: str | None, devi
         compiled = work if not narrow else [(name, rows, kernel, tiles) for name in SHAPES
                                             for rows in sorted(set(rows_list) | {1, 16, 32, 64})
                                             for kernel, tiles in listing(*SHAPES[name], rows, device)]
-        _precompile(compiled, jobs, zeros)
+        _precompile(compiled, jobs, zeros, timed=work)
     bandwidth = copy_bandwidth(device)
     path = Path(output) if output else results_dir() / f"quant_kernels_sweep_{dt.date.today():%Y%m%d}.json"
     results, bf16 = [], {}
@@ -261,12 +261,15 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
     _precompile(work, jobs, zeros)
 
 
-def _precompile(work: list, jobs: int, zeros: bool) -> None:
+def _precompile(work: list, jobs: int, zeros: bool, timed: list = ()) -> None:
     """Compile every config once in ``jobs`` processes, so the timing pass finds them in Triton's cache: one launch
     per kernel, config and way Triton specializes the row count (1, a multiple of 16, other; the ``tl.dot`` kernels
-    compile once for every row count); the four shapes' sizes and strides specialize alike (multiples of 16)."""
-    distinct = {(kernel, tiles, 1 if rows == 1 else 16 if rows % 16 == 0 else 0): (name, rows, kernel, tiles)
-                for name, rows, kernel, tiles in work}
+    compile once for every row count); the four shapes' sizes and strides specialize alike (multiples of 16).
+    ``work`` compiles as the loader and the model launch it (with the next weight's L2 prefetch), ``timed`` as the
+    sweep times it (without: another compile of the same config, else made one by one in the timing pass)."""
+    distinct = {(kernel, tiles, 1 if rows == 1 else 16 if rows % 16 == 0 else 0, prefetch):
+                (name, rows, kernel, tiles, prefetch)
+                for prefetch, listed in ((True, work), (False, timed)) for name, rows, kernel, tiles in listed}
     launches = list(distinct.values())
     chunks = [launches[i::jobs] for i in range(jobs)]
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
@@ -281,7 +284,7 @@ def _compile_chunk(chunk: list, zeros: bool) -> int:
     device = torch.device("cuda")
     tensors: dict[str, tuple] = {}
     failed = 0
-    for name, rows, kernel, tiles in chunk:
+    for name, rows, kernel, tiles, prefetch in chunk:
         n, k = SHAPES[name]
         if name not in tensors:
             tensors[name] = (torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device),
@@ -290,8 +293,10 @@ def _compile_chunk(chunk: list, zeros: bool) -> int:
         words, scales, zero_points = tensors[name]
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         try:
-            # With the L2 prefetch of a next weight's head, as the loader times them and the model runs them.
-            run_tiles(x, words, scales, zero_points, 4, GROUP, tiles, l2_prefetch_bytes(words, l2_prefetch_limit()))
+            # With the L2 prefetch of a next weight's head, as the loader times them and the model runs them; or
+            # without, as the sweep times them (bench/int_weights.py's PackedWeight.run).
+            head = l2_prefetch_bytes(words, l2_prefetch_limit()) if prefetch else None
+            run_tiles(x, words, scales, zero_points, 4, GROUP, tiles, head)
             torch.cuda.synchronize()
         except Exception:
             failed += 1

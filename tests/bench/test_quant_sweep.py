@@ -60,3 +60,32 @@ def test_the_natural_sweep_times_the_loaders_launches_and_natural_mmas_trials_al
     assert {"magic_mma", "natural_mma", "natural_mma trial"} <= kinds  # the loader's launches, then the trials
     assert {kernel for kernel in kinds if kernel.endswith("trial")} == {"natural_mma trial"}
     assert len(listed) == len({t for _, t in listed})
+
+
+def test_the_sweep_compiles_its_timed_launches_as_it_times_them_and_the_loaders_as_the_model_runs_them(monkeypatch):
+    # Both ahead of the timing pass, in parallel: the timed launches without the next weight's L2 prefetch (as
+    # PackedWeight.run times them), the loader's with it (as a model loaded after the sweep runs them).
+    from treadle.bench import quant_sweep
+
+    compiled = []
+
+    class Pool:
+        def __init__(self, jobs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def starmap(self, fn, arguments):
+            for chunk, zeros in arguments:
+                compiled.extend(chunk)
+            return [0] * len(arguments)  # failures per chunk
+
+    monkeypatch.setattr(quant_sweep.multiprocessing, "get_context", lambda kind: SimpleNamespace(Pool=Pool))
+    loader = [("o_proj", 32, "magic_mma", "a"), ("o_proj", 16, "magic_mma", "b")]
+    quant_sweep._precompile(loader, 2, False, timed=[("o_proj", 32, "magic_mma", "a")])
+    assert sorted((tiles, prefetch) for _, _, _, tiles, prefetch in compiled) == [("a", False), ("a", True),
+                                                                                  ("b", True)]
