@@ -138,6 +138,23 @@ _SCALED_PAIR_FP16 = tl.constexpr(_pair_asm(0x6400, "f16x2"))
 
 
 @triton.jit
+def scaled_pair(twice, zero, scale, MAGIC16: tl.constexpr, dtype: tl.constexpr):
+    """``(u - zero) * scale`` in ``dtype`` (rounded once) of the 4-bit values in bits 0-3 and 16-19 of each register
+    of ``twice`` (``[BLOCK_N, ..., 2]``, the same register twice: pack=2 takes both operands of an instance from one),
+    by the inline PTX; ``zero`` and ``scale`` float32 per row."""
+    zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
+    bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
+    if MAGIC16 == 0x4300:
+        pair = tl.inline_asm_elementwise(_SCALED_PAIR_BF16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        pair = tl.inline_asm_elementwise(_SCALED_PAIR_FP16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+    return pair
+
+
+@triton.jit
 def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr,
           dtype: tl.constexpr):
     """``[BLOCK_N, 16, 2]``: values ``P`` and ``P + 4`` of each word widened to ``dtype``, ``OFFSET16 + u``
@@ -147,15 +164,7 @@ def _pair(words, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.co
     if ASM:
         twice = tl.join(words >> (4 * P), words >> (4 * P))  # pack=2: both operands of an instance, one word
         if SCALED:
-            zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
-            bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
-            if MAGIC16 == 0x4300:
-                pair = tl.inline_asm_elementwise(_SCALED_PAIR_BF16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
-                                                 dtype=tl.bfloat16, is_pure=True, pack=2)
-            else:
-                pair = tl.inline_asm_elementwise(_SCALED_PAIR_FP16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
-                                                 dtype=tl.float16, is_pure=True, pack=2)
+            pair = scaled_pair(twice, zero, scale, MAGIC16, dtype)
         elif MAGIC16 == 0x4300:
             pair = tl.inline_asm_elementwise(_PAIR_BF16, "=r,r,r", [twice], dtype=tl.bfloat16, is_pure=True, pack=2)
         else:

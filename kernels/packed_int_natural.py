@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.packed_int import PANEL_WORDS, _partials, prefetch_args, widening
+from treadle.kernels.packed_int_magic import scaled_pair
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals, _prefetch_share
@@ -138,14 +139,6 @@ _HALVES_LOW = tl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")
 _HALVES_HIGH = tl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")
 
 
-def _scaled_pair_asm(magic: int, kind: str) -> str:
-    # One shifted register ($1): & 0x000F000F | magic, minus (magic + zero) ($3), times scale ($5), rounded once.
-    return (f"{{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, {magic * 0x10001:#x}, 0xEA; sub.rn.{kind} t, t, $3; "
-            f"mul.rn.{kind} $0, t, $5; }}")
-
-
-_SCALED_PAIR_BF16 = tl.constexpr(_scaled_pair_asm(0x4300, "bf16x2"))
-_SCALED_PAIR_FP16 = tl.constexpr(_scaled_pair_asm(0x6400, "f16x2"))
 
 
 @triton.jit
@@ -168,16 +161,7 @@ def _slot(halves, zero, scale, P: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.c
     and ``scale`` float32 per row."""
     shifted = halves >> (4 * P)
     if ASM:
-        twice = tl.join(shifted, shifted)  # pack=2: both operands of an instance, one register
-        zero2 = ((zero.to(tl.int32) | MAGIC16) * 0x10001)[:, None, None] + tl.zeros_like(twice)
-        bits = scale.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        scale2 = (bits * 0x10001)[:, None, None] + tl.zeros_like(twice)
-        if MAGIC16 == 0x4300:
-            pair = tl.inline_asm_elementwise(_SCALED_PAIR_BF16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
-                                             dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            pair = tl.inline_asm_elementwise(_SCALED_PAIR_FP16, "=r,r,r,r,r,r,r", [twice, zero2, scale2],
-                                             dtype=tl.float16, is_pure=True, pack=2)
+        pair = scaled_pair(tl.join(shifted, shifted), zero, scale, MAGIC16, dtype)
     else:
         low = ((shifted & 15).to(tl.float32) - zero[:, None]) * scale[:, None]
         high = (((shifted >> 16) & 15).to(tl.float32) - zero[:, None]) * scale[:, None]
