@@ -21,9 +21,10 @@
 # runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2; on 2 GPUs
 # the stages `single` (GPU 0 bf16 then the adapters, GPU 1 W4A16) and `tp2`, one device call each; `marlin`: W4A16
 # on GPU 0 with vLLM's Marlin kernel instead of Machete), each
-# writing $OUT/vllm_*.json. treadle's counterparts: `python -m treadle.bench.tp_step_broadcast --skip-latency
-# --backend auto --rounds 1 --modes tp1` (and `--modes auto`), `python -m treadle.bench.quant --runs one-batch`,
-# `python -m treadle.bench.lora --part engine`.
+# writing $OUT/vllm_*.json. treadle's counterparts, timed the same way (Engine.generate): `python -m
+# treadle.bench.tp_step_broadcast --skip-latency --backend auto --rounds 1 --modes tp1` (and `--modes auto`),
+# `python -m treadle.bench.quant --runs one-batch --precompile 14` (not `--quick`, which times synchronized graph
+# steps instead), `python -m treadle.bench.lora --part engine`.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=$(cd "$(dirname "$0")" && pwd)
