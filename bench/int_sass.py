@@ -81,15 +81,19 @@ def _sass(cubin: bytes) -> tuple[str, int]:
     return sass, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def _longest_loop(sass: str) -> collections.Counter:
-    """Opcodes (without modifiers) between the target of a backward branch and the branch, for the longest one."""
+def longest_loop_lines(sass: str) -> list[str]:
+    """The instructions between the target of a backward branch and the branch, for the longest such loop."""
     instructions = [(int(m.group(1), 16), m.group(2).strip()) for m in
                     (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
     loops = [(int(m.group(1), 16), address) for address, text in instructions
              if (m := re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < address]
     first, last = max(loops, key=lambda loop: loop[1] - loop[0])
-    opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for address, text in instructions
-               if first <= address <= last]
+    return [text for address, text in instructions if first <= address <= last]
+
+
+def _longest_loop(sass: str) -> collections.Counter:
+    """Opcodes (without modifiers) of :func:`longest_loop_lines`."""
+    opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in longest_loop_lines(sass)]
     counts = collections.Counter(opcode.split(".")[0] for opcode in opcodes)
     counts["LDG128"] = sum(opcode.startswith("LDG") and opcode.endswith(".128") for opcode in opcodes)
     return counts

@@ -18,7 +18,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from treadle.bench.int_sass import POINTERS, _sass
+from treadle.bench.int_sass import POINTERS, _sass, longest_loop_lines
 
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 227 * 1024
@@ -76,7 +76,7 @@ def loop_report(tiles: Any) -> dict[str, Any]:
     """The main loop's counts (module docstring) and the program's registers, shared memory and programs per SM."""
     kernel = compiled(tiles)
     sass, registers = _sass(kernel.asm["cubin"])
-    loop = _longest_loop_lines(sass)
+    loop = longest_loop_lines(sass)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", line).split()[0].split(".")[0] for line in loop)
     shared = kernel.metadata.shared
     threads = 32 * tiles.num_warps
@@ -87,16 +87,6 @@ def loop_report(tiles: Any) -> dict[str, Any]:
             "programs_per_sm": min(REGISTERS_PER_SM // (registers * threads), SHARED_PER_SM // max(shared, 1),
                                    64 // tiles.num_warps),
             "top": ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))}
-
-
-def _longest_loop_lines(sass: str) -> list[str]:
-    """The instructions between the target of a backward branch and the branch, for the longest such loop."""
-    instructions = [(int(m.group(1), 16), m.group(2).strip()) for m in
-                    (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
-    loops = [(int(m.group(1), 16), address) for address, text in instructions
-             if (m := re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < address]
-    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
-    return [text for address, text in instructions if first <= address <= last]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
