@@ -117,9 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="every kernel variant and config, int_mma's included (bench/quant_sweep.py)")
     parser.add_argument("--narrow", action="store_true",
                         help="--sweep: only what the loader times and round 2's trials (about 40 s on an H100)")
-    parser.add_argument("--trials", choices=("all", "natural"), default="all",
-                        help="--sweep --narrow: every kind's trials, or natural_mma's alone "
-                             "(kernels/packed_int_natural.py)")
+    parser.add_argument("--trials", choices=("all", "natural", "gemv"), default="all",
+                        help="--sweep --narrow: every kind's trials, natural_mma's alone "
+                             "(kernels/packed_int_natural.py), or the one-token GEMV's wide programs alone")
     parser.add_argument("--jobs", type=int, default=max((os.cpu_count() or 4) - 2, 1),
                         help="--sweep: processes compiling the configs first (default: all cores but two)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")
