@@ -187,10 +187,13 @@ def test_large_batch_summary_adds_the_shapes_up_per_step():
     from treadle.bench.quant_large import summary
 
     rows = [{"rows": 128, "bf16_us": 100.0, "dequantize_us": 20.0, "path_us": 125.0, "best_path_us": 120.0,
-             "dot_best_us": 150.0}, {"rows": 128, "bf16_us": 50.0, "dequantize_us": 10.0, "path_us": 62.5,
-                                    "best_path_us": 60.0, "dot_best_us": 70.0},
+             "dot_best_us": 150.0, "wide_best_us": 80.0, "kept_us": 80.0},
+            {"rows": 128, "bf16_us": 50.0, "dequantize_us": 10.0, "path_us": 62.5, "best_path_us": 60.0,
+             "dot_best_us": 70.0, "wide_best_us": 70.0, "kept_us": 62.5},
             {"rows": 512, "bf16_us": 400.0, "dequantize_us": 30.0, "path_us": 440.0, "best_path_us": 430.0}]
     lines = summary(rows, [128, 512]).splitlines()
-    # 32 layers: (100 + 50) us -> 4.80 ms of bf16, the path 1.25x; no tl.dot timing at 512 rows.
-    assert lines[1].split()[1:6] == ["4.80", "0.96", "6.00", "5.76", "7.04"] and "(1.25x" in lines[1]
-    assert lines[2].split()[1:6] == ["12.80", "0.96", "14.08", "13.76", "-"] and "(1.10x" in lines[2]
+    # 32 layers: (100 + 50) us -> 4.80 ms of bf16, the path 1.25x, wide_mma 4.80 ms, the faster of the two per
+    # shape 4.56 ms (0.95x); no tl.dot or wide_mma timing at 512 rows: the path kept.
+    assert lines[1].split()[1:8] == ["4.80", "0.96", "6.00", "5.76", "7.04", "4.80", "4.56"]
+    assert "(1.25x, 0.95x" in lines[1]
+    assert lines[2].split()[1:8] == ["12.80", "0.96", "14.08", "13.76", "-", "-", "14.08"] and "(1.10x" in lines[2]
