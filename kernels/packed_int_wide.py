@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from treadle.kernels.packed_int import _partials, widening
-from treadle.kernels.packed_int_natural import PANEL, _panel, _scale_zero, _sum_or_store
+from treadle.kernels.packed_int_natural import PANEL, NaturalMmaTiles, _panel, _scale_zero, _sum_or_store
 from treadle.kernels.pdl import allow_next, wait_for_previous
 from treadle.kernels.pdl import enabled as pdl_enabled
 from treadle.kernels.small_batch import _arrivals
@@ -49,14 +49,8 @@ class WideMmaTiles:
     num_stages: int = 3
     asm: bool = True
 
-    def fits(self, k: int, bits: int, group: int) -> bool:
-        """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
-        return bits == 4 and group % PANEL == 0 and k % (PANEL * self.split_k) == 0
-
-    def sum_chunk(self) -> int:
-        """Split-K partials the last program loads at once (``NaturalMmaTiles.sum_chunk``)."""
-        per_thread = max(self.block_n * self.block_m // (32 * self.num_warps), 1)
-        return max(min(self.split_k, 128 // per_thread), 1)
+    fits = NaturalMmaTiles.fits  # the same K steps and sum of the partials as natural_mma's
+    sum_chunk = NaturalMmaTiles.sum_chunk
 
 
 def wide_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
