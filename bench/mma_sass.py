@@ -26,7 +26,8 @@ SHARED_PER_SM = 227 * 1024
 
 def configs() -> dict[str, Any]:
     """Name -> tiles: ``magic_mma``'s best launches at 32 tokens on an H200 (gate_up and qkv; o and down), and
-    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens and its two-warp-group trial."""
+    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens and its two-warp-group trial, ``wide_mma``'s
+    three loader launches (and the first with split-K)."""
     from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
     from treadle.kernels.packed_int_wide import WideMmaTiles
@@ -42,6 +43,7 @@ def configs() -> dict[str, Any]:
         "wide_mma 128x128": WideMmaTiles(128, 128),
         "wide_mma 128x128 split 4": WideMmaTiles(128, 128, 4),
         "wide_mma 128x256 (8 warps)": WideMmaTiles(128, 256, num_warps=8),
+        "wide_mma 128x128 tokens as M (8 warps)": WideMmaTiles(128, 128, 1, 8, 2, tokens_m=True, max_registers=128),
     }
 
 
@@ -63,7 +65,8 @@ def compiled(tiles: Any) -> Any:
         wide = isinstance(tiles, packed_int_wide.WideMmaTiles)
         kernel = packed_int_wide._wide_mma_kernel if wide else packed_int_natural._natural_mma_kernel
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
-        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True)
+        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True,
+                          TOKENS_M=getattr(tiles, "tokens_m", False))
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
@@ -72,9 +75,11 @@ def compiled(tiles: Any) -> Any:
         signature[name] = POINTERS.get(name, "i32")
         if name not in ("M", "prefetch_lines", "first_prefetcher"):
             attrs[(index,)] = [["tt.divisibility", 16]]
+    registers = getattr(tiles, "max_registers", 0)
+    capped = {"maxnreg": registers} if registers else {}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+                          options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **capped})
 
 
 def loop_report(tiles: Any) -> dict[str, Any]:

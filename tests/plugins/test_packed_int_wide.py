@@ -40,6 +40,8 @@ for name, (tiles, n, rows, group, asym) in {
             WideMmaTiles(128, 128, 2, asm=False), 160, 130, 128, True),
         "256 weight rows, 70 tokens, groups of 256": (WideMmaTiles(128, 256, num_warps=8, asm=False), 256, 70, 256,
                                                      False),
+        "the tokens as M, two token tiles, split-K, zeros": (
+            WideMmaTiles(128, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 130, 128, True),
 }.items():
     wide[name] = error(lambda x, w, s, z, g, tiles=tiles: wide_mma(x, w, s, z, 4, g, tiles), n, 512, rows, group,
                        asym)
@@ -59,7 +61,7 @@ untimed = [len(plan_kernels(160, 512, 4, 128, 4, dtype=torch.float16).wide),
 plan = dataclasses.replace(plan, wide=tuple((most, dataclasses.replace(t, asm=False)) for most, t in plan.wide))
 planned = {rows: error(lambda x, w, s, z, g: plan.run(x, w, s, z, None), 160, 512, rows, 128, True)
            for rows in (100, 300)}
-counts = {f"{rows}x{n}": [(t.block_n, t.split_k) for t in wide_candidates(n, 4096, 4, 128, rows, 132)]
+counts = {f"{rows}x{n}": [(t.block_n, t.split_k, t.tokens_m) for t in wide_candidates(n, 4096, 4, 128, rows, 132)]
           for rows, n in ((128, 4096), (1024, 4096), (128, 28672))}
 print("RESULTS " + json.dumps({"wide": wide, "buckets": buckets, "dot_max_rows": plan.dot_max_rows,
                                "untimed": untimed, "planned": planned, "counts": counts}))
@@ -74,7 +76,7 @@ def results() -> dict:
 
 
 def test_wide_twin_gives_the_dequantized_matmul(results):
-    assert len(results["wide"]) == 2
+    assert len(results["wide"]) == 3
     for name, error in results["wide"].items():
         assert error < 2e-3, (name, error)
 
@@ -91,5 +93,6 @@ def test_loader_keeps_wide_buckets_up_to_the_first_the_dequantization_wins(resul
 def test_split_k_only_where_the_tiles_leave_the_sms_short(results):
     # o_proj at 128 rows: 32 row tiles of 128 (16 of 256) split 8 ways; at 1024 rows (256 tiles) none;
     # gate_up (224 row tiles) none.
-    assert results["counts"] == {"128x4096": [[128, 8], [256, 8]], "1024x4096": [[128, 1], [256, 1]],
-                                 "128x28672": [[128, 1], [256, 1]]}
+    assert results["counts"] == {"128x4096": [[128, 8, False], [256, 8, False], [128, 8, True]],
+                                 "1024x4096": [[128, 1, False], [256, 1, False], [128, 1, True]],
+                                 "128x28672": [[128, 1, False], [256, 1, False], [128, 1, True]]}
