@@ -6,7 +6,8 @@ Per kernel and launch config (the sweep's best ``magic_mma`` launches at 32 toke
 main loop's instructions a K step (one 128-value panel of the tile's weight rows) per thread, its wgmmas (HGMMA)
 and the waits for all of them to finish (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), barriers, shared-memory stores and
 loads (the activations re-laid out between the pipeline's copy and the MMA), asynchronous copies (LDGSTS) against
-plain loads (LDG), local-memory spill instructions (STL and LDL) in the whole kernel, and the registers and shared memory a program takes, so how many programs an SM holds.
+plain loads (LDG), local-memory spill instructions (STL and LDL) in the whole kernel, and the registers and shared
+memory a program takes, so how many programs an SM holds.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def loop_report(tiles: Any) -> dict[str, Any]:
     return {"instructions": len(loop), "HGMMA": opcodes["HGMMA"],
             "wait_all": sum("DEPBAR.LE gsb0, 0x0" in line for line in loop), "BAR": opcodes["BAR"],
             "STS": opcodes["STS"], "LDS": opcodes["LDS"] + opcodes["LDSM"], "LDGSTS": opcodes["LDGSTS"],
-            "LDG": opcodes["LDG"], "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "registers": registers, "shared": shared,
+            "LDG": opcodes["LDG"], "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "registers": registers,
+            "shared": shared,
             "programs_per_sm": min(REGISTERS_PER_SM // (registers * threads), SHARED_PER_SM // max(shared, 1),
                                    64 // tiles.num_warps),
             "top": ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))}

@@ -11,7 +11,8 @@ kernels the loader times at 64 rows (``magic_mma``'s first): whether raising ``D
 what the loader's race at 128 and 256 rows (``dot_max_rows``) sees (up to 256 rows: they lost 2-4x there), and
 each ``wide_mma`` launch the loader times at those rows (``wide_candidates``: its first's and fastest's
 microseconds). The summary adds the shapes up per decoder layer times 32 (ms of linear layers a step), with the
-loader's pick per shape (the faster of ``wide_mma``'s fastest and the dequantize path). Each timing replays a CUDA graph, the weights cycled through copies (read from memory).
+loader's pick per shape (the faster of ``wide_mma``'s fastest and the dequantize path). Each timing replays a CUDA
+graph, the weights cycled through copies (read from memory).
 """
 
 from __future__ import annotations

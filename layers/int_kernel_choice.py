@@ -1,13 +1,14 @@
 """Which Triton kernels (``kernels/int_kernel_plan.py``) each integer weight shape runs, chosen once at load.
 
 For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``magic_mma``,
-``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), ``wide_mma``'s two
-launches against the dequantization and the library matmul at 128, 256, 512 and 1024 rows (up to the first bucket
-it loses: how many rows it runs), else the 64 rows' winner against them at 128 and 256 rows (how many rows the
-``tl.dot`` kernels run), are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the weight so it
-is read from memory as a decode step reads it (``layers/small_batch.py``'s timing), each call prefetching the next
-one's head into L2 as the model's calls do (``small_batch.chain_l2_prefetch``), and the fastest kept. With
-``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run.
+``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), with 16-bit activations
+``wide_mma``'s three launches against the dequantization and the library matmul at 128, 256, 512 and 1024 rows (up
+to the first bucket it loses: how many rows it runs), else the 64 rows' winner against them at 128 and 256 rows
+(how many rows the ``tl.dot`` kernels run), are timed on the layer's weight, replayed from a CUDA graph with each
+call on another copy of the weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s
+timing), each call prefetching the next one's head into L2 as the model's calls do
+(``small_batch.chain_l2_prefetch``), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or
+``library`` nothing is timed: the first candidates run (and no ``wide_mma``).
 """
 
 from __future__ import annotations
