@@ -51,9 +51,10 @@ def test_wide_mma_equals_its_twin_and_the_dequantized_matmul(dtype, asym):
             assert len(launches) == 3
             for tiles in launches:
                 y = wide_mma(x, words, scales, zeros, 4, 128, tiles)
-                twin = wide_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
-                assert torch.equal(y, twin), (n, rows, tiles)
                 assert _error(y, expected) < 1e-2, (n, rows, tiles, _error(y, expected))
+                if rows == 300:  # the twins compile apart: once a shape
+                    twin = wide_mma(x, words, scales, zeros, 4, 128, dataclasses.replace(tiles, asm=False))
+                    assert torch.equal(y, twin), (n, rows, tiles)
 
 
 def test_plan_buckets_run_wide_mma_then_the_dequantization():
