@@ -23,6 +23,7 @@ the register orientation, the store and the wait per step are its cost.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ from treadle.kernels.small_batch import _arrivals
 # run dequantize_linear.
 WIDE_MAX_ROWS = 1024
 # The row buckets above 64 the loader times, each against dequantize_linear.
-WIDE_BUCKETS = (128, 256, 512, 1024)
+WIDE_BUCKETS = (128, 256, 512, WIDE_MAX_ROWS)
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,16 @@ def wide_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: 
     weight rows on one warp group (two programs an SM), then by 256 rows on two (one an SM, half the activation
     reads per weight byte), then the other orientation, 128 tokens (two warp groups of 64) by 128 rows, two pipeline
     stages and 128 registers a thread (two programs an SM: one's widening runs while the other's wgmmas do; sm_90
-    SASS: no spills); each with split-K where the tiles are fewer than the programs the SMs hold."""
+    SASS: no spills); each with split-K where the tiles are fewer than the programs the SMs hold, the first also
+    with half as many K ranges (the partials cost memory traffic: a part-empty wave may be cheaper)."""
     listed = []
     for block_n, warps, per_sm, tokens_m in ((128, 4, 2, False), (256, 8, 1, False), (128, 8, 2, True)):
         tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, 128)
         split = _wide_split(tiles, k // PANEL, per_sm * sm_count)
         listed.append(WideMmaTiles(128, block_n, split, warps, 2 if tokens_m else 3, tokens_m=tokens_m,
                                    max_registers=128 if tokens_m else 0))
+    if listed[0].split_k > 1:
+        listed.append(dataclasses.replace(listed[0], split_k=listed[0].split_k // 2))
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 

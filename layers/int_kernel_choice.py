@@ -2,7 +2,7 @@
 
 For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``magic_mma``,
 ``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), with 16-bit activations
-``wide_mma``'s three launches against the dequantization and the library matmul at 128, 256, 512 and 1024 rows (up
+``wide_mma``'s three or four launches against the dequantization and the library matmul at 128, 256, 512 and 1024 rows (up
 to the first bucket it loses: how many rows it runs), else the 64 rows' winner against them at 128 and 256 rows
 (how many rows the ``tl.dot`` kernels run), are timed on the layer's weight, replayed from a CUDA graph with each
 call on another copy of the weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s

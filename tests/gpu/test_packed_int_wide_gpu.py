@@ -48,7 +48,7 @@ def test_wide_mma_equals_its_twin_and_the_dequantized_matmul(dtype, asym):
             x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
             expected = x.float() @ dense.t()
             launches = wide_candidates(n, k, 4, 128, rows, sm_count)
-            assert len(launches) == 3
+            assert len(launches) == 3 + (launches[0].split_k > 1)
             for tiles in launches:
                 y = wide_mma(x, words, scales, zeros, 4, 128, tiles)
                 assert _error(y, expected) < 1e-2, (n, rows, tiles, _error(y, expected))
