@@ -12,7 +12,7 @@ layers) with the fastest config of each, as the loader picks them. ``--explore``
 ``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against every form of W4A16 ones, per token
 count: ``bench/quant_moe.py``), ``--moe-only`` runs only that. ``--large`` times large batches instead
 (``bench/quant_large.py``: the dequantize-then-matmul path, the dequantization alone against the copy bandwidth, and
-the ``tl.dot`` kernels, against bf16 at 128, 256 and 512 rows).
+the ``tl.dot`` kernels and ``wide_mma``, against bf16 at 128, 256, 512 and 1024 rows).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     if args.large:
-        rows = [int(r) for r in (args.rows or "128,256,512").split(",")]
+        rows = [int(r) for r in (args.rows or "128,256,512,1024").split(",")]
         return _write(args, bandwidth, large_batch(rows, args.zeros, bandwidth, device, graph_seconds))
     rows_list = [int(r) for r in (args.rows or "1,8,32").split(",")]
     results = []

@@ -273,12 +273,15 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
     from treadle.kernels.int_kernel_plan import batch_candidates
     from treadle.kernels.packed_int import gemv_candidates
     from treadle.kernels.packed_int_dequant import load_dequantize_candidates
+    from treadle.kernels.packed_int_wide import WIDE_BUCKETS, wide_candidates
 
     sm_count = torch.cuda.get_device_properties(torch.device("cuda")).multi_processor_count
     work = [(name, 1, "gemv", tiles) for name, (n, k) in SHAPES.items() for tiles in gemv_candidates(n, k, 4, sm_count)]
     work += [(name, rows, "tl.dot", tiles) for name, (n, k) in SHAPES.items() for rows in (16, 32, 64)
              for tiles in batch_candidates(n, k, 4, GROUP, rows, sm_count, torch.bfloat16)]
     work += [("qkv_proj", 128, "dequantize", tiles) for tiles in load_dequantize_candidates()]
+    work += [(name, rows, "wide", tiles) for name, (n, k) in SHAPES.items() for rows in WIDE_BUCKETS
+             for tiles in wide_candidates(n, k, 4, GROUP, rows, sm_count)]
     _precompile(work, jobs, zeros)
 
 
