@@ -65,6 +65,8 @@ def compiled(tiles: Any) -> Any:
     else:
         wide = isinstance(tiles, packed_int_wide.WideMmaTiles)
         kernel = packed_int_wide._wide_mma_kernel if wide else packed_int_natural._natural_mma_kernel
+        if wide and tiles.programs:
+            kernel = packed_int_wide._wide_stream_kernel
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
         constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True,
                           TOKENS_M=getattr(tiles, "tokens_m", False))
@@ -73,7 +75,7 @@ def compiled(tiles: Any) -> Any:
         if name in constexprs:
             signature[name], constants[(index,)] = "constexpr", constexprs[name]
             continue
-        signature[name] = POINTERS.get(name, "i32")
+        signature[name] = POINTERS.get(name, "*fp32" if name == "work_ptr" else "i32")
         if name not in ("M", "prefetch_lines", "first_prefetcher"):
             attrs[(index,)] = [["tt.divisibility", 16]]
     registers = getattr(tiles, "max_registers", 0)

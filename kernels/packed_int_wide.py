@@ -50,7 +50,8 @@ class WideMmaTiles:
     activations (three: two programs of one warp group an SM in 227 KB of shared memory); ``asm`` as
     ``NaturalMmaTiles.asm``; ``tokens_m``: the other orientation (the tokens the wgmma's M, 64 a warp group, from
     shared memory; the widened panel stored to shared memory as its second operand); ``max_registers`` a thread
-    (0: the compiler's choice)."""
+    (0: the compiler's choice); ``programs``: a persistent grid of that many programs that share the tiles' K steps
+    evenly (stream-K, :func:`wide_stream`; ``split_k`` unused), 0: one program a tile and K range."""
 
     block_m: int
     block_n: int
@@ -60,6 +61,7 @@ class WideMmaTiles:
     asm: bool = True
     tokens_m: bool = False
     max_registers: int = 0
+    programs: int = 0
 
     fits = NaturalMmaTiles.fits  # the same K steps and sum of the partials as natural_mma's
     sum_chunk = NaturalMmaTiles.sum_chunk
@@ -74,6 +76,8 @@ def wide_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
     i16, magic, _ = widening(bits, x.dtype)
     if not i16 or not tiles.fits(k, bits, group):
         raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
+    if tiles.programs:
+        return wide_stream(x, weight, scales, zeros, group, magic, tiles)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m)
     pdl = pdl_enabled(x.device)
@@ -129,6 +133,29 @@ def _wide_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    acc = _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, pid_k * k_per_split,
+                     (pid_k + 1) * k_per_split, stride_xm, stride_wn, stride_sn, GROUP, HAS_ZEROS, MAGIC16, ASM,
+                     EVEN_N, BLOCK_M, BLOCK_N, PDL, TOKENS_M)
+    allow_next(PDL)
+    if TOKENS_M:
+        tile = offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
+                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
+    else:
+        tile = offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
+                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
+
+
+@triton.jit
+def _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_begin, k_end, stride_xm, stride_wn,
+               stride_sn, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
+               EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
+               TOKENS_M: tl.constexpr):
+    """One tile's float32 sum over the K range ``[k_begin, k_end)`` (whole panels): ``[BLOCK_N, BLOCK_M]``
+    (``TOKENS_M``: ``[BLOCK_M, BLOCK_N]``); ``WAIT``: waits for the kernel before (PDL) after the first scale's load."""
     w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     if TOKENS_M:
         x_panel = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, 128)[None, :]  # [BLOCK_M, 128]
@@ -136,11 +163,9 @@ def _wide_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
     else:
         x_panel = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 128)[:, None]  # [128, BLOCK_M]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_begin = pid_k * k_per_split
-    k_end = k_begin + k_per_split
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
-    wait_for_previous(PDL)  # the activations are the kernel before's output
+    wait_for_previous(WAIT)  # the activations are the kernel before's output
     for k0 in range(k_begin, k_end, 128):
         panel = w_tile + tl.multiple_of(k0 // 8, 16)
         if EVEN_N:
@@ -156,14 +181,85 @@ def _wide_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
         else:
             x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
             acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
+    return acc
+
+
+def wide_stream(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+                magic: int, tiles: WideMmaTiles) -> torch.Tensor:
+    """:func:`wide_mma` on a persistent grid (stream-K): ``tiles.programs`` programs (as many as the SMs hold at
+    once) each take an even share of all the tiles' K steps, tile after tile in the token-tile-fastest order, so
+    no wave runs part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132 SMs are 1.7 waves, two when
+    each program is one tile). A program's middle tiles are whole and stored; its first and last may be parts,
+    whose float32 sums go to a workspace of two tiles a program, and the tile's last part to arrive adds them."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    n_tiles = triton.cdiv(n, tiles.block_n) * triton.cdiv(rows, tiles.block_m)
+    programs = min(tiles.programs, n_tiles * (k // PANEL))  # no program without K steps
+    work = torch.empty(programs * 2 * tiles.block_m * tiles.block_n, dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
+    _wide_stream_kernel[(programs,)](
+        x, weight, scales, zeros if zeros is not None else scales, out, work, _arrivals(x.device, n_tiles), rows, n,
+        k, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None,
+        MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        PDL=pdl, TOKENS_M=tiles.tokens_m, launch_pdl=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
+def _wide_stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, work_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
+                        stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC16: tl.constexpr,
+                        ASM: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PDL: tl.constexpr, TOKENS_M: tl.constexpr):
+    programs = tl.num_programs(0)
+    p = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    steps = K // 128
+    units = tl.cdiv(N, BLOCK_N) * m_tiles * steps  # K steps of all tiles, tile t's from t * steps
+    u_begin = p * units // programs  # this program's steps: [u_begin, u_end), at least one
+    u_end = (p + 1) * units // programs
+    first_tile = u_begin // steps
+    wait_for_previous(PDL)  # the activations are the kernel before's output
+    for tile in range(first_tile, (u_end - 1) // steps + 1):
+        offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # the token tile fastest, as wide_mma's grid
+        offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        k_first = tl.maximum(u_begin - tile * steps, 0)
+        k_last = tl.minimum(u_end - tile * steps, steps)
+        acc = _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_first * 128, k_last * 128,
+                         stride_xm, stride_wn, stride_sn, GROUP, HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N,
+                         False, TOKENS_M)
+        if TOKENS_M:
+            out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
+            local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        else:
+            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            mask = n_mask[:, None] & m_mask[None, :]
+            local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        if k_last - k_first == steps:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            _add_parts(acc, out, mask, work_ptr + local, arrivals_ptr + tile, p, tile, first_tile, programs, units,
+                       steps, BLOCK_M * BLOCK_N)
     allow_next(PDL)
-    if TOKENS_M:
-        tile = offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
-                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
-    else:
-        tile = offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = n_mask[:, None] & m_mask[None, :]
-        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
-                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
+
+
+@triton.jit
+def _add_parts(acc, out, mask, work, arrival, p, tile, first_tile, programs, units, steps, BLOCK: tl.constexpr):
+    """Stores program ``p``'s part of ``tile`` (its workspace's first tile if ``tile`` is its first, else its
+    second); the tile's last part to arrive adds every part (programs ``first`` to ``last``: the one holding the
+    tile's first step, ``ceil((u + 1) * programs / units) - 1`` for step ``u``, to its last step's) and stores it."""
+    tl.store(work + (2 * p + (tile != first_tile).to(tl.int32)) * BLOCK, acc)
+    tl.debug_barrier()  # every thread's part is stored before the count releases it
+    first = ((tile * steps + 1) * programs + units - 1) // units - 1
+    last = ((tile + 1) * steps * programs + units - 1) // units - 1
+    if tl.atomic_add(arrival, 1, sem="acq_rel") == last - first:
+        total = tl.zeros_like(acc)
+        for q in tl.range(first, last + 1, loop_unroll_factor=1):
+            q_first_tile = (q * units // programs) // steps
+            total += tl.load(work + (2 * q + (q_first_tile != tile).to(tl.int32)) * BLOCK, cache_modifier=".cg")
+        tl.atomic_xchg(arrival, 0, sem="relaxed")
+        tl.store(out, total.to(out.dtype.element_ty), mask=mask)
