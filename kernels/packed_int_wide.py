@@ -98,15 +98,25 @@ def wide_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: 
     reads per weight byte), then the other orientation, 128 tokens (two warp groups of 64) by 128 rows, two pipeline
     stages and 128 registers a thread (two programs an SM: one's widening runs while the other's wgmmas do; sm_90
     SASS: no spills); each with split-K where the tiles are fewer than the programs the SMs hold, the first also
-    with half as many K ranges (the partials cost memory traffic: a part-empty wave may be cheaper)."""
+    with half as many K ranges (the partials cost memory traffic: a part-empty wave may be cheaper). Then the first
+    two on a persistent grid (stream-K: no part-empty wave, :func:`wide_stream`), and above 128 rows 256 tokens by
+    128 rows in the other orientation (two warp groups of 128 tokens reading one widened panel: a quarter of the
+    widening per multiply-add of the first launch's; one program an SM, sm_90 SASS: 254 registers, no spills), with
+    split-K and on a persistent grid."""
     listed = []
+    steps = k // PANEL
     for block_n, warps, per_sm, tokens_m in ((128, 4, 2, False), (256, 8, 1, False), (128, 8, 2, True)):
         tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, 128)
-        split = _wide_split(tiles, k // PANEL, per_sm * sm_count)
+        split = _wide_split(tiles, steps, per_sm * sm_count)
         listed.append(WideMmaTiles(128, block_n, split, warps, 2 if tokens_m else 3, tokens_m=tokens_m,
                                    max_registers=128 if tokens_m else 0))
     if listed[0].split_k > 1:
         listed.append(dataclasses.replace(listed[0], split_k=listed[0].split_k // 2))
+    listed += [WideMmaTiles(128, 128, programs=2 * sm_count), WideMmaTiles(128, 256, num_warps=8, programs=sm_count)]
+    if rows > 128:
+        split = _wide_split(triton.cdiv(n, 128) * triton.cdiv(rows, 256), steps, sm_count)
+        wide = WideMmaTiles(256, 128, split, 8, 2, tokens_m=True)
+        listed += [wide, dataclasses.replace(wide, split_k=1, programs=sm_count)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
@@ -216,42 +226,63 @@ def _wide_stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, work_ptr, arrivals_
     p = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     steps = K // 128
-    units = tl.cdiv(N, BLOCK_N) * m_tiles * steps  # K steps of all tiles, tile t's from t * steps
-    u_begin = p * units // programs  # this program's steps: [u_begin, u_end), at least one
-    u_end = (p + 1) * units // programs
-    first_tile = u_begin // steps
+    tiles = tl.cdiv(N, BLOCK_N) * m_tiles
+    whole = tiles - tiles % programs  # whole rounds of tiles, one a program; the rest share their K steps
+    units = (tiles - whole) * steps  # the rest's K steps, tile t's from (t - whole) * steps
+    sharing = tl.maximum(tl.minimum(programs, units), 1)  # programs with a share: at least one step each
+    u_begin = p * units // sharing  # this program's steps: [u_begin, u_end)
+    u_end = (p + 1) * units // sharing
+    first_tile = whole + u_begin // steps
     wait_for_previous(PDL)  # the activations are the kernel before's output
-    for tile in range(first_tile, (u_end - 1) // steps + 1):
-        offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)  # the token tile fastest, as wide_mma's grid
-        offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        k_first = tl.maximum(u_begin - tile * steps, 0)
-        k_last = tl.minimum(u_end - tile * steps, steps)
-        acc = _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_first * 128, k_last * 128,
-                         stride_xm, stride_wn, stride_sn, GROUP, HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N,
-                         False, TOKENS_M)
-        if TOKENS_M:
-            out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
-            local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        else:
-            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            mask = n_mask[:, None] & m_mask[None, :]
-            local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    for tile in range(first_tile, tl.where(p < sharing, whole + tl.cdiv(u_end, steps), first_tile)):
+        k_first = tl.maximum(u_begin - (tile - whole) * steps, 0)
+        k_last = tl.minimum(u_end - (tile - whole) * steps, steps)
+        acc, out, mask, local = _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, k_first * 128,
+                                              k_last * 128, stride_xm, stride_wn, stride_sn, stride_om, GROUP,
+                                              HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N, TOKENS_M)
         if k_last - k_first == steps:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            _add_parts(acc, out, mask, work_ptr + local, arrivals_ptr + tile, p, tile, first_tile, programs, units,
-                       steps, BLOCK_M * BLOCK_N)
+            _add_parts(acc, out, mask, work_ptr + local, arrivals_ptr + tile, p, tile - whole, first_tile - whole,
+                       sharing, units, steps, BLOCK_M * BLOCK_N)
+    for tile in range(p, whole, programs):  # programs running at once on neighbouring tiles: shared weight tiles
+        acc, out, mask, local = _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, 0, K, stride_xm,
+                                              stride_wn, stride_sn, stride_om, GROUP, HAS_ZEROS, MAGIC16, ASM,
+                                              EVEN_N, BLOCK_M, BLOCK_N, TOKENS_M)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     allow_next(PDL)
 
 
 @triton.jit
+def _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, k_begin, k_end, stride_xm, stride_wn, stride_sn,
+                  stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
+                  EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_M: tl.constexpr):
+    """Tile ``tile``'s (the token tile fastest, as ``wide_mma``'s grid) sum over ``[k_begin, k_end)``, its output
+    pointers and mask, and its elements' offsets in a workspace tile (the sum's layout)."""
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_begin, k_end, stride_xm,
+                     stride_wn, stride_sn, GROUP, HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N, False, TOKENS_M)
+    if TOKENS_M:
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    else:
+        out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = n_mask[:, None] & m_mask[None, :]
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    return acc, out, mask, local
+
+
+@triton.jit
 def _add_parts(acc, out, mask, work, arrival, p, tile, first_tile, programs, units, steps, BLOCK: tl.constexpr):
-    """Stores program ``p``'s part of ``tile`` (its workspace's first tile if ``tile`` is its first, else its
-    second); the tile's last part to arrive adds every part (programs ``first`` to ``last``: the one holding the
-    tile's first step, ``ceil((u + 1) * programs / units) - 1`` for step ``u``, to its last step's) and stores it."""
+    """Stores program ``p``'s part of shared tile ``tile`` (its workspace's first tile if ``tile`` is its first,
+    else its second); the tile's last part to arrive adds every part (programs ``first`` to ``last``: the one
+    holding the tile's first step, ``ceil((u + 1) * programs / units) - 1`` for step ``u``, to its last step's) and
+    stores it. ``programs``: those sharing the ``units`` steps evenly, ``steps`` a tile."""
     tl.store(work + (2 * p + (tile != first_tile).to(tl.int32)) * BLOCK, acc)
     tl.debug_barrier()  # every thread's part is stored before the count releases it
     first = ((tile * steps + 1) * programs + units - 1) // units - 1
