@@ -18,7 +18,14 @@ read from shared memory as the pipeline copied them, the widened panel stored to
 second operand, each step's wgmmas waited for before the next panel overwrites it. 64 accumulator registers a
 thread instead of 128, so with 128 registers a thread (no spills) and two pipeline stages two programs of eight
 warps fit an SM, and one's widening runs while the other's wgmmas do; the widening is shared by 128 tokens as in
-the register orientation, the store and the wait per step are its cost.
+the register orientation, the store and the wait per step are its cost. At 256 tokens a tile (above 128 rows) that
+orientation's two warp groups take 128 tokens each and read one widened panel: a quarter of the register
+orientation's widening per multiply-add, one program an SM (254 registers a thread, no spills).
+
+Waves: one program a tile leaves the last wave part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132
+SMs are 1.7 waves and take two; qkv's 96 tiles at 512 leave 36 SMs idle). :func:`wide_stream` (a launch with
+``programs``) runs a persistent grid of as many programs as the SMs hold: whole rounds of tiles one a program
+(neighbouring programs on neighbouring tiles, as above), the remaining tiles' K steps shared evenly (stream-K).
 """
 
 from __future__ import annotations
