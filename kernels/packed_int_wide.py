@@ -204,15 +204,16 @@ def _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_beg
 def wide_stream(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
                 magic: int, tiles: WideMmaTiles) -> torch.Tensor:
     """:func:`wide_mma` on a persistent grid (stream-K): ``tiles.programs`` programs (as many as the SMs hold at
-    once) each take an even share of all the tiles' K steps, tile after tile in the token-tile-fastest order, so
-    no wave runs part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132 SMs are 1.7 waves, two when
-    each program is one tile). A program's middle tiles are whole and stored; its first and last may be parts,
-    whose float32 sums go to a workspace of two tiles a program, and the tile's last part to arrive adds them."""
+    once) take whole rounds of tiles, one a program in the token-tile-fastest order (programs running at once on
+    neighbouring tiles: shared weight tiles), and an even share of the remaining tiles' K steps (four or more each),
+    so no wave runs part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132 SMs are 1.7 waves, two when
+    each program is one tile). A program's share of the rest is at most two tile parts, whose float32 sums go to a
+    workspace of two tiles a program; a tile's last part to arrive adds them all and stores the tile."""
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     n_tiles = triton.cdiv(n, tiles.block_n) * triton.cdiv(rows, tiles.block_m)
-    programs = min(tiles.programs, n_tiles * (k // PANEL))  # no program without K steps
+    programs = min(tiles.programs, max(n_tiles * (k // PANEL) // 4, 1))  # every program has four steps or more
     work = torch.empty(programs * 2 * tiles.block_m * tiles.block_n, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
     _wide_stream_kernel[(programs,)](
@@ -236,7 +237,9 @@ def _wide_stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, work_ptr, arrivals_
     tiles = tl.cdiv(N, BLOCK_N) * m_tiles
     whole = tiles - tiles % programs  # whole rounds of tiles, one a program; the rest share their K steps
     units = (tiles - whole) * steps  # the rest's K steps, tile t's from (t - whole) * steps
-    sharing = tl.maximum(tl.minimum(programs, units), 1)  # programs with a share: at least one step each
+    # Programs with a share: four steps or more each (a tile's last part adds the others, 64 KB each at 128 x 128:
+    # more, smaller parts would cost more than they save), all the programs where the rest has that many.
+    sharing = tl.maximum(tl.minimum(programs, units // 4), 1)
     u_begin = p * units // sharing  # this program's steps: [u_begin, u_end)
     u_end = (p + 1) * units // sharing
     first_tile = whole + u_begin // steps

@@ -35,23 +35,24 @@ def error(run, n, k, rows, group, asym):
 
 
 wide = {}
-for name, (tiles, n, rows, group, asym) in {
+for name, (tiles, n, rows, group, asym, k) in {
         "two token tiles, two row tiles (the second part empty), split-K, zeros": (
-            WideMmaTiles(128, 128, 2, asm=False), 160, 130, 128, True),
+            WideMmaTiles(128, 128, 2, asm=False), 160, 130, 128, True, 512),
         "256 weight rows, 70 tokens, groups of 256": (WideMmaTiles(128, 256, num_warps=8, asm=False), 256, 70, 256,
-                                                     False),
+                                                     False, 512),
         "the tokens as M, two token tiles, split-K, zeros": (
-            WideMmaTiles(128, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 130, 128, True),
-        # 8 tiles of 4 steps on 3 programs: 6 whole, the last two's 8 steps shared 2 + 3 + 3 (the middle program's
+            WideMmaTiles(128, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 130, 128, True, 512),
+        # 8 tiles of 8 steps on 3 programs: 6 whole, the last two's 16 steps shared 5 + 5 + 6 (the middle program's
         # a part of each: both its workspace tiles)
         "stream-K: whole tiles and shared ones, zeros": (WideMmaTiles(128, 128, asm=False, programs=3), 512, 130,
-                                                         128, True),
+                                                         128, True, 1024),
+        # 4 tiles of 8 steps on 5 programs: every tile shared, parts from odd steps (groups of two)
         "stream-K, the tokens as M, every tile shared, groups of 256": (
-            WideMmaTiles(128, 128, 1, 8, 2, asm=False, tokens_m=True, programs=5), 160, 130, 256, False),
+            WideMmaTiles(128, 128, 1, 8, 2, asm=False, tokens_m=True, programs=5), 160, 130, 256, False, 1024),
         "256 tokens as M, split-K": (WideMmaTiles(256, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 300, 128,
-                                     False),
+                                     False, 512),
 }.items():
-    wide[name] = error(lambda x, w, s, z, g, tiles=tiles: wide_mma(x, w, s, z, 4, g, tiles), n, 512, rows, group,
+    wide[name] = error(lambda x, w, s, z, g, tiles=tiles: wide_mma(x, w, s, z, 4, g, tiles), n, k, rows, group,
                        asym)
 
 
