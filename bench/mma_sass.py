@@ -26,7 +26,8 @@ SHARED_PER_SM = 227 * 1024
 
 def configs() -> dict[str, Any]:
     """Name -> tiles: ``magic_mma``'s best launches at 32 tokens on an H200 (gate_up and qkv; o and down), and
-    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens and its two-warp-group trial."""
+    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens, its two-warp-group trial, and its split-K
+    partials added atomically (``atomic_sum``: registers, so programs an SM, against the stored partials')."""
     from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
 
@@ -38,6 +39,10 @@ def configs() -> dict[str, Any]:
         "natural_mma 32x128 split 16": NaturalMmaTiles(32, 128, 16),
         "natural_mma 64x128 split 2": NaturalMmaTiles(64, 128, 2),
         "natural_mma 32x256 split 2 (8 warps)": NaturalMmaTiles(32, 256, 2, num_warps=8),
+        "natural_mma 16x128 split 8 atomic_sum": NaturalMmaTiles(16, 128, 8, atomic_sum=True),
+        "natural_mma 32x128 split 8 atomic_sum": NaturalMmaTiles(32, 128, 8, atomic_sum=True),
+        "natural_mma 64x128 split 8": NaturalMmaTiles(64, 128, 8),
+        "natural_mma 64x128 split 8 atomic_sum": NaturalMmaTiles(64, 128, 8, atomic_sum=True),
     }
 
 
@@ -58,7 +63,8 @@ def compiled(tiles: Any) -> Any:
     else:
         kernel = packed_int_natural._natural_mma_kernel
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
-        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True)
+        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True, ATOMIC_SUM=tiles.atomic_sum,
+                          HEAD_LINES=tiles.head_lines)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:

@@ -47,7 +47,11 @@ class NaturalMmaTiles:
     group) a tile, one panel a K step, ``split_k`` K ranges, ``num_stages`` pipeline stages of the packed words and
     activations; ``asm``: the widening in inline PTX (else the same values from plain ops, the CPU interpreter's);
     ``max_registers`` a thread (0: the compiler's choice), to fit more programs on an SM (65536 registers: 128 a
-    thread of 4 warps fit four, 168 three)."""
+    thread of 4 warps fit four, 168 three); ``atomic_sum``: split-K's partials added into one float32 buffer by L2's
+    atomic units (``red.global.add``; a tile's last program reads the total once and zeroes it) instead of stored
+    apart and summed by the last program: then the float32 sum's order, so its last bit, depends on which program
+    adds first (not deterministic; off by default); ``head_lines``: the 128-byte lines of each weight row (two
+    panels a line) that a program launched early by PDL asks L2 for before the kernel before it finishes."""
 
     block_m: int
     block_n: int
@@ -56,6 +60,8 @@ class NaturalMmaTiles:
     num_stages: int = 4
     asm: bool = True
     max_registers: int = 0
+    atomic_sum: bool = False
+    head_lines: int = 2
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
@@ -79,16 +85,31 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
     pdl = pdl_enabled(x.device)
+    atomic = tiles.atomic_sum and tiles.split_k > 1
+    partials = _zeroed_sums(x.device, rows * n) if atomic else _partials(tiles.split_k, rows, n, x.device)
     _natural_mma_kernel[grid](
-        x, weight, scales, zeros if zeros is not None else scales, out, _partials(tiles.split_k, rows, n, x.device),
+        x, weight, scales, zeros if zeros is not None else scales, out, partials,
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
         scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None, SPLIT_K=tiles.split_k,
         SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PDL=pdl,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), launch_pdl=pdl, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        num_stages=tiles.num_stages, ATOMIC_SUM=atomic, HEAD_LINES=tiles.head_lines,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
+
+
+_sums: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeroed_sums(device: torch.device, numel: int) -> torch.Tensor:
+    """A zeroed float32 buffer of at least ``numel`` that ``atomic_sum`` launches add their split-K partials into
+    (each tile's last program zeroes its part again). One per device, shared by every call as ``_arrivals``'
+    counters are, allocated at the first calls: the loader's timing at load, before any CUDA graph is captured."""
+    sums = _sums.get(device)
+    if sums is None or sums.numel() < numel:
+        sums = _sums[device] = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
+    return sums
 
 
 def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
@@ -105,25 +126,45 @@ def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_coun
 
 
 def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
-    """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64): 128 weight rows a tile (one
-    warp group) with split-K for two, one or four programs per SM, the first also with three and six pipeline
-    stages and with registers capped for one more program an SM (128 a thread up to 32 tokens, 168 at 64: a few
-    spills in the loop past 16); 256 rows (two warp groups, half the activation tiles per weight byte) for two or
-    one, up to 32 tokens the first also at 128 registers (two programs an SM instead of one). (64-row tiles on one
-    warp group compile with the widened values moved between threads: not timed.)"""
+    """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64), 128 weight rows a tile (one
+    warp group): the loader's (split-K for two, one or four programs per SM); the most K ranges whose programs the
+    SMs hold at once (:func:`wave_split`), also with two and three pipeline stages, with registers capped (128 a
+    thread up to 32 tokens, 168 at 64: a few spills in the loop past 16), with the partials added by L2's atomic
+    units (``atomic_sum``), with half the K ranges (fewer partials to sum), and with PDL's early L2 request of each
+    row's first 16 panels, not 4 (``head_lines``: down_proj's K ranges are 14 panels); the most K ranges the SMs
+    hold at once with registers capped for a program more an SM, with the partials stored or added atomically (is
+    it the partials' traffic that made split-K lose at gate_up_proj?). Two warp groups (256 rows) and six stages
+    lost at every shape and row count on an H200 (2026-11-28 sweep, ``bench/results``): no longer timed. (64-row
+    tiles on one warp group compile with the widened values moved between threads through shared memory and every
+    wgmma waited for: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
 
-    def tiles(block_n: int, programs: int, warps: int = 4, stages: int = 4, registers: int = 0) -> NaturalMmaTiles:
-        return NaturalMmaTiles(block_m, block_n, _split_k(n, steps, block_n, programs * sm_count), warps, stages,
-                               max_registers=registers)
+    def tiles(programs: int = 0, stages: int = 4, registers: int = 0, atomic: bool = False, fewer: int = 1,
+              head: int = 2, per_sm: int = 0) -> NaturalMmaTiles:
+        split = (_split_k(n, steps, 128, programs * sm_count) if programs
+                 else wave_split(n, k, per_sm or (2 if block_m > 32 else 3), sm_count))
+        return NaturalMmaTiles(block_m, 128, max(split // fewer, 1), 4, stages, max_registers=registers,
+                               atomic_sum=atomic, head_lines=head)
 
-    capped = 168 if block_m == 64 else 128
-    listed = [tiles(128, 2), tiles(128, 1), tiles(128, 4), tiles(128, 2, stages=3), tiles(128, 2, stages=6),
-              tiles(128, 2, registers=capped), tiles(256, 2, 8), tiles(256, 1, 8)]
-    if block_m <= 32:  # no spills (at 64 tokens 128 registers spill 256 bytes)
-        listed.append(tiles(256, 2, 8, registers=128))
-    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
+    capped = 168 if block_m == 64 else 128  # a program more an SM: 4 of 128 registers a thread, 3 of 168
+    more = 3 if block_m == 64 else 4
+    listed = [tiles(2), tiles(1), tiles(4), tiles(), tiles(stages=2), tiles(stages=3), tiles(registers=capped),
+              tiles(atomic=True), tiles(fewer=2), tiles(head=8), tiles(per_sm=more, registers=capped),
+              tiles(per_sm=more, registers=capped, atomic=True)]
+    # atomic_sum without split-K is the plain launch
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128) and (t.split_k > 1 or not t.atomic_sum)]
+
+
+def wave_split(n: int, k: int, per_sm: int, sm_count: int) -> int:
+    """The most K ranges (a power of two up to 16) whose programs of 128 weight rows the SMs hold at once,
+    ``per_sm`` an SM (uncapped, three up to 32 tokens and two at 64: sm_90 SASS, 146, 167 and 240 registers a thread
+    of 128). With three or two, the fastest split of every Llama-3.1-8B shape at 16 (but down_proj's), 32 and 64
+    tokens on an H200 (2026-11-28 sweep)."""
+    slots, tiles, steps, split = per_sm * sm_count, triton.cdiv(n, 128), k // PANEL, 1
+    while tiles * split * 2 <= slots and split < 16 and steps % (2 * split) == 0:
+        split *= 2
+    return split
 
 
 def _split_k(n: int, steps: int, block_n: int, programs: int) -> int:
@@ -231,13 +272,30 @@ def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_
             tl.store(out, total.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _add_or_store(acc, out, sums, arrival, mask, SPLIT_K: tl.constexpr):
+    """:func:`_sum_or_store` by float32 atomic adds: every program adds its partial into ``sums`` (zero before), the
+    last reads the total once, zeroes ``sums`` for the next launch and stores the total rounded."""
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(sums, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds are issued before the count releases them
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.load(sums, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(sums, tl.zeros_like(acc), mask=mask)
+            tl.atomic_xchg(arrival, 0, sem="relaxed")
+            tl.store(out, total.to(out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                         SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
                         EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                         prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
-                        PREFETCH_BLOCK: tl.constexpr):
+                        PREFETCH_BLOCK: tl.constexpr, ATOMIC_SUM: tl.constexpr = False,
+                        HEAD_LINES: tl.constexpr = 2):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -250,8 +308,9 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split
-    if PDL:  # launched with PDL (kernels/pdl.py): L2 fetches the first two panels while the kernel before finishes
-        _prefetch_tile_head(w_ptr, offs_n, n_mask, k_begin // 8, k_end // 8, stride_wn, 32)
+    if PDL:  # launched with PDL (kernels/pdl.py): L2 fetches the first panels (two a line) while the kernel before
+        # finishes
+        _prefetch_tile_head(w_ptr, offs_n, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
     wait_for_previous(PDL)  # the activations are the kernel before's output
@@ -271,7 +330,12 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     allow_next(PDL)  # after the weight loop, as the 16-bit tiles (kernels/small_batch.py)
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
-    _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
-                  arrivals_ptr + pid_m * tl.num_programs(0) + pid_n, mask, pid_k, SPLIT_K, SUM_CHUNK)
+    arrival = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
+    if ATOMIC_SUM:  # partials_ptr: the zeroed float32 sums (natural_mma's _zeroed_sums)
+        _add_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], arrival, mask,
+                      SPLIT_K)
+    else:
+        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N, arrival,
+                      mask, pid_k, SPLIT_K, SUM_CHUNK)
     if PREFETCH:  # the next weight's head into L2 as the last programs finish (kernels/packed_int.py's GEMV too)
         _prefetch_share(prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH_BLOCK)

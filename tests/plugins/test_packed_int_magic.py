@@ -78,6 +78,11 @@ for name, (tiles, n, rows, group, asym) in {
                                                                      128, False),
 }.items():
     natural[name] = errors([(run_tiles, tiles)], n, 512, rows, group, asym, torch.float16)[0]
+# Split-K's partials added atomically: two calls in a row (each tile's last program zeroes the sums for the next).
+from treadle.kernels import packed_int_natural
+added = NaturalMmaTiles(16, 32, 4, asm=False, atomic_sum=True)
+atomic = errors([(run_tiles, added), (run_tiles, added)], 40, 512, 20, 128, True, torch.float16)
+atomic.append(max(float(s.abs().max()) for s in packed_int_natural._sums.values()))
 for dtype, group in ((torch.float32, 128), (torch.float16, 64)):
     try:
         natural_mma(torch.zeros(2, 512, dtype=dtype), torch.zeros(8, 64, dtype=torch.int32),
@@ -113,7 +118,7 @@ epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
              ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
 print("RESULTS " + json.dumps({"subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
                                "kinds": kinds, "planned": planned, "epilogues": epilogues, "natural": natural,
-                               "raced": raced}))
+                               "atomic": atomic, "raced": raced}))
 """
 
 
@@ -153,6 +158,12 @@ def test_natural_order_twin_gives_the_dequantized_matmul(results):
     assert len(results["natural"]) == 4
     for name, error in results["natural"].items():
         assert error < 2e-3, (name, error)
+
+
+def test_natural_order_partials_added_atomically_give_the_matmul_call_after_call(results):
+    first, second, left_in_sums = results["atomic"]
+    assert first < 2e-3 and second < 2e-3, results["atomic"]
+    assert left_in_sums == 0.0
 
 
 def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(results):
