@@ -74,19 +74,27 @@ class NaturalMmaTiles:
 
 
 def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                group: int, tiles: NaturalMmaTiles, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                group: int, tiles: NaturalMmaTiles, prefetch: torch.Tensor | None = None,
+                silu_mul: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequantized(weight).T`` (4-bit, 16-bit activations) on the tensor cores, the weight tile
-    widened in natural K order (module docstring); ``prefetch`` as :func:`~treadle.kernels.packed_int.int_gemv`'s."""
+    widened in natural K order (module docstring); ``prefetch`` as :func:`~treadle.kernels.packed_int.int_gemv`'s.
+    ``silu_mul`` (no split-K): the weight is ``[gate | up]`` and the result ``silu(gate) * up``, rounded where the
+    matmul and ``kernels/fused.py``'s ``silu_mul`` round it: each program stores its tile of the matmul's output, the
+    later of a gate tile and its up tile multiplies the two (a launch and a read of the matmul's output fewer)."""
     rows, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     i16, magic, _ = widening(bits, x.dtype)
-    if not i16 or not tiles.fits(k, bits, group):
-        raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
+    if not i16 or not tiles.fits(k, bits, group) or (silu_mul and (tiles.split_k != 1 or weight.shape[0] % 2)):
+        raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}"
+                         + (" as [gate | up] (no split-K, rows in pairs)" if silu_mul else ""))
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
+    grid = ((2 if silu_mul else 1) * triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
     pdl = pdl_enabled(x.device)
     atomic = tiles.atomic_sum and tiles.split_k > 1
-    partials = _zeroed_sums(x.device, rows * n) if atomic else _partials(tiles.split_k, rows, n, x.device)
+    if silu_mul:  # the matmul's output, where each program's tile waits for its pair's
+        partials = torch.empty(rows, 2 * n, dtype=x.dtype, device=x.device)
+    else:
+        partials = _zeroed_sums(x.device, rows * n) if atomic else _partials(tiles.split_k, rows, n, x.device)
     _natural_mma_kernel[grid](
         x, weight, scales, zeros if zeros is not None else scales, out, partials,
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
@@ -94,7 +102,7 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PDL=pdl,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), launch_pdl=pdl, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, ATOMIC_SUM=atomic, HEAD_LINES=tiles.head_lines,
+        num_stages=tiles.num_stages, ATOMIC_SUM=atomic, HEAD_LINES=tiles.head_lines, SILU_MUL=silu_mul,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
 
@@ -288,6 +296,23 @@ def _add_or_store(acc, out, sums, arrival, mask, SPLIT_K: tl.constexpr):
             tl.store(out, total.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_pair(acc, out, own, other, arrival, mask, is_up):
+    """``silu(gate) * up`` of a gate tile and its up tile, one of them ``acc``: each program stores its tile rounded
+    (``own``), the later of the two loads the other's (``other``) and stores the product, rounded as the separate
+    matmul and ``silu_mul`` kernels round (``kernels/fused.py``)."""
+    y = acc.to(out.dtype.element_ty)
+    tl.store(own, y, mask=mask)
+    tl.debug_barrier()  # every thread's part is stored before the count releases it
+    if tl.atomic_add(arrival, 1, sem="acq_rel") == 1:
+        partner = tl.load(other, mask=mask, other=0.0, cache_modifier=".cg")
+        gate = tl.where(is_up, partner, y).to(tl.float32)
+        up = tl.where(is_up, y, partner).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
+        tl.atomic_xchg(arrival, 0, sem="relaxed")
+        tl.store(out, (silu * up).to(out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile for every batch size
 def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals_ptr, M, N, k_per_split,
                         stride_xm, stride_wn, stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
@@ -295,23 +320,33 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
                         EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                         prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
                         PREFETCH_BLOCK: tl.constexpr, ATOMIC_SUM: tl.constexpr = False,
-                        HEAD_LINES: tl.constexpr = 2):
+                        HEAD_LINES: tl.constexpr = 2, SILU_MUL: tl.constexpr = False):
+    # SILU_MUL: the weight is [gate | up] (2N rows), the first half of the programs take gate's row tiles and the
+    # second half up's; out is silu(gate) * up, partials_ptr the matmul's [M, 2N] output.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_MUL:
+        pairs = tl.num_programs(0) // 2
+        is_up = pid_n >= pairs
+        pair = pid_n - is_up.to(tl.int32) * pairs
+        offs_n = pair * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_w = offs_n + is_up.to(tl.int32) * N  # the weight's rows
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_w = offs_n
     m_mask = offs_m < M
     n_mask = offs_n < N
-    w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    w_tile = w_ptr + rows_w[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     x_panel = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 128)[:, None]  # [128, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split
     if PDL:  # launched with PDL (kernels/pdl.py): L2 fetches the first panels (two a line) while the kernel before
         # finishes
-        _prefetch_tile_head(w_ptr, offs_n, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
-    s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
+        _prefetch_tile_head(w_ptr, rows_w, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
+    s_next, zero_next = _scale_zero(s_ptr, z_ptr, rows_w, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
     wait_for_previous(PDL)  # the activations are the kernel before's output
     for k0 in range(k_begin, k_end, 128):
@@ -323,7 +358,7 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
             words = tl.load(panel, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
         s, zero = s_next, zero_next
         # The next step's group (the last step reloads its own: an L2 hit instead of a predicate), a step ahead.
-        s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, tl.minimum(k0 + 128, k_end - 128) // GROUP,
+        s_next, zero_next = _scale_zero(s_ptr, z_ptr, rows_w, n_mask, tl.minimum(k0 + 128, k_end - 128) // GROUP,
                                         stride_sn, HAS_ZEROS, EVEN_N, BLOCK_N)
         x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
         acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
@@ -331,7 +366,11 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     arrival = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
-    if ATOMIC_SUM:  # partials_ptr: the zeroed float32 sums (natural_mma's _zeroed_sums)
+    if SILU_MUL:  # one counter per pair of tiles
+        matmul = partials_ptr + offs_m[None, :] * (2 * N) + offs_n[:, None]
+        _silu_mul_pair(acc, out_ptr + tile, matmul + is_up.to(tl.int32) * N, matmul + (1 - is_up.to(tl.int32)) * N,
+                       arrivals_ptr + pid_m * pairs + pair, mask, is_up)
+    elif ATOMIC_SUM:  # partials_ptr: the zeroed float32 sums (natural_mma's _zeroed_sums)
         _add_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], arrival, mask,
                       SPLIT_K)
     else:
