@@ -25,6 +25,7 @@ spilled). ``python -m treadle.bench.mma_sass`` shows the loops in sm_90 SASS.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -124,12 +125,16 @@ def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_coun
     """The :func:`natural_mma` launches the loader times for a batch of about ``rows`` (after ``magic_mma``'s):
     the narrowest token tile that holds it, 128 weight rows a tile on one warp group, split-K for two programs
     per SM, one, then four (up to 16 K ranges: the last wave of programs shorter), four pipeline stages; at 16
-    tokens also 128 registers a thread, four programs an SM (sm_90 SASS: no spills; 146 without the cap, three)."""
+    tokens also 128 registers a thread, four programs an SM (sm_90 SASS: no spills; 146 without the cap, three).
+    With ``TREADLE_INT_ATOMIC_SUM=1`` also each split-K launch with its partials added atomically (``atomic_sum``:
+    results then vary in their last bit from run to run, so only on request)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
     listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1, 4)]
     if block_m == 16:
         listed.insert(1, dataclasses.replace(listed[0], max_registers=128))
+    if os.environ.get("TREADLE_INT_ATOMIC_SUM") == "1":
+        listed += [dataclasses.replace(t, atomic_sum=True) for t in listed if t.split_k > 1]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 

@@ -65,7 +65,6 @@ def test_partials_added_atomically_give_the_matmul_call_after_call_and_in_a_grap
 
 def test_silu_mul_in_the_epilogue_gives_the_matmul_then_silu_mul():
     # gate_up_proj's shape (gate and up 14336 rows each), one K range: what the loader races per row bucket
-    from treadle.kernels.fused_ops import silu_mul
     from treadle.kernels.int_kernel_plan import SiluMulTiles, run_tiles
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
 
@@ -77,7 +76,6 @@ def test_silu_mul_in_the_epilogue_gives_the_matmul_then_silu_mul():
         fused = run_tiles(x, words, scales, None, 4, 128, SiluMulTiles(tiles, True))
         gate, up = (x.float() @ dense.t()).chunk(2, dim=-1)
         assert _error(unfused, torch.nn.functional.silu(gate) * up) < 1e-2, rows
-        assert torch.equal(unfused, silu_mul(run_tiles(x, words, scales, None, 4, 128, tiles)))
         # rounded where the two kernels round: the same values but for exp's last bit here and there
         assert (fused == unfused).float().mean() > 0.999, rows
         assert (fused.float() - unfused.float()).abs().max() <= unfused.float().abs().max() * 2 ** -7, rows

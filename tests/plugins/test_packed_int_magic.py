@@ -197,3 +197,13 @@ def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(r
     assert kinds[0] == "MagicMmaTiles" and "NaturalMmaTiles" in kinds
     assert kinds.index("NaturalMmaTiles") > kinds.index("MagicMmaTiles")
     assert "NaturalMmaTiles" not in results["raced"]["torch.float32"]
+
+
+def test_loader_races_atomically_added_partials_on_request_alone(monkeypatch):
+    from treadle.kernels.packed_int_natural import natural_candidates
+
+    # o_proj's shape at 32 tokens on 132 SMs: split-K launches only
+    assert not any(t.atomic_sum for t in natural_candidates(4096, 4096, 4, 128, 32, 132))
+    monkeypatch.setenv("TREADLE_INT_ATOMIC_SUM", "1")
+    listed = natural_candidates(4096, 4096, 4, 128, 32, 132)
+    assert [t.split_k for t in listed if t.atomic_sum] == [t.split_k for t in listed if not t.atomic_sum]
