@@ -126,13 +126,17 @@ def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_coun
     the narrowest token tile that holds it, 128 weight rows a tile on one warp group, split-K for two programs
     per SM, one, then four (up to 16 K ranges: the last wave of programs shorter), four pipeline stages; at 16
     tokens also 128 registers a thread, four programs an SM (sm_90 SASS: no spills; 146 without the cap, three).
-    With ``TREADLE_INT_ATOMIC_SUM=1`` also each split-K launch with its partials added atomically (``atomic_sum``:
-    results then vary in their last bit from run to run, so only on request)."""
+    Then the most K ranges whose programs the SMs hold at once (:func:`wave_split`) at three pipeline stages (the
+    2026-11-28 H200 sweep's best for qkv_proj at 16 and 32 tokens, 9.4 / 13.2 µs against four stages' 10.6 /
+    15.2). With ``TREADLE_INT_ATOMIC_SUM=1`` also each split-K launch with its partials added atomically
+    (``atomic_sum``: results then vary in their last bit from run to run, so only on request)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
     listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1, 4)]
     if block_m == 16:
         listed.insert(1, dataclasses.replace(listed[0], max_registers=128))
+    resident = 2 if block_m > 32 else 3
+    listed.append(NaturalMmaTiles(block_m, 128, wave_split(n, k, resident, sm_count), num_stages=3))
     if os.environ.get("TREADLE_INT_ATOMIC_SUM") == "1":
         listed += [dataclasses.replace(t, atomic_sum=True) for t in listed if t.split_k > 1]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
