@@ -64,7 +64,8 @@ def compiled(tiles: Any) -> Any:
         kernel = packed_int_natural._natural_mma_kernel
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
         constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True, ATOMIC_SUM=tiles.atomic_sum,
-                          HEAD_LINES=tiles.head_lines, SILU_MUL=False)
+                          HEAD_LINES=tiles.head_lines, SILU_MUL=False,
+                          NEXT_EARLY=tiles.next_early)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:

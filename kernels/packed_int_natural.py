@@ -52,7 +52,9 @@ class NaturalMmaTiles:
     atomic units (``red.global.add``; a tile's last program reads the total once and zeroes it) instead of stored
     apart and summed by the last program: then the float32 sum's order, so its last bit, depends on which program
     adds first (not deterministic; off by default); ``head_lines``: the 128-byte lines of each weight row (two
-    panels a line) that a program launched early by PDL asks L2 for before the kernel before it finishes."""
+    panels a line) that a program launched early by PDL asks L2 for before the kernel before it finishes;
+    ``next_early``: PDL lets the next kernel be scheduled once every program has started its loop, not finished it
+    (the next kernel's programs then take the SM room this one leaves and fetch their first panels sooner)."""
 
     block_m: int
     block_n: int
@@ -63,6 +65,7 @@ class NaturalMmaTiles:
     max_registers: int = 0
     atomic_sum: bool = False
     head_lines: int = 2
+    next_early: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
@@ -104,6 +107,7 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PDL=pdl,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), launch_pdl=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, ATOMIC_SUM=atomic, HEAD_LINES=tiles.head_lines, SILU_MUL=silu_mul,
+        NEXT_EARLY=tiles.next_early,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
 
@@ -144,31 +148,31 @@ def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_coun
 
 def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
     """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64), 128 weight rows a tile (one
-    warp group): the loader's (split-K for two, one or four programs per SM); the most K ranges whose programs the
-    SMs hold at once (:func:`wave_split`), also with two and three pipeline stages, with registers capped (128 a
-    thread up to 32 tokens, 168 at 64: a few spills in the loop past 16), with the partials added by L2's atomic
-    units (``atomic_sum``), with half the K ranges (fewer partials to sum), and with PDL's early L2 request of each
-    row's first 16 panels, not 4 (``head_lines``: down_proj's K ranges are 14 panels); the most K ranges the SMs
-    hold at once with registers capped for a program more an SM, with the partials stored or added atomically (is
-    it the partials' traffic that made split-K lose at gate_up_proj?). Two warp groups (256 rows) and six stages
-    lost at every shape and row count on an H200 (2026-11-28 sweep, ``bench/results``): no longer timed. (64-row
-    tiles on one warp group compile with the widened values moved between threads through shared memory and every
-    wgmma waited for: not timed.)"""
+    warp group): the loader's (split-K for two, one or four programs per SM; the most K ranges whose programs the
+    SMs hold at once, :func:`wave_split`, at three stages); that wave split also with four and two pipeline stages,
+    with registers capped (128 a thread up to 32 tokens, 168 at 64: a few spills in the loop past 16), with the
+    partials added by L2's atomic units (``atomic_sum``), with half the K ranges (fewer partials to sum), with PDL's
+    early L2 request of each row's first 16 panels, not 4 (``head_lines``: down_proj's K ranges are 14 panels), and
+    with the next kernel let in before the loop (``next_early``); the most K ranges the SMs hold at once with
+    registers capped for a program more an SM, the partials stored or added atomically (is it the partials' traffic
+    that made split-K lose at gate_up_proj?). Two warp groups (256 rows) and six stages lost at every shape and row
+    count on an H200 (2026-11-28 sweep, ``bench/results``): no longer timed. (64-row tiles on one warp group compile
+    with the widened values moved between threads through shared memory and every wgmma waited for: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
 
     def tiles(programs: int = 0, stages: int = 4, registers: int = 0, atomic: bool = False, fewer: int = 1,
-              head: int = 2, per_sm: int = 0) -> NaturalMmaTiles:
+              head: int = 2, per_sm: int = 0, early: bool = False) -> NaturalMmaTiles:
         split = (_split_k(n, steps, 128, programs * sm_count) if programs
                  else wave_split(n, k, per_sm or (2 if block_m > 32 else 3), sm_count))
         return NaturalMmaTiles(block_m, 128, max(split // fewer, 1), 4, stages, max_registers=registers,
-                               atomic_sum=atomic, head_lines=head)
+                               atomic_sum=atomic, head_lines=head, next_early=early)
 
     capped = 168 if block_m == 64 else 128  # a program more an SM: 4 of 128 registers a thread, 3 of 168
     more = 3 if block_m == 64 else 4
     listed = [tiles(2), tiles(1), tiles(4), tiles(), tiles(stages=2), tiles(stages=3), tiles(registers=capped),
-              tiles(atomic=True), tiles(fewer=2), tiles(head=8), tiles(per_sm=more, registers=capped),
-              tiles(per_sm=more, registers=capped, atomic=True)]
+              tiles(atomic=True), tiles(fewer=2), tiles(head=8), tiles(early=True),
+              tiles(per_sm=more, registers=capped), tiles(per_sm=more, registers=capped, atomic=True)]
     # atomic_sum without split-K is the plain launch
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128) and (t.split_k > 1 or not t.atomic_sum)]
 
@@ -329,7 +333,8 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
                         EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                         prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
                         PREFETCH_BLOCK: tl.constexpr, ATOMIC_SUM: tl.constexpr = False,
-                        HEAD_LINES: tl.constexpr = 2, SILU_MUL: tl.constexpr = False):
+                        HEAD_LINES: tl.constexpr = 2, SILU_MUL: tl.constexpr = False,
+                        NEXT_EARLY: tl.constexpr = False):
     # SILU_MUL: the weight is [gate | up] (2N rows), the first half of the programs take gate's row tiles and the
     # second half up's; out is silu(gate) * up, partials_ptr the matmul's [M, 2N] output.
     pid_n = tl.program_id(0)
@@ -358,6 +363,8 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, rows_w, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
     wait_for_previous(PDL)  # the activations are the kernel before's output
+    if NEXT_EARLY:
+        allow_next(PDL)
     for k0 in range(k_begin, k_end, 128):
         # Whole panels (k_per_split is whole panels: said so, a row's 64 bytes copy 16 bytes at a time, not 8).
         panel = w_tile + tl.multiple_of(k0 // 8, 16)
@@ -371,7 +378,8 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
                                         stride_sn, HAS_ZEROS, EVEN_N, BLOCK_N)
         x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
         acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
-    allow_next(PDL)  # after the weight loop, as the 16-bit tiles (kernels/small_batch.py)
+    if not NEXT_EARLY:
+        allow_next(PDL)  # after the weight loop, as the 16-bit tiles (kernels/small_batch.py)
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     arrival = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n

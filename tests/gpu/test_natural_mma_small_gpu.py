@@ -1,7 +1,9 @@
 """kernels/packed_int_natural.py's launch options for 2 to 64 tokens on a GPU at Llama-3.1-8B's o_proj and qkv_proj
 shapes: split-K's partials added by L2's atomic units (``atomic_sum``) give the dequantized matmul, call after call
 and replayed from a CUDA graph (each tile's last program zeroes the sums again), within a float32 rounding of the
-stored partials' sum; the early L2 request of more panels (``head_lines``) and two pipeline stages change nothing."""
+stored partials' sum; the early L2 request of more panels (``head_lines``), two pipeline stages and letting the next
+kernel in before the loop (``next_early``) change nothing. gate_up_proj's silu(gate) * up in the epilogue gives what
+the matmul and the separate silu_mul give."""
 
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def test_partials_added_atomically_give_the_matmul_call_after_call_and_in_a_grap
         expected = x.float() @ dense.t()
         reference = natural_mma(x, words, scales, None, 4, 128, stored)
         assert _error(reference, expected) < 1e-2, (rows, stored)
-        for other in (dataclasses.replace(stored, head_lines=8), dataclasses.replace(stored, num_stages=2)):
+        for other in (dataclasses.replace(stored, head_lines=8), dataclasses.replace(stored, num_stages=2),
+                      dataclasses.replace(stored, next_early=True)):
             assert torch.equal(natural_mma(x, words, scales, None, 4, 128, other), reference), (rows, other)
         for _ in range(2):  # the sums are zero again after each call
             y = natural_mma(x, words, scales, None, 4, 128, added)
