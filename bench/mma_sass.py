@@ -6,7 +6,8 @@ Per kernel and launch config (the sweep's best ``magic_mma`` launches at 32 toke
 main loop's instructions a K step (one 128-value panel of the tile's weight rows) per thread, its wgmmas (HGMMA)
 and the waits for all of them to finish (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), barriers, shared-memory stores and
 loads (the activations re-laid out between the pipeline's copy and the MMA), asynchronous copies (LDGSTS) against
-plain loads (LDG), and the registers and shared memory a program takes, so how many programs an SM holds.
+plain loads (LDG), local-memory spill instructions (STL and LDL) in the whole kernel, and the registers and shared
+memory a program takes, so how many programs an SM holds.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ SHARED_PER_SM = 227 * 1024
 def configs() -> dict[str, Any]:
     """Name -> tiles: ``magic_mma``'s best launches at 32 tokens on an H200 (gate_up and qkv; o and down), and
     ``natural_mma``'s first loader launch at 16, 32 and 64 tokens, its two-warp-group trial, and its split-K
-    partials added atomically (``atomic_sum``: registers, so programs an SM, against the stored partials')."""
+    partials added atomically (``atomic_sum``: registers, so programs an SM, against the stored partials'),
+    ``wide_mma``'s three loader launches (and the first with split-K)."""
     from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
+    from treadle.kernels.packed_int_wide import WideMmaTiles
 
     return {
         "magic_mma 32x128 split 2": MagicMmaTiles(32, 128, 2, scaled=True),
@@ -43,6 +46,10 @@ def configs() -> dict[str, Any]:
         "natural_mma 32x128 split 8 atomic_sum": NaturalMmaTiles(32, 128, 8, atomic_sum=True),
         "natural_mma 64x128 split 8": NaturalMmaTiles(64, 128, 8),
         "natural_mma 64x128 split 8 atomic_sum": NaturalMmaTiles(64, 128, 8, atomic_sum=True),
+        "wide_mma 128x128": WideMmaTiles(128, 128),
+        "wide_mma 128x128 split 4": WideMmaTiles(128, 128, 4),
+        "wide_mma 128x256 (8 warps)": WideMmaTiles(128, 256, num_warps=8),
+        "wide_mma 128x128 tokens as M (8 warps)": WideMmaTiles(128, 128, 1, 8, 2, tokens_m=True, max_registers=128),
     }
 
 
@@ -53,7 +60,7 @@ def compiled(tiles: Any) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from treadle.kernels import packed_int_magic, packed_int_natural
+    from treadle.kernels import packed_int_magic, packed_int_natural, packed_int_wide
 
     constexprs = dict(GROUP=128, HAS_ZEROS=False, SPLIT_K=tiles.split_k, MAGIC16=0x4300, ASM=True,
                       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PREFETCH=False, PREFETCH_BLOCK=1)
@@ -61,11 +68,14 @@ def compiled(tiles: Any) -> Any:
         kernel = packed_int_magic._magic_mma_kernel
         constexprs.update(OFFSET16=128.0, SCALED=tiles.scaled)
     else:
-        kernel = packed_int_natural._natural_mma_kernel
+        wide = isinstance(tiles, packed_int_wide.WideMmaTiles)
+        kernel = packed_int_wide._wide_mma_kernel if wide else packed_int_natural._natural_mma_kernel
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
-        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True, ATOMIC_SUM=tiles.atomic_sum,
-                          HEAD_LINES=tiles.head_lines, SILU_MUL=False,
-                          NEXT_EARLY=tiles.next_early)
+        constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True,
+                          TOKENS_M=getattr(tiles, "tokens_m", False))
+        if not wide:  # natural_mma's launch options (kernels/packed_int_natural.py)
+            constexprs.update(ATOMIC_SUM=tiles.atomic_sum, HEAD_LINES=tiles.head_lines, SILU_MUL=False,
+                              NEXT_EARLY=tiles.next_early)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:
@@ -74,9 +84,11 @@ def compiled(tiles: Any) -> Any:
         signature[name] = POINTERS.get(name, "i32")
         if name not in ("M", "prefetch_lines", "first_prefetcher"):
             attrs[(index,)] = [["tt.divisibility", 16]]
+    registers = getattr(tiles, "max_registers", 0)
+    capped = {"maxnreg": registers} if registers else {}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+                          options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **capped})
 
 
 def loop_report(tiles: Any) -> dict[str, Any]:
@@ -90,7 +102,8 @@ def loop_report(tiles: Any) -> dict[str, Any]:
     return {"instructions": len(loop), "HGMMA": opcodes["HGMMA"],
             "wait_all": sum("DEPBAR.LE gsb0, 0x0" in line for line in loop), "BAR": opcodes["BAR"],
             "STS": opcodes["STS"], "LDS": opcodes["LDS"] + opcodes["LDSM"], "LDGSTS": opcodes["LDGSTS"],
-            "LDG": opcodes["LDG"], "registers": registers, "shared": shared,
+            "LDG": opcodes["LDG"], "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "registers": registers,
+            "shared": shared,
             "programs_per_sm": min(REGISTERS_PER_SM // (registers * threads), SHARED_PER_SM // max(shared, 1),
                                    64 // tiles.num_warps),
             "top": ", ".join(f"{op} {n}" for op, n in opcodes.most_common(6))}
@@ -104,11 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"Triton {triton.__version__}, sm_90: the main loop a K step (128 values of each weight row), per thread")
     print(f"{'':<38}{'instr':>6}{'HGMMA':>6}{'wait0':>6}{'BAR':>4}{'STS':>4}{'LDS':>4}{'LDGSTS':>7}{'LDG':>4}"
-          f"{'regs':>5}{'smem KB':>8}{'progs/SM':>9}  most")
+          f"{'spill':>6}{'regs':>5}{'smem KB':>8}{'progs/SM':>9}  most")
     for name, tiles in configs().items():
         r = loop_report(tiles)
         print(f"{name:<38}{r['instructions']:>6}{r['HGMMA']:>6}{r['wait_all']:>6}{r['BAR']:>4}{r['STS']:>4}"
-              f"{r['LDS']:>4}{r['LDGSTS']:>7}{r['LDG']:>4}{r['registers']:>5}{r['shared'] / 1024:>8.1f}"
+              f"{r['LDS']:>4}{r['LDGSTS']:>7}{r['LDG']:>4}{r['spills']:>6}{r['registers']:>5}{r['shared'] / 1024:>8.1f}"
               f"{r['programs_per_sm']:>9}  {r['top']}")
     return 0
 

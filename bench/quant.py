@@ -149,10 +149,15 @@ def chosen_kernels(layers: int = 0) -> str:
 
     lines = [f"{n} x {k}: 1 row {plan.gemv}{took(n, k, 1)}\n  16 rows {plan.small}{took(n, k, 16)}\n"
              f"  32 rows {plan.medium}{took(n, k, 32)}\n  64 rows {plan.large}{took(n, k, 64)}\n"
-             f"  the tl.dot kernels up to {plan.dot_max_rows} rows, then dequantize + cuBLAS ({plan.dequant})"
+             + "".join(f"  up to {most} rows {tiles}{took(n, k, most)}\n" for most, tiles in plan.wide)
+             + f"  the tl.dot kernels up to {max([plan.dot_max_rows, *(most for most, _ in plan.wide)])} rows, "
+             f"then dequantize + cuBLAS ({plan.dequant})"
              for (n, k), plan in plans.items()]
-    for rows in (1, 16, 32, 64):
-        if layers and plans and all((n, k, rows) in timed for n, k in plans):
+    for rows in (1, 16, 32, 64, 128, 256, 512, 1024):
+        # (at 512 rows the loader also timed the dequantization alone: a wide_mma bucket's timing or none)
+        if layers and plans and all((n, k, rows) in timed and (rows != 512 or any(most == 512 for most, _ in
+                                                                                    plan.wide))
+                                    for (n, k), plan in plans.items()):
             total = sum(timed[n, k, rows] for n, k in plans) * layers
             lines.append(f"the kept launches at {rows} row{'s' if rows > 1 else ''}, as the loader timed them: "
                          f"{total * 1e3:.2f} ms per decode step ({layers} layers)")

@@ -12,7 +12,7 @@ layers) with the fastest config of each, as the loader picks them. ``--explore``
 ``--moe`` adds one Mixtral-8x7B MoE layer (16-bit fused experts against every form of W4A16 ones, per token
 count: ``bench/quant_moe.py``), ``--moe-only`` runs only that. ``--large`` times large batches instead
 (``bench/quant_large.py``: the dequantize-then-matmul path, the dequantization alone against the copy bandwidth, and
-the ``tl.dot`` kernels, against bf16 at 128, 256 and 512 rows).
+the ``tl.dot`` kernels and ``wide_mma``, against bf16 at 128, 256, 512 and 1024 rows).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     if args.large:
-        rows = [int(r) for r in (args.rows or "128,256,512").split(",")]
+        rows = [int(r) for r in (args.rows or "128,256,512,1024").split(",")]
         return _write(args, bandwidth, large_batch(rows, args.zeros, bandwidth, device, graph_seconds))
     rows_list = [int(r) for r in (args.rows or "1,8,32").split(",")]
     results = []
@@ -117,9 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="every kernel variant and config, int_mma's included (bench/quant_sweep.py)")
     parser.add_argument("--narrow", action="store_true",
                         help="--sweep: only what the loader times and round 2's trials (about 40 s on an H100)")
-    parser.add_argument("--trials", choices=("all", "natural"), default="all",
-                        help="--sweep --narrow: every kind's trials, or natural_mma's alone "
-                             "(kernels/packed_int_natural.py)")
+    parser.add_argument("--trials", choices=("all", "natural", "gemv"), default="all",
+                        help="--sweep --narrow: every kind's trials, natural_mma's alone "
+                             "(kernels/packed_int_natural.py), or the one-token GEMV's wide programs alone")
     parser.add_argument("--jobs", type=int, default=max((os.cpu_count() or 4) - 2, 1),
                         help="--sweep: processes compiling the configs first (default: all cores but two)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights with zero points (AWQ's layout)")

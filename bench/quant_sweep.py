@@ -113,8 +113,11 @@ def narrow_variants(n: int, k: int, rows: int, device: torch.device, only: str =
     bucket = 16 if rows <= 16 else 32 if rows <= 32 else 64
     loader = gemv_candidates(n, k, 4, sm_count) if rows == 1 else batch_candidates(n, k, 4, GROUP, bucket, sm_count,
                                                                                    torch.bfloat16)
-    listed = natural_trials(n, k, rows, sm_count)
-    if only != "natural":
+    if only == "gemv":
+        listed = wide_gemv_trials(n, k, rows, sm_count)
+    else:
+        listed = natural_trials(n, k, rows, sm_count)
+    if only == "all":
         listed = trials(n, k, rows, sm_count) + magic_trials(n, k, rows, sm_count) + listed
     tried = [t for t in dict.fromkeys(listed) if t not in loader]
     return [(_kernel(tiles), tiles) for tiles in dict.fromkeys(loader)] + \
@@ -155,6 +158,24 @@ def magic_trials(n: int, k: int, rows: int, sm_count: int) -> list:
     from treadle.kernels.packed_int_magic import mma_trials
 
     return mma_trials(n, k, rows, sm_count) if rows > 1 else []
+
+
+def wide_gemv_trials(n: int, k: int, rows: int, sm_count: int) -> list:
+    """One row: GEMV programs of 2 to 8 warps whose step is 256 or 512 words a row (the whole K range of a 4096-wide
+    split in one or two steps, 4 to 32 words a thread): every load of a program issued at once, so a program waits
+    for memory once, not once per step. Do the small shapes (qkv, o_proj: 4 steps a row in the loader's 1-warp
+    programs) then come nearer their roofline?"""
+    import triton
+
+    from treadle.kernels.packed_int import IntTiles
+
+    if rows != 1:
+        return []
+    words = k // 8
+    return [IntTiles(0, block_n, block_w, split, warps, subnormal=True)
+            for block_n in (4, 8, 16) for block_w in (256, 512) for warps in (2, 4, 8) for split in (1, 2, 4)
+            if words % (block_w * split) == 0 and 4 <= block_n * block_w // (32 * warps) <= 32
+            and triton.cdiv(n, block_n) * split >= sm_count]
 
 
 def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list:
@@ -253,6 +274,7 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
     from treadle.kernels.packed_int import gemv_candidates
     from treadle.kernels.packed_int_dequant import load_dequantize_candidates
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
+    from treadle.kernels.packed_int_wide import WIDE_BUCKETS, wide_candidates
 
     sm_count = torch.cuda.get_device_properties(torch.device("cuda")).multi_processor_count
     work = [(name, 1, "gemv", tiles) for name, (n, k) in SHAPES.items() for tiles in gemv_candidates(n, k, 4, sm_count)]
@@ -262,6 +284,8 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
     work += [(name, rows, "silu_mul", SiluMulTiles(tiles, True)) for name, rows, _, tiles in work
              if isinstance(tiles, NaturalMmaTiles) and tiles.split_k == 1]
     work += [("qkv_proj", 128, "dequantize", tiles) for tiles in load_dequantize_candidates()]
+    work += [(name, rows, "wide", tiles) for name, (n, k) in SHAPES.items() for rows in WIDE_BUCKETS
+             for tiles in wide_candidates(n, k, 4, GROUP, rows, sm_count)]
     _precompile(work, jobs, zeros)
 
 

@@ -1,10 +1,12 @@
 """What one panel-packed integer weight shape runs per batch size (:class:`IntKernelPlan`), from the launch configs
 of ``kernels/packed_int.py`` (the one-token GEMV, ``int_dot``), ``kernels/packed_int_mma.py`` (``int_mma``),
-``kernels/packed_int_magic.py`` (``magic_mma``) and ``kernels/packed_int_natural.py`` (``natural_mma``): one row
-runs the GEMV, 2 to the plan's ``dot_max_rows`` (at most ``DOT_MAX_ROWS``) rows a ``tl.dot`` kernel (per row
-bucket the fastest of ``magic_mma``, ``natural_mma``, ``int_mma`` and ``int_dot``, timed at load by
-``layers/int_kernel_choice.py``), larger batches :func:`dequantize_linear` (``kernels/packed_int_dequant.py``'s
-dequantization into one buffer per device, then the library matmul).
+``kernels/packed_int_magic.py`` (``magic_mma``), ``kernels/packed_int_natural.py`` (``natural_mma``) and
+``kernels/packed_int_wide.py`` (``wide_mma``): one row runs the GEMV, 2 to the plan's ``dot_max_rows`` (at most
+``DOT_MAX_ROWS``) rows a ``tl.dot`` kernel (per row bucket the fastest of ``magic_mma``, ``natural_mma``,
+``int_mma`` and ``int_dot``, timed at load by ``layers/int_kernel_choice.py``); with 16-bit activations, 65 up to
+the last of its row buckets (128, 256, 512, 1024) that beat the dequantization, ``wide_mma``; larger batches
+:func:`dequantize_linear` (``kernels/packed_int_dequant.py``'s dequantization into one buffer per device, then
+the library matmul).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequ
 from treadle.kernels.packed_int_magic import MagicMmaTiles, magic_mma
 from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_candidates, natural_mma
-
+from treadle.kernels.packed_int_wide import WIDE_BUCKETS, WideMmaTiles, wide_candidates, wide_mma
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,10 @@ class SiluMulTiles:
 
 
 # One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), of ``magic_mma`` (MagicMmaTiles:
-# what 2 to 64 rows run first where it applies), of ``natural_mma`` (NaturalMmaTiles), or the dequantization and the
-# library matmul (DequantTiles); or a gated MLP's product (SiluMulTiles).
-Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, NaturalMmaTiles, DequantTiles, SiluMulTiles]
+# what 2 to 64 rows run first where it applies), of ``natural_mma`` (NaturalMmaTiles), of ``wide_mma`` (WideMmaTiles:
+# 65 to 1024 rows), or the dequantization and the library matmul (DequantTiles); or a gated MLP's product
+# (SiluMulTiles).
+Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, NaturalMmaTiles, WideMmaTiles, DequantTiles, SiluMulTiles]
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,11 @@ class IntKernelPlan:
     """What one weight shape runs per batch size, chosen once at load (:func:`plan_kernels`): ``gemv`` for one
     row, ``small`` for up to 16 rows, ``medium`` up to 32, ``large`` up to ``dot_max_rows`` (64, 128 or
     ``DOT_MAX_ROWS``), then :func:`dequantize_linear` with ``dequant``'s launch (so do act-order weights whose sorted
-    groups are uneven); the loader times ``dot_max_rows`` and ``dequant`` like the launches. ``fused_silu_mul``:
-    per bucket (small, medium, large), whether a ``[gate | up]`` weight's ``silu(gate) * up`` runs in the
-    matmul's kernel (:class:`SiluMulTiles`, timed at load)."""
+    groups are uneven); ``wide``: ``(most rows, launch)`` per row bucket above 64 (ascending, ``wide_mma``'s),
+    each run from 65 rows (or the bucket before's most) up to its most, before ``dot_max_rows`` (64 where there are
+    any) and the dequantization apply; the loader times ``dot_max_rows``, ``wide`` and ``dequant`` like the
+    launches. ``fused_silu_mul``: per bucket (small, medium, large), whether a ``[gate | up]`` weight's
+    ``silu(gate) * up`` runs in the matmul's kernel (:class:`SiluMulTiles`, timed at load)."""
 
     bits: int
     group: int
@@ -58,6 +63,7 @@ class IntKernelPlan:
     large: Tiles
     dot_max_rows: int = DOT_MAX_ROWS
     dequant: DequantTiles = DequantTiles()
+    wide: tuple[tuple[int, WideMmaTiles], ...] = ()
     fused_silu_mul: tuple[bool, bool, bool] = (False, False, False)
 
     def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -96,6 +102,9 @@ class IntKernelPlan:
         and ``natural_mma``; ``buffer`` (``layer.dequant_buffer``) takes the dequantized weight of large batches
         (None: a new tensor)."""
         rows = x.shape[0]
+        if g_idx is None and self.wide and 64 < rows <= self.wide[-1][0]:
+            tiles = next(launch for most, launch in self.wide if rows <= most)
+            return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles)
         if g_idx is None and rows <= self.dot_max_rows:
             tiles = self.gemv if rows == 1 else self.small if rows <= 16 else self.medium if rows <= 32 else self.large
             return run_tiles(x, weight, scales, zeros, self.bits, self.group, tiles, prefetch)
@@ -128,6 +137,8 @@ def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
         return magic_mma(x, weight, scales, zeros, bits, group, tiles, prefetch)
     if isinstance(tiles, NaturalMmaTiles):
         return natural_mma(x, weight, scales, zeros, bits, group, tiles, prefetch)
+    if isinstance(tiles, WideMmaTiles):
+        return wide_mma(x, weight, scales, zeros, bits, group, tiles)
     if tiles.block_m == 0:
         return int_gemv(x, weight, scales, zeros, bits, group, tiles, prefetch=prefetch)
     return int_dot(x, weight, scales, zeros, bits, group, tiles)
@@ -139,7 +150,7 @@ def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
     """The kernels for a panel-packed weight of ``n`` x ``k`` (None: a shape they do not tile, left to the torch
     path) multiplying activations of ``dtype`` (None: any; ``magic_mma`` needs 16-bit ones). ``pick(candidates,
     rows)`` chooses among launch configs for a batch of ``rows`` (the loader times them on the GPU); without it,
-    the first candidate."""
+    the first candidate (and no ``wide_mma`` buckets: the kernels of 64 rows up to ``DOT_MAX_ROWS``)."""
     if not tiles_shape(k, bits, group):
         return None
     choose = pick or (lambda candidates, rows: candidates[0])
@@ -147,9 +158,11 @@ def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
     small, medium, large = (choose(batch_candidates(n, k, bits, group, rows, sm_count, dtype), rows)
                             for rows in (16, 32, 64))
     dequant = choose(load_dequantize_candidates(), 512)
+    wide = (_wide_buckets(n, k, bits, group, sm_count, dequant, pick)
+            if pick is not None and dtype in (torch.float16, torch.bfloat16) else ())
+    most = 64 if wide else _dot_max_rows(large, dequant, choose)
     fused = tuple(_fuses_silu_mul(tiles, n, rows, choose) for tiles, rows in ((small, 16), (medium, 32), (large, 64)))
-    return IntKernelPlan(bits, group, gemv, small, medium, large, _dot_max_rows(large, dequant, choose), dequant,
-                         fused)
+    return IntKernelPlan(bits, group, gemv, small, medium, large, most, dequant, wide, fused)
 
 
 def _fuses_silu_mul(tiles: Tiles, n: int, rows: int, choose: Callable[[list, int], Tiles]) -> bool:
@@ -159,6 +172,24 @@ def _fuses_silu_mul(tiles: Tiles, n: int, rows: int, choose: Callable[[list, int
     if not isinstance(tiles, NaturalMmaTiles) or tiles.split_k != 1 or n % 2:
         return False
     return choose([SiluMulTiles(tiles, False), SiluMulTiles(tiles, True)], rows).fused
+
+
+def _wide_buckets(n: int, k: int, bits: int, group: int, sm_count: int, dequant: DequantTiles,
+                  choose: Callable[[list, int], Tiles]) -> tuple[tuple[int, WideMmaTiles], ...]:
+    """``IntKernelPlan.wide``: per row bucket (128, 256, 512, 1024) the fastest ``wide_mma`` launch, raced against
+    the dequantization (``dequant``) and the library matmul at that many rows, up to the first bucket it loses
+    (the dequantization writes the 16-bit weight once whatever the rows; ``wide_mma`` widens it again for every
+    128 of them, so beyond some batch the library matmul wins)."""
+    wide = []
+    for rows in WIDE_BUCKETS:
+        candidates = wide_candidates(n, k, bits, group, rows, sm_count)
+        if not candidates:
+            break
+        best = choose([*candidates, dequant], rows)
+        if not isinstance(best, WideMmaTiles):
+            break
+        wide.append((rows, best))
+    return tuple(wide)
 
 
 def _dot_max_rows(large: Tiles, dequant: DequantTiles, choose: Callable[[list, int], Tiles]) -> int:

@@ -1,14 +1,16 @@
 """Which Triton kernels (``kernels/int_kernel_plan.py``) each integer weight shape runs, chosen once at load.
 
 For each shape the candidate launch configs of the one-token GEMV and of the ``tl.dot`` kernels (``magic_mma``,
-``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), and the 64 rows'
-winner against the dequantization and the library matmul at 128 and 256 rows (how many rows the ``tl.dot`` kernels
-run), and where a bucket's ``natural_mma`` launch has no split-K, that launch with a ``[gate | up]`` weight's
-``silu(gate) * up`` in its epilogue against it followed by ``silu_mul`` (``SiluMulTiles``), are timed on the layer's
-weight, replayed from a CUDA graph with each call on another copy of the weight so it
-is read from memory as a decode step reads it (``layers/small_batch.py``'s timing), each call prefetching the next
-one's head into L2 as the model's calls do (``small_batch.chain_l2_prefetch``), and the fastest kept. With
-``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run.
+``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), with 16-bit activations
+``wide_mma``'s three or four launches against the dequantization and the library matmul at 128, 256, 512 and 1024 rows (up
+to the first bucket it loses: how many rows it runs), else the 64 rows' winner against them at 128 and 256 rows
+(how many rows the ``tl.dot`` kernels run), and where a bucket's ``natural_mma`` launch has no split-K, that launch
+with a ``[gate | up]`` weight's ``silu(gate) * up`` in its epilogue against it followed by ``silu_mul``
+(``SiluMulTiles``), are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the
+weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s timing), each call
+prefetching the next one's head into L2 as the model's calls do (``small_batch.chain_l2_prefetch``), and the fastest
+kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run
+(and no ``wide_mma``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def chosen_plans() -> dict[tuple[int, int], Any]:
 
 def kept_seconds() -> dict[tuple[int, int, int], float]:
     """``(N, K, rows)`` -> the loader's timing of the launch it kept for each shape and row bucket (1, 16, 32, 64;
-    at 128 and 256 rows the 64 rows' launch or the dequantization), for benchmarks to set beside a decode step's."""
+    at 128 to 1024 rows ``wide_mma``'s or the dequantization, or at 128 and 256 the 64 rows' launch; at 512 the
+    dequantization alone where no ``wide_mma`` bucket reached it), for benchmarks to set beside a decode step's."""
     return dict(_kept_seconds)
 
 

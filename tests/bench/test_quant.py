@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -122,12 +123,25 @@ def test_the_kernels_each_shape_chose_are_printed(monkeypatch):
     text = quant.chosen_kernels()
     assert text.splitlines()[:2] == ["kernels chosen at load:", f"4096 x 4096: 1 row {plan.gemv}"]
     assert f"32 rows {plan.medium}" in text and "64 x 100" not in text
+    assert "the tl.dot kernels up to 256 rows, then dequantize" in text
     # With the loader's timings: each kept launch's, and the shapes' sum per decode step where every shape has one.
     monkeypatch.setattr(int_kernel_choice, "_kept_seconds", {(4096, 4096, 1): 5e-6, (4096, 4096, 32): 1.2e-5})
     timed = quant.chosen_kernels(layers=32).splitlines()
     assert timed[1] == f"4096 x 4096: 1 row {plan.gemv} (5.0 us)" and "(12.0 us)" in timed[3]
     assert timed[-2:] == ["the kept launches at 1 row, as the loader timed them: 0.16 ms per decode step (32 layers)",
                           "the kept launches at 32 rows, as the loader timed them: 0.38 ms per decode step (32 layers)"]
+    # A plan with wide_mma buckets: each printed with its timing, the fused kernels up to the last bucket.
+    from treadle.kernels.packed_int_wide import WideMmaTiles
+
+    wide = dataclasses.replace(plan, dot_max_rows=64, wide=((128, WideMmaTiles(128, 128, 8)),
+                                                            (256, WideMmaTiles(128, 256, 4, 8))))
+    monkeypatch.setattr(int_kernel_choice, "_plans", {(4096, 4096, 4, 128, False, "bf16", "cuda:0"): wide})
+    monkeypatch.setattr(int_kernel_choice, "_kept_seconds", {(4096, 4096, 128): 2e-5, (4096, 4096, 256): 3e-5})
+    text = quant.chosen_kernels(layers=32)
+    assert f"  up to 128 rows {WideMmaTiles(128, 128, 8)} (20.0 us)" in text.splitlines()
+    assert "the tl.dot kernels up to 256 rows, then dequantize" in text
+    assert text.splitlines()[-1] == ("the kept launches at 256 rows, as the loader timed them: 0.96 ms per decode "
+                                     "step (32 layers)")
 
 
 def _profile(system: str, bs: int, kernels: list[tuple[str, float, float]], idle: float) -> dict:
@@ -187,10 +201,13 @@ def test_large_batch_summary_adds_the_shapes_up_per_step():
     from treadle.bench.quant_large import summary
 
     rows = [{"rows": 128, "bf16_us": 100.0, "dequantize_us": 20.0, "path_us": 125.0, "best_path_us": 120.0,
-             "dot_best_us": 150.0}, {"rows": 128, "bf16_us": 50.0, "dequantize_us": 10.0, "path_us": 62.5,
-                                    "best_path_us": 60.0, "dot_best_us": 70.0},
+             "dot_best_us": 150.0, "wide_best_us": 80.0, "kept_us": 80.0},
+            {"rows": 128, "bf16_us": 50.0, "dequantize_us": 10.0, "path_us": 62.5, "best_path_us": 60.0,
+             "dot_best_us": 70.0, "wide_best_us": 70.0, "kept_us": 62.5},
             {"rows": 512, "bf16_us": 400.0, "dequantize_us": 30.0, "path_us": 440.0, "best_path_us": 430.0}]
     lines = summary(rows, [128, 512]).splitlines()
-    # 32 layers: (100 + 50) us -> 4.80 ms of bf16, the path 1.25x; no tl.dot timing at 512 rows.
-    assert lines[1].split()[1:6] == ["4.80", "0.96", "6.00", "5.76", "7.04"] and "(1.25x" in lines[1]
-    assert lines[2].split()[1:6] == ["12.80", "0.96", "14.08", "13.76", "-"] and "(1.10x" in lines[2]
+    # 32 layers: (100 + 50) us -> 4.80 ms of bf16, the path 1.25x, wide_mma 4.80 ms, the faster of the two per
+    # shape 4.56 ms (0.95x); no tl.dot or wide_mma timing at 512 rows: the path kept.
+    assert lines[1].split()[1:8] == ["4.80", "0.96", "6.00", "5.76", "7.04", "4.80", "4.56"]
+    assert "(1.25x, 0.95x" in lines[1]
+    assert lines[2].split()[1:8] == ["12.80", "0.96", "14.08", "13.76", "-", "-", "14.08"] and "(1.10x" in lines[2]

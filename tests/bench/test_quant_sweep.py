@@ -89,3 +89,15 @@ def test_the_sweep_compiles_its_timed_launches_as_it_times_them_and_the_loaders_
     quant_sweep._precompile(loader, 2, False, timed=[("o_proj", 32, "magic_mma", "a")])
     assert sorted((tiles, prefetch) for _, _, _, tiles, prefetch in compiled) == [("a", False), ("a", True),
                                                                                   ("b", True)]
+
+
+def test_the_gemv_sweep_times_the_loaders_one_row_launches_and_the_wide_programs(monkeypatch):
+    from treadle.bench.quant_sweep import narrow_variants
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    n, k = SHAPES["o_proj"]
+    listed = narrow_variants(n, k, 1, torch.device("cuda"), only="gemv")
+    trial_tiles = [t for kernel, t in listed if kernel == "gemv_subnormal trial"]
+    assert trial_tiles and all(t.block_w >= 256 and t.num_warps >= 2 for t in trial_tiles)
+    assert {kernel for kernel, _ in listed} == {"gemv", "gemv_subnormal", "gemv_subnormal trial"}
+    assert narrow_variants(n, k, 32, torch.device("cuda"), only="gemv")[-1][0] != "gemv_subnormal trial"

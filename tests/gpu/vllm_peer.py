@@ -6,6 +6,10 @@ median over ``--repeats`` pairs of ``generate`` calls of 1 and ``--new-tokens`` 
 ``--input-len``-token prompts: a decode step is ``(t(new) - t(1)) / (new - 1)``, as ``treadle bench lora``'s engine
 part and ``bench/one_batch.py``'s Engine rows measure treadle's. ``--lora-dir`` (PEFT folders ``adapterNN``, as
 ``bench/lora_engine.py``'s ``write_adapters`` makes them) gives request i adapter i (bs=32: 32 adapters, bs=1: one).
+``--offline FILE`` instead runs a whole workload at once, as ``treadle bench offline`` does: FILE is JSON
+``[[prompt token ids, output length], ...]`` (``vllm_peer.sh``'s ``configs`` stage writes treadle's 1000-request
+``random`` workload, 16-600 tokens in, 16-400 out, seed 0), every request greedy to exactly its length; out tok/s
+after a warm-up of 64 of its requests.
 
     PYTHONPATH=/tmp/vsite python3 tests/gpu/vllm_peer.py --model /tmp/llama-3.1-8b --tp 2 --output /tmp/out/v.json
 """
@@ -30,8 +34,10 @@ def main() -> int:
     if args.no_ar_fusion:  # vLLM's all-reduce + RMSNorm fusion (FlashInfer's) faults on machines without multicast
         extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     llm = LLM(model=args.model, load_format="dummy", tensor_parallel_size=args.tp, dtype="bfloat16",
-              skip_tokenizer_init=True, enable_prefix_caching=False, max_model_len=args.input_len + args.new_tokens + 64,
+              skip_tokenizer_init=True, enable_prefix_caching=False, max_model_len=args.max_model_len or args.input_len + args.new_tokens + 64,
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0, **extra)
+    if args.offline:
+        return _offline(llm, args)
     rng = random.Random(0)
     result = {"model": args.model, "tp": args.tp, "no_ar_fusion": args.no_ar_fusion, "lora_dir": args.lora_dir, "input_len": args.input_len,
               "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps_ms": {}}
@@ -58,6 +64,27 @@ def main() -> int:
     return 0
 
 
+def _offline(llm, args: argparse.Namespace) -> int:
+    from vllm import SamplingParams
+
+    work = json.loads(Path(args.offline).read_text())
+    prompts = [{"prompt_token_ids": ids} for ids, _ in work]
+    params = [SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0, detokenize=False) for _, out in work]
+    llm.generate(prompts[:64], params[:64], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {"model": args.model, "tp": args.tp, "offline": args.offline, "requests": len(work),
+              "input_tokens": sum(len(ids) for ids, _ in work), "output_tokens": out_tokens, "seconds": seconds,
+              "out_tok_per_s": out_tokens / seconds, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(f"vllm {Path(args.model).name} offline: {len(work)} requests, {out_tokens} out tokens in {seconds:.2f} s: "
+          f"{out_tokens / seconds:.1f} out tok/s", flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def _lora_requests(args: argparse.Namespace, bs: int) -> list:
     from vllm.lora.request import LoRARequest
 
@@ -79,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--no-ar-fusion", action="store_true", help="vLLM's all-reduce + RMSNorm fusion off")
+    parser.add_argument("--offline", help="JSON [[prompt ids, output length], ...]: the whole workload at once")
+    parser.add_argument("--max-model-len", type=int, help="default: the prompt plus --new-tokens plus 64")
     parser.add_argument("--output")
     return parser
 

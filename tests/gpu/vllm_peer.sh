@@ -20,7 +20,8 @@
 # Stages: unpack (/tmp/vc/part* -> /tmp/vsite); configs (the shapes' config.json and the adapters, by treadle);
 # runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2; on 2 GPUs
 # the stages `single` (GPU 0 bf16 then the adapters, GPU 1 W4A16) and `tp2`, one device call each; `marlin`: W4A16
-# on GPU 0 with vLLM's Marlin kernel instead of Machete), each
+# on GPU 0 with vLLM's Marlin kernel instead of Machete; `offline`: the 1000-request offline run of `treadle bench
+# quant` in bf16 and W4A16 side by side on 2 GPUs, its requests written by `configs`), each
 # writing $OUT/vllm_*.json. treadle's counterparts, timed the same way (Engine.generate): `python -m
 # treadle.bench.tp_step_broadcast --skip-latency --backend auto --rounds 1 --modes tp1` (and `--modes auto`),
 # `python -m treadle.bench.quant --runs one-batch --precompile 14` (not `--quick`, which times synchronized graph
@@ -57,6 +58,10 @@ from pathlib import Path
 from treadle.bench.lora_engine import write_adapters
 config = json.loads(Path("/tmp/llama-3.1-8b/config.json").read_text())
 print(len(write_adapters(Path("/tmp/lora16"), config, 32, 16, device="cuda")), "adapters in /tmp/lora16")
+from treadle.bench.workloads import random_workload
+work = random_workload(1000, range(config["vocab_size"]), (16, 600), (16, 400), seed=0)  # bench offline's default
+Path("/tmp/offline_random.json").write_text(json.dumps([[r.input_ids, r.output_len] for r in work.requests]))
+print(work.input_tokens, "in,", work.output_tokens, "out tokens in /tmp/offline_random.json")
 PY
       ;;
     runs)  # 4 GPUs: everything side by side; fewer: `single`, then `tp2`
@@ -70,6 +75,10 @@ PY
       peer 1 w4a16 --model /tmp/llama-3.1-8b-w4a16 &
       wait ;;
     tp2) peer 0,1 tp2 --model /tmp/llama-3.1-8b --tp 2 --batch-sizes 1 ${TP2_ARGS:-} ;;
+    offline)  # 2 GPUs: treadle's 1000-request random workload, bf16 on GPU 0, W4A16 (Machete) on GPU 1
+      peer 0 offline_bf16 --model /tmp/llama-3.1-8b --offline /tmp/offline_random.json --max-model-len 1088 &
+      peer 1 offline_w4a16 --model /tmp/llama-3.1-8b-w4a16 --offline /tmp/offline_random.json --max-model-len 1088 &
+      wait ;;
     marlin)  # vLLM's other W4A16 kernel (Machete is its Hopper default)
       VLLM_DISABLED_KERNELS=MacheteLinearKernel peer 0 w4a16_marlin --model /tmp/llama-3.1-8b-w4a16 ;;
     *) echo "unknown stage $stage" ;;

@@ -37,10 +37,12 @@ def errors(kernels, n, k, rows, group, asym, dtype):
 
 # Today's GEMV with the subnormal widening (IntTiles.subnormal): plain, split-K with zero points, SiLU·mul.
 subnormal = {}
-for name, (tiles, group, asym) in {"plain": (IntTiles(0, 8, 32, 1, 1, subnormal=True), 128, False),
-                                   "split-K, zeros, groups of 32": (IntTiles(0, 16, 16, 2, 1, subnormal=True), 32, True)
-                                   }.items():
-    subnormal[name] = errors([(int_gemv, tiles)], 24, 512, 1, group, asym, torch.float32)[0]
+for name, (tiles, k, group, asym) in {
+        "plain": (IntTiles(0, 8, 32, 1, 1, subnormal=True), 512, 128, False),
+        "split-K, zeros, groups of 32": (IntTiles(0, 16, 16, 2, 1, subnormal=True), 512, 32, True),
+        # the sweep's wide programs (bench/quant_sweep.py's wide_gemv_trials): a K range in one step over 2 warps
+        "4 rows by 256 words, 2 warps, split-K": (IntTiles(0, 4, 256, 2, 2, subnormal=True), 4096, 128, False)}.items():
+    subnormal[name] = errors([(int_gemv, tiles)], 24, k, 1, group, asym, torch.float32)[0]
 values = torch.randint(0, 16, (32, 256))
 scales = torch.rand(32, 2) * 0.01 + 0.001
 x = torch.randn(1, 256)
@@ -149,7 +151,7 @@ def results() -> dict:
 
 
 def test_todays_gemv_with_subnormal_values_gives_the_dequantized_matmul(results):
-    assert len(results["subnormal"]) == 3
+    assert len(results["subnormal"]) == 4
     for name, error in results["subnormal"].items():
         assert error < 1e-6, (name, error)
 

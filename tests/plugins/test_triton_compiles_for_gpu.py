@@ -325,7 +325,38 @@ def _int_weight_kernels() -> dict:
         "natural_mma[bf16,32,pdl,silu_mul]": lambda: check(  # partials_ptr: the matmul's bf16 output
             {**pointers, "partials_ptr": "*bf16"}, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
             EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PDL=True, PREFETCH=True, SILU_MUL=True),
+        "wide_mma[bf16,128x128,pdl]": lambda: _check_wide(pointers, 4, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1,
+                                                           MAGIC16=0x4300, EVEN_N=True, BLOCK_N=128, PDL=True),
+        "wide_mma[fp16,zeros,128x256,split_k]": lambda: _check_wide(fp16, 8, HAS_ZEROS=True, SPLIT_K=4, SUM_CHUNK=1,
+                                                                     MAGIC16=0x6400, EVEN_N=False, BLOCK_N=256,
+                                                                     PDL=False),
+        "wide_mma[bf16,tokens_m,128x128]": lambda: _check_wide(pointers, 8, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1,
+                                                                MAGIC16=0x4300, EVEN_N=True, BLOCK_N=128, PDL=True,
+                                                                TOKENS_M=True),
     }
+
+
+def _check_wide(types: dict[str, str], num_warps: int, **constexprs: object) -> None:
+    """kernels/packed_int_wide.py's kernel (128 tokens a tile): 128-token wgmmas from the widened weight in registers,
+    all waited for once, after the loop; the other orientation (TOKENS_M, 128 registers a thread, two stages):
+    64-token wgmmas by 128 weight rows whose widened panel is stored to shared memory."""
+    from treadle.kernels import packed_int_wide
+
+    types = {name: kind for name, kind in types.items() if name != "prefetch_ptr"}
+    constexprs = {"TOKENS_M": False, **constexprs}
+    tokens_m = constexprs["TOKENS_M"]
+    compiled = _compile(packed_int_wide._wide_mma_kernel, types, set(), dict(GROUP=128, ASM=True, BLOCK_M=128,
+                                                                             **constexprs),
+                        aligned=set(types) | {"N", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
+                                              "stride_om"}, num_warps=num_warps, num_stages=2 if tokens_m else 3,
+                        **({"maxnreg": 128} if tokens_m else {}))
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32" in ptx
+    if tokens_m:
+        assert "st.shared" in ptx
+    else:
+        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
+    _check_pdl(constexprs["PDL"], compiled)
 
 
 def _expect_in_ptx(compiled, text: str) -> None:
@@ -402,7 +433,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "small_batch[bf16,gemv,lora_shrink,pdl]", "lora_expand_silu_mul[pdl]", "lora_expand_add_rmsnorm[pdl]",
            "lora_dense_mask", "natural_mma[bf16,32,pdl]", "natural_mma[fp16,zeros,32,split_k]",
            "natural_mma[bf16,16,pdl,atomic_sum,head_lines,next_early]",
-           "natural_mma[bf16,32,pdl,silu_mul]"]
+           "natural_mma[bf16,32,pdl,silu_mul]",
+           "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]"]
 
 
 def _compile_all() -> dict[str, str | None]:
