@@ -75,7 +75,7 @@ def compiled(tiles: Any) -> Any:
                           TOKENS_M=getattr(tiles, "tokens_m", False))
         if not wide:  # natural_mma's launch options (kernels/packed_int_natural.py)
             constexprs.update(ATOMIC_SUM=tiles.atomic_sum, HEAD_LINES=tiles.head_lines, SILU_MUL=False,
-                              NEXT_EARLY=tiles.next_early)
+                              NEXT_EARLY=tiles.next_early, TILED=tiles.tiled)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:

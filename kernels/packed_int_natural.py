@@ -54,7 +54,9 @@ class NaturalMmaTiles:
     adds first (not deterministic; off by default); ``head_lines``: the 128-byte lines of each weight row (two
     panels a line) that a program launched early by PDL asks L2 for before the kernel before it finishes;
     ``next_early``: PDL lets the next kernel be scheduled once every program has started its loop, not finished it
-    (the next kernel's programs then take the SM room this one leaves and fetch their first panels sooner)."""
+    (the next kernel's programs then take the SM room this one leaves and fetch their first panels sooner);
+    ``tiled``: the weight re-laid out by :func:`tile_panels` (each K step of a tile one contiguous 8 KB block, not
+    ``block_n`` rows' 64 bytes 2 KB and more apart): a sweep trial of the memory's locality."""
 
     block_m: int
     block_n: int
@@ -66,6 +68,7 @@ class NaturalMmaTiles:
     atomic_sum: bool = False
     head_lines: int = 2
     next_early: bool = False
+    tiled: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
@@ -88,7 +91,8 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     i16, magic, _ = widening(bits, x.dtype)
-    if not i16 or not tiles.fits(k, bits, group) or (silu_mul and (tiles.split_k != 1 or weight.shape[0] % 2)):
+    if (not i16 or not tiles.fits(k, bits, group) or (silu_mul and (tiles.split_k != 1 or weight.shape[0] % 2))
+            or (tiles.tiled and n % tiles.block_n)):
         raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}"
                          + (" as [gate | up] (no split-K, rows in pairs)" if silu_mul else ""))
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -107,7 +111,7 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PDL=pdl,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), launch_pdl=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, ATOMIC_SUM=atomic, HEAD_LINES=tiles.head_lines, SILU_MUL=silu_mul,
-        NEXT_EARLY=tiles.next_early,
+        NEXT_EARLY=tiles.next_early, TILED=tiles.tiled,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
 
@@ -123,6 +127,14 @@ def _zeroed_sums(device: torch.device, numel: int) -> torch.Tensor:
     if sums is None or sums.numel() < numel:
         sums = _sums[device] = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
     return sums
+
+
+def tile_panels(words: torch.Tensor, block_n: int) -> torch.Tensor:
+    """``words`` (``[N, K / 8]``, the panel layout) re-laid out for ``tiled`` launches of ``block_n`` rows a tile:
+    the same shape, each tile's K steps one after another, a step its ``block_n`` rows' 16 words."""
+    n, width = words.shape
+    return words.view(n // block_n, block_n, width // PANEL_WORDS, PANEL_WORDS).transpose(1, 2).contiguous().view(
+        n, width)
 
 
 def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
@@ -153,7 +165,8 @@ def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaT
     with registers capped (128 a thread up to 32 tokens, 168 at 64: a few spills in the loop past 16), with the
     partials added by L2's atomic units (``atomic_sum``), with half the K ranges (fewer partials to sum), with PDL's
     early L2 request of each row's first 16 panels, not 4 (``head_lines``: down_proj's K ranges are 14 panels), and
-    with the next kernel let in before the loop (``next_early``); the most K ranges the SMs hold at once with
+    with the next kernel let in before the loop (``next_early``), and from the weight re-laid out a tile's K step
+    contiguous (``tiled``, :func:`tile_panels`: is DRAM's locality what holds the loop at 2-3 TB/s?); the most K ranges the SMs hold at once with
     registers capped for a program more an SM, the partials stored or added atomically (is it the partials' traffic
     that made split-K lose at gate_up_proj?). Two warp groups (256 rows) and six stages lost at every shape and row
     count on an H200 (2026-11-28 sweep, ``bench/results``): no longer timed. (64-row tiles on one warp group compile
@@ -162,16 +175,16 @@ def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaT
     steps = k // PANEL
 
     def tiles(programs: int = 0, stages: int = 4, registers: int = 0, atomic: bool = False, fewer: int = 1,
-              head: int = 2, per_sm: int = 0, early: bool = False) -> NaturalMmaTiles:
+              head: int = 2, per_sm: int = 0, early: bool = False, tiled: bool = False) -> NaturalMmaTiles:
         split = (_split_k(n, steps, 128, programs * sm_count) if programs
                  else wave_split(n, k, per_sm or (2 if block_m > 32 else 3), sm_count))
         return NaturalMmaTiles(block_m, 128, max(split // fewer, 1), 4, stages, max_registers=registers,
-                               atomic_sum=atomic, head_lines=head, next_early=early)
+                               atomic_sum=atomic, head_lines=head, next_early=early, tiled=tiled)
 
     capped = 168 if block_m == 64 else 128  # a program more an SM: 4 of 128 registers a thread, 3 of 168
     more = 3 if block_m == 64 else 4
     listed = [tiles(2), tiles(1), tiles(4), tiles(), tiles(stages=2), tiles(stages=3), tiles(registers=capped),
-              tiles(atomic=True), tiles(fewer=2), tiles(head=8), tiles(early=True),
+              tiles(atomic=True), tiles(fewer=2), tiles(head=8), tiles(early=True), tiles(tiled=True),
               tiles(per_sm=more, registers=capped), tiles(per_sm=more, registers=capped, atomic=True)]
     # atomic_sum without split-K is the plain launch
     return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128) and (t.split_k > 1 or not t.atomic_sum)]
@@ -310,6 +323,14 @@ def _add_or_store(acc, out, sums, arrival, mask, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_block_head(start, lines, LINES: tl.constexpr):
+    """Asks L2 for the first ``LINES`` (at most ``lines``) 128-byte lines from ``start``."""
+    line = tl.minimum(tl.arange(0, LINES), lines - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [start + line * 32],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _silu_mul_pair(acc, out, own, other, arrival, mask, is_up):
     """``silu(gate) * up`` of a gate tile and its up tile, one of them ``acc``: each program stores its tile rounded
     (``own``), the later of the two loads the other's (``other``) and stores the product, rounded as the separate
@@ -334,7 +355,7 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
                         prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
                         PREFETCH_BLOCK: tl.constexpr, ATOMIC_SUM: tl.constexpr = False,
                         HEAD_LINES: tl.constexpr = 2, SILU_MUL: tl.constexpr = False,
-                        NEXT_EARLY: tl.constexpr = False):
+                        NEXT_EARLY: tl.constexpr = False, TILED: tl.constexpr = False):
     # SILU_MUL: the weight is [gate | up] (2N rows), the first half of the programs take gate's row tiles and the
     # second half up's; out is silu(gate) * up, partials_ptr the matmul's [M, 2N] output.
     pid_n = tl.program_id(0)
@@ -345,21 +366,29 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
         pairs = tl.num_programs(0) // 2
         is_up = pid_n >= pairs
         pair = pid_n - is_up.to(tl.int32) * pairs
+        row0 = pair * BLOCK_N + is_up.to(tl.int32) * N  # the tile's first weight row
         offs_n = pair * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_w = offs_n + is_up.to(tl.int32) * N  # the weight's rows
     else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_w = offs_n
+        row0 = pid_n * BLOCK_N
+        offs_n = row0 + tl.arange(0, BLOCK_N)
+    rows_w = row0 + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    w_tile = w_ptr + rows_w[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    if TILED:  # tile_panels' layout: the tile's K steps one after another, each BLOCK_N rows of 16 words
+        w_tile = w_ptr + row0 * stride_wn + tl.arange(0, BLOCK_N)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    else:
+        w_tile = w_ptr + rows_w[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     x_panel = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 128)[:, None]  # [128, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split
     if PDL:  # launched with PDL (kernels/pdl.py): L2 fetches the first panels (two a line) while the kernel before
         # finishes
-        _prefetch_tile_head(w_ptr, rows_w, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
+        if TILED:
+            _prefetch_block_head(w_ptr + row0 * stride_wn + (k_begin // 128) * (BLOCK_N * 16),
+                                 (k_end - k_begin) // 128 * (BLOCK_N // 2), HEAD_LINES * BLOCK_N)
+        else:
+            _prefetch_tile_head(w_ptr, rows_w, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, rows_w, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
     wait_for_previous(PDL)  # the activations are the kernel before's output
@@ -367,7 +396,7 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
         allow_next(PDL)
     for k0 in range(k_begin, k_end, 128):
         # Whole panels (k_per_split is whole panels: said so, a row's 64 bytes copy 16 bytes at a time, not 8).
-        panel = w_tile + tl.multiple_of(k0 // 8, 16)
+        panel = w_tile + tl.multiple_of((k0 // 128) * (BLOCK_N * 16) if TILED else k0 // 8, 16)
         if EVEN_N:  # whole row tiles: unmasked (the predicates were 5% of the loop's instructions)
             words = tl.load(panel, eviction_policy="evict_first")
         else:

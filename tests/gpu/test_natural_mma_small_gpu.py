@@ -1,9 +1,9 @@
 """kernels/packed_int_natural.py's launch options for 2 to 64 tokens on a GPU at Llama-3.1-8B's o_proj and qkv_proj
 shapes: split-K's partials added by L2's atomic units (``atomic_sum``) give the dequantized matmul, call after call
 and replayed from a CUDA graph (each tile's last program zeroes the sums again), within a float32 rounding of the
-stored partials' sum; the early L2 request of more panels (``head_lines``), two pipeline stages and letting the next
-kernel in before the loop (``next_early``) change nothing. gate_up_proj's silu(gate) * up in the epilogue gives what
-the matmul and the separate silu_mul give."""
+stored partials' sum; the early L2 request of more panels (``head_lines``), two pipeline stages, letting the next
+kernel in before the loop (``next_early``) and the weight re-laid out a tile's K step contiguous (``tiled``) change
+nothing. gate_up_proj's silu(gate) * up in the epilogue gives what the matmul and the separate silu_mul give."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("n, k", [(4096, 4096), (6144, 4096)])
 def test_partials_added_atomically_give_the_matmul_call_after_call_and_in_a_graph(n, k):
-    from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_mma, wave_split
+    from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_mma, tile_panels, wave_split
 
     words, scales, dense = _weight(n, k)
+    tiled_words = tile_panels(words, 128)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     for rows in (2, 16, 32, 64):
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -52,6 +53,8 @@ def test_partials_added_atomically_give_the_matmul_call_after_call_and_in_a_grap
         for other in (dataclasses.replace(stored, head_lines=8), dataclasses.replace(stored, num_stages=2),
                       dataclasses.replace(stored, next_early=True)):
             assert torch.equal(natural_mma(x, words, scales, None, 4, 128, other), reference), (rows, other)
+        tiled = dataclasses.replace(stored, tiled=True)
+        assert torch.equal(natural_mma(x, tiled_words, scales, None, 4, 128, tiled), reference), rows
         for _ in range(2):  # the sums are zero again after each call
             y = natural_mma(x, words, scales, None, 4, 128, added)
             # the float32 sums differ in order only: a bf16 rounding apart at most

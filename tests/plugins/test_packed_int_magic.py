@@ -80,6 +80,11 @@ for name, (tiles, n, rows, group, asym) in {
                                                                      128, False),
 }.items():
     natural[name] = errors([(run_tiles, tiles)], n, 512, rows, group, asym, torch.float16)[0]
+# A tiled launch reads the weight re-laid out by tile_panels (its PDL head prefetch runs on GPUs only).
+from treadle.kernels.packed_int_natural import tile_panels
+natural["16-token tile, 20 tokens, split-K, the weight tiled"] = errors(
+    [(lambda x, w, s, z, b, g, t: run_tiles(x, tile_panels(w, t.block_n), s, z, b, g, t),
+      NaturalMmaTiles(16, 32, 2, asm=False, tiled=True))], 64, 512, 20, 128, True, torch.float16)[0]
 # Split-K's partials added atomically: two calls in a row (each tile's last program zeroes the sums for the next).
 from treadle.kernels import packed_int_natural
 added = NaturalMmaTiles(16, 32, 4, asm=False, atomic_sum=True)
@@ -176,7 +181,7 @@ def test_loader_plans_run_subnormal_gemv_and_magic_mma_for_16_bit_activations(re
 
 
 def test_natural_order_twin_gives_the_dequantized_matmul(results):
-    assert len(results["natural"]) == 4
+    assert len(results["natural"]) == 5
     for name, error in results["natural"].items():
         assert error < 2e-3, (name, error)
 
