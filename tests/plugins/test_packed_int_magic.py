@@ -80,6 +80,35 @@ for name, (tiles, n, rows, group, asym) in {
                                                                      128, False),
 }.items():
     natural[name] = errors([(run_tiles, tiles)], n, 512, rows, group, asym, torch.float16)[0]
+# A tiled launch reads the weight re-laid out by tile_panels (its PDL head prefetch runs on GPUs only).
+from treadle.kernels.packed_int_natural import tile_panels
+natural["16-token tile, 20 tokens, split-K, the weight tiled"] = errors(
+    [(lambda x, w, s, z, b, g, t: run_tiles(x, tile_panels(w, t.block_n), s, z, b, g, t),
+      NaturalMmaTiles(16, 32, 2, asm=False, tiled=True))], 64, 512, 20, 128, True, torch.float16)[0]
+# Split-K's partials added atomically: two calls in a row (each tile's last program zeroes the sums for the next).
+from treadle.kernels import packed_int_natural
+added = NaturalMmaTiles(16, 32, 4, asm=False, atomic_sum=True)
+atomic = errors([(run_tiles, added), (run_tiles, added)], 40, 512, 20, 128, True, torch.float16)
+atomic.append(max(float(s.abs().max()) for s in packed_int_natural._sums.values()))
+# silu(gate) * up in natural_mma's epilogue (gate and up 40 rows each: partial row tiles), by the plan's
+# run_silu_mul where its bucket fuses and by the loader's race candidate, against the matmul, then silu_mul.
+import dataclasses
+from treadle.kernels.fused_ops import silu_mul
+from treadle.kernels.int_kernel_plan import IntKernelPlan, SiluMulTiles
+from treadle.kernels.packed_int import IntTiles
+words = pack_panels(torch.randint(0, 16, (80, 512)), 4)
+gate_scales, gate_zeros = (torch.rand(80, 4) * 0.01 + 0.001).half(), torch.randint(0, 16, (80, 4)).half()
+twin = NaturalMmaTiles(16, 32, asm=False)
+fusing = IntKernelPlan(4, 128, IntTiles(0, 8, 64, 1, 1), twin, dataclasses.replace(twin, block_m=32),
+                       dataclasses.replace(twin, block_m=64), fused_silu_mul=(True, False, True))
+gated = {}
+for rows in (5, 20, 40):
+    x = torch.randn(rows, 512).half()
+    unfused = silu_mul(natural_mma(x, words, gate_scales, gate_zeros, 4, 128, twin))
+    fused = fusing.run_silu_mul(x, words, gate_scales, gate_zeros)
+    raced = run_tiles(x, words, gate_scales, gate_zeros, 4, 128, SiluMulTiles(twin, True))
+    gated[rows] = None if fused is None else [((y.float() - unfused.float()).abs().max() / unfused.abs().max()).item()
+                                              for y in (fused, raced)]
 for dtype, group in ((torch.float32, 128), (torch.float16, 64)):
     try:
         natural_mma(torch.zeros(2, 512, dtype=dtype), torch.zeros(8, 64, dtype=torch.int32),
@@ -115,7 +144,7 @@ epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
              ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
 print("RESULTS " + json.dumps({"subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
                                "kinds": kinds, "planned": planned, "epilogues": epilogues, "natural": natural,
-                               "raced": raced}))
+                               "atomic": atomic, "gated": gated, "raced": raced}))
 """
 
 
@@ -152,9 +181,22 @@ def test_loader_plans_run_subnormal_gemv_and_magic_mma_for_16_bit_activations(re
 
 
 def test_natural_order_twin_gives_the_dequantized_matmul(results):
-    assert len(results["natural"]) == 4
+    assert len(results["natural"]) == 5
     for name, error in results["natural"].items():
         assert error < 2e-3, (name, error)
+
+
+def test_natural_order_partials_added_atomically_give_the_matmul_call_after_call(results):
+    first, second, left_in_sums = results["atomic"]
+    assert first < 2e-3 and second < 2e-3, results["atomic"]
+    assert left_in_sums == 0.0
+
+
+def test_natural_order_silu_mul_epilogue_gives_the_matmul_then_silu_mul(results):
+    # rows 20: the plan's medium bucket does not fuse (the caller runs the matmul, then silu_mul)
+    assert results["gated"]["20"] is None
+    for rows in ("5", "40"):
+        assert max(results["gated"][rows]) < 4e-3, results["gated"]  # fp16: a rounding or two
 
 
 def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(results):
@@ -162,3 +204,13 @@ def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(r
     assert kinds[0] == "MagicMmaTiles" and "NaturalMmaTiles" in kinds
     assert kinds.index("NaturalMmaTiles") > kinds.index("MagicMmaTiles")
     assert "NaturalMmaTiles" not in results["raced"]["torch.float32"]
+
+
+def test_loader_races_atomically_added_partials_on_request_alone(monkeypatch):
+    from treadle.kernels.packed_int_natural import natural_candidates
+
+    # o_proj's shape at 32 tokens on 132 SMs: split-K launches only
+    assert not any(t.atomic_sum for t in natural_candidates(4096, 4096, 4, 128, 32, 132))
+    monkeypatch.setenv("TREADLE_INT_ATOMIC_SUM", "1")
+    listed = natural_candidates(4096, 4096, 4, 128, 32, 132)
+    assert [t.split_k for t in listed if t.atomic_sum] == [t.split_k for t in listed if not t.atomic_sum]
