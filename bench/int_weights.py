@@ -40,21 +40,12 @@ class PackedWeight:
         self.scales = (torch.rand(n, k // 128, device=device) * 0.002 + 0.001).to(torch.bfloat16)
         self.zeros = torch.randint(0, 16, (n, k // 128), device=device).to(torch.bfloat16) if zeros else None
         self.bytes = self.words[0].numel() * 4 + self.scales.numel() * 2 * (2 if zeros else 1)
-        self.tiled: dict[int, list[torch.Tensor]] = {}  # block_n -> the copies re-laid out by tile_panels
 
     def run(self, x: torch.Tensor, i: int, tiles) -> torch.Tensor:
-        """``x @ weight.T`` with copy ``i`` of the weight, by the kernel ``tiles`` configures (a ``tiled``
-        ``natural_mma`` launch: from the copies re-laid out by ``tile_panels``, made at its first call)."""
+        """``x @ weight.T`` with copy ``i`` of the weight, by the kernel ``tiles`` configures."""
         from treadle.kernels.int_kernel_plan import run_tiles
 
-        words = self.words
-        if getattr(tiles, "tiled", False):
-            from treadle.kernels.packed_int_natural import tile_panels
-
-            if tiles.block_n not in self.tiled:
-                self.tiled[tiles.block_n] = [tile_panels(w, tiles.block_n) for w in self.words]
-            words = self.tiled[tiles.block_n]
-        return run_tiles(x, words[i % len(words)], self.scales, self.zeros, 4, 128, tiles)
+        return run_tiles(x, self.words[i % len(self.words)], self.scales, self.zeros, 4, 128, tiles)
 
 
 def copies(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -27,8 +27,7 @@ SHARED_PER_SM = 227 * 1024
 
 def configs() -> dict[str, Any]:
     """Name -> tiles: ``magic_mma``'s best launches at 32 tokens on an H200 (gate_up and qkv; o and down), and
-    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens, its two-warp-group trial, and its split-K
-    partials added atomically (``atomic_sum``: registers, so programs an SM, against the stored partials'),
+    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens and its two-warp-group trial,
     ``wide_mma``'s three loader launches (and the first with split-K)."""
     from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
@@ -42,10 +41,7 @@ def configs() -> dict[str, Any]:
         "natural_mma 32x128 split 16": NaturalMmaTiles(32, 128, 16),
         "natural_mma 64x128 split 2": NaturalMmaTiles(64, 128, 2),
         "natural_mma 32x256 split 2 (8 warps)": NaturalMmaTiles(32, 256, 2, num_warps=8),
-        "natural_mma 16x128 split 8 atomic_sum": NaturalMmaTiles(16, 128, 8, atomic_sum=True),
-        "natural_mma 32x128 split 8 atomic_sum": NaturalMmaTiles(32, 128, 8, atomic_sum=True),
         "natural_mma 64x128 split 8": NaturalMmaTiles(64, 128, 8),
-        "natural_mma 64x128 split 8 atomic_sum": NaturalMmaTiles(64, 128, 8, atomic_sum=True),
         "wide_mma 128x128": WideMmaTiles(128, 128),
         "wide_mma 128x128 split 4": WideMmaTiles(128, 128, 4),
         "wide_mma 128x256 (8 warps)": WideMmaTiles(128, 256, num_warps=8),
@@ -74,8 +70,7 @@ def compiled(tiles: Any) -> Any:
         constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True,
                           TOKENS_M=getattr(tiles, "tokens_m", False))
         if not wide:  # natural_mma's launch options (kernels/packed_int_natural.py)
-            constexprs.update(ATOMIC_SUM=tiles.atomic_sum, HEAD_LINES=tiles.head_lines, SILU_MUL=False,
-                              NEXT_EARLY=tiles.next_early, TILED=tiles.tiled)
+            constexprs.update(HEAD_LINES=tiles.head_lines, SILU_MUL=False)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:

@@ -25,7 +25,6 @@ spilled). ``python -m treadle.bench.mma_sass`` shows the loops in sm_90 SASS.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +47,8 @@ class NaturalMmaTiles:
     group) a tile, one panel a K step, ``split_k`` K ranges, ``num_stages`` pipeline stages of the packed words and
     activations; ``asm``: the widening in inline PTX (else the same values from plain ops, the CPU interpreter's);
     ``max_registers`` a thread (0: the compiler's choice), to fit more programs on an SM (65536 registers: 128 a
-    thread of 4 warps fit four, 168 three); ``atomic_sum``: split-K's partials added into one float32 buffer by L2's
-    atomic units (``red.global.add``; a tile's last program reads the total once and zeroes it) instead of stored
-    apart and summed by the last program: then the float32 sum's order, so its last bit, depends on which program
-    adds first (not deterministic; off by default); ``head_lines``: the 128-byte lines of each weight row (two
-    panels a line) that a program launched early by PDL asks L2 for before the kernel before it finishes;
-    ``next_early``: PDL lets the next kernel be scheduled once every program has started its loop, not finished it
-    (the next kernel's programs then take the SM room this one leaves and fetch their first panels sooner);
-    ``tiled``: the weight re-laid out by :func:`tile_panels` (each K step of a tile one contiguous 8 KB block, not
-    ``block_n`` rows' 64 bytes 2 KB and more apart): a sweep trial of the memory's locality."""
+    thread of 4 warps fit four, 168 three); ``head_lines``: the 128-byte lines of each weight row (two panels a
+    line) that a program launched early by PDL asks L2 for before the kernel before it finishes."""
 
     block_m: int
     block_n: int
@@ -65,10 +57,7 @@ class NaturalMmaTiles:
     num_stages: int = 4
     asm: bool = True
     max_registers: int = 0
-    atomic_sum: bool = False
     head_lines: int = 2
-    next_early: bool = False
-    tiled: bool = False
 
     def fits(self, k: int, bits: int, group: int) -> bool:
         """Whether this launch tiles a K of ``k`` of ``bits``-bit values in groups of ``group``."""
@@ -91,18 +80,16 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     i16, magic, _ = widening(bits, x.dtype)
-    if (not i16 or not tiles.fits(k, bits, group) or (silu_mul and (tiles.split_k != 1 or weight.shape[0] % 2))
-            or (tiles.tiled and n % tiles.block_n)):
+    if not i16 or not tiles.fits(k, bits, group) or (silu_mul and (tiles.split_k != 1 or weight.shape[0] % 2)):
         raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}"
                          + (" as [gate | up] (no split-K, rows in pairs)" if silu_mul else ""))
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = ((2 if silu_mul else 1) * triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m), tiles.split_k)
     pdl = pdl_enabled(x.device)
-    atomic = tiles.atomic_sum and tiles.split_k > 1
     if silu_mul:  # the matmul's output, where each program's tile waits for its pair's
         partials = torch.empty(rows, 2 * n, dtype=x.dtype, device=x.device)
     else:
-        partials = _zeroed_sums(x.device, rows * n) if atomic else _partials(tiles.split_k, rows, n, x.device)
+        partials = _partials(tiles.split_k, rows, n, x.device)
     _natural_mma_kernel[grid](
         x, weight, scales, zeros if zeros is not None else scales, out, partials,
         _arrivals(x.device, grid[0] * grid[1]), rows, n, k // tiles.split_k, x.stride(0), weight.stride(0),
@@ -110,31 +97,9 @@ def natural_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
         SUM_CHUNK=tiles.sum_chunk(), MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PDL=pdl,
         **prefetch_args(prefetch, grid[0] * grid[1] * grid[2], weight), launch_pdl=pdl, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, ATOMIC_SUM=atomic, HEAD_LINES=tiles.head_lines, SILU_MUL=silu_mul,
-        NEXT_EARLY=tiles.next_early, TILED=tiles.tiled,
+        num_stages=tiles.num_stages, HEAD_LINES=tiles.head_lines, SILU_MUL=silu_mul,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
     return out
-
-
-_sums: dict[torch.device, torch.Tensor] = {}
-
-
-def _zeroed_sums(device: torch.device, numel: int) -> torch.Tensor:
-    """A zeroed float32 buffer of at least ``numel`` that ``atomic_sum`` launches add their split-K partials into
-    (each tile's last program zeroes its part again). One per device, shared by every call as ``_arrivals``'
-    counters are, allocated at the first calls: the loader's timing at load, before any CUDA graph is captured."""
-    sums = _sums.get(device)
-    if sums is None or sums.numel() < numel:
-        sums = _sums[device] = torch.zeros(max(numel, 1 << 20), dtype=torch.float32, device=device)
-    return sums
-
-
-def tile_panels(words: torch.Tensor, block_n: int) -> torch.Tensor:
-    """``words`` (``[N, K / 8]``, the panel layout) re-laid out for ``tiled`` launches of ``block_n`` rows a tile:
-    the same shape, each tile's K steps one after another, a step its ``block_n`` rows' 16 words."""
-    n, width = words.shape
-    return words.view(n // block_n, block_n, width // PANEL_WORDS, PANEL_WORDS).transpose(1, 2).contiguous().view(
-        n, width)
 
 
 def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
@@ -144,50 +109,46 @@ def natural_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_coun
     tokens also 128 registers a thread, four programs an SM (sm_90 SASS: no spills; 146 without the cap, three).
     Then the most K ranges whose programs the SMs hold at once (:func:`wave_split`) at three pipeline stages (the
     2026-11-28 H200 sweep's best for qkv_proj at 16 and 32 tokens, 9.4 / 13.2 µs against four stages' 10.6 /
-    15.2). With ``TREADLE_INT_ATOMIC_SUM=1`` also each split-K launch with its partials added atomically
-    (``atomic_sum``: results then vary in their last bit from run to run, so only on request)."""
+    15.2), and that split halved at four stages (o_proj's best at 32 tokens on an H200 in the next sweep: 9.3 µs
+    against 11.8-12.2 for the others)."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
     listed = [NaturalMmaTiles(block_m, 128, _split_k(n, steps, 128, programs * sm_count)) for programs in (2, 1, 4)]
     if block_m == 16:
         listed.insert(1, dataclasses.replace(listed[0], max_registers=128))
     resident = 2 if block_m > 32 else 3
-    listed.append(NaturalMmaTiles(block_m, 128, wave_split(n, k, resident, sm_count), num_stages=3))
-    if os.environ.get("TREADLE_INT_ATOMIC_SUM") == "1":
-        listed += [dataclasses.replace(t, atomic_sum=True) for t in listed if t.split_k > 1]
+    wave = wave_split(n, k, resident, sm_count)
+    listed += [NaturalMmaTiles(block_m, 128, wave, num_stages=3), NaturalMmaTiles(block_m, 128, max(wave // 2, 1))]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
 def natural_trials(n: int, k: int, rows: int, sm_count: int) -> list[NaturalMmaTiles]:
     """The :func:`natural_mma` launches the sweep times for ``rows`` tokens (2 to 64), 128 weight rows a tile (one
     warp group): the loader's (split-K for two, one or four programs per SM; the most K ranges whose programs the
-    SMs hold at once, :func:`wave_split`, at three stages); that wave split also with four and two pipeline stages,
-    with registers capped (128 a thread up to 32 tokens, 168 at 64: a few spills in the loop past 16), with the
-    partials added by L2's atomic units (``atomic_sum``), with half the K ranges (fewer partials to sum), with PDL's
-    early L2 request of each row's first 16 panels, not 4 (``head_lines``: down_proj's K ranges are 14 panels), and
-    with the next kernel let in before the loop (``next_early``), and from the weight re-laid out a tile's K step
-    contiguous (``tiled``, :func:`tile_panels`: is DRAM's locality what holds the loop at 2-3 TB/s?); the most K ranges the SMs hold at once with
-    registers capped for a program more an SM, the partials stored or added atomically (is it the partials' traffic
-    that made split-K lose at gate_up_proj?). Two warp groups (256 rows) and six stages lost at every shape and row
-    count on an H200 (2026-11-28 sweep, ``bench/results``): no longer timed. (64-row tiles on one warp group compile
-    with the widened values moved between threads through shared memory and every wgmma waited for: not timed.)"""
+    SMs hold at once, :func:`wave_split`, at three stages, and half that at four); that wave split also with four
+    and two pipeline stages, with registers capped (128 a thread up to 32 tokens, 168 at 64: a few spills in the
+    loop past 16), with PDL's early L2 request of each row's first 16 panels, not 4 (``head_lines``); the most K
+    ranges the SMs hold at once with registers capped for a program more an SM. Lost on an H200 and no longer
+    timed (2026-11-28 sweeps, ``bench/results``): two warp groups (256 rows), six stages, the partials added by
+    L2's atomic units (wrong on the GPU as written, and not deterministic), the next kernel let in before the loop,
+    the weight re-laid out so that a tile's K step is contiguous (3% faster at gate_up_proj, slower elsewhere).
+    (64-row tiles on one warp group compile with the widened values moved between threads through shared memory
+    and every wgmma waited for: not timed.)"""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     steps = k // PANEL
 
-    def tiles(programs: int = 0, stages: int = 4, registers: int = 0, atomic: bool = False, fewer: int = 1,
-              head: int = 2, per_sm: int = 0, early: bool = False, tiled: bool = False) -> NaturalMmaTiles:
+    def tiles(programs: int = 0, stages: int = 4, registers: int = 0, fewer: int = 1, head: int = 2,
+              per_sm: int = 0) -> NaturalMmaTiles:
         split = (_split_k(n, steps, 128, programs * sm_count) if programs
                  else wave_split(n, k, per_sm or (2 if block_m > 32 else 3), sm_count))
         return NaturalMmaTiles(block_m, 128, max(split // fewer, 1), 4, stages, max_registers=registers,
-                               atomic_sum=atomic, head_lines=head, next_early=early, tiled=tiled)
+                               head_lines=head)
 
     capped = 168 if block_m == 64 else 128  # a program more an SM: 4 of 128 registers a thread, 3 of 168
     more = 3 if block_m == 64 else 4
     listed = [tiles(2), tiles(1), tiles(4), tiles(), tiles(stages=2), tiles(stages=3), tiles(registers=capped),
-              tiles(atomic=True), tiles(fewer=2), tiles(head=8), tiles(early=True), tiles(tiled=True),
-              tiles(per_sm=more, registers=capped), tiles(per_sm=more, registers=capped, atomic=True)]
-    # atomic_sum without split-K is the plain launch
-    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128) and (t.split_k > 1 or not t.atomic_sum)]
+              tiles(fewer=2), tiles(head=8), tiles(per_sm=more, registers=capped)]
+    return [t for t in dict.fromkeys(listed) if t.fits(k, 4, 128)]
 
 
 def wave_split(n: int, k: int, per_sm: int, sm_count: int) -> int:
@@ -307,30 +268,6 @@ def _sum_or_store(acc, out, partials, split_stride, arrival, mask, pid_k, SPLIT_
 
 
 @triton.jit
-def _add_or_store(acc, out, sums, arrival, mask, SPLIT_K: tl.constexpr):
-    """:func:`_sum_or_store` by float32 atomic adds: every program adds its partial into ``sums`` (zero before), the
-    last reads the total once, zeroes ``sums`` for the next launch and stores the total rounded."""
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(sums, acc, mask=mask, sem="relaxed")
-        tl.debug_barrier()  # every thread's adds are issued before the count releases them
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.load(sums, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(sums, tl.zeros_like(acc), mask=mask)
-            tl.atomic_xchg(arrival, 0, sem="relaxed")
-            tl.store(out, total.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _prefetch_block_head(start, lines, LINES: tl.constexpr):
-    """Asks L2 for the first ``LINES`` (at most ``lines``) 128-byte lines from ``start``."""
-    line = tl.minimum(tl.arange(0, LINES), lines - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [start + line * 32],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _silu_mul_pair(acc, out, own, other, arrival, mask, is_up):
     """``silu(gate) * up`` of a gate tile and its up tile, one of them ``acc``: each program stores its tile rounded
     (``own``), the later of the two loads the other's (``other``) and stores the product, rounded as the separate
@@ -353,9 +290,8 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
                         SPLIT_K: tl.constexpr, SUM_CHUNK: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
                         EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                         prefetch_ptr, prefetch_lines, first_prefetcher, PREFETCH: tl.constexpr,
-                        PREFETCH_BLOCK: tl.constexpr, ATOMIC_SUM: tl.constexpr = False,
-                        HEAD_LINES: tl.constexpr = 2, SILU_MUL: tl.constexpr = False,
-                        NEXT_EARLY: tl.constexpr = False, TILED: tl.constexpr = False):
+                        PREFETCH_BLOCK: tl.constexpr, HEAD_LINES: tl.constexpr = 2,
+                        SILU_MUL: tl.constexpr = False):
     # SILU_MUL: the weight is [gate | up] (2N rows), the first half of the programs take gate's row tiles and the
     # second half up's; out is silu(gate) * up, partials_ptr the matmul's [M, 2N] output.
     pid_n = tl.program_id(0)
@@ -374,29 +310,20 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
     rows_w = row0 + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    if TILED:  # tile_panels' layout: the tile's K steps one after another, each BLOCK_N rows of 16 words
-        w_tile = w_ptr + row0 * stride_wn + tl.arange(0, BLOCK_N)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    else:
-        w_tile = w_ptr + rows_w[:, None] * stride_wn + tl.arange(0, 16)[None, :]
+    w_tile = w_ptr + rows_w[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     x_panel = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 128)[:, None]  # [128, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_per_split
     k_end = k_begin + k_per_split
     if PDL:  # launched with PDL (kernels/pdl.py): L2 fetches the first panels (two a line) while the kernel before
         # finishes
-        if TILED:
-            _prefetch_block_head(w_ptr + row0 * stride_wn + (k_begin // 128) * (BLOCK_N * 16),
-                                 (k_end - k_begin) // 128 * (BLOCK_N // 2), HEAD_LINES * BLOCK_N)
-        else:
-            _prefetch_tile_head(w_ptr, rows_w, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
+        _prefetch_tile_head(w_ptr, rows_w, n_mask, k_begin // 8, k_end // 8, stride_wn, 16 * HEAD_LINES)
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, rows_w, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
     wait_for_previous(PDL)  # the activations are the kernel before's output
-    if NEXT_EARLY:
-        allow_next(PDL)
     for k0 in range(k_begin, k_end, 128):
         # Whole panels (k_per_split is whole panels: said so, a row's 64 bytes copy 16 bytes at a time, not 8).
-        panel = w_tile + tl.multiple_of((k0 // 128) * (BLOCK_N * 16) if TILED else k0 // 8, 16)
+        panel = w_tile + tl.multiple_of(k0 // 8, 16)
         if EVEN_N:  # whole row tiles: unmasked (the predicates were 5% of the loop's instructions)
             words = tl.load(panel, eviction_policy="evict_first")
         else:
@@ -407,8 +334,7 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
                                         stride_sn, HAS_ZEROS, EVEN_N, BLOCK_N)
         x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
         acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
-    if not NEXT_EARLY:
-        allow_next(PDL)  # after the weight loop, as the 16-bit tiles (kernels/small_batch.py)
+    allow_next(PDL)  # after the weight loop, as the 16-bit tiles (kernels/small_batch.py)
     tile = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_mask[:, None] & m_mask[None, :]
     arrival = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
@@ -416,9 +342,6 @@ def _natural_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arriv
         matmul = partials_ptr + offs_m[None, :] * (2 * N) + offs_n[:, None]
         _silu_mul_pair(acc, out_ptr + tile, matmul + is_up.to(tl.int32) * N, matmul + (1 - is_up.to(tl.int32)) * N,
                        arrivals_ptr + pid_m * pairs + pair, mask, is_up)
-    elif ATOMIC_SUM:  # partials_ptr: the zeroed float32 sums (natural_mma's _zeroed_sums)
-        _add_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], arrival, mask,
-                      SPLIT_K)
     else:
         _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N, arrival,
                       mask, pid_k, SPLIT_K, SUM_CHUNK)

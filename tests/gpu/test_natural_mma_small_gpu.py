@@ -1,9 +1,7 @@
 """kernels/packed_int_natural.py's launch options for 2 to 64 tokens on a GPU at Llama-3.1-8B's o_proj and qkv_proj
-shapes: split-K's partials added by L2's atomic units (``atomic_sum``) give the dequantized matmul, call after call
-and replayed from a CUDA graph (each tile's last program zeroes the sums again), within a float32 rounding of the
-stored partials' sum; the early L2 request of more panels (``head_lines``), two pipeline stages, letting the next
-kernel in before the loop (``next_early``) and the weight re-laid out a tile's K step contiguous (``tiled``) change
-nothing. gate_up_proj's silu(gate) * up in the epilogue gives what the matmul and the separate silu_mul give."""
+shapes: the loader's wave split and half of it give the dequantized matmul; the early L2 request of more panels
+(``head_lines``) and two pipeline stages change nothing, and a CUDA graph replays it. gate_up_proj's
+silu(gate) * up in the epilogue gives what the matmul and the separate silu_mul give."""
 
 from __future__ import annotations
 
@@ -36,33 +34,25 @@ def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("n, k", [(4096, 4096), (6144, 4096)])
-def test_partials_added_atomically_give_the_matmul_call_after_call_and_in_a_graph(n, k):
-    from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_mma, tile_panels, wave_split
+def test_the_wave_split_and_its_options_give_the_matmul_and_replay_in_a_graph(n, k):
+    from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_mma, wave_split
 
     words, scales, dense = _weight(n, k)
-    tiled_words = tile_panels(words, 128)
     sm_count = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     for rows in (2, 16, 32, 64):
         block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-        stored = NaturalMmaTiles(block_m, 128, wave_split(n, k, 2 if block_m > 32 else 3, sm_count))
-        added = dataclasses.replace(stored, atomic_sum=True)
+        wave = NaturalMmaTiles(block_m, 128, wave_split(n, k, 2 if block_m > 32 else 3, sm_count))
         x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
         expected = x.float() @ dense.t()
-        reference = natural_mma(x, words, scales, None, 4, 128, stored)
-        assert _error(reference, expected) < 1e-2, (rows, stored)
-        for other in (dataclasses.replace(stored, head_lines=8), dataclasses.replace(stored, num_stages=2),
-                      dataclasses.replace(stored, next_early=True)):
+        reference = natural_mma(x, words, scales, None, 4, 128, wave)
+        assert _error(reference, expected) < 1e-2, (rows, wave)
+        for other in (dataclasses.replace(wave, head_lines=8), dataclasses.replace(wave, num_stages=2)):
             assert torch.equal(natural_mma(x, words, scales, None, 4, 128, other), reference), (rows, other)
-        tiled = dataclasses.replace(stored, tiled=True)
-        assert torch.equal(natural_mma(x, tiled_words, scales, None, 4, 128, tiled), reference), rows
-        for _ in range(2):  # the sums are zero again after each call
-            y = natural_mma(x, words, scales, None, 4, 128, added)
-            # the float32 sums differ in order only: a bf16 rounding apart at most
-            assert (y.float() - reference.float()).abs().max() <= reference.float().abs().max() * 2 ** -7, rows
-            assert _error(y, expected) < 1e-2, (rows, added)
+        half = dataclasses.replace(wave, split_k=max(wave.split_k // 2, 1))
+        assert _error(natural_mma(x, words, scales, None, 4, 128, half), expected) < 1e-2, (rows, half)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = natural_mma(x, words, scales, None, 4, 128, added)
+            replayed = natural_mma(x, words, scales, None, 4, 128, half)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()

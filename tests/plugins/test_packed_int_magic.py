@@ -80,16 +80,6 @@ for name, (tiles, n, rows, group, asym) in {
                                                                      128, False),
 }.items():
     natural[name] = errors([(run_tiles, tiles)], n, 512, rows, group, asym, torch.float16)[0]
-# A tiled launch reads the weight re-laid out by tile_panels (its PDL head prefetch runs on GPUs only).
-from treadle.kernels.packed_int_natural import tile_panels
-natural["16-token tile, 20 tokens, split-K, the weight tiled"] = errors(
-    [(lambda x, w, s, z, b, g, t: run_tiles(x, tile_panels(w, t.block_n), s, z, b, g, t),
-      NaturalMmaTiles(16, 32, 2, asm=False, tiled=True))], 64, 512, 20, 128, True, torch.float16)[0]
-# Split-K's partials added atomically: two calls in a row (each tile's last program zeroes the sums for the next).
-from treadle.kernels import packed_int_natural
-added = NaturalMmaTiles(16, 32, 4, asm=False, atomic_sum=True)
-atomic = errors([(run_tiles, added), (run_tiles, added)], 40, 512, 20, 128, True, torch.float16)
-atomic.append(max(float(s.abs().max()) for s in packed_int_natural._sums.values()))
 # silu(gate) * up in natural_mma's epilogue (gate and up 40 rows each: partial row tiles), by the plan's
 # run_silu_mul where its bucket fuses and by the loader's race candidate, against the matmul, then silu_mul.
 import dataclasses
@@ -144,7 +134,7 @@ epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
              ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
 print("RESULTS " + json.dumps({"subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
                                "kinds": kinds, "planned": planned, "epilogues": epilogues, "natural": natural,
-                               "atomic": atomic, "gated": gated, "raced": raced}))
+                               "gated": gated, "raced": raced}))
 """
 
 
@@ -181,15 +171,9 @@ def test_loader_plans_run_subnormal_gemv_and_magic_mma_for_16_bit_activations(re
 
 
 def test_natural_order_twin_gives_the_dequantized_matmul(results):
-    assert len(results["natural"]) == 5
+    assert len(results["natural"]) == 4
     for name, error in results["natural"].items():
         assert error < 2e-3, (name, error)
-
-
-def test_natural_order_partials_added_atomically_give_the_matmul_call_after_call(results):
-    first, second, left_in_sums = results["atomic"]
-    assert first < 2e-3 and second < 2e-3, results["atomic"]
-    assert left_in_sums == 0.0
 
 
 def test_natural_order_silu_mul_epilogue_gives_the_matmul_then_silu_mul(results):
@@ -206,11 +190,11 @@ def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(r
     assert "NaturalMmaTiles" not in results["raced"]["torch.float32"]
 
 
-def test_loader_races_atomically_added_partials_on_request_alone(monkeypatch):
-    from treadle.kernels.packed_int_natural import natural_candidates
+def test_loader_races_the_wave_split_at_three_stages_and_halved():
+    from treadle.kernels.packed_int_natural import natural_candidates, wave_split
 
-    # o_proj's shape at 32 tokens on 132 SMs: split-K launches only
-    assert not any(t.atomic_sum for t in natural_candidates(4096, 4096, 4, 128, 32, 132))
-    monkeypatch.setenv("TREADLE_INT_ATOMIC_SUM", "1")
+    # o_proj's shape at 32 tokens on 132 SMs: the wave split (8 K ranges) at three stages, and 4 at four stages
+    wave = wave_split(4096, 4096, 3, 132)
     listed = natural_candidates(4096, 4096, 4, 128, 32, 132)
-    assert [t.split_k for t in listed if t.atomic_sum] == [t.split_k for t in listed if not t.atomic_sum]
+    assert (wave, 3) in [(t.split_k, t.num_stages) for t in listed]
+    assert (wave // 2, 4) in [(t.split_k, t.num_stages) for t in listed]

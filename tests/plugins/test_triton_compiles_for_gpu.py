@@ -301,8 +301,7 @@ def _int_weight_kernels() -> dict:
 
     def check(types: dict[str, str], **constexprs: object) -> None:
         compiled = _compile(packed_int_natural._natural_mma_kernel, types, set(),
-                            {"GROUP": 128, "ASM": True, "PREFETCH_BLOCK": 1, "ATOMIC_SUM": False, "HEAD_LINES": 2,
-                             "SILU_MUL": False, "NEXT_EARLY": False, "TILED": False,
+                            {"GROUP": 128, "ASM": True, "PREFETCH_BLOCK": 1, "HEAD_LINES": 2, "SILU_MUL": False,
                              **constexprs},
                             aligned=set(types) | {"N", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
                                                   "stride_om"}, num_warps=4, num_stages=4)
@@ -310,9 +309,6 @@ def _int_weight_kernels() -> dict:
         assert f"wgmma.mma_async.sync.aligned.m64n{constexprs['BLOCK_M']}k16.f32" in ptx
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
         _check_pdl(constexprs["PDL"], compiled)
-        # atomic_sum: the partials added by L2's atomic units four float32 at a time (Triton 3.6 writes atom, 3.9 red)
-        added = any(f"{op}.global.gpu.relaxed.add.v4.f32" in ptx for op in ("atom", "red"))
-        assert added == constexprs.get("ATOMIC_SUM", False)
 
     return {
         "natural_mma[bf16,32,pdl]": lambda: check(pointers, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
@@ -320,9 +316,9 @@ def _int_weight_kernels() -> dict:
         "natural_mma[fp16,zeros,32,split_k]": lambda: check(fp16, HAS_ZEROS=True, SPLIT_K=8, SUM_CHUNK=4,
                                                             MAGIC16=0x6400, EVEN_N=False, BLOCK_M=32, BLOCK_N=128,
                                                             PDL=False, PREFETCH=False),
-        "natural_mma[bf16,16,pdl,atomic_sum,head_lines,next_early,tiled]": lambda: check(
+        "natural_mma[bf16,16,pdl,head_lines]": lambda: check(
             pointers, HAS_ZEROS=False, SPLIT_K=8, SUM_CHUNK=4, MAGIC16=0x4300, EVEN_N=True, BLOCK_M=16, BLOCK_N=128,
-            PDL=True, PREFETCH=True, ATOMIC_SUM=True, HEAD_LINES=8, NEXT_EARLY=True, TILED=True),
+            PDL=True, PREFETCH=True, HEAD_LINES=8),
         "natural_mma[bf16,32,pdl,silu_mul]": lambda: check(  # partials_ptr: the matmul's bf16 output
             {**pointers, "partials_ptr": "*bf16"}, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
             EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PDL=True, PREFETCH=True, SILU_MUL=True),
@@ -433,7 +429,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
            "small_batch[bf16,gemv,lora_shrink,pdl]", "lora_expand_silu_mul[pdl]", "lora_expand_add_rmsnorm[pdl]",
            "lora_dense_mask", "natural_mma[bf16,32,pdl]", "natural_mma[fp16,zeros,32,split_k]",
-           "natural_mma[bf16,16,pdl,atomic_sum,head_lines,next_early,tiled]",
+           "natural_mma[bf16,16,pdl,head_lines]",
            "natural_mma[bf16,32,pdl,silu_mul]",
            "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]"]
 
