@@ -41,6 +41,7 @@ def configs() -> dict[str, Any]:
         "natural_mma 32x128 split 16": NaturalMmaTiles(32, 128, 16),
         "natural_mma 64x128 split 2": NaturalMmaTiles(64, 128, 2),
         "natural_mma 32x256 split 2 (8 warps)": NaturalMmaTiles(32, 256, 2, num_warps=8),
+        "natural_mma 64x128 split 8": NaturalMmaTiles(64, 128, 8),
         "wide_mma 128x128": WideMmaTiles(128, 128),
         "wide_mma 128x128 split 4": WideMmaTiles(128, 128, 4),
         "wide_mma 128x256 (8 warps)": WideMmaTiles(128, 256, num_warps=8),
@@ -74,6 +75,8 @@ def compiled(tiles: Any) -> Any:
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
         constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True,
                           TOKENS_M=getattr(tiles, "tokens_m", False))
+        if not wide:  # natural_mma's launch options (kernels/packed_int_natural.py)
+            constexprs.update(HEAD_LINES=tiles.head_lines, SILU_MUL=False)
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constexprs:

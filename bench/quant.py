@@ -62,10 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "offline" in runs:
         from treadle.bench import offline_throughput
 
+        # Each --offline-variant runs both models once more with its overrides, after the defaults.
+        variants = ",".join(f"model.path={model};{overrides}" for overrides in args.offline_variant
+                            for model in (bf16, quantized))
         offline_throughput.main(["--workload", "random", "--num-prompts", str(args.num_prompts), "--input-len",
                                  "16:600", "--output-len", "16:400", "--set", f"model.path={bf16}", "--set",
                                  "model.load_format=dummy", "--dtype", "bfloat16", "--device", "cuda",
-                                 "--no-progress", "--compare", compare, "--output", str(offline_json)])
+                                 "--no-progress", "--compare", ",".join(filter(None, (compare, variants))),
+                                 "--output", str(offline_json)])
     one_batch_report = json.loads(one_batch_json.read_text()) if "one-batch" in runs else {"results": []}
     print()
     print(summary(one_batch_report, json.loads(offline_json.read_text()) if "offline" in runs else None, quantized))
@@ -197,8 +201,10 @@ def summary(one_batch: dict, offline: dict | None, quantized: str) -> str:
                      f"{speedup:>9.2f}x{TARGETS.get(bs, 0):>7.1f}x{quant['roofline_fraction']:>9.0%}")
     if offline is not None:
         systems = offline["systems"]
-        base, quant = systems[0]["output_throughput_tok_s"], systems[-1]["output_throughput_tok_s"]
-        lines.append(f"{'offline out tok/s':<28}{base:>9.0f}{quant:>10.0f}{quant / base:>9.2f}x{1.0:>7.1f}x")
+        for first in range(0, len(systems) - 1, 2):  # the defaults, then each --offline-variant's pair
+            base, quant = (systems[first + i]["output_throughput_tok_s"] for i in (0, 1))
+            label = "offline out tok/s" + (f" ({first // 2})" if first else "")
+            lines.append(f"{label:<28}{base:>9.0f}{quant:>10.0f}{quant / base:>9.2f}x{1.0:>7.1f}x")
     return "\n".join(lines)
 
 
@@ -220,6 +226,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="first compile every launch the loader times, in JOBS processes at once (on a fresh "
                              "machine the loader would compile them one by one)")
     parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--offline-variant", action="append", default=[], metavar="KEY=VALUE[;KEY=VALUE]",
+                        help="offline: both models once more with these overrides (e.g. "
+                             "scheduler.max_running_requests=1024); repeatable, numbered in the summary")
     parser.add_argument("--out", default="/tmp/treadle-quant", help="folder for the shapes and the JSON")
     return parser
 

@@ -270,15 +270,19 @@ def precompile_loader(jobs: int, zeros: bool) -> None:
     """Compile what the loader times at Llama-3.1-8B's shapes (bf16 activations, groups of 128; ``zeros``: with
     zero points) in ``jobs`` processes, so that a model loaded next (bench/quant.py ``--precompile``) finds every
     launch in Triton's cache instead of compiling them one by one."""
-    from treadle.kernels.int_kernel_plan import batch_candidates
+    from treadle.kernels.int_kernel_plan import SiluMulTiles, batch_candidates
     from treadle.kernels.packed_int import gemv_candidates
     from treadle.kernels.packed_int_dequant import load_dequantize_candidates
+    from treadle.kernels.packed_int_natural import NaturalMmaTiles
     from treadle.kernels.packed_int_wide import WIDE_BUCKETS, wide_candidates
 
     sm_count = torch.cuda.get_device_properties(torch.device("cuda")).multi_processor_count
     work = [(name, 1, "gemv", tiles) for name, (n, k) in SHAPES.items() for tiles in gemv_candidates(n, k, 4, sm_count)]
     work += [(name, rows, "tl.dot", tiles) for name, (n, k) in SHAPES.items() for rows in (16, 32, 64)
              for tiles in batch_candidates(n, k, 4, GROUP, rows, sm_count, torch.bfloat16)]
+    # a [gate | up] weight's silu(gate) * up in natural_mma's epilogue, raced where a bucket keeps one without split-K
+    work += [(name, rows, "silu_mul", SiluMulTiles(tiles, True)) for name, rows, _, tiles in work
+             if isinstance(tiles, NaturalMmaTiles) and tiles.split_k == 1]
     work += [("qkv_proj", 128, "dequantize", tiles) for tiles in load_dequantize_candidates()]
     work += [(name, rows, "wide", tiles) for name, (n, k) in SHAPES.items() for rows in WIDE_BUCKETS
              for tiles in wide_candidates(n, k, 4, GROUP, rows, sm_count)]

@@ -17,6 +17,7 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
+from treadle.kernels.fused_ops import silu_mul
 from treadle.kernels.packed_int import (DOT_MAX_ROWS, IntTiles, gemv_candidates, int_dot, int_gemv, tile_candidates,
                                         tiles_shape)
 from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, load_dequantize_candidates
@@ -25,10 +26,22 @@ from treadle.kernels.packed_int_mma import MmaTiles, int_mma, load_candidates
 from treadle.kernels.packed_int_natural import NaturalMmaTiles, natural_candidates, natural_mma
 from treadle.kernels.packed_int_wide import WIDE_BUCKETS, WideMmaTiles, wide_candidates, wide_mma
 
+
+@dataclass(frozen=True)
+class SiluMulTiles:
+    """A ``[gate | up]`` weight's ``silu(gate) * up`` by ``tiles`` (a ``natural_mma`` launch without split-K):
+    ``fused``, in its epilogue (``natural_mma``'s ``silu_mul``), else the matmul, then ``kernels/fused.py``'s
+    ``silu_mul``: what the loader races per row bucket (:func:`plan_kernels`)."""
+
+    tiles: NaturalMmaTiles
+    fused: bool
+
+
 # One launch of the GEMV or ``int_dot`` (IntTiles), of ``int_mma`` (MmaTiles), of ``magic_mma`` (MagicMmaTiles:
 # what 2 to 64 rows run first where it applies), of ``natural_mma`` (NaturalMmaTiles), of ``wide_mma`` (WideMmaTiles:
-# 65 to 1024 rows), or the dequantization and the library matmul (DequantTiles).
-Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, NaturalMmaTiles, WideMmaTiles, DequantTiles]
+# 65 to 1024 rows), or the dequantization and the library matmul (DequantTiles); or a gated MLP's product
+# (SiluMulTiles).
+Tiles = Union[IntTiles, MmaTiles, MagicMmaTiles, NaturalMmaTiles, WideMmaTiles, DequantTiles, SiluMulTiles]
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,8 @@ class IntKernelPlan:
     groups are uneven); ``wide``: ``(most rows, launch)`` per row bucket above 64 (ascending, ``wide_mma``'s),
     each run from 65 rows (or the bucket before's most) up to its most, before ``dot_max_rows`` (64 where there are
     any) and the dequantization apply; the loader times ``dot_max_rows``, ``wide`` and ``dequant`` like the
-    launches."""
+    launches. ``fused_silu_mul``: per bucket (small, medium, large), whether a ``[gate | up]`` weight's
+    ``silu(gate) * up`` runs in the matmul's kernel (:class:`SiluMulTiles`, timed at load)."""
 
     bits: int
     group: int
@@ -50,14 +64,24 @@ class IntKernelPlan:
     dot_max_rows: int = DOT_MAX_ROWS
     dequant: DequantTiles = DequantTiles()
     wide: tuple[tuple[int, WideMmaTiles], ...] = ()
+    fused_silu_mul: tuple[bool, bool, bool] = (False, False, False)
 
     def run_silu_mul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      prefetch: torch.Tensor | None = None) -> torch.Tensor | None:
-        """``silu(gate) * up`` of a ``[gate | up]`` weight for one token in one kernel, where the one-token GEMV
-        needs no split-K; None: the caller runs the matmul, then ``silu_mul``. ``prefetch``: as :meth:`run`'s."""
-        if x.shape[0] != 1 or self.gemv.split_k != 1:
+        """``silu(gate) * up`` of a ``[gate | up]`` weight in one kernel: one token where the one-token GEMV needs
+        no split-K, 2 to ``dot_max_rows`` where the row bucket's ``fused_silu_mul`` says so; None: the caller runs
+        the matmul, then ``silu_mul``. ``prefetch``: as :meth:`run`'s."""
+        rows = x.shape[0]
+        if rows == 1:
+            if self.gemv.split_k != 1:
+                return None
+            return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True,
+                            prefetch=prefetch)
+        bucket = 0 if rows <= 16 else 1 if rows <= 32 else 2
+        if rows > self.dot_max_rows or not self.fused_silu_mul[bucket]:
             return None
-        return int_gemv(x, weight, scales, zeros, self.bits, self.group, self.gemv, silu_mul=True, prefetch=prefetch)
+        tiles = (self.small, self.medium, self.large)[bucket]
+        return natural_mma(x, weight, scales, zeros, self.bits, self.group, tiles, prefetch, silu_mul=True)
 
     def run_add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                         zeros: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -103,6 +127,10 @@ def run_tiles(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros
     the GEMV, ``magic_mma`` and ``natural_mma`` take it, the others do not)."""
     if isinstance(tiles, DequantTiles):  # into a new tensor: the loader times this before the KV pool is sized
         return dequantize_linear(x, weight, scales, zeros, None, bits, group, tiles)
+    if isinstance(tiles, SiluMulTiles):
+        if tiles.fused:
+            return natural_mma(x, weight, scales, zeros, bits, group, tiles.tiles, prefetch, silu_mul=True)
+        return silu_mul(natural_mma(x, weight, scales, zeros, bits, group, tiles.tiles, prefetch))
     if isinstance(tiles, MmaTiles):
         return int_mma(x, weight, scales, zeros, bits, group, tiles)
     if isinstance(tiles, MagicMmaTiles):
@@ -133,7 +161,17 @@ def plan_kernels(n: int, k: int, bits: int, group: int, sm_count: int,
     wide = (_wide_buckets(n, k, bits, group, sm_count, dequant, pick)
             if pick is not None and dtype in (torch.float16, torch.bfloat16) else ())
     most = 64 if wide else _dot_max_rows(large, dequant, choose)
-    return IntKernelPlan(bits, group, gemv, small, medium, large, most, dequant, wide)
+    fused = tuple(_fuses_silu_mul(tiles, n, rows, choose) for tiles, rows in ((small, 16), (medium, 32), (large, 64)))
+    return IntKernelPlan(bits, group, gemv, small, medium, large, most, dequant, wide, fused)
+
+
+def _fuses_silu_mul(tiles: Tiles, n: int, rows: int, choose: Callable[[list, int], Tiles]) -> bool:
+    """Whether a ``[gate | up]`` weight's ``silu(gate) * up`` runs in ``tiles``' kernel at ``rows``: a
+    ``natural_mma`` launch without split-K where the fused form beat the matmul and the separate ``silu_mul``
+    (untimed: not fused)."""
+    if not isinstance(tiles, NaturalMmaTiles) or tiles.split_k != 1 or n % 2:
+        return False
+    return choose([SiluMulTiles(tiles, False), SiluMulTiles(tiles, True)], rows).fused
 
 
 def _wide_buckets(n: int, k: int, bits: int, group: int, sm_count: int, dequant: DequantTiles,

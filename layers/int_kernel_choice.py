@@ -4,11 +4,13 @@ For each shape the candidate launch configs of the one-token GEMV and of the ``t
 ``int_mma`` and ``int_dot``, at 16, 32 and 64 rows) and of the dequantization (at 512 rows), with 16-bit activations
 ``wide_mma``'s three or four launches against the dequantization and the library matmul at 128, 256, 512 and 1024 rows (up
 to the first bucket it loses: how many rows it runs), else the 64 rows' winner against them at 128 and 256 rows
-(how many rows the ``tl.dot`` kernels run), are timed on the layer's weight, replayed from a CUDA graph with each
-call on another copy of the weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s
-timing), each call prefetching the next one's head into L2 as the model's calls do
-(``small_batch.chain_l2_prefetch``), and the fastest kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or
-``library`` nothing is timed: the first candidates run (and no ``wide_mma``).
+(how many rows the ``tl.dot`` kernels run), and where a bucket's ``natural_mma`` launch has no split-K, that launch
+with a ``[gate | up]`` weight's ``silu(gate) * up`` in its epilogue against it followed by ``silu_mul``
+(``SiluMulTiles``), are timed on the layer's weight, replayed from a CUDA graph with each call on another copy of the
+weight so it is read from memory as a decode step reads it (``layers/small_batch.py``'s timing), each call
+prefetching the next one's head into L2 as the model's calls do (``small_batch.chain_l2_prefetch``), and the fastest
+kept. With ``TREADLE_SMALL_BATCH_MATMUL`` set to ``triton`` or ``library`` nothing is timed: the first candidates run
+(and no ``wide_mma``).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def kept_seconds() -> dict[tuple[int, int, int], float]:
 def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
     """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
     copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest."""
-    from treadle.kernels.int_kernel_plan import run_tiles
+    from treadle.kernels.int_kernel_plan import SiluMulTiles, run_tiles
 
     weights = small_batch.weight_copies(layer.weight.data)
     # Each call prefetches the next one's head into L2, as in the model (small_batch.chain_l2_prefetch): the same
@@ -104,7 +106,8 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
         if not timings:
             return candidates[0]
         best = min(timings, key=timings.get)
-        _kept_seconds[(layer.weight.shape[0], k, rows)] = timings[best]
+        if not isinstance(best, SiluMulTiles):  # the matmul's launch per bucket, not the gated MLP's product
+            _kept_seconds[(layer.weight.shape[0], k, rows)] = timings[best]
         return best
 
     return pick

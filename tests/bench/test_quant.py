@@ -211,3 +211,22 @@ def test_large_batch_summary_adds_the_shapes_up_per_step():
     assert lines[1].split()[1:8] == ["4.80", "0.96", "6.00", "5.76", "7.04", "4.80", "4.56"]
     assert "(1.25x, 0.95x" in lines[1]
     assert lines[2].split()[1:8] == ["12.80", "0.96", "14.08", "13.76", "-", "-", "14.08"] and "(1.10x" in lines[2]
+
+
+def test_offline_variants_run_both_models_again_with_their_overrides(tmp_path, monkeypatch, capsys):
+    from treadle.bench import offline_throughput, quant
+
+    seen = []
+
+    def run_offline(argv):
+        seen.append(argv[argv.index("--compare") + 1].split(","))
+        systems = [{"output_throughput_tok_s": tok_s} for tok_s in (12000.0, 11000.0, 12100.0, 12500.0)]
+        (tmp_path / "offline_quant.json").write_text(json.dumps({"systems": systems}))
+
+    monkeypatch.setattr(offline_throughput, "main", run_offline)
+    quant.main(["--runs", "offline", "--out", str(tmp_path), "--offline-variant", "scheduler.max_running_requests=1024"])
+    variants = seen[0]
+    assert len(variants) == 4 and variants[2].endswith("llama-3.1-8b;scheduler.max_running_requests=1024")
+    assert variants[3].endswith("llama-3.1-8b-w4a16;scheduler.max_running_requests=1024")
+    out = capsys.readouterr().out
+    assert "0.92x" in out and "1.03x" in out  # each pair against its own bf16

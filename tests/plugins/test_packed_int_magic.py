@@ -80,6 +80,25 @@ for name, (tiles, n, rows, group, asym) in {
                                                                      128, False),
 }.items():
     natural[name] = errors([(run_tiles, tiles)], n, 512, rows, group, asym, torch.float16)[0]
+# silu(gate) * up in natural_mma's epilogue (gate and up 40 rows each: partial row tiles), by the plan's
+# run_silu_mul where its bucket fuses and by the loader's race candidate, against the matmul, then silu_mul.
+import dataclasses
+from treadle.kernels.fused_ops import silu_mul
+from treadle.kernels.int_kernel_plan import IntKernelPlan, SiluMulTiles
+from treadle.kernels.packed_int import IntTiles
+words = pack_panels(torch.randint(0, 16, (80, 512)), 4)
+gate_scales, gate_zeros = (torch.rand(80, 4) * 0.01 + 0.001).half(), torch.randint(0, 16, (80, 4)).half()
+twin = NaturalMmaTiles(16, 32, asm=False)
+fusing = IntKernelPlan(4, 128, IntTiles(0, 8, 64, 1, 1), twin, dataclasses.replace(twin, block_m=32),
+                       dataclasses.replace(twin, block_m=64), fused_silu_mul=(True, False, True))
+gated = {}
+for rows in (5, 20, 40):
+    x = torch.randn(rows, 512).half()
+    unfused = silu_mul(natural_mma(x, words, gate_scales, gate_zeros, 4, 128, twin))
+    fused = fusing.run_silu_mul(x, words, gate_scales, gate_zeros)
+    raced = run_tiles(x, words, gate_scales, gate_zeros, 4, 128, SiluMulTiles(twin, True))
+    gated[rows] = None if fused is None else [((y.float() - unfused.float()).abs().max() / unfused.abs().max()).item()
+                                              for y in (fused, raced)]
 for dtype, group in ((torch.float32, 128), (torch.float16, 64)):
     try:
         natural_mma(torch.zeros(2, 512, dtype=dtype), torch.zeros(8, 64, dtype=torch.int32),
@@ -115,7 +134,7 @@ epilogues = [((normed.float() - norm).abs().max() / norm.abs().max()).item(),
              ((fused.float() - torch.nn.functional.silu(gate) * up).abs().max() / up.abs().max()).item()]
 print("RESULTS " + json.dumps({"subnormal": subnormal, "mma": mma, "refused": refused, "trials": trials,
                                "kinds": kinds, "planned": planned, "epilogues": epilogues, "natural": natural,
-                               "raced": raced}))
+                               "gated": gated, "raced": raced}))
 """
 
 
@@ -157,8 +176,25 @@ def test_natural_order_twin_gives_the_dequantized_matmul(results):
         assert error < 2e-3, (name, error)
 
 
+def test_natural_order_silu_mul_epilogue_gives_the_matmul_then_silu_mul(results):
+    # rows 20: the plan's medium bucket does not fuse (the caller runs the matmul, then silu_mul)
+    assert results["gated"]["20"] is None
+    for rows in ("5", "40"):
+        assert max(results["gated"][rows]) < 4e-3, results["gated"]  # fp16: a rounding or two
+
+
 def test_loader_races_natural_mma_after_magic_mma_for_16_bit_activations_alone(results):
     kinds = results["raced"]["torch.float16"]
     assert kinds[0] == "MagicMmaTiles" and "NaturalMmaTiles" in kinds
     assert kinds.index("NaturalMmaTiles") > kinds.index("MagicMmaTiles")
     assert "NaturalMmaTiles" not in results["raced"]["torch.float32"]
+
+
+def test_loader_races_the_wave_split_at_three_stages_and_halved():
+    from treadle.kernels.packed_int_natural import natural_candidates, wave_split
+
+    # o_proj's shape at 32 tokens on 132 SMs: the wave split (8 K ranges) at three stages, and 4 at four stages
+    wave = wave_split(4096, 4096, 3, 132)
+    listed = natural_candidates(4096, 4096, 4, 128, 32, 132)
+    assert (wave, 3) in [(t.split_k, t.num_stages) for t in listed]
+    assert (wave // 2, 4) in [(t.split_k, t.num_stages) for t in listed]

@@ -301,11 +301,12 @@ def _int_weight_kernels() -> dict:
 
     def check(types: dict[str, str], **constexprs: object) -> None:
         compiled = _compile(packed_int_natural._natural_mma_kernel, types, set(),
-                            dict(GROUP=128, ASM=True, PREFETCH_BLOCK=1, **constexprs),
+                            {"GROUP": 128, "ASM": True, "PREFETCH_BLOCK": 1, "HEAD_LINES": 2, "SILU_MUL": False,
+                             **constexprs},
                             aligned=set(types) | {"N", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
                                                   "stride_om"}, num_warps=4, num_stages=4)
         ptx = compiled.asm["ptx"]
-        assert "wgmma.mma_async.sync.aligned.m64n32k16.f32" in ptx
+        assert f"wgmma.mma_async.sync.aligned.m64n{constexprs['BLOCK_M']}k16.f32" in ptx
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
         _check_pdl(constexprs["PDL"], compiled)
 
@@ -315,6 +316,12 @@ def _int_weight_kernels() -> dict:
         "natural_mma[fp16,zeros,32,split_k]": lambda: check(fp16, HAS_ZEROS=True, SPLIT_K=8, SUM_CHUNK=4,
                                                             MAGIC16=0x6400, EVEN_N=False, BLOCK_M=32, BLOCK_N=128,
                                                             PDL=False, PREFETCH=False),
+        "natural_mma[bf16,16,pdl,head_lines]": lambda: check(
+            pointers, HAS_ZEROS=False, SPLIT_K=8, SUM_CHUNK=4, MAGIC16=0x4300, EVEN_N=True, BLOCK_M=16, BLOCK_N=128,
+            PDL=True, PREFETCH=True, HEAD_LINES=8),
+        "natural_mma[bf16,32,pdl,silu_mul]": lambda: check(  # partials_ptr: the matmul's bf16 output
+            {**pointers, "partials_ptr": "*bf16"}, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
+            EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PDL=True, PREFETCH=True, SILU_MUL=True),
         "wide_mma[bf16,128x128,pdl]": lambda: _check_wide(pointers, 4, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1,
                                                            MAGIC16=0x4300, EVEN_N=True, BLOCK_N=128, PDL=True),
         "wide_mma[fp16,zeros,128x256,split_k]": lambda: _check_wide(fp16, 8, HAS_ZEROS=True, SPLIT_K=4, SUM_CHUNK=1,
@@ -448,6 +455,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_expand_segmented[sorted]", "lora_shrink_sorted", "lora_expand_sorted",
            "small_batch[bf16,gemv,lora_shrink,pdl]", "lora_expand_silu_mul[pdl]", "lora_expand_add_rmsnorm[pdl]",
            "lora_dense_mask", "natural_mma[bf16,32,pdl]", "natural_mma[fp16,zeros,32,split_k]",
+           "natural_mma[bf16,16,pdl,head_lines]",
+           "natural_mma[bf16,32,pdl,silu_mul]",
            "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]",
            "wide_stream[bf16,128x128,pdl]", "wide_stream[fp16,zeros,tokens_m,256x128]"]
 
