@@ -25,7 +25,9 @@ orientation's widening per multiply-add, one program an SM (254 registers a thre
 Waves: one program a tile leaves the last wave part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132
 SMs are 1.7 waves and take two; qkv's 96 tiles at 512 leave 36 SMs idle). :func:`wide_stream` (a launch with
 ``programs``) runs a persistent grid of as many programs as the SMs hold: whole rounds of tiles one a program
-(neighbouring programs on neighbouring tiles, as above), the remaining tiles' K steps shared evenly (stream-K).
+(neighbouring programs on neighbouring tiles, as above), the remaining tiles' K steps shared evenly (stream-K);
+the two programs an SM holds start one on its shared parts, the other on its whole tiles, so that one's epilogue
+and next prologue run beside the other's wgmmas rather than at the same time.
 """
 
 from __future__ import annotations
@@ -208,7 +210,8 @@ def wide_stream(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     neighbouring tiles: shared weight tiles), and an even share of the remaining tiles' K steps (four or more each),
     so no wave runs part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132 SMs are 1.7 waves, two when
     each program is one tile). A program's share of the rest is at most two tile parts, whose float32 sums go to a
-    workspace of two tiles a program; a tile's last part to arrive adds them all and stores the tile."""
+    workspace of two tiles a program; a tile's last part to arrive adds them all and stores the tile. One K loop
+    runs both kinds (half the program of two loops)."""
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -243,10 +246,23 @@ def _wide_stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, work_ptr, arrivals_
     u_begin = p * units // sharing  # this program's steps: [u_begin, u_end)
     u_end = (p + 1) * units // sharing
     first_tile = whole + u_begin // steps
+    shared_tiles = tl.where(p < sharing, whole + tl.cdiv(u_end, steps) - first_tile, 0)
+    whole_tiles = tl.maximum(tl.cdiv(whole - p, programs), 0)  # tiles p, p + programs, ... below whole
+    # The two programs an SM holds (p and p + 1, or p and p + programs / 2, however the SMs take them) start on
+    # different kinds, so that their tiles end at different times: one's epilogue and next prologue beside the
+    # other's wgmmas.
+    later = (p + 2 * p // programs) % 2 * shared_tiles  # where the sequence starts: the shared parts or the tiles
     wait_for_previous(PDL)  # the activations are the kernel before's output
-    for tile in range(first_tile, tl.where(p < sharing, whole + tl.cdiv(u_end, steps), first_tile)):
-        k_first = tl.maximum(u_begin - (tile - whole) * steps, 0)
-        k_last = tl.minimum(u_end - (tile - whole) * steps, steps)
+    for i in range(0, shared_tiles + whole_tiles):
+        j = (i + later) % (shared_tiles + whole_tiles)  # [shared parts..., whole tiles...], rotated
+        if j < shared_tiles:
+            tile = first_tile + j
+            k_first = tl.maximum(u_begin - (tile - whole) * steps, 0)
+            k_last = tl.minimum(u_end - (tile - whole) * steps, steps)
+        else:
+            tile = p + (j - shared_tiles) * programs  # programs running at once on neighbouring tiles
+            k_first = 0
+            k_last = steps
         acc, out, mask, local = _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, k_first * 128,
                                               k_last * 128, stride_xm, stride_wn, stride_sn, stride_om, GROUP,
                                               HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N, TOKENS_M)
@@ -255,11 +271,6 @@ def _wide_stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, work_ptr, arrivals_
         else:
             _add_parts(acc, out, mask, work_ptr + local, arrivals_ptr + tile, p, tile - whole, first_tile - whole,
                        sharing, units, steps, BLOCK_M * BLOCK_N)
-    for tile in range(p, whole, programs):  # programs running at once on neighbouring tiles: shared weight tiles
-        acc, out, mask, local = _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, 0, K, stride_xm,
-                                              stride_wn, stride_sn, stride_om, GROUP, HAS_ZEROS, MAGIC16, ASM,
-                                              EVEN_N, BLOCK_M, BLOCK_N, TOKENS_M)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     allow_next(PDL)
 
 

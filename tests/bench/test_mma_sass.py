@@ -37,9 +37,9 @@ def test_wide_mma_feeds_128_token_wgmmas_from_registers_two_programs_an_sm() -> 
 
 
 def test_wide_stream_keeps_the_loop_of_wide_mma() -> None:
-    # The stream-K kernel (a persistent grid of 264 programs): its whole tiles' K loop as wide_mma's (16 wgmmas from
-    # registers a step, none waited for), two programs an SM still; at 255 registers a thread a few reloads of
-    # loop-invariant values in the loop (none with the GPU's Triton 3.6, 15 with 3.9), no stores.
+    # The stream-K kernel (a persistent grid of 264 programs): its K loop as wide_mma's (16 wgmmas from registers a
+    # step, none waited for), two programs an SM still; at 255 registers a thread a few reloads of loop-invariant
+    # values in the loop (two with the GPU's Triton 3.6, four with 3.9), no stores.
     from treadle.bench.mma_sass import loop_report
     from treadle.kernels.packed_int_wide import WideMmaTiles
 

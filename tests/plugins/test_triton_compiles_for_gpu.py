@@ -361,9 +361,10 @@ def _check_wide(types: dict[str, str], num_warps: int, **constexprs: object) -> 
 
 
 def _check_wide_stream(types: dict[str, str], num_warps: int, stages: int, **constexprs: object) -> None:
-    """kernels/packed_int_wide.py's stream-K kernel: both its K loops (a program's shared tile parts, then its whole
-    tiles) pipelined as wide_mma's, 128-token wgmmas from the widened weight in registers (TOKENS_M: 128 tokens a
-    warp group by the widened panel in shared memory), the parts' sums counted with an atomic."""
+    """kernels/packed_int_wide.py's stream-K kernel: its one K loop (a program's shared tile parts and whole tiles)
+    pipelined as wide_mma's, 128-token wgmmas from the widened weight in registers waited for once, after the loop
+    (TOKENS_M: 128 tokens a warp group by the widened panel in shared memory), the parts' sums counted with an
+    atomic."""
     from treadle.kernels import packed_int_wide
 
     types = {name: kind for name, kind in types.items() if name not in ("prefetch_ptr", "partials_ptr")}
@@ -374,11 +375,11 @@ def _check_wide_stream(types: dict[str, str], num_warps: int, stages: int, **con
                                               "stride_om"}, num_warps=num_warps, num_stages=stages)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32" in ptx and "atom.global.gpu.acq_rel.add" in ptx
-    assert ptx.count("cp.async.commit_group") >= 4  # each loop's pipeline: its prologue's copies and its own
+    assert ptx.count("cp.async.commit_group") >= 3  # the pipeline's prologue (two stages ahead) and its loop
     if constexprs["TOKENS_M"]:
         assert "st.shared" in ptx
     else:
-        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 2  # once after each loop
+        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
     _check_pdl(constexprs["PDL"], compiled)
 
 
