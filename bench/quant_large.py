@@ -28,9 +28,10 @@ GROUP = 128
 
 
 def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: torch.device,
-                seconds: Callable[[Callable[[int], Any]], float]) -> dict:
+                seconds: Callable[[Callable[[int], Any]], float], wide_only: bool = False) -> dict:
     """The large-batch timings (module docstring) as ``{"dequantize": [...], "matmul": [...]}``, printed as they
-    come; ``seconds(run)`` times ``run(i)`` (``layers/small_batch.py``'s ``graph_seconds``)."""
+    come; ``seconds(run)`` times ``run(i)`` (``layers/small_batch.py``'s ``graph_seconds``). ``wide_only``: bf16,
+    the path with the default dequantization and ``wide_mma``'s launches only (half the kernels to compile)."""
     from treadle.kernels.int_kernel_plan import dequantize_linear
     from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, dequantize_candidates
 
@@ -41,7 +42,7 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
         out = torch.empty(n, k, dtype=torch.bfloat16, device=device)
         moved = weight.bytes + out.numel() * 2
         timed = {}
-        for tiles in dequantize_candidates():
+        for tiles in [DequantTiles()] if wide_only else dequantize_candidates():
             timed[tiles] = seconds(lambda i, tiles=tiles: dequantize(
                 weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP, torch.bfloat16,
                 out, tiles))
@@ -62,10 +63,11 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
                        x, weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,
                        buffer=buffer)),
                    "dequantize_us": timed[DequantTiles()] * 1e6, "best_dequantize": str(best),
-                   "best_path_us": 1e6 * seconds(lambda i: F.linear(x, dequantize(
+                   "best_path_us": 0.0 if wide_only else 1e6 * seconds(lambda i: F.linear(x, dequantize(
                        weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,
                        torch.bfloat16, out, best)))}
-            if rows <= 256:
+            row["best_path_us"] = row["best_path_us"] or row["path_us"]
+            if rows <= 256 and not wide_only:
                 row.update(_dot_kernels(x, weight, n, k, device, seconds))
             row.update(_wide_kernels(x, weight, n, k, device, seconds))
             row["kept_us"] = min(row["path_us"], row.get("wide_best_us", row["path_us"]))
