@@ -211,7 +211,7 @@ def wide_stream(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     so no wave runs part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132 SMs are 1.7 waves, two when
     each program is one tile). A program's share of the rest is at most two tile parts, whose float32 sums go to a
     workspace of two tiles a program; a tile's last part to arrive adds them all and stores the tile. One K loop
-    runs both kinds (half the program of two loops)."""
+    runs both kinds (half the code of two loops)."""
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
