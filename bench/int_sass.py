@@ -83,16 +83,12 @@ def _sass(cubin: bytes) -> tuple[str, int]:
 
 def longest_loop_lines(sass: str) -> list[str]:
     """The instructions between the target of a backward branch and the branch, for the longest such loop."""
-    return max(loop_spans(sass), key=len)
-
-
-def loop_spans(sass: str) -> list[list[str]]:
-    """Each loop's instructions: from the target of a backward branch to the branch."""
     instructions = [(int(m.group(1), 16), m.group(2).strip()) for m in
                     (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
     loops = [(int(m.group(1), 16), address) for address, text in instructions
              if (m := re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < address]
-    return [[text for address, text in instructions if first <= address <= last] for first, last in loops]
+    first, last = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [text for address, text in instructions if first <= address <= last]
 
 
 def _longest_loop(sass: str) -> collections.Counter:

@@ -19,7 +19,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from treadle.bench.int_sass import POINTERS, _sass, longest_loop_lines, loop_spans
+from treadle.bench.int_sass import POINTERS, _sass, longest_loop_lines
 
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 227 * 1024
@@ -27,8 +27,8 @@ SHARED_PER_SM = 227 * 1024
 
 def configs() -> dict[str, Any]:
     """Name -> tiles: ``magic_mma``'s best launches at 32 tokens on an H200 (gate_up and qkv; o and down), and
-    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens and its two-warp-group trial, ``wide_mma``'s
-    loader launches (the first also with split-K; the stream-K ones on an H200's 132 SMs)."""
+    ``natural_mma``'s first loader launch at 16, 32 and 64 tokens and its two-warp-group trial,
+    ``wide_mma``'s three loader launches (and the first with split-K)."""
     from treadle.kernels.packed_int_magic import MagicMmaTiles
     from treadle.kernels.packed_int_natural import NaturalMmaTiles
     from treadle.kernels.packed_int_wide import WideMmaTiles
@@ -46,10 +46,6 @@ def configs() -> dict[str, Any]:
         "wide_mma 128x128 split 4": WideMmaTiles(128, 128, 4),
         "wide_mma 128x256 (8 warps)": WideMmaTiles(128, 256, num_warps=8),
         "wide_mma 128x128 tokens as M (8 warps)": WideMmaTiles(128, 128, 1, 8, 2, tokens_m=True, max_registers=128),
-        "wide_mma 256x128 tokens as M (8 warps)": WideMmaTiles(256, 128, 1, 8, 2, tokens_m=True),
-        "wide_mma 128x128 stream-K (264)": WideMmaTiles(128, 128, programs=264),
-        "wide_mma 128x256 stream-K (8 warps, 132)": WideMmaTiles(128, 256, num_warps=8, programs=132),
-        "wide_mma 256x128 tokens as M stream-K (132)": WideMmaTiles(256, 128, 1, 8, 2, tokens_m=True, programs=132),
     }
 
 
@@ -70,8 +66,6 @@ def compiled(tiles: Any) -> Any:
     else:
         wide = isinstance(tiles, packed_int_wide.WideMmaTiles)
         kernel = packed_int_wide._wide_mma_kernel if wide else packed_int_natural._natural_mma_kernel
-        if wide and tiles.programs:
-            kernel = packed_int_wide._wide_stream_kernel
         # Llama-3.1-8B's shapes are whole row tiles; on Hopper it launches with PDL
         constexprs.update(EVEN_N=True, SUM_CHUNK=tiles.sum_chunk(), PDL=True,
                           TOKENS_M=getattr(tiles, "tokens_m", False))
@@ -82,7 +76,7 @@ def compiled(tiles: Any) -> Any:
         if name in constexprs:
             signature[name], constants[(index,)] = "constexpr", constexprs[name]
             continue
-        signature[name] = POINTERS.get(name, "*fp32" if name == "work_ptr" else "i32")
+        signature[name] = POINTERS.get(name, "i32")
         if name not in ("M", "prefetch_lines", "first_prefetcher"):
             attrs[(index,)] = [["tt.divisibility", 16]]
     registers = getattr(tiles, "max_registers", 0)
@@ -96,17 +90,14 @@ def loop_report(tiles: Any) -> dict[str, Any]:
     """The main loop's counts (module docstring) and the program's registers, shared memory and programs per SM."""
     kernel = compiled(tiles)
     sass, registers = _sass(kernel.asm["cubin"])
-    # the innermost loop with wgmmas (the stream-K kernel's K loop of its whole tiles, not the loop over tiles)
-    loop = min((body for body in loop_spans(sass) if any("HGMMA" in line for line in body)), key=len,
-               default=longest_loop_lines(sass))
+    loop = longest_loop_lines(sass)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", line).split()[0].split(".")[0] for line in loop)
     shared = kernel.metadata.shared
     threads = 32 * tiles.num_warps
     return {"instructions": len(loop), "HGMMA": opcodes["HGMMA"],
             "wait_all": sum("DEPBAR.LE gsb0, 0x0" in line for line in loop), "BAR": opcodes["BAR"],
             "STS": opcodes["STS"], "LDS": opcodes["LDS"] + opcodes["LDSM"], "LDGSTS": opcodes["LDGSTS"],
-            "LDG": opcodes["LDG"], "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
-            "loop_spills": opcodes["STL"] + opcodes["LDL"], "registers": registers,
+            "LDG": opcodes["LDG"], "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "registers": registers,
             "shared": shared,
             "programs_per_sm": min(REGISTERS_PER_SM // (registers * threads), SHARED_PER_SM // max(shared, 1),
                                    64 // tiles.num_warps),

@@ -46,8 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bandwidth = copy_bandwidth(device)
     if args.large:
         rows = [int(r) for r in (args.rows or "128,256,512,1024").split(",")]
-        return _write(args, bandwidth, large_batch(rows, args.zeros, bandwidth, device, graph_seconds,
-                                                   args.wide_only))
+        return _write(args, bandwidth, large_batch(rows, args.zeros, bandwidth, device, graph_seconds))
     rows_list = [int(r) for r in (args.rows or "1,8,32").split(",")]
     results = []
     for name, (n, k) in ({} if args.moe_only else SHAPES).items():
@@ -132,9 +131,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--large", action="store_true",
                         help="large batches instead (bench/quant_large.py): dequantize alone, dequantize + matmul "
                              "and the tl.dot kernels against bf16 (--rows default 128,256,512)")
-    parser.add_argument("--wide-only", action="store_true",
-                        help="--large: bf16, the default dequantize path and wide_mma's launches only (no tl.dot "
-                             "kernels, no dequantize config sweep: half the compiles)")
     parser.add_argument("--output")
     return parser
 

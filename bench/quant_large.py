@@ -10,9 +10,9 @@ the dequantize-then-matmul path with the default config (what runs) and with the
 kernels the loader times at 64 rows (``magic_mma``'s first): whether raising ``DOT_MAX_ROWS`` (256) would win, and
 what the loader's race at 128 and 256 rows (``dot_max_rows``) sees (up to 256 rows: they lost 2-4x there), and
 each ``wide_mma`` launch the loader times at those rows (``wide_candidates``: its first's and fastest's
-microseconds, and each one's output against the first's). The summary adds the shapes up per decoder layer times
-32 (ms of linear layers a step), with the loader's pick per shape (the faster of ``wide_mma``'s fastest and the
-dequantize path). Each timing replays a CUDA graph, the weights cycled through copies (read from memory).
+microseconds). The summary adds the shapes up per decoder layer times 32 (ms of linear layers a step), with the
+loader's pick per shape (the faster of ``wide_mma``'s fastest and the dequantize path). Each timing replays a CUDA
+graph, the weights cycled through copies (read from memory).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ GROUP = 128
 
 
 def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: torch.device,
-                seconds: Callable[[Callable[[int], Any]], float], wide_only: bool = False) -> dict:
+                seconds: Callable[[Callable[[int], Any]], float]) -> dict:
     """The large-batch timings (module docstring) as ``{"dequantize": [...], "matmul": [...]}``, printed as they
-    come; ``seconds(run)`` times ``run(i)`` (``layers/small_batch.py``'s ``graph_seconds``). ``wide_only``: bf16,
-    the path with the default dequantization and ``wide_mma``'s launches only (half the kernels to compile)."""
+    come; ``seconds(run)`` times ``run(i)`` (``layers/small_batch.py``'s ``graph_seconds``)."""
     from treadle.kernels.int_kernel_plan import dequantize_linear
     from treadle.kernels.packed_int_dequant import DequantBuffer, DequantTiles, dequantize, dequantize_candidates
 
@@ -42,7 +41,7 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
         out = torch.empty(n, k, dtype=torch.bfloat16, device=device)
         moved = weight.bytes + out.numel() * 2
         timed = {}
-        for tiles in [DequantTiles()] if wide_only else dequantize_candidates():
+        for tiles in dequantize_candidates():
             timed[tiles] = seconds(lambda i, tiles=tiles: dequantize(
                 weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP, torch.bfloat16,
                 out, tiles))
@@ -63,11 +62,10 @@ def large_batch(rows_list: list[int], zeros: bool, bandwidth: float, device: tor
                        x, weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,
                        buffer=buffer)),
                    "dequantize_us": timed[DequantTiles()] * 1e6, "best_dequantize": str(best),
-                   "best_path_us": 0.0 if wide_only else 1e6 * seconds(lambda i: F.linear(x, dequantize(
+                   "best_path_us": 1e6 * seconds(lambda i: F.linear(x, dequantize(
                        weight.words[i % len(weight.words)], weight.scales, weight.zeros, None, 4, GROUP,
                        torch.bfloat16, out, best)))}
-            row["best_path_us"] = row["best_path_us"] or row["path_us"]
-            if rows <= 256 and not wide_only:
+            if rows <= 256:
                 row.update(_dot_kernels(x, weight, n, k, device, seconds))
             row.update(_wide_kernels(x, weight, n, k, device, seconds))
             row["kept_us"] = min(row["path_us"], row.get("wide_best_us", row["path_us"]))
@@ -101,19 +99,13 @@ def _dot_kernels(x: torch.Tensor, weight: PackedWeight, n: int, k: int, device: 
 def _wide_kernels(x: torch.Tensor, weight: PackedWeight, n: int, k: int, device: torch.device,
                   seconds: Callable[[Callable[[int], Any]], float]) -> dict:
     """The ``wide_mma`` launches the loader times at ``x``'s rows: each one's microseconds, the first's and the
-    fastest's, and each one's relative error against the first's output (``wide_error``; printed above 1e-3: the
-    launches differ only in float32 summation order)."""
+    fastest's."""
     from treadle.kernels.packed_int_wide import wide_candidates
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    timed, errors, reference = {}, {}, None
+    timed = {}
     for tiles in wide_candidates(n, k, 4, GROUP, x.shape[0], sm_count):
         try:
-            y = weight.run(x, 0, tiles).float()
-            reference = y if reference is None else reference
-            errors[str(tiles)] = ((y - reference).norm() / reference.norm()).item()
-            if errors[str(tiles)] > 1e-3:
-                print(f"  {tiles}: relative error {errors[str(tiles)]:.2e} against the first launch's output")
             timed[str(tiles)] = seconds(lambda i, tiles=tiles: weight.run(x, i, tiles))
         except Exception as exc:  # reported, not fatal
             print(f"  {tiles}: {type(exc).__name__}: {str(exc)[:160]}")
@@ -121,7 +113,7 @@ def _wide_kernels(x: torch.Tensor, weight: PackedWeight, n: int, k: int, device:
         return {}
     first, best = next(iter(timed)), min(timed, key=timed.get)
     return {"wide_first_us": timed[first] * 1e6, "wide_best_us": timed[best] * 1e6, "wide_best": best,
-            "wide_us": {name: t * 1e6 for name, t in timed.items()}, "wide_error": errors}
+            "wide_us": {name: t * 1e6 for name, t in timed.items()}}
 
 
 def _matmul_line(row: dict) -> str:

@@ -18,16 +18,7 @@ read from shared memory as the pipeline copied them, the widened panel stored to
 second operand, each step's wgmmas waited for before the next panel overwrites it. 64 accumulator registers a
 thread instead of 128, so with 128 registers a thread (no spills) and two pipeline stages two programs of eight
 warps fit an SM, and one's widening runs while the other's wgmmas do; the widening is shared by 128 tokens as in
-the register orientation, the store and the wait per step are its cost. At 256 tokens a tile (above 128 rows) that
-orientation's two warp groups take 128 tokens each and read one widened panel: a quarter of the register
-orientation's widening per multiply-add, one program an SM (254 registers a thread, no spills).
-
-Waves: one program a tile leaves the last wave part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132
-SMs are 1.7 waves and take two; qkv's 96 tiles at 512 leave 36 SMs idle). :func:`wide_stream` (a launch with
-``programs``) runs a persistent grid of as many programs as the SMs hold: whole rounds of tiles one a program
-(neighbouring programs on neighbouring tiles, as above), the remaining tiles' K steps shared evenly (stream-K);
-the two programs an SM holds start one on its shared parts, the other on its whole tiles, so that one's epilogue
-and next prologue run beside the other's wgmmas rather than at the same time.
+the register orientation, the store and the wait per step are its cost.
 """
 
 from __future__ import annotations
@@ -59,8 +50,7 @@ class WideMmaTiles:
     activations (three: two programs of one warp group an SM in 227 KB of shared memory); ``asm`` as
     ``NaturalMmaTiles.asm``; ``tokens_m``: the other orientation (the tokens the wgmma's M, 64 a warp group, from
     shared memory; the widened panel stored to shared memory as its second operand); ``max_registers`` a thread
-    (0: the compiler's choice); ``programs``: a persistent grid of that many programs that share the tiles' K steps
-    evenly (stream-K, :func:`wide_stream`; ``split_k`` unused), 0: one program a tile and K range."""
+    (0: the compiler's choice)."""
 
     block_m: int
     block_n: int
@@ -70,7 +60,6 @@ class WideMmaTiles:
     asm: bool = True
     tokens_m: bool = False
     max_registers: int = 0
-    programs: int = 0
 
     fits = NaturalMmaTiles.fits  # the same K steps and sum of the partials as natural_mma's
     sum_chunk = NaturalMmaTiles.sum_chunk
@@ -85,8 +74,6 @@ def wide_mma(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros:
     i16, magic, _ = widening(bits, x.dtype)
     if not i16 or not tiles.fits(k, bits, group):
         raise ValueError(f"{tiles} does not run K={k} of {bits}-bit values in groups of {group} on {x.dtype}")
-    if tiles.programs:
-        return wide_stream(x, weight, scales, zeros, group, magic, tiles)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     n_tiles, m_tiles = triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m)
     pdl = pdl_enabled(x.device)
@@ -107,25 +94,15 @@ def wide_candidates(n: int, k: int, bits: int, group: int, rows: int, sm_count: 
     reads per weight byte), then the other orientation, 128 tokens (two warp groups of 64) by 128 rows, two pipeline
     stages and 128 registers a thread (two programs an SM: one's widening runs while the other's wgmmas do; sm_90
     SASS: no spills); each with split-K where the tiles are fewer than the programs the SMs hold, the first also
-    with half as many K ranges (the partials cost memory traffic: a part-empty wave may be cheaper). Then the first
-    two on a persistent grid (stream-K: no part-empty wave, :func:`wide_stream`), and above 128 rows 256 tokens by
-    128 rows in the other orientation (two warp groups of 128 tokens reading one widened panel: a quarter of the
-    widening per multiply-add of the first launch's; one program an SM, sm_90 SASS: 254 registers, no spills), with
-    split-K and on a persistent grid."""
+    with half as many K ranges (the partials cost memory traffic: a part-empty wave may be cheaper)."""
     listed = []
-    steps = k // PANEL
     for block_n, warps, per_sm, tokens_m in ((128, 4, 2, False), (256, 8, 1, False), (128, 8, 2, True)):
         tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, 128)
-        split = _wide_split(tiles, steps, per_sm * sm_count)
+        split = _wide_split(tiles, k // PANEL, per_sm * sm_count)
         listed.append(WideMmaTiles(128, block_n, split, warps, 2 if tokens_m else 3, tokens_m=tokens_m,
                                    max_registers=128 if tokens_m else 0))
     if listed[0].split_k > 1:
         listed.append(dataclasses.replace(listed[0], split_k=listed[0].split_k // 2))
-    listed += [WideMmaTiles(128, 128, programs=2 * sm_count), WideMmaTiles(128, 256, num_warps=8, programs=sm_count)]
-    if rows > 128:
-        split = _wide_split(triton.cdiv(n, 128) * triton.cdiv(rows, 256), steps, sm_count)
-        wide = WideMmaTiles(256, 128, split, 8, 2, tokens_m=True)
-        listed += [wide, dataclasses.replace(wide, split_k=1, programs=sm_count)]
     return [t for t in dict.fromkeys(listed) if t.fits(k, bits, group)]
 
 
@@ -152,29 +129,6 @@ def _wide_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, partials_ptr, arrivals
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    acc = _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, pid_k * k_per_split,
-                     (pid_k + 1) * k_per_split, stride_xm, stride_wn, stride_sn, GROUP, HAS_ZEROS, MAGIC16, ASM,
-                     EVEN_N, BLOCK_M, BLOCK_N, PDL, TOKENS_M)
-    allow_next(PDL)
-    if TOKENS_M:
-        tile = offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
-                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
-    else:
-        tile = offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = n_mask[:, None] & m_mask[None, :]
-        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
-                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
-
-
-@triton.jit
-def _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_begin, k_end, stride_xm, stride_wn,
-               stride_sn, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
-               EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
-               TOKENS_M: tl.constexpr):
-    """One tile's float32 sum over the K range ``[k_begin, k_end)`` (whole panels): ``[BLOCK_N, BLOCK_M]``
-    (``TOKENS_M``: ``[BLOCK_M, BLOCK_N]``); ``WAIT``: waits for the kernel before (PDL) after the first scale's load."""
     w_tile = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, 16)[None, :]
     if TOKENS_M:
         x_panel = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, 128)[None, :]  # [BLOCK_M, 128]
@@ -182,9 +136,11 @@ def _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_beg
     else:
         x_panel = x_ptr + offs_m[None, :] * stride_xm + tl.arange(0, 128)[:, None]  # [128, BLOCK_M]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    k_end = k_begin + k_per_split
     s_next, zero_next = _scale_zero(s_ptr, z_ptr, offs_n, n_mask, k_begin // GROUP, stride_sn, HAS_ZEROS, EVEN_N,
                                     BLOCK_N)
-    wait_for_previous(WAIT)  # the activations are the kernel before's output
+    wait_for_previous(PDL)  # the activations are the kernel before's output
     for k0 in range(k_begin, k_end, 128):
         panel = w_tile + tl.multiple_of(k0 // 8, 16)
         if EVEN_N:
@@ -200,118 +156,14 @@ def _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_beg
         else:
             x = tl.load(x_panel + k0, mask=m_mask[None, :], other=0)
             acc = tl.dot(_panel(words, zero, s, MAGIC16, ASM, x.dtype, BLOCK_N), x, acc)
-    return acc
-
-
-def wide_stream(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
-                magic: int, tiles: WideMmaTiles) -> torch.Tensor:
-    """:func:`wide_mma` on a persistent grid (stream-K): ``tiles.programs`` programs (as many as the SMs hold at
-    once) take whole rounds of tiles, one a program in the token-tile-fastest order (programs running at once on
-    neighbouring tiles: shared weight tiles), and an even share of the remaining tiles' K steps (four or more each),
-    so no wave runs part-empty (gate_up at 256 tokens: 224 tiles of 128 by 256 on 132 SMs are 1.7 waves, two when
-    each program is one tile). A program's share of the rest is at most two tile parts, whose float32 sums go to a
-    workspace of two tiles a program; a tile's last part to arrive adds them all and stores the tile. One K loop
-    runs both kinds (half the code of two loops)."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    n_tiles = triton.cdiv(n, tiles.block_n) * triton.cdiv(rows, tiles.block_m)
-    programs = min(tiles.programs, max(n_tiles * (k // PANEL) // 4, 1))  # every program has four steps or more
-    work = torch.empty(programs * 2 * tiles.block_m * tiles.block_n, dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device)
-    _wide_stream_kernel[(programs,)](
-        x, weight, scales, zeros if zeros is not None else scales, out, work, _arrivals(x.device, n_tiles), rows, n,
-        k, x.stride(0), weight.stride(0), scales.stride(0), out.stride(0), GROUP=group, HAS_ZEROS=zeros is not None,
-        MAGIC16=magic, ASM=tiles.asm, EVEN_N=n % tiles.block_n == 0, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        PDL=pdl, TOKENS_M=tiles.tokens_m, launch_pdl=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"maxnreg": tiles.max_registers} if tiles.max_registers else {}))
-    return out
-
-
-@triton.jit(do_not_specialize=["M"])  # one compile for every batch size
-def _wide_stream_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, work_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
-                        stride_sn, stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC16: tl.constexpr,
-                        ASM: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PDL: tl.constexpr, TOKENS_M: tl.constexpr):
-    programs = tl.num_programs(0)
-    p = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    steps = K // 128
-    tiles = tl.cdiv(N, BLOCK_N) * m_tiles
-    whole = tiles - tiles % programs  # whole rounds of tiles, one a program; the rest share their K steps
-    units = (tiles - whole) * steps  # the rest's K steps, tile t's from (t - whole) * steps
-    # Programs with a share: four steps or more each (a tile's last part adds the others, 64 KB each at 128 x 128:
-    # more, smaller parts would cost more than they save), all the programs where the rest has that many.
-    sharing = tl.maximum(tl.minimum(programs, units // 4), 1)
-    u_begin = p * units // sharing  # this program's steps: [u_begin, u_end)
-    u_end = (p + 1) * units // sharing
-    first_tile = whole + u_begin // steps
-    shared_tiles = tl.where(p < sharing, whole + tl.cdiv(u_end, steps) - first_tile, 0)
-    whole_tiles = tl.maximum(tl.cdiv(whole - p, programs), 0)  # tiles p, p + programs, ... below whole
-    # The two programs an SM holds (p and p + 1, or p and p + programs / 2, however the SMs take them) start on
-    # different kinds, so that their tiles end at different times: one's epilogue and next prologue beside the
-    # other's wgmmas.
-    later = (p + 2 * p // programs) % 2 * shared_tiles  # where the sequence starts: the shared parts or the tiles
-    wait_for_previous(PDL)  # the activations are the kernel before's output
-    for i in range(0, shared_tiles + whole_tiles):
-        j = (i + later) % (shared_tiles + whole_tiles)  # [shared parts..., whole tiles...], rotated
-        if j < shared_tiles:
-            tile = first_tile + j
-            k_first = tl.maximum(u_begin - (tile - whole) * steps, 0)
-            k_last = tl.minimum(u_end - (tile - whole) * steps, steps)
-        else:
-            tile = p + (j - shared_tiles) * programs  # programs running at once on neighbouring tiles
-            k_first = 0
-            k_last = steps
-        acc, out, mask, local = _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, k_first * 128,
-                                              k_last * 128, stride_xm, stride_wn, stride_sn, stride_om, GROUP,
-                                              HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N, TOKENS_M)
-        if k_last - k_first == steps:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            _add_parts(acc, out, mask, work_ptr + local, arrivals_ptr + tile, p, tile - whole, first_tile - whole,
-                       sharing, units, steps, BLOCK_M * BLOCK_N)
     allow_next(PDL)
-
-
-@triton.jit
-def _wide_tile_at(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, tile, M, N, k_begin, k_end, stride_xm, stride_wn, stride_sn,
-                  stride_om, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC16: tl.constexpr, ASM: tl.constexpr,
-                  EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_M: tl.constexpr):
-    """Tile ``tile``'s (the token tile fastest, as ``wide_mma``'s grid) sum over ``[k_begin, k_end)``, its output
-    pointers and mask, and its elements' offsets in a workspace tile (the sum's layout)."""
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    acc = _wide_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, m_mask, n_mask, k_begin, k_end, stride_xm,
-                     stride_wn, stride_sn, GROUP, HAS_ZEROS, MAGIC16, ASM, EVEN_N, BLOCK_M, BLOCK_N, False, TOKENS_M)
     if TOKENS_M:
-        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tile = offs_m[:, None] * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[:, None] * N + offs_n[None, :], M * N,
+                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)
     else:
-        out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tile = offs_m[None, :] * stride_om + offs_n[:, None]
         mask = n_mask[:, None] & m_mask[None, :]
-        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    return acc, out, mask, local
-
-
-@triton.jit
-def _add_parts(acc, out, mask, work, arrival, p, tile, first_tile, programs, units, steps, BLOCK: tl.constexpr):
-    """Stores program ``p``'s part of shared tile ``tile`` (its workspace's first tile if ``tile`` is its first,
-    else its second); the tile's last part to arrive adds every part (programs ``first`` to ``last``: the one
-    holding the tile's first step, ``ceil((u + 1) * programs / units) - 1`` for step ``u``, to its last step's) and
-    stores it. ``programs``: those sharing the ``units`` steps evenly, ``steps`` a tile."""
-    tl.store(work + (2 * p + (tile != first_tile).to(tl.int32)) * BLOCK, acc)
-    tl.debug_barrier()  # every thread's part is stored before the count releases it
-    first = ((tile * steps + 1) * programs + units - 1) // units - 1
-    last = ((tile + 1) * steps * programs + units - 1) // units - 1
-    if tl.atomic_add(arrival, 1, sem="acq_rel") == last - first:
-        total = tl.zeros_like(acc)
-        for q in tl.range(first, last + 1, loop_unroll_factor=1):
-            q_first_tile = (q * units // programs) // steps
-            total += tl.load(work + (2 * q + (q_first_tile != tile).to(tl.int32)) * BLOCK, cache_modifier=".cg")
-        tl.atomic_xchg(arrival, 0, sem="relaxed")
-        tl.store(out, total.to(out.dtype.element_ty), mask=mask)
+        _sum_or_store(acc, out_ptr + tile, partials_ptr + offs_m[None, :] * N + offs_n[:, None], M * N,
+                      arrivals_ptr + tl.program_id(0), mask, pid_k, SPLIT_K, SUM_CHUNK)

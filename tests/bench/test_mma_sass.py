@@ -34,15 +34,3 @@ def test_wide_mma_feeds_128_token_wgmmas_from_registers_two_programs_an_sm() -> 
     wide = loop_report(WideMmaTiles(128, 128))
     assert wide["HGMMA"] == 16 and wide["wait_all"] == 0 and wide["LDG"] <= 1
     assert wide["LDGSTS"] >= 20 and wide["programs_per_sm"] == 2, wide
-
-
-def test_wide_stream_keeps_the_loop_of_wide_mma() -> None:
-    # The stream-K kernel (a persistent grid of 264 programs): its K loop as wide_mma's (16 wgmmas from registers a
-    # step, none waited for), two programs an SM still; at 255 registers a thread a few reloads of loop-invariant
-    # values in the loop (two with the GPU's Triton 3.6, four with 3.9), no stores.
-    from treadle.bench.mma_sass import loop_report
-    from treadle.kernels.packed_int_wide import WideMmaTiles
-
-    stream = loop_report(WideMmaTiles(128, 128, programs=264))
-    assert stream["HGMMA"] == 16 and stream["wait_all"] == 0 and stream["loop_spills"] <= 16
-    assert stream["LDGSTS"] >= 20 and stream["programs_per_sm"] == 2 and stream["instructions"] < 520, stream

@@ -1,8 +1,7 @@
 """kernels/packed_int_wide.py's W4A16 kernel for 65 to 1024 tokens on a GPU at Llama-3.1-8B's projection shapes:
 its inline-PTX widening gives exactly what its plain-op twin gives (the CPU tests check the twin) and matches the
-dequantized matmul at 96, 128, 300 and 512 tokens (partial token tiles, split-K, every launch the loader times:
-stream-K's shared tiles and 256-token tiles included), in bf16 and fp16, with and without zero points, both
-orientations; and the plan's row buckets run it."""
+dequantized matmul at 96, 128, 300 and 512 tokens (partial token tiles, split-K, both launches the loader times),
+in bf16 and fp16, with and without zero points, both orientations; and the plan's row buckets run it."""
 
 from __future__ import annotations
 
@@ -49,10 +48,7 @@ def test_wide_mma_equals_its_twin_and_the_dequantized_matmul(dtype, asym):
             x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
             expected = x.float() @ dense.t()
             launches = wide_candidates(n, k, 4, 128, rows, sm_count)
-            # the three orientations (the first also with half its K ranges where split), both stream-K launches,
-            # above 128 rows the 256-token ones, plain and stream-K
-            assert len(launches) == 3 + (launches[0].split_k > 1) + 2 + 2 * (rows > 128)
-            assert sum(t.programs > 0 for t in launches) == 2 + (rows > 128)
+            assert len(launches) == 3 + (launches[0].split_k > 1)
             for tiles in launches:
                 y = wide_mma(x, words, scales, zeros, 4, 128, tiles)
                 assert _error(y, expected) < 1e-2, (n, rows, tiles, _error(y, expected))

@@ -35,24 +35,15 @@ def error(run, n, k, rows, group, asym):
 
 
 wide = {}
-for name, (tiles, n, rows, group, asym, k) in {
+for name, (tiles, n, rows, group, asym) in {
         "two token tiles, two row tiles (the second part empty), split-K, zeros": (
-            WideMmaTiles(128, 128, 2, asm=False), 160, 130, 128, True, 512),
+            WideMmaTiles(128, 128, 2, asm=False), 160, 130, 128, True),
         "256 weight rows, 70 tokens, groups of 256": (WideMmaTiles(128, 256, num_warps=8, asm=False), 256, 70, 256,
-                                                     False, 512),
+                                                     False),
         "the tokens as M, two token tiles, split-K, zeros": (
-            WideMmaTiles(128, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 130, 128, True, 512),
-        # 8 tiles of 8 steps on 3 programs: 6 whole, the last two's 16 steps shared 5 + 5 + 6 (the middle program's
-        # a part of each: both its workspace tiles)
-        "stream-K: whole tiles and shared ones, zeros": (WideMmaTiles(128, 128, asm=False, programs=3), 512, 130,
-                                                         128, True, 1024),
-        # 4 tiles of 8 steps on 5 programs: every tile shared, parts from odd steps (groups of two)
-        "stream-K, the tokens as M, every tile shared, groups of 256": (
-            WideMmaTiles(128, 128, 1, 8, 2, asm=False, tokens_m=True, programs=5), 160, 130, 256, False, 1024),
-        "256 tokens as M, split-K": (WideMmaTiles(256, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 300, 128,
-                                     False, 512),
+            WideMmaTiles(128, 128, 2, 8, 2, asm=False, tokens_m=True), 160, 130, 128, True),
 }.items():
-    wide[name] = error(lambda x, w, s, z, g, tiles=tiles: wide_mma(x, w, s, z, 4, g, tiles), n, k, rows, group,
+    wide[name] = error(lambda x, w, s, z, g, tiles=tiles: wide_mma(x, w, s, z, 4, g, tiles), n, 512, rows, group,
                        asym)
 
 
@@ -70,9 +61,8 @@ untimed = [len(plan_kernels(160, 512, 4, 128, 4, dtype=torch.float16).wide),
 plan = dataclasses.replace(plan, wide=tuple((most, dataclasses.replace(t, asm=False)) for most, t in plan.wide))
 planned = {rows: error(lambda x, w, s, z, g: plan.run(x, w, s, z, None), 160, 512, rows, 128, True)
            for rows in (100, 300)}
-counts = {f"{rows}x{n}": [(t.block_m, t.block_n, t.split_k, t.tokens_m, t.programs)
-                          for t in wide_candidates(n, 4096, 4, 128, rows, 132)]
-          for rows, n in ((128, 4096), (1024, 4096), (128, 28672), (256, 28672))}
+counts = {f"{rows}x{n}": [(t.block_n, t.split_k, t.tokens_m) for t in wide_candidates(n, 4096, 4, 128, rows, 132)]
+          for rows, n in ((128, 4096), (1024, 4096), (128, 28672))}
 print("RESULTS " + json.dumps({"wide": wide, "buckets": buckets, "dot_max_rows": plan.dot_max_rows,
                                "untimed": untimed, "planned": planned, "counts": counts}))
 """
@@ -86,7 +76,7 @@ def results() -> dict:
 
 
 def test_wide_twin_gives_the_dequantized_matmul(results):
-    assert len(results["wide"]) == 6
+    assert len(results["wide"]) == 3
     for name, error in results["wide"].items():
         assert error < 2e-3, (name, error)
 
@@ -102,14 +92,7 @@ def test_loader_keeps_wide_buckets_up_to_the_first_the_dequantization_wins(resul
 
 def test_split_k_only_where_the_tiles_leave_the_sms_short(results):
     # o_proj at 128 rows: 32 row tiles of 128 (16 of 256) split 8 ways (the first launch also 4); at 1024 rows
-    # (256 tiles) none; gate_up (224 row tiles) none. Then the stream-K launches (two programs an SM of 128 rows,
-    # one of 256) and above 128 rows the 256-token ones (split-K where short: none here), plain and stream-K.
-    stream = [[128, 128, 1, False, 264], [128, 256, 1, False, 132]]
-    tokens_256 = [[256, 128, 1, True, 0], [256, 128, 1, True, 132]]
-    assert results["counts"] == {
-        "128x4096": [[128, 128, 8, False, 0], [128, 256, 8, False, 0], [128, 128, 8, True, 0],
-                     [128, 128, 4, False, 0], *stream],
-        "1024x4096": [[128, 128, 1, False, 0], [128, 256, 1, False, 0], [128, 128, 1, True, 0], *stream, *tokens_256],
-        "128x28672": [[128, 128, 1, False, 0], [128, 256, 1, False, 0], [128, 128, 1, True, 0], *stream],
-        "256x28672": [[128, 128, 1, False, 0], [128, 256, 1, False, 0], [128, 128, 1, True, 0], *stream,
-                      *tokens_256]}
+    # (256 tiles) none; gate_up (224 row tiles) none.
+    assert results["counts"] == {"128x4096": [[128, 8, False], [256, 8, False], [128, 8, True], [128, 4, False]],
+                                 "1024x4096": [[128, 1, False], [256, 1, False], [128, 1, True]],
+                                 "128x28672": [[128, 1, False], [256, 1, False], [128, 1, True]]}

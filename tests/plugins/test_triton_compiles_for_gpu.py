@@ -330,10 +330,6 @@ def _int_weight_kernels() -> dict:
         "wide_mma[bf16,tokens_m,128x128]": lambda: _check_wide(pointers, 8, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1,
                                                                 MAGIC16=0x4300, EVEN_N=True, BLOCK_N=128, PDL=True,
                                                                 TOKENS_M=True),
-        "wide_stream[bf16,128x128,pdl]": lambda: _check_wide_stream(pointers, 4, 3, MAGIC16=0x4300, HAS_ZEROS=False,
-                                                                     EVEN_N=True, BLOCK_M=128, PDL=True),
-        "wide_stream[fp16,zeros,tokens_m,256x128]": lambda: _check_wide_stream(
-            fp16, 8, 2, MAGIC16=0x6400, HAS_ZEROS=True, EVEN_N=False, BLOCK_M=256, PDL=False, TOKENS_M=True),
     }
 
 
@@ -354,29 +350,6 @@ def _check_wide(types: dict[str, str], num_warps: int, **constexprs: object) -> 
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32" in ptx
     if tokens_m:
-        assert "st.shared" in ptx
-    else:
-        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
-    _check_pdl(constexprs["PDL"], compiled)
-
-
-def _check_wide_stream(types: dict[str, str], num_warps: int, stages: int, **constexprs: object) -> None:
-    """kernels/packed_int_wide.py's stream-K kernel: its one K loop (a program's shared tile parts and whole tiles)
-    pipelined as wide_mma's, 128-token wgmmas from the widened weight in registers waited for once, after the loop
-    (TOKENS_M: 128 tokens a warp group by the widened panel in shared memory), the parts' sums counted with an
-    atomic."""
-    from treadle.kernels import packed_int_wide
-
-    types = {name: kind for name, kind in types.items() if name not in ("prefetch_ptr", "partials_ptr")}
-    constexprs = {"TOKENS_M": False, **constexprs}
-    compiled = _compile(packed_int_wide._wide_stream_kernel, {**types, "work_ptr": "*fp32"}, set(),
-                        dict(GROUP=128, ASM=True, BLOCK_N=128, **constexprs),
-                        aligned=set(types) | {"work_ptr", "N", "K", "stride_xm", "stride_wn", "stride_sn",
-                                              "stride_om"}, num_warps=num_warps, num_stages=stages)
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32" in ptx and "atom.global.gpu.acq_rel.add" in ptx
-    assert ptx.count("cp.async.commit_group") >= 3  # the pipeline's prologue (two stages ahead) and its loop
-    if constexprs["TOKENS_M"]:
         assert "st.shared" in ptx
     else:
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1
@@ -458,8 +431,7 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_dense_mask", "natural_mma[bf16,32,pdl]", "natural_mma[fp16,zeros,32,split_k]",
            "natural_mma[bf16,16,pdl,head_lines]",
            "natural_mma[bf16,32,pdl,silu_mul]",
-           "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]",
-           "wide_stream[bf16,128x128,pdl]", "wide_stream[fp16,zeros,tokens_m,256x128]"]
+           "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]"]
 
 
 def _compile_all() -> dict[str, str | None]:
