@@ -289,6 +289,12 @@ def _lora_kernels() -> dict:
     }
 
 
+def _stream_kernel():
+    from treadle.bench.gemv_stream import _stream_kernel as kernel  # bench/gemv_stream.py's loads-only GEMV
+
+    return kernel
+
+
 def _int_weight_kernels() -> dict:
     """kernels/packed_int_natural.py's W4A16 tensor-core kernel (bf16 with PDL, and fp16 with zero points and split-K
     without): its panel's wgmmas read the widened weight from registers and wait for all that are pending once, after
@@ -322,6 +328,9 @@ def _int_weight_kernels() -> dict:
         "natural_mma[bf16,32,pdl,silu_mul]": lambda: check(  # partials_ptr: the matmul's bf16 output
             {**pointers, "partials_ptr": "*bf16"}, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1, MAGIC16=0x4300,
             EVEN_N=True, BLOCK_M=32, BLOCK_N=128, PDL=True, PREFETCH=True, SILU_MUL=True),
+        "gemv_stream": lambda: _compile(_stream_kernel(), {"w_ptr": "*i32", "out_ptr": "*i32"}, set(),
+                                        {"BLOCK_N": 8, "BLOCK_W": 128}, aligned={"w_ptr", "out_ptr", "words_per_split", "stride_wn"},
+                                        num_warps=1),
         "wide_mma[bf16,128x128,pdl]": lambda: _check_wide(pointers, 4, HAS_ZEROS=False, SPLIT_K=1, SUM_CHUNK=1,
                                                            MAGIC16=0x4300, EVEN_N=True, BLOCK_N=128, PDL=True),
         "wide_mma[fp16,zeros,128x256,split_k]": lambda: _check_wide(fp16, 8, HAS_ZEROS=True, SPLIT_K=4, SUM_CHUNK=1,
@@ -431,7 +440,8 @@ KERNELS = ["decode[bf16,store_kv=False]", "decode[bf16,store_kv=True]", "decode[
            "lora_dense_mask", "natural_mma[bf16,32,pdl]", "natural_mma[fp16,zeros,32,split_k]",
            "natural_mma[bf16,16,pdl,head_lines]",
            "natural_mma[bf16,32,pdl,silu_mul]",
-           "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]"]
+           "wide_mma[bf16,128x128,pdl]", "wide_mma[fp16,zeros,128x256,split_k]", "wide_mma[bf16,tokens_m,128x128]",
+           "gemv_stream"]
 
 
 def _compile_all() -> dict[str, str | None]:
