@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from packed_weights import random_weight, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -19,18 +20,11 @@ DEVICE = torch.device("cuda")
 
 
 def _weight(n: int, k: int):
-    from treadle.layers.packed_int import pack_panels
-
-    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
-    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
-    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(torch.bfloat16)
-    groups = torch.arange(k, device=DEVICE) // 128
-    dense = (values.float() - 8) * scales.float()[:, groups]
-    return pack_panels(values, 4), scales, dense
+    words, scales, _, dense = random_weight(n, k, False, torch.bfloat16, DEVICE)
+    return words, scales, dense
 
 
-def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((y.float() - expected).norm() / expected.norm()).item()
+_error = relative_error
 
 
 @pytest.mark.parametrize("n, k", [(4096, 4096), (6144, 4096)])

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from packed_weights import random_weight, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -19,19 +20,10 @@ DEVICE = torch.device("cuda")
 
 
 def _weight(n: int, k: int, asym: bool, dtype: torch.dtype):
-    from treadle.layers.packed_int import pack_panels
-
-    gen = torch.Generator(device=DEVICE).manual_seed(n + k + asym)
-    values = torch.randint(0, 16, (n, k), device=DEVICE, generator=gen)
-    scales = (torch.rand(n, k // 128, device=DEVICE, generator=gen) * 0.002 + 0.001).to(dtype)
-    zeros = torch.randint(0, 16, (n, k // 128), device=DEVICE, generator=gen).to(dtype) if asym else None
-    groups = torch.arange(k, device=DEVICE) // 128
-    dense = (values.float() - (zeros.float()[:, groups] if asym else 8)) * scales.float()[:, groups]
-    return pack_panels(values, 4), scales, zeros, dense
+    return random_weight(n, k, asym, dtype, DEVICE)
 
 
-def _error(y: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((y.float() - expected).norm() / expected.norm()).item()
+_error = relative_error
 
 
 @pytest.mark.parametrize("dtype, asym", [(torch.bfloat16, False), (torch.float16, True)])
