@@ -40,9 +40,16 @@ def int_kernel_plan(layer: nn.Module) -> Any:
     key = (n, k, layer.bits, layer.group_size, layer.weight_zeros is not None, layer.int_out_dtype,
            str(layer.weight.device))
     if key not in _plans:
+        from tqdm.auto import tqdm
+
         sm_count = torch.cuda.get_device_properties(layer.weight.device).multi_processor_count
-        pick = _timed_pick(layer) if small_batch.mode() == "auto" else None
-        _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, sm_count, pick, layer.int_out_dtype)
+        timed = small_batch.mode() == "auto"
+        # The first start on a machine compiles every launch it times (Triton caches them on disk for the next):
+        # dozens a shape, so a count of the launches timed so far.
+        with tqdm(unit="config", leave=False, disable=not timed,
+                  desc=f"timing int{layer.bits} matmuls for {n} x {k}") as progress:
+            pick = _timed_pick(layer, progress.update) if timed else None
+            _plans[key] = plan_kernels(n, k, layer.bits, layer.group_size, sm_count, pick, layer.int_out_dtype)
         logger.info("int%d matmul %d x %d: %s", layer.bits, n, k, _plans[key])
     return _plans[key]  # an IntKernelPlan, or None: the torch path
 
@@ -80,9 +87,10 @@ def kept_seconds() -> dict[tuple[int, int, int], float]:
     return dict(_kept_seconds)
 
 
-def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
+def _timed_pick(layer: nn.Module, timed_one: Callable[[int], Any] = lambda count: None) -> Callable[[list, int], Any]:
     """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
-    copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest."""
+    copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest;
+    ``timed_one(1)`` after each (a progress bar's ``update``)."""
     from treadle.kernels.int_kernel_plan import SiluMulTiles, run_tiles
 
     weights = small_batch.weight_copies(layer.weight.data)
@@ -103,6 +111,7 @@ def _timed_pick(layer: nn.Module) -> Callable[[list, int], Any]:
                 timings[tiles] = small_batch.graph_seconds(run)
             except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal
                 logger.info("int matmul config %s skipped: %s", tiles, exc)
+            timed_one(1)
         if not timings:
             return candidates[0]
         best = min(timings, key=timings.get)
