@@ -8,6 +8,13 @@
 # then, through the device tool with carry [".whl"]:
 #
 #   bash tests/gpu/device.sh setup tests bench         # BENCH_ARGS="--backends triton,flashinfer --graphs on"
+#
+# The tool carries at most 64 MiB: the tree (~26 MiB) plus .whl (~38 MiB) is just over. WHEELS names another
+# folder of wheels to install instead, e.g. one without compressed_tensors and loguru (only
+# tests/gpu/test_quantization_gpu.py imports compressed_tensors):
+#
+#   mkdir .whl_slim && ln .whl/*.whl .whl_slim/ && rm .whl_slim/compressed_tensors* .whl_slim/loguru*
+#   echo /.whl_slim/ >> .git/info/exclude     # then carry [".whl_slim"] and run with WHEELS=.whl_slim
 #   bash tests/gpu/device.sh setup offline             # OFFLINE_ARGS="--backends triton,flashinfer"
 #
 # `soak` runs the serving soak (bench/soak.py) on Llama-3.1-8B shapes at 80% of its saturated request rate;
@@ -45,8 +52,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 setup() {
   t0=$(date +%s)
-  [ -f .whl/fi_cache.tgz ] && mkdir -p ~/.cache && tar xzf .whl/fi_cache.tgz -C ~ && echo "SETUP: restored the FlashInfer JIT cache"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  local wheels=${WHEELS:-.whl}
+  [ -f $wheels/fi_cache.tgz ] && mkdir -p ~/.cache && tar xzf $wheels/fi_cache.tgz -C ~ && echo "SETUP: restored the FlashInfer JIT cache"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site
   if python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip_editable.log" 2>&1; then
     echo "SETUP: editable install OK"
