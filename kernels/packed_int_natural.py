@@ -176,8 +176,6 @@ _HALVES_LOW = tl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")
 _HALVES_HIGH = tl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")
 
 
-
-
 @triton.jit
 def _halves(even, odd, HIGH: tl.constexpr, ASM: tl.constexpr):
     """``[BLOCK_N, 8]`` int32: the low (``HIGH``: high) 16 bits of each even word below those of the next word."""
