@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from treadle.kernels.fused_ops import use_triton
-from treadle.layers import small_batch
+from treadle.layers import kernel_choices, small_batch
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ def kept_seconds() -> dict[tuple[int, int, int], float]:
 def _timed_pick(layer: nn.Module, timed_one: Callable[[int], Any] = lambda count: None) -> Callable[[list, int], Any]:
     """Times each candidate launch config on this layer's weight (replayed from a CUDA graph, each call on another
     copy of the weight so it is read from memory, as a decode step reads it) and keeps the fastest;
-    ``timed_one(1)`` after each (a progress bar's ``update``)."""
+    ``timed_one(1)`` after each (a progress bar's ``update``). A choice made at an earlier start on this machine
+    and code (``layers/kernel_choices.py``) is taken without timing."""
     from treadle.kernels.int_kernel_plan import SiluMulTiles, run_tiles
 
     weights = small_batch.weight_copies(layer.weight.data)
@@ -98,10 +99,21 @@ def _timed_pick(layer: nn.Module, timed_one: Callable[[int], Any] = lambda count
     # compiled launches as the model's, timed as the model runs them.
     heads = [small_batch.l2_prefetch_bytes(weight, small_batch.l2_prefetch_limit()) for weight in weights]
     scales, zeros = layer.weight_scales.data, layer.weight_zeros
-    k = layer.weight.shape[1] * (32 // layer.bits)
+    n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
+    device = layer.weight.device
+
+    def keep(tiles: Any, rows: int, seconds: float) -> Any:
+        if not isinstance(tiles, SiluMulTiles):  # the matmul's launch per bucket, not the gated MLP's product
+            _kept_seconds[(n, k, rows)] = seconds
+        return tiles
 
     def pick(candidates: list, rows: int) -> Any:
-        x = torch.randn(rows, k, dtype=layer.int_out_dtype, device=layer.weight.device)
+        key = ("int", n, k, layer.bits, layer.group_size, zeros is not None, layer.int_out_dtype, rows)
+        cached = kernel_choices.cached_choice(key, candidates, device)
+        if cached is not None:
+            timed_one(len(candidates))
+            return keep(candidates[cached[0]], rows, cached[1])
+        x = torch.randn(rows, k, dtype=layer.int_out_dtype, device=device)
         timings = {}
         for tiles in candidates:
             def run(i: int, tiles=tiles) -> torch.Tensor:
@@ -115,8 +127,7 @@ def _timed_pick(layer: nn.Module, timed_one: Callable[[int], Any] = lambda count
         if not timings:
             return candidates[0]
         best = min(timings, key=timings.get)
-        if not isinstance(best, SiluMulTiles):  # the matmul's launch per bucket, not the gated MLP's product
-            _kept_seconds[(layer.weight.shape[0], k, rows)] = timings[best]
-        return best
+        kernel_choices.store_choice(key, candidates, device, candidates.index(best), timings[best])
+        return keep(best, rows, timings[best])
 
     return pick

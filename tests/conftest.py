@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tests time the kernel launches at load (GPU tests) or fake the timing: no choices kept from an earlier run.
+os.environ.setdefault("TREADLE_KERNEL_CHOICES", "off")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 """layers/int_kernel_choice.py's timing at load: every candidate launch is counted on the progress bar (those that
-fail to run too, which are skipped), and the fastest is kept (timings faked: the launches run on GPUs only)."""
+fail to run too, which are skipped), the fastest is kept, and at the next start it is taken from the kept choices
+without timing (timings faked: the launches run on GPUs only)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import torch
 from treadle.layers import int_kernel_choice, small_batch
 
 
-def test_each_timed_candidate_advances_the_progress_and_the_fastest_is_kept(monkeypatch):
+def test_each_timed_candidate_advances_the_progress_and_the_fastest_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREADLE_KERNEL_CHOICES", str(tmp_path / "choices.json"))
+    monkeypatch.setattr(int_kernel_choice, "_kept_seconds", {})
     seconds = {"slow": 3e-5, "fast": 1e-5}
+    timed = []
     monkeypatch.setattr(small_batch, "weight_copies", lambda weight: [weight, weight])
     monkeypatch.setattr(small_batch, "l2_prefetch_bytes", lambda weight, limit: None)
 
     def graph_seconds(run):
-        return seconds[run(0)]
+        timed.append(run(0))
+        return seconds[timed[-1]]
 
     monkeypatch.setattr(small_batch, "graph_seconds", graph_seconds)
     import treadle.kernels.int_kernel_plan as plan
@@ -34,4 +39,10 @@ def test_each_timed_candidate_advances_the_progress_and_the_fastest_is_kept(monk
     counted = []
     pick = int_kernel_choice._timed_pick(layer, counted.append)
     assert pick(["slow", "broken", "fast"], 16) == "fast"
-    assert counted == [1, 1, 1]
+    assert counted == [1, 1, 1] and timed == ["slow", "fast"]
+    assert int_kernel_choice.kept_seconds()[(8, 128, 16)] == 1e-5
+    # The next start (a new pick) takes the kept choice: nothing timed, the bar advanced by the candidates.
+    again = int_kernel_choice._timed_pick(layer, counted.append)
+    assert again(["slow", "broken", "fast"], 16) == "fast"
+    assert timed == ["slow", "fast"] and counted[3:] == [3]
+    assert again(["slow", "fast"], 16) == "fast" and timed[2:] == ["slow", "fast"]  # other candidates: timed
