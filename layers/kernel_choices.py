@@ -6,8 +6,9 @@ ones: hundreds of launches for a W4A16 model, tens of seconds a start). A choice
 decides it — the GPU (name, SMs), torch's, CUDA's and Triton's versions, the source of treadle's kernels (a hash
 of ``kernels/*.py``), what was timed (the caller's key: kind, shape, dtypes, rows) and the candidates themselves
 (their reprs: a changed list is timed again) — in ``<cache root>/kernel-choices.json`` (``~/.cache/treadle``,
-or ``$TREADLE_CACHE_DIR``). ``TREADLE_KERNEL_CHOICES``: another file, or ``off`` to time at every start. A file
-that cannot be read or written is ignored (the launches are timed, as without it).
+or ``$TREADLE_CACHE_DIR``), grouped by machine (the GPU, versions and kernel source), the ``KEPT_MACHINES`` most
+recently written kept. ``TREADLE_KERNEL_CHOICES``: another file, or ``off`` to time at every start. A file that
+cannot be read or written is ignored (the launches are timed, as without it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,16 +30,24 @@ logger = logging.getLogger(__name__)
 CHOICES_ENV = "TREADLE_KERNEL_CHOICES"
 
 
+# Machines (GPU, versions, kernel source) whose choices a file keeps, the most recently written: a new kernel source
+# makes a new machine, and the oldest go.
+KEPT_MACHINES = 8
+
+
 def cached_choice(key: Sequence[Any], candidates: Sequence[Any], device: torch.device) -> tuple[int, float] | None:
     """``(index into candidates, seconds it was timed at)`` stored for this key, candidates and machine; None
     where none is (or the cache is off or unreadable)."""
     path = choices_path()
     if path is None:
         return None
-    entry = _read(path).get(_entry_key(key, candidates, device))
-    if not isinstance(entry, dict) or not 0 <= entry.get("index", -1) < len(candidates):
+    machine = _read(path)["machines"].get(_machine_key(device))
+    choices = machine.get("choices") if isinstance(machine, dict) else None
+    entry = choices.get(_entry_key(key, candidates)) if isinstance(choices, dict) else None
+    if not isinstance(entry, dict) or not isinstance(entry.get("index"), int) or \
+            not 0 <= entry["index"] < len(candidates):
         return None
-    return int(entry["index"]), float(entry.get("seconds", 0.0))
+    return entry["index"], float(entry.get("seconds", 0.0))
 
 
 def store_choice(key: Sequence[Any], candidates: Sequence[Any], device: torch.device, index: int,
@@ -50,13 +60,19 @@ def store_choice(key: Sequence[Any], candidates: Sequence[Any], device: torch.de
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        choices = _read(path)
-        choices[_entry_key(key, candidates, device)] = {"index": index, "seconds": seconds,
-                                                        "chosen": repr(candidates[index])}
+        machines = {name: machine for name, machine in _read(path, fresh=True)["machines"].items()
+                    if isinstance(machine, dict) and isinstance(machine.get("choices"), dict)}
+        machine = machines.setdefault(_machine_key(device), {"machine": _machine(str(device)), "choices": {}})
+        machine["written"] = time.time()
+        machine["choices"][_entry_key(key, candidates)] = {"index": index, "seconds": seconds,
+                                                           "chosen": repr(candidates[index])}
+        newest = sorted(machines, key=lambda name: float(machines[name].get("written", 0.0)))[-KEPT_MACHINES:]
+        content = {"machines": {name: machines[name] for name in newest}}
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, delete=False) as file:
-            json.dump(choices, file)
+            json.dump(content, file)
         os.replace(file.name, path)
-    except OSError as exc:
+        _files[path] = (path.stat().st_mtime_ns, content)
+    except (OSError, TypeError, ValueError) as exc:  # the next start times these launches again
         logger.info("kernel choices not kept in %s: %s", path, exc)
 
 
@@ -72,17 +88,31 @@ def choices_path() -> Path | None:
     return models_cache_dir().parent / "kernel-choices.json"
 
 
-def _read(path: Path) -> dict:
+# path -> (modification time, parsed content): a load looks up hundreds of choices, the file is parsed once.
+_files: dict[Path, tuple[int, dict]] = {}
+
+
+def _read(path: Path, fresh: bool = False) -> dict:
     try:
-        choices = json.loads(path.read_text())
+        mtime = path.stat().st_mtime_ns
+        if not fresh and path in _files and _files[path][0] == mtime:
+            return _files[path][1]
+        content = json.loads(path.read_text())
     except (OSError, ValueError):  # none yet, or unreadable: time the launches
-        return {}
-    return choices if isinstance(choices, dict) else {}
+        return {"machines": {}}
+    if not isinstance(content, dict) or not isinstance(content.get("machines"), dict):
+        return {"machines": {}}
+    _files[path] = (mtime, content)
+    return content
 
 
-def _entry_key(key: Sequence[Any], candidates: Sequence[Any], device: torch.device) -> str:
-    text = json.dumps([_machine(str(device)), [str(part) for part in key], [repr(c) for c in candidates]])
+def _entry_key(key: Sequence[Any], candidates: Sequence[Any]) -> str:
+    text = json.dumps([[str(part) for part in key], [repr(c) for c in candidates]])
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _machine_key(device: torch.device) -> str:
+    return hashlib.sha256(_machine(str(device)).encode()).hexdigest()[:24]
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,14 +24,29 @@ def test_a_kept_choice_is_found_for_the_same_key_and_candidates_only(tmp_path, m
     assert kernel_choices.cached_choice(key, candidates[:2], CPU) is None  # the candidates changed: time again
     kernel_choices.store_choice(("int", 1, 2, 3), ["x", "y"], CPU, 0, 1e-6)  # another shape, kept beside
     assert kernel_choices.cached_choice(key, candidates, CPU) == (2, 1.5e-5)
-    assert len(json.loads(path.read_text())) == 2
+    (machine,) = json.loads(path.read_text())["machines"].values()
+    assert len(machine["choices"]) == 2 and machine["machine"].startswith("cpu|torch ")
+
+
+def test_the_most_recently_written_machines_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREADLE_KERNEL_CHOICES", str(tmp_path / "choices.json"))
+    machines = [f"machine {i}" for i in range(kernel_choices.KEPT_MACHINES + 2)]
+    for machine in machines:  # as if the kernels' source changed between starts
+        monkeypatch.setattr(kernel_choices, "_machine_key", lambda device, machine=machine: machine)
+        kernel_choices.store_choice(("k",), ["a", "b"], CPU, 1, 1e-6)
+    kept = json.loads((tmp_path / "choices.json").read_text())["machines"]
+    assert sorted(kept) == sorted(machines[2:])
+    assert kernel_choices.cached_choice(("k",), ["a", "b"], CPU) == (1, 1e-6)  # the last one's
+    monkeypatch.setattr(kernel_choices, "_machine_key", lambda device: machines[0])
+    assert kernel_choices.cached_choice(("k",), ["a", "b"], CPU) is None
 
 
 def test_an_unreadable_file_is_timed_past_and_replaced(tmp_path, monkeypatch):
     path = tmp_path / "choices.json"
-    path.write_text("{not json")
     monkeypatch.setenv("TREADLE_KERNEL_CHOICES", str(path))
-    assert kernel_choices.cached_choice(("k",), ["a"], CPU) is None
+    for broken in ("{not json", '{"machines": []}', '{"machines": {"x": 3}}'):
+        path.write_text(broken)
+        assert kernel_choices.cached_choice(("k",), ["a"], CPU) is None
     kernel_choices.store_choice(("k",), ["a", "b"], CPU, 1, 2e-6)
     assert kernel_choices.cached_choice(("k",), ["a", "b"], CPU) == (1, 2e-6)
 
