@@ -94,10 +94,7 @@ def _timed_pick(layer: nn.Module, timed_one: Callable[[int], Any] = lambda count
     and code (``layers/kernel_choices.py``) is taken without timing."""
     from treadle.kernels.int_kernel_plan import SiluMulTiles, run_tiles
 
-    weights = small_batch.weight_copies(layer.weight.data)
-    # Each call prefetches the next one's head into L2, as in the model (small_batch.chain_l2_prefetch): the same
-    # compiled launches as the model's, timed as the model runs them.
-    heads = [small_batch.l2_prefetch_bytes(weight, small_batch.l2_prefetch_limit()) for weight in weights]
+    copies: list[tuple[torch.Tensor, Any]] = []  # made at the first launch timed (none when every choice was kept)
     scales, zeros = layer.weight_scales.data, layer.weight_zeros
     n, k = layer.weight.shape[0], layer.weight.shape[1] * (32 // layer.bits)
     device = layer.weight.device
@@ -113,12 +110,17 @@ def _timed_pick(layer: nn.Module, timed_one: Callable[[int], Any] = lambda count
         if cached is not None:
             timed_one(len(candidates))
             return keep(candidates[cached[0]], rows, cached[1])
+        if not copies:
+            # Each call prefetches the next one's head into L2, as in the model (small_batch.chain_l2_prefetch): the
+            # same compiled launches as the model's, timed as the model runs them.
+            copies.extend((weight, small_batch.l2_prefetch_bytes(weight, small_batch.l2_prefetch_limit()))
+                          for weight in small_batch.weight_copies(layer.weight.data))
         x = torch.randn(rows, k, dtype=layer.int_out_dtype, device=device)
         timings = {}
         for tiles in candidates:
             def run(i: int, tiles=tiles) -> torch.Tensor:
-                return run_tiles(x, weights[i % len(weights)], scales, zeros, layer.bits, layer.group_size, tiles,
-                                 heads[(i + 1) % len(weights)])
+                return run_tiles(x, copies[i % len(copies)][0], scales, zeros, layer.bits, layer.group_size, tiles,
+                                 copies[(i + 1) % len(copies)][1])
             try:
                 timings[tiles] = small_batch.graph_seconds(run)
             except Exception as exc:  # a config that does not compile on this GPU is skipped, not fatal

@@ -16,7 +16,8 @@ def test_each_timed_candidate_advances_the_progress_and_the_fastest_is_kept(tmp_
     monkeypatch.setattr(int_kernel_choice, "_kept_seconds", {})
     seconds = {"slow": 3e-5, "fast": 1e-5}
     timed = []
-    monkeypatch.setattr(small_batch, "weight_copies", lambda weight: [weight, weight])
+    copied = []
+    monkeypatch.setattr(small_batch, "weight_copies", lambda weight: copied.append(1) or [weight, weight])
     monkeypatch.setattr(small_batch, "l2_prefetch_bytes", lambda weight, limit: None)
 
     def graph_seconds(run):
@@ -45,4 +46,5 @@ def test_each_timed_candidate_advances_the_progress_and_the_fastest_is_kept(tmp_
     again = int_kernel_choice._timed_pick(layer, counted.append)
     assert again(["slow", "broken", "fast"], 16) == "fast"
     assert timed == ["slow", "fast"] and counted[3:] == [3]
+    assert copied == [1]  # no weight copies made for a kept choice
     assert again(["slow", "fast"], 16) == "fast" and timed[2:] == ["slow", "fast"]  # other candidates: timed
