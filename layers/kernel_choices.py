@@ -115,9 +115,15 @@ def _machine_key(device: torch.device) -> str:
     return hashlib.sha256(_machine(str(device)).encode()).hexdigest()[:24]
 
 
+# Settings that change how the timed launches run (programmatic dependent launch, the next weight's L2 prefetch):
+# part of the machine, so an A/B run of one of them times its own choices.
+KERNEL_SETTINGS = ("TREADLE_PDL", "TREADLE_L2_PREFETCH_MB")
+
+
 @functools.lru_cache(maxsize=None)
 def _machine(device: str) -> str:
-    """What makes a timing hold: the GPU, the versions of what compiles and runs the kernels, their source."""
+    """What makes a timing hold: the GPU, the versions of what compiles and runs the kernels, their source and the
+    settings that change how they run (:data:`KERNEL_SETTINGS`, as set when first asked)."""
     import triton
 
     place = torch.device(device)
@@ -126,7 +132,9 @@ def _machine(device: str) -> str:
         gpu = f"{properties.name} {properties.multi_processor_count} SMs"
     else:
         gpu = place.type
-    return f"{gpu}|torch {torch.__version__}|cuda {torch.version.cuda}|triton {triton.__version__}|{_kernels_hash()}"
+    settings = ",".join(f"{name}={os.environ.get(name, '')}" for name in KERNEL_SETTINGS)
+    return (f"{gpu}|torch {torch.__version__}|cuda {torch.version.cuda}|triton {triton.__version__}|"
+            f"{_kernels_hash()}|{settings}")
 
 
 @functools.lru_cache(maxsize=None)

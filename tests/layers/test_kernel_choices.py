@@ -59,6 +59,16 @@ def test_off_reads_and_writes_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_kernel_setting_makes_another_machine(monkeypatch):
+    kernel_choices._machine.cache_clear()
+    monkeypatch.setenv("TREADLE_PDL", "1")
+    with_pdl = kernel_choices._machine_key(CPU)
+    kernel_choices._machine.cache_clear()
+    monkeypatch.setenv("TREADLE_PDL", "0")
+    assert kernel_choices._machine_key(CPU) != with_pdl
+    kernel_choices._machine.cache_clear()
+
+
 def test_the_default_file_is_under_the_cache_root(tmp_path, monkeypatch):
     monkeypatch.delenv("TREADLE_KERNEL_CHOICES")
     monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path))
