@@ -2,13 +2,13 @@
 
 At load each weight shape's candidate kernel launches are timed on the GPU and the fastest kept
 (``layers/small_batch.py`` for the 16-bit and FP8 decode matmuls, ``layers/int_kernel_choice.py`` for the integer
-ones: hundreds of launches for a W4A16 model, tens of seconds a start). A choice is stored under everything that
-decides it — the GPU (name, SMs), torch's, CUDA's and Triton's versions, the source of treadle's kernels (a hash
-of ``kernels/*.py``), what was timed (the caller's key: kind, shape, dtypes, rows) and the candidates themselves
-(their reprs: a changed list is timed again) — in ``<cache root>/kernel-choices.json`` (``~/.cache/treadle``,
-or ``$TREADLE_CACHE_DIR``), grouped by machine (the GPU, versions and kernel source), the ``KEPT_MACHINES`` most
-recently written kept. ``TREADLE_KERNEL_CHOICES``: another file, or ``off`` to time at every start. A file that
-cannot be read or written is ignored (the launches are timed, as without it).
+ones: hundreds of launches for a W4A16 model). A choice is stored under everything that decides it — the machine
+(the GPU's name and SMs; torch's, CUDA's and Triton's versions; a hash of ``kernels/*.py``; the settings that
+change how the launches run, :data:`KERNEL_SETTINGS`), what was timed (the caller's key: kind, shape, dtypes,
+rows) and the candidates themselves (their reprs: a changed list is timed again) — in
+``<cache root>/kernel-choices.json`` (``~/.cache/treadle``, or ``$TREADLE_CACHE_DIR``), grouped by machine, the
+``KEPT_MACHINES`` most recently written kept. ``TREADLE_KERNEL_CHOICES``: another file, or ``off`` to time at every
+start. A file that cannot be read or written is ignored (the launches are timed, as without it).
 """
 
 from __future__ import annotations
