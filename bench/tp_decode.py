@@ -3,8 +3,12 @@ the bs=1 decode step of Llama-3.1-8B shapes at tp=1, tp=2 over NCCL and tp=2 ove
 
     treadle bench tp-decode --output bench/results/tp_decode_2xh100.json   # or python -m treadle.bench.tp_decode
 
-Part 1 (``--skip-latency`` leaves it out): two ranks capture ``--calls`` back-to-back all-reduces of one size in a
-CUDA graph per method (NCCL, one-shot, two-shot) and time its replays: microseconds per all-reduce. Part 2 runs
+Part 1 (``--skip-latency`` leaves it out): ``--world`` ranks (2) capture ``--calls`` back-to-back all-reduces of one
+size in a CUDA graph per method (NCCL, one-shot, two-shot) and time its replays: microseconds per all-reduce. Then
+the decode step's pattern at one row of ``--hidden`` sizes: the all-reduce fused with the residual add + RMSNorm
+alone, a one-row GEMV alone (a down_proj's share of 3.5 x hidden inputs per rank) and the GEMV followed by the fused
+all-reduce, as the step runs them (PDL launches): the last minus the GEMV is what the all-reduce adds to a layer.
+Each with the flags raised to all peers at once and peer after peer (``TREADLE_AR_FLAGS``). Part 2 runs
 ``treadle bench one-batch`` three times (``--tp 1``; ``--tp 2 --custom-all-reduce false``; ``--tp 2
 --custom-all-reduce true``), CUDA graphs on, and reads their JSON. Prints both tables; writes one JSON.
 Target (issue 48): tp=2 bs=1 step <= 0.60x tp=1.
@@ -39,8 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "command": " ".join(["python -m treadle.bench.tp_decode", *(argv or sys.argv[1:])]),
                               "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
     if not args.skip_latency:
-        result["all_reduce_us"] = all_reduce_latency(args.calls, args.replays, args.timeout_s)
+        hidden = [int(h) for h in args.hidden.split(",") if h]
+        result["world"] = args.world
+        result["all_reduce_us"], result["row_us"] = all_reduce_latency(args.world, args.calls, args.replays, hidden,
+                                                                       args.timeout_s)
         print(latency_table(result["all_reduce_us"]), flush=True)
+        print(row_table(result["row_us"]), flush=True)
     if not args.skip_decode:
         result["decode"] = decode_steps(args)
         print(decode_table(result["decode"]), flush=True)
@@ -48,13 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def all_reduce_latency(calls: int, replays: int, timeout_s: float) -> dict[str, dict[str, float]]:
-    """``{size: {method: µs per all-reduce}}``, rank 0's timing of graph replays (every rank replays alike)."""
-    reports = run_ranks(2, _latency_rank, (calls, replays), timeout_s)
-    return reports[0]["latency_us"]
+def all_reduce_latency(world: int, calls: int, replays: int, hidden: Sequence[int],
+                       timeout_s: float) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """``({size: {method: µs per all-reduce}}, {"1 x hidden": {pattern: µs per call}})``, rank 0's timing of graph
+    replays (every rank replays alike)."""
+    reports = run_ranks(world, _latency_rank, (calls, replays, tuple(hidden)), timeout_s)
+    return reports[0]["latency_us"], reports[0]["row_us"]
 
 
-def _latency_rank(rank: int, world_size: int, init_method: str, calls: int, replays: int) -> dict[str, Any]:
+def _latency_rank(rank: int, world_size: int, init_method: str, calls: int, replays: int,
+                  hidden: tuple[int, ...]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from treadle.core.distributed.custom_all_reduce import ONE_SHOT, TWO_SHOT, setup_custom_all_reduce
@@ -70,7 +81,8 @@ def _latency_rank(rank: int, world_size: int, init_method: str, calls: int, repl
         for nbytes in SIZES:
             x = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)
             latency[f"{nbytes // KiB} KiB"] = {name: _graph_us(run, x, calls, replays) for name, run in methods.items()}
-        return {"latency_us": latency, "errors": fast.error_count()}
+        rows = {f"1 x {h}": _row_patterns(fast, h, world_size, device, calls, replays) for h in hidden}
+        return {"latency_us": latency, "row_us": rows, "errors": fast.error_count()}
     finally:
         destroy_tensor_parallel()
 
@@ -87,6 +99,39 @@ def _graph_us(run: Any, x: torch.Tensor, calls: int, replays: int) -> float:
     torch.cuda.synchronize()
     dist.barrier()  # both ranks start timing together
     return replay_seconds(graph, replays) * 1e6 / calls
+
+
+def _row_patterns(fast: Any, hidden: int, world_size: int, device: torch.device, calls: int,
+                  replays: int) -> dict[str, float]:
+    """µs per call of the decode step's all-reduce patterns at one row of ``hidden`` (see the module docstring)."""
+    from treadle.kernels.small_batch import SmallBatchConfig, small_batch_matmul
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = int(3.5 * hidden) // world_size
+    weight = torch.randn(hidden, inputs, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+    a = torch.randn(1, inputs, generator=gen, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(1, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    gemv = SmallBatchConfig(4, 2048, 8, 4, gemv=True)
+
+    def ar_norm(x: torch.Tensor) -> None:
+        fast.all_reduce_add_rmsnorm(x, residual, norm_weight, 1e-5)
+
+    def gemv_only(x: torch.Tensor) -> None:
+        small_batch_matmul(a, weight, None, gemv)
+
+    def gemv_ar_norm(x: torch.Tensor) -> None:
+        fast.all_reduce_add_rmsnorm(small_batch_matmul(a, weight, None, gemv), residual, norm_weight, 1e-5)
+
+    x = torch.randn(1, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    out = {"gemv": _graph_us(gemv_only, x, calls, replays)}
+    for flags in ("at_once", "serial"):
+        fast._flags_at_once = flags == "at_once"
+        out[f"ar_norm {flags}"] = _graph_us(ar_norm, x, calls, replays)
+        out[f"gemv+ar_norm {flags}"] = _graph_us(gemv_ar_norm, x, calls, replays)
+        out[f"added by ar_norm {flags}"] = out[f"gemv+ar_norm {flags}"] - out["gemv"]
+    fast._flags_at_once = True
+    return out
 
 
 def decode_steps(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,6 +168,14 @@ def latency_table(latency: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def row_table(rows: dict[str, dict[str, float]]) -> str:
+    names = list(next(iter(rows.values()), {}))
+    lines = ["| one row | " + " | ".join(f"{n} µs" for n in names) + " |", "|---|" + "---:|" * len(names)]
+    for size, by in rows.items():
+        lines.append(f"| {size} | " + " | ".join(f"{by[n]:.2f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
 def decode_table(runs: dict[str, Any]) -> str:
     base = {(r["system"], r["batch_size"]): r for r in runs.get("tp1", {}).get("rows", [])}
     lines = ["| run | all-reduce | bs | ms/step | / tp1 | first tokens as tp1 |", "|---|---|---:|---:|---:|---|"]
@@ -143,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle bench tp-decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--world", type=int, default=2, help="ranks (GPUs) of the latency part (default 2)")
+    parser.add_argument("--hidden", default="4096,8192", help="row widths of the fused all-reduce patterns")
     parser.add_argument("--calls", type=int, default=50, help="all-reduces per captured graph (default 50)")
     parser.add_argument("--replays", type=int, default=20, help="timed graph replays per size and method")
     parser.add_argument("--skip-latency", action="store_true")

@@ -14,7 +14,12 @@ replays keep counting). A program only ever waits for the same-numbered program 
 that those programs wrote. Call ``epoch`` writes half ``epoch % 2``; a peer still reading that half would be two
 calls behind, which it cannot be: this rank's previous call ended only after every peer had started it, so every
 peer had finished the call before (stream order). Hence one flag exchange per phase and no reset; a flag is
-compared with ``>=`` because a fast peer may already have raised the next call's number.
+compared with ``>=`` because a fast peer may already have raised the next call's number. A program with no
+elements (a one-row decode batch is one program's) counts the call but skips the exchange: program 0 always has
+elements, and its exchange alone orders whole calls as above.
+
+A program raises its flags in all peers at once (one lane each) and polls all of its own at once: peer after peer,
+each system-scope release waits for the flag before it to land, one NVLink round trip per peer.
 
 Sums run in rank order in float32 on every rank, so every rank gets bitwise the same result, run after run.
 
@@ -35,6 +40,45 @@ import triton.language as tl
 from treadle.kernels.fused import rmsnorm_row, rounded_add
 from treadle.kernels.pdl import allow_next, wait_for_previous
 
+# The most ranks the kernels serve (core/distributed/custom_all_reduce.py's SUPPORTED_WORLD_SIZES).
+MAX_WORLD: tl.constexpr = tl.constexpr(8)
+
+
+@triton.jit
+def _exchange_flags(bases, phase, pid, epoch, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
+                    PROGRAMS: tl.constexpr, MAX_SPINS: tl.constexpr, AT_ONCE: tl.constexpr = True):
+    """Raise this program's flag in every peer's buffer, then wait until every peer's same-numbered program has
+    raised its flag here. ``AT_ONCE``: one lane per peer, so that the peers' flags cross NVLink together (each
+    system-scope release waits for the atomic before it to complete: one after another, three peers cost three
+    NVLink round trips); otherwise peer after peer."""
+    # Every lane's stores before the flag; the flag after them (release, system scope).
+    tl.debug_barrier()
+    if AT_ONCE:
+        peers = tl.arange(0, MAX_WORLD)
+        others = (peers < WORLD) & (peers != RANK)
+        peer_bases = tl.load(bases + peers, mask=others, other=0)
+        raised = peer_bases.to(tl.pointer_type(tl.int64)) + (phase * WORLD + RANK) * PROGRAMS + pid
+        tl.atomic_xchg(raised, tl.zeros_like(peers).to(tl.int64) + epoch, mask=others, sem="release", scope="sys")
+        awaited = tl.load(bases + RANK).to(tl.pointer_type(tl.int64)) + (phase * WORLD + peers) * PROGRAMS + pid
+        seen = tl.atomic_add(awaited, 0, mask=others, sem="acquire", scope="sys")
+        lowest = tl.min(tl.where(others, seen, epoch))
+        spins = 0
+        while (lowest < epoch) & (spins < MAX_SPINS):
+            seen = tl.atomic_add(awaited, 0, mask=others, sem="acquire", scope="sys")
+            lowest = tl.min(tl.where(others, seen, epoch))
+            spins += 1
+        if lowest < epoch:
+            tl.atomic_add(errors, 1)
+    else:
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                _raise_flag(tl.load(bases + p), (phase * WORLD + RANK) * PROGRAMS + pid, epoch)
+        own = tl.load(bases + RANK)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                _wait_flag(own, (phase * WORLD + p) * PROGRAMS + pid, epoch, errors, MAX_SPINS)
+    tl.debug_barrier()
+
 
 @triton.jit
 def _raise_flag(peer_base, slot_index, epoch):
@@ -52,21 +96,6 @@ def _wait_flag(own_base, slot_index, epoch, errors, MAX_SPINS: tl.constexpr):
         spins += 1
     if seen < epoch:
         tl.atomic_add(errors, 1)
-
-
-@triton.jit
-def _exchange_flags(bases, phase, pid, epoch, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
-                    PROGRAMS: tl.constexpr, MAX_SPINS: tl.constexpr):
-    # Every lane's stores before the flag; the flag after them (release, system scope).
-    tl.debug_barrier()
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            _raise_flag(tl.load(bases + p), (phase * WORLD + RANK) * PROGRAMS + pid, epoch)
-    own = tl.load(bases + RANK)
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            _wait_flag(own, (phase * WORLD + p) * PROGRAMS + pid, epoch, errors, MAX_SPINS)
-    tl.debug_barrier()
 
 
 @triton.jit
@@ -106,7 +135,7 @@ def _next_epoch(epochs, pid, PDL: tl.constexpr, GO_AHEAD: tl.constexpr):
 def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr, PDL: tl.constexpr = False,
-                               GO_AHEAD: tl.constexpr = False):
+                               GO_AHEAD: tl.constexpr = False, AT_ONCE: tl.constexpr = True):
     """``x`` (``n`` elements) replaced by its sum over the ranks: push ``x`` to every peer, one flag exchange,
     sum the ranks' copies locally."""
     pid = tl.program_id(0)
@@ -120,7 +149,8 @@ def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
             if p != RANK:
                 peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + offs, mine, mask=mask)
-    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    if pid * BLOCK < n:  # a program without elements has nothing to exchange (see the module's protocol)
+        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
     own = tl.load(bases + RANK)
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -133,7 +163,7 @@ def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
 def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr, PDL: tl.constexpr = False,
-                               GO_AHEAD: tl.constexpr = False):
+                               GO_AHEAD: tl.constexpr = False, AT_ONCE: tl.constexpr = True):
     """``x`` replaced by its sum over the ranks in two phases: rank r owns chunk r of ``WORLD`` chunks; each rank
     pushes chunk p to rank p, which sums it (reduce-scatter) and pushes the sum back into every peer's slot at
     the chunk's own place (all-gather)."""
@@ -149,7 +179,9 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
                 mask = (offs < chunk) & (at < n)
                 peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + at, tl.load(x + at, mask=mask), mask=mask)
-    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    busy = pid * BLOCK < chunk  # a program without elements has nothing to exchange
+    if busy:
+        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
     own = tl.load(bases + RANK)
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -162,7 +194,8 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
             if p != RANK:
                 peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + at, total, mask=mask)
-    _exchange_flags(bases, 1, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    if busy:
+        _exchange_flags(bases, 1, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         for p in tl.static_range(WORLD):
@@ -178,7 +211,7 @@ def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_ou
                                            errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                            PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                            SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr,
-                                           PDL: tl.constexpr = False, GO_AHEAD: tl.constexpr = False):
+                                           PDL: tl.constexpr = False, GO_AHEAD: tl.constexpr = False, AT_ONCE: tl.constexpr = True):
     """The one-shot all-reduce of ``x`` (``rows`` x ``cols``, contiguous) followed, in the same pass, by the
     residual add and RMSNorm of ``kernels/fused.py``'s ``add_rmsnorm``: ``residual_out = sum + residual`` and
     ``out = weight * rmsnorm(residual_out)``, rounded as there. A program owns whole rows (the norm needs all of
@@ -195,7 +228,8 @@ def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_ou
         for p in tl.static_range(WORLD):
             if p != RANK:
                 tl.store(_slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mine, mask=mask)
-    _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
+    if pid < rows:  # a program without rows has nothing to exchange
+        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
     own = tl.load(bases + RANK)
     for row in range(pid, rows, PROGRAMS):
         at = row * cols + offs

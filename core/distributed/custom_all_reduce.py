@@ -162,6 +162,8 @@ class CustomAllReduce:
                              f"{self.layout.total_bytes} bytes at {bases[rank]:#x} its peers see")
         self.buffer, self.keepalive, self.offset = buffer, keepalive, 0
         self._pdl = _pdl_launch(self.device)
+        # The flags to and from all peers at once (default) or peer after peer (TREADLE_AR_FLAGS=serial, for A/B runs).
+        self._flags_at_once = os.environ.get("TREADLE_AR_FLAGS") != "serial"
         self.bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self.epochs = torch.zeros(self.PROGRAMS, dtype=torch.int64, device=self.device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -216,7 +218,7 @@ class CustomAllReduce:
             x, n, self.bases, self.epochs, self.errors, RANK=self.rank, WORLD=self.world_size,
             PROGRAMS=self.PROGRAMS, BLOCK=self.BLOCK, FLAG_BYTES=self.layout.flag_bytes,
             SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS, num_warps=self.NUM_WARPS,
-            **self._pdl_args())
+            **self._launch_args())
         return x
 
     def handles_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -240,11 +242,11 @@ class CustomAllReduce:
             RANK=self.rank, WORLD=self.world_size, PROGRAMS=self.PROGRAMS, BLOCK=block,
             FLAG_BYTES=self.layout.flag_bytes, SLOT_ELEMS=self.layout.slot_elems(x.dtype), MAX_SPINS=self.MAX_SPINS,
             num_warps=min(16, max(1, block // 256)),  # add_rmsnorm's layout: the same sums, bit for bit
-            **self._pdl_args())
+            **self._launch_args())
         return out, residual_out
 
-    def _pdl_args(self) -> dict[str, bool]:
-        return {"PDL": self._pdl, "GO_AHEAD": self._pdl, "launch_pdl": self._pdl}
+    def _launch_args(self) -> dict[str, bool]:
+        return {"PDL": self._pdl, "GO_AHEAD": self._pdl, "launch_pdl": self._pdl, "AT_ONCE": self._flags_at_once}
 
     def error_count(self) -> int:
         """Waits that gave up so far (a host sync: tests and diagnostics only)."""

@@ -115,7 +115,7 @@ def ptx_facts() -> dict:
 
     facts = {}
     constants = {"RANK": 1, "WORLD": 2, "PROGRAMS": 32, "BLOCK": 2048, "FLAG_BYTES": 1024, "SLOT_ELEMS": 4 << 20,
-                 "MAX_SPINS": 1 << 30, "PDL": True, "GO_AHEAD": True}
+                 "MAX_SPINS": 1 << 30, "PDL": True, "GO_AHEAD": True, "AT_ONCE": True}
     tail = {"bases": "*i64", "epochs": "*i64", "errors": "*i32", **{name: "constexpr" for name in constants}}
     signatures = {one_shot_all_reduce_kernel: {"x": "*bf16", "n": "i32", **tail},
                   two_shot_all_reduce_kernel: {"x": "*bf16", "n": "i32", **tail},
@@ -128,7 +128,7 @@ def ptx_facts() -> dict:
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
         ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         facts[kernel.fn.__name__] = {"release_flag": "atom.global.sys.release.exch.b64" in ptx,
-                                     "acquire_wait": "ld.global.sys.acquire.b64" in ptx,
+                                     "acquire_wait": ".global.sys.acquire." in ptx,
                                      "vector_data": "st.global.v4.b32" in ptx, "multimem": "multimem" in ptx,
                                      "pdl": "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx}
     return facts

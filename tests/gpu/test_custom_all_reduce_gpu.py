@@ -1,4 +1,5 @@
-"""The peer-to-peer all-reduce on 2 GPUs: NCCL's sums, bitwise repeatable, in CUDA graphs, and inside a tp=2 Engine.
+"""The peer-to-peer all-reduce on 2 GPUs (and 4 where the machine has them): NCCL's sums, bitwise repeatable, in
+CUDA graphs, and inside a tp=2 Engine.
 
 Needs two GPUs with peer access (e.g. nvidia-h100-x2); skipped elsewhere. Run with
 ``bash tests/gpu/multi_gpu.sh setup ar_tests``. Every check prints what it saw; a rank that hangs fails the check
@@ -18,10 +19,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
-def test_peer_all_reduce_matches_nccl_eager_and_in_cuda_graphs():
+@pytest.mark.parametrize("world", [2, 4])
+def test_peer_all_reduce_matches_nccl_eager_and_in_cuda_graphs(world):
     """1 KiB..8 MiB, bf16/fp16/fp32, one-shot and two-shot: within rounding of NCCL's sum, bitwise repeatable,
-    the same on both ranks, in CUDA graphs with new inputs copied in, no wait given up."""
-    reports = check_custom_all_reduce(world_size=2, timeout_s=400)
+    the same on every rank, in CUDA graphs with new inputs copied in, no wait given up."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    reports = check_custom_all_reduce(world_size=world, timeout_s=400)
     for report in reports:
         print(f"rank {report['rank']}: {report['all_reduce']}; {report['cases']} cases, bitwise equal to NCCL in "
               f"{report['exact_cases']}, waits given up {report['errors']}")
