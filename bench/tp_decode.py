@@ -8,7 +8,7 @@ size in a CUDA graph per method (NCCL, one-shot, two-shot) and time its replays:
 the decode step's pattern at one row of ``--hidden`` sizes: the all-reduce fused with the residual add + RMSNorm
 alone, a one-row GEMV alone (a down_proj's share of 3.5 x hidden inputs per rank) and the GEMV followed by the fused
 all-reduce, as the step runs them (PDL launches): the last minus the GEMV is what the all-reduce adds to a layer.
-Each with the flags raised to all peers at once and peer after peer (``TREADLE_AR_FLAGS``). Part 2 runs
+Each with up to 1-8 programs sharing the row (``TREADLE_AR_SPLIT``). Part 2 runs
 ``treadle bench one-batch`` three times (``--tp 1``; ``--tp 2 --custom-all-reduce false``; ``--tp 2
 --custom-all-reduce true``), CUDA graphs on, and reads their JSON. Prints both tables; writes one JSON.
 Target (issue 48): tp=2 bs=1 step <= 0.60x tp=1.
@@ -125,12 +125,11 @@ def _row_patterns(fast: Any, hidden: int, world_size: int, device: torch.device,
 
     x = torch.randn(1, hidden, generator=gen, device=device, dtype=torch.bfloat16)
     out = {"gemv": _graph_us(gemv_only, x, calls, replays)}
-    for flags in ("at_once", "serial"):
-        fast._flags_at_once = flags == "at_once"
-        out[f"ar_norm {flags}"] = _graph_us(ar_norm, x, calls, replays)
-        out[f"gemv+ar_norm {flags}"] = _graph_us(gemv_ar_norm, x, calls, replays)
-        out[f"added by ar_norm {flags}"] = out[f"gemv+ar_norm {flags}"] - out["gemv"]
-    fast._flags_at_once = True
+    for most in (1, 2, 4, 8):  # a row of 8192 takes up to 4 slices by default (slices_per_row)
+        fast.row_split = most
+        out[f"ar_norm, up to {most} slices"] = _graph_us(ar_norm, x, calls, replays)
+        out[f"added, up to {most} slices"] = _graph_us(gemv_ar_norm, x, calls, replays) - out["gemv"]
+    fast.row_split = fast.ROW_SPLIT
     return out
 
 
@@ -169,10 +168,10 @@ def latency_table(latency: dict[str, dict[str, float]]) -> str:
 
 
 def row_table(rows: dict[str, dict[str, float]]) -> str:
-    names = list(next(iter(rows.values()), {}))
-    lines = ["| one row | " + " | ".join(f"{n} µs" for n in names) + " |", "|---|" + "---:|" * len(names)]
-    for size, by in rows.items():
-        lines.append(f"| {size} | " + " | ".join(f"{by[n]:.2f}" for n in names) + " |")
+    sizes = list(rows)
+    lines = ["| one row: µs per call | " + " | ".join(sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for pattern in next(iter(rows.values()), {}):
+        lines.append(f"| {pattern} | " + " | ".join(f"{rows[size][pattern]:.2f}" for size in sizes) + " |")
     return "\n".join(lines)
 
 

@@ -46,56 +46,34 @@ MAX_WORLD: tl.constexpr = tl.constexpr(8)
 
 @triton.jit
 def _exchange_flags(bases, phase, pid, epoch, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
-                    PROGRAMS: tl.constexpr, MAX_SPINS: tl.constexpr, AT_ONCE: tl.constexpr = True):
-    """Raise this program's flag in every peer's buffer, then wait until every peer's same-numbered program has
-    raised its flag here. ``AT_ONCE``: one lane per peer, so that the peers' flags cross NVLink together (each
-    system-scope release waits for the atomic before it to complete: one after another, three peers cost three
-    NVLink round trips); otherwise peer after peer."""
+                    PROGRAMS: tl.constexpr, MAX_SPINS: tl.constexpr, first=None, COUNT: tl.constexpr = 1):
+    """Raise this program's flag in every peer's buffer, then wait until every peer's programs ``first`` ..
+    ``first + COUNT - 1`` (default: the same-numbered one) have raised theirs here. One lane per flag: the flags
+    cross NVLink together (one after another, each system-scope release waits for the atomic before it: one NVLink
+    round trip per peer)."""
+    if first is None:
+        first = pid
     # Every lane's stores before the flag; the flag after them (release, system scope).
     tl.debug_barrier()
-    if AT_ONCE:
-        peers = tl.arange(0, MAX_WORLD)
-        others = (peers < WORLD) & (peers != RANK)
-        peer_bases = tl.load(bases + peers, mask=others, other=0)
-        raised = peer_bases.to(tl.pointer_type(tl.int64)) + (phase * WORLD + RANK) * PROGRAMS + pid
-        tl.atomic_xchg(raised, tl.zeros_like(peers).to(tl.int64) + epoch, mask=others, sem="release", scope="sys")
-        awaited = tl.load(bases + RANK).to(tl.pointer_type(tl.int64)) + (phase * WORLD + peers) * PROGRAMS + pid
-        seen = tl.atomic_add(awaited, 0, mask=others, sem="acquire", scope="sys")
-        lowest = tl.min(tl.where(others, seen, epoch))
-        spins = 0
-        while (lowest < epoch) & (spins < MAX_SPINS):
-            seen = tl.atomic_add(awaited, 0, mask=others, sem="acquire", scope="sys")
-            lowest = tl.min(tl.where(others, seen, epoch))
-            spins += 1
-        if lowest < epoch:
-            tl.atomic_add(errors, 1)
-    else:
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                _raise_flag(tl.load(bases + p), (phase * WORLD + RANK) * PROGRAMS + pid, epoch)
-        own = tl.load(bases + RANK)
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                _wait_flag(own, (phase * WORLD + p) * PROGRAMS + pid, epoch, errors, MAX_SPINS)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _raise_flag(peer_base, slot_index, epoch):
-    flag = peer_base.to(tl.pointer_type(tl.int64)) + slot_index
-    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
-
-
-@triton.jit
-def _wait_flag(own_base, slot_index, epoch, errors, MAX_SPINS: tl.constexpr):
-    flag = own_base.to(tl.pointer_type(tl.int64)) + slot_index
-    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    peers = tl.arange(0, MAX_WORLD)
+    others = (peers < WORLD) & (peers != RANK)
+    peer_bases = tl.load(bases + peers, mask=others, other=0)
+    raised = peer_bases.to(tl.pointer_type(tl.int64)) + (phase * WORLD + RANK) * PROGRAMS + pid
+    tl.atomic_xchg(raised, tl.zeros_like(peers).to(tl.int64) + epoch, mask=others, sem="release", scope="sys")
+    own = tl.load(bases + RANK).to(tl.pointer_type(tl.int64))
+    members = first + tl.arange(0, COUNT)
+    awaited = own + (phase * WORLD + peers[:, None]) * PROGRAMS + members[None, :]
+    wanted = others[:, None] & (members[None, :] >= 0)
+    seen = tl.atomic_add(awaited, 0, mask=wanted, sem="acquire", scope="sys")
+    lowest = tl.min(tl.min(tl.where(wanted, seen, epoch), axis=1), axis=0)
     spins = 0
-    while (seen < epoch) & (spins < MAX_SPINS):
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    while (lowest < epoch) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(awaited, 0, mask=wanted, sem="acquire", scope="sys")
+        lowest = tl.min(tl.min(tl.where(wanted, seen, epoch), axis=1), axis=0)
         spins += 1
-    if seen < epoch:
+    if lowest < epoch:
         tl.atomic_add(errors, 1)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -135,7 +113,7 @@ def _next_epoch(epochs, pid, PDL: tl.constexpr, GO_AHEAD: tl.constexpr):
 def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr, PDL: tl.constexpr = False,
-                               GO_AHEAD: tl.constexpr = False, AT_ONCE: tl.constexpr = True):
+                               GO_AHEAD: tl.constexpr = False):
     """``x`` (``n`` elements) replaced by its sum over the ranks: push ``x`` to every peer, one flag exchange,
     sum the ranks' copies locally."""
     pid = tl.program_id(0)
@@ -150,7 +128,7 @@ def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
                 peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + offs, mine, mask=mask)
     if pid * BLOCK < n:  # a program without elements has nothing to exchange (see the module's protocol)
-        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
+        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     own = tl.load(bases + RANK)
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -163,7 +141,7 @@ def one_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
 def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr, PDL: tl.constexpr = False,
-                               GO_AHEAD: tl.constexpr = False, AT_ONCE: tl.constexpr = True):
+                               GO_AHEAD: tl.constexpr = False):
     """``x`` replaced by its sum over the ranks in two phases: rank r owns chunk r of ``WORLD`` chunks; each rank
     pushes chunk p to rank p, which sums it (reduce-scatter) and pushes the sum back into every peer's slot at
     the chunk's own place (all-gather)."""
@@ -181,7 +159,7 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
                 tl.store(peer_slot + at, tl.load(x + at, mask=mask), mask=mask)
     busy = pid * BLOCK < chunk  # a program without elements has nothing to exchange
     if busy:
-        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
+        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     own = tl.load(bases + RANK)
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -195,7 +173,7 @@ def two_shot_all_reduce_kernel(x, n, bases, epochs, errors, RANK: tl.constexpr, 
                 peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
                 tl.store(peer_slot + at, total, mask=mask)
     if busy:
-        _exchange_flags(bases, 1, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
+        _exchange_flags(bases, 1, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS)
     for start in range(pid * BLOCK, chunk, PROGRAMS * BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         for p in tl.static_range(WORLD):
@@ -211,29 +189,43 @@ def one_shot_all_reduce_add_rmsnorm_kernel(x, residual, weight, out, residual_ou
                                            errors, RANK: tl.constexpr, WORLD: tl.constexpr,
                                            PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, FLAG_BYTES: tl.constexpr,
                                            SLOT_ELEMS: tl.constexpr, MAX_SPINS: tl.constexpr,
-                                           PDL: tl.constexpr = False, GO_AHEAD: tl.constexpr = False, AT_ONCE: tl.constexpr = True):
+                                           PDL: tl.constexpr = False, GO_AHEAD: tl.constexpr = False,
+                                           SPLIT: tl.constexpr = 1):
     """The one-shot all-reduce of ``x`` (``rows`` x ``cols``, contiguous) followed, in the same pass, by the
     residual add and RMSNorm of ``kernels/fused.py``'s ``add_rmsnorm``: ``residual_out = sum + residual`` and
-    ``out = weight * rmsnorm(residual_out)``, rounded as there. A program owns whole rows (the norm needs all of
-    one), rows ``pid, pid + PROGRAMS, ...``."""
+    ``out = weight * rmsnorm(residual_out)``, rounded as there.
+
+    ``SPLIT`` programs share each row (a group; rows ``group, group + PROGRAMS / SPLIT, ...``): each pushes, and
+    stores the results of, one ``BLOCK / SPLIT`` slice, so that a row's bytes cross NVLink from ``SPLIT`` SMs. The
+    norm needs the whole row: once the flags of its whole group are in, each program sums the whole row (the same
+    statistics in each, bit for bit ``add_rmsnorm``'s). Summing only its slice and adding the group's partial sums
+    of squares through memory was slower (a second wait, between the programs of one GPU)."""
     pid = tl.program_id(0)
+    GROUPS: tl.constexpr = PROGRAMS // SPLIT
+    SLICE: tl.constexpr = BLOCK // SPLIT
+    group = pid // SPLIT
+    part = pid % SPLIT
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
     w = tl.load(weight + offs, mask=mask, other=0.0)
     epoch = _next_epoch(epochs, pid, PDL, GO_AHEAD)
     half = epoch % 2
-    for row in range(pid, rows, PROGRAMS):
-        at = row * cols + offs
-        mine = tl.load(x + at, mask=mask)
+    slice_offs = part * SLICE + tl.arange(0, SLICE)
+    slice_mask = slice_offs < cols
+    for row in range(group, rows, GROUPS):
+        at = row * cols + slice_offs
+        mine = tl.load(x + at, mask=slice_mask)
         for p in tl.static_range(WORLD):
             if p != RANK:
-                tl.store(_slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS) + at, mine, mask=mask)
-    if pid < rows:  # a program without rows has nothing to exchange
-        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, AT_ONCE)
+                peer_slot = _slot(tl.load(bases + p), half, RANK, x, FLAG_BYTES, WORLD, SLOT_ELEMS)
+                tl.store(peer_slot + at, mine, mask=slice_mask)
+    if group < rows:  # a group without rows has nothing to exchange
+        _exchange_flags(bases, 0, pid, epoch, errors, RANK, WORLD, PROGRAMS, MAX_SPINS, group * SPLIT, SPLIT)
     own = tl.load(bases + RANK)
-    for row in range(pid, rows, PROGRAMS):
+    mine_cols = mask & (offs // SLICE == part)
+    for row in range(group, rows, GROUPS):
         at = row * cols + offs
         acc = _sum_in_rank_order(x, own, half, at, mask, RANK, WORLD, BLOCK, FLAG_BYTES, SLOT_ELEMS)
         summed = rounded_add(acc.to(x.dtype.element_ty), tl.load(residual + at, mask=mask, other=0.0))
-        tl.store(residual_out + at, summed, mask=mask)
-        tl.store(out + at, rmsnorm_row(summed, w, cols, eps), mask=mask)
+        tl.store(residual_out + at, summed, mask=mine_cols)
+        tl.store(out + at, rmsnorm_row(summed, w, cols, eps), mask=mine_cols)

@@ -97,6 +97,34 @@ def scenario(world: int, dtype: torch.dtype, kernel, n: int, calls: int = 3) -> 
             "epochs": sorted({int(v) for e in ranks.epochs for v in e})}
 
 
+def fused_scenario(world: int, rows: int, cols: int, split: int) -> dict:
+    """The all-reduce fused with the residual add + RMSNorm, ``split`` programs to a row, against the rank-order sum
+    and ``add_rmsnorm``'s rounding (float32)."""
+    ranks = SimulatedRanks(world, torch.float32)
+    gen = torch.Generator().manual_seed(world * 100 + rows * 10 + split)
+    residual, weight = torch.randn(rows, cols, generator=gen), torch.rand(cols, generator=gen) + 0.5
+    exact = close = True
+    for _ in range(2):
+        xs = [torch.randn(rows, cols, generator=gen) for _ in range(world)]
+        epoch, want = int(ranks.epochs[0][0]) + 1, _rank_order_sum(xs)
+        summed_want = want + residual
+        normed_want = weight * summed_want * torch.rsqrt(summed_want.pow(2).mean(-1, keepdim=True) + 1e-5)
+        for rank in range(world):
+            for later in range(rank + 1, world):
+                ranks.slots(rank)[epoch % 2, later, :rows * cols] = xs[later].flatten()
+                ranks.flags(rank)[0, later] = epoch
+            out, summed = torch.empty_like(residual), torch.empty_like(residual)
+            one_shot_all_reduce_add_rmsnorm_kernel[(PROGRAMS,)](
+                xs[rank], residual, weight, out, summed, rows, cols, 1e-5, ranks.bases, ranks.epochs[rank],
+                ranks.errors[rank], RANK=rank,
+                WORLD=world, PROGRAMS=PROGRAMS, BLOCK=cols, FLAG_BYTES=ranks.layout.flag_bytes,
+                SLOT_ELEMS=ranks.layout.slot_elems(torch.float32), MAX_SPINS=1000, SPLIT=split)
+            exact &= torch.equal(summed, summed_want)
+            close &= torch.allclose(out, normed_want, rtol=1e-5, atol=1e-5)
+    return {"fused": True, "world": world, "rows": rows, "split": split, "sums_exact": exact, "norms_close": close,
+            "errors": sum(int(e) for e in ranks.errors)}
+
+
 def starved() -> dict:
     """Rank 0 alone, its peer never pushes: the wait gives up after max_spins and counts an error."""
     ranks = SimulatedRanks(2, torch.float32)
@@ -115,19 +143,26 @@ def ptx_facts() -> dict:
 
     facts = {}
     constants = {"RANK": 1, "WORLD": 2, "PROGRAMS": 32, "BLOCK": 2048, "FLAG_BYTES": 1024, "SLOT_ELEMS": 4 << 20,
-                 "MAX_SPINS": 1 << 30, "PDL": True, "GO_AHEAD": True, "AT_ONCE": True}
+                 "MAX_SPINS": 1 << 30, "PDL": True, "GO_AHEAD": True}
     tail = {"bases": "*i64", "epochs": "*i64", "errors": "*i32", **{name: "constexpr" for name in constants}}
     signatures = {one_shot_all_reduce_kernel: {"x": "*bf16", "n": "i32", **tail},
                   two_shot_all_reduce_kernel: {"x": "*bf16", "n": "i32", **tail},
                   one_shot_all_reduce_add_rmsnorm_kernel: {
                       **{name: "*bf16" for name in ("x", "residual", "weight", "out", "residual_out")},
-                      "rows": "i32", "cols": "i32", "eps": "fp32", **tail}}
-    for kernel, signature in signatures.items():
+                      "rows": "i32", "cols": "i32", "eps": "fp32", "bases": "*i64", "epochs": "*i64",
+                      "errors": "*i32", **{name: "constexpr" for name in constants}, "SPLIT": "constexpr"}}
+    fused = one_shot_all_reduce_add_rmsnorm_kernel
+    variants = [(kernel.fn.__name__, kernel, signature,
+                 {**constants, "SPLIT": 1} if kernel is fused else constants)
+                for kernel, signature in signatures.items()]
+    # The fused kernel also as the decode step runs it at one row of 8192: 4 programs to the row.
+    variants.append((f"{fused.fn.__name__} split 4", fused, signatures[fused], {**constants, "SPLIT": 4}))
+    for name, kernel, signature, kernel_constants in variants:
         pointers_and_sizes = [i for i, kind in enumerate(signature.values()) if kind.startswith("*") or kind == "i32"]
         aligned = {(i,): [["tt.divisibility", 16]] for i in pointers_and_sizes}  # what a launch specializes to
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=kernel_constants, attrs=aligned)
         ptx = triton_compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        facts[kernel.fn.__name__] = {"release_flag": "atom.global.sys.release.exch.b64" in ptx,
+        facts[name] = {"release_flag": "atom.global.sys.release.exch.b64" in ptx,
                                      "acquire_wait": ".global.sys.acquire." in ptx,
                                      "vector_data": "st.global.v4.b32" in ptx, "multimem": "multimem" in ptx,
                                      "pdl": "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx}
@@ -141,4 +176,6 @@ elif __name__ == "__main__":
     for world, dtype, n in [(4, torch.float32, 37)]:
         for kernel in (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel):
             print(json.dumps(scenario(world, dtype, kernel, n)))
+    for rows, split in [(1, 4), (2, 2), (3, 1)]:
+        print(json.dumps(fused_scenario(4, rows, 64, split)))
     print(json.dumps(starved()))

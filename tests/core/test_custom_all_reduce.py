@@ -44,6 +44,15 @@ def test_more_ranks_switch_to_two_shot_for_larger_messages(world, one_shot_max):
     assert plan.algorithm(plan.max_bytes + 2) == NCCL
 
 
+@pytest.mark.parametrize(("rows", "block", "most", "slices"), [
+    (1, 8192, 8, 4), (1, 16384, 8, 8), (1, 4096, 8, 1), (1, 8192, 2, 2), (8, 8192, 8, 4), (16, 8192, 8, 2),
+    (32, 8192, 8, 1), (1, 8192, 1, 1)])
+def test_rows_of_8192_and_more_are_pushed_in_slices_of_2048(rows, block, most, slices):
+    from treadle.core.distributed.custom_all_reduce import slices_per_row
+
+    assert slices_per_row(rows, block, most, programs=32) == slices
+
+
 def test_buffer_layout_holds_flags_then_two_halves_of_slots_per_rank():
     layout = PeerBufferLayout(world_size=2, programs=32, slot_bytes=8 * MiB)
     assert layout.flag_bytes == 1024  # 2 phases x 2 ranks x 32 programs x 8 bytes
@@ -125,6 +134,10 @@ def interpreted():
 
 
 def test_four_interpreted_ranks_sum_in_rank_order_identically(interpreted):
+    fused = [s for s in interpreted if "fused" in s]
+    assert [(s["rows"], s["split"]) for s in fused] == [(1, 4), (2, 2), (3, 1)]
+    for s in fused:  # 1-4 programs to a row: each pushes its slice, all of them norm the whole sum
+        assert s["sums_exact"] and s["norms_close"] and s["errors"] == 0, s
     scenarios = [s for s in interpreted if "kernel" in s]
     assert len(scenarios) == 2
     for s in scenarios:
@@ -147,7 +160,7 @@ def test_kernels_compile_for_hopper_with_system_scope_flags_vector_accesses_and_
         pytest.skip("no ptxas in this triton install")
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(facts) == 3
+    assert len(facts) == 4
     for name, kernel in facts.items():
         assert kernel == {"release_flag": True, "acquire_wait": True, "vector_data": True, "multimem": False,
                           "pdl": True}, name
