@@ -14,7 +14,9 @@ Part 2 (``--skip-engine``; needs 2 GPUs): ``Engine.generate`` at tp=2 with one r
 weights, triton, CUDA graphs, timed whole as ``treadle bench one-batch``'s Engine rows are (decode ms a step
 = (time for N tokens - time for 1) / (N - 1)), at tp=1 (the reference) and at tp=2 with ``parallel.step_broadcast``
 auto (shared memory) and gloo, alternating ``--rounds`` times, each in a process of its own (``--modes
-tp1,auto,gloo``: in this one). Prints both tables, each tp=2 median over tp=1's; writes one JSON.
+tp1,auto,gloo``: in this one). Prints both tables, each tp=2 median over tp=1's; writes one JSON. ``--tp 4
+--shape llama-3.1-70b --modes auto`` times a 4-GPU engine of a model one GPU does not hold the same way (beside
+``tests/gpu/vllm_peer.sh tp4_70b``).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def latency_table(latency: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Engine.generate's decode ms a step at tp=2, bs=1, per ``parallel.step_broadcast``, ``--rounds`` times each."""
+    """Engine.generate's decode ms a step at ``--tp`` (2), bs=1, per ``parallel.step_broadcast``, ``--rounds``
+    times each."""
     import torch
 
     from treadle.bench.one_batch_engine import run_engine
@@ -132,10 +135,11 @@ def engine_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
             for mode in args.modes.split(","):
                 # "tp1": the same engine on one GPU, the reference the tp=2 steps are divided by.
                 overrides = ({"parallel.tp_size": 1} if mode == TP1 else
-                             {"parallel.tp_size": 2, "parallel.step_broadcast": mode})
+                             {"parallel.tp_size": args.tp, "parallel.step_broadcast": mode})
                 (row,) = run_engine(model_dir, args.backend, overrides, f"{mode} step_broadcast", prompts,
                                     engine_args, device, bandwidth)
-                rows.append({"step_broadcast": mode, "round": round_index, "decode_step_ms": row.decode_step_ms,
+                rows.append({"step_broadcast": mode, "tp": overrides["parallel.tp_size"], "round": round_index,
+                             "decode_step_ms": row.decode_step_ms,
                              "prefill_ms": row.prefill_ms, "first_tokens": row.first_tokens})
                 print(f"step_broadcast={mode} round {round_index}: decode {row.decode_step_ms:.3f} ms/step", flush=True)
     return rows
@@ -194,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--tp", type=int, default=2, help="ranks of the engines other than tp1 (default 2)")
     parser.add_argument("--backend", default="triton", help="attention backend of the engine part (default triton)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model of the shape (a smoke test)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu"], help="cpu: the engine part on gloo")

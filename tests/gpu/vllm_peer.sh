@@ -21,9 +21,11 @@
 # runs (4 GPUs, ~6 min with vLLM's start-ups: GPU 0 bf16 then the adapters, GPU 1 W4A16, GPUs 2-3 tp=2; on 2 GPUs
 # the stages `single` (GPU 0 bf16 then the adapters, GPU 1 W4A16) and `tp2`, one device call each; `marlin`: W4A16
 # on GPU 0 with vLLM's Marlin kernel instead of Machete; `offline`: the 1000-request offline run of `treadle bench
-# quant` in bf16 and W4A16 side by side on 2 GPUs, its requests written by `configs`), each
+# quant` in bf16 and W4A16 side by side on 2 GPUs, its requests written by `configs`; `tp4_70b`: Llama-3.1-70B
+# shapes at tp=4, bs=1, on 4 GPUs, TP2_ARGS applying here too), each
 # writing $OUT/vllm_*.json. treadle's counterparts, timed the same way (Engine.generate): `python -m
-# treadle.bench.tp_step_broadcast --skip-latency --backend auto --rounds 1 --modes tp1` (and `--modes auto`),
+# treadle.bench.tp_step_broadcast --skip-latency --backend auto --rounds 1 --modes tp1` (and `--modes auto`; for
+# `tp4_70b` `--modes auto --tp 4 --shape llama-3.1-70b`),
 # `python -m treadle.bench.quant --runs one-batch --precompile 14` (not `--quick`, which times synchronized graph
 # steps instead), `python -m treadle.bench.lora --part engine`.
 export PYTHONUNBUFFERED=1
@@ -51,7 +53,7 @@ for stage in "$@"; do
   case $stage in
     unpack) cat /tmp/vc/part* | tar xzf - -C /tmp && PYTHONPATH=/tmp/vsite python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
     configs)
-      for shape in llama-3.1-8b llama-3.1-8b-w4a16; do python3 -m treadle.bench.shapes "$shape" "/tmp/$shape"; done
+      for shape in llama-3.1-8b llama-3.1-8b-w4a16 llama-3.1-70b; do python3 -m treadle.bench.shapes "$shape" "/tmp/$shape"; done
       python3 - <<'PY'
 import json
 from pathlib import Path
@@ -75,6 +77,7 @@ PY
       peer 1 w4a16 --model /tmp/llama-3.1-8b-w4a16 &
       wait ;;
     tp2) peer 0,1 tp2 --model /tmp/llama-3.1-8b --tp 2 --batch-sizes 1 ${TP2_ARGS:-} ;;
+    tp4_70b) peer 0,1,2,3 tp4_70b --model /tmp/llama-3.1-70b --tp 4 --batch-sizes 1 ${TP2_ARGS:-} ;;  # 4 GPUs
     offline)  # 2 GPUs: treadle's 1000-request random workload, bf16 on GPU 0, W4A16 (Machete) on GPU 1
       peer 0 offline_bf16 --model /tmp/llama-3.1-8b --offline /tmp/offline_random.json --max-model-len 1088 &
       peer 1 offline_w4a16 --model /tmp/llama-3.1-8b-w4a16 --offline /tmp/offline_random.json --max-model-len 1088 &
