@@ -10,8 +10,10 @@ Buffer of one rank (the same layout on every rank, one allocation):
 
 The protocol. Every rank launches the same kernels in the same order with the same grid, so program ``pid`` of
 every rank counts the same call number ``epoch`` (``epochs[pid]``, local, bumped by the program itself: graph
-replays keep counting). A program only ever waits for the same-numbered program of its peers, and only for data
-that those programs wrote. Call ``epoch`` writes half ``epoch % 2``; a peer still reading that half would be two
+replays keep counting). A program only ever waits for the same-numbered program of its peers (in the fused kernel,
+for the programs of its row's group), and only for data that those programs wrote; the programs a kernel waits
+between must all be resident at once, which they are (32 programs; a kernel launched early through PDL takes SMs
+only once every program of this one has started). Call ``epoch`` writes half ``epoch % 2``; a peer still reading that half would be two
 calls behind, which it cannot be: this rank's previous call ended only after every peer had started it, so every
 peer had finished the call before (stream order). Hence one flag exchange per phase and no reset; a flag is
 compared with ``>=`` because a fast peer may already have raised the next call's number. A program with no
@@ -63,7 +65,7 @@ def _exchange_flags(bases, phase, pid, epoch, errors, RANK: tl.constexpr, WORLD:
     own = tl.load(bases + RANK).to(tl.pointer_type(tl.int64))
     members = first + tl.arange(0, COUNT)
     awaited = own + (phase * WORLD + peers[:, None]) * PROGRAMS + members[None, :]
-    wanted = others[:, None] & (members[None, :] >= 0)
+    wanted = tl.broadcast_to(others[:, None], (MAX_WORLD, COUNT))
     seen = tl.atomic_add(awaited, 0, mask=wanted, sem="acquire", scope="sys")
     lowest = tl.min(tl.min(tl.where(wanted, seen, epoch), axis=1), axis=0)
     spins = 0
